@@ -1,0 +1,198 @@
+//! The expert bank of one tier: per MoE layer, experts live in slots; the tier computes a
+//! list of picks and returns one output row per pick (never a pre-summed partial), so the
+//! layer can combine every token's k outputs in router-rank order whatever the map.
+
+use std::cell::RefCell;
+use std::sync::Arc;
+
+use rayon::prelude::*;
+
+use crate::checkpoint::{Checkpoint, ExpertWeights};
+use crate::error::{Error, Result};
+use crate::ops::{matmul, silu};
+use crate::rowmap::{Tier, ValidMap};
+
+/// One pick to compute: `row` indexes the activations sent with it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pick {
+    pub row: u32,
+    pub expert: u16,
+}
+
+/// Per layer: the experts resident in this tier, by slot.
+pub struct ExpertBank {
+    pub tier: Tier,
+    pub hidden: usize,
+    pub inter: usize,
+    /// `slots[layer][slot]`
+    slots: Vec<Vec<Option<Arc<ExpertWeights>>>>,
+    /// `slot_of[layer][expert]`
+    slot_of: Vec<Vec<Option<u32>>>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<(Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new(), Vec::new(), Vec::new())) };
+}
+
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: used only to write disjoint rows (one pick's row is written by one task).
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+/// SwiGLU expert on `g` gathered rows: y = down(silu(x·gateᵀ) ⊙ (x·upᵀ)).
+pub fn expert_forward(w: &ExpertWeights, x: &[f32], g: usize, gu: &mut Vec<f32>, act: &mut Vec<f32>, y: &mut [f32]) {
+    let inter = w.down.cols;
+    gu.resize(g * 2 * inter, 0.0);
+    act.resize(g * inter, 0.0);
+    matmul(x, g, &w.gate_up, gu);
+    for r in 0..g {
+        let row = &gu[r * 2 * inter..(r + 1) * 2 * inter];
+        let (gate, up) = row.split_at(inter);
+        for j in 0..inter {
+            act[r * inter + j] = silu(gate[j]) * up[j];
+        }
+    }
+    matmul(act, g, &w.down, y);
+}
+
+impl ExpertBank {
+    /// An empty bank for `layers` MoE layers.
+    pub fn empty(tier: Tier, layers: usize, experts: usize, hidden: usize, inter: usize) -> Self {
+        ExpertBank {
+            tier,
+            hidden,
+            inter,
+            slots: vec![Vec::new(); layers],
+            slot_of: vec![vec![None; experts]; layers],
+        }
+    }
+
+    /// Loads the experts the map puts in `tier`, from the checkpoint, in slot order.
+    /// `moe_layers[i]` is the decoder layer of the map's layer `i`.
+    pub fn load(ckpt: &Checkpoint, map: &ValidMap, tier: Tier, moe_layers: &[usize], progress: Option<&indicatif::ProgressBar>) -> Result<Self> {
+        let c = &ckpt.config;
+        let mut bank = Self::empty(tier, map.layers(), c.num_experts, c.hidden_size, c.moe_intermediate_size);
+        for (l, &dl) in moe_layers.iter().enumerate() {
+            let list = match tier {
+                Tier::Hot => &map.map.layers[l].hot,
+                Tier::Cold => &map.map.layers[l].cold,
+            };
+            let loaded: Vec<Result<ExpertWeights>> = list
+                .par_iter()
+                .map(|&e| ckpt.expert(dl, e as usize))
+                .collect();
+            for (slot, (w, &e)) in loaded.into_iter().zip(list).enumerate() {
+                bank.slots[l].push(Some(Arc::new(w?)));
+                bank.slot_of[l][e as usize] = Some(slot as u32);
+            }
+            if let Some(p) = progress {
+                p.inc(list.len() as u64);
+            }
+        }
+        Ok(bank)
+    }
+
+    /// Puts `w` for `expert` into a free slot (or a new one) of `layer`.
+    pub fn insert(&mut self, layer: usize, expert: usize, w: Arc<ExpertWeights>) -> u32 {
+        let slot = match self.slots[layer].iter().position(|s| s.is_none()) {
+            Some(s) => s,
+            None => {
+                self.slots[layer].push(None);
+                self.slots[layer].len() - 1
+            }
+        };
+        self.slots[layer][slot] = Some(w);
+        self.slot_of[layer][expert] = Some(slot as u32);
+        slot as u32
+    }
+
+    /// Frees the slot of `expert` in `layer`; returns its weights.
+    pub fn remove(&mut self, layer: usize, expert: usize) -> Option<Arc<ExpertWeights>> {
+        let slot = self.slot_of[layer][expert].take()?;
+        self.slots[layer][slot as usize].take()
+    }
+
+    pub fn get(&self, layer: usize, expert: usize) -> Option<&Arc<ExpertWeights>> {
+        let s = (*self.slot_of.get(layer)?.get(expert)?)?;
+        self.slots[layer][s as usize].as_ref()
+    }
+
+    pub fn resident(&self, layer: usize) -> usize {
+        self.slot_of[layer].iter().filter(|s| s.is_some()).count()
+    }
+
+    pub fn layers(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Bytes of expert weights held.
+    pub fn bytes(&self) -> usize {
+        self.slots
+            .iter()
+            .flatten()
+            .flatten()
+            .map(|w| w.bytes())
+            .sum()
+    }
+
+    /// Computes every pick of `layer`: `acts` holds the rows picks refer to (`[rows, hidden]`),
+    /// `out` receives one `hidden`-wide row per pick, in pick order.
+    pub fn compute(&self, layer: usize, picks: &[Pick], acts: &[f32], out: &mut [f32]) -> Result<()> {
+        let h = self.hidden;
+        if out.len() < picks.len() * h {
+            return Err(Error::Tier(format!("output buffer holds {} floats, {} picks need {}", out.len(), picks.len(), picks.len() * h)));
+        }
+        let rows = acts.len() / h.max(1);
+        // group picks by expert (stable: pick order within a group)
+        let mut order: Vec<u32> = (0..picks.len() as u32).collect();
+        order.sort_by_key(|&i| (picks[i as usize].expert, i));
+        let mut groups: Vec<(usize, usize)> = Vec::new();
+        let mut s = 0;
+        while s < order.len() {
+            let e = picks[order[s] as usize].expert;
+            let mut t = s;
+            while t < order.len() && picks[order[t] as usize].expert == e {
+                t += 1;
+            }
+            groups.push((s, t));
+            s = t;
+        }
+        for &(s, _) in &groups {
+            let p = picks[order[s] as usize];
+            if self.get(layer, p.expert as usize).is_none() {
+                return Err(Error::NotResident { layer, expert: p.expert as usize, tier: self.tier.name() });
+            }
+        }
+        if let Some(bad) = picks.iter().find(|p| p.row as usize >= rows) {
+            return Err(Error::Tier(format!("pick refers to row {} of {} activation rows", bad.row, rows)));
+        }
+        let optr = OutPtr(out.as_mut_ptr());
+        groups.par_iter().for_each(|&(s, t)| {
+            let optr = optr;
+            let idx = &order[s..t];
+            let e = picks[idx[0] as usize].expert as usize;
+            let Some(w) = self.get(layer, e) else { return };
+            SCRATCH.with(|sc| {
+                let mut sc = sc.borrow_mut();
+                let (x, gu, act, y) = &mut *sc;
+                let g = idx.len();
+                x.resize(g * h, 0.0);
+                for (j, &pi) in idx.iter().enumerate() {
+                    let r = picks[pi as usize].row as usize;
+                    x[j * h..(j + 1) * h].copy_from_slice(&acts[r * h..(r + 1) * h]);
+                }
+                y.resize(g * h, 0.0);
+                expert_forward(w, x, g, gu, act, y);
+                for (j, &pi) in idx.iter().enumerate() {
+                    // SAFETY: pick index pi < picks.len() and out.len() >= picks.len() * h
+                    // (checked above); each pick belongs to exactly one group, so rows are disjoint.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(y.as_ptr().add(j * h), optr.0.add(pi as usize * h), h);
+                    }
+                }
+            });
+        });
+        Ok(())
+    }
+}

@@ -1,0 +1,360 @@
+//! Hugging Face checkpoints on disk: `config.json`, one or many `*.safetensors` files
+//! (with `model.safetensors.index.json`), memory-mapped; bf16, f16 and f32 tensors.
+//!
+//! Expert tensors are accepted in both layouts: one tensor per expert
+//! (`mlp.experts.{e}.gate_proj.weight`, the hub's format) and the fused per-layer tensors
+//! that recent `transformers` writes (`mlp.experts.gate_up_proj` `[E, 2I, H]`,
+//! `mlp.experts.down_proj` `[E, H, I]`).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use safetensors::tensor::{Dtype, Metadata};
+use sha2::{Digest, Sha256};
+
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::ops::Matrix;
+
+struct ShardFile {
+    path: PathBuf,
+    map: Mmap,
+    header_len: usize,
+    meta: Metadata,
+}
+
+/// An opened checkpoint directory. Tensors are read from the mappings on demand.
+pub struct Checkpoint {
+    pub dir: PathBuf,
+    pub config: ModelConfig,
+    /// `<model_type>-<16 hex of sha256(config.json)>`: what a rowmap's `model` must say.
+    pub id: String,
+    files: Vec<ShardFile>,
+    /// tensor name -> index into `files`
+    index: HashMap<String, usize>,
+}
+
+/// A view of one tensor's raw bytes.
+pub struct RawTensor<'a> {
+    pub file: &'a Path,
+    pub dtype: Dtype,
+    pub shape: &'a [usize],
+    pub bytes: &'a [u8],
+}
+
+fn open_shard(path: &Path) -> Result<ShardFile> {
+    let f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    // SAFETY: the file is opened read-only; moelane never writes checkpoints it has mapped
+    // (a truncation by another process while mapped is outside what we can defend against).
+    let map = unsafe { Mmap::map(&f) }.map_err(|e| Error::io(path, e))?;
+    let bad = |reason: String| Error::BadSafetensors {
+        file: path.into(),
+        reason,
+    };
+    if map.len() < 8 {
+        return Err(bad(format!("truncated: {} bytes, no header", map.len())));
+    }
+    let mut n8 = [0u8; 8];
+    n8.copy_from_slice(&map[..8]);
+    let header_len = u64::from_le_bytes(n8) as usize;
+    if header_len > map.len() - 8 {
+        return Err(bad(format!(
+            "truncated: header says {} bytes of JSON, file has {} bytes",
+            header_len,
+            map.len()
+        )));
+    }
+    let meta = match safetensors::SafeTensors::read_metadata(&map[..]) {
+        Ok((_, meta)) => meta,
+        Err(e) => {
+            let reason = match e {
+                safetensors::SafeTensorError::MetadataIncompleteBuffer => format!(
+                    "truncated: the header describes more data than the file's {} bytes",
+                    map.len()
+                ),
+                other => other.to_string(),
+            };
+            return Err(bad(reason));
+        }
+    };
+    Ok(ShardFile {
+        path: path.into(),
+        map,
+        header_len,
+        meta,
+    })
+}
+
+fn dtype_size(d: Dtype) -> Option<usize> {
+    match d {
+        Dtype::BF16 | Dtype::F16 => Some(2),
+        Dtype::F32 => Some(4),
+        _ => None,
+    }
+}
+
+/// Converts raw little-endian bf16/f16/f32 bytes into `out`.
+pub fn to_f32(dtype: Dtype, bytes: &[u8], out: &mut [f32]) {
+    match dtype {
+        Dtype::BF16 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
+            }
+        }
+        Dtype::F16 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32();
+            }
+        }
+        _ => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+    }
+}
+
+/// One expert's weights: `gate_up` is `[2I, H]` (gate rows, then up rows), `down` is `[H, I]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExpertWeights {
+    pub gate_up: Matrix,
+    pub down: Matrix,
+    /// sha256 (first 8 bytes, little-endian) of the expert's bytes as stored in the checkpoint.
+    pub checksum: u64,
+}
+
+impl ExpertWeights {
+    pub fn bytes(&self) -> usize {
+        self.gate_up.bytes() + self.down.bytes()
+    }
+}
+
+impl Checkpoint {
+    /// Opens `dir`: reads config.json, maps the safetensors files, indexes tensor names.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let cfg_path = dir.join("config.json");
+        let cfg_text = std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?;
+        let config = ModelConfig::from_json_str(&cfg_text, &cfg_path)?;
+        let digest = Sha256::digest(cfg_text.as_bytes());
+        let id = format!(
+            "qwen3_moe-{}",
+            digest[..8].iter().map(|b| format!("{b:02x}")).collect::<String>()
+        );
+
+        let index_path = dir.join("model.safetensors.index.json");
+        let mut shard_names: Vec<String> = Vec::new();
+        let mut declared: Option<BTreeMap<String, String>> = None;
+        if index_path.exists() {
+            let text =
+                std::fs::read_to_string(&index_path).map_err(|e| Error::io(&index_path, e))?;
+            let v: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| Error::Json {
+                    path: index_path.clone(),
+                    reason: e.to_string(),
+                })?;
+            let wm = v
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| Error::Json {
+                    path: index_path.clone(),
+                    reason: "no `weight_map` object".into(),
+                })?;
+            let mut map = BTreeMap::new();
+            for (k, f) in wm {
+                let f = f.as_str().ok_or_else(|| Error::Json {
+                    path: index_path.clone(),
+                    reason: format!("weight_map[{k}] is not a file name"),
+                })?;
+                if f.contains('/') || f.contains('\\') || f.starts_with('.') {
+                    return Err(Error::Json {
+                        path: index_path.clone(),
+                        reason: format!("weight_map[{k}] = {f:?} is not a plain file name"),
+                    });
+                }
+                if !shard_names.iter().any(|s| s == f) {
+                    shard_names.push(f.to_string());
+                }
+                map.insert(k.clone(), f.to_string());
+            }
+            declared = Some(map);
+        } else {
+            let rd = std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))?;
+            for ent in rd {
+                let ent = ent.map_err(|e| Error::io(dir, e))?;
+                let name = ent.file_name().to_string_lossy().to_string();
+                if name.ends_with(".safetensors") {
+                    shard_names.push(name);
+                }
+            }
+            shard_names.sort();
+        }
+        if shard_names.is_empty() {
+            return Err(Error::MissingTensor {
+                tensor: "*".into(),
+                looked_in: format!("{} (no *.safetensors files)", dir.display()),
+            });
+        }
+        let mut files = Vec::new();
+        let mut index = HashMap::new();
+        for (i, name) in shard_names.iter().enumerate() {
+            let shard = open_shard(&dir.join(name))?;
+            for t in shard.meta.tensors().keys() {
+                index.insert(t.clone(), i);
+            }
+            files.push(shard);
+        }
+        if let Some(declared) = declared {
+            for (t, f) in &declared {
+                match index.get(t) {
+                    Some(&i) if shard_names[i] == *f => {}
+                    _ => {
+                        return Err(Error::MissingTensor {
+                            tensor: t.clone(),
+                            looked_in: format!("{} (as the index says)", dir.join(f).display()),
+                        })
+                    }
+                }
+            }
+        }
+        Ok(Checkpoint {
+            dir: dir.into(),
+            config,
+            id,
+            files,
+            index,
+        })
+    }
+
+    pub fn has(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    fn looked_in(&self) -> String {
+        self.files
+            .iter()
+            .map(|f| f.path.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// The raw bytes of a tensor (dtype checked to be bf16, f16 or f32).
+    pub fn raw(&self, name: &str) -> Result<RawTensor<'_>> {
+        let &fi = self.index.get(name).ok_or_else(|| Error::MissingTensor {
+            tensor: name.into(),
+            looked_in: self.looked_in(),
+        })?;
+        let f = &self.files[fi];
+        let info = f.meta.info(name).ok_or_else(|| Error::MissingTensor {
+            tensor: name.into(),
+            looked_in: f.path.display().to_string(),
+        })?;
+        let size = dtype_size(info.dtype).ok_or_else(|| Error::WrongDtype {
+            file: f.path.clone(),
+            tensor: name.into(),
+            found: format!("{:?}", info.dtype),
+        })?;
+        let (s, e) = info.data_offsets;
+        let base = 8 + f.header_len;
+        let numel: usize = info.shape.iter().product();
+        if e < s || base + e > f.map.len() || e - s != numel * size {
+            return Err(Error::BadSafetensors {
+                file: f.path.clone(),
+                reason: format!("tensor `{name}`: data offsets {s}..{e} do not fit its shape or the file"),
+            });
+        }
+        Ok(RawTensor {
+            file: &f.path,
+            dtype: info.dtype,
+            shape: &info.shape,
+            bytes: &f.map[base + s..base + e],
+        })
+    }
+
+    /// Reads a tensor as f32, checking its shape.
+    pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let raw = self.raw(name)?;
+        if raw.shape != shape {
+            return Err(Error::WrongShape {
+                file: raw.file.into(),
+                tensor: name.into(),
+                found: raw.shape.to_vec(),
+                expected: shape.to_vec(),
+            });
+        }
+        let mut out = vec![0f32; shape.iter().product()];
+        to_f32(raw.dtype, raw.bytes, &mut out);
+        Ok(out)
+    }
+
+    pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
+        Ok(Matrix::new(rows, cols, self.tensor(name, &[rows, cols])?))
+    }
+
+    /// Loads expert `e` of decoder layer `layer`, from either tensor layout; the checksum
+    /// covers the bytes exactly as stored.
+    pub fn expert(&self, layer: usize, e: usize) -> Result<ExpertWeights> {
+        let c = &self.config;
+        let (h, i) = (c.hidden_size, c.moe_intermediate_size);
+        let p = format!("model.layers.{layer}.mlp.experts");
+        let mut hasher = Sha256::new();
+        let mut gate_up = vec![0f32; 2 * i * h];
+        let mut down = vec![0f32; h * i];
+        let per_expert = format!("{p}.{e}.gate_proj.weight");
+        if self.has(&per_expert) || !self.has(&format!("{p}.gate_up_proj")) {
+            for (k, name) in ["gate_proj", "up_proj"].iter().enumerate() {
+                let t = format!("{p}.{e}.{name}.weight");
+                let raw = self.raw(&t)?;
+                self.check_shape(&raw, &t, &[i, h])?;
+                hasher.update(raw.bytes);
+                to_f32(raw.dtype, raw.bytes, &mut gate_up[k * i * h..(k + 1) * i * h]);
+            }
+            let t = format!("{p}.{e}.down_proj.weight");
+            let raw = self.raw(&t)?;
+            self.check_shape(&raw, &t, &[h, i])?;
+            hasher.update(raw.bytes);
+            to_f32(raw.dtype, raw.bytes, &mut down);
+        } else {
+            let ne = c.num_experts;
+            let t = format!("{p}.gate_up_proj");
+            let raw = self.raw(&t)?;
+            self.check_shape(&raw, &t, &[ne, 2 * i, h])?;
+            let sz = raw.bytes.len() / ne;
+            let b = &raw.bytes[e * sz..(e + 1) * sz];
+            hasher.update(b);
+            to_f32(raw.dtype, b, &mut gate_up);
+            let t = format!("{p}.down_proj");
+            let raw = self.raw(&t)?;
+            self.check_shape(&raw, &t, &[ne, h, i])?;
+            let sz = raw.bytes.len() / ne;
+            let b = &raw.bytes[e * sz..(e + 1) * sz];
+            hasher.update(b);
+            to_f32(raw.dtype, b, &mut down);
+        }
+        let d = hasher.finalize();
+        let mut c8 = [0u8; 8];
+        c8.copy_from_slice(&d[..8]);
+        Ok(ExpertWeights {
+            gate_up: Matrix::new(2 * i, h, gate_up),
+            down: Matrix::new(h, i, down),
+            checksum: u64::from_le_bytes(c8),
+        })
+    }
+
+    fn check_shape(&self, raw: &RawTensor<'_>, name: &str, shape: &[usize]) -> Result<()> {
+        if raw.shape != shape {
+            return Err(Error::WrongShape {
+                file: raw.file.into(),
+                tensor: name.into(),
+                found: raw.shape.to_vec(),
+                expected: shape.to_vec(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Total bytes of all mapped shards.
+    pub fn total_bytes(&self) -> usize {
+        self.files.iter().map(|f| f.map.len()).sum()
+    }
+}

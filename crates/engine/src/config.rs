@@ -1,0 +1,331 @@
+//! `config.json` of a Hugging Face `qwen3_moe` checkpoint, validated once.
+//!
+//! Accepts both the hub's names (`num_experts`, `rope_theta`) and the names recent
+//! `transformers` (5.x) writes (`num_local_experts`, `rope_parameters.rope_theta`).
+
+use std::path::Path;
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::error::{Error, Result};
+
+/// The model shape, as the engine uses it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    /// Width of each expert's SwiGLU (gate/up rows, down columns).
+    pub moe_intermediate_size: usize,
+    /// Width of dense MLP layers (layers listed in `mlp_only_layers` or off the sparse step).
+    pub intermediate_size: usize,
+    pub num_experts: usize,
+    pub num_experts_per_tok: usize,
+    pub norm_topk_prob: bool,
+    pub rms_norm_eps: f32,
+    pub rope_theta: f32,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    pub decoder_sparse_step: usize,
+    pub mlp_only_layers: Vec<usize>,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+}
+
+#[derive(Deserialize)]
+struct Raw {
+    architectures: Option<Vec<String>>,
+    model_type: Option<String>,
+    vocab_size: Option<usize>,
+    hidden_size: Option<usize>,
+    num_hidden_layers: Option<usize>,
+    num_attention_heads: Option<usize>,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    moe_intermediate_size: Option<usize>,
+    intermediate_size: Option<usize>,
+    num_experts: Option<usize>,
+    num_local_experts: Option<usize>,
+    num_experts_per_tok: Option<usize>,
+    norm_topk_prob: Option<bool>,
+    rms_norm_eps: Option<f64>,
+    rope_theta: Option<f64>,
+    rope_parameters: Option<Value>,
+    rope_scaling: Option<Value>,
+    max_position_embeddings: Option<usize>,
+    tie_word_embeddings: Option<bool>,
+    decoder_sparse_step: Option<usize>,
+    mlp_only_layers: Option<Vec<usize>>,
+    attention_bias: Option<bool>,
+    hidden_act: Option<String>,
+    use_sliding_window: Option<bool>,
+    bos_token_id: Option<Value>,
+    eos_token_id: Option<Value>,
+}
+
+fn need(field: &'static str, v: Option<usize>) -> Result<usize> {
+    v.ok_or(Error::Config {
+        field,
+        value: "missing".into(),
+        reason: "required by qwen3_moe".into(),
+    })
+}
+
+fn token_ids(v: &Option<Value>) -> Vec<u32> {
+    match v {
+        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64().map(|x| x as u32))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+impl ModelConfig {
+    /// Reads and validates `config.json`.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        Self::from_json_str(&text, path)
+    }
+
+    pub fn from_json_str(text: &str, path: &Path) -> Result<Self> {
+        let raw: Raw = serde_json::from_str(text).map_err(|e| Error::Json {
+            path: path.into(),
+            reason: e.to_string(),
+        })?;
+        let arch_ok = raw.model_type.as_deref() == Some("qwen3_moe")
+            || raw
+                .architectures
+                .as_ref()
+                .is_some_and(|a| a.iter().any(|s| s == "Qwen3MoeForCausalLM"));
+        if !arch_ok {
+            let found = raw
+                .model_type
+                .clone()
+                .or_else(|| raw.architectures.as_ref().and_then(|a| a.first().cloned()))
+                .unwrap_or_else(|| "none".into());
+            return Err(Error::UnsupportedArchitecture {
+                path: path.into(),
+                found,
+            });
+        }
+        let bad = |field: &'static str, value: String, reason: &str| Error::Config {
+            field,
+            value,
+            reason: reason.into(),
+        };
+        if raw.attention_bias == Some(true) {
+            return Err(bad("attention_bias", "true".into(), "qwen3_moe has no attention bias; not supported"));
+        }
+        if let Some(act) = &raw.hidden_act {
+            if act != "silu" {
+                return Err(bad("hidden_act", act.clone(), "only silu is supported"));
+            }
+        }
+        if raw.use_sliding_window == Some(true) {
+            return Err(bad("use_sliding_window", "true".into(), "sliding-window attention is not supported"));
+        }
+        // rope_scaling / rope_parameters with a type other than default are not supported.
+        let rope_params = raw.rope_parameters.as_ref().or(raw.rope_scaling.as_ref());
+        let mut rope_theta = raw.rope_theta;
+        if let Some(Value::Object(p)) = rope_params {
+            if let Some(t) = p.get("rope_type").or_else(|| p.get("type")).and_then(|t| t.as_str()) {
+                if t != "default" {
+                    return Err(bad("rope_parameters.rope_type", t.into(), "only default RoPE is supported"));
+                }
+            }
+            if rope_theta.is_none() {
+                rope_theta = p.get("rope_theta").and_then(|t| t.as_f64());
+            }
+        }
+        let hidden_size = need("hidden_size", raw.hidden_size)?;
+        let num_attention_heads = need("num_attention_heads", raw.num_attention_heads)?;
+        let cfg = ModelConfig {
+            vocab_size: need("vocab_size", raw.vocab_size)?,
+            hidden_size,
+            num_hidden_layers: need("num_hidden_layers", raw.num_hidden_layers)?,
+            num_attention_heads,
+            num_key_value_heads: raw.num_key_value_heads.unwrap_or(num_attention_heads),
+            head_dim: raw
+                .head_dim
+                .unwrap_or(hidden_size / num_attention_heads.max(1)),
+            moe_intermediate_size: need("moe_intermediate_size", raw.moe_intermediate_size)?,
+            intermediate_size: raw.intermediate_size.unwrap_or(0),
+            num_experts: need("num_experts", raw.num_experts.or(raw.num_local_experts))?,
+            num_experts_per_tok: need("num_experts_per_tok", raw.num_experts_per_tok)?,
+            norm_topk_prob: raw.norm_topk_prob.unwrap_or(false),
+            rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6) as f32,
+            rope_theta: rope_theta.unwrap_or(10000.0) as f32,
+            max_position_embeddings: raw.max_position_embeddings.unwrap_or(32768),
+            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+            decoder_sparse_step: raw.decoder_sparse_step.unwrap_or(1),
+            mlp_only_layers: raw.mlp_only_layers.unwrap_or_default(),
+            bos_token_id: token_ids(&raw.bos_token_id).first().copied(),
+            eos_token_ids: token_ids(&raw.eos_token_id),
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks every relation the engine relies on; names the field, the value and the reason.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |field: &'static str, value: usize, reason: &str| {
+            Err(Error::Config {
+                field,
+                value: value.to_string(),
+                reason: reason.into(),
+            })
+        };
+        for (field, v) in [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("head_dim", self.head_dim),
+            ("num_experts", self.num_experts),
+            ("num_experts_per_tok", self.num_experts_per_tok),
+            ("moe_intermediate_size", self.moe_intermediate_size),
+            ("decoder_sparse_step", self.decoder_sparse_step),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ] {
+            if v == 0 {
+                return bad(field, v, "must be positive");
+            }
+        }
+        if self.num_attention_heads % self.num_key_value_heads != 0 {
+            return bad(
+                "num_key_value_heads",
+                self.num_key_value_heads,
+                "must divide num_attention_heads",
+            );
+        }
+        if self.head_dim % 2 != 0 {
+            return bad("head_dim", self.head_dim, "must be even for RoPE");
+        }
+        if self.num_experts_per_tok > self.num_experts {
+            return bad(
+                "num_experts_per_tok",
+                self.num_experts_per_tok,
+                "exceeds num_experts",
+            );
+        }
+        if self.num_experts > u16::MAX as usize {
+            return bad("num_experts", self.num_experts, "at most 65535 experts");
+        }
+        if self.vocab_size > u32::MAX as usize / 2 {
+            return bad("vocab_size", self.vocab_size, "too large");
+        }
+        if (0..self.num_hidden_layers).any(|l| !self.is_moe_layer(l)) && self.intermediate_size == 0 {
+            return bad(
+                "intermediate_size",
+                0,
+                "dense MLP layers exist (mlp_only_layers / decoder_sparse_step) but have no width",
+            );
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
+            return Err(Error::Config {
+                field: "rms_norm_eps",
+                value: self.rms_norm_eps.to_string(),
+                reason: "must be finite and non-negative".into(),
+            });
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 1.0) {
+            return Err(Error::Config {
+                field: "rope_theta",
+                value: self.rope_theta.to_string(),
+                reason: "must be finite and greater than 1".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Whether decoder layer `l` is a sparse MoE layer (as Hugging Face decides it).
+    pub fn is_moe_layer(&self, l: usize) -> bool {
+        !self.mlp_only_layers.contains(&l) && (l + 1) % self.decoder_sparse_step == 0
+    }
+
+    /// Indices of the MoE layers, in order; the rowmap's layer `i` is `moe_layers()[i]`.
+    pub fn moe_layers(&self) -> Vec<usize> {
+        (0..self.num_hidden_layers)
+            .filter(|&l| self.is_moe_layer(l))
+            .collect()
+    }
+
+    pub fn q_dim(&self) -> usize {
+        self.num_attention_heads * self.head_dim
+    }
+    pub fn kv_dim(&self) -> usize {
+        self.num_key_value_heads * self.head_dim
+    }
+
+    /// Bytes of one expert's weights at `bytes_per_param`.
+    pub fn expert_params(&self) -> usize {
+        3 * self.hidden_size * self.moe_intermediate_size
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base() -> serde_json::Value {
+        serde_json::json!({
+            "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+            "vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
+            "norm_topk_prob": true, "rope_theta": 10000.0
+        })
+    }
+
+    #[test]
+    fn accepts_both_names() {
+        let p = Path::new("config.json");
+        let a = ModelConfig::from_json_str(&base().to_string(), p).unwrap();
+        let mut v = base();
+        let o = v.as_object_mut().unwrap();
+        o.remove("num_experts");
+        o.remove("rope_theta");
+        o.insert("num_local_experts".into(), 8.into());
+        o.insert(
+            "rope_parameters".into(),
+            serde_json::json!({"rope_type": "default", "rope_theta": 10000.0}),
+        );
+        let b = ModelConfig::from_json_str(&v.to_string(), p).unwrap();
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn refuses_other_architectures_and_bad_fields() {
+        let p = Path::new("config.json");
+        let mut v = base();
+        v["model_type"] = "llama".into();
+        v["architectures"] = serde_json::json!(["LlamaForCausalLM"]);
+        assert!(matches!(
+            ModelConfig::from_json_str(&v.to_string(), p),
+            Err(Error::UnsupportedArchitecture { .. })
+        ));
+        let mut v = base();
+        v["num_experts_per_tok"] = 9.into();
+        assert!(matches!(
+            ModelConfig::from_json_str(&v.to_string(), p),
+            Err(Error::Config { field: "num_experts_per_tok", .. })
+        ));
+        let mut v = base();
+        v["num_key_value_heads"] = 3.into();
+        assert!(matches!(
+            ModelConfig::from_json_str(&v.to_string(), p),
+            Err(Error::Config { field: "num_key_value_heads", .. })
+        ));
+        assert!(matches!(
+            ModelConfig::from_json_str("{not json", p),
+            Err(Error::Json { .. })
+        ));
+    }
+}

@@ -1,0 +1,152 @@
+//! Paged KV cache: fixed-size blocks of positions, a free list, and per-sequence block
+//! tables that give their blocks back when dropped (RAII, as TGI's block allocator).
+
+use std::sync::{Arc, Mutex};
+
+use crate::error::{Error, Result};
+
+/// Positions per block.
+pub const BLOCK: usize = 16;
+
+#[derive(Debug)]
+struct FreeList {
+    free: Vec<u32>,
+}
+
+/// The cache storage of all layers plus the shared free list.
+pub struct KvCache {
+    pub layers: usize,
+    pub kv_dim: usize,
+    pub blocks: usize,
+    /// per layer `[blocks * BLOCK * kv_dim]`
+    pub k: Vec<Vec<f32>>,
+    pub v: Vec<Vec<f32>>,
+    free: Arc<Mutex<FreeList>>,
+}
+
+/// One sequence's block table. Dropping it frees its blocks.
+#[derive(Debug)]
+pub struct SeqKv {
+    pub blocks: Vec<u32>,
+    /// Positions written so far.
+    pub len: usize,
+    free: Arc<Mutex<FreeList>>,
+}
+
+impl Drop for SeqKv {
+    fn drop(&mut self) {
+        if let Ok(mut f) = self.free.lock() {
+            f.free.extend(self.blocks.drain(..));
+        }
+    }
+}
+
+impl SeqKv {
+    /// Cache offset (in floats, within a layer) of position `pos`.
+    #[inline]
+    pub fn offset(&self, pos: usize, kv_dim: usize) -> usize {
+        (self.blocks[pos / BLOCK] as usize * BLOCK + pos % BLOCK) * kv_dim
+    }
+}
+
+impl KvCache {
+    /// A cache of `blocks` blocks for `layers` layers of `kv_dim` floats per position.
+    pub fn new(layers: usize, kv_dim: usize, blocks: usize) -> Self {
+        let per_layer = blocks * BLOCK * kv_dim;
+        KvCache {
+            layers,
+            kv_dim,
+            blocks,
+            k: (0..layers).map(|_| vec![0.0; per_layer]).collect(),
+            v: (0..layers).map(|_| vec![0.0; per_layer]).collect(),
+            free: Arc::new(Mutex::new(FreeList {
+                free: (0..blocks as u32).rev().collect(),
+            })),
+        }
+    }
+
+    /// Blocks needed to hold `tokens` positions.
+    pub fn blocks_for(tokens: usize) -> usize {
+        tokens.div_ceil(BLOCK)
+    }
+
+    pub fn new_seq(&self) -> SeqKv {
+        SeqKv {
+            blocks: Vec::new(),
+            len: 0,
+            free: self.free.clone(),
+        }
+    }
+
+    pub fn free_blocks(&self) -> usize {
+        self.free.lock().map(|f| f.free.len()).unwrap_or(0)
+    }
+
+    pub fn used_blocks(&self) -> usize {
+        self.blocks - self.free_blocks()
+    }
+
+    /// Grows `seq` to hold `new_len` positions, or fails without taking anything.
+    pub fn reserve(&self, seq: &mut SeqKv, new_len: usize) -> Result<()> {
+        let need = Self::blocks_for(new_len).saturating_sub(seq.blocks.len());
+        if need == 0 {
+            return Ok(());
+        }
+        let mut f = self
+            .free
+            .lock()
+            .map_err(|_| Error::Tier("KV free list poisoned".into()))?;
+        if f.free.len() < need {
+            return Err(Error::KvFull {
+                needed: need,
+                free: f.free.len(),
+                total: self.blocks,
+            });
+        }
+        for _ in 0..need {
+            if let Some(b) = f.free.pop() {
+                seq.blocks.push(b);
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::Rng;
+
+    #[test]
+    fn blocks_return_on_drop_and_full_fails_cleanly() {
+        let kv = KvCache::new(1, 4, 10);
+        let mut rng = Rng::new(3);
+        let mut live: Vec<SeqKv> = Vec::new();
+        for _ in 0..500 {
+            if rng.below(3) == 0 && !live.is_empty() {
+                let i = rng.below(live.len());
+                live.swap_remove(i);
+            } else {
+                let mut s = kv.new_seq();
+                let want = rng.below(60) + 1;
+                let before = kv.free_blocks();
+                match kv.reserve(&mut s, want) {
+                    Ok(()) => {
+                        s.len = want;
+                        live.push(s)
+                    }
+                    Err(Error::KvFull { .. }) => assert_eq!(kv.free_blocks(), before),
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            let held: usize = live.iter().map(|s| s.blocks.len()).sum();
+            assert_eq!(held + kv.free_blocks(), 10);
+            let mut all: Vec<u32> = live.iter().flat_map(|s| s.blocks.clone()).collect();
+            all.sort();
+            all.dedup();
+            assert_eq!(all.len(), held, "a block is owned twice");
+        }
+        live.clear();
+        assert_eq!(kv.free_blocks(), 10);
+    }
+}

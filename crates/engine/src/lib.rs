@@ -1,0 +1,23 @@
+//! moelane-engine: the model math of a lane. Loads Hugging Face `qwen3_moe` checkpoints,
+//! runs them on the CPU backend with a paged KV cache, splits experts between a hot and a
+//! cold tier by a rowmap, and makes synthetic checkpoints whose routing is structured by
+//! language. Knows nothing of gRPC or HTTP.
+
+pub mod bank;
+pub mod bpe;
+pub mod checkpoint;
+pub mod config;
+pub mod error;
+pub mod figures;
+pub mod kv;
+pub mod load;
+pub mod model;
+pub mod ops;
+pub mod rng;
+pub mod rowmap;
+pub mod sampling;
+pub mod synth;
+pub mod tier;
+pub mod tokenizer;
+
+pub use error::{Error, Result};

@@ -1,0 +1,509 @@
+//! The model code: one step over a batch of sequences, layer by layer, as DESIGN.md's
+//! decode step: attention on the primary's dense backend, the router's top-k, picks split
+//! by the rowmap into hot (this process's bank) and cold (sent over a [`RemoteTier`]),
+//! hot computed while the cold reply is in flight, then every token's k outputs combined
+//! in router-rank order, so the layer's output does not depend on the map.
+//!
+//! The dense math sits behind [`DenseBackend`] (candle's backend seam): the CPU one is
+//! here; a CUDA one implements the same trait without touching this code.
+
+use std::time::Instant;
+
+use rayon::prelude::*;
+
+use crate::bank::{ExpertBank, Pick};
+use crate::checkpoint::{Checkpoint, ExpertWeights};
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::kv::{KvCache, SeqKv};
+use crate::ops::{self, matmul, rmsnorm, Matrix, Rope};
+use crate::rowmap::{Tier, ValidMap};
+use crate::tier::{ColdRequest, RemoteTier};
+
+/// Attention and norms of one decoder layer.
+pub struct LayerWeights {
+    pub input_norm: Vec<f32>,
+    pub post_norm: Vec<f32>,
+    /// q, k, v stacked: `[q_dim + 2 kv_dim, hidden]`
+    pub qkv: Matrix,
+    pub o: Matrix,
+    pub q_norm: Vec<f32>,
+    pub k_norm: Vec<f32>,
+    /// `Some(router [E, H])` on MoE layers, else the dense MLP.
+    pub router: Option<Matrix>,
+    pub dense_mlp: Option<ExpertWeights>,
+}
+
+/// Everything but the experts.
+pub struct DenseWeights {
+    pub embed: Matrix,
+    pub layers: Vec<LayerWeights>,
+    pub norm: Vec<f32>,
+    /// `None` when tied to the embedding.
+    pub lm_head: Option<Matrix>,
+}
+
+impl DenseWeights {
+    pub fn load(ckpt: &Checkpoint) -> Result<Self> {
+        let c = &ckpt.config;
+        let h = c.hidden_size;
+        let embed = ckpt.matrix("model.embed_tokens.weight", c.vocab_size, h)?;
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for l in 0..c.num_hidden_layers {
+            let p = format!("model.layers.{l}");
+            let q = ckpt.tensor(&format!("{p}.self_attn.q_proj.weight"), &[c.q_dim(), h])?;
+            let k = ckpt.tensor(&format!("{p}.self_attn.k_proj.weight"), &[c.kv_dim(), h])?;
+            let v = ckpt.tensor(&format!("{p}.self_attn.v_proj.weight"), &[c.kv_dim(), h])?;
+            let mut qkv = q;
+            qkv.extend_from_slice(&k);
+            qkv.extend_from_slice(&v);
+            let (router, dense_mlp) = if c.is_moe_layer(l) {
+                (Some(ckpt.matrix(&format!("{p}.mlp.gate.weight"), c.num_experts, h)?), None)
+            } else {
+                let i = c.intermediate_size;
+                let mut gu = ckpt.tensor(&format!("{p}.mlp.gate_proj.weight"), &[i, h])?;
+                gu.extend(ckpt.tensor(&format!("{p}.mlp.up_proj.weight"), &[i, h])?);
+                let down = ckpt.matrix(&format!("{p}.mlp.down_proj.weight"), h, i)?;
+                (None, Some(ExpertWeights { gate_up: Matrix::new(2 * i, h, gu), down, checksum: 0 }))
+            };
+            layers.push(LayerWeights {
+                input_norm: ckpt.tensor(&format!("{p}.input_layernorm.weight"), &[h])?,
+                post_norm: ckpt.tensor(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                qkv: Matrix::new(c.q_dim() + 2 * c.kv_dim(), h, qkv),
+                o: ckpt.matrix(&format!("{p}.self_attn.o_proj.weight"), h, c.q_dim())?,
+                q_norm: ckpt.tensor(&format!("{p}.self_attn.q_norm.weight"), &[c.head_dim])?,
+                k_norm: ckpt.tensor(&format!("{p}.self_attn.k_norm.weight"), &[c.head_dim])?,
+                router,
+                dense_mlp,
+            });
+        }
+        let norm = ckpt.tensor("model.norm.weight", &[h])?;
+        let lm_head = if ckpt.has("lm_head.weight") || !c.tie_word_embeddings {
+            Some(ckpt.matrix("lm_head.weight", c.vocab_size, h)?)
+        } else {
+            None
+        };
+        Ok(DenseWeights { embed, layers, norm, lm_head })
+    }
+
+    /// Bytes of dense weights one decode token reads (all but the embedding table: one row).
+    pub fn bytes_per_token(&self) -> usize {
+        let mut b = self.embed.cols * 4 + self.norm.len() * 4;
+        for l in &self.layers {
+            b += l.qkv.bytes() + l.o.bytes() + (l.input_norm.len() + l.post_norm.len()) * 4;
+            b += l.router.as_ref().map_or(0, |r| r.bytes());
+            b += l.dense_mlp.as_ref().map_or(0, |m| m.bytes());
+        }
+        b + self.lm_head.as_ref().unwrap_or(&self.embed).bytes()
+    }
+}
+
+/// Where a batch row sits: which sequence and which position.
+#[derive(Clone, Copy, Debug)]
+pub struct RowPos {
+    pub seq: usize,
+    pub pos: usize,
+}
+
+/// The dense math of the primary. `x` is `[rows, hidden]`, on the host between calls.
+pub trait DenseBackend: Send {
+    fn config(&self) -> &ModelConfig;
+    /// x = embedding rows of `tokens`.
+    fn embed(&self, tokens: &[u32], x: &mut [f32]) -> Result<()>;
+    /// x += attention(input_norm(x)) of decoder layer `layer`, writing K/V of every row.
+    fn attention(&mut self, layer: usize, rows: &[RowPos], seqs: &[&SeqKv], kv: &mut KvCache, x: &mut [f32]) -> Result<()>;
+    /// h = post_norm(x); router probabilities `[rows, E]` (softmax of the gate logits).
+    fn route(&mut self, layer: usize, x: &[f32], h: &mut [f32], probs: &mut [f32]) -> Result<()>;
+    /// x += dense MLP(post_norm(x)) for non-MoE layers.
+    fn dense_mlp(&mut self, layer: usize, x: &mut [f32]) -> Result<()>;
+    /// logits `[rows.len(), vocab]` of final_norm(x[row]) for the given rows.
+    fn logits(&mut self, x: &[f32], rows: &[usize], out: &mut [f32]) -> Result<()>;
+    /// Bytes of weights one decode token reads from this backend.
+    fn bytes_per_token(&self) -> usize;
+}
+
+/// The CPU dense backend.
+pub struct CpuDense {
+    cfg: ModelConfig,
+    w: DenseWeights,
+    rope: Rope,
+    h: Vec<f32>,
+    qkv: Vec<f32>,
+    att: Vec<f32>,
+    tmp: Vec<f32>,
+}
+
+impl CpuDense {
+    pub fn new(cfg: ModelConfig, w: DenseWeights) -> Self {
+        let rope = Rope::new(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings.min(1 << 16));
+        CpuDense { cfg, w, rope, h: Vec::new(), qkv: Vec::new(), att: Vec::new(), tmp: Vec::new() }
+    }
+}
+
+impl DenseBackend for CpuDense {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn embed(&self, tokens: &[u32], x: &mut [f32]) -> Result<()> {
+        let h = self.cfg.hidden_size;
+        for (i, &t) in tokens.iter().enumerate() {
+            if t as usize >= self.cfg.vocab_size {
+                return Err(Error::BadToken { id: t, vocab: self.cfg.vocab_size });
+            }
+            x[i * h..(i + 1) * h].copy_from_slice(self.w.embed.row(t as usize));
+        }
+        Ok(())
+    }
+
+    fn attention(&mut self, layer: usize, rows: &[RowPos], seqs: &[&SeqKv], kv: &mut KvCache, x: &mut [f32]) -> Result<()> {
+        let c = &self.cfg;
+        let (hd, nh, nkv, hs) = (c.head_dim, c.num_attention_heads, c.num_key_value_heads, c.hidden_size);
+        let (qd, kvd) = (c.q_dim(), c.kv_dim());
+        let n = rows.len();
+        let lw = &self.w.layers[layer];
+        self.h.resize(n * hs, 0.0);
+        self.qkv.resize(n * (qd + 2 * kvd), 0.0);
+        self.att.resize(n * qd, 0.0);
+        self.tmp.resize(n * hs, 0.0);
+        rmsnorm(&x[..n * hs], &lw.input_norm, c.rms_norm_eps, &mut self.h);
+        matmul(&self.h, n, &lw.qkv, &mut self.qkv);
+        let stride = qd + 2 * kvd;
+        // q/k norm, RoPE, and K/V into the cache
+        for (i, rp) in rows.iter().enumerate() {
+            if rp.pos >= self.rope.max_pos {
+                return Err(Error::ContextOverflow { len: rp.pos + 1, max: self.rope.max_pos });
+            }
+            let row = &mut self.qkv[i * stride..(i + 1) * stride];
+            let (q, rest) = row.split_at_mut(qd);
+            let (k, v) = rest.split_at_mut(kvd);
+            ops::rmsnorm_inplace(q, &lw.q_norm, c.rms_norm_eps);
+            ops::rmsnorm_inplace(k, &lw.k_norm, c.rms_norm_eps);
+            for hh in 0..nh {
+                self.rope.apply(&mut q[hh * hd..(hh + 1) * hd], rp.pos);
+            }
+            for hh in 0..nkv {
+                self.rope.apply(&mut k[hh * hd..(hh + 1) * hd], rp.pos);
+            }
+            let off = seqs[rp.seq].offset(rp.pos, kvd);
+            kv.k[layer][off..off + kvd].copy_from_slice(k);
+            kv.v[layer][off..off + kvd].copy_from_slice(v);
+        }
+        // attention per (row, head), in parallel; each output written once
+        let scale = 1.0 / (hd as f32).sqrt();
+        let group = nh / nkv;
+        let (kc, vc) = (&kv.k[layer], &kv.v[layer]);
+        let qkv = &self.qkv;
+        self.att.par_chunks_mut(qd).enumerate().for_each(|(i, out)| {
+            let rp = rows[i];
+            let seq = seqs[rp.seq];
+            let mut scores = vec![0f32; rp.pos + 1];
+            for hh in 0..nh {
+                let g = hh / group;
+                let q = &qkv[i * stride + hh * hd..i * stride + (hh + 1) * hd];
+                for (j, s) in scores.iter_mut().enumerate() {
+                    let off = seq.offset(j, kvd) + g * hd;
+                    *s = ops::dot(q, &kc[off..off + hd]) * scale;
+                }
+                ops::softmax(&mut scores);
+                let o = &mut out[hh * hd..(hh + 1) * hd];
+                o.fill(0.0);
+                for (j, &p) in scores.iter().enumerate() {
+                    let off = seq.offset(j, kvd) + g * hd;
+                    for (od, &vd) in o.iter_mut().zip(&vc[off..off + hd]) {
+                        *od += p * vd;
+                    }
+                }
+            }
+        });
+        matmul(&self.att, n, &lw.o, &mut self.tmp);
+        for (xv, t) in x[..n * hs].iter_mut().zip(&self.tmp) {
+            *xv += t;
+        }
+        Ok(())
+    }
+
+    fn route(&mut self, layer: usize, x: &[f32], h: &mut [f32], probs: &mut [f32]) -> Result<()> {
+        let c = &self.cfg;
+        let n = x.len() / c.hidden_size;
+        let lw = &self.w.layers[layer];
+        let router = lw.router.as_ref().ok_or_else(|| Error::Tier(format!("layer {layer} is not a MoE layer")))?;
+        rmsnorm(x, &lw.post_norm, c.rms_norm_eps, h);
+        matmul(h, n, router, probs);
+        for p in probs[..n * c.num_experts].chunks_exact_mut(c.num_experts) {
+            ops::softmax(p);
+        }
+        Ok(())
+    }
+
+    fn dense_mlp(&mut self, layer: usize, x: &mut [f32]) -> Result<()> {
+        let c = &self.cfg;
+        let hs = c.hidden_size;
+        let n = x.len() / hs;
+        let lw = &self.w.layers[layer];
+        let mlp = lw.dense_mlp.as_ref().ok_or_else(|| Error::Tier(format!("layer {layer} has no dense MLP")))?;
+        self.h.resize(n * hs, 0.0);
+        self.tmp.resize(n * hs, 0.0);
+        rmsnorm(x, &lw.post_norm, c.rms_norm_eps, &mut self.h);
+        let (mut gu, mut act) = (Vec::new(), Vec::new());
+        crate::bank::expert_forward(mlp, &self.h, n, &mut gu, &mut act, &mut self.tmp);
+        for (xv, t) in x.iter_mut().zip(&self.tmp) {
+            *xv += t;
+        }
+        Ok(())
+    }
+
+    fn logits(&mut self, x: &[f32], rows: &[usize], out: &mut [f32]) -> Result<()> {
+        let hs = self.cfg.hidden_size;
+        self.h.resize(rows.len() * hs, 0.0);
+        for (i, &r) in rows.iter().enumerate() {
+            rmsnorm(&x[r * hs..(r + 1) * hs], &self.w.norm, self.cfg.rms_norm_eps, &mut self.h[i * hs..(i + 1) * hs]);
+        }
+        let head = self.w.lm_head.as_ref().unwrap_or(&self.w.embed);
+        matmul(&self.h, rows.len(), head, out);
+        Ok(())
+    }
+
+    fn bytes_per_token(&self) -> usize {
+        self.w.bytes_per_token()
+    }
+}
+
+/// Per-layer counters the residency actor consumes.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Counters {
+    /// `picks[layer][expert]`: all picks (hot + cold).
+    pub picks: Vec<Vec<u64>>,
+    pub hot_picks: Vec<u64>,
+    pub cold_picks: Vec<u64>,
+    /// Nanoseconds the primary waited for the cold reply, per layer.
+    pub wait_ns: Vec<u64>,
+    pub steps: u64,
+    pub tokens: u64,
+}
+
+impl Counters {
+    pub fn new(layers: usize, experts: usize) -> Self {
+        Counters {
+            picks: vec![vec![0; experts]; layers],
+            hot_picks: vec![0; layers],
+            cold_picks: vec![0; layers],
+            wait_ns: vec![0; layers],
+            steps: 0,
+            tokens: 0,
+        }
+    }
+}
+
+/// One sequence's part of a step: append `tokens` at `kv.len`.
+pub struct SeqStep<'a> {
+    pub kv: &'a mut SeqKv,
+    pub tokens: &'a [u32],
+}
+
+/// The primary's engine: dense backend, hot bank, link to the cold tier, map, KV cache.
+pub struct Engine {
+    pub cfg: ModelConfig,
+    pub dense: Box<dyn DenseBackend>,
+    pub hot: ExpertBank,
+    pub cold: Option<Box<dyn RemoteTier>>,
+    pub map: ValidMap,
+    pub kv: KvCache,
+    pub counters: Counters,
+    moe_of_layer: Vec<Option<usize>>,
+    step_no: u64,
+    x: Vec<f32>,
+    h: Vec<f32>,
+    probs: Vec<f32>,
+    hot_out: Vec<f32>,
+    combined: Vec<f32>,
+}
+
+impl Engine {
+    pub fn new(cfg: ModelConfig, dense: Box<dyn DenseBackend>, hot: ExpertBank, cold: Option<Box<dyn RemoteTier>>, map: ValidMap, kv_blocks: usize) -> Self {
+        let moe = cfg.moe_layers();
+        let mut moe_of_layer = vec![None; cfg.num_hidden_layers];
+        for (i, &l) in moe.iter().enumerate() {
+            moe_of_layer[l] = Some(i);
+        }
+        let kv = KvCache::new(cfg.num_hidden_layers, cfg.kv_dim(), kv_blocks);
+        let counters = Counters::new(moe.len(), cfg.num_experts);
+        Engine { cfg, dense, hot, cold, map, kv, counters, moe_of_layer, step_no: 0, x: Vec::new(), h: Vec::new(), probs: Vec::new(), hot_out: Vec::new(), combined: Vec::new() }
+    }
+
+    /// Runs one step; returns logits `[seqs.len(), vocab]` of each sequence's last new token.
+    pub fn step(&mut self, seqs: &mut [SeqStep<'_>]) -> Result<Vec<f32>> {
+        self.step_with(seqs, false)
+    }
+
+    /// As [`Engine::step`]; with `all_rows`, logits of every new token (`[rows, vocab]`).
+    pub fn step_with(&mut self, seqs: &mut [SeqStep<'_>], all_rows: bool) -> Result<Vec<f32>> {
+        let c = self.cfg.clone();
+        let hs = c.hidden_size;
+        let max_ctx = c.max_position_embeddings;
+        // reserve KV first: all or nothing
+        for s in seqs.iter_mut() {
+            let new_len = s.kv.len + s.tokens.len();
+            if new_len > max_ctx {
+                return Err(Error::ContextOverflow { len: new_len, max: max_ctx });
+            }
+        }
+        for s in seqs.iter_mut() {
+            let new_len = s.kv.len + s.tokens.len();
+            self.kv.reserve(s.kv, new_len)?;
+        }
+        let mut rows = Vec::new();
+        let mut tokens = Vec::new();
+        let mut last_rows = Vec::new();
+        for (si, s) in seqs.iter().enumerate() {
+            for (j, &t) in s.tokens.iter().enumerate() {
+                rows.push(RowPos { seq: si, pos: s.kv.len + j });
+                tokens.push(t);
+            }
+            if !s.tokens.is_empty() {
+                last_rows.push(rows.len() - 1);
+            }
+        }
+        let n = rows.len();
+        if all_rows {
+            last_rows = (0..n).collect();
+        }
+        self.x.resize(n * hs, 0.0);
+        self.dense.embed(&tokens, &mut self.x)?;
+        let seq_refs: Vec<&SeqKv> = seqs.iter().map(|s| &*s.kv).collect();
+        for l in 0..c.num_hidden_layers {
+            self.dense.attention(l, &rows, &seq_refs, &mut self.kv, &mut self.x[..n * hs])?;
+            match self.moe_of_layer[l] {
+                Some(ml) => self.moe_layer(l, ml, n)?,
+                None => self.dense.dense_mlp(l, &mut self.x[..n * hs])?,
+            }
+        }
+        drop(seq_refs);
+        for s in seqs.iter_mut() {
+            s.kv.len += s.tokens.len();
+        }
+        let mut logits = vec![0f32; last_rows.len() * c.vocab_size];
+        self.dense.logits(&self.x, &last_rows, &mut logits)?;
+        self.step_no += 1;
+        self.counters.steps += 1;
+        self.counters.tokens += n as u64;
+        Ok(logits)
+    }
+
+    fn moe_layer(&mut self, layer: usize, ml: usize, n: usize) -> Result<()> {
+        let (hs, ne, k) = (self.cfg.hidden_size, self.cfg.num_experts, self.cfg.num_experts_per_tok);
+        self.h.resize(n * hs, 0.0);
+        self.probs.resize(n * ne, 0.0);
+        self.dense.route(layer, &self.x[..n * hs], &mut self.h, &mut self.probs)?;
+        // top-k per row, in rank order
+        let mut top = Vec::with_capacity(k);
+        let mut experts = vec![0u16; n * k];
+        let mut weights = vec![0f32; n * k];
+        for r in 0..n {
+            ops::topk(&self.probs[r * ne..(r + 1) * ne], k, &mut top);
+            let mut sum = 0f32;
+            for (j, &(e, p)) in top.iter().enumerate() {
+                experts[r * k + j] = e as u16;
+                weights[r * k + j] = p;
+                sum += p;
+            }
+            if self.cfg.norm_topk_prob {
+                for w in &mut weights[r * k..(r + 1) * k] {
+                    *w /= sum;
+                }
+            }
+        }
+        // split by the map
+        let mut hot_picks = Vec::new();
+        let mut hot_idx = Vec::new();
+        let mut cold_picks = Vec::new();
+        let mut cold_idx = Vec::new();
+        let mut cold_rows: Vec<u32> = Vec::new();
+        let mut cold_row_of = vec![u32::MAX; n];
+        for r in 0..n {
+            for j in 0..k {
+                let e = experts[r * k + j];
+                self.counters.picks[ml][e as usize] += 1;
+                match self.map.tier(ml, e as usize) {
+                    Tier::Hot => {
+                        hot_picks.push(Pick { row: r as u32, expert: e });
+                        hot_idx.push(r * k + j);
+                    }
+                    Tier::Cold => {
+                        if cold_row_of[r] == u32::MAX {
+                            cold_row_of[r] = cold_rows.len() as u32;
+                            cold_rows.push(r as u32);
+                        }
+                        cold_picks.push(Pick { row: cold_row_of[r], expert: e });
+                        cold_idx.push(r * k + j);
+                    }
+                }
+            }
+        }
+        self.counters.hot_picks[ml] += hot_picks.len() as u64;
+        self.counters.cold_picks[ml] += cold_picks.len() as u64;
+        let sent = !cold_picks.is_empty();
+        if sent {
+            let cold = self.cold.as_mut().ok_or_else(|| Error::Tier(format!("layer {ml}: {} cold picks but no cold tier is attached", cold_picks.len())))?;
+            let mut acts = Vec::with_capacity(cold_rows.len() * hs);
+            for &r in &cold_rows {
+                acts.extend_from_slice(&self.h[r as usize * hs..(r as usize + 1) * hs]);
+            }
+            cold.send(ColdRequest { step: self.step_no, layer: ml as u32, epoch: self.map.epoch(), picks: cold_picks, activations: acts })?;
+        }
+        self.hot_out.resize(hot_picks.len() * hs, 0.0);
+        self.hot.compute(ml, &hot_picks, &self.h, &mut self.hot_out)?;
+        // gather every pick's output row into rank order
+        self.combined.resize(n * k * hs, 0.0);
+        for (i, &slot) in hot_idx.iter().enumerate() {
+            self.combined[slot * hs..(slot + 1) * hs].copy_from_slice(&self.hot_out[i * hs..(i + 1) * hs]);
+        }
+        if sent {
+            let t0 = Instant::now();
+            let cold = self.cold.as_mut().ok_or_else(|| Error::Tier("cold tier vanished".into()))?;
+            let reply = cold.recv()?;
+            self.counters.wait_ns[ml] += t0.elapsed().as_nanos() as u64;
+            if reply.step != self.step_no || reply.layer != ml as u32 || reply.epoch != self.map.epoch() {
+                return Err(Error::Tier(format!("cold reply for step {} layer {} epoch {}, expected step {} layer {ml} epoch {}", reply.step, reply.layer, reply.epoch, self.step_no, self.map.epoch())));
+            }
+            if reply.outputs.len() != cold_idx.len() * hs {
+                return Err(Error::Tier(format!("cold reply has {} floats, {} picks need {}", reply.outputs.len(), cold_idx.len(), cold_idx.len() * hs)));
+            }
+            for (i, &slot) in cold_idx.iter().enumerate() {
+                self.combined[slot * hs..(slot + 1) * hs].copy_from_slice(&reply.outputs[i * hs..(i + 1) * hs]);
+            }
+        }
+        // combine in router-rank order, then the residual
+        for r in 0..n {
+            let xr = &mut self.x[r * hs..(r + 1) * hs];
+            let mut acc = vec![0f32; hs];
+            for j in 0..k {
+                let w = weights[r * k + j];
+                let y = &self.combined[(r * k + j) * hs..(r * k + j + 1) * hs];
+                for (a, &yv) in acc.iter_mut().zip(y) {
+                    *a += w * yv;
+                }
+            }
+            for (xv, a) in xr.iter_mut().zip(&acc) {
+                *xv += a;
+            }
+        }
+        Ok(())
+    }
+
+    /// Greedy continuation of `prompt` for `max_new` tokens (a test and benchmark helper).
+    pub fn greedy(&mut self, prompt: &[u32], max_new: usize) -> Result<Vec<u32>> {
+        let mut seq = self.kv.new_seq();
+        let mut out = Vec::with_capacity(max_new);
+        let mut logits = self.step(&mut [SeqStep { kv: &mut seq, tokens: prompt }])?;
+        for _ in 0..max_new {
+            let t = crate::sampling::argmax(&logits) as u32;
+            out.push(t);
+            if out.len() == max_new {
+                break;
+            }
+            logits = self.step(&mut [SeqStep { kv: &mut seq, tokens: &[t] }])?;
+        }
+        Ok(out)
+    }
+}

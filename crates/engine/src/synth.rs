@@ -1,0 +1,554 @@
+//! Synthetic `qwen3_moe` checkpoints whose routing is structured by language, as a real
+//! MoE model's is (e.g. the expert-specialisation analyses of Mixtral and DeepSeek-MoE).
+//!
+//! Construction (all deterministic from the seed):
+//! - a byte-level BPE tokenizer trained on the embedded corpora (five languages); each
+//!   token is labelled with the language in which it is relatively most frequent;
+//! - the residual stream carries a language subspace (one dimension per language), a
+//!   constant dimension, and random content dimensions;
+//! - layer 0 attention has two "language" heads (query zero: uniform causal average) that
+//!   write the prompt's average language into the language subspace, so every later router
+//!   and the LM head see the language of the whole context;
+//! - the other heads are positional: query and key read the constant dimension, and their
+//!   RoPE phases make head h attend to the token h+1 positions back; their values carry
+//!   content, so the next token depends on the last few tokens (no short greedy loops);
+//! - each MoE layer's router gives every language a core set of experts with a skewed
+//!   preference (a different random set per layer and language) plus a content term, so
+//!   picks are skewed within a language and differ between languages;
+//! - the LM head rewards tokens of the context's language and scores the rest by content.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::Path;
+
+use rayon::prelude::*;
+use serde::Serialize;
+use serde_json::json;
+
+use crate::bpe;
+use crate::checkpoint::Checkpoint;
+use crate::error::{Error, Result};
+use crate::rng::Rng;
+use crate::rowmap::{LayerMap, Rowmap};
+
+/// The embedded corpora: (name, text). Each line is one prompt.
+pub const LANGS: [(&str, &str); 5] = [
+    ("en", include_str!("../corpus/en.txt")),
+    ("de", include_str!("../corpus/de.txt")),
+    ("ja", include_str!("../corpus/ja.txt")),
+    ("ko", include_str!("../corpus/ko.txt")),
+    ("code", include_str!("../corpus/code.txt")),
+];
+
+/// The prompts of a language (the corpus lines).
+pub fn prompts(lang: usize) -> Vec<&'static str> {
+    LANGS[lang].1.lines().filter(|l| !l.trim().is_empty()).collect()
+}
+
+pub fn lang_index(name: &str) -> Option<usize> {
+    LANGS.iter().position(|(n, _)| *n == name)
+}
+
+/// The shape of a synthetic checkpoint.
+#[derive(Clone, Debug, Serialize)]
+pub struct Preset {
+    pub name: &'static str,
+    pub hidden: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub inter: usize,
+    pub experts: usize,
+    pub topk: usize,
+    pub hot: usize,
+    pub vocab_target: usize,
+    /// experts in each language's core set, per layer
+    pub core: usize,
+    pub max_pos: usize,
+}
+
+impl Preset {
+    pub fn by_name(name: &str) -> Option<Preset> {
+        match name {
+            "tiny" => Some(Preset {
+                name: "tiny",
+                hidden: 64,
+                layers: 2,
+                heads: 4,
+                kv_heads: 2,
+                head_dim: 32,
+                inter: 32,
+                experts: 64,
+                topk: 4,
+                hot: 48,
+                vocab_target: 640,
+                core: 22,
+                max_pos: 2048,
+            }),
+            "mini" => Some(Preset {
+                name: "mini",
+                hidden: 256,
+                layers: 8,
+                heads: 4,
+                kv_heads: 2,
+                head_dim: 64,
+                inter: 64,
+                experts: 384,
+                topk: 6,
+                hot: 295,
+                vocab_target: 2048,
+                core: 150,
+                max_pos: 4096,
+            }),
+            _ => None,
+        }
+    }
+}
+
+const NL: usize = 5; // language dims 0..5
+const CONST_DIM: usize = 5;
+const C0: usize = 6; // content dims start
+
+/// Knobs of the construction (documented where used).
+struct Knobs {
+    alpha: f32,
+    beta: f32,
+    lang_mix: f32,
+    pos_gain: f32,
+    router_core: f32,
+    router_skew: f32,
+    router_content: f32,
+    expert_gain: f32,
+    lm_lang: f32,
+    lm_content: f32,
+    router_tail: f32,
+}
+
+const KNOBS: Knobs = Knobs {
+    alpha: 3.0,
+    beta: 3.0,
+    lang_mix: 2.0,
+    pos_gain: 2.0,
+    router_core: 2.0,
+    router_skew: 0.35,
+    router_content: 1.0,
+    expert_gain: 1.0,
+    lm_lang: 8.0,
+    lm_content: 3.0,
+    router_tail: 0.3,
+};
+
+struct Tensor {
+    shape: Vec<usize>,
+    data: Vec<f32>,
+}
+
+fn normal_vec(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.normal() * scale).collect()
+}
+
+/// Per token, its relative frequency in each language's corpus.
+fn token_freqs(tok: &tokenizers::Tokenizer, vocab: usize) -> Vec<[f64; NL]> {
+    let mut out = vec![[0f64; NL]; vocab];
+    for (li, (_, text)) in LANGS.iter().enumerate() {
+        let mut total = 0f64;
+        let mut c = vec![0f64; vocab];
+        for line in text.lines() {
+            if let Ok(enc) = tok.encode(line, false) {
+                for &id in enc.get_ids() {
+                    if (id as usize) < vocab {
+                        c[id as usize] += 1.0;
+                        total += 1.0;
+                    }
+                }
+            }
+        }
+        for (id, v) in c.iter().enumerate() {
+            out[id][li] = v / total.max(1.0);
+        }
+    }
+    out
+}
+
+/// How a token relates to the languages.
+#[derive(Clone, Debug, Default)]
+struct TokenLang {
+    /// the language it marks (relatively 3x more frequent there than anywhere else)
+    marks: Option<usize>,
+    /// languages it is plausible in (at least a third of its best relative frequency)
+    plausible: Vec<usize>,
+}
+
+fn token_langs(freqs: &[[f64; NL]]) -> Vec<TokenLang> {
+    freqs
+        .iter()
+        .map(|f| {
+            let mut idx: Vec<usize> = (0..NL).collect();
+            idx.sort_by(|&a, &b| f[b].total_cmp(&f[a]).then(a.cmp(&b)));
+            let best = f[idx[0]];
+            if best <= 0.0 {
+                return TokenLang::default();
+            }
+            TokenLang {
+                marks: (best >= 3.0 * f[idx[1]]).then_some(idx[0]),
+                plausible: (0..NL).filter(|&l| f[l] > 0.0 && f[l] * 3.0 >= best).collect(),
+            }
+        })
+        .collect()
+}
+
+fn rope_gap_scale(p: &Preset, theta: f32) -> f32 {
+    // score gap between the target offset and any other offset, per unit of s², as the
+    // construction gives it: 2 Σ_p (1 - cos(m θ_p)) / sqrt(hd); choose s so the smallest gap
+    // over all offsets in the context is 12 nats.
+    let half = p.head_dim / 2;
+    let th: Vec<f64> = (0..half)
+        .map(|i| 1.0 / (theta as f64).powf(2.0 * i as f64 / p.head_dim as f64))
+        .collect();
+    let mut gmin = f64::MAX;
+    for m in 1..p.max_pos as i64 {
+        for mm in [m, -m] {
+            let g: f64 = th.iter().map(|t| 1.0 - (mm as f64 * t).cos()).sum();
+            gmin = gmin.min(g);
+        }
+    }
+    let gap_unit = 2.0 * gmin / (p.head_dim as f64).sqrt();
+    ((12.0 / gap_unit).sqrt() as f32).min(60.0)
+}
+
+/// Builds all tensors of the checkpoint.
+fn build_tensors(p: &Preset, seed: u64, vocab: usize, lang: &[TokenLang], theta: f32) -> BTreeMap<String, Tensor> {
+    let k = &KNOBS;
+    let h = p.hidden;
+    let hc = h - C0;
+    let (hd, nh, nkv) = (p.head_dim, p.heads, p.kv_heads);
+    let half = hd / 2;
+    let mut out = BTreeMap::new();
+    let t = |shape: Vec<usize>, data: Vec<f32>| Tensor { shape, data };
+
+    // embedding
+    let mut r = Rng::derive(seed, "embed");
+    let mut emb = vec![0f32; vocab * h];
+    for id in 0..vocab {
+        let row = &mut emb[id * h..(id + 1) * h];
+        if let Some(l) = lang[id].marks {
+            row[l] = k.alpha;
+        }
+        row[CONST_DIM] = k.beta;
+        for v in &mut row[C0..] {
+            *v = r.normal();
+        }
+    }
+    out.insert("model.embed_tokens.weight".into(), t(vec![vocab, h], emb));
+
+    // lm head
+    let mut r = Rng::derive(seed, "lm_head");
+    let mut lm = vec![0f32; vocab * h];
+    let cs = k.lm_content / (hc as f32).sqrt();
+    for id in 0..vocab {
+        let row = &mut lm[id * h..(id + 1) * h];
+        for (l, v) in row[..NL].iter_mut().enumerate() {
+            *v = if lang[id].plausible.contains(&l) { k.lm_lang } else { -k.lm_lang };
+        }
+        for v in &mut row[C0..] {
+            *v = r.normal() * cs;
+        }
+    }
+    out.insert("lm_head.weight".into(), t(vec![vocab, h], lm));
+    out.insert("model.norm.weight".into(), t(vec![h], vec![1.0; h]));
+
+    let s_qk = rope_gap_scale(p, theta);
+    let th: Vec<f32> = (0..half)
+        .map(|i| 1.0 / theta.powf(2.0 * i as f32 / hd as f32))
+        .collect();
+
+    let layers: Vec<Vec<(String, Tensor)>> = (0..p.layers)
+        .into_par_iter()
+        .map(|l| {
+            let mut v: Vec<(String, Tensor)> = Vec::new();
+            let pre = format!("model.layers.{l}");
+            let mut r = Rng::derive(seed, &format!("layer{l}.attn"));
+            v.push((format!("{pre}.input_layernorm.weight"), t(vec![h], vec![1.0; h])));
+            v.push((format!("{pre}.post_attention_layernorm.weight"), t(vec![h], vec![1.0; h])));
+            v.push((format!("{pre}.self_attn.q_norm.weight"), t(vec![hd], vec![s_qk; hd])));
+            v.push((format!("{pre}.self_attn.k_norm.weight"), t(vec![hd], vec![s_qk; hd])));
+            let group = nh / nkv;
+            // kv head 0 is positional; in layer 0 the last kv head is the language head
+            let lang_kv = if l == 0 && nkv > 1 { Some(nkv - 1) } else { None };
+            let mut q = vec![0f32; nh * hd * h];
+            let mut kk = vec![0f32; nkv * hd * h];
+            let mut vv = vec![0f32; nkv * hd * h];
+            let mut o = vec![0f32; h * nh * hd];
+            for g in 0..nkv {
+                if Some(g) == lang_kv {
+                    // value = language dims; query/key zero -> uniform causal average
+                    for d in 0..NL.min(hd) {
+                        vv[(g * hd + d) * h + d] = 1.0;
+                    }
+                    continue;
+                }
+                for i in 0..half {
+                    kk[(g * hd + i) * h + CONST_DIM] = 1.0 / k.beta;
+                }
+                for d in 0..hd {
+                    for c in C0..h {
+                        vv[(g * hd + d) * h + c] = r.normal() / (hc as f32).sqrt();
+                    }
+                }
+            }
+            for hh in 0..nh {
+                let g = hh / group;
+                if Some(g) == lang_kv {
+                    let share = k.lang_mix / group as f32;
+                    for d in 0..NL.min(hd) {
+                        o[d * nh * hd + hh * hd + d] = share;
+                    }
+                    continue;
+                }
+                let delta = (hh % group + 1 + (g * group)) as f32;
+                for i in 0..half {
+                    let a = delta * th[i];
+                    q[(hh * hd + i) * h + CONST_DIM] = a.cos() / k.beta;
+                    q[(hh * hd + i + half) * h + CONST_DIM] = -a.sin() / k.beta;
+                }
+                let gain = k.pos_gain / ((hd * nh) as f32).sqrt();
+                for c in C0..h {
+                    for d in 0..hd {
+                        o[c * nh * hd + hh * hd + d] = r.normal() * gain;
+                    }
+                }
+            }
+            v.push((format!("{pre}.self_attn.q_proj.weight"), t(vec![nh * hd, h], q)));
+            v.push((format!("{pre}.self_attn.k_proj.weight"), t(vec![nkv * hd, h], kk)));
+            v.push((format!("{pre}.self_attn.v_proj.weight"), t(vec![nkv * hd, h], vv)));
+            v.push((format!("{pre}.self_attn.o_proj.weight"), t(vec![h, nh * hd], o)));
+
+            // router: per language a core set with skewed preference, plus content
+            let mut r = Rng::derive(seed, &format!("layer{l}.router"));
+            let mut gate = vec![0f32; p.experts * h];
+            for li in 0..NL {
+                let mut ids: Vec<usize> = (0..p.experts).collect();
+                r.shuffle(&mut ids);
+                for (rank, &e) in ids[..p.core].iter().enumerate() {
+                    // Zipf-like decay over the core plus noise
+                    let zipf = -(1.0 + rank as f32).ln() * k.router_skew;
+                    gate[e * h + li] = k.router_core + zipf * 0.5 + r.normal() * 0.1;
+                }
+                for &e in &ids[p.core..] {
+                    gate[e * h + li] = -k.router_core * k.router_tail + r.normal() * 0.1;
+                }
+            }
+            let rs = k.router_content / (hc as f32).sqrt();
+            for e in 0..p.experts {
+                for c in C0..h {
+                    gate[e * h + c] = r.normal() * rs;
+                }
+            }
+            v.push((format!("{pre}.mlp.gate.weight"), t(vec![p.experts, h], gate)));
+
+            // experts
+            for e in 0..p.experts {
+                let mut r = Rng::derive(seed, &format!("layer{l}.expert{e}"));
+                let gs = 1.0 / (h as f32).sqrt();
+                let mut g = normal_vec(&mut r, p.inter * h, gs);
+                let mut u = normal_vec(&mut r, p.inter * h, gs);
+                for row in 0..p.inter {
+                    for c in 0..C0 {
+                        g[row * h + c] = 0.0;
+                        u[row * h + c] = 0.0;
+                    }
+                }
+                let ds = k.expert_gain / (p.inter as f32).sqrt();
+                let mut d = vec![0f32; h * p.inter];
+                for row in C0..h {
+                    for c in 0..p.inter {
+                        d[row * p.inter + c] = r.normal() * ds;
+                    }
+                }
+                let ep = format!("{pre}.mlp.experts.{e}");
+                v.push((format!("{ep}.gate_proj.weight"), t(vec![p.inter, h], g)));
+                v.push((format!("{ep}.up_proj.weight"), t(vec![p.inter, h], u)));
+                v.push((format!("{ep}.down_proj.weight"), t(vec![h, p.inter], d)));
+            }
+            v
+        })
+        .collect();
+    for layer in layers {
+        out.extend(layer);
+    }
+    out
+}
+
+/// Storage type of a written tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreAs {
+    Bf16,
+    F16,
+    F32,
+}
+
+impl StoreAs {
+    fn name(self) -> &'static str {
+        match self {
+            StoreAs::Bf16 => "BF16",
+            StoreAs::F16 => "F16",
+            StoreAs::F32 => "F32",
+        }
+    }
+    fn size(self) -> usize {
+        if self == StoreAs::F32 {
+            4
+        } else {
+            2
+        }
+    }
+}
+
+/// Writes a safetensors file (bf16), tensors in name order, with `format: pt` metadata.
+pub fn write_safetensors(path: &Path, tensors: &BTreeMap<String, (Vec<usize>, Vec<f32>)>) -> Result<()> {
+    write_safetensors_as(path, tensors, StoreAs::Bf16)
+}
+
+/// Writes a safetensors file in the given dtype.
+pub fn write_safetensors_as(path: &Path, tensors: &BTreeMap<String, (Vec<usize>, Vec<f32>)>, dtype: StoreAs) -> Result<()> {
+    let mut header = serde_json::Map::new();
+    header.insert("__metadata__".into(), json!({"format": "pt"}));
+    let mut off = 0usize;
+    for (name, (shape, data)) in tensors {
+        let n = data.len() * dtype.size();
+        header.insert(name.clone(), json!({"dtype": dtype.name(), "shape": shape, "data_offsets": [off, off + n]}));
+        off += n;
+    }
+    let mut hb = serde_json::to_vec(&serde_json::Value::Object(header)).map_err(|e| Error::Json { path: path.into(), reason: e.to_string() })?;
+    while hb.len() % 8 != 0 {
+        hb.push(b' ');
+    }
+    let f = std::fs::File::create(path).map_err(|e| Error::io(path, e))?;
+    let mut w = std::io::BufWriter::with_capacity(1 << 22, f);
+    let io = |e| Error::io(path, e);
+    w.write_all(&(hb.len() as u64).to_le_bytes()).map_err(io)?;
+    w.write_all(&hb).map_err(io)?;
+    let mut buf = Vec::new();
+    for (_, (_, data)) in tensors {
+        buf.clear();
+        buf.reserve(data.len() * dtype.size());
+        for &x in data {
+            match dtype {
+                StoreAs::Bf16 => buf.extend_from_slice(&half::bf16::from_f32(x).to_bits().to_le_bytes()),
+                StoreAs::F16 => buf.extend_from_slice(&half::f16::from_f32(x).to_bits().to_le_bytes()),
+                StoreAs::F32 => buf.extend_from_slice(&x.to_le_bytes()),
+            }
+        }
+        w.write_all(&buf).map_err(io)?;
+    }
+    w.flush().map_err(io)?;
+    Ok(())
+}
+
+const CHAT_TEMPLATE: &str = "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
+
+/// Generates the checkpoint of `preset` into `out` (created), with an all-hot rowmap
+/// placeholder; [`crate::figures`] then measures routing and writes the fitted map.
+pub fn generate(preset: &Preset, seed: u64, out: &Path) -> Result<()> {
+    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+    let texts: Vec<&str> = LANGS.iter().map(|l| l.1).collect();
+    let bpe = bpe::train(&texts, preset.vocab_target);
+    let tok_json = bpe.to_json();
+    let tok_path = out.join("tokenizer.json");
+    std::fs::write(&tok_path, serde_json::to_vec_pretty(&tok_json).unwrap_or_default()).map_err(|e| Error::io(&tok_path, e))?;
+    let tok = tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| Error::Tokenizer { path: tok_path.clone(), reason: e.to_string() })?;
+    let vocab = bpe.len();
+    let lang = token_langs(&token_freqs(&tok, vocab));
+    let theta = 10000.0f32;
+    let eos = (bpe.vocab.len() + 2) as u32; // <|im_end|>
+    let config = json!({
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": vocab,
+        "hidden_size": preset.hidden,
+        "intermediate_size": preset.inter * 4,
+        "moe_intermediate_size": preset.inter,
+        "num_hidden_layers": preset.layers,
+        "num_attention_heads": preset.heads,
+        "num_key_value_heads": preset.kv_heads,
+        "head_dim": preset.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": preset.max_pos,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": theta,
+        "rope_scaling": null,
+        "attention_bias": false,
+        "attention_dropout": 0.0,
+        "use_sliding_window": false,
+        "sliding_window": null,
+        "max_window_layers": preset.layers,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "num_experts": preset.experts,
+        "num_experts_per_tok": preset.topk,
+        "norm_topk_prob": true,
+        "output_router_logits": false,
+        "router_aux_loss_coef": 0.001,
+        "tie_word_embeddings": false,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": bpe.vocab.len(),
+        "eos_token_id": eos,
+        "use_cache": true,
+        "initializer_range": 0.02,
+        "moelane_synthetic": {"preset": preset.name, "seed": seed, "hot": preset.hot}
+    });
+    let cfg_path = out.join("config.json");
+    std::fs::write(&cfg_path, serde_json::to_vec_pretty(&config).unwrap_or_default()).map_err(|e| Error::io(&cfg_path, e))?;
+    let tc = json!({
+        "model_max_length": preset.max_pos,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": null,
+        "chat_template": CHAT_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": false
+    });
+    let tc_path = out.join("tokenizer_config.json");
+    std::fs::write(&tc_path, serde_json::to_vec_pretty(&tc).unwrap_or_default()).map_err(|e| Error::io(&tc_path, e))?;
+    let gc = json!({"bos_token_id": bpe.vocab.len(), "eos_token_id": eos, "do_sample": false});
+    let gc_path = out.join("generation_config.json");
+    std::fs::write(&gc_path, serde_json::to_vec_pretty(&gc).unwrap_or_default()).map_err(|e| Error::io(&gc_path, e))?;
+
+    let tensors = build_tensors(preset, seed, vocab, &lang, theta);
+    let tensors: BTreeMap<String, (Vec<usize>, Vec<f32>)> = tensors.into_iter().map(|(k, t)| (k, (t.shape, t.data))).collect();
+    let st = out.join("model.safetensors");
+    let tmp = out.join("model.safetensors.partial");
+    write_safetensors(&tmp, &tensors)?;
+    std::fs::rename(&tmp, &st).map_err(|e| Error::io(&st, e))?;
+    let labels: Vec<Vec<&str>> = lang.iter().map(|l| l.plausible.iter().map(|&i| LANGS[i].0).collect()).collect();
+    let lp = out.join("moelane_token_languages.json");
+    std::fs::write(&lp, serde_json::to_vec(&labels).unwrap_or_default()).map_err(|e| Error::io(&lp, e))?;
+    Ok(())
+}
+
+/// The rowmap that puts the top `hot` experts per layer (by `counts`) hot; ties to lower id.
+pub fn fit_map(model: &str, counts: &[Vec<u64>], hot: usize) -> Rowmap {
+    Rowmap {
+        version: 1,
+        model: model.into(),
+        epoch: 0,
+        layers: counts
+            .iter()
+            .map(|c| {
+                let mut ids: Vec<u16> = (0..c.len() as u16).collect();
+                ids.sort_by(|&a, &b| c[b as usize].cmp(&c[a as usize]).then(a.cmp(&b)));
+                let mut hot_ids = ids[..hot.min(ids.len())].to_vec();
+                let mut cold = ids[hot.min(ids.len())..].to_vec();
+                hot_ids.sort();
+                cold.sort();
+                LayerMap { hot: hot_ids, cold }
+            })
+            .collect(),
+    }
+}
+
+/// Opens a generated checkpoint's id (for maps).
+pub fn checkpoint_id(dir: &Path) -> Result<String> {
+    Ok(Checkpoint::open(dir)?.id)
+}

@@ -1,0 +1,42 @@
+//! Shared fixtures: the `tiny` checkpoint, generated once per test binary.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use moelane_engine::load::{engine_from, EngineOptions};
+use moelane_engine::model::Engine;
+use moelane_engine::rowmap::Rowmap;
+use moelane_engine::synth::{generate, Preset};
+use moelane_engine::checkpoint::Checkpoint;
+
+/// A fresh directory under the system temp dir (removed by the OS, not by us: tests share it).
+pub fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("moelane-test-{}-{}-{}", name, std::process::id(), rand_suffix()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn rand_suffix() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    N.fetch_add(1, Ordering::Relaxed)
+}
+
+/// The tiny checkpoint (seed 1) with its fitted rowmap.json.
+pub fn tiny() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let d = scratch("tiny");
+        let p = Preset::by_name("tiny").unwrap();
+        generate(&p, 1, &d).unwrap();
+        moelane_engine::figures::measure(&d, p.hot, 64).unwrap();
+        d
+    })
+}
+
+pub fn engine(dir: &Path, map: Option<Rowmap>) -> Engine {
+    let ckpt = Checkpoint::open(dir).unwrap();
+    let map = moelane_engine::load::resolve_map(&ckpt, map).unwrap();
+    engine_from(&ckpt, map, &EngineOptions { kv_tokens: 8192, progress: false }).unwrap()
+}
