@@ -30,8 +30,11 @@ pub struct ExpertBank {
     slot_of: Vec<Vec<Option<u32>>>,
 }
 
+/// Per-thread buffers of an expert's forward: gathered rows, gate|up, activation, output.
+type Scratch = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
+
 thread_local! {
-    static SCRATCH: RefCell<(Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new(), Vec::new(), Vec::new())) };
+    static SCRATCH: RefCell<Scratch> = const { RefCell::new((Vec::new(), Vec::new(), Vec::new(), Vec::new())) };
 }
 
 #[derive(Clone, Copy)]
@@ -40,8 +43,23 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
+impl OutPtr {
+    /// # Safety
+    /// `i` must be inside the buffer the pointer came from.
+    unsafe fn at(self, i: usize) -> *mut f32 {
+        self.0.add(i)
+    }
+}
+
 /// SwiGLU expert on `g` gathered rows: y = down(silu(x·gateᵀ) ⊙ (x·upᵀ)).
-pub fn expert_forward(w: &ExpertWeights, x: &[f32], g: usize, gu: &mut Vec<f32>, act: &mut Vec<f32>, y: &mut [f32]) {
+pub fn expert_forward(
+    w: &ExpertWeights,
+    x: &[f32],
+    g: usize,
+    gu: &mut Vec<f32>,
+    act: &mut Vec<f32>,
+    y: &mut [f32],
+) {
     let inter = w.down.cols;
     gu.resize(g * 2 * inter, 0.0);
     act.resize(g * inter, 0.0);
@@ -70,9 +88,21 @@ impl ExpertBank {
 
     /// Loads the experts the map puts in `tier`, from the checkpoint, in slot order.
     /// `moe_layers[i]` is the decoder layer of the map's layer `i`.
-    pub fn load(ckpt: &Checkpoint, map: &ValidMap, tier: Tier, moe_layers: &[usize], progress: Option<&indicatif::ProgressBar>) -> Result<Self> {
+    pub fn load(
+        ckpt: &Checkpoint,
+        map: &ValidMap,
+        tier: Tier,
+        moe_layers: &[usize],
+        progress: Option<&indicatif::ProgressBar>,
+    ) -> Result<Self> {
         let c = &ckpt.config;
-        let mut bank = Self::empty(tier, map.layers(), c.num_experts, c.hidden_size, c.moe_intermediate_size);
+        let mut bank = Self::empty(
+            tier,
+            map.layers(),
+            c.num_experts,
+            c.hidden_size,
+            c.moe_intermediate_size,
+        );
         for (l, &dl) in moe_layers.iter().enumerate() {
             let list = match tier {
                 Tier::Hot => &map.map.layers[l].hot,
@@ -138,10 +168,21 @@ impl ExpertBank {
 
     /// Computes every pick of `layer`: `acts` holds the rows picks refer to (`[rows, hidden]`),
     /// `out` receives one `hidden`-wide row per pick, in pick order.
-    pub fn compute(&self, layer: usize, picks: &[Pick], acts: &[f32], out: &mut [f32]) -> Result<()> {
+    pub fn compute(
+        &self,
+        layer: usize,
+        picks: &[Pick],
+        acts: &[f32],
+        out: &mut [f32],
+    ) -> Result<()> {
         let h = self.hidden;
         if out.len() < picks.len() * h {
-            return Err(Error::Tier(format!("output buffer holds {} floats, {} picks need {}", out.len(), picks.len(), picks.len() * h)));
+            return Err(Error::Tier(format!(
+                "output buffer holds {} floats, {} picks need {}",
+                out.len(),
+                picks.len(),
+                picks.len() * h
+            )));
         }
         let rows = acts.len() / h.max(1);
         // group picks by expert (stable: pick order within a group)
@@ -161,21 +202,29 @@ impl ExpertBank {
         for &(s, _) in &groups {
             let p = picks[order[s] as usize];
             if self.get(layer, p.expert as usize).is_none() {
-                return Err(Error::NotResident { layer, expert: p.expert as usize, tier: self.tier.name() });
+                return Err(Error::NotResident {
+                    layer,
+                    expert: p.expert as usize,
+                    tier: self.tier.name(),
+                });
             }
         }
         if let Some(bad) = picks.iter().find(|p| p.row as usize >= rows) {
-            return Err(Error::Tier(format!("pick refers to row {} of {} activation rows", bad.row, rows)));
+            return Err(Error::Tier(format!(
+                "pick refers to row {} of {} activation rows",
+                bad.row, rows
+            )));
         }
         let optr = OutPtr(out.as_mut_ptr());
         groups.par_iter().for_each(|&(s, t)| {
-            let optr = optr;
             let idx = &order[s..t];
             let e = picks[idx[0] as usize].expert as usize;
             let Some(w) = self.get(layer, e) else { return };
-            SCRATCH.with(|sc| {
-                let mut sc = sc.borrow_mut();
-                let (x, gu, act, y) = &mut *sc;
+            // Take the buffers out (not a borrow held across the matmuls: rayon may run
+            // another group on this thread while it waits) and put them back after.
+            let mut sc = SCRATCH.with(|sc| std::mem::take(&mut *sc.borrow_mut()));
+            {
+                let (x, gu, act, y) = &mut sc;
                 let g = idx.len();
                 x.resize(g * h, 0.0);
                 for (j, &pi) in idx.iter().enumerate() {
@@ -188,10 +237,15 @@ impl ExpertBank {
                     // SAFETY: pick index pi < picks.len() and out.len() >= picks.len() * h
                     // (checked above); each pick belongs to exactly one group, so rows are disjoint.
                     unsafe {
-                        std::ptr::copy_nonoverlapping(y.as_ptr().add(j * h), optr.0.add(pi as usize * h), h);
+                        std::ptr::copy_nonoverlapping(
+                            y.as_ptr().add(j * h),
+                            optr.at(pi as usize * h),
+                            h,
+                        );
                     }
                 }
-            });
+            }
+            SCRATCH.with(|s| *s.borrow_mut() = sc);
         });
         Ok(())
     }

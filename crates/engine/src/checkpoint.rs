@@ -139,7 +139,10 @@ impl Checkpoint {
         let digest = Sha256::digest(cfg_text.as_bytes());
         let id = format!(
             "qwen3_moe-{}",
-            digest[..8].iter().map(|b| format!("{b:02x}")).collect::<String>()
+            digest[..8]
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<String>()
         );
 
         let index_path = dir.join("model.safetensors.index.json");
@@ -148,11 +151,10 @@ impl Checkpoint {
         if index_path.exists() {
             let text =
                 std::fs::read_to_string(&index_path).map_err(|e| Error::io(&index_path, e))?;
-            let v: serde_json::Value =
-                serde_json::from_str(&text).map_err(|e| Error::Json {
-                    path: index_path.clone(),
-                    reason: e.to_string(),
-                })?;
+            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Json {
+                path: index_path.clone(),
+                reason: e.to_string(),
+            })?;
             let wm = v
                 .get("weight_map")
                 .and_then(|m| m.as_object())
@@ -226,6 +228,13 @@ impl Checkpoint {
         })
     }
 
+    /// Every tensor name, sorted.
+    pub fn tensor_names(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.index.keys().cloned().collect();
+        v.sort();
+        v
+    }
+
     pub fn has(&self, name: &str) -> bool {
         self.index.contains_key(name)
     }
@@ -260,7 +269,9 @@ impl Checkpoint {
         if e < s || base + e > f.map.len() || e - s != numel * size {
             return Err(Error::BadSafetensors {
                 file: f.path.clone(),
-                reason: format!("tensor `{name}`: data offsets {s}..{e} do not fit its shape or the file"),
+                reason: format!(
+                    "tensor `{name}`: data offsets {s}..{e} do not fit its shape or the file"
+                ),
             });
         }
         Ok(RawTensor {
@@ -307,7 +318,11 @@ impl Checkpoint {
                 let raw = self.raw(&t)?;
                 self.check_shape(&raw, &t, &[i, h])?;
                 hasher.update(raw.bytes);
-                to_f32(raw.dtype, raw.bytes, &mut gate_up[k * i * h..(k + 1) * i * h]);
+                to_f32(
+                    raw.dtype,
+                    raw.bytes,
+                    &mut gate_up[k * i * h..(k + 1) * i * h],
+                );
             }
             let t = format!("{p}.{e}.down_proj.weight");
             let raw = self.raw(&t)?;

@@ -120,7 +120,11 @@ impl ModelConfig {
             reason: reason.into(),
         };
         if raw.attention_bias == Some(true) {
-            return Err(bad("attention_bias", "true".into(), "qwen3_moe has no attention bias; not supported"));
+            return Err(bad(
+                "attention_bias",
+                "true".into(),
+                "qwen3_moe has no attention bias; not supported",
+            ));
         }
         if let Some(act) = &raw.hidden_act {
             if act != "silu" {
@@ -128,15 +132,27 @@ impl ModelConfig {
             }
         }
         if raw.use_sliding_window == Some(true) {
-            return Err(bad("use_sliding_window", "true".into(), "sliding-window attention is not supported"));
+            return Err(bad(
+                "use_sliding_window",
+                "true".into(),
+                "sliding-window attention is not supported",
+            ));
         }
         // rope_scaling / rope_parameters with a type other than default are not supported.
         let rope_params = raw.rope_parameters.as_ref().or(raw.rope_scaling.as_ref());
         let mut rope_theta = raw.rope_theta;
         if let Some(Value::Object(p)) = rope_params {
-            if let Some(t) = p.get("rope_type").or_else(|| p.get("type")).and_then(|t| t.as_str()) {
+            if let Some(t) = p
+                .get("rope_type")
+                .or_else(|| p.get("type"))
+                .and_then(|t| t.as_str())
+            {
                 if t != "default" {
-                    return Err(bad("rope_parameters.rope_type", t.into(), "only default RoPE is supported"));
+                    return Err(bad(
+                        "rope_parameters.rope_type",
+                        t.into(),
+                        "only default RoPE is supported",
+                    ));
                 }
             }
             if rope_theta.is_none() {
@@ -221,7 +237,8 @@ impl ModelConfig {
         if self.vocab_size > u32::MAX as usize / 2 {
             return bad("vocab_size", self.vocab_size, "too large");
         }
-        if (0..self.num_hidden_layers).any(|l| !self.is_moe_layer(l)) && self.intermediate_size == 0 {
+        if (0..self.num_hidden_layers).any(|l| !self.is_moe_layer(l)) && self.intermediate_size == 0
+        {
             return bad(
                 "intermediate_size",
                 0,
@@ -315,13 +332,19 @@ mod tests {
         v["num_experts_per_tok"] = 9.into();
         assert!(matches!(
             ModelConfig::from_json_str(&v.to_string(), p),
-            Err(Error::Config { field: "num_experts_per_tok", .. })
+            Err(Error::Config {
+                field: "num_experts_per_tok",
+                ..
+            })
         ));
         let mut v = base();
         v["num_key_value_heads"] = 3.into();
         assert!(matches!(
             ModelConfig::from_json_str(&v.to_string(), p),
-            Err(Error::Config { field: "num_key_value_heads", .. })
+            Err(Error::Config {
+                field: "num_key_value_heads",
+                ..
+            })
         ));
         assert!(matches!(
             ModelConfig::from_json_str("{not json", p),

@@ -55,11 +55,17 @@ fn fresh_counts(e: &Engine) -> Vec<Vec<u64>> {
 }
 
 fn diff(a: &[Vec<u64>], b: &[Vec<u64>]) -> Vec<Vec<u64>> {
-    a.iter().zip(b).map(|(x, y)| x.iter().zip(y).map(|(p, q)| p - q).collect()).collect()
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| x.iter().zip(y).map(|(p, q)| p - q).collect())
+        .collect()
 }
 
 fn add(a: &[Vec<u64>], b: &[Vec<u64>]) -> Vec<Vec<u64>> {
-    a.iter().zip(b).map(|(x, y)| x.iter().zip(y).map(|(p, q)| p + q).collect()).collect()
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| x.iter().zip(y).map(|(p, q)| p + q).collect())
+        .collect()
 }
 
 /// Runs the measurement on a checkpoint directory; writes `rowmap.json` (fitted on English)
@@ -73,8 +79,20 @@ pub fn measure(dir: &Path, hot: usize, answer_len: usize) -> Result<GenReport> {
         .unwrap_or_default();
     let c = ckpt.config.clone();
     let layers = c.moe_layers().len();
-    let all_hot = Rowmap::all_hot(&ckpt.id, layers, c.num_experts).validate(&ckpt.id, layers, c.num_experts, None)?;
-    let mut eng = engine_from(&ckpt, all_hot, &EngineOptions { kv_tokens: 1 << 14, progress: false })?;
+    let all_hot = Rowmap::all_hot(&ckpt.id, layers, c.num_experts).validate(
+        &ckpt.id,
+        layers,
+        c.num_experts,
+        None,
+    )?;
+    let mut eng = engine_from(
+        &ckpt,
+        all_hot,
+        &EngineOptions {
+            kv_tokens: 1 << 14,
+            progress: false,
+        },
+    )?;
 
     let mut prefill = Vec::new();
     let mut decode = Vec::new();
@@ -87,7 +105,10 @@ pub fn measure(dir: &Path, hot: usize, answer_len: usize) -> Result<GenReport> {
             let ids = tok.encode(p)?;
             ntok += ids.len();
             let mut seq = eng.kv.new_seq();
-            eng.step(&mut [SeqStep { kv: &mut seq, tokens: &ids }])?;
+            eng.step(&mut [SeqStep {
+                kv: &mut seq,
+                tokens: &ids,
+            }])?;
         }
         let mid = fresh_counts(&eng);
         let prompt = tok.encode(ps[0])?;
@@ -96,14 +117,21 @@ pub fn measure(dir: &Path, hot: usize, answer_len: usize) -> Result<GenReport> {
         // the greedy call also prefilled the prompt once: remove it from decode counts
         let mut seq = eng.kv.new_seq();
         let b2 = fresh_counts(&eng);
-        eng.step(&mut [SeqStep { kv: &mut seq, tokens: &prompt }])?;
+        eng.step(&mut [SeqStep {
+            kv: &mut seq,
+            tokens: &prompt,
+        }])?;
         let prompt_counts = diff(&fresh_counts(&eng), &b2);
         prefill.push((diff(&mid, &before), ntok));
         decode.push(diff(&diff(&after, &mid), &prompt_counts));
         answers.push(ans);
     }
     let model = ckpt.id.clone();
-    let total: Vec<Vec<Vec<u64>>> = prefill.iter().zip(&decode).map(|((p, _), d)| add(p, d)).collect();
+    let total: Vec<Vec<Vec<u64>>> = prefill
+        .iter()
+        .zip(&decode)
+        .map(|((p, _), d)| add(p, d))
+        .collect();
     let en_map = fit_map(&model, &total[0], hot).validate(&model, layers, c.num_experts, None)?;
     let mut langs = Vec::new();
     for (li, (name, _)) in LANGS.iter().enumerate() {
@@ -112,8 +140,19 @@ pub fn measure(dir: &Path, hot: usize, answer_len: usize) -> Result<GenReport> {
         let mut distinct = ans.clone();
         distinct.sort();
         distinct.dedup();
-        let in_lang = ans.iter().filter(|&&t| labels.get(t as usize).is_some_and(|l| l.iter().any(|x| x == name))).count();
-        let min_experts = decode[li].iter().map(|l| l.iter().filter(|&&n| n > 0).count()).min().unwrap_or(0);
+        let in_lang = ans
+            .iter()
+            .filter(|&&t| {
+                labels
+                    .get(t as usize)
+                    .is_some_and(|l| l.iter().any(|x| x == name))
+            })
+            .count();
+        let min_experts = decode[li]
+            .iter()
+            .map(|l| l.iter().filter(|&&n| n > 0).count())
+            .min()
+            .unwrap_or(0);
         langs.push(LangFigures {
             lang: name.to_string(),
             prompts: prompts(li).len(),
@@ -150,15 +189,30 @@ impl GenReport {
     pub fn table(&self) -> String {
         let mut s = format!(
             "{:<5} {:>8} {:>8} {:>9} {:>9} {:>9} {:>9} {:>8} {:>7} {:>8}\n",
-            "lang", "prefill", "decode", "cold@en", "cold@own", "dcold@en", "dcold@own", "distinct", "inlang", "experts"
+            "lang",
+            "prefill",
+            "decode",
+            "cold@en",
+            "cold@own",
+            "dcold@en",
+            "dcold@own",
+            "distinct",
+            "inlang",
+            "experts"
         );
         for l in &self.langs {
             s += &format!(
                 "{:<5} {:>8} {:>8} {:>8.1}% {:>8.2}% {:>8.1}% {:>8.2}% {:>8} {:>6.0}% {:>8}\n",
-                l.lang, l.prefill_tokens, l.decode_tokens,
-                100.0 * l.cold_share_en_map, 100.0 * l.cold_share_own_map,
-                100.0 * l.decode_cold_share_en_map, 100.0 * l.decode_cold_share_own_map,
-                l.answer_distinct_tokens, 100.0 * l.answer_in_language, l.answer_min_distinct_experts
+                l.lang,
+                l.prefill_tokens,
+                l.decode_tokens,
+                100.0 * l.cold_share_en_map,
+                100.0 * l.cold_share_own_map,
+                100.0 * l.decode_cold_share_en_map,
+                100.0 * l.decode_cold_share_own_map,
+                l.answer_distinct_tokens,
+                100.0 * l.answer_in_language,
+                l.answer_min_distinct_experts
             );
         }
         s += &format!(

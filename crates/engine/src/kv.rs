@@ -36,7 +36,7 @@ pub struct SeqKv {
 impl Drop for SeqKv {
     fn drop(&mut self) {
         if let Ok(mut f) = self.free.lock() {
-            f.free.extend(self.blocks.drain(..));
+            f.free.append(&mut self.blocks);
         }
     }
 }

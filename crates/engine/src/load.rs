@@ -26,7 +26,10 @@ pub struct EngineOptions {
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        EngineOptions { kv_tokens: 16384, progress: false }
+        EngineOptions {
+            kv_tokens: 16384,
+            progress: false,
+        }
     }
 }
 
@@ -61,7 +64,12 @@ pub fn engine_from(ckpt: &Checkpoint, map: ValidMap, opts: &EngineOptions) -> Re
     let total = (moe.len() * c.num_experts) as u64;
     let pb = (opts.progress && ckpt.total_bytes() > (64 << 20)).then(|| {
         let pb = ProgressBar::new(total);
-        pb.set_style(ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} experts ({elapsed})").unwrap_or_else(|_| ProgressStyle::default_bar()));
+        pb.set_style(
+            ProgressStyle::with_template(
+                "loading {msg} [{bar:30}] {pos}/{len} experts ({elapsed})",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
         pb.set_message(ckpt.dir.display().to_string());
         pb.enable_steady_tick(Duration::from_millis(200));
         pb
@@ -75,10 +83,20 @@ pub fn engine_from(ckpt: &Checkpoint, map: ValidMap, opts: &EngineOptions) -> Re
     let any_cold = map.map.layers.iter().any(|l| !l.cold.is_empty());
     let epoch = map.epoch();
     let cold: Option<Box<dyn crate::tier::RemoteTier>> = if any_cold {
-        Some(Box::new(InProcessTier::spawn(Box::new(FixedBank { bank: cold_bank, epoch }))))
+        Some(Box::new(InProcessTier::spawn(Box::new(FixedBank {
+            bank: cold_bank,
+            epoch,
+        }))))
     } else {
         None
     };
     let blocks = KvCache::blocks_for(opts.kv_tokens.max(BLOCK));
-    Ok(Engine::new(c.clone(), Box::new(CpuDense::new(c, dense)), hot, cold, map, blocks))
+    Ok(Engine::new(
+        c.clone(),
+        Box::new(CpuDense::new(c, dense)),
+        hot,
+        cold,
+        map,
+        blocks,
+    ))
 }

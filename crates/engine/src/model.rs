@@ -58,13 +58,23 @@ impl DenseWeights {
             qkv.extend_from_slice(&k);
             qkv.extend_from_slice(&v);
             let (router, dense_mlp) = if c.is_moe_layer(l) {
-                (Some(ckpt.matrix(&format!("{p}.mlp.gate.weight"), c.num_experts, h)?), None)
+                (
+                    Some(ckpt.matrix(&format!("{p}.mlp.gate.weight"), c.num_experts, h)?),
+                    None,
+                )
             } else {
                 let i = c.intermediate_size;
                 let mut gu = ckpt.tensor(&format!("{p}.mlp.gate_proj.weight"), &[i, h])?;
                 gu.extend(ckpt.tensor(&format!("{p}.mlp.up_proj.weight"), &[i, h])?);
                 let down = ckpt.matrix(&format!("{p}.mlp.down_proj.weight"), h, i)?;
-                (None, Some(ExpertWeights { gate_up: Matrix::new(2 * i, h, gu), down, checksum: 0 }))
+                (
+                    None,
+                    Some(ExpertWeights {
+                        gate_up: Matrix::new(2 * i, h, gu),
+                        down,
+                        checksum: 0,
+                    }),
+                )
             };
             layers.push(LayerWeights {
                 input_norm: ckpt.tensor(&format!("{p}.input_layernorm.weight"), &[h])?,
@@ -83,7 +93,12 @@ impl DenseWeights {
         } else {
             None
         };
-        Ok(DenseWeights { embed, layers, norm, lm_head })
+        Ok(DenseWeights {
+            embed,
+            layers,
+            norm,
+            lm_head,
+        })
     }
 
     /// Bytes of dense weights one decode token reads (all but the embedding table: one row).
@@ -111,7 +126,14 @@ pub trait DenseBackend: Send {
     /// x = embedding rows of `tokens`.
     fn embed(&self, tokens: &[u32], x: &mut [f32]) -> Result<()>;
     /// x += attention(input_norm(x)) of decoder layer `layer`, writing K/V of every row.
-    fn attention(&mut self, layer: usize, rows: &[RowPos], seqs: &[&SeqKv], kv: &mut KvCache, x: &mut [f32]) -> Result<()>;
+    fn attention(
+        &mut self,
+        layer: usize,
+        rows: &[RowPos],
+        seqs: &[&SeqKv],
+        kv: &mut KvCache,
+        x: &mut [f32],
+    ) -> Result<()>;
     /// h = post_norm(x); router probabilities `[rows, E]` (softmax of the gate logits).
     fn route(&mut self, layer: usize, x: &[f32], h: &mut [f32], probs: &mut [f32]) -> Result<()>;
     /// x += dense MLP(post_norm(x)) for non-MoE layers.
@@ -135,8 +157,20 @@ pub struct CpuDense {
 
 impl CpuDense {
     pub fn new(cfg: ModelConfig, w: DenseWeights) -> Self {
-        let rope = Rope::new(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings.min(1 << 16));
-        CpuDense { cfg, w, rope, h: Vec::new(), qkv: Vec::new(), att: Vec::new(), tmp: Vec::new() }
+        let rope = Rope::new(
+            cfg.head_dim,
+            cfg.rope_theta,
+            cfg.max_position_embeddings.min(1 << 16),
+        );
+        CpuDense {
+            cfg,
+            w,
+            rope,
+            h: Vec::new(),
+            qkv: Vec::new(),
+            att: Vec::new(),
+            tmp: Vec::new(),
+        }
     }
 }
 
@@ -149,16 +183,31 @@ impl DenseBackend for CpuDense {
         let h = self.cfg.hidden_size;
         for (i, &t) in tokens.iter().enumerate() {
             if t as usize >= self.cfg.vocab_size {
-                return Err(Error::BadToken { id: t, vocab: self.cfg.vocab_size });
+                return Err(Error::BadToken {
+                    id: t,
+                    vocab: self.cfg.vocab_size,
+                });
             }
             x[i * h..(i + 1) * h].copy_from_slice(self.w.embed.row(t as usize));
         }
         Ok(())
     }
 
-    fn attention(&mut self, layer: usize, rows: &[RowPos], seqs: &[&SeqKv], kv: &mut KvCache, x: &mut [f32]) -> Result<()> {
+    fn attention(
+        &mut self,
+        layer: usize,
+        rows: &[RowPos],
+        seqs: &[&SeqKv],
+        kv: &mut KvCache,
+        x: &mut [f32],
+    ) -> Result<()> {
         let c = &self.cfg;
-        let (hd, nh, nkv, hs) = (c.head_dim, c.num_attention_heads, c.num_key_value_heads, c.hidden_size);
+        let (hd, nh, nkv, hs) = (
+            c.head_dim,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.hidden_size,
+        );
         let (qd, kvd) = (c.q_dim(), c.kv_dim());
         let n = rows.len();
         let lw = &self.w.layers[layer];
@@ -172,7 +221,10 @@ impl DenseBackend for CpuDense {
         // q/k norm, RoPE, and K/V into the cache
         for (i, rp) in rows.iter().enumerate() {
             if rp.pos >= self.rope.max_pos {
-                return Err(Error::ContextOverflow { len: rp.pos + 1, max: self.rope.max_pos });
+                return Err(Error::ContextOverflow {
+                    len: rp.pos + 1,
+                    max: self.rope.max_pos,
+                });
             }
             let row = &mut self.qkv[i * stride..(i + 1) * stride];
             let (q, rest) = row.split_at_mut(qd);
@@ -194,28 +246,31 @@ impl DenseBackend for CpuDense {
         let group = nh / nkv;
         let (kc, vc) = (&kv.k[layer], &kv.v[layer]);
         let qkv = &self.qkv;
-        self.att.par_chunks_mut(qd).enumerate().for_each(|(i, out)| {
-            let rp = rows[i];
-            let seq = seqs[rp.seq];
-            let mut scores = vec![0f32; rp.pos + 1];
-            for hh in 0..nh {
-                let g = hh / group;
-                let q = &qkv[i * stride + hh * hd..i * stride + (hh + 1) * hd];
-                for (j, s) in scores.iter_mut().enumerate() {
-                    let off = seq.offset(j, kvd) + g * hd;
-                    *s = ops::dot(q, &kc[off..off + hd]) * scale;
-                }
-                ops::softmax(&mut scores);
-                let o = &mut out[hh * hd..(hh + 1) * hd];
-                o.fill(0.0);
-                for (j, &p) in scores.iter().enumerate() {
-                    let off = seq.offset(j, kvd) + g * hd;
-                    for (od, &vd) in o.iter_mut().zip(&vc[off..off + hd]) {
-                        *od += p * vd;
+        self.att
+            .par_chunks_mut(qd)
+            .enumerate()
+            .for_each(|(i, out)| {
+                let rp = rows[i];
+                let seq = seqs[rp.seq];
+                let mut scores = vec![0f32; rp.pos + 1];
+                for hh in 0..nh {
+                    let g = hh / group;
+                    let q = &qkv[i * stride + hh * hd..i * stride + (hh + 1) * hd];
+                    for (j, s) in scores.iter_mut().enumerate() {
+                        let off = seq.offset(j, kvd) + g * hd;
+                        *s = ops::dot(q, &kc[off..off + hd]) * scale;
+                    }
+                    ops::softmax(&mut scores);
+                    let o = &mut out[hh * hd..(hh + 1) * hd];
+                    o.fill(0.0);
+                    for (j, &p) in scores.iter().enumerate() {
+                        let off = seq.offset(j, kvd) + g * hd;
+                        for (od, &vd) in o.iter_mut().zip(&vc[off..off + hd]) {
+                            *od += p * vd;
+                        }
                     }
                 }
-            }
-        });
+            });
         matmul(&self.att, n, &lw.o, &mut self.tmp);
         for (xv, t) in x[..n * hs].iter_mut().zip(&self.tmp) {
             *xv += t;
@@ -227,7 +282,10 @@ impl DenseBackend for CpuDense {
         let c = &self.cfg;
         let n = x.len() / c.hidden_size;
         let lw = &self.w.layers[layer];
-        let router = lw.router.as_ref().ok_or_else(|| Error::Tier(format!("layer {layer} is not a MoE layer")))?;
+        let router = lw
+            .router
+            .as_ref()
+            .ok_or_else(|| Error::Tier(format!("layer {layer} is not a MoE layer")))?;
         rmsnorm(x, &lw.post_norm, c.rms_norm_eps, h);
         matmul(h, n, router, probs);
         for p in probs[..n * c.num_experts].chunks_exact_mut(c.num_experts) {
@@ -241,7 +299,10 @@ impl DenseBackend for CpuDense {
         let hs = c.hidden_size;
         let n = x.len() / hs;
         let lw = &self.w.layers[layer];
-        let mlp = lw.dense_mlp.as_ref().ok_or_else(|| Error::Tier(format!("layer {layer} has no dense MLP")))?;
+        let mlp = lw
+            .dense_mlp
+            .as_ref()
+            .ok_or_else(|| Error::Tier(format!("layer {layer} has no dense MLP")))?;
         self.h.resize(n * hs, 0.0);
         self.tmp.resize(n * hs, 0.0);
         rmsnorm(x, &lw.post_norm, c.rms_norm_eps, &mut self.h);
@@ -257,7 +318,12 @@ impl DenseBackend for CpuDense {
         let hs = self.cfg.hidden_size;
         self.h.resize(rows.len() * hs, 0.0);
         for (i, &r) in rows.iter().enumerate() {
-            rmsnorm(&x[r * hs..(r + 1) * hs], &self.w.norm, self.cfg.rms_norm_eps, &mut self.h[i * hs..(i + 1) * hs]);
+            rmsnorm(
+                &x[r * hs..(r + 1) * hs],
+                &self.w.norm,
+                self.cfg.rms_norm_eps,
+                &mut self.h[i * hs..(i + 1) * hs],
+            );
         }
         let head = self.w.lm_head.as_ref().unwrap_or(&self.w.embed);
         matmul(&self.h, rows.len(), head, out);
@@ -280,6 +346,8 @@ pub struct Counters {
     pub wait_ns: Vec<u64>,
     pub steps: u64,
     pub tokens: u64,
+    /// Expert weight loads: distinct experts computed per layer per step, summed.
+    pub expert_loads: u64,
 }
 
 impl Counters {
@@ -291,6 +359,7 @@ impl Counters {
             wait_ns: vec![0; layers],
             steps: 0,
             tokens: 0,
+            expert_loads: 0,
         }
     }
 }
@@ -320,7 +389,14 @@ pub struct Engine {
 }
 
 impl Engine {
-    pub fn new(cfg: ModelConfig, dense: Box<dyn DenseBackend>, hot: ExpertBank, cold: Option<Box<dyn RemoteTier>>, map: ValidMap, kv_blocks: usize) -> Self {
+    pub fn new(
+        cfg: ModelConfig,
+        dense: Box<dyn DenseBackend>,
+        hot: ExpertBank,
+        cold: Option<Box<dyn RemoteTier>>,
+        map: ValidMap,
+        kv_blocks: usize,
+    ) -> Self {
         let moe = cfg.moe_layers();
         let mut moe_of_layer = vec![None; cfg.num_hidden_layers];
         for (i, &l) in moe.iter().enumerate() {
@@ -328,7 +404,22 @@ impl Engine {
         }
         let kv = KvCache::new(cfg.num_hidden_layers, cfg.kv_dim(), kv_blocks);
         let counters = Counters::new(moe.len(), cfg.num_experts);
-        Engine { cfg, dense, hot, cold, map, kv, counters, moe_of_layer, step_no: 0, x: Vec::new(), h: Vec::new(), probs: Vec::new(), hot_out: Vec::new(), combined: Vec::new() }
+        Engine {
+            cfg,
+            dense,
+            hot,
+            cold,
+            map,
+            kv,
+            counters,
+            moe_of_layer,
+            step_no: 0,
+            x: Vec::new(),
+            h: Vec::new(),
+            probs: Vec::new(),
+            hot_out: Vec::new(),
+            combined: Vec::new(),
+        }
     }
 
     /// Runs one step; returns logits `[seqs.len(), vocab]` of each sequence's last new token.
@@ -345,7 +436,10 @@ impl Engine {
         for s in seqs.iter_mut() {
             let new_len = s.kv.len + s.tokens.len();
             if new_len > max_ctx {
-                return Err(Error::ContextOverflow { len: new_len, max: max_ctx });
+                return Err(Error::ContextOverflow {
+                    len: new_len,
+                    max: max_ctx,
+                });
             }
         }
         for s in seqs.iter_mut() {
@@ -357,7 +451,10 @@ impl Engine {
         let mut last_rows = Vec::new();
         for (si, s) in seqs.iter().enumerate() {
             for (j, &t) in s.tokens.iter().enumerate() {
-                rows.push(RowPos { seq: si, pos: s.kv.len + j });
+                rows.push(RowPos {
+                    seq: si,
+                    pos: s.kv.len + j,
+                });
                 tokens.push(t);
             }
             if !s.tokens.is_empty() {
@@ -372,7 +469,8 @@ impl Engine {
         self.dense.embed(&tokens, &mut self.x)?;
         let seq_refs: Vec<&SeqKv> = seqs.iter().map(|s| &*s.kv).collect();
         for l in 0..c.num_hidden_layers {
-            self.dense.attention(l, &rows, &seq_refs, &mut self.kv, &mut self.x[..n * hs])?;
+            self.dense
+                .attention(l, &rows, &seq_refs, &mut self.kv, &mut self.x[..n * hs])?;
             match self.moe_of_layer[l] {
                 Some(ml) => self.moe_layer(l, ml, n)?,
                 None => self.dense.dense_mlp(l, &mut self.x[..n * hs])?,
@@ -391,10 +489,15 @@ impl Engine {
     }
 
     fn moe_layer(&mut self, layer: usize, ml: usize, n: usize) -> Result<()> {
-        let (hs, ne, k) = (self.cfg.hidden_size, self.cfg.num_experts, self.cfg.num_experts_per_tok);
+        let (hs, ne, k) = (
+            self.cfg.hidden_size,
+            self.cfg.num_experts,
+            self.cfg.num_experts_per_tok,
+        );
         self.h.resize(n * hs, 0.0);
         self.probs.resize(n * ne, 0.0);
-        self.dense.route(layer, &self.x[..n * hs], &mut self.h, &mut self.probs)?;
+        self.dense
+            .route(layer, &self.x[..n * hs], &mut self.h, &mut self.probs)?;
         // top-k per row, in rank order
         let mut top = Vec::with_capacity(k);
         let mut experts = vec![0u16; n * k];
@@ -426,7 +529,10 @@ impl Engine {
                 self.counters.picks[ml][e as usize] += 1;
                 match self.map.tier(ml, e as usize) {
                     Tier::Hot => {
-                        hot_picks.push(Pick { row: r as u32, expert: e });
+                        hot_picks.push(Pick {
+                            row: r as u32,
+                            expert: e,
+                        });
                         hot_idx.push(r * k + j);
                     }
                     Tier::Cold => {
@@ -434,43 +540,78 @@ impl Engine {
                             cold_row_of[r] = cold_rows.len() as u32;
                             cold_rows.push(r as u32);
                         }
-                        cold_picks.push(Pick { row: cold_row_of[r], expert: e });
+                        cold_picks.push(Pick {
+                            row: cold_row_of[r],
+                            expert: e,
+                        });
                         cold_idx.push(r * k + j);
                     }
                 }
+            }
+        }
+        let mut seen = vec![false; ne];
+        for &e in &experts {
+            if !seen[e as usize] {
+                seen[e as usize] = true;
+                self.counters.expert_loads += 1;
             }
         }
         self.counters.hot_picks[ml] += hot_picks.len() as u64;
         self.counters.cold_picks[ml] += cold_picks.len() as u64;
         let sent = !cold_picks.is_empty();
         if sent {
-            let cold = self.cold.as_mut().ok_or_else(|| Error::Tier(format!("layer {ml}: {} cold picks but no cold tier is attached", cold_picks.len())))?;
+            let cold = self.cold.as_mut().ok_or_else(|| {
+                Error::Tier(format!(
+                    "layer {ml}: {} cold picks but no cold tier is attached",
+                    cold_picks.len()
+                ))
+            })?;
             let mut acts = Vec::with_capacity(cold_rows.len() * hs);
             for &r in &cold_rows {
                 acts.extend_from_slice(&self.h[r as usize * hs..(r as usize + 1) * hs]);
             }
-            cold.send(ColdRequest { step: self.step_no, layer: ml as u32, epoch: self.map.epoch(), picks: cold_picks, activations: acts })?;
+            cold.send(ColdRequest {
+                step: self.step_no,
+                layer: ml as u32,
+                epoch: self.map.epoch(),
+                picks: cold_picks,
+                activations: acts,
+            })?;
         }
         self.hot_out.resize(hot_picks.len() * hs, 0.0);
-        self.hot.compute(ml, &hot_picks, &self.h, &mut self.hot_out)?;
+        self.hot
+            .compute(ml, &hot_picks, &self.h, &mut self.hot_out)?;
         // gather every pick's output row into rank order
         self.combined.resize(n * k * hs, 0.0);
         for (i, &slot) in hot_idx.iter().enumerate() {
-            self.combined[slot * hs..(slot + 1) * hs].copy_from_slice(&self.hot_out[i * hs..(i + 1) * hs]);
+            self.combined[slot * hs..(slot + 1) * hs]
+                .copy_from_slice(&self.hot_out[i * hs..(i + 1) * hs]);
         }
         if sent {
             let t0 = Instant::now();
-            let cold = self.cold.as_mut().ok_or_else(|| Error::Tier("cold tier vanished".into()))?;
+            let cold = self
+                .cold
+                .as_mut()
+                .ok_or_else(|| Error::Tier("cold tier vanished".into()))?;
             let reply = cold.recv()?;
             self.counters.wait_ns[ml] += t0.elapsed().as_nanos() as u64;
-            if reply.step != self.step_no || reply.layer != ml as u32 || reply.epoch != self.map.epoch() {
+            if reply.step != self.step_no
+                || reply.layer != ml as u32
+                || reply.epoch != self.map.epoch()
+            {
                 return Err(Error::Tier(format!("cold reply for step {} layer {} epoch {}, expected step {} layer {ml} epoch {}", reply.step, reply.layer, reply.epoch, self.step_no, self.map.epoch())));
             }
             if reply.outputs.len() != cold_idx.len() * hs {
-                return Err(Error::Tier(format!("cold reply has {} floats, {} picks need {}", reply.outputs.len(), cold_idx.len(), cold_idx.len() * hs)));
+                return Err(Error::Tier(format!(
+                    "cold reply has {} floats, {} picks need {}",
+                    reply.outputs.len(),
+                    cold_idx.len(),
+                    cold_idx.len() * hs
+                )));
             }
             for (i, &slot) in cold_idx.iter().enumerate() {
-                self.combined[slot * hs..(slot + 1) * hs].copy_from_slice(&reply.outputs[i * hs..(i + 1) * hs]);
+                self.combined[slot * hs..(slot + 1) * hs]
+                    .copy_from_slice(&reply.outputs[i * hs..(i + 1) * hs]);
             }
         }
         // combine in router-rank order, then the residual
@@ -495,14 +636,20 @@ impl Engine {
     pub fn greedy(&mut self, prompt: &[u32], max_new: usize) -> Result<Vec<u32>> {
         let mut seq = self.kv.new_seq();
         let mut out = Vec::with_capacity(max_new);
-        let mut logits = self.step(&mut [SeqStep { kv: &mut seq, tokens: prompt }])?;
+        let mut logits = self.step(&mut [SeqStep {
+            kv: &mut seq,
+            tokens: prompt,
+        }])?;
         for _ in 0..max_new {
             let t = crate::sampling::argmax(&logits) as u32;
             out.push(t);
             if out.len() == max_new {
                 break;
             }
-            logits = self.step(&mut [SeqStep { kv: &mut seq, tokens: &[t] }])?;
+            logits = self.step(&mut [SeqStep {
+                kv: &mut seq,
+                tokens: &[t],
+            }])?;
         }
         Ok(out)
     }

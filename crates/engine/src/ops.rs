@@ -70,7 +70,15 @@ fn dot_body<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
 
 /// y[i, o] = dot(x[i], w[o]) for rows `o in o0..o1`, written at `y[i * ldy + o]`.
 #[inline(always)]
-fn block_body<const FMA: bool>(x: &[f32], n: usize, w: &Matrix, o0: usize, o1: usize, y: SyncPtr, ldy: usize) {
+fn block_body<const FMA: bool>(
+    x: &[f32],
+    n: usize,
+    w: &Matrix,
+    o0: usize,
+    o1: usize,
+    y: SyncPtr,
+    ldy: usize,
+) {
     let k = w.cols;
     for o in o0..o1 {
         let wr = &w.data[o * k..(o + 1) * k];

@@ -86,6 +86,9 @@ mod tests {
         let var = va.iter().map(|x| (x - mean) * (x - mean)).sum::<f32>() / va.len() as f32;
         assert!(mean.abs() < 0.05, "mean {mean}");
         assert!((var - 1.0).abs() < 0.05, "var {var}");
-        assert_ne!(Rng::derive(7, "y").next_u64(), Rng::derive(7, "x").next_u64());
+        assert_ne!(
+            Rng::derive(7, "y").next_u64(),
+            Rng::derive(7, "x").next_u64()
+        );
     }
 }

@@ -81,16 +81,22 @@ impl Rowmap {
             path: path.into(),
             reason: e.to_string(),
         })?;
-        let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let dir = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
         let tmp = dir.join(format!(
             ".{}.tmp{}",
-            path.file_name().map(|s| s.to_string_lossy()).unwrap_or_default(),
+            path.file_name()
+                .map(|s| s.to_string_lossy())
+                .unwrap_or_default(),
             std::process::id()
         ));
         {
             use std::io::Write;
             let mut f = std::fs::File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
-            f.write_all(text.as_bytes()).map_err(|e| Error::io(&tmp, e))?;
+            f.write_all(text.as_bytes())
+                .map_err(|e| Error::io(&tmp, e))?;
             f.sync_all().map_err(|e| Error::io(&tmp, e))?;
         }
         std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))?;
@@ -322,7 +328,10 @@ mod tests {
         let dup = m.layers[0].hot[0];
         m.layers[0].cold[0] = dup;
         let e = err(m);
-        assert!(e.contains("layer 0") && e.contains(&format!("expert {dup} is listed twice")), "{e}");
+        assert!(
+            e.contains("layer 0") && e.contains(&format!("expert {dup} is listed twice")),
+            "{e}"
+        );
 
         let mut m = ok.clone();
         m.layers[0].cold.pop();
@@ -333,10 +342,18 @@ mod tests {
         assert!(err(m).contains("1 layers"));
 
         let m = ok.clone();
-        assert!(m.validate("other", 2, 8, None).unwrap_err().to_string().contains("model"));
+        assert!(m
+            .validate("other", 2, 8, None)
+            .unwrap_err()
+            .to_string()
+            .contains("model"));
 
         let m = ok.clone();
-        assert!(m.validate("m", 2, 8, Some(4)).unwrap_err().to_string().contains("exceed"));
+        assert!(m
+            .validate("m", 2, 8, Some(4))
+            .unwrap_err()
+            .to_string()
+            .contains("exceed"));
 
         let mut m = ok;
         m.version = 2;
@@ -344,6 +361,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::needless_range_loop)]
     fn refit_keeps_slots_and_prefers_old_map_on_ties() {
         let mut rng = Rng::new(9);
         for seed in 0..50 {

@@ -54,7 +54,7 @@ impl Sampler {
 
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let t = self.params.temperature;
-        if !(t > 0.0) || !t.is_finite() {
+        if t.is_nan() || t <= 0.0 || !t.is_finite() {
             return argmax(logits) as u32;
         }
         let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -67,7 +67,7 @@ impl Sampler {
                 sum += p as f64;
             }
         }
-        if self.scratch.is_empty() || !(sum > 0.0) {
+        if self.scratch.is_empty() || sum.is_nan() || sum <= 0.0 {
             return argmax(logits) as u32;
         }
         self.scratch
@@ -106,14 +106,22 @@ mod tests {
         let mut s = Sampler::new(SamplingParams::default());
         assert_eq!(s.sample(&logits), 1);
         let draw = |seed| {
-            let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_p: 1.0, seed });
+            let mut s = Sampler::new(SamplingParams {
+                temperature: 1.0,
+                top_p: 1.0,
+                seed,
+            });
             (0..200).map(|_| s.sample(&logits)).collect::<Vec<_>>()
         };
         assert_eq!(draw(5), draw(5));
         let d = draw(5);
         assert!(d.contains(&1) && d.contains(&2) && d.contains(&0));
         // top_p small keeps only the best token
-        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_p: 0.1, seed: 1 });
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_p: 0.1,
+            seed: 1,
+        });
         assert!((0..100).all(|_| s.sample(&logits) == 1));
     }
 }

@@ -42,7 +42,11 @@ pub const LANGS: [(&str, &str); 5] = [
 
 /// The prompts of a language (the corpus lines).
 pub fn prompts(lang: usize) -> Vec<&'static str> {
-    LANGS[lang].1.lines().filter(|l| !l.trim().is_empty()).collect()
+    LANGS[lang]
+        .1
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .collect()
 }
 
 pub fn lang_index(name: &str) -> Option<usize> {
@@ -192,7 +196,9 @@ fn token_langs(freqs: &[[f64; NL]]) -> Vec<TokenLang> {
             }
             TokenLang {
                 marks: (best >= 3.0 * f[idx[1]]).then_some(idx[0]),
-                plausible: (0..NL).filter(|&l| f[l] > 0.0 && f[l] * 3.0 >= best).collect(),
+                plausible: (0..NL)
+                    .filter(|&l| f[l] > 0.0 && f[l] * 3.0 >= best)
+                    .collect(),
             }
         })
         .collect()
@@ -218,7 +224,13 @@ fn rope_gap_scale(p: &Preset, theta: f32) -> f32 {
 }
 
 /// Builds all tensors of the checkpoint.
-fn build_tensors(p: &Preset, seed: u64, vocab: usize, lang: &[TokenLang], theta: f32) -> BTreeMap<String, Tensor> {
+fn build_tensors(
+    p: &Preset,
+    seed: u64,
+    vocab: usize,
+    lang: &[TokenLang],
+    theta: f32,
+) -> BTreeMap<String, Tensor> {
     let k = &KNOBS;
     let h = p.hidden;
     let hc = h - C0;
@@ -249,7 +261,11 @@ fn build_tensors(p: &Preset, seed: u64, vocab: usize, lang: &[TokenLang], theta:
     for id in 0..vocab {
         let row = &mut lm[id * h..(id + 1) * h];
         for (l, v) in row[..NL].iter_mut().enumerate() {
-            *v = if lang[id].plausible.contains(&l) { k.lm_lang } else { -k.lm_lang };
+            *v = if lang[id].plausible.contains(&l) {
+                k.lm_lang
+            } else {
+                -k.lm_lang
+            };
         }
         for v in &mut row[C0..] {
             *v = r.normal() * cs;
@@ -269,13 +285,29 @@ fn build_tensors(p: &Preset, seed: u64, vocab: usize, lang: &[TokenLang], theta:
             let mut v: Vec<(String, Tensor)> = Vec::new();
             let pre = format!("model.layers.{l}");
             let mut r = Rng::derive(seed, &format!("layer{l}.attn"));
-            v.push((format!("{pre}.input_layernorm.weight"), t(vec![h], vec![1.0; h])));
-            v.push((format!("{pre}.post_attention_layernorm.weight"), t(vec![h], vec![1.0; h])));
-            v.push((format!("{pre}.self_attn.q_norm.weight"), t(vec![hd], vec![s_qk; hd])));
-            v.push((format!("{pre}.self_attn.k_norm.weight"), t(vec![hd], vec![s_qk; hd])));
+            v.push((
+                format!("{pre}.input_layernorm.weight"),
+                t(vec![h], vec![1.0; h]),
+            ));
+            v.push((
+                format!("{pre}.post_attention_layernorm.weight"),
+                t(vec![h], vec![1.0; h]),
+            ));
+            v.push((
+                format!("{pre}.self_attn.q_norm.weight"),
+                t(vec![hd], vec![s_qk; hd]),
+            ));
+            v.push((
+                format!("{pre}.self_attn.k_norm.weight"),
+                t(vec![hd], vec![s_qk; hd]),
+            ));
             let group = nh / nkv;
             // kv head 0 is positional; in layer 0 the last kv head is the language head
-            let lang_kv = if l == 0 && nkv > 1 { Some(nkv - 1) } else { None };
+            let lang_kv = if l == 0 && nkv > 1 {
+                Some(nkv - 1)
+            } else {
+                None
+            };
             let mut q = vec![0f32; nh * hd * h];
             let mut kk = vec![0f32; nkv * hd * h];
             let mut vv = vec![0f32; nkv * hd * h];
@@ -319,10 +351,22 @@ fn build_tensors(p: &Preset, seed: u64, vocab: usize, lang: &[TokenLang], theta:
                     }
                 }
             }
-            v.push((format!("{pre}.self_attn.q_proj.weight"), t(vec![nh * hd, h], q)));
-            v.push((format!("{pre}.self_attn.k_proj.weight"), t(vec![nkv * hd, h], kk)));
-            v.push((format!("{pre}.self_attn.v_proj.weight"), t(vec![nkv * hd, h], vv)));
-            v.push((format!("{pre}.self_attn.o_proj.weight"), t(vec![h, nh * hd], o)));
+            v.push((
+                format!("{pre}.self_attn.q_proj.weight"),
+                t(vec![nh * hd, h], q),
+            ));
+            v.push((
+                format!("{pre}.self_attn.k_proj.weight"),
+                t(vec![nkv * hd, h], kk),
+            ));
+            v.push((
+                format!("{pre}.self_attn.v_proj.weight"),
+                t(vec![nkv * hd, h], vv),
+            ));
+            v.push((
+                format!("{pre}.self_attn.o_proj.weight"),
+                t(vec![h, nh * hd], o),
+            ));
 
             // router: per language a core set with skewed preference, plus content
             let mut r = Rng::derive(seed, &format!("layer{l}.router"));
@@ -345,7 +389,10 @@ fn build_tensors(p: &Preset, seed: u64, vocab: usize, lang: &[TokenLang], theta:
                     gate[e * h + c] = r.normal() * rs;
                 }
             }
-            v.push((format!("{pre}.mlp.gate.weight"), t(vec![p.experts, h], gate)));
+            v.push((
+                format!("{pre}.mlp.gate.weight"),
+                t(vec![p.experts, h], gate),
+            ));
 
             // experts
             for e in 0..p.experts {
@@ -406,21 +453,35 @@ impl StoreAs {
 }
 
 /// Writes a safetensors file (bf16), tensors in name order, with `format: pt` metadata.
-pub fn write_safetensors(path: &Path, tensors: &BTreeMap<String, (Vec<usize>, Vec<f32>)>) -> Result<()> {
+pub fn write_safetensors(
+    path: &Path,
+    tensors: &BTreeMap<String, (Vec<usize>, Vec<f32>)>,
+) -> Result<()> {
     write_safetensors_as(path, tensors, StoreAs::Bf16)
 }
 
 /// Writes a safetensors file in the given dtype.
-pub fn write_safetensors_as(path: &Path, tensors: &BTreeMap<String, (Vec<usize>, Vec<f32>)>, dtype: StoreAs) -> Result<()> {
+pub fn write_safetensors_as(
+    path: &Path,
+    tensors: &BTreeMap<String, (Vec<usize>, Vec<f32>)>,
+    dtype: StoreAs,
+) -> Result<()> {
     let mut header = serde_json::Map::new();
     header.insert("__metadata__".into(), json!({"format": "pt"}));
     let mut off = 0usize;
     for (name, (shape, data)) in tensors {
         let n = data.len() * dtype.size();
-        header.insert(name.clone(), json!({"dtype": dtype.name(), "shape": shape, "data_offsets": [off, off + n]}));
+        header.insert(
+            name.clone(),
+            json!({"dtype": dtype.name(), "shape": shape, "data_offsets": [off, off + n]}),
+        );
         off += n;
     }
-    let mut hb = serde_json::to_vec(&serde_json::Value::Object(header)).map_err(|e| Error::Json { path: path.into(), reason: e.to_string() })?;
+    let mut hb =
+        serde_json::to_vec(&serde_json::Value::Object(header)).map_err(|e| Error::Json {
+            path: path.into(),
+            reason: e.to_string(),
+        })?;
     while hb.len() % 8 != 0 {
         hb.push(b' ');
     }
@@ -430,13 +491,17 @@ pub fn write_safetensors_as(path: &Path, tensors: &BTreeMap<String, (Vec<usize>,
     w.write_all(&(hb.len() as u64).to_le_bytes()).map_err(io)?;
     w.write_all(&hb).map_err(io)?;
     let mut buf = Vec::new();
-    for (_, (_, data)) in tensors {
+    for (_, data) in tensors.values() {
         buf.clear();
         buf.reserve(data.len() * dtype.size());
         for &x in data {
             match dtype {
-                StoreAs::Bf16 => buf.extend_from_slice(&half::bf16::from_f32(x).to_bits().to_le_bytes()),
-                StoreAs::F16 => buf.extend_from_slice(&half::f16::from_f32(x).to_bits().to_le_bytes()),
+                StoreAs::Bf16 => {
+                    buf.extend_from_slice(&half::bf16::from_f32(x).to_bits().to_le_bytes())
+                }
+                StoreAs::F16 => {
+                    buf.extend_from_slice(&half::f16::from_f32(x).to_bits().to_le_bytes())
+                }
                 StoreAs::F32 => buf.extend_from_slice(&x.to_le_bytes()),
             }
         }
@@ -456,8 +521,15 @@ pub fn generate(preset: &Preset, seed: u64, out: &Path) -> Result<()> {
     let bpe = bpe::train(&texts, preset.vocab_target);
     let tok_json = bpe.to_json();
     let tok_path = out.join("tokenizer.json");
-    std::fs::write(&tok_path, serde_json::to_vec_pretty(&tok_json).unwrap_or_default()).map_err(|e| Error::io(&tok_path, e))?;
-    let tok = tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| Error::Tokenizer { path: tok_path.clone(), reason: e.to_string() })?;
+    std::fs::write(
+        &tok_path,
+        serde_json::to_vec_pretty(&tok_json).unwrap_or_default(),
+    )
+    .map_err(|e| Error::io(&tok_path, e))?;
+    let tok = tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| Error::Tokenizer {
+        path: tok_path.clone(),
+        reason: e.to_string(),
+    })?;
     let vocab = bpe.len();
     let lang = token_langs(&token_freqs(&tok, vocab));
     let theta = 10000.0f32;
@@ -499,7 +571,11 @@ pub fn generate(preset: &Preset, seed: u64, out: &Path) -> Result<()> {
         "moelane_synthetic": {"preset": preset.name, "seed": seed, "hot": preset.hot}
     });
     let cfg_path = out.join("config.json");
-    std::fs::write(&cfg_path, serde_json::to_vec_pretty(&config).unwrap_or_default()).map_err(|e| Error::io(&cfg_path, e))?;
+    std::fs::write(
+        &cfg_path,
+        serde_json::to_vec_pretty(&config).unwrap_or_default(),
+    )
+    .map_err(|e| Error::io(&cfg_path, e))?;
     let tc = json!({
         "model_max_length": preset.max_pos,
         "eos_token": "<|im_end|>",
@@ -510,20 +586,29 @@ pub fn generate(preset: &Preset, seed: u64, out: &Path) -> Result<()> {
         "add_bos_token": false
     });
     let tc_path = out.join("tokenizer_config.json");
-    std::fs::write(&tc_path, serde_json::to_vec_pretty(&tc).unwrap_or_default()).map_err(|e| Error::io(&tc_path, e))?;
+    std::fs::write(&tc_path, serde_json::to_vec_pretty(&tc).unwrap_or_default())
+        .map_err(|e| Error::io(&tc_path, e))?;
     let gc = json!({"bos_token_id": bpe.vocab.len(), "eos_token_id": eos, "do_sample": false});
     let gc_path = out.join("generation_config.json");
-    std::fs::write(&gc_path, serde_json::to_vec_pretty(&gc).unwrap_or_default()).map_err(|e| Error::io(&gc_path, e))?;
+    std::fs::write(&gc_path, serde_json::to_vec_pretty(&gc).unwrap_or_default())
+        .map_err(|e| Error::io(&gc_path, e))?;
 
     let tensors = build_tensors(preset, seed, vocab, &lang, theta);
-    let tensors: BTreeMap<String, (Vec<usize>, Vec<f32>)> = tensors.into_iter().map(|(k, t)| (k, (t.shape, t.data))).collect();
+    let tensors: BTreeMap<String, (Vec<usize>, Vec<f32>)> = tensors
+        .into_iter()
+        .map(|(k, t)| (k, (t.shape, t.data)))
+        .collect();
     let st = out.join("model.safetensors");
     let tmp = out.join("model.safetensors.partial");
     write_safetensors(&tmp, &tensors)?;
     std::fs::rename(&tmp, &st).map_err(|e| Error::io(&st, e))?;
-    let labels: Vec<Vec<&str>> = lang.iter().map(|l| l.plausible.iter().map(|&i| LANGS[i].0).collect()).collect();
+    let labels: Vec<Vec<&str>> = lang
+        .iter()
+        .map(|l| l.plausible.iter().map(|&i| LANGS[i].0).collect())
+        .collect();
     let lp = out.join("moelane_token_languages.json");
-    std::fs::write(&lp, serde_json::to_vec(&labels).unwrap_or_default()).map_err(|e| Error::io(&lp, e))?;
+    std::fs::write(&lp, serde_json::to_vec(&labels).unwrap_or_default())
+        .map_err(|e| Error::io(&lp, e))?;
     Ok(())
 }
 

@@ -61,7 +61,8 @@ impl ColdServer for FixedBank {
         }
         out.clear();
         out.resize(req.picks.len() * self.bank.hidden, 0.0);
-        self.bank.compute(req.layer as usize, &req.picks, &req.activations, out)
+        self.bank
+            .compute(req.layer as usize, &req.picks, &req.activations, out)
     }
 }
 

@@ -65,13 +65,21 @@ impl Tokenizer {
                 special[id as usize] = a.special;
                 continue;
             }
-            let Some(tok) = inner.id_to_token(id) else { continue };
+            let Some(tok) = inner.id_to_token(id) else {
+                continue;
+            };
             // byte-level BPE: every char maps to one byte
-            if let Some(b) = tok.chars().map(|c| dec.get(&c).copied()).collect::<Option<Vec<u8>>>() {
+            if let Some(b) = tok
+                .chars()
+                .map(|c| dec.get(&c).copied())
+                .collect::<Option<Vec<u8>>>()
+            {
                 bytes[id as usize] = b;
             } else if let Some(hex) = tok.strip_prefix("<0x").and_then(|t| t.strip_suffix('>')) {
                 // sentencepiece byte fallback
-                bytes[id as usize] = u8::from_str_radix(hex, 16).map(|b| vec![b]).unwrap_or_default();
+                bytes[id as usize] = u8::from_str_radix(hex, 16)
+                    .map(|b| vec![b])
+                    .unwrap_or_default();
             } else {
                 bytes[id as usize] = tok.replace('\u{2581}', " ").into_bytes();
             }
@@ -80,7 +88,12 @@ impl Tokenizer {
             .iter()
             .filter_map(|t| inner.token_to_id(t))
             .collect();
-        Tokenizer { inner, bytes, eos_ids, special }
+        Tokenizer {
+            inner,
+            bytes,
+            eos_ids,
+            special,
+        }
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -92,7 +105,10 @@ impl Tokenizer {
         self.inner
             .encode(text, false)
             .map(|e| e.get_ids().to_vec())
-            .map_err(|e| Error::Tokenizer { path: "tokenizer.json".into(), reason: e.to_string() })
+            .map_err(|e| Error::Tokenizer {
+                path: "tokenizer.json".into(),
+                reason: e.to_string(),
+            })
     }
 
     /// The raw bytes of a token (empty for an unknown id).

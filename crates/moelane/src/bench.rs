@@ -54,13 +54,21 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 pub fn default_model(preset: &str) -> Result<PathBuf> {
-    let base = std::env::var_os("MOELANE_CACHE").map(PathBuf::from).unwrap_or_else(|| {
-        std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(".")).join(".cache/moelane")
-    });
+    let base = std::env::var_os("MOELANE_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            std::env::var_os("HOME")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from("."))
+                .join(".cache/moelane")
+        });
     let dir = base.join(format!("{preset}-s1"));
     if !dir.join("rowmap.json").exists() {
         let p = synth::Preset::by_name(preset).context("unknown preset")?;
-        eprintln!("making the {preset} checkpoint in {} (once)...", dir.display());
+        eprintln!(
+            "making the {preset} checkpoint in {} (once)...",
+            dir.display()
+        );
         synth::generate(&p, 1, &dir)?;
         moelane_engine::figures::measure(&dir, p.hot, 64)?;
     }
@@ -69,20 +77,43 @@ pub fn default_model(preset: &str) -> Result<PathBuf> {
 
 pub fn run(cmd: BenchCmd) -> Result<()> {
     match cmd {
-        BenchCmd::Engine { model, batch, steps, reps } => {
+        BenchCmd::Engine {
+            model,
+            batch,
+            steps,
+            reps,
+        } => {
             let dir = match model {
                 Some(m) => m,
                 None => default_model("mini")?,
             };
-            let mut eng = load_engine(&dir, None, &EngineOptions { kv_tokens: 1 << 16, progress: true })?;
+            let mut eng = load_engine(
+                &dir,
+                None,
+                &EngineOptions {
+                    kv_tokens: 1 << 16,
+                    progress: true,
+                },
+            )?;
             let tok = Tokenizer::from_file(&dir.join("tokenizer.json"))?;
             let c = eng.cfg.clone();
             let bw = measure_bandwidth();
             let dense_bytes = eng.dense.bytes_per_token();
             let expert_bytes = c.expert_params() * 4;
-            println!("model {} | {} layers, {} experts, {} picked | hidden {} | threads {}", dir.display(), c.num_hidden_layers, c.num_experts, c.num_experts_per_tok, c.hidden_size, rayon::current_num_threads());
+            println!(
+                "model {} | {} layers, {} experts, {} picked | hidden {} | threads {}",
+                dir.display(),
+                c.num_hidden_layers,
+                c.num_experts,
+                c.num_experts_per_tok,
+                c.hidden_size,
+                rayon::current_num_threads()
+            );
             println!("measured copy bandwidth: {:.1} GB/s (read+write)", bw / 1e9);
-            println!("{:>6} {:>12} {:>14} {:>16} {:>12}", "batch", "tokens/s", "ms/step", "weight MB/token", "GB/s implied");
+            println!(
+                "{:>6} {:>12} {:>14} {:>16} {:>12}",
+                "batch", "tokens/s", "ms/step", "weight MB/token", "GB/s implied"
+            );
             let prompt = tok.encode(synth::prompts(0)[0])?;
             for &b in &batch {
                 let mut rates = Vec::new();
@@ -90,34 +121,59 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
                 let mut step_ms = Vec::new();
                 for _ in 0..reps {
                     let mut seqs: Vec<_> = (0..b).map(|_| eng.kv.new_seq()).collect();
-                    let mut toks: Vec<Vec<u32>> = (0..b).map(|i| { let mut p = prompt.clone(); p.push(i as u32 % 50); p }).collect();
+                    let mut toks: Vec<Vec<u32>> = (0..b)
+                        .map(|i| {
+                            let mut p = prompt.clone();
+                            p.push(i as u32 % 50);
+                            p
+                        })
+                        .collect();
                     {
-                        let mut steps_in: Vec<SeqStep> = seqs.iter_mut().zip(&toks).map(|(s, t)| SeqStep { kv: s, tokens: t }).collect();
+                        let mut steps_in: Vec<SeqStep> = seqs
+                            .iter_mut()
+                            .zip(&toks)
+                            .map(|(s, t)| SeqStep { kv: s, tokens: t })
+                            .collect();
                         let l = eng.step(&mut steps_in)?;
-                        for (i, t) in toks.iter_mut().enumerate() { *t = vec![argmax(&l[i * c.vocab_size..(i + 1) * c.vocab_size]) as u32]; }
+                        for (i, t) in toks.iter_mut().enumerate() {
+                            *t = vec![argmax(&l[i * c.vocab_size..(i + 1) * c.vocab_size]) as u32];
+                        }
                     }
-                    let before = eng.counters.picks.clone();
+                    let loads0 = eng.counters.expert_loads;
                     let mut t0 = Instant::now();
                     for s in 0..steps + 8 {
-                        if s == 8 { t0 = Instant::now(); }
-                        let mut steps_in: Vec<SeqStep> = seqs.iter_mut().zip(&toks).map(|(s, t)| SeqStep { kv: s, tokens: t }).collect();
+                        if s == 8 {
+                            t0 = Instant::now();
+                        }
+                        let mut steps_in: Vec<SeqStep> = seqs
+                            .iter_mut()
+                            .zip(&toks)
+                            .map(|(s, t)| SeqStep { kv: s, tokens: t })
+                            .collect();
                         let l = eng.step(&mut steps_in)?;
-                        for (i, t) in toks.iter_mut().enumerate() { *t = vec![argmax(&l[i * c.vocab_size..(i + 1) * c.vocab_size]) as u32]; }
+                        for (i, t) in toks.iter_mut().enumerate() {
+                            *t = vec![argmax(&l[i * c.vocab_size..(i + 1) * c.vocab_size]) as u32];
+                        }
                     }
                     let dt = t0.elapsed().as_secs_f64();
                     rates.push((b * steps) as f64 / dt);
                     step_ms.push(dt * 1e3 / steps as f64);
-                    // distinct experts touched per step: bytes read per token
-                    let distinct: usize = eng.counters.picks.iter().zip(&before).map(|(a, b)| a.iter().zip(b).filter(|(x, y)| x > y).count()).sum();
-                    let _ = distinct;
-                    let layers = eng.counters.picks.len();
-                    // expected distinct experts per layer per step for batch b ~ min(E, b*k) (upper bound)
-                    let per_step_experts = (b * c.num_experts_per_tok).min(c.num_experts) as f64 * layers as f64;
-                    per_tok = (dense_bytes as f64 + per_step_experts * expert_bytes as f64) / b as f64;
+                    // weights read per token: dense once per step, plus every distinct expert loaded
+                    let loads = (eng.counters.expert_loads - loads0) as f64 * steps as f64
+                        / (steps + 8) as f64;
+                    per_tok = (dense_bytes as f64 * steps as f64 + loads * expert_bytes as f64)
+                        / (b * steps) as f64;
                 }
                 let r = median(rates);
                 let ms = median(step_ms);
-                println!("{:>6} {:>12.1} {:>14.3} {:>16.2} {:>12.2}", b, r, ms, per_tok / 1e6, per_tok * r / 1e9);
+                println!(
+                    "{:>6} {:>12.1} {:>14.3} {:>16.2} {:>12.2}",
+                    b,
+                    r,
+                    ms,
+                    per_tok / 1e6,
+                    per_tok * r / 1e9
+                );
             }
             println!("implied GB/s = weight bytes per token x tokens/s; physical limit ~{:.1} GB/s of reads (half the copy figure is reads)", bw / 2e9);
         }

@@ -4,15 +4,20 @@
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
+use moelane_engine::checkpoint::Checkpoint;
 use moelane_engine::load::{engine_from, EngineOptions};
 use moelane_engine::model::Engine;
 use moelane_engine::rowmap::Rowmap;
 use moelane_engine::synth::{generate, Preset};
-use moelane_engine::checkpoint::Checkpoint;
 
 /// A fresh directory under the system temp dir (removed by the OS, not by us: tests share it).
 pub fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("moelane-test-{}-{}-{}", name, std::process::id(), rand_suffix()));
+    let d = std::env::temp_dir().join(format!(
+        "moelane-test-{}-{}-{}",
+        name,
+        std::process::id(),
+        rand_suffix()
+    ));
     std::fs::create_dir_all(&d).unwrap();
     d
 }
@@ -38,5 +43,13 @@ pub fn tiny() -> &'static Path {
 pub fn engine(dir: &Path, map: Option<Rowmap>) -> Engine {
     let ckpt = Checkpoint::open(dir).unwrap();
     let map = moelane_engine::load::resolve_map(&ckpt, map).unwrap();
-    engine_from(&ckpt, map, &EngineOptions { kv_tokens: 8192, progress: false }).unwrap()
+    engine_from(
+        &ckpt,
+        map,
+        &EngineOptions {
+            kv_tokens: 8192,
+            progress: false,
+        },
+    )
+    .unwrap()
 }
