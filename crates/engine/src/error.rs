@@ -40,6 +40,8 @@ pub enum Error {
     },
     #[error("{path}: tokenizer: {reason}")]
     Tokenizer { path: PathBuf, reason: String },
+    #[error(transparent)]
+    Text(#[from] moelane_text::tokenizer::Error),
     #[error("rowmap: {0}")]
     Rowmap(String),
     #[error("expert {expert} of layer {layer} is not resident in the {tier} tier")]

@@ -18,6 +18,8 @@ pub mod rowmap;
 pub mod sampling;
 pub mod synth;
 pub mod tier;
-pub mod tokenizer;
 
 pub use error::{Error, Result};
+
+/// The tokenizer lives in `moelane-text` (shared with the gateway).
+pub use moelane_text::tokenizer;

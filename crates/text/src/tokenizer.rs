@@ -4,7 +4,15 @@
 
 use std::path::Path;
 
-use crate::error::{Error, Result};
+/// A tokenizer failure, naming the file.
+#[derive(Debug, thiserror::Error)]
+#[error("{path}: tokenizer: {reason}")]
+pub struct Error {
+    pub path: std::path::PathBuf,
+    pub reason: String,
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
 
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
@@ -46,7 +54,7 @@ pub fn byte_encoder() -> Vec<char> {
 
 impl Tokenizer {
     pub fn from_file(path: &Path) -> Result<Self> {
-        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| Error::Tokenizer {
+        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| Error {
             path: path.into(),
             reason: e.to_string(),
         })?;
@@ -105,7 +113,7 @@ impl Tokenizer {
         self.inner
             .encode(text, false)
             .map(|e| e.get_ids().to_vec())
-            .map_err(|e| Error::Tokenizer {
+            .map_err(|e| Error {
                 path: "tokenizer.json".into(),
                 reason: e.to_string(),
             })
