@@ -100,3 +100,31 @@ pub fn engine_from(ckpt: &Checkpoint, map: ValidMap, opts: &EngineOptions) -> Re
         blocks,
     ))
 }
+
+/// Loads the dense weights and the hot experts only; the cold tier is the given link
+/// (a sidecar in another thread or process). `None` when the map has no cold experts.
+pub fn engine_with_tier(
+    ckpt: &Checkpoint,
+    map: ValidMap,
+    opts: &EngineOptions,
+    cold: Option<Box<dyn crate::tier::RemoteTier>>,
+) -> Result<Engine> {
+    let c = ckpt.config.clone();
+    let moe = c.moe_layers();
+    let dense = DenseWeights::load(ckpt)?;
+    let hot = ExpertBank::load(ckpt, &map, Tier::Hot, &moe, None)?;
+    if cold.is_none() && map.map.layers.iter().any(|l| !l.cold.is_empty()) {
+        return Err(crate::Error::Tier(
+            "the map has cold experts but no cold tier is attached".into(),
+        ));
+    }
+    let blocks = KvCache::blocks_for(opts.kv_tokens.max(BLOCK));
+    Ok(Engine::new(
+        c.clone(),
+        Box::new(CpuDense::new(c, dense)),
+        hot,
+        cold,
+        map,
+        blocks,
+    ))
+}

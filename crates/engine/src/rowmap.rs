@@ -66,6 +66,11 @@ impl Rowmap {
         }
     }
 
+    /// Parses map JSON text (call `validate`).
+    pub fn from_json(text: &str) -> Result<Rowmap> {
+        serde_json::from_str(text).map_err(|e| Error::Rowmap(format!("invalid JSON: {e}")))
+    }
+
     /// Reads a map file (parse only; call `validate`).
     pub fn read(path: &Path) -> Result<Rowmap> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;

@@ -1,1 +1,12 @@
+//! The gateway: an OpenAI-compatible HTTP API (axum) over one or many lanes. It templates and
+//! tokenises requests (moelane-text), picks a lane through a kameo registry actor (least
+//! in-flight, skipping draining lanes), streams tokens back as server-sent events with
+//! incremental UTF-8-safe detokenisation, and maps every error to OpenAI's JSON in one place
+//! (as TGI's router does). It reaches lanes through the [`lane::Lane`] trait only.
 
+pub mod error;
+pub mod lane;
+pub mod registry;
+pub mod server;
+
+pub use server::{router, AppState, GatewayConfig};

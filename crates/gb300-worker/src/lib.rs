@@ -1,1 +1,277 @@
+//! The primary (the GB300 role of the reference deployment): attention, dense weights and
+//! hot experts, the step loop with continuous batching, and the per-layer exchange with the
+//! sidecar. A kameo actor fronts the scheduler thread (which owns the engine); a tonic
+//! server exposes it to gateways (proto/lane.proto).
 
+pub mod scheduler;
+
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+
+use kameo::actor::{ActorRef, Spawn};
+use kameo::message::{Context, Message};
+use kameo::Actor;
+use moelane_engine::model::Engine;
+use moelane_engine::sampling::SamplingParams;
+use moelane_proto::lane::primary_server::{Primary, PrimaryServer};
+use moelane_proto::lane::*;
+use moelane_proto::Category;
+use scheduler::{Command, Event, Scheduler, SchedulerConfig, Snapshot, ValidGen};
+use tokio::sync::mpsc::UnboundedReceiver;
+use tokio_stream::StreamExt;
+use tonic::{Request, Response, Status};
+
+/// The primary actor: validates requests and forwards them to the scheduler thread.
+#[derive(Actor)]
+pub struct PrimaryActor {
+    tx: mpsc::Sender<Command>,
+    vocab: usize,
+    eos: Vec<u32>,
+}
+
+pub struct Generate(pub GenerateRequest);
+pub struct Cancel(pub String);
+pub struct GetSnapshot;
+
+impl Message<Generate> for PrimaryActor {
+    type Reply = Result<UnboundedReceiver<Event>, Status>;
+    async fn handle(
+        &mut self,
+        Generate(r): Generate,
+        _: &mut Context<Self, Self::Reply>,
+    ) -> Self::Reply {
+        let bad = |m: String| Err(Category::BadRequest.status(m));
+        if r.prompt.is_empty() {
+            return bad("prompt is empty".into());
+        }
+        if let Some(t) = r.prompt.iter().find(|&&t| t as usize >= self.vocab) {
+            return bad(format!(
+                "prompt token {t} is outside the vocabulary of {}",
+                self.vocab
+            ));
+        }
+        if r.max_tokens == 0 {
+            return bad("max_tokens must be at least 1".into());
+        }
+        if !r.temperature.is_finite() || r.temperature < 0.0 {
+            return bad(format!(
+                "temperature {} must be finite and >= 0",
+                r.temperature
+            ));
+        }
+        if !(r.top_p > 0.0 && r.top_p <= 1.0) {
+            return bad(format!("top_p {} must be in (0, 1]", r.top_p));
+        }
+        let mut stop_ids = r.stop_token_ids.clone();
+        if !r.ignore_eos {
+            stop_ids.extend(&self.eos);
+        }
+        let v = ValidGen {
+            id: r.request_id,
+            prompt: r.prompt,
+            max_tokens: r.max_tokens as usize,
+            sampling: SamplingParams {
+                temperature: r.temperature,
+                top_p: r.top_p,
+                seed: r.seed,
+            },
+            stop_ids,
+        };
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        self.tx
+            .send(Command::Submit(v, tx))
+            .map_err(|_| Category::Unavailable.status("scheduler stopped"))?;
+        Ok(rx)
+    }
+}
+
+impl Message<Cancel> for PrimaryActor {
+    type Reply = Result<bool, Status>;
+    async fn handle(
+        &mut self,
+        Cancel(id): Cancel,
+        _: &mut Context<Self, Self::Reply>,
+    ) -> Self::Reply {
+        let (tx, rx) = mpsc::channel();
+        self.tx
+            .send(Command::Cancel(id, tx))
+            .map_err(|_| Category::Unavailable.status("scheduler stopped"))?;
+        tokio::task::spawn_blocking(move || rx.recv().unwrap_or(false))
+            .await
+            .map_err(|e| Category::Internal.status(e.to_string()))
+    }
+}
+
+impl Message<GetSnapshot> for PrimaryActor {
+    type Reply = Result<Snapshot, Status>;
+    async fn handle(&mut self, _: GetSnapshot, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        let (tx, rx) = mpsc::channel();
+        self.tx
+            .send(Command::Snapshot(tx))
+            .map_err(|_| Category::Unavailable.status("scheduler stopped"))?;
+        tokio::task::spawn_blocking(move || {
+            rx.recv()
+                .map_err(|_| Category::Unavailable.status("scheduler stopped"))
+        })
+        .await
+        .map_err(|e| Category::Internal.status(e.to_string()))?
+    }
+}
+
+/// A running primary: the actor and the scheduler thread.
+pub struct PrimaryHandle {
+    pub actor: ActorRef<PrimaryActor>,
+    tx: mpsc::Sender<Command>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl PrimaryHandle {
+    /// Stops the scheduler (running requests end with an error event when their senders drop).
+    pub fn shutdown(&mut self) {
+        let _ = self.tx.send(Command::Shutdown);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for PrimaryHandle {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// Starts the scheduler thread on `engine` and the actor in front of it.
+pub fn start(engine: Engine, model: String, eos: Vec<u32>, cfg: SchedulerConfig) -> PrimaryHandle {
+    let (tx, rx) = mpsc::channel();
+    let vocab = engine.cfg.vocab_size;
+    let sched = Scheduler::new(engine, model, cfg);
+    let thread = std::thread::Builder::new()
+        .name("moelane-step-loop".into())
+        .spawn(move || sched.run(rx))
+        .ok();
+    let actor = PrimaryActor::spawn(PrimaryActor {
+        tx: tx.clone(),
+        vocab,
+        eos,
+    });
+    PrimaryHandle { actor, tx, thread }
+}
+
+fn flat<T, M>(r: Result<T, kameo::error::SendError<M, Status>>) -> Result<T, Status> {
+    match r {
+        Ok(v) => Ok(v),
+        Err(kameo::error::SendError::HandlerError(s)) => Err(s),
+        Err(e) => Err(Category::Unavailable.status(format!("primary actor: {e}"))),
+    }
+}
+
+/// The tonic face of the primary.
+pub struct PrimaryService {
+    pub actor: ActorRef<PrimaryActor>,
+}
+
+fn load_of(s: &Snapshot) -> LoadReply {
+    LoadReply {
+        running: s.running as u32,
+        waiting: s.waiting as u32,
+        kv_blocks_used: s.kv_used as u32,
+        kv_blocks_total: s.kv_total as u32,
+    }
+}
+
+type EventStream =
+    std::pin::Pin<Box<dyn futures::Stream<Item = Result<GenerateEvent, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Primary for PrimaryService {
+    type GenerateStream = EventStream;
+
+    async fn generate(
+        &self,
+        r: Request<GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        let rx = flat(self.actor.ask(Generate(r.into_inner())).await)?;
+        let s = tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(|ev| match ev {
+            Event::Token {
+                token,
+                completion_tokens,
+                elapsed_ns,
+            } => Ok(GenerateEvent {
+                token: Some(token),
+                finish_reason: String::new(),
+                prompt_tokens: 0,
+                completion_tokens,
+                elapsed_ns,
+            }),
+            Event::Finish {
+                reason,
+                prompt_tokens,
+                completion_tokens,
+                elapsed_ns,
+            } => Ok(GenerateEvent {
+                token: None,
+                finish_reason: reason.into(),
+                prompt_tokens,
+                completion_tokens,
+                elapsed_ns,
+            }),
+            Event::Error { category, message } => Err(category.status(message)),
+        });
+        Ok(Response::new(Box::pin(s)))
+    }
+
+    async fn cancel(&self, r: Request<CancelRequest>) -> Result<Response<CancelReply>, Status> {
+        let found = flat(self.actor.ask(Cancel(r.into_inner().request_id)).await)?;
+        Ok(Response::new(CancelReply { found }))
+    }
+
+    async fn health(&self, _: Request<HealthRequest>) -> Result<Response<HealthReply>, Status> {
+        let s = flat(self.actor.ask(GetSnapshot).await)?;
+        Ok(Response::new(HealthReply {
+            ok: true,
+            model: s.model,
+            map_epoch: s.epoch,
+            link: s.link,
+        }))
+    }
+
+    async fn load(&self, _: Request<LoadRequest>) -> Result<Response<LoadReply>, Status> {
+        let s = flat(self.actor.ask(GetSnapshot).await)?;
+        Ok(Response::new(load_of(&s)))
+    }
+
+    async fn stats(&self, _: Request<StatsRequest>) -> Result<Response<StatsReply>, Status> {
+        let s = flat(self.actor.ask(GetSnapshot).await)?;
+        let layers = (0..s.hot_picks.len())
+            .map(|l| LayerStats {
+                hot_picks: s.hot_picks[l],
+                cold_picks: s.cold_picks[l],
+                wait_ns: s.wait_ns[l],
+            })
+            .collect();
+        Ok(Response::new(StatsReply {
+            load: Some(load_of(&s)),
+            steps: s.steps,
+            tokens_generated: s.tokens_generated,
+            prompt_tokens: s.prompt_tokens,
+            layers,
+            requests_finished: s.finished,
+            requests_cancelled: s.cancelled,
+            requests_failed: s.failed,
+            kv_block_tokens: moelane_engine::kv::BLOCK as u32,
+            max_context: s.max_context as u32,
+        }))
+    }
+}
+
+/// Serves the lane API on `listener` until the future is dropped.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    actor: ActorRef<PrimaryActor>,
+) -> Result<(), tonic::transport::Error> {
+    tonic::transport::Server::builder()
+        .add_service(PrimaryServer::new(PrimaryService { actor }))
+        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+        .await
+}

@@ -39,7 +39,13 @@ pub fn encode_request(r: &ColdRequest, buf: &mut Vec<u8>) {
     }
 }
 
-pub fn encode_reply(r: &Result<ColdReply, String>, step: u64, layer: u32, epoch: u64, buf: &mut Vec<u8>) {
+pub fn encode_reply(
+    r: &Result<ColdReply, String>,
+    step: u64,
+    layer: u32,
+    epoch: u64,
+    buf: &mut Vec<u8>,
+) {
     buf.clear();
     buf.extend_from_slice(&REP.to_le_bytes());
     buf.extend_from_slice(&step.to_le_bytes());
@@ -69,7 +75,12 @@ struct Reader<'a> {
 impl<'a> Reader<'a> {
     fn take(&mut self, n: usize) -> Result<&'a [u8], FrameError> {
         if self.b.len() - self.i < n {
-            return Err(FrameError::Bad(format!("truncated: needs {} more bytes at offset {}, frame has {}", n, self.i, self.b.len())));
+            return Err(FrameError::Bad(format!(
+                "truncated: needs {} more bytes at offset {}, frame has {}",
+                n,
+                self.i,
+                self.b.len()
+            )));
         }
         let s = &self.b[self.i..self.i + n];
         self.i += n;
@@ -86,9 +97,15 @@ impl<'a> Reader<'a> {
         Ok(u64::from_le_bytes(a))
     }
     fn f32s(&mut self, n: usize, out: &mut Vec<f32>) -> Result<(), FrameError> {
-        let s = self.take(n.checked_mul(4).ok_or_else(|| FrameError::Bad("length overflow".into()))?)?;
+        let s = self.take(
+            n.checked_mul(4)
+                .ok_or_else(|| FrameError::Bad("length overflow".into()))?,
+        )?;
         out.clear();
-        out.extend(s.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])));
+        out.extend(
+            s.chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        );
         Ok(())
     }
 }
@@ -104,18 +121,25 @@ pub fn decode_request(b: &[u8], r: &mut ColdRequest) -> Result<(), FrameError> {
     let np = rd.u32()? as usize;
     let na = rd.u32()? as usize;
     if np.saturating_mul(8).saturating_add(na.saturating_mul(4)) > b.len() {
-        return Err(FrameError::Bad(format!("{np} picks and {na} activations do not fit a {}-byte frame", b.len())));
+        return Err(FrameError::Bad(format!(
+            "{np} picks and {na} activations do not fit a {}-byte frame",
+            b.len()
+        )));
     }
     r.picks.clear();
     for _ in 0..np {
         let row = rd.u32()?;
         let e = rd.u32()?;
-        let expert = u16::try_from(e).map_err(|_| FrameError::Bad(format!("expert id {e} out of range")))?;
+        let expert =
+            u16::try_from(e).map_err(|_| FrameError::Bad(format!("expert id {e} out of range")))?;
         r.picks.push(Pick { row, expert });
     }
     rd.f32s(na, &mut r.activations)?;
     if rd.i != b.len() {
-        return Err(FrameError::Bad(format!("{} trailing bytes", b.len() - rd.i)));
+        return Err(FrameError::Bad(format!(
+            "{} trailing bytes",
+            b.len() - rd.i
+        )));
     }
     Ok(())
 }
@@ -132,11 +156,18 @@ pub fn decode_reply(b: &[u8], r: &mut ColdReply) -> Result<(), FrameError> {
     let n = rd.u32()? as usize;
     match status {
         0 => rd.f32s(n, &mut r.outputs)?,
-        1 => return Err(FrameError::Remote(String::from_utf8_lossy(rd.take(n)?).into_owned())),
+        1 => {
+            return Err(FrameError::Remote(
+                String::from_utf8_lossy(rd.take(n)?).into_owned(),
+            ))
+        }
         s => return Err(FrameError::Bad(format!("unknown status {s}"))),
     }
     if rd.i != b.len() {
-        return Err(FrameError::Bad(format!("{} trailing bytes", b.len() - rd.i)));
+        return Err(FrameError::Bad(format!(
+            "{} trailing bytes",
+            b.len() - rd.i
+        )));
     }
     Ok(())
 }
@@ -147,7 +178,19 @@ mod tests {
 
     #[test]
     fn round_trip_and_every_truncation_is_an_error() {
-        let req = ColdRequest { step: 9, layer: 3, epoch: 2, picks: vec![Pick { row: 0, expert: 5 }, Pick { row: 1, expert: 383 }], activations: vec![1.0, -2.5, 3.25, 0.0] };
+        let req = ColdRequest {
+            step: 9,
+            layer: 3,
+            epoch: 2,
+            picks: vec![
+                Pick { row: 0, expert: 5 },
+                Pick {
+                    row: 1,
+                    expert: 383,
+                },
+            ],
+            activations: vec![1.0, -2.5, 3.25, 0.0],
+        };
         let mut buf = Vec::new();
         encode_request(&req, &mut buf);
         let mut got = ColdRequest::default();
@@ -168,12 +211,20 @@ mod tests {
             let _ = decode_request(&g, &mut got);
             let _ = decode_reply(&g, &mut ColdReply::default());
         }
-        let rep = ColdReply { step: 9, layer: 3, epoch: 2, outputs: vec![0.5; 8] };
+        let rep = ColdReply {
+            step: 9,
+            layer: 3,
+            epoch: 2,
+            outputs: vec![0.5; 8],
+        };
         encode_reply(&Ok(rep.clone()), 9, 3, 2, &mut buf);
         let mut r = ColdReply::default();
         decode_reply(&buf, &mut r).unwrap();
         assert_eq!(r, rep);
         encode_reply(&Err("expert 7 not resident".into()), 9, 3, 2, &mut buf);
-        assert_eq!(decode_reply(&buf, &mut r), Err(FrameError::Remote("expert 7 not resident".into())));
+        assert_eq!(
+            decode_reply(&buf, &mut r),
+            Err(FrameError::Remote("expert 7 not resident".into()))
+        );
     }
 }

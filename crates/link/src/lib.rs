@@ -19,6 +19,15 @@ pub trait ColdService: Send + Sync {
 }
 
 /// Serves one request into a reply (the error text travels in the reply frame).
-pub fn answer(svc: &Arc<dyn ColdService>, req: &ColdRequest, out: &mut Vec<f32>) -> Result<ColdReply, String> {
-    svc.serve(req, out).map(|()| ColdReply { step: req.step, layer: req.layer, epoch: req.epoch, outputs: std::mem::take(out) })
+pub fn answer(
+    svc: &Arc<dyn ColdService>,
+    req: &ColdRequest,
+    out: &mut Vec<f32>,
+) -> Result<ColdReply, String> {
+    svc.serve(req, out).map(|()| ColdReply {
+        step: req.step,
+        layer: req.layer,
+        epoch: req.epoch,
+        outputs: std::mem::take(out),
+    })
 }

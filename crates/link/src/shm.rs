@@ -93,15 +93,29 @@ impl Mapping {
         // SAFETY: as copy_in; the consumer owns [tail, head), published with Release.
         unsafe {
             std::ptr::copy_nonoverlapping(self.data(r).add(at), dst.as_mut_ptr(), first);
-            std::ptr::copy_nonoverlapping(self.data(r), dst.as_mut_ptr().add(first), dst.len() - first);
+            std::ptr::copy_nonoverlapping(
+                self.data(r),
+                dst.as_mut_ptr().add(first),
+                dst.len() - first,
+            );
         }
     }
 
     /// Writes one frame into ring r, waiting (with a deadline) for room.
-    fn write(&self, r: usize, frame: &[u8], timeout: Duration, peer: Option<u32>) -> std::result::Result<(), String> {
+    fn write(
+        &self,
+        r: usize,
+        frame: &[u8],
+        timeout: Duration,
+        peer: Option<u32>,
+    ) -> std::result::Result<(), String> {
         let need = 4 + frame.len() as u64;
         if need > self.cap {
-            return Err(format!("frame of {} bytes exceeds the ring of {} bytes", frame.len(), self.cap));
+            return Err(format!(
+                "frame of {} bytes exceeds the ring of {} bytes",
+                frame.len(),
+                self.cap
+            ));
         }
         let head = self.head(r).load(Ordering::Relaxed);
         let start = Instant::now();
@@ -124,7 +138,13 @@ impl Mapping {
     }
 
     /// Reads one frame from ring r into `buf`; `timeout` None waits as long as the peer lives.
-    fn read(&self, r: usize, buf: &mut Vec<u8>, timeout: Option<Duration>, peer: &dyn Fn() -> Option<u32>) -> std::result::Result<(), String> {
+    fn read(
+        &self,
+        r: usize,
+        buf: &mut Vec<u8>,
+        timeout: Option<Duration>,
+        peer: &dyn Fn() -> Option<u32>,
+    ) -> std::result::Result<(), String> {
         let tail = self.tail(r).load(Ordering::Relaxed);
         let start = Instant::now();
         let mut spins = 0u32;
@@ -179,11 +199,22 @@ fn pid_alive(pid: u32) -> bool {
 
 #[cfg(target_os = "linux")]
 fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
-    let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
     // SAFETY: the futex word lives in the shared mapping for the life of `word`; FUTEX_WAIT
     // (shared, not PRIVATE) sleeps only while the word still equals `expected`.
     unsafe {
-        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAIT, expected, &ts as *const libc::timespec, 0usize, 0u32);
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+            0usize,
+            0u32,
+        );
     }
 }
 
@@ -191,7 +222,15 @@ fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
 fn futex_wake(word: &AtomicU32) {
     // SAFETY: waking waiters on a valid futex word has no memory effects.
     unsafe {
-        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX, 0usize, 0usize, 0u32);
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            0usize,
+            0usize,
+            0u32,
+        );
     }
 }
 
@@ -205,30 +244,51 @@ fn futex_wake(_: &AtomicU32) {}
 
 fn map_file(path: &Path, create: Option<u64>) -> Result<Mapping> {
     let io = |e: std::io::Error| Error::Tier(format!("shm link {}: {e}", path.display()));
-    let f = OpenOptions::new().read(true).write(true).create(create.is_some()).truncate(create.is_some()).open(path).map_err(io)?;
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(create.is_some())
+        .truncate(create.is_some())
+        .open(path)
+        .map_err(io)?;
     if let Some(cap) = create {
         f.set_len(DATA as u64 + 2 * cap).map_err(io)?;
     }
     let len = f.metadata().map_err(io)?.len() as usize;
     if len < DATA {
-        return Err(Error::Tier(format!("shm link {}: mapping of {len} bytes is too small", path.display())));
+        return Err(Error::Tier(format!(
+            "shm link {}: mapping of {len} bytes is too small",
+            path.display()
+        )));
     }
     // SAFETY: the file is shared only between the two ends of this link, which access the
     // header words atomically and the ring data under the ring protocol.
     let map = unsafe { MmapMut::map_mut(&f) }.map_err(io)?;
-    let mut m = Mapping { map, cap: 0, path: path.into() };
+    let mut m = Mapping {
+        map,
+        cap: 0,
+        path: path.into(),
+    };
     if let Some(cap) = create {
         m.cap = cap;
         m.u64_at(O_CAP).store(cap, Ordering::Relaxed);
-        m.u32_at(O_PID_SIDECAR).store(std::process::id(), Ordering::Relaxed);
+        m.u32_at(O_PID_SIDECAR)
+            .store(std::process::id(), Ordering::Relaxed);
         m.u64_at(O_MAGIC).store(MAGIC, Ordering::Release);
     } else {
         if m.u64_at(O_MAGIC).load(Ordering::Acquire) != MAGIC {
-            return Err(Error::Tier(format!("shm link {}: not a moelane link", path.display())));
+            return Err(Error::Tier(format!(
+                "shm link {}: not a moelane link",
+                path.display()
+            )));
         }
         m.cap = m.u64_at(O_CAP).load(Ordering::Relaxed);
         if DATA as u64 + 2 * m.cap > len as u64 {
-            return Err(Error::Tier(format!("shm link {}: header says {} byte rings, file is {len}", path.display(), m.cap)));
+            return Err(Error::Tier(format!(
+                "shm link {}: header says {} byte rings, file is {len}",
+                path.display(),
+                m.cap
+            )));
         }
     }
     Ok(m)
@@ -246,21 +306,31 @@ impl ShmTier {
     /// Attaches to a mapping the sidecar created.
     pub fn open(path: &Path, timeout: Duration) -> Result<Self> {
         let m = map_file(path, None)?;
-        m.u32_at(O_PID_PRIMARY).store(std::process::id(), Ordering::Release);
+        m.u32_at(O_PID_PRIMARY)
+            .store(std::process::id(), Ordering::Release);
         let sidecar = m.u32_at(O_PID_SIDECAR).load(Ordering::Acquire);
-        Ok(ShmTier { m, buf: Vec::new(), timeout, sidecar })
+        Ok(ShmTier {
+            m,
+            buf: Vec::new(),
+            timeout,
+            sidecar,
+        })
     }
 }
 
 impl RemoteTier for ShmTier {
     fn send(&mut self, req: ColdRequest) -> Result<()> {
         frame::encode_request(&req, &mut self.buf);
-        self.m.write(0, &self.buf, self.timeout, Some(self.sidecar)).map_err(|e| Error::Tier(format!("shm link send: {e}")))
+        self.m
+            .write(0, &self.buf, self.timeout, Some(self.sidecar))
+            .map_err(|e| Error::Tier(format!("shm link send: {e}")))
     }
 
     fn recv(&mut self) -> Result<ColdReply> {
         let sidecar = self.sidecar;
-        self.m.read(1, &mut self.buf, Some(self.timeout), &|| Some(sidecar)).map_err(|e| Error::Tier(format!("shm link recv: {e}")))?;
+        self.m
+            .read(1, &mut self.buf, Some(self.timeout), &|| Some(sidecar))
+            .map_err(|e| Error::Tier(format!("shm link recv: {e}")))?;
         let mut rep = ColdReply::default();
         frame::decode_reply(&self.buf, &mut rep).map_err(|e| Error::Tier(e.to_string()))?;
         Ok(rep)
@@ -333,7 +403,11 @@ mod tests {
                 return Err("layer 99 refused".into());
             }
             out.clear();
-            out.extend(req.picks.iter().map(|p| p.expert as f32 + req.activations[p.row as usize]));
+            out.extend(
+                req.picks
+                    .iter()
+                    .map(|p| p.expert as f32 + req.activations[p.row as usize]),
+            );
             Ok(())
         }
     }
@@ -346,15 +420,44 @@ mod tests {
         for step in 0..3000u64 {
             // sizes vary so the ring wraps at many offsets
             let n = (step % 700) as usize + 1;
-            let req = ColdRequest { step, layer: 1, epoch: 4, picks: (0..n as u32).map(|i| Pick { row: i, expert: (i % 300) as u16 }).collect(), activations: (0..n).map(|i| i as f32).collect() };
+            let req = ColdRequest {
+                step,
+                layer: 1,
+                epoch: 4,
+                picks: (0..n as u32)
+                    .map(|i| Pick {
+                        row: i,
+                        expert: (i % 300) as u16,
+                    })
+                    .collect(),
+                activations: (0..n).map(|i| i as f32).collect(),
+            };
             t.send(req).unwrap();
             let r = t.recv().unwrap();
             assert_eq!((r.step, r.layer, r.epoch), (step, 1, 4));
             assert_eq!(r.outputs.len(), n);
-            assert!(r.outputs.iter().enumerate().all(|(i, &v)| v == (i % 300) as f32 + i as f32));
+            assert!(r
+                .outputs
+                .iter()
+                .enumerate()
+                .all(|(i, &v)| v == (i % 300) as f32 + i as f32));
         }
-        t.send(ColdRequest { step: 1, layer: 99, epoch: 0, picks: vec![], activations: vec![] }).unwrap();
-        assert!(t.recv().unwrap_err().to_string().contains("layer 99 refused"));
-        assert!(!path.exists(), "the mapping file is removed once both ends hold it");
+        t.send(ColdRequest {
+            step: 1,
+            layer: 99,
+            epoch: 0,
+            picks: vec![],
+            activations: vec![],
+        })
+        .unwrap();
+        assert!(t
+            .recv()
+            .unwrap_err()
+            .to_string()
+            .contains("layer 99 refused"));
+        assert!(
+            !path.exists(),
+            "the mapping file is removed once both ends hold it"
+        );
     }
 }

@@ -17,7 +17,10 @@ fn read_frame(s: &mut TcpStream, buf: &mut Vec<u8>) -> std::io::Result<()> {
     s.read_exact(&mut len)?;
     let n = u32::from_le_bytes(len) as usize;
     if n > MAX_FRAME {
-        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("frame of {n} bytes exceeds the limit")));
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("frame of {n} bytes exceeds the limit"),
+        ));
     }
     buf.resize(n, 0);
     s.read_exact(buf)
@@ -38,12 +41,19 @@ pub struct TcpTier {
 impl TcpTier {
     pub fn connect(addr: &str, timeout: Duration) -> Result<Self> {
         let to_err = |e: std::io::Error| Error::Tier(format!("tcp link to {addr}: {e}"));
-        let sa: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(addr).map_err(to_err)?.next().ok_or_else(|| Error::Tier(format!("tcp link: {addr} resolves to nothing")))?;
+        let sa: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(addr)
+            .map_err(to_err)?
+            .next()
+            .ok_or_else(|| Error::Tier(format!("tcp link: {addr} resolves to nothing")))?;
         let stream = TcpStream::connect_timeout(&sa, timeout).map_err(to_err)?;
         stream.set_nodelay(true).map_err(to_err)?;
         stream.set_read_timeout(Some(timeout)).map_err(to_err)?;
         stream.set_write_timeout(Some(timeout)).map_err(to_err)?;
-        Ok(TcpTier { stream, buf: Vec::new(), pending: None })
+        Ok(TcpTier {
+            stream,
+            buf: Vec::new(),
+            pending: None,
+        })
     }
 }
 
@@ -51,14 +61,18 @@ impl RemoteTier for TcpTier {
     fn send(&mut self, req: ColdRequest) -> Result<()> {
         frame::encode_request(&req, &mut self.buf);
         self.pending = Some((req.step, req.layer, req.epoch));
-        write_frame(&mut self.stream, &self.buf).map_err(|e| Error::Tier(format!("tcp link send: {e}")))
+        write_frame(&mut self.stream, &self.buf)
+            .map_err(|e| Error::Tier(format!("tcp link send: {e}")))
     }
 
     fn recv(&mut self) -> Result<ColdReply> {
         if self.pending.take().is_none() {
-            return Err(Error::Tier("tcp link: recv without a request in flight".into()));
+            return Err(Error::Tier(
+                "tcp link: recv without a request in flight".into(),
+            ));
         }
-        read_frame(&mut self.stream, &mut self.buf).map_err(|e| Error::Tier(format!("tcp link recv: {e}")))?;
+        read_frame(&mut self.stream, &mut self.buf)
+            .map_err(|e| Error::Tier(format!("tcp link recv: {e}")))?;
         let mut rep = ColdReply::default();
         frame::decode_reply(&self.buf, &mut rep).map_err(|e| Error::Tier(e.to_string()))?;
         Ok(rep)
@@ -77,23 +91,26 @@ pub fn serve(listener: TcpListener, svc: Arc<dyn ColdService>) {
             for conn in listener.incoming() {
                 let Ok(mut s) = conn else { continue };
                 let svc = svc.clone();
-                let _ = std::thread::Builder::new().name("moelane-tcp-link".into()).spawn(move || {
-                    let _ = s.set_nodelay(true);
-                    let (mut buf, mut out, mut req) = (Vec::new(), Vec::new(), ColdRequest::default());
-                    while read_frame(&mut s, &mut buf).is_ok() {
-                        let rep = match frame::decode_request(&buf, &mut req) {
-                            Ok(()) => answer(&svc, &req, &mut out),
-                            Err(e) => Err(e.to_string()),
-                        };
-                        frame::encode_reply(&rep, req.step, req.layer, req.epoch, &mut buf);
-                        if let Ok(r) = rep {
-                            out = r.outputs;
+                let _ = std::thread::Builder::new()
+                    .name("moelane-tcp-link".into())
+                    .spawn(move || {
+                        let _ = s.set_nodelay(true);
+                        let (mut buf, mut out, mut req) =
+                            (Vec::new(), Vec::new(), ColdRequest::default());
+                        while read_frame(&mut s, &mut buf).is_ok() {
+                            let rep = match frame::decode_request(&buf, &mut req) {
+                                Ok(()) => answer(&svc, &req, &mut out),
+                                Err(e) => Err(e.to_string()),
+                            };
+                            frame::encode_reply(&rep, req.step, req.layer, req.epoch, &mut buf);
+                            if let Ok(r) = rep {
+                                out = r.outputs;
+                            }
+                            if write_frame(&mut s, &buf).is_err() {
+                                break;
+                            }
                         }
-                        if write_frame(&mut s, &buf).is_err() {
-                            break;
-                        }
-                    }
-                });
+                    });
             }
         })
         .ok();

@@ -10,6 +10,9 @@ use moelane_engine::figures;
 use moelane_engine::synth::{self, Preset};
 
 mod bench;
+mod roles;
+
+use roles::{ColdLink, GatewayOptions, PrimaryOptions};
 
 #[derive(Parser)]
 #[command(
@@ -40,6 +43,30 @@ enum Cmd {
         #[arg(long, default_value_t = 400)]
         answer_len: usize,
     },
+    /// Serve the embedded default: gateway, primary and sidecar in one process on 127.0.0.1.
+    /// Without --model, makes the `mini` synthetic checkpoint once (cached) and serves it.
+    Serve {
+        /// Checkpoint directory (a Hugging Face qwen3_moe checkpoint).
+        #[arg(long, env = "MOELANE_MODEL")]
+        model: Option<PathBuf>,
+        /// Rowmap JSON (default: rowmap.json in the checkpoint, else all experts hot).
+        #[arg(long, env = "MOELANE_MAP")]
+        map: Option<PathBuf>,
+        /// Address of the OpenAI-compatible HTTP API (port 0: any free port).
+        #[arg(long, env = "MOELANE_LISTEN", default_value = "127.0.0.1:8000")]
+        listen: String,
+        /// Model name clients use (default: the checkpoint directory's name).
+        #[arg(long)]
+        served_model_name: Option<String>,
+        /// KV cache capacity in tokens.
+        #[arg(long, default_value_t = 65536)]
+        kv_tokens: usize,
+        /// Most sequences decoded together.
+        #[arg(long, default_value_t = 64)]
+        max_running: usize,
+    },
+    /// Start one role of a lane as its own process (flags, or a TOML file with the same keys).
+    Lane(LaneArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -47,8 +74,101 @@ enum Cmd {
     },
 }
 
+#[derive(clap::Args, serde::Deserialize, Default, Debug)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+struct LaneArgs {
+    /// gateway, primary or sidecar
+    #[arg(long)]
+    role: Option<String>,
+    /// TOML file with any of these keys (role, model, map, listen, lane, sidecar, link, data, shm-dir, kv-tokens, ...); flags override it.
+    #[arg(long)]
+    #[serde(skip)]
+    config: Option<PathBuf>,
+    /// Checkpoint directory (all roles: the gateway reads its tokenizer, template and config).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Rowmap JSON (primary, sidecar).
+    #[arg(long)]
+    map: Option<PathBuf>,
+    /// Address to serve on: HTTP for the gateway (default 127.0.0.1:8000), gRPC for the primary
+    /// (default 127.0.0.1:50051) and the sidecar's control API (default 127.0.0.1:50061).
+    #[arg(long)]
+    listen: Option<String>,
+    /// Gateway: a primary's gRPC URL (repeat for several lanes).
+    #[arg(long)]
+    #[serde(default)]
+    lane: Vec<String>,
+    /// Primary: the sidecar's control URL (none: the sidecar runs in this process).
+    #[arg(long)]
+    sidecar: Option<String>,
+    /// Primary: data-plane link to the sidecar, tcp or shm.
+    #[arg(long)]
+    link: Option<String>,
+    /// Sidecar: TCP data-plane listener address (default 127.0.0.1:0).
+    #[arg(long)]
+    data: Option<String>,
+    /// Sidecar: directory of shared-memory mappings (default /dev/shm).
+    #[arg(long)]
+    shm_dir: Option<PathBuf>,
+    /// Sidecar: bytes per shared-memory ring (default 64 MiB).
+    #[arg(long)]
+    shm_bytes: Option<u64>,
+    /// Primary: KV cache capacity in tokens (default 65536).
+    #[arg(long)]
+    kv_tokens: Option<usize>,
+    /// Primary: seconds to wait for a sidecar reply before failing the step (default 30).
+    #[arg(long)]
+    link_timeout: Option<f64>,
+    /// Gateway: the model name clients use.
+    #[arg(long)]
+    served_model_name: Option<String>,
+}
+
+impl LaneArgs {
+    fn merged(mut self) -> Result<LaneArgs> {
+        let Some(path) = self.config.clone() else {
+            return Ok(self);
+        };
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("reading {}", path.display()))?;
+        let f: LaneArgs = toml::from_str(&text)
+            .with_context(|| format!("{}: invalid lane config", path.display()))?;
+        macro_rules! fill { ($($k:ident),*) => { $( if self.$k.is_none() { self.$k = f.$k; } )* } }
+        fill!(
+            role,
+            model,
+            map,
+            listen,
+            sidecar,
+            link,
+            data,
+            shm_dir,
+            shm_bytes,
+            kv_tokens,
+            link_timeout,
+            served_model_name
+        );
+        if self.lane.is_empty() {
+            self.lane = f.lane;
+        }
+        Ok(self)
+    }
+}
+
+async fn wait_for_signal() {
+    let _ = tokio::signal::ctrl_c().await;
+    eprintln!("moelane: shutting down");
+}
+
 fn main() -> Result<()> {
     let cli = Cli::parse();
+    if matches!(cli.cmd, Cmd::Serve { .. } | Cmd::Lane(_)) {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?;
+        return rt.block_on(run_async(cli.cmd));
+    }
     match cli.cmd {
         Cmd::Gen {
             preset,
@@ -84,6 +204,132 @@ fn main() -> Result<()> {
             }
         }
         Cmd::Bench { what } => bench::run(what)?,
+        Cmd::Serve { .. } | Cmd::Lane(_) => unreachable_cmd()?,
+    }
+    Ok(())
+}
+
+fn unreachable_cmd() -> Result<()> {
+    bail!("internal: async command dispatched synchronously")
+}
+
+async fn run_async(cmd: Cmd) -> Result<()> {
+    match cmd {
+        Cmd::Serve {
+            model,
+            map,
+            listen,
+            served_model_name,
+            kv_tokens,
+            max_running,
+        } => {
+            let model = match model {
+                Some(m) => m,
+                None => bench::default_model("mini")?,
+            };
+            let opts = PrimaryOptions {
+                model: model.clone(),
+                map,
+                kv_tokens,
+                cold: ColdLink::InProcess,
+                link_timeout: std::time::Duration::from_secs(30),
+                sched: moelane_gb300_worker::scheduler::SchedulerConfig {
+                    max_running,
+                    ..Default::default()
+                },
+            };
+            let (primary, link) = roles::start_primary(&opts).await?;
+            let paddr = roles::serve_primary(&primary, "127.0.0.1:0").await?;
+            let gaddr = roles::start_gateway(&GatewayOptions {
+                model: model.clone(),
+                lanes: vec![format!("http://{paddr}")],
+                listen,
+                name: served_model_name.clone(),
+                max_body: 8 << 20,
+            })
+            .await?;
+            println!(
+                "moelane: serving {} as model {:?}",
+                model.display(),
+                roles::model_name(&model, &served_model_name)
+            );
+            println!("moelane: primary grpc://{paddr}, sidecar {link}");
+            println!("moelane: gateway listening on http://{gaddr}/v1");
+            wait_for_signal().await;
+            drop(primary);
+        }
+        Cmd::Lane(args) => {
+            let a = args.merged()?;
+            let role = a
+                .role
+                .clone()
+                .context("--role is required (gateway, primary or sidecar)")?;
+            let model = a.model.clone().context("--model is required")?;
+            match role.as_str() {
+                "sidecar" => {
+                    let o = moelane_rtx_worker::SidecarOptions {
+                        model,
+                        map: a.map.clone(),
+                        data: Some(a.data.clone().unwrap_or_else(|| "127.0.0.1:0".into())),
+                        shm_dir: a
+                            .shm_dir
+                            .clone()
+                            .unwrap_or_else(moelane_rtx_worker::default_shm_dir),
+                        shm_cap: a.shm_bytes.unwrap_or(64 << 20),
+                    };
+                    let (c, d) =
+                        roles::start_sidecar(&o, a.listen.as_deref().unwrap_or("127.0.0.1:50061"))
+                            .await?;
+                    println!("moelane: sidecar control http://{c}");
+                    if let Some(d) = d {
+                        println!("moelane: sidecar data tcp {d}");
+                    }
+                    wait_for_signal().await;
+                }
+                "primary" => {
+                    let cold = match &a.sidecar {
+                        Some(url) => ColdLink::Remote {
+                            control: url.clone(),
+                            link: a.link.clone().unwrap_or_else(|| "tcp".into()),
+                        },
+                        None => ColdLink::InProcess,
+                    };
+                    let opts = PrimaryOptions {
+                        model,
+                        map: a.map.clone(),
+                        kv_tokens: a.kv_tokens.unwrap_or(65536),
+                        cold,
+                        link_timeout: std::time::Duration::from_secs_f64(
+                            a.link_timeout.unwrap_or(30.0).max(0.001),
+                        ),
+                        sched: Default::default(),
+                    };
+                    let (primary, link) = roles::start_primary(&opts).await?;
+                    let paddr = roles::serve_primary(
+                        &primary,
+                        a.listen.as_deref().unwrap_or("127.0.0.1:50051"),
+                    )
+                    .await?;
+                    println!("moelane: primary grpc http://{paddr}, sidecar {link}");
+                    wait_for_signal().await;
+                    drop(primary);
+                }
+                "gateway" => {
+                    let g = roles::start_gateway(&GatewayOptions {
+                        model,
+                        lanes: a.lane.clone(),
+                        listen: a.listen.clone().unwrap_or_else(|| "127.0.0.1:8000".into()),
+                        name: a.served_model_name.clone(),
+                        max_body: 8 << 20,
+                    })
+                    .await?;
+                    println!("moelane: gateway listening on http://{g}/v1");
+                    wait_for_signal().await;
+                }
+                other => bail!("--role {other:?}: choose gateway, primary or sidecar"),
+            }
+        }
+        _ => bail!("internal: synchronous command dispatched asynchronously"),
     }
     Ok(())
 }

@@ -72,7 +72,11 @@ impl Category {
 
     /// The category of a status (from metadata; else from its code).
     pub fn of(s: &tonic::Status) -> Category {
-        if let Some(v) = s.metadata().get("moelane-error").and_then(|v| v.to_str().ok()) {
+        if let Some(v) = s
+            .metadata()
+            .get("moelane-error")
+            .and_then(|v| v.to_str().ok())
+        {
             return Category::parse(v);
         }
         match s.code() {
@@ -91,7 +95,16 @@ mod tests {
 
     #[test]
     fn category_survives_a_status() {
-        for c in [Category::Unavailable, Category::Timeout, Category::EpochMismatch, Category::NotResident, Category::Overloaded, Category::BadRequest, Category::ContextOverflow, Category::Internal] {
+        for c in [
+            Category::Unavailable,
+            Category::Timeout,
+            Category::EpochMismatch,
+            Category::NotResident,
+            Category::Overloaded,
+            Category::BadRequest,
+            Category::ContextOverflow,
+            Category::Internal,
+        ] {
             assert_eq!(Category::of(&c.status("x")), c);
         }
     }

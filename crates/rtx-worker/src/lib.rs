@@ -1,1 +1,358 @@
+//! The sidecar (the RTX role of the reference deployment): holds the cold experts of every
+//! MoE layer and computes any cold pick for any step, one output per pick. Control (register,
+//! health, stats, load map) goes through a kameo actor behind a tonic server; the data plane
+//! (TCP or shared memory) calls the cold bank directly from its own threads, never through
+//! the actor's mailbox.
 
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Instant;
+
+use kameo::actor::{ActorRef, Spawn};
+use kameo::message::{Context, Message};
+use kameo::Actor;
+use moelane_engine::bank::ExpertBank;
+use moelane_engine::checkpoint::Checkpoint;
+use moelane_engine::rowmap::{Rowmap, Tier, ValidMap};
+use moelane_engine::tier::{ColdRequest, ColdServer};
+use moelane_link::ColdService;
+use moelane_proto::control::sidecar_server::{Sidecar, SidecarServer};
+use moelane_proto::control::*;
+use moelane_proto::Category;
+use tonic::{Request, Response, Status};
+
+/// The cold experts and the epoch they were placed with.
+pub struct ColdState {
+    pub bank: ExpertBank,
+    pub epoch: u64,
+}
+
+/// The sidecar's compute, shared by every link.
+pub struct SidecarCore {
+    pub model: String,
+    pub state: RwLock<ColdState>,
+    pub requests: AtomicU64,
+    pub picks: AtomicU64,
+    pub compute_ns: AtomicU64,
+    pub bytes_in: AtomicU64,
+    pub bytes_out: AtomicU64,
+}
+
+impl ColdService for SidecarCore {
+    fn serve(&self, req: &ColdRequest, out: &mut Vec<f32>) -> Result<(), String> {
+        let t0 = Instant::now();
+        let st = self
+            .state
+            .read()
+            .map_err(|_| "sidecar state poisoned".to_string())?;
+        if req.epoch != st.epoch {
+            return Err(format!(
+                "epoch mismatch: request tagged {} but this sidecar holds epoch {}",
+                req.epoch, st.epoch
+            ));
+        }
+        out.clear();
+        out.resize(req.picks.len() * st.bank.hidden, 0.0);
+        st.bank
+            .compute(req.layer as usize, &req.picks, &req.activations, out)
+            .map_err(|e| e.to_string())?;
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        self.picks
+            .fetch_add(req.picks.len() as u64, Ordering::Relaxed);
+        self.bytes_in.fetch_add(
+            (req.activations.len() * 4 + req.picks.len() * 8) as u64,
+            Ordering::Relaxed,
+        );
+        self.bytes_out
+            .fetch_add((out.len() * 4) as u64, Ordering::Relaxed);
+        self.compute_ns
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// Adapter for the engine's in-process link.
+pub struct InProcessCore(pub Arc<SidecarCore>);
+
+impl ColdServer for InProcessCore {
+    fn serve(&mut self, req: &ColdRequest, out: &mut Vec<f32>) -> moelane_engine::Result<()> {
+        ColdService::serve(&*self.0, req, out).map_err(moelane_engine::Error::Tier)
+    }
+}
+
+impl SidecarCore {
+    /// Loads the cold experts the map assigns, from the checkpoint.
+    pub fn load(ckpt: &Checkpoint, map: &ValidMap) -> moelane_engine::Result<Self> {
+        let moe = ckpt.config.moe_layers();
+        let bank = ExpertBank::load(ckpt, map, Tier::Cold, &moe, None)?;
+        Ok(SidecarCore {
+            model: ckpt.id.clone(),
+            state: RwLock::new(ColdState {
+                bank,
+                epoch: map.epoch(),
+            }),
+            requests: AtomicU64::new(0),
+            picks: AtomicU64::new(0),
+            compute_ns: AtomicU64::new(0),
+            bytes_in: AtomicU64::new(0),
+            bytes_out: AtomicU64::new(0),
+        })
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.state.read().map(|s| s.epoch).unwrap_or(0)
+    }
+}
+
+/// The sidecar actor: owns the control state.
+#[derive(Actor)]
+pub struct SidecarActor {
+    core: Arc<SidecarCore>,
+    ckpt_dir: PathBuf,
+    /// Address of the TCP data listener, when one was started.
+    tcp_data: Option<SocketAddr>,
+    shm_dir: PathBuf,
+    shm_cap: u64,
+    shm_count: u64,
+}
+
+pub struct RegisterMsg(pub RegisterRequest);
+pub struct HealthMsg;
+pub struct StatsMsg;
+pub struct LoadMapMsg(pub String);
+
+impl Message<RegisterMsg> for SidecarActor {
+    type Reply = Result<RegisterReply, Status>;
+    async fn handle(
+        &mut self,
+        RegisterMsg(r): RegisterMsg,
+        _: &mut Context<Self, Self::Reply>,
+    ) -> Self::Reply {
+        if r.model != self.core.model {
+            return Err(Category::BadRequest.status(format!(
+                "primary serves model {:?}, this sidecar holds {:?}",
+                r.model, self.core.model
+            )));
+        }
+        let epoch = self.core.epoch();
+        if r.map_epoch != epoch {
+            return Err(Category::EpochMismatch.status(format!(
+                "primary is on map epoch {}, this sidecar on {}",
+                r.map_epoch, epoch
+            )));
+        }
+        let cold = {
+            let st = self
+                .core
+                .state
+                .read()
+                .map_err(|_| Category::Internal.status("state poisoned"))?;
+            (0..st.bank.layers())
+                .map(|l| st.bank.resident(l))
+                .sum::<usize>() as u32
+        };
+        let endpoint = match r.link.as_str() {
+            "tcp" => self.tcp_data.map(|a| a.to_string()).ok_or_else(|| {
+                Category::BadRequest
+                    .status("this sidecar has no TCP data listener (start it with --data ADDR)")
+            })?,
+            "shm" => {
+                self.shm_count += 1;
+                let path =
+                    self.shm_dir
+                        .join(format!("moelane-{}-{}", std::process::id(), self.shm_count));
+                moelane_link::shm::serve(&path, self.shm_cap, self.core.clone())
+                    .map_err(|e| Category::Unavailable.status(e.to_string()))?;
+                path.display().to_string()
+            }
+            other => {
+                return Err(Category::BadRequest
+                    .status(format!("unknown link kind {other:?} (tcp or shm)")))
+            }
+        };
+        Ok(RegisterReply {
+            link: r.link,
+            endpoint,
+            map_epoch: epoch,
+            cold_experts: cold,
+        })
+    }
+}
+
+impl Message<HealthMsg> for SidecarActor {
+    type Reply = Result<SidecarHealthReply, Status>;
+    async fn handle(&mut self, _: HealthMsg, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        Ok(SidecarHealthReply {
+            ok: true,
+            model: self.core.model.clone(),
+            map_epoch: self.core.epoch(),
+        })
+    }
+}
+
+impl Message<StatsMsg> for SidecarActor {
+    type Reply = Result<SidecarStatsReply, Status>;
+    async fn handle(&mut self, _: StatsMsg, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        let c = &self.core;
+        Ok(SidecarStatsReply {
+            requests: c.requests.load(Ordering::Relaxed),
+            picks: c.picks.load(Ordering::Relaxed),
+            compute_ns: c.compute_ns.load(Ordering::Relaxed),
+            bytes_in: c.bytes_in.load(Ordering::Relaxed),
+            bytes_out: c.bytes_out.load(Ordering::Relaxed),
+        })
+    }
+}
+
+impl Message<LoadMapMsg> for SidecarActor {
+    type Reply = Result<LoadMapReply, Status>;
+    async fn handle(
+        &mut self,
+        LoadMapMsg(json): LoadMapMsg,
+        _: &mut Context<Self, Self::Reply>,
+    ) -> Self::Reply {
+        let bad = |e: String| Category::BadRequest.status(e);
+        let map: Rowmap = serde_json_from(&json).map_err(bad)?;
+        let ckpt = Checkpoint::open(&self.ckpt_dir)
+            .map_err(|e| Category::Internal.status(e.to_string()))?;
+        let c = &ckpt.config;
+        let valid = map
+            .validate(&ckpt.id, c.moe_layers().len(), c.num_experts, None)
+            .map_err(|e| bad(e.to_string()))?;
+        let bank = ExpertBank::load(&ckpt, &valid, Tier::Cold, &c.moe_layers(), None)
+            .map_err(|e| Category::Internal.status(e.to_string()))?;
+        let mut st = self
+            .core
+            .state
+            .write()
+            .map_err(|_| Category::Internal.status("state poisoned"))?;
+        *st = ColdState {
+            bank,
+            epoch: valid.epoch(),
+        };
+        Ok(LoadMapReply {
+            map_epoch: valid.epoch(),
+        })
+    }
+}
+
+fn serde_json_from(s: &str) -> Result<Rowmap, String> {
+    moelane_engine::rowmap::Rowmap::from_json(s).map_err(|e| e.to_string())
+}
+
+/// The tonic face of the actor.
+pub struct SidecarService {
+    actor: ActorRef<SidecarActor>,
+}
+
+/// Flattens an ask: the handler's own status, or the actor's failure as Unavailable.
+fn flat<T, M>(r: Result<T, kameo::error::SendError<M, Status>>) -> Result<Response<T>, Status> {
+    match r {
+        Ok(v) => Ok(Response::new(v)),
+        Err(kameo::error::SendError::HandlerError(s)) => Err(s),
+        Err(e) => Err(Category::Unavailable.status(format!("sidecar actor: {e}"))),
+    }
+}
+
+#[tonic::async_trait]
+impl Sidecar for SidecarService {
+    async fn register(
+        &self,
+        r: Request<RegisterRequest>,
+    ) -> Result<Response<RegisterReply>, Status> {
+        flat(self.actor.ask(RegisterMsg(r.into_inner())).await)
+    }
+    async fn health(
+        &self,
+        _: Request<SidecarHealthRequest>,
+    ) -> Result<Response<SidecarHealthReply>, Status> {
+        flat(self.actor.ask(HealthMsg).await)
+    }
+    async fn stats(
+        &self,
+        _: Request<SidecarStatsRequest>,
+    ) -> Result<Response<SidecarStatsReply>, Status> {
+        flat(self.actor.ask(StatsMsg).await)
+    }
+    async fn load_map(&self, r: Request<LoadMapRequest>) -> Result<Response<LoadMapReply>, Status> {
+        flat(self.actor.ask(LoadMapMsg(r.into_inner().rowmap_json)).await)
+    }
+}
+
+/// Options of a sidecar process.
+#[derive(Clone, Debug)]
+pub struct SidecarOptions {
+    pub model: PathBuf,
+    pub map: Option<PathBuf>,
+    /// Data-plane TCP listener address (None: shm only).
+    pub data: Option<String>,
+    pub shm_dir: PathBuf,
+    /// Bytes per ring of a shared-memory link.
+    pub shm_cap: u64,
+}
+
+/// A started sidecar: its actor and the addresses it serves.
+pub struct Sidecar0 {
+    pub core: Arc<SidecarCore>,
+    pub actor: ActorRef<SidecarActor>,
+    pub data_addr: Option<SocketAddr>,
+}
+
+/// Loads the cold bank, starts the data-plane listener and the actor.
+pub fn start(opts: &SidecarOptions) -> moelane_engine::Result<Sidecar0> {
+    let ckpt = Checkpoint::open(&opts.model)?;
+    let map = match &opts.map {
+        Some(p) => Some(Rowmap::read(p)?),
+        None => None,
+    };
+    let map = moelane_engine::load::resolve_map(&ckpt, map)?;
+    let core = Arc::new(SidecarCore::load(&ckpt, &map)?);
+    let data_addr = match &opts.data {
+        Some(a) => {
+            let l = std::net::TcpListener::bind(a)
+                .map_err(|e| moelane_engine::Error::Tier(format!("data listener {a}: {e}")))?;
+            let addr = l
+                .local_addr()
+                .map_err(|e| moelane_engine::Error::Tier(e.to_string()))?;
+            moelane_link::tcp::serve(l, core.clone());
+            Some(addr)
+        }
+        None => None,
+    };
+    let actor = SidecarActor::spawn(SidecarActor {
+        core: core.clone(),
+        ckpt_dir: opts.model.clone(),
+        tcp_data: data_addr,
+        shm_dir: opts.shm_dir.clone(),
+        shm_cap: opts.shm_cap,
+        shm_count: 0,
+    });
+    Ok(Sidecar0 {
+        core,
+        actor,
+        data_addr,
+    })
+}
+
+/// Serves the control API on `listener` until the future is dropped.
+pub async fn serve_control(
+    listener: tokio::net::TcpListener,
+    actor: ActorRef<SidecarActor>,
+) -> Result<(), tonic::transport::Error> {
+    tonic::transport::Server::builder()
+        .add_service(SidecarServer::new(SidecarService { actor }))
+        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+        .await
+}
+
+/// Default directory for shared-memory mappings.
+pub fn default_shm_dir() -> PathBuf {
+    let p = Path::new("/dev/shm");
+    if p.is_dir() {
+        p.into()
+    } else {
+        std::env::temp_dir()
+    }
+}

@@ -84,7 +84,12 @@ impl Detokenizer {
 
     fn release(&mut self, all: bool) -> String {
         // a complete stop string: emit up to it, then stop
-        if let Some(pos) = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min() {
+        if let Some(pos) = self
+            .stops
+            .iter()
+            .filter_map(|s| self.held.find(s.as_str()))
+            .min()
+        {
             let out = self.held[..pos].to_string();
             self.held.clear();
             self.pending.clear();
@@ -140,10 +145,15 @@ mod tests {
             x ^= x << 17;
             x
         };
-        let pool: Vec<u8> = "aé日本😀 ".bytes().chain([0xff, 0xc3, 0xe6, 0x80]).collect();
+        let pool: Vec<u8> = "aé日本😀 "
+            .bytes()
+            .chain([0xff, 0xc3, 0xe6, 0x80])
+            .collect();
         for _ in 0..2000 {
             let n = (next() % 24) as usize;
-            let bytes: Vec<u8> = (0..n).map(|_| pool[(next() % pool.len() as u64) as usize]).collect();
+            let bytes: Vec<u8> = (0..n)
+                .map(|_| pool[(next() % pool.len() as u64) as usize])
+                .collect();
             let mut chunks = Vec::new();
             let mut i = 0;
             while i < bytes.len() {

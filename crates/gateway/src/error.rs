@@ -1,0 +1,92 @@
+//! The one mapping from gateway errors to (HTTP status, OpenAI-style JSON body).
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use moelane_proto::Category;
+use serde_json::json;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("{message}")]
+    BadRequest {
+        message: String,
+        param: Option<&'static str>,
+    },
+    #[error("The model `{0}` does not exist")]
+    UnknownModel(String),
+    #[error("{0}")]
+    ContextLength(String),
+    #[error("request body exceeds {0} bytes")]
+    TooLarge(usize),
+    #[error("{0}")]
+    Overloaded(String),
+    #[error("{0}")]
+    Unavailable(String),
+    #[error("{0}")]
+    Internal(String),
+    #[error("no route {0}")]
+    NotFound(String),
+}
+
+impl ApiError {
+    pub fn bad(message: impl Into<String>, param: Option<&'static str>) -> Self {
+        ApiError::BadRequest {
+            message: message.into(),
+            param,
+        }
+    }
+
+    /// From a lane error category.
+    pub fn from_lane(category: Category, message: String) -> Self {
+        match category {
+            Category::BadRequest => ApiError::bad(message, None),
+            Category::ContextOverflow => ApiError::ContextLength(message),
+            Category::Overloaded => ApiError::Overloaded(message),
+            Category::Unavailable
+            | Category::Timeout
+            | Category::EpochMismatch
+            | Category::NotResident => ApiError::Unavailable(message),
+            Category::Internal => ApiError::Internal(message),
+        }
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::BadRequest { .. } | ApiError::ContextLength(_) => StatusCode::BAD_REQUEST,
+            ApiError::UnknownModel(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// The OpenAI error object.
+    pub fn body(&self) -> serde_json::Value {
+        let (kind, code, param) = match self {
+            ApiError::BadRequest { param, .. } => ("invalid_request_error", None, *param),
+            ApiError::UnknownModel(_) => (
+                "invalid_request_error",
+                Some("model_not_found"),
+                Some("model"),
+            ),
+            ApiError::ContextLength(_) => (
+                "invalid_request_error",
+                Some("context_length_exceeded"),
+                Some("messages"),
+            ),
+            ApiError::TooLarge(_) => ("invalid_request_error", Some("request_too_large"), None),
+            ApiError::Overloaded(_) => ("rate_limit_error", Some("overloaded"), None),
+            ApiError::Unavailable(_) => ("server_error", Some("unavailable"), None),
+            ApiError::Internal(_) => ("server_error", None, None),
+            ApiError::NotFound(_) => ("invalid_request_error", Some("not_found"), None),
+        };
+        json!({"error": {"message": self.to_string(), "type": kind, "param": param, "code": code}})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status(), axum::Json(self.body())).into_response()
+    }
+}

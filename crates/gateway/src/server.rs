@@ -1,0 +1,610 @@
+//! HTTP routes: `POST /v1/completions`, `POST /v1/chat/completions` (streaming as
+//! server-sent events in OpenAI's chunk format, or whole), `GET /v1/models`, `/health`,
+//! `/ready`, `GET /v1/stats` (each lane's counters) and `POST /admin/drain`.
+//! Requests are parsed and validated into a [`ValidRequest`] before anything is queued.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::StatusCode;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::StreamExt;
+use kameo::actor::ActorRef;
+use moelane_proto::lane::GenerateRequest;
+use moelane_text::chat::{ChatMessage, ChatTemplate};
+use moelane_text::detok::Detokenizer;
+use moelane_text::tokenizer::Tokenizer;
+use serde_json::{json, Value};
+
+use crate::error::ApiError;
+use crate::registry::{InFlight, ListLanes, Pick, Registry, SetDrain};
+
+/// What the gateway serves.
+#[derive(Clone, Debug)]
+pub struct GatewayConfig {
+    /// The model name clients send (`model` field) and /v1/models lists.
+    pub model_name: String,
+    /// Context length of the model, in tokens.
+    pub max_context: usize,
+    /// Largest request body accepted, in bytes.
+    pub max_body: usize,
+    /// Default `max_tokens` of /v1/completions (OpenAI's is 16).
+    pub default_completion_tokens: usize,
+}
+
+pub struct AppState {
+    pub cfg: GatewayConfig,
+    pub tokenizer: Tokenizer,
+    pub template: ChatTemplate,
+    pub registry: ActorRef<Registry>,
+    next_id: AtomicU64,
+}
+
+impl AppState {
+    pub fn new(
+        cfg: GatewayConfig,
+        tokenizer: Tokenizer,
+        template: ChatTemplate,
+        registry: ActorRef<Registry>,
+    ) -> Self {
+        AppState {
+            cfg,
+            tokenizer,
+            template,
+            registry,
+            next_id: AtomicU64::new(1),
+        }
+    }
+}
+
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/v1/stats", get(stats))
+        .route("/admin/drain", post(drain))
+        .route("/health", get(|| async { "ok" }))
+        .route("/ready", get(ready))
+        .fallback(|req: Request| async move {
+            ApiError::NotFound(format!("{} {}", req.method(), req.uri().path()))
+        })
+        .with_state(state)
+}
+
+/// A request after parsing and validation: tokenised, clamped, checked.
+#[derive(Clone, Debug)]
+pub struct ValidRequest {
+    pub chat: bool,
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub temperature: f32,
+    pub top_p: f32,
+    pub seed: u64,
+    pub stop: Vec<String>,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+async fn read_json(st: &AppState, body: Body) -> Result<Value, ApiError> {
+    let bytes: Bytes = axum::body::to_bytes(body, st.cfg.max_body)
+        .await
+        .map_err(|_| ApiError::TooLarge(st.cfg.max_body))?;
+    let v: Value = serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::bad(format!("malformed JSON body: {e}"), None))?;
+    if !v.is_object() {
+        return Err(ApiError::bad(
+            "the request body must be a JSON object",
+            None,
+        ));
+    }
+    Ok(v)
+}
+
+fn num(v: &Value, key: &'static str) -> Result<Option<f64>, ApiError> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) => n
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| ApiError::bad(format!("`{key}` is not a number"), Some(key))),
+        Some(other) => Err(ApiError::bad(
+            format!("`{key}` must be a number, got {other}"),
+            Some(key),
+        )),
+    }
+}
+
+fn text_of(v: &Value) -> Option<String> {
+    match v {
+        Value::String(s) => Some(s.clone()),
+        Value::Null => Some(String::new()),
+        // content parts: [{"type":"text","text":"..."}]
+        Value::Array(parts) => parts
+            .iter()
+            .map(|p| {
+                match (
+                    p.get("type").and_then(|t| t.as_str()),
+                    p.get("text").and_then(|t| t.as_str()),
+                ) {
+                    (Some("text") | None, Some(t)) => Some(t.to_string()),
+                    _ => None,
+                }
+            })
+            .collect::<Option<Vec<_>>>()
+            .map(|v| v.concat()),
+        _ => None,
+    }
+}
+
+fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequest, ApiError> {
+    let model = v
+        .get("model")
+        .and_then(|m| m.as_str())
+        .ok_or_else(|| ApiError::bad("`model` is required", Some("model")))?;
+    if model != st.cfg.model_name {
+        return Err(ApiError::UnknownModel(model.to_string()));
+    }
+    if let Some(n) = num(v, "n")? {
+        if n != 1.0 {
+            return Err(ApiError::bad("only n = 1 is supported", Some("n")));
+        }
+    }
+    let prompt: Vec<u32> = if chat {
+        let msgs = v
+            .get("messages")
+            .and_then(|m| m.as_array())
+            .ok_or_else(|| ApiError::bad("`messages` must be an array", Some("messages")))?;
+        if msgs.is_empty() {
+            return Err(ApiError::bad("`messages` is empty", Some("messages")));
+        }
+        let mut out = Vec::with_capacity(msgs.len());
+        for (i, m) in msgs.iter().enumerate() {
+            let role = m.get("role").and_then(|r| r.as_str()).ok_or_else(|| {
+                ApiError::bad(format!("messages[{i}].role is missing"), Some("messages"))
+            })?;
+            let content = m.get("content").and_then(text_of).ok_or_else(|| {
+                ApiError::bad(
+                    format!("messages[{i}].content must be a string or text parts"),
+                    Some("messages"),
+                )
+            })?;
+            out.push(ChatMessage {
+                role: role.to_string(),
+                content,
+            });
+        }
+        let text = st
+            .template
+            .render(&out)
+            .map_err(|e| ApiError::bad(e.to_string(), Some("messages")))?;
+        st.tokenizer
+            .encode(&text)
+            .map_err(|e| ApiError::Internal(e.to_string()))?
+    } else {
+        match v.get("prompt") {
+            Some(Value::String(s)) => st
+                .tokenizer
+                .encode(s)
+                .map_err(|e| ApiError::Internal(e.to_string()))?,
+            Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => st
+                .tokenizer
+                .encode(a[0].as_str().unwrap_or_default())
+                .map_err(|e| ApiError::Internal(e.to_string()))?,
+            Some(Value::Array(a)) if a.iter().all(|x| x.is_u64()) => {
+                let ids: Vec<u32> = a
+                    .iter()
+                    .filter_map(|x| x.as_u64())
+                    .map(|x| x.min(u32::MAX as u64) as u32)
+                    .collect();
+                if let Some(bad) = ids
+                    .iter()
+                    .find(|&&t| t as usize >= st.tokenizer.vocab_size())
+                {
+                    return Err(ApiError::bad(
+                        format!("token id {bad} is outside the vocabulary"),
+                        Some("prompt"),
+                    ));
+                }
+                ids
+            }
+            Some(Value::Array(_)) => {
+                return Err(ApiError::bad(
+                    "`prompt` must be a string, one string in a list, or a list of token ids",
+                    Some("prompt"),
+                ))
+            }
+            _ => return Err(ApiError::bad("`prompt` is required", Some("prompt"))),
+        }
+    };
+    if prompt.is_empty() {
+        return Err(ApiError::bad(
+            "the prompt is empty",
+            Some(if chat { "messages" } else { "prompt" }),
+        ));
+    }
+    let ctx = st.cfg.max_context;
+    if prompt.len() >= ctx {
+        return Err(ApiError::ContextLength(format!(
+            "This model's maximum context length is {ctx} tokens; the prompt has {} tokens",
+            prompt.len()
+        )));
+    }
+    let room = ctx - prompt.len();
+    let asked = match num(v, "max_completion_tokens")?.or(num(v, "max_tokens")?) {
+        Some(x) if x < 1.0 || x.fract() != 0.0 => {
+            return Err(ApiError::bad(
+                format!("max_tokens must be a positive integer, got {x}"),
+                Some("max_tokens"),
+            ))
+        }
+        Some(x) => Some(x as usize),
+        None => None,
+    };
+    let max_tokens = match asked {
+        Some(m) if m > room => {
+            return Err(ApiError::ContextLength(format!("This model's maximum context length is {ctx} tokens; the prompt has {} tokens and max_tokens is {m}", prompt.len())));
+        }
+        Some(m) => m,
+        None if chat => room,
+        None => st.cfg.default_completion_tokens.min(room),
+    };
+    let temperature = num(v, "temperature")?.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::bad(
+            format!("temperature {temperature} is outside [0, 2]"),
+            Some("temperature"),
+        ));
+    }
+    let top_p = num(v, "top_p")?.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::bad(
+            format!("top_p {top_p} is outside (0, 1]"),
+            Some("top_p"),
+        ));
+    }
+    let seed = match num(v, "seed")? {
+        Some(s) => s as i64 as u64,
+        None => SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0),
+    };
+    let stop = match v.get("stop") {
+        None | Some(Value::Null) => vec![],
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) if a.len() <= 4 && a.iter().all(|x| x.is_string()) => a
+            .iter()
+            .filter_map(|x| x.as_str().map(String::from))
+            .collect(),
+        Some(_) => {
+            return Err(ApiError::bad(
+                "`stop` must be a string or a list of up to 4 strings",
+                Some("stop"),
+            ))
+        }
+    };
+    let stream = match v.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(ApiError::bad("`stream` must be a boolean", Some("stream"))),
+    };
+    let include_usage = v
+        .get("stream_options")
+        .and_then(|o| o.get("include_usage"))
+        .and_then(|b| b.as_bool())
+        .unwrap_or(false);
+    Ok(ValidRequest {
+        chat,
+        prompt,
+        max_tokens,
+        temperature: temperature as f32,
+        top_p: top_p as f32,
+        seed,
+        stop,
+        stream,
+        include_usage,
+    })
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+async fn pick(st: &AppState) -> Result<InFlight, ApiError> {
+    st.registry
+        .ask(Pick)
+        .await
+        .map_err(|e| ApiError::Internal(format!("registry: {e}")))?
+        .ok_or_else(|| {
+            ApiError::Unavailable("no lane is available (all draining or none registered)".into())
+        })
+}
+
+async fn completions(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    handle(st, req, false)
+        .await
+        .unwrap_or_else(|e| e.into_response())
+}
+
+async fn chat_completions(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    handle(st, req, true)
+        .await
+        .unwrap_or_else(|e| e.into_response())
+}
+
+struct Out {
+    id: String,
+    created: u64,
+}
+
+impl Out {
+    fn chunk(
+        &self,
+        st: &AppState,
+        chat: bool,
+        text: Option<&str>,
+        finish: Option<&str>,
+        first: bool,
+    ) -> Value {
+        if chat {
+            let mut delta = json!({});
+            if first {
+                delta["role"] = json!("assistant");
+                delta["content"] = json!("");
+            }
+            if let Some(t) = text {
+                delta["content"] = json!(t);
+            }
+            json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": st.cfg.model_name,
+                   "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}]})
+        } else {
+            json!({"id": self.id, "object": "text_completion", "created": self.created, "model": st.cfg.model_name,
+                   "choices": [{"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish}]})
+        }
+    }
+}
+
+fn usage(p: usize, c: usize) -> Value {
+    json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c})
+}
+
+async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response, ApiError> {
+    let v = read_json(&st, req.into_body()).await?;
+    let vr = validate(&st, &v, chat)?;
+    let inflight = pick(&st).await?;
+    let id_n = st.next_id.fetch_add(1, Ordering::Relaxed);
+    let out = Out {
+        id: format!(
+            "{}-{:016x}",
+            if chat { "chatcmpl" } else { "cmpl" },
+            id_n ^ (now_secs() << 20)
+        ),
+        created: now_secs(),
+    };
+    let greq = GenerateRequest {
+        request_id: out.id.clone(),
+        prompt: vr.prompt.clone(),
+        max_tokens: vr.max_tokens as u32,
+        temperature: vr.temperature,
+        top_p: vr.top_p,
+        seed: vr.seed,
+        stop_token_ids: vec![],
+        ignore_eos: false,
+    };
+    let mut events = inflight
+        .lane
+        .generate(greq)
+        .await
+        .map_err(|e| ApiError::from_lane(e.category, e.message))?;
+    let prompt_tokens = vr.prompt.len();
+    if !vr.stream {
+        let mut det = Detokenizer::new(vr.stop.clone());
+        let mut text = String::new();
+        let mut completion = 0usize;
+        let mut finish = "length".to_string();
+        while let Some(ev) = events.next().await {
+            let ev = ev.map_err(|e| ApiError::from_lane(e.category, e.message))?;
+            if let Some(t) = ev.token {
+                completion += 1;
+                if !st.tokenizer.is_special(t) {
+                    text.push_str(&det.push(st.tokenizer.token_bytes(t)));
+                }
+                if det.stopped() {
+                    finish = "stop".into();
+                    break; // dropping the stream cancels the request on the lane
+                }
+            }
+            if !ev.finish_reason.is_empty() {
+                finish = if ev.finish_reason == "cancelled" {
+                    "stop".into()
+                } else {
+                    ev.finish_reason.clone()
+                };
+                break;
+            }
+        }
+        drop(events);
+        text.push_str(&det.finish());
+        drop(inflight);
+        let body = if chat {
+            json!({"id": out.id, "object": "chat.completion", "created": out.created, "model": st.cfg.model_name,
+                   "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish}],
+                   "usage": usage(prompt_tokens, completion)})
+        } else {
+            json!({"id": out.id, "object": "text_completion", "created": out.created, "model": st.cfg.model_name,
+                   "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
+                   "usage": usage(prompt_tokens, completion)})
+        };
+        return Ok(Json(body).into_response());
+    }
+    // Streaming: a task relays lane events into SSE chunks; when the client leaves, the
+    // channel closes, the task ends and drops the lane stream, which cancels the request.
+    let (tx, rx) = tokio::sync::mpsc::channel::<SseEvent>(64);
+    let st2 = st.clone();
+    tokio::spawn(async move {
+        let _inflight = inflight;
+        let mut det = Detokenizer::new(vr.stop.clone());
+        let mut completion = 0usize;
+        let send = |v: Value| SseEvent::default().data(v.to_string());
+        if chat
+            && tx
+                .send(send(out.chunk(&st2, true, None, None, true)))
+                .await
+                .is_err()
+        {
+            return;
+        }
+        let mut finish: Option<String> = None;
+        while let Some(ev) = events.next().await {
+            let ev = match ev {
+                Ok(ev) => ev,
+                Err(e) => {
+                    let err = ApiError::from_lane(e.category, e.message);
+                    let _ = tx.send(send(err.body())).await;
+                    break;
+                }
+            };
+            if let Some(t) = ev.token {
+                completion += 1;
+                let piece = if st2.tokenizer.is_special(t) {
+                    String::new()
+                } else {
+                    det.push(st2.tokenizer.token_bytes(t))
+                };
+                if !piece.is_empty()
+                    && tx
+                        .send(send(out.chunk(&st2, chat, Some(&piece), None, false)))
+                        .await
+                        .is_err()
+                {
+                    return;
+                }
+                if det.stopped() {
+                    finish = Some("stop".into());
+                    break;
+                }
+            }
+            if !ev.finish_reason.is_empty() {
+                finish = Some(if ev.finish_reason == "cancelled" {
+                    "stop".into()
+                } else {
+                    ev.finish_reason.clone()
+                });
+                break;
+            }
+        }
+        drop(events);
+        let tail = det.finish();
+        if !tail.is_empty()
+            && tx
+                .send(send(out.chunk(&st2, chat, Some(&tail), None, false)))
+                .await
+                .is_err()
+        {
+            return;
+        }
+        if let Some(f) = finish {
+            let mut last = out.chunk(
+                &st2,
+                chat,
+                if chat { None } else { Some("") },
+                Some(&f),
+                false,
+            );
+            if vr.include_usage {
+                last["usage"] = Value::Null;
+            }
+            if tx.send(send(last)).await.is_err() {
+                return;
+            }
+            if vr.include_usage {
+                let u = json!({"id": out.id, "object": if chat { "chat.completion.chunk" } else { "text_completion" }, "created": out.created,
+                               "model": st2.cfg.model_name, "choices": [], "usage": usage(prompt_tokens, completion)});
+                let _ = tx.send(send(u)).await;
+            }
+        }
+        let _ = tx.send(SseEvent::default().data("[DONE]")).await;
+    });
+    let stream =
+        tokio_stream::wrappers::ReceiverStream::new(rx).map(Ok::<_, std::convert::Infallible>);
+    Ok(Sse::new(stream)
+        .keep_alive(KeepAlive::default())
+        .into_response())
+}
+
+async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
+    Json(
+        json!({"object": "list", "data": [{"id": st.cfg.model_name, "object": "model", "created": 0, "owned_by": "moelane", "max_model_len": st.cfg.max_context}]}),
+    )
+}
+
+async fn lanes(
+    st: &AppState,
+) -> Result<Vec<(crate::registry::LaneInfo, Arc<dyn crate::lane::Lane>)>, ApiError> {
+    st.registry
+        .ask(ListLanes)
+        .await
+        .map_err(|e| ApiError::Internal(format!("registry: {e}")))
+}
+
+async fn ready(State(st): State<Arc<AppState>>) -> Response {
+    let Ok(list) = lanes(&st).await else {
+        return (StatusCode::SERVICE_UNAVAILABLE, "registry down").into_response();
+    };
+    for (info, lane) in list {
+        if !info.draining && lane.health().await.map(|h| h.ok).unwrap_or(false) {
+            return (StatusCode::OK, "ready").into_response();
+        }
+    }
+    (StatusCode::SERVICE_UNAVAILABLE, "no healthy lane").into_response()
+}
+
+async fn stats(State(st): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
+    let mut out = Vec::new();
+    for (info, lane) in lanes(&st).await? {
+        let s = match lane.stats().await {
+            Ok(s) => {
+                let load = s.load.unwrap_or_default();
+                json!({"running": load.running, "waiting": load.waiting, "kv_blocks_used": load.kv_blocks_used, "kv_blocks_total": load.kv_blocks_total,
+                       "steps": s.steps, "tokens_generated": s.tokens_generated, "prompt_tokens": s.prompt_tokens,
+                       "requests_finished": s.requests_finished, "requests_cancelled": s.requests_cancelled, "requests_failed": s.requests_failed,
+                       "layers": s.layers.iter().map(|l| json!({"hot_picks": l.hot_picks, "cold_picks": l.cold_picks, "wait_ns": l.wait_ns})).collect::<Vec<_>>()})
+            }
+            Err(e) => json!({"error": e.message}),
+        };
+        out.push(json!({"lane": info.name, "draining": info.draining, "inflight": info.inflight, "stats": s}));
+    }
+    Ok(Json(json!({"lanes": out})))
+}
+
+async fn drain(State(st): State<Arc<AppState>>, req: Request) -> Result<Json<Value>, ApiError> {
+    let v = read_json(&st, req.into_body()).await?;
+    let lane = v
+        .get("lane")
+        .and_then(|l| l.as_str())
+        .ok_or_else(|| ApiError::bad("`lane` is required", Some("lane")))?
+        .to_string();
+    let draining = v.get("drain").and_then(|d| d.as_bool()).unwrap_or(true);
+    let found = st
+        .registry
+        .ask(SetDrain {
+            lane: lane.clone(),
+            draining,
+        })
+        .await
+        .map_err(|e| ApiError::Internal(e.to_string()))?;
+    if !found {
+        return Err(ApiError::bad(format!("no lane {lane:?}"), Some("lane")));
+    }
+    Ok(Json(json!({"lane": lane, "draining": draining})))
+}

@@ -1,0 +1,375 @@
+//! Continuous batching (Orca, Yu et al. OSDI'22): requests join and leave at every step.
+//! The scheduler thread owns the engine. Each step it drains commands, admits waiting
+//! requests while their whole KV budget (prompt + max_tokens) fits and the step's prefill
+//! budget lasts, runs one step over every running sequence (decodes) and the admitted ones
+//! (prefills), samples, and streams a token event to each request. A request whose
+//! receiver is gone (the client left) is cancelled and its KV blocks are freed at once.
+
+use std::collections::VecDeque;
+use std::sync::mpsc;
+use std::time::Instant;
+
+use moelane_engine::kv::{KvCache, SeqKv};
+use moelane_engine::model::{Engine, SeqStep};
+use moelane_engine::sampling::{Sampler, SamplingParams};
+use moelane_proto::Category;
+use tokio::sync::mpsc::UnboundedSender;
+
+/// A validated generation request.
+#[derive(Clone, Debug)]
+pub struct ValidGen {
+    pub id: String,
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    pub stop_ids: Vec<u32>,
+}
+
+/// What a request's stream carries.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    Token {
+        token: u32,
+        completion_tokens: u32,
+        elapsed_ns: u64,
+    },
+    Finish {
+        reason: &'static str,
+        prompt_tokens: u32,
+        completion_tokens: u32,
+        elapsed_ns: u64,
+    },
+    Error {
+        category: Category,
+        message: String,
+    },
+}
+
+/// A snapshot of the scheduler for stats endpoints.
+#[derive(Clone, Debug, Default)]
+pub struct Snapshot {
+    pub running: usize,
+    pub waiting: usize,
+    pub kv_used: usize,
+    pub kv_total: usize,
+    pub steps: u64,
+    pub tokens_generated: u64,
+    pub prompt_tokens: u64,
+    pub hot_picks: Vec<u64>,
+    pub cold_picks: Vec<u64>,
+    pub wait_ns: Vec<u64>,
+    pub finished: u64,
+    pub cancelled: u64,
+    pub failed: u64,
+    pub max_context: usize,
+    pub model: String,
+    pub epoch: u64,
+    pub link: String,
+}
+
+pub enum Command {
+    Submit(ValidGen, UnboundedSender<Event>),
+    Cancel(String, std::sync::mpsc::Sender<bool>),
+    Snapshot(std::sync::mpsc::Sender<Snapshot>),
+    Shutdown,
+}
+
+struct Running {
+    req: ValidGen,
+    tx: UnboundedSender<Event>,
+    kv: SeqKv,
+    sampler: Sampler,
+    next: Vec<u32>,
+    generated: u32,
+    admitted: Instant,
+}
+
+/// Limits of the scheduler.
+#[derive(Clone, Debug)]
+pub struct SchedulerConfig {
+    /// Most prompt tokens prefilled in one step (at least one whole prompt is admitted).
+    pub prefill_budget: usize,
+    /// Most sequences running at once.
+    pub max_running: usize,
+    /// Most requests waiting; beyond, new ones are refused as Overloaded.
+    pub max_waiting: usize,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            prefill_budget: 2048,
+            max_running: 64,
+            max_waiting: 1024,
+        }
+    }
+}
+
+pub struct Scheduler {
+    engine: Engine,
+    cfg: SchedulerConfig,
+    waiting: VecDeque<(ValidGen, UnboundedSender<Event>)>,
+    running: Vec<Running>,
+    model: String,
+    stats: Snapshot,
+}
+
+impl Scheduler {
+    pub fn new(engine: Engine, model: String, cfg: SchedulerConfig) -> Self {
+        Scheduler {
+            engine,
+            cfg,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            model,
+            stats: Snapshot::default(),
+        }
+    }
+
+    fn snapshot(&self) -> Snapshot {
+        let c = &self.engine.counters;
+        Snapshot {
+            running: self.running.len(),
+            waiting: self.waiting.len(),
+            kv_used: self.engine.kv.used_blocks(),
+            kv_total: self.engine.kv.blocks,
+            steps: c.steps,
+            hot_picks: c.hot_picks.clone(),
+            cold_picks: c.cold_picks.clone(),
+            wait_ns: c.wait_ns.clone(),
+            max_context: self.engine.cfg.max_position_embeddings,
+            model: self.model.clone(),
+            epoch: self.engine.map.epoch(),
+            link: self
+                .engine
+                .cold
+                .as_ref()
+                .map_or("none", |c| c.kind())
+                .to_string(),
+            ..self.stats.clone()
+        }
+    }
+
+    fn submit(&mut self, req: ValidGen, tx: UnboundedSender<Event>) {
+        let max_ctx = self.engine.cfg.max_position_embeddings;
+        let need = req.prompt.len() + req.max_tokens;
+        if need > max_ctx {
+            let _ = tx.send(Event::Error { category: Category::ContextOverflow, message: format!("prompt of {} tokens plus max_tokens {} exceeds the context of {max_ctx} tokens", req.prompt.len(), req.max_tokens) });
+            return;
+        }
+        let blocks = KvCache::blocks_for(need);
+        if blocks > self.engine.kv.blocks {
+            let _ = tx.send(Event::Error {
+                category: Category::ContextOverflow,
+                message: format!(
+                    "request needs {blocks} KV blocks ({need} tokens), the cache has {} in all",
+                    self.engine.kv.blocks
+                ),
+            });
+            return;
+        }
+        if self.waiting.len() >= self.cfg.max_waiting {
+            let _ = tx.send(Event::Error {
+                category: Category::Overloaded,
+                message: format!("{} requests already waiting", self.waiting.len()),
+            });
+            return;
+        }
+        self.waiting.push_back((req, tx));
+    }
+
+    fn cancel(&mut self, id: &str) -> bool {
+        let before = self.running.len() + self.waiting.len();
+        self.waiting.retain(|(r, tx)| {
+            let keep = r.id != id;
+            if !keep {
+                let _ = tx.send(Event::Finish {
+                    reason: "cancelled",
+                    prompt_tokens: r.prompt.len() as u32,
+                    completion_tokens: 0,
+                    elapsed_ns: 0,
+                });
+            }
+            keep
+        });
+        let mut found = false;
+        self.running.retain(|r| {
+            let keep = r.req.id != id;
+            if !keep {
+                found = true;
+                let _ = r.tx.send(Event::Finish {
+                    reason: "cancelled",
+                    prompt_tokens: r.req.prompt.len() as u32,
+                    completion_tokens: r.generated,
+                    elapsed_ns: r.admitted.elapsed().as_nanos() as u64,
+                });
+            }
+            keep
+        });
+        let gone = before - self.running.len() - self.waiting.len();
+        self.stats.cancelled += gone as u64;
+        found || gone > 0
+    }
+
+    /// Admits waiting requests: FIFO, while KV and the prefill budget allow.
+    fn admit(&mut self) -> usize {
+        let mut budget = self.cfg.prefill_budget;
+        let mut admitted = 0;
+        while let Some((req, _)) = self.waiting.front() {
+            if self.running.len() >= self.cfg.max_running {
+                break;
+            }
+            if admitted > 0 && req.prompt.len() > budget {
+                break;
+            }
+            let need = req.prompt.len() + req.max_tokens;
+            let mut kv = self.engine.kv.new_seq();
+            if self.engine.kv.reserve(&mut kv, need).is_err() {
+                break; // waits for blocks to free up
+            }
+            let Some((req, tx)) = self.waiting.pop_front() else {
+                break;
+            };
+            if tx.is_closed() {
+                self.stats.cancelled += 1;
+                continue;
+            }
+            budget = budget.saturating_sub(req.prompt.len());
+            let sampler = Sampler::new(req.sampling.clone());
+            let next = req.prompt.clone();
+            self.running.push(Running {
+                req,
+                tx,
+                kv,
+                sampler,
+                next,
+                generated: 0,
+                admitted: Instant::now(),
+            });
+            admitted += 1;
+        }
+        admitted
+    }
+
+    fn step(&mut self) {
+        // drop requests whose client left, before spending compute on them
+        let before = self.running.len();
+        self.running.retain(|r| !r.tx.is_closed());
+        self.stats.cancelled += (before - self.running.len()) as u64;
+        self.admit();
+        if self.running.is_empty() {
+            return;
+        }
+        let vocab = self.engine.cfg.vocab_size;
+        let result = {
+            let mut steps: Vec<SeqStep> = self
+                .running
+                .iter_mut()
+                .map(|r| SeqStep {
+                    kv: &mut r.kv,
+                    tokens: &r.next,
+                })
+                .collect();
+            self.engine.step(&mut steps)
+        };
+        let logits = match result {
+            Ok(l) => l,
+            Err(e) => {
+                let category = match &e {
+                    moelane_engine::Error::Tier(_) => Category::Unavailable,
+                    moelane_engine::Error::ContextOverflow { .. }
+                    | moelane_engine::Error::KvFull { .. } => Category::ContextOverflow,
+                    moelane_engine::Error::BadToken { .. } => Category::BadRequest,
+                    moelane_engine::Error::NotResident { .. } => Category::NotResident,
+                    _ => Category::Internal,
+                };
+                for r in self.running.drain(..) {
+                    let _ = r.tx.send(Event::Error {
+                        category,
+                        message: format!("step failed: {e}"),
+                    });
+                    self.stats.failed += 1;
+                }
+                return;
+            }
+        };
+        let mut keep = Vec::with_capacity(self.running.len());
+        for (i, mut r) in self.running.drain(..).enumerate() {
+            if r.generated == 0 {
+                self.stats.prompt_tokens += r.req.prompt.len() as u64;
+            }
+            let tok = r.sampler.sample(&logits[i * vocab..(i + 1) * vocab]);
+            let elapsed_ns = r.admitted.elapsed().as_nanos() as u64;
+            let stop = r.req.stop_ids.contains(&tok);
+            if !stop {
+                r.generated += 1;
+                self.stats.tokens_generated += 1;
+                if r.tx
+                    .send(Event::Token {
+                        token: tok,
+                        completion_tokens: r.generated,
+                        elapsed_ns,
+                    })
+                    .is_err()
+                {
+                    self.stats.cancelled += 1;
+                    continue; // client gone: KV freed as `r` drops
+                }
+            }
+            let done = if stop {
+                Some("stop")
+            } else if r.generated as usize >= r.req.max_tokens {
+                Some("length")
+            } else {
+                None
+            };
+            match done {
+                Some(reason) => {
+                    let _ = r.tx.send(Event::Finish {
+                        reason,
+                        prompt_tokens: r.req.prompt.len() as u32,
+                        completion_tokens: r.generated,
+                        elapsed_ns,
+                    });
+                    self.stats.finished += 1;
+                }
+                None => {
+                    r.next = vec![tok];
+                    keep.push(r);
+                }
+            }
+        }
+        self.running = keep;
+    }
+
+    /// The loop: blocks on the command channel when idle, steps while there is work.
+    pub fn run(mut self, rx: mpsc::Receiver<Command>) {
+        loop {
+            let idle = self.running.is_empty() && self.waiting.is_empty();
+            let first = if idle {
+                match rx.recv() {
+                    Ok(c) => Some(c),
+                    Err(_) => return,
+                }
+            } else {
+                None
+            };
+            for cmd in first
+                .into_iter()
+                .chain(std::iter::from_fn(|| rx.try_recv().ok()))
+            {
+                match cmd {
+                    Command::Submit(req, tx) => self.submit(req, tx),
+                    Command::Cancel(id, reply) => {
+                        let _ = reply.send(self.cancel(&id));
+                    }
+                    Command::Snapshot(reply) => {
+                        let _ = reply.send(self.snapshot());
+                    }
+                    Command::Shutdown => return,
+                }
+            }
+            self.step();
+        }
+    }
+}

@@ -1,0 +1,199 @@
+//! Starting the roles of a lane: sidecar, primary, gateway, and all three in one process.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use kameo::actor::Spawn;
+use moelane_engine::checkpoint::Checkpoint;
+use moelane_engine::load::{engine_with_tier, resolve_map, EngineOptions};
+use moelane_engine::rowmap::Rowmap;
+use moelane_engine::tier::{InProcessTier, RemoteTier};
+use moelane_gateway::registry::{AddLane, Registry};
+use moelane_gateway::{AppState, GatewayConfig};
+use moelane_gb300_worker::scheduler::SchedulerConfig;
+use moelane_gb300_worker::PrimaryHandle;
+use moelane_proto::control::sidecar_client::SidecarClient;
+use moelane_proto::control::RegisterRequest;
+use moelane_rtx_worker::{InProcessCore, SidecarCore, SidecarOptions};
+use moelane_text::chat::ChatTemplate;
+use moelane_text::tokenizer::Tokenizer;
+
+/// How the primary reaches its cold experts.
+#[derive(Clone, Debug)]
+pub enum ColdLink {
+    /// A sidecar thread in this process.
+    InProcess,
+    /// A sidecar process at this control URL, over this link kind ("tcp" or "shm").
+    Remote { control: String, link: String },
+}
+
+pub struct PrimaryOptions {
+    pub model: PathBuf,
+    pub map: Option<PathBuf>,
+    pub kv_tokens: usize,
+    pub cold: ColdLink,
+    pub link_timeout: Duration,
+    pub sched: SchedulerConfig,
+}
+
+fn read_map(p: &Option<PathBuf>) -> Result<Option<Rowmap>> {
+    Ok(match p {
+        Some(p) => Some(Rowmap::read(p).with_context(|| format!("reading map {}", p.display()))?),
+        None => None,
+    })
+}
+
+/// Loads the engine with its cold tier attached and starts the scheduler and actor.
+pub async fn start_primary(o: &PrimaryOptions) -> Result<(PrimaryHandle, String)> {
+    let ckpt = Checkpoint::open(&o.model)?;
+    let map = resolve_map(&ckpt, read_map(&o.map)?)?;
+    let any_cold = map.map.layers.iter().any(|l| !l.cold.is_empty());
+    let (tier, link_name): (Option<Box<dyn RemoteTier>>, String) = match &o.cold {
+        _ if !any_cold => (None, "none".into()),
+        ColdLink::InProcess => {
+            let core = Arc::new(SidecarCore::load(&ckpt, &map)?);
+            (
+                Some(Box::new(InProcessTier::spawn(Box::new(InProcessCore(
+                    core,
+                ))))),
+                "inproc".into(),
+            )
+        }
+        ColdLink::Remote { control, link } => {
+            let mut c = SidecarClient::connect(control.clone())
+                .await
+                .with_context(|| format!("connecting to the sidecar at {control}"))?;
+            let rep = c
+                .register(RegisterRequest {
+                    model: ckpt.id.clone(),
+                    link: link.clone(),
+                    map_epoch: map.epoch(),
+                })
+                .await
+                .map_err(|s| anyhow::anyhow!("sidecar refused registration: {}", s.message()))?
+                .into_inner();
+            let t: Box<dyn RemoteTier> = match link.as_str() {
+                "tcp" => Box::new(moelane_link::tcp::TcpTier::connect(
+                    &rep.endpoint,
+                    o.link_timeout,
+                )?),
+                "shm" => Box::new(moelane_link::shm::ShmTier::open(
+                    Path::new(&rep.endpoint),
+                    o.link_timeout,
+                )?),
+                other => bail!("--link {other:?}: choose tcp or shm"),
+            };
+            (Some(t), format!("{link} {}", rep.endpoint))
+        }
+    };
+    let eos = ckpt.config.eos_token_ids.clone();
+    let engine = engine_with_tier(
+        &ckpt,
+        map,
+        &EngineOptions {
+            kv_tokens: o.kv_tokens,
+            progress: true,
+        },
+        tier,
+    )?;
+    let id = ckpt.id.clone();
+    Ok((
+        moelane_gb300_worker::start(engine, id, eos, o.sched.clone()),
+        link_name,
+    ))
+}
+
+pub async fn bind(addr: &str) -> Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on {addr}"))
+}
+
+/// Serves the primary's gRPC API; returns the bound address.
+pub async fn serve_primary(h: &PrimaryHandle, addr: &str) -> Result<SocketAddr> {
+    let l = bind(addr).await?;
+    let a = l.local_addr()?;
+    let actor = h.actor.clone();
+    tokio::spawn(async move {
+        if let Err(e) = moelane_gb300_worker::serve(l, actor).await {
+            eprintln!("moelane: primary gRPC server stopped: {e}");
+        }
+    });
+    Ok(a)
+}
+
+pub async fn start_sidecar(
+    o: &SidecarOptions,
+    control: &str,
+) -> Result<(SocketAddr, Option<SocketAddr>)> {
+    let s = moelane_rtx_worker::start(o)?;
+    let l = bind(control).await?;
+    let a = l.local_addr()?;
+    let actor = s.actor.clone();
+    tokio::spawn(async move {
+        if let Err(e) = moelane_rtx_worker::serve_control(l, actor).await {
+            eprintln!("moelane: sidecar control server stopped: {e}");
+        }
+    });
+    Ok((a, s.data_addr))
+}
+
+pub struct GatewayOptions {
+    pub model: PathBuf,
+    pub lanes: Vec<String>,
+    pub listen: String,
+    pub name: Option<String>,
+    pub max_body: usize,
+}
+
+/// The served model name: the flag, else the checkpoint directory's name.
+pub fn model_name(model: &Path, name: &Option<String>) -> String {
+    name.clone().unwrap_or_else(|| {
+        model
+            .file_name()
+            .map(|s| s.to_string_lossy().to_string())
+            .unwrap_or_else(|| "moelane".into())
+    })
+}
+
+/// Starts the gateway; returns its bound address.
+pub async fn start_gateway(o: &GatewayOptions) -> Result<SocketAddr> {
+    let tokenizer = Tokenizer::from_file(&o.model.join("tokenizer.json"))?;
+    let template = ChatTemplate::from_dir(&o.model)?;
+    let cfg = moelane_engine::config::ModelConfig::from_file(&o.model.join("config.json"))?;
+    let registry = Registry::spawn(Registry::default());
+    if o.lanes.is_empty() {
+        bail!("the gateway needs at least one --lane URL");
+    }
+    for url in &o.lanes {
+        let lane =
+            moelane_gateway::lane::GrpcLane::new(url).map_err(|e| anyhow::anyhow!(e.message))?;
+        registry
+            .ask(AddLane(Arc::new(lane)))
+            .await
+            .map_err(|e| anyhow::anyhow!("registry: {e}"))?;
+    }
+    let state = Arc::new(AppState::new(
+        GatewayConfig {
+            model_name: model_name(&o.model, &o.name),
+            max_context: cfg.max_position_embeddings,
+            max_body: o.max_body,
+            default_completion_tokens: 16,
+        },
+        tokenizer,
+        template,
+        registry,
+    ));
+    let l = bind(&o.listen).await?;
+    let a = l.local_addr()?;
+    let app = moelane_gateway::router(state);
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(l, app).await {
+            eprintln!("moelane: gateway stopped: {e}");
+        }
+    });
+    Ok(a)
+}
