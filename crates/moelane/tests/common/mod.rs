@@ -1,0 +1,206 @@
+//! Fixtures for tests that run real `moelane` processes: the tiny checkpoint, child
+//! processes that print the address they bound (port 0, no race), and a small HTTP/1.1
+//! client over a plain socket.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+pub fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_moelane")
+}
+
+/// The tiny checkpoint, generated once per test binary by `moelane gen`.
+pub fn tiny() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let d = std::env::temp_dir()
+            .join(format!("moelane-it-{}", std::process::id()))
+            .join("tiny");
+        let st = Command::new(bin())
+            .args([
+                "gen",
+                "--preset",
+                "tiny",
+                "--seed",
+                "1",
+                "--answer-len",
+                "64",
+                "--out",
+            ])
+            .arg(&d)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("run moelane gen");
+        assert!(st.success(), "moelane gen failed");
+        d
+    })
+}
+
+/// A child process, killed on drop.
+pub struct Proc {
+    pub child: Child,
+    pub lines: Vec<String>,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `moelane args...` and waits until it has printed a line containing each of `wants`;
+/// returns the process and, per want, the text after it on its line.
+pub fn start(args: &[&str], wants: &[&str]) -> (Proc, Vec<String>) {
+    let mut child = Command::new(bin())
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn moelane");
+    let out = child.stdout.take().expect("stdout");
+    let mut rd = BufReader::new(out);
+    let mut found: Vec<Option<String>> = vec![None; wants.len()];
+    let mut lines = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while found.iter().any(|f| f.is_none()) {
+        assert!(
+            Instant::now() < deadline,
+            "moelane {args:?} did not start: {lines:?}"
+        );
+        let mut l = String::new();
+        if rd.read_line(&mut l).unwrap_or(0) == 0 {
+            panic!("moelane {args:?} exited early: {lines:?}");
+        }
+        for (i, w) in wants.iter().enumerate() {
+            if let Some(p) = l.find(w) {
+                found[i] = Some(l[p + w.len()..].trim().to_string());
+            }
+        }
+        lines.push(l);
+    }
+    // keep draining stdout so the child never blocks on a full pipe
+    std::thread::spawn(move || {
+        let mut sink = String::new();
+        while rd.read_line(&mut sink).unwrap_or(0) > 0 {
+            sink.clear();
+        }
+    });
+    (
+        Proc { child, lines },
+        found.into_iter().map(|f| f.unwrap_or_default()).collect(),
+    )
+}
+
+/// "http://127.0.0.1:1234/v1" -> "127.0.0.1:1234"
+pub fn hostport(url: &str) -> String {
+    url.trim_start_matches("http://")
+        .trim_start_matches("grpc://")
+        .split('/')
+        .next()
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// Starts the embedded lane on the tiny checkpoint; returns (process, gateway host:port).
+pub fn serve_tiny(extra: &[&str]) -> (Proc, String) {
+    let dir = tiny().to_str().unwrap().to_string();
+    let mut args = vec!["serve", "--model", dir.as_str(), "--listen", "127.0.0.1:0"];
+    args.extend_from_slice(extra);
+    let (p, v) = start(&args, &["gateway listening on "]);
+    (p, hostport(&v[0]))
+}
+
+pub struct HttpResponse {
+    pub status: u16,
+    pub body: String,
+}
+
+fn read_response(s: &mut TcpStream) -> HttpResponse {
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).expect("read response");
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("header end");
+    let head = String::from_utf8_lossy(&raw[..split]).to_string();
+    let mut body = raw[split + 4..].to_vec();
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        let mut out = Vec::new();
+        let mut i = 0;
+        while let Some(p) = body[i..].windows(2).position(|w| w == b"\r\n") {
+            let n = usize::from_str_radix(String::from_utf8_lossy(&body[i..i + p]).trim(), 16)
+                .unwrap_or(0);
+            i += p + 2;
+            if n == 0 {
+                break;
+            }
+            out.extend_from_slice(&body[i..i + n]);
+            i += n + 2;
+        }
+        body = out;
+    }
+    HttpResponse {
+        status,
+        body: String::from_utf8_lossy(&body).into_owned(),
+    }
+}
+
+pub fn request(addr: &str, method: &str, path: &str, body: &[u8]) -> HttpResponse {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(60))).ok();
+    let head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len());
+    s.write_all(head.as_bytes()).expect("write");
+    let _ = s.write_all(body);
+    read_response(&mut s)
+}
+
+pub fn post(addr: &str, path: &str, json: &serde_json::Value) -> (u16, serde_json::Value) {
+    let r = request(addr, "POST", path, json.to_string().as_bytes());
+    let v = serde_json::from_str(&r.body).unwrap_or(serde_json::Value::String(r.body.clone()));
+    (r.status, v)
+}
+
+pub fn get(addr: &str, path: &str) -> (u16, serde_json::Value) {
+    let r = request(addr, "GET", path, b"");
+    let v = serde_json::from_str(&r.body).unwrap_or(serde_json::Value::String(r.body.clone()));
+    (r.status, v)
+}
+
+/// Greedy text of a completion.
+pub fn complete(addr: &str, prompt: &str, max_tokens: usize) -> String {
+    let (st, v) = post(
+        addr,
+        "/v1/completions",
+        &serde_json::json!({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}),
+    );
+    assert_eq!(st, 200, "{v}");
+    v["choices"][0]["text"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// KV blocks used on the first lane, per /v1/stats.
+pub fn kv_used(addr: &str) -> (u64, u64) {
+    let (_, v) = get(addr, "/v1/stats");
+    let s = &v["lanes"][0]["stats"];
+    (
+        s["kv_blocks_used"].as_u64().unwrap_or(u64::MAX),
+        s["requests_cancelled"].as_u64().unwrap_or(0),
+    )
+}

@@ -1,0 +1,255 @@
+//! The lane as users run it: real processes, real sockets, real shared memory.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::json;
+
+const PROMPTS: [&str; 10] = [
+    "The agent called the tool search_files",
+    "Please create a new branch, apply the patch",
+    "Am frühen Morgen lag dichter Nebel",
+    "Die Geschichte der Stadt reicht bis ins Mittelalter",
+    "朝早く、川の上には濃い霧が立ちこめていて",
+    "この町の歴史は古く",
+    "이른 아침 강 위에는 짙은 안개가",
+    "가을 산을 걸으면 고요한 숲과",
+    "fn main() { let args: Vec<String> =",
+    "def load_config(path): with open(path) as f:",
+];
+
+#[test]
+fn embedded_shm_and_tcp_lanes_give_bitwise_the_same_greedy_output() {
+    let dir = tiny().to_str().unwrap().to_string();
+    let (_serve, embedded) = serve_tiny(&[]);
+    let (_side, v) = start(
+        &[
+            "lane",
+            "--role",
+            "sidecar",
+            "--model",
+            &dir,
+            "--listen",
+            "127.0.0.1:0",
+            "--data",
+            "127.0.0.1:0",
+        ],
+        &["sidecar control "],
+    );
+    let control = v[0].clone();
+    let mut gateways = vec![("embedded".to_string(), embedded)];
+    let mut procs = Vec::new();
+    for link in ["shm", "tcp"] {
+        let (p, v) = start(
+            &[
+                "lane",
+                "--role",
+                "primary",
+                "--model",
+                &dir,
+                "--listen",
+                "127.0.0.1:0",
+                "--sidecar",
+                &control,
+                "--link",
+                link,
+            ],
+            &["primary grpc "],
+        );
+        let purl = v[0].split(',').next().unwrap_or_default().to_string();
+        procs.push(p);
+        let (g, v) = start(
+            &[
+                "lane",
+                "--role",
+                "gateway",
+                "--model",
+                &dir,
+                "--listen",
+                "127.0.0.1:0",
+                "--lane",
+                &purl,
+            ],
+            &["gateway listening on "],
+        );
+        procs.push(g);
+        gateways.push((link.to_string(), hostport(&v[0])));
+    }
+    let mut distinct = std::collections::BTreeSet::new();
+    for p in PROMPTS {
+        let want = complete(&gateways[0].1, p, 32);
+        assert!(!want.is_empty());
+        distinct.insert(want.clone());
+        for (name, addr) in &gateways[1..] {
+            assert_eq!(complete(addr, p, 32), want, "{name} lane differs on {p:?}");
+        }
+    }
+    assert_eq!(
+        distinct.len(),
+        PROMPTS.len(),
+        "prompts should give different answers"
+    );
+    // the remote lanes really sent picks to the sidecar
+    for (name, addr) in &gateways[1..] {
+        let (_, s) = get(addr, "/v1/stats");
+        let cold: u64 = s["lanes"][0]["stats"]["layers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| l["cold_picks"].as_u64().unwrap())
+            .sum();
+        assert!(cold > 0, "{name}: no cold picks");
+    }
+}
+
+#[test]
+fn a_client_that_disconnects_frees_its_kv() {
+    let (_p, addr) = serve_tiny(&[]);
+    let body = json!({"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 1500, "temperature": 0, "stream": true}).to_string();
+    let mut s = TcpStream::connect(&addr).unwrap();
+    write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+    let mut buf = vec![0u8; 4096];
+    let mut got = String::new();
+    while got.matches("data:").count() < 3 {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "stream ended early: {got}");
+        got.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    let (used, _) = kv_used(&addr);
+    assert!(used > 0, "a running request holds KV blocks");
+    drop(s); // the client goes away mid-stream
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (used, cancelled) = kv_used(&addr);
+        if used == 0 && cancelled >= 1 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "KV still held after the client left: {used} blocks, {cancelled} cancelled"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn bad_requests_get_openai_errors_with_the_right_status() {
+    let (_p, addr) = serve_tiny(&[]);
+    let cases: Vec<(&str, Vec<u8>, u16, &str)> = vec![
+        (
+            "/v1/completions",
+            b"{\"model\": \"tiny\", \"prompt\": ".to_vec(),
+            400,
+            "malformed JSON",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "gpt-4", "prompt": "hi"})
+                .to_string()
+                .into_bytes(),
+            404,
+            "model_not_found",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "tiny", "prompt": "hi ".repeat(3000)})
+                .to_string()
+                .into_bytes(),
+            400,
+            "context_length_exceeded",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "tiny", "prompt": "hi", "max_tokens": 5000})
+                .to_string()
+                .into_bytes(),
+            400,
+            "context_length_exceeded",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "tiny", "prompt": "hi", "n": 2})
+                .to_string()
+                .into_bytes(),
+            400,
+            "n = 1",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "tiny", "prompt": "hi", "temperature": "hot"})
+                .to_string()
+                .into_bytes(),
+            400,
+            "temperature",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "tiny", "prompt": [1, 2, 999999]})
+                .to_string()
+                .into_bytes(),
+            400,
+            "vocabulary",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "tiny"}).to_string().into_bytes(),
+            400,
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "tiny", "messages": [{"role": "user"}]})
+                .to_string()
+                .into_bytes(),
+            400,
+            "content",
+        ),
+        ("/v1/completions", vec![b'x'; 9 << 20], 413, "exceeds"),
+        ("/v1/nothing", b"{}".to_vec(), 404, "no route"),
+    ];
+    for (path, body, status, needle) in cases {
+        let r = request(&addr, "POST", path, &body);
+        assert_eq!(r.status, status, "{path} {needle}: {}", r.body);
+        let v: serde_json::Value =
+            serde_json::from_str(&r.body).unwrap_or_else(|_| panic!("not JSON: {}", r.body));
+        assert!(
+            v["error"]["message"].is_string() && v["error"]["type"].is_string(),
+            "{v}"
+        );
+        assert!(r.body.contains(needle), "{needle} not in {}", r.body);
+    }
+    // the server still serves after all that
+    assert!(!complete(&addr, "hello", 4).is_empty());
+}
+
+#[test]
+fn openai_python_client() {
+    let ok = std::process::Command::new("python3")
+        .args(["-c", "import openai"])
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    if !ok {
+        eprintln!("SKIP openai_python_client: python3 with the `openai` package is not installed (scripts/test.sh installs it)");
+        return;
+    }
+    let (_p, addr) = serve_tiny(&[]);
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py");
+    let out = std::process::Command::new("python3")
+        .arg(script)
+        .arg(format!("http://{addr}/v1"))
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("{text}");
+    assert!(out.status.success(), "openai client script failed:\n{text}");
+    assert!(text.contains("ALL OK"));
+}

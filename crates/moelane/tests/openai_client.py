@@ -1,0 +1,92 @@
+"""Drives a running moelane gateway with the real `openai` Python client.
+Usage: python3 openai_client.py http://127.0.0.1:PORT/v1"""
+import asyncio
+import sys
+
+import openai
+from openai import AsyncOpenAI, OpenAI
+
+base = sys.argv[1]
+c = OpenAI(base_url=base, api_key="none")
+model = c.models.list().data[0].id
+assert model == "tiny", model
+
+prompts = ["The agent called the tool", "Am frühen Morgen lag", "朝早く、川の上には", "이른 아침 강 위에는", "fn main() {"]
+
+# completion, non-streaming and streaming: the joined stream equals the whole text
+for p in prompts:
+    whole = c.completions.create(model=model, prompt=p, max_tokens=24, temperature=0)
+    assert whole.choices[0].finish_reason == "length", whole
+    assert whole.usage.completion_tokens == 24, whole.usage
+    parts = [ch.choices[0].text for ch in c.completions.create(model=model, prompt=p, max_tokens=24, temperature=0, stream=True)]
+    assert "".join(parts) == whole.choices[0].text, (parts, whole.choices[0].text)
+print("completions ok")
+
+# chat, non-streaming and streaming, with usage in the stream
+msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Guten Morgen, wie geht es?"}]
+whole = c.chat.completions.create(model=model, messages=msgs, max_tokens=20, temperature=0)
+assert whole.choices[0].message.role == "assistant"
+text = whole.choices[0].message.content
+stream = c.chat.completions.create(model=model, messages=msgs, max_tokens=20, temperature=0, stream=True, stream_options={"include_usage": True})
+parts, usage = [], None
+for ch in stream:
+    if ch.usage is not None:
+        usage = ch.usage
+    for choice in ch.choices:
+        if choice.delta.content:
+            parts.append(choice.delta.content)
+assert "".join(parts) == text, (parts, text)
+assert usage is not None and usage.completion_tokens == 20, usage
+print("chat ok")
+
+# seeded sampling is reproducible
+a = c.completions.create(model=model, prompt="The agent", max_tokens=16, temperature=0.8, top_p=0.9, seed=7).choices[0].text
+b = c.completions.create(model=model, prompt="The agent", max_tokens=16, temperature=0.8, top_p=0.9, seed=7).choices[0].text
+assert a == b, (a, b)
+
+# a stop string ends the text before it
+full = c.completions.create(model=model, prompt="The agent called", max_tokens=30, temperature=0).choices[0].text
+cut = full[5:8]
+if cut.strip():
+    s = c.completions.create(model=model, prompt="The agent called", max_tokens=30, temperature=0, stop=[cut])
+    assert s.choices[0].text == full[: full.index(cut)], (s.choices[0].text, full, cut)
+    assert s.choices[0].finish_reason == "stop"
+print("sampling and stop ok")
+
+# an error case: the client raises the right exception
+try:
+    c.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+    raise SystemExit("expected NotFoundError")
+except openai.NotFoundError as e:
+    assert "no-such-model" in str(e)
+try:
+    c.chat.completions.create(model=model, messages=[], max_tokens=2)
+    raise SystemExit("expected BadRequestError")
+except openai.BadRequestError:
+    pass
+print("errors ok")
+
+# 32 concurrent streaming clients, zero errors, each stream complete
+async def one(ac, i):
+    p = prompts[i % len(prompts)]
+    n, done = 0, None
+    stream = await ac.chat.completions.create(model=model, messages=[{"role": "user", "content": p}], max_tokens=32, temperature=0, stream=True)
+    async for ch in stream:
+        for choice in ch.choices:
+            if choice.finish_reason:
+                done = choice.finish_reason
+            if choice.delta.content:
+                n += 1
+    assert done == "length", done
+    return n
+
+async def many():
+    ac = AsyncOpenAI(base_url=base, api_key="none", max_retries=0)
+    res = await asyncio.gather(*[one(ac, i) for i in range(32)], return_exceptions=True)
+    errors = [r for r in res if isinstance(r, BaseException)]
+    assert not errors, errors[:3]
+    return res
+
+res = asyncio.run(many())
+print("32 concurrent streams ok", sum(res), "chunks")
+print("ALL OK")
