@@ -3,8 +3,9 @@
 //! layer and the map epoch it was routed with. Links (in-process, shared memory, TCP, NCCL)
 //! implement [`RemoteTier`]; this module has the in-process one.
 
-use std::sync::mpsc;
-use std::thread::JoinHandle;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::{JoinHandle, Thread};
 
 use crate::bank::{ExpertBank, Pick};
 use crate::error::{Error, Result};
@@ -66,54 +67,121 @@ impl ColdServer for FixedBank {
     }
 }
 
+/// A one-slot handoff between two threads: spin briefly, then park (no core burnt when idle).
+struct Handoff<T> {
+    slot: Mutex<Option<T>>,
+    ready: AtomicBool,
+    waiter: Mutex<Option<Thread>>,
+    closed: AtomicBool,
+}
+
+impl<T> Handoff<T> {
+    fn new() -> Self {
+        Handoff {
+            slot: Mutex::new(None),
+            ready: AtomicBool::new(false),
+            waiter: Mutex::new(None),
+            closed: AtomicBool::new(false),
+        }
+    }
+
+    fn put(&self, v: T) -> bool {
+        if self.closed.load(Ordering::Acquire) {
+            return false;
+        }
+        if let Ok(mut s) = self.slot.lock() {
+            *s = Some(v);
+        }
+        self.ready.store(true, Ordering::Release);
+        if let Ok(w) = self.waiter.lock() {
+            if let Some(t) = w.as_ref() {
+                t.unpark();
+            }
+        }
+        true
+    }
+
+    fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        if let Ok(w) = self.waiter.lock() {
+            if let Some(t) = w.as_ref() {
+                t.unpark();
+            }
+        }
+    }
+
+    fn take(&self) -> Option<T> {
+        let mut spins = 0u32;
+        loop {
+            if self.ready.swap(false, Ordering::Acquire) {
+                return self.slot.lock().ok().and_then(|mut s| s.take());
+            }
+            if self.closed.load(Ordering::Acquire) {
+                return None;
+            }
+            if spins < spin_limit() {
+                spins += 1;
+                std::hint::spin_loop();
+                continue;
+            }
+            if let Ok(mut w) = self.waiter.lock() {
+                *w = Some(std::thread::current());
+            }
+            if !self.ready.load(Ordering::Acquire) && !self.closed.load(Ordering::Acquire) {
+                std::thread::park_timeout(std::time::Duration::from_millis(100));
+            }
+        }
+    }
+}
+
 /// The cold tier on its own thread in this process: messages move, nothing is copied.
+/// The handoff spins for a few microseconds before parking, as the shared-memory link does,
+/// so a layer's exchange costs microseconds, not a scheduler wake-up.
 pub struct InProcessTier {
-    tx: Option<mpsc::SyncSender<ColdRequest>>,
-    rx: mpsc::Receiver<Result<ColdReply>>,
+    req: Arc<Handoff<ColdRequest>>,
+    rep: Arc<Handoff<Result<ColdReply>>>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl InProcessTier {
     pub fn spawn(mut server: Box<dyn ColdServer>) -> Self {
-        let (tx, req_rx) = mpsc::sync_channel::<ColdRequest>(1);
-        let (rep_tx, rx) = mpsc::sync_channel::<Result<ColdReply>>(1);
+        let req = Arc::new(Handoff::<ColdRequest>::new());
+        let rep = Arc::new(Handoff::<Result<ColdReply>>::new());
+        let (rq, rp) = (req.clone(), rep.clone());
         let thread = std::thread::Builder::new()
             .name("moelane-sidecar".into())
             .spawn(move || {
                 let mut out = Vec::new();
-                while let Ok(req) = req_rx.recv() {
+                while let Some(req) = rq.take() {
                     let r = server.serve(&req, &mut out).map(|()| ColdReply {
                         step: req.step,
                         layer: req.layer,
                         epoch: req.epoch,
                         outputs: std::mem::take(&mut out),
                     });
-                    if rep_tx.send(r).is_err() {
+                    if !rp.put(r) {
                         break;
                     }
                 }
+                rp.close();
             })
             .ok();
-        InProcessTier {
-            tx: Some(tx),
-            rx,
-            thread,
-        }
+        InProcessTier { req, rep, thread }
     }
 }
 
 impl RemoteTier for InProcessTier {
     fn send(&mut self, req: ColdRequest) -> Result<()> {
-        self.tx
-            .as_ref()
-            .ok_or_else(|| Error::Tier("in-process sidecar stopped".into()))?
-            .send(req)
-            .map_err(|_| Error::Tier("in-process sidecar stopped".into()))
+        if self.req.put(req) {
+            Ok(())
+        } else {
+            Err(Error::Tier("in-process sidecar stopped".into()))
+        }
     }
     fn recv(&mut self) -> Result<ColdReply> {
-        self.rx
-            .recv()
-            .map_err(|_| Error::Tier("in-process sidecar stopped".into()))?
+        self.rep
+            .take()
+            .ok_or_else(|| Error::Tier("in-process sidecar stopped".into()))?
     }
     fn kind(&self) -> &'static str {
         "inproc"
@@ -122,9 +190,20 @@ impl RemoteTier for InProcessTier {
 
 impl Drop for InProcessTier {
     fn drop(&mut self) {
-        self.tx.take();
+        self.req.close();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
     }
+}
+
+/// Spins before a handoff parks: `MOELANE_SPIN` (default 2000, about 2-10 us).
+fn spin_limit() -> u32 {
+    static S: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *S.get_or_init(|| {
+        std::env::var("MOELANE_SPIN")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(2000)
+    })
 }

@@ -14,6 +14,46 @@ use moelane_engine::tokenizer::Tokenizer;
 
 #[derive(Subcommand)]
 pub enum BenchCmd {
+    /// Load an OpenAI-compatible server (moelane or a peer) with streaming completions:
+    /// aggregate tokens/s, time to first token and inter-token latency p50/p99, per
+    /// concurrency level. Greedy unless --temperature is set.
+    Serve {
+        /// Base URL of the API, e.g. http://127.0.0.1:8000/v1
+        #[arg(long, default_value = "http://127.0.0.1:8000/v1")]
+        url: String,
+        /// Model name (default: the first of /v1/models).
+        #[arg(long)]
+        model: Option<String>,
+        /// Concurrent users to measure, one run each.
+        #[arg(long, value_delimiter = ',', default_value = "1,4")]
+        users: Vec<usize>,
+        /// Tokens per answer.
+        #[arg(long, default_value_t = 400)]
+        max_tokens: usize,
+        /// Requests per user per run (after one warm-up request per user).
+        #[arg(long, default_value_t = 3)]
+        requests: usize,
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f32,
+        /// Also report the lane's per-layer exchange cost from moelane's /v1/stats.
+        #[arg(long, default_value_t = true)]
+        lane_stats: bool,
+        /// Write the results as JSON here.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// Round trip of one decode-sized exchange on each link kind (the floor a lane's
+    /// per-layer exchange cost is compared with).
+    Link {
+        /// Hidden size of the activations sent (mini: 256).
+        #[arg(long, default_value_t = 256)]
+        hidden: usize,
+        /// Picks per request (cold picks of one decode token).
+        #[arg(long, default_value_t = 2)]
+        picks: usize,
+        #[arg(long, default_value_t = 20000)]
+        iters: usize,
+    },
     /// Decode tokens/s at several batch sizes on a checkpoint, bytes of weights read per
     /// token, and the implied bandwidth against this machine's measured copy bandwidth.
     Engine {
@@ -77,6 +117,36 @@ pub fn default_model(preset: &str) -> Result<PathBuf> {
 
 pub fn run(cmd: BenchCmd) -> Result<()> {
     match cmd {
+        BenchCmd::Serve {
+            url,
+            model,
+            users,
+            max_tokens,
+            requests,
+            temperature,
+            lane_stats,
+            json,
+        } => {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()?;
+            rt.block_on(crate::loadgen::run(crate::loadgen::LoadOptions {
+                url,
+                model,
+                users,
+                max_tokens,
+                requests,
+                temperature,
+                lane_stats,
+                json,
+            }))?;
+        }
+        BenchCmd::Link {
+            hidden,
+            picks,
+            iters,
+        } => crate::loadgen::link_floor(hidden, picks, iters)?,
         BenchCmd::Engine {
             model,
             batch,

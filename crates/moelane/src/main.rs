@@ -10,6 +10,8 @@ use moelane_engine::figures;
 use moelane_engine::synth::{self, Preset};
 
 mod bench;
+mod client;
+mod loadgen;
 mod roles;
 
 use roles::{ColdLink, GatewayOptions, PrimaryOptions};
