@@ -62,24 +62,6 @@ impl Chunked {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn chunked_decoding_survives_any_split() {
-        let body = b"5\r\nhello\r\n7\r\n, world\r\n0\r\n\r\n";
-        for cut in 0..body.len() {
-            let mut d = Chunked::default();
-            let mut out = Vec::new();
-            d.feed(&body[..cut], &mut out);
-            d.feed(&body[cut..], &mut out);
-            assert_eq!(out, b"hello, world", "cut {cut}");
-            assert!(d.done);
-        }
-    }
-}
-
 /// One streamed request: every `data:` payload with the instant it arrived.
 pub async fn stream_post(host: &str, path: &str, body: &str) -> Result<Vec<(Instant, String)>> {
     let mut s = TcpStream::connect(host)
@@ -169,4 +151,22 @@ pub async fn stream_get(host: &str, path: &str) -> Result<String> {
         return Ok(String::from_utf8_lossy(&out).into_owned());
     }
     Ok(String::from_utf8_lossy(body).into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunked_decoding_survives_any_split() {
+        let body = b"5\r\nhello\r\n7\r\n, world\r\n0\r\n\r\n";
+        for cut in 0..body.len() {
+            let mut d = Chunked::default();
+            let mut out = Vec::new();
+            d.feed(&body[..cut], &mut out);
+            d.feed(&body[cut..], &mut out);
+            assert_eq!(out, b"hello, world", "cut {cut}");
+            assert!(d.done);
+        }
+    }
 }
