@@ -190,6 +190,11 @@ pub async fn start_gateway(o: &GatewayOptions) -> Result<SocketAddr> {
     let l = bind(&o.listen).await?;
     let a = l.local_addr()?;
     let app = moelane_gateway::router(state);
+    // Nagle off: small SSE chunks must not wait for the client's delayed ACK
+    use axum::serve::ListenerExt;
+    let l = l.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     tokio::spawn(async move {
         if let Err(e) = axum::serve(l, app).await {
             eprintln!("moelane: gateway stopped: {e}");

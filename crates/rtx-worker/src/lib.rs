@@ -21,6 +21,7 @@ use moelane_link::ColdService;
 use moelane_proto::control::sidecar_server::{Sidecar, SidecarServer};
 use moelane_proto::control::*;
 use moelane_proto::Category;
+use tokio_stream::StreamExt as _;
 use tonic::{Request, Response, Status};
 
 /// The cold experts and the epoch they were placed with.
@@ -343,7 +344,12 @@ pub async fn serve_control(
 ) -> Result<(), tonic::transport::Error> {
     tonic::transport::Server::builder()
         .add_service(SidecarServer::new(SidecarService { actor }))
-        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener).map(|s| {
+            if let Ok(s) = &s {
+                let _ = s.set_nodelay(true);
+            }
+            s
+        }))
         .await
 }
 
