@@ -9,5 +9,4 @@ if command -v python3 >/dev/null 2>&1; then
       || echo "note: could not install the Python openai client; client tests will skip"
   fi
 fi
-cargo build --release -p moelane
 cargo test --workspace --profile test "$@"
