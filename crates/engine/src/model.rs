@@ -386,6 +386,22 @@ pub struct Engine {
     probs: Vec<f32>,
     hot_out: Vec<f32>,
     combined: Vec<f32>,
+    /// per-step scratch of the MoE layer (reused; the hot path allocates only the cold message)
+    scratch: MoeScratch,
+}
+
+#[derive(Default)]
+struct MoeScratch {
+    top: Vec<(usize, f32)>,
+    experts: Vec<u16>,
+    weights: Vec<f32>,
+    seen: Vec<bool>,
+    acc: Vec<f32>,
+    hot_picks: Vec<Pick>,
+    hot_idx: Vec<usize>,
+    cold_idx: Vec<usize>,
+    cold_rows: Vec<u32>,
+    cold_row_of: Vec<u32>,
 }
 
 impl Engine {
@@ -419,6 +435,7 @@ impl Engine {
             probs: Vec::new(),
             hot_out: Vec::new(),
             combined: Vec::new(),
+            scratch: MoeScratch::default(),
         }
     }
 
@@ -499,63 +516,88 @@ impl Engine {
         self.dense
             .route(layer, &self.x[..n * hs], &mut self.h, &mut self.probs)?;
         // top-k per row, in rank order
-        let mut top = Vec::with_capacity(k);
-        let mut experts = vec![0u16; n * k];
-        let mut weights = vec![0f32; n * k];
+        let mut sc = std::mem::take(&mut self.scratch);
+        sc.experts.clear();
+        sc.experts.resize(n * k, 0);
+        sc.weights.clear();
+        sc.weights.resize(n * k, 0.0);
         for r in 0..n {
-            ops::topk(&self.probs[r * ne..(r + 1) * ne], k, &mut top);
+            ops::topk(&self.probs[r * ne..(r + 1) * ne], k, &mut sc.top);
             let mut sum = 0f32;
-            for (j, &(e, p)) in top.iter().enumerate() {
-                experts[r * k + j] = e as u16;
-                weights[r * k + j] = p;
+            for (j, &(e, p)) in sc.top.iter().enumerate() {
+                sc.experts[r * k + j] = e as u16;
+                sc.weights[r * k + j] = p;
                 sum += p;
             }
             if self.cfg.norm_topk_prob {
-                for w in &mut weights[r * k..(r + 1) * k] {
+                for w in &mut sc.weights[r * k..(r + 1) * k] {
                     *w /= sum;
                 }
             }
         }
         // split by the map
-        let mut hot_picks = Vec::new();
-        let mut hot_idx = Vec::new();
+        let experts = &sc.experts;
+        sc.hot_picks.clear();
+        sc.hot_idx.clear();
+        sc.cold_idx.clear();
+        sc.cold_rows.clear();
+        sc.cold_row_of.clear();
+        sc.cold_row_of.resize(n, u32::MAX);
         let mut cold_picks = Vec::new();
-        let mut cold_idx = Vec::new();
-        let mut cold_rows: Vec<u32> = Vec::new();
-        let mut cold_row_of = vec![u32::MAX; n];
         for r in 0..n {
             for j in 0..k {
                 let e = experts[r * k + j];
                 self.counters.picks[ml][e as usize] += 1;
                 match self.map.tier(ml, e as usize) {
                     Tier::Hot => {
-                        hot_picks.push(Pick {
+                        sc.hot_picks.push(Pick {
                             row: r as u32,
                             expert: e,
                         });
-                        hot_idx.push(r * k + j);
+                        sc.hot_idx.push(r * k + j);
                     }
                     Tier::Cold => {
-                        if cold_row_of[r] == u32::MAX {
-                            cold_row_of[r] = cold_rows.len() as u32;
-                            cold_rows.push(r as u32);
+                        if sc.cold_row_of[r] == u32::MAX {
+                            sc.cold_row_of[r] = sc.cold_rows.len() as u32;
+                            sc.cold_rows.push(r as u32);
                         }
                         cold_picks.push(Pick {
-                            row: cold_row_of[r],
+                            row: sc.cold_row_of[r],
                             expert: e,
                         });
-                        cold_idx.push(r * k + j);
+                        sc.cold_idx.push(r * k + j);
                     }
                 }
             }
         }
-        let mut seen = vec![false; ne];
-        for &e in &experts {
-            if !seen[e as usize] {
-                seen[e as usize] = true;
+        sc.seen.clear();
+        sc.seen.resize(ne, false);
+        for &e in experts.iter() {
+            if !sc.seen[e as usize] {
+                sc.seen[e as usize] = true;
                 self.counters.expert_loads += 1;
             }
         }
+        let r = self.moe_exchange(ml, n, cold_picks, &mut sc);
+        self.scratch = sc;
+        r
+    }
+
+    fn moe_exchange(
+        &mut self,
+        ml: usize,
+        n: usize,
+        cold_picks: Vec<Pick>,
+        sc: &mut MoeScratch,
+    ) -> Result<()> {
+        let (hs, k) = (self.cfg.hidden_size, self.cfg.num_experts_per_tok);
+        let (hot_picks, hot_idx, cold_idx, cold_rows, weights) = (
+            &sc.hot_picks,
+            &sc.hot_idx,
+            &sc.cold_idx,
+            &sc.cold_rows,
+            &sc.weights,
+        );
         self.counters.hot_picks[ml] += hot_picks.len() as u64;
         self.counters.cold_picks[ml] += cold_picks.len() as u64;
         let sent = !cold_picks.is_empty();
@@ -567,7 +609,7 @@ impl Engine {
                 ))
             })?;
             let mut acts = Vec::with_capacity(cold_rows.len() * hs);
-            for &r in &cold_rows {
+            for &r in cold_rows.iter() {
                 acts.extend_from_slice(&self.h[r as usize * hs..(r as usize + 1) * hs]);
             }
             cold.send(ColdRequest {
@@ -615,9 +657,11 @@ impl Engine {
             }
         }
         // combine in router-rank order, then the residual
+        sc.acc.resize(hs, 0.0);
         for r in 0..n {
             let xr = &mut self.x[r * hs..(r + 1) * hs];
-            let mut acc = vec![0f32; hs];
+            let acc = &mut sc.acc;
+            acc.fill(0.0);
             for j in 0..k {
                 let w = weights[r * k + j];
                 let y = &self.combined[(r * k + j) * hs..(r * k + j + 1) * hs];
@@ -625,7 +669,7 @@ impl Engine {
                     *a += w * yv;
                 }
             }
-            for (xv, a) in xr.iter_mut().zip(&acc) {
+            for (xv, a) in xr.iter_mut().zip(acc.iter()) {
                 *xv += a;
             }
         }

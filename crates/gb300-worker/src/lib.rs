@@ -272,11 +272,13 @@ pub async fn serve(
 ) -> Result<(), tonic::transport::Error> {
     tonic::transport::Server::builder()
         .add_service(PrimaryServer::new(PrimaryService { actor }))
-        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener).map(|s| {
-            if let Ok(s) = &s {
-                let _ = s.set_nodelay(true);
-            }
-            s
-        }))
+        .serve_with_incoming(
+            tokio_stream::wrappers::TcpListenerStream::new(listener).map(|s| {
+                if let Ok(s) = &s {
+                    let _ = s.set_nodelay(true);
+                }
+                s
+            }),
+        )
         .await
 }

@@ -253,3 +253,81 @@ fn openai_python_client() {
     assert!(out.status.success(), "openai client script failed:\n{text}");
     assert!(text.contains("ALL OK"));
 }
+
+#[test]
+fn a_dead_sidecar_is_an_error_not_a_hang() {
+    let dir = tiny().to_str().unwrap().to_string();
+    for link in ["shm", "tcp"] {
+        let (side, v) = start(
+            &[
+                "lane",
+                "--role",
+                "sidecar",
+                "--model",
+                &dir,
+                "--listen",
+                "127.0.0.1:0",
+                "--data",
+                "127.0.0.1:0",
+            ],
+            &["sidecar control "],
+        );
+        let (_p, pv) = start(
+            &[
+                "lane",
+                "--role",
+                "primary",
+                "--model",
+                &dir,
+                "--listen",
+                "127.0.0.1:0",
+                "--sidecar",
+                &v[0],
+                "--link",
+                link,
+                "--link-timeout",
+                "5",
+            ],
+            &["primary grpc "],
+        );
+        let purl = pv[0].split(',').next().unwrap_or_default().to_string();
+        let (_g, gv) = start(
+            &[
+                "lane",
+                "--role",
+                "gateway",
+                "--model",
+                &dir,
+                "--listen",
+                "127.0.0.1:0",
+                "--lane",
+                &purl,
+            ],
+            &["gateway listening on "],
+        );
+        let addr = hostport(&gv[0]);
+        assert!(!complete(&addr, PROMPTS[2], 8).is_empty());
+        drop(side); // kill the sidecar
+        let t0 = Instant::now();
+        let (st, v) = post(
+            &addr,
+            "/v1/completions",
+            &json!({"model": "tiny", "prompt": PROMPTS[4], "max_tokens": 8, "temperature": 0}),
+        );
+        assert_eq!(st, 503, "{link}: {v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("link"),
+            "{link}: {v}"
+        );
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "{link}: took {:?}",
+            t0.elapsed()
+        );
+        // the lane's KV is not leaked by the failed request
+        assert_eq!(kv_used(&addr).0, 0, "{link}");
+    }
+}

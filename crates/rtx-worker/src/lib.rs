@@ -344,12 +344,14 @@ pub async fn serve_control(
 ) -> Result<(), tonic::transport::Error> {
     tonic::transport::Server::builder()
         .add_service(SidecarServer::new(SidecarService { actor }))
-        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener).map(|s| {
-            if let Ok(s) = &s {
-                let _ = s.set_nodelay(true);
-            }
-            s
-        }))
+        .serve_with_incoming(
+            tokio_stream::wrappers::TcpListenerStream::new(listener).map(|s| {
+                if let Ok(s) = &s {
+                    let _ = s.set_nodelay(true);
+                }
+                s
+            }),
+        )
         .await
 }
 
