@@ -622,7 +622,7 @@ impl Engine {
         }
         self.hot_out.resize(hot_picks.len() * hs, 0.0);
         self.hot
-            .compute(ml, &hot_picks, &self.h, &mut self.hot_out)?;
+            .compute(ml, hot_picks, &self.h, &mut self.hot_out)?;
         // gather every pick's output row into rank order
         self.combined.resize(n * k * hs, 0.0);
         for (i, &slot) in hot_idx.iter().enumerate() {
