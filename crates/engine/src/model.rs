@@ -348,6 +348,8 @@ pub struct Counters {
     pub tokens: u64,
     /// Expert weight loads: distinct experts computed per layer per step, summed.
     pub expert_loads: u64,
+    /// Nanoseconds spent inside `step`.
+    pub step_ns: u64,
 }
 
 impl Counters {
@@ -360,6 +362,7 @@ impl Counters {
             steps: 0,
             tokens: 0,
             expert_loads: 0,
+            step_ns: 0,
         }
     }
 }
@@ -446,6 +449,13 @@ impl Engine {
 
     /// As [`Engine::step`]; with `all_rows`, logits of every new token (`[rows, vocab]`).
     pub fn step_with(&mut self, seqs: &mut [SeqStep<'_>], all_rows: bool) -> Result<Vec<f32>> {
+        let t0 = Instant::now();
+        let r = self.step_inner(seqs, all_rows);
+        self.counters.step_ns += t0.elapsed().as_nanos() as u64;
+        r
+    }
+
+    fn step_inner(&mut self, seqs: &mut [SeqStep<'_>], all_rows: bool) -> Result<Vec<f32>> {
         let c = self.cfg.clone();
         let hs = c.hidden_size;
         let max_ctx = c.max_position_embeddings;

@@ -248,6 +248,7 @@ impl Primary for PrimaryService {
                 hot_picks: s.hot_picks[l],
                 cold_picks: s.cold_picks[l],
                 wait_ns: s.wait_ns[l],
+                expert_picks: s.picks[l].clone(),
             })
             .collect();
         Ok(Response::new(StatsReply {
@@ -261,6 +262,9 @@ impl Primary for PrimaryService {
             requests_failed: s.failed,
             kv_block_tokens: moelane_engine::kv::BLOCK as u32,
             max_context: s.max_context as u32,
+            step_ns: s.step_ns,
+            model: s.model.clone(),
+            map_epoch: s.epoch,
         }))
     }
 }

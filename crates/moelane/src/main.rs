@@ -12,6 +12,7 @@ use moelane_engine::synth::{self, Preset};
 mod bench;
 mod client;
 mod loadgen;
+mod ops_cmds;
 mod roles;
 
 use roles::{ColdLink, GatewayOptions, PrimaryOptions};
@@ -69,6 +70,32 @@ enum Cmd {
     },
     /// Start one role of a lane as its own process (flags, or a TOML file with the same keys).
     Lane(LaneArgs),
+    /// A lane's state: map epoch, per-layer cold share and wait share, the ceiling a perfect
+    /// swapper could reach (1 / (1 - wait share)); optionally dump the raw pick counts.
+    Status {
+        /// The primary's gRPC URL.
+        #[arg(long, default_value = "http://127.0.0.1:50051")]
+        primary: String,
+        /// Write per-layer, per-expert pick counts here (input of `moelane refit`).
+        #[arg(long)]
+        counts_out: Option<PathBuf>,
+    },
+    /// Offline refit: per layer, the top --hot experts by count become hot; experts that stay
+    /// hot keep their slots; ties go to the old map. Prints what moved and the cold share
+    /// before and after; writes the new map (epoch + 1) atomically.
+    Refit {
+        /// Counts file from `moelane status --counts-out`.
+        #[arg(long)]
+        counts: PathBuf,
+        /// The map the counts were taken under.
+        #[arg(long)]
+        map: PathBuf,
+        /// Hot experts per layer in the new map.
+        #[arg(long)]
+        hot: usize,
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -164,7 +191,10 @@ async fn wait_for_signal() {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
-    if matches!(cli.cmd, Cmd::Serve { .. } | Cmd::Lane(_)) {
+    if matches!(
+        cli.cmd,
+        Cmd::Serve { .. } | Cmd::Lane(_) | Cmd::Status { .. }
+    ) {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -206,7 +236,13 @@ fn main() -> Result<()> {
             }
         }
         Cmd::Bench { what } => bench::run(what)?,
-        Cmd::Serve { .. } | Cmd::Lane(_) => unreachable_cmd()?,
+        Cmd::Refit {
+            counts,
+            map,
+            hot,
+            out,
+        } => ops_cmds::refit(&counts, &map, hot, &out)?,
+        Cmd::Serve { .. } | Cmd::Lane(_) | Cmd::Status { .. } => unreachable_cmd()?,
     }
     Ok(())
 }
@@ -331,6 +367,10 @@ async fn run_async(cmd: Cmd) -> Result<()> {
                 other => bail!("--role {other:?}: choose gateway, primary or sidecar"),
             }
         }
+        Cmd::Status {
+            primary,
+            counts_out,
+        } => ops_cmds::status(&primary, counts_out.as_deref()).await?,
         _ => bail!("internal: synchronous command dispatched asynchronously"),
     }
     Ok(())

@@ -1,0 +1,146 @@
+//! `moelane status` and `moelane refit`: what the residency actor will automate, by hand.
+
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use moelane_engine::rowmap::{Rowmap, Tier};
+use moelane_proto::lane::primary_client::PrimaryClient;
+use moelane_proto::lane::StatsRequest;
+use serde::{Deserialize, Serialize};
+
+/// Raw pick counts per layer and expert, as dumped by `moelane status --counts-out`.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct Counts {
+    pub version: u32,
+    pub model: String,
+    pub map_epoch: u64,
+    pub layers: Vec<Vec<u64>>,
+}
+
+pub async fn status(primary: &str, counts_out: Option<&Path>) -> Result<()> {
+    let mut c = PrimaryClient::connect(primary.to_string())
+        .await
+        .with_context(|| format!("connecting to the primary at {primary}"))?;
+    let s = c
+        .stats(StatsRequest {})
+        .await
+        .map_err(|e| anyhow::anyhow!("stats: {}", e.message()))?
+        .into_inner();
+    let load = s.load.unwrap_or_default();
+    println!(
+        "model {}  map epoch {}  steps {}  tokens {}  running {}  waiting {}  KV {}/{} blocks",
+        s.model,
+        s.map_epoch,
+        s.steps,
+        s.tokens_generated,
+        load.running,
+        load.waiting,
+        load.kv_blocks_used,
+        load.kv_blocks_total
+    );
+    println!(
+        "{:>5} {:>10} {:>10} {:>10} {:>11}",
+        "layer", "hot", "cold", "cold %", "wait share"
+    );
+    let wall = s.step_ns.max(1) as f64;
+    let (mut th, mut tc, mut tw) = (0u64, 0u64, 0u64);
+    for (l, ls) in s.layers.iter().enumerate() {
+        let all = (ls.hot_picks + ls.cold_picks).max(1) as f64;
+        println!(
+            "{:>5} {:>10} {:>10} {:>9.2}% {:>10.2}%",
+            l,
+            ls.hot_picks,
+            ls.cold_picks,
+            100.0 * ls.cold_picks as f64 / all,
+            100.0 * ls.wait_ns as f64 / wall
+        );
+        th += ls.hot_picks;
+        tc += ls.cold_picks;
+        tw += ls.wait_ns;
+    }
+    let wait_share = tw as f64 / wall;
+    println!("total cold share {:.2}%, wait share of step time {:.2}%, ceiling of a perfect swapper {:.3}x", 100.0 * tc as f64 / (th + tc).max(1) as f64, 100.0 * wait_share, 1.0 / (1.0 - wait_share.min(0.999)));
+    if let Some(p) = counts_out {
+        let counts = Counts {
+            version: 1,
+            model: s.model.clone(),
+            map_epoch: s.map_epoch,
+            layers: s.layers.iter().map(|l| l.expert_picks.clone()).collect(),
+        };
+        std::fs::write(p, serde_json::to_vec(&counts)?)
+            .with_context(|| format!("writing {}", p.display()))?;
+        println!("counts written to {}", p.display());
+    }
+    Ok(())
+}
+
+pub fn refit(counts: &Path, map: &Path, hot: usize, out: &Path) -> Result<()> {
+    let counts: Counts = serde_json::from_slice(
+        &std::fs::read(counts).with_context(|| format!("reading {}", counts.display()))?,
+    )
+    .with_context(|| format!("{}: not a counts file", counts.display()))?;
+    let old = Rowmap::read(map)?;
+    if counts.model != old.model {
+        bail!(
+            "counts are for model {:?}, the map is for {:?}",
+            counts.model,
+            old.model
+        );
+    }
+    let experts = old
+        .layers
+        .first()
+        .map(|l| l.hot.len() + l.cold.len())
+        .unwrap_or(0);
+    let layers = old.layers.len();
+    let old = old.validate(&counts.model, layers, experts, None)?;
+    let new = old.refit(&counts.layers, hot)?;
+    let newv = new
+        .clone()
+        .validate(&counts.model, layers, experts, Some(hot))?;
+    println!(
+        "{:>5} {:>8} {:>8} {:>12} {:>12}",
+        "layer", "to hot", "to cold", "cold before", "cold after"
+    );
+    let (mut up, mut down) = (0, 0);
+    for l in 0..layers {
+        let u = (0..experts)
+            .filter(|&e| old.tier(l, e) == Tier::Cold && newv.tier(l, e) == Tier::Hot)
+            .count();
+        let d = (0..experts)
+            .filter(|&e| old.tier(l, e) == Tier::Hot && newv.tier(l, e) == Tier::Cold)
+            .count();
+        let one = std::slice::from_ref(&counts.layers[l]);
+        let before = single_layer_share(&old, l, one);
+        let after = single_layer_share(&newv, l, one);
+        println!(
+            "{:>5} {:>8} {:>8} {:>11.2}% {:>11.2}%",
+            l,
+            u,
+            d,
+            100.0 * before,
+            100.0 * after
+        );
+        up += u;
+        down += d;
+    }
+    println!("total: {up} experts to hot, {down} to cold; cold share {:.2}% -> {:.2}% of the counted picks; epoch {} -> {}", 100.0 * old.cold_share(&counts.layers), 100.0 * newv.cold_share(&counts.layers), old.epoch(), newv.epoch());
+    new.write_atomic(out)?;
+    println!("wrote {}", out.display());
+    Ok(())
+}
+
+fn single_layer_share(m: &moelane_engine::rowmap::ValidMap, l: usize, c: &[Vec<u64>]) -> f64 {
+    let (mut cold, mut all) = (0u64, 0u64);
+    for (e, &n) in c[0].iter().enumerate() {
+        all += n;
+        if m.tier(l, e) == Tier::Cold {
+            cold += n;
+        }
+    }
+    if all == 0 {
+        0.0
+    } else {
+        cold as f64 / all as f64
+    }
+}
