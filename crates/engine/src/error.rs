@@ -60,6 +60,13 @@ pub enum Error {
     ContextOverflow { len: usize, max: usize },
     #[error("token id {id} is outside the vocabulary of {vocab}")]
     BadToken { id: u32, vocab: usize },
+    #[error("expert {expert} of layer {layer}: checksum {found:016x} does not match the expected {expected:016x}")]
+    Checksum {
+        layer: usize,
+        expert: usize,
+        found: u64,
+        expected: u64,
+    },
     #[error("expert tier failed: {0}")]
     Tier(String),
     #[error("moelane was built without the `cuda` feature")]

@@ -16,6 +16,7 @@ pub mod ops;
 pub mod rng;
 pub mod rowmap;
 pub mod sampling;
+pub mod swap;
 pub mod synth;
 pub mod tier;
 

@@ -686,6 +686,24 @@ impl Engine {
         Ok(())
     }
 
+    /// Stages loaded experts into the hot bank (the map does not reference them yet).
+    pub fn stage(&mut self, loaded: Vec<(usize, usize, std::sync::Arc<ExpertWeights>)>) {
+        crate::swap::stage(&mut self.hot, loaded);
+    }
+
+    /// Switches to `map` (call between steps). Refused, changing nothing, if a hot expert of
+    /// the new map is not resident.
+    pub fn commit(&mut self, map: ValidMap) -> Result<()> {
+        crate::swap::check_resident(&self.hot, &map, Tier::Hot)?;
+        self.map = map;
+        Ok(())
+    }
+
+    /// Frees hot slots the current map does not use (after RELEASE, or ABORT).
+    pub fn release_unused(&mut self) -> usize {
+        crate::swap::release(&mut self.hot, &self.map, Tier::Hot)
+    }
+
     /// Greedy continuation of `prompt` for `max_new` tokens (a test and benchmark helper).
     pub fn greedy(&mut self, prompt: &[u32], max_new: usize) -> Result<Vec<u32>> {
         let mut seq = self.kv.new_seq();

@@ -71,6 +71,11 @@ impl Rowmap {
         serde_json::from_str(text).map_err(|e| Error::Rowmap(format!("invalid JSON: {e}")))
     }
 
+    /// The map as JSON text.
+    pub fn to_json(&self) -> Result<String> {
+        serde_json::to_string(self).map_err(|e| Error::Rowmap(e.to_string()))
+    }
+
     /// Reads a map file (parse only; call `validate`).
     pub fn read(path: &Path) -> Result<Rowmap> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;

@@ -126,6 +126,11 @@ pub struct PrimaryHandle {
 }
 
 impl PrimaryHandle {
+    /// The scheduler's command channel (for the swap participant).
+    pub fn commands(&self) -> mpsc::Sender<Command> {
+        self.tx.clone()
+    }
+
     /// Stops the scheduler (running requests end with an error event when their senders drop).
     pub fn shutdown(&mut self) {
         let _ = self.tx.send(Command::Shutdown);
@@ -166,9 +171,73 @@ fn flat<T, M>(r: Result<T, kameo::error::SendError<M, Status>>) -> Result<T, Sta
     }
 }
 
+/// The primary as the residency coordinator drives it: loads off the step loop, stages,
+/// commits and releases between steps through the scheduler's command channel.
+pub struct PrimaryParticipant {
+    pub tx: mpsc::Sender<Command>,
+    pub ckpt_dir: std::path::PathBuf,
+    pub model: String,
+    pub layers: usize,
+    pub experts: usize,
+}
+
+async fn call<T: Send + 'static>(
+    tx: &mpsc::Sender<Command>,
+    make: impl FnOnce(mpsc::Sender<T>) -> Command,
+) -> Result<T, String> {
+    let (rtx, rrx) = mpsc::channel();
+    tx.send(make(rtx))
+        .map_err(|_| "scheduler stopped".to_string())?;
+    tokio::task::spawn_blocking(move || rrx.recv().map_err(|_| "scheduler stopped".to_string()))
+        .await
+        .map_err(|e| e.to_string())?
+}
+
+impl moelane_residency_actor::Participant for PrimaryParticipant {
+    fn name(&self) -> &'static str {
+        "primary"
+    }
+    fn prepare<'a>(
+        &'a self,
+        _next: &'a moelane_engine::rowmap::Rowmap,
+        incoming: Vec<moelane_engine::swap::Incoming>,
+    ) -> futures::future::BoxFuture<'a, Result<(), String>> {
+        let dir = self.ckpt_dir.clone();
+        Box::pin(async move {
+            let loaded = tokio::task::spawn_blocking(move || {
+                let ckpt = moelane_engine::checkpoint::Checkpoint::open(&dir)
+                    .map_err(|e| e.to_string())?;
+                moelane_engine::swap::load_verified(&ckpt, &incoming).map_err(|e| e.to_string())
+            })
+            .await
+            .map_err(|e| e.to_string())??;
+            call(&self.tx, |r| Command::Stage(loaded, r)).await
+        })
+    }
+    fn commit<'a>(
+        &'a self,
+        next: &'a moelane_engine::rowmap::Rowmap,
+    ) -> futures::future::BoxFuture<'a, Result<(), String>> {
+        Box::pin(async move {
+            let valid = next
+                .clone()
+                .validate(&self.model, self.layers, self.experts, None)
+                .map_err(|e| e.to_string())?;
+            call(&self.tx, |r| Command::Commit(Box::new(valid), r)).await?
+        })
+    }
+    fn release(&self, _old: u64) -> futures::future::BoxFuture<'_, Result<(), String>> {
+        Box::pin(async move { call(&self.tx, Command::ReleaseUnused).await.map(|_| ()) })
+    }
+    fn abort(&self, _epoch: u64) -> futures::future::BoxFuture<'_, Result<(), String>> {
+        Box::pin(async move { call(&self.tx, Command::ReleaseUnused).await.map(|_| ()) })
+    }
+}
+
 /// The tonic face of the primary.
 pub struct PrimaryService {
     pub actor: ActorRef<PrimaryActor>,
+    pub residency: Option<ActorRef<moelane_residency_actor::Residency>>,
 }
 
 fn load_of(s: &Snapshot) -> LoadReply {
@@ -241,6 +310,37 @@ impl Primary for PrimaryService {
         Ok(Response::new(load_of(&s)))
     }
 
+    async fn swap(&self, r: Request<SwapRequest>) -> Result<Response<SwapReply>, Status> {
+        let res = self.residency.as_ref().ok_or_else(|| {
+            Category::Unavailable.status("this primary has no residency coordinator")
+        })?;
+        let moves = r
+            .into_inner()
+            .moves
+            .iter()
+            .map(|m| moelane_residency_actor::Move {
+                layer: m.layer as usize,
+                expert: m.expert as usize,
+                to: if m.to_hot {
+                    moelane_engine::rowmap::Tier::Hot
+                } else {
+                    moelane_engine::rowmap::Tier::Cold
+                },
+            })
+            .collect();
+        let o = res
+            .ask(moelane_residency_actor::Swap(moves))
+            .await
+            .map_err(|e| Category::Unavailable.status(format!("residency actor: {e}")))?;
+        Ok(Response::new(SwapReply {
+            map_epoch: o.epoch,
+            committed: o.committed,
+            abort_reason: o.abort_reason,
+            prepare_ns: o.prepare.as_nanos() as u64,
+            total_ns: o.total.as_nanos() as u64,
+        }))
+    }
+
     async fn stats(&self, _: Request<StatsRequest>) -> Result<Response<StatsReply>, Status> {
         let s = flat(self.actor.ask(GetSnapshot).await)?;
         let layers = (0..s.hot_picks.len())
@@ -273,9 +373,10 @@ impl Primary for PrimaryService {
 pub async fn serve(
     listener: tokio::net::TcpListener,
     actor: ActorRef<PrimaryActor>,
+    residency: Option<ActorRef<moelane_residency_actor::Residency>>,
 ) -> Result<(), tonic::transport::Error> {
     tonic::transport::Server::builder()
-        .add_service(PrimaryServer::new(PrimaryService { actor }))
+        .add_service(PrimaryServer::new(PrimaryService { actor, residency }))
         .serve_with_incoming(
             tokio_stream::wrappers::TcpListenerStream::new(listener).map(|s| {
                 if let Ok(s) = &s {

@@ -73,6 +73,22 @@ pub enum Command {
     Submit(ValidGen, UnboundedSender<Event>),
     Cancel(String, std::sync::mpsc::Sender<bool>),
     Snapshot(std::sync::mpsc::Sender<Snapshot>),
+    /// Swap PREPARE: put loaded, verified experts into free hot slots.
+    Stage(
+        Vec<(
+            usize,
+            usize,
+            std::sync::Arc<moelane_engine::checkpoint::ExpertWeights>,
+        )>,
+        std::sync::mpsc::Sender<()>,
+    ),
+    /// Swap COMMIT: route with this map from the next step on.
+    Commit(
+        Box<moelane_engine::rowmap::ValidMap>,
+        std::sync::mpsc::Sender<Result<(), String>>,
+    ),
+    /// Swap RELEASE or ABORT: free hot slots the current map does not use.
+    ReleaseUnused(std::sync::mpsc::Sender<usize>),
     Shutdown,
 }
 
@@ -369,6 +385,16 @@ impl Scheduler {
                     }
                     Command::Snapshot(reply) => {
                         let _ = reply.send(self.snapshot());
+                    }
+                    Command::Stage(loaded, reply) => {
+                        self.engine.stage(loaded);
+                        let _ = reply.send(());
+                    }
+                    Command::Commit(map, reply) => {
+                        let _ = reply.send(self.engine.commit(*map).map_err(|e| e.to_string()));
+                    }
+                    Command::ReleaseUnused(reply) => {
+                        let _ = reply.send(self.engine.release_unused());
                     }
                     Command::Shutdown => return,
                 }

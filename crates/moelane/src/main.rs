@@ -80,6 +80,15 @@ enum Cmd {
         #[arg(long)]
         counts_out: Option<PathBuf>,
     },
+    /// Move experts between tiers on a running lane, through the two-phase epoch protocol.
+    Swap {
+        /// The primary's gRPC URL.
+        #[arg(long, default_value = "http://127.0.0.1:50051")]
+        primary: String,
+        /// A move as LAYER:EXPERT:hot|cold (repeat for one batch of moves).
+        #[arg(long = "move", required = true)]
+        moves: Vec<String>,
+    },
     /// Offline refit: per layer, the top --hot experts by count become hot; experts that stay
     /// hot keep their slots; ties go to the old map. Prints what moved and the cold share
     /// before and after; writes the new map (epoch + 1) atomically.
@@ -193,7 +202,7 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     if matches!(
         cli.cmd,
-        Cmd::Serve { .. } | Cmd::Lane(_) | Cmd::Status { .. }
+        Cmd::Serve { .. } | Cmd::Lane(_) | Cmd::Status { .. } | Cmd::Swap { .. }
     ) {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -242,7 +251,9 @@ fn main() -> Result<()> {
             hot,
             out,
         } => ops_cmds::refit(&counts, &map, hot, &out)?,
-        Cmd::Serve { .. } | Cmd::Lane(_) | Cmd::Status { .. } => unreachable_cmd()?,
+        Cmd::Serve { .. } | Cmd::Lane(_) | Cmd::Status { .. } | Cmd::Swap { .. } => {
+            unreachable_cmd()?
+        }
     }
     Ok(())
 }
@@ -276,7 +287,8 @@ async fn run_async(cmd: Cmd) -> Result<()> {
                     ..Default::default()
                 },
             };
-            let (primary, link) = roles::start_primary(&opts).await?;
+            let primary = roles::start_primary(&opts).await?;
+            let link = primary.link.clone();
             let paddr = roles::serve_primary(&primary, "127.0.0.1:0").await?;
             let gaddr = roles::start_gateway(&GatewayOptions {
                 model: model.clone(),
@@ -342,7 +354,8 @@ async fn run_async(cmd: Cmd) -> Result<()> {
                         ),
                         sched: Default::default(),
                     };
-                    let (primary, link) = roles::start_primary(&opts).await?;
+                    let primary = roles::start_primary(&opts).await?;
+                    let link = primary.link.clone();
                     let paddr = roles::serve_primary(
                         &primary,
                         a.listen.as_deref().unwrap_or("127.0.0.1:50051"),
@@ -371,6 +384,7 @@ async fn run_async(cmd: Cmd) -> Result<()> {
             primary,
             counts_out,
         } => ops_cmds::status(&primary, counts_out.as_deref()).await?,
+        Cmd::Swap { primary, moves } => ops_cmds::swap(&primary, &moves).await?,
         _ => bail!("internal: synchronous command dispatched asynchronously"),
     }
     Ok(())

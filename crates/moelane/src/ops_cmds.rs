@@ -144,3 +144,57 @@ fn single_layer_share(m: &moelane_engine::rowmap::ValidMap, l: usize, c: &[Vec<u
         cold as f64 / all as f64
     }
 }
+
+/// Parses LAYER:EXPERT:hot|cold.
+pub fn parse_move(s: &str) -> Result<moelane_proto::lane::Move> {
+    let parts: Vec<&str> = s.split(':').collect();
+    let [l, e, t] = parts.as_slice() else {
+        bail!("--move {s:?}: expected LAYER:EXPERT:hot|cold")
+    };
+    let layer = l
+        .parse()
+        .with_context(|| format!("--move {s:?}: bad layer"))?;
+    let expert = e
+        .parse()
+        .with_context(|| format!("--move {s:?}: bad expert"))?;
+    let to_hot = match *t {
+        "hot" => true,
+        "cold" => false,
+        other => bail!("--move {s:?}: tier {other:?} is not hot or cold"),
+    };
+    Ok(moelane_proto::lane::Move {
+        layer,
+        expert,
+        to_hot,
+    })
+}
+
+pub async fn swap(primary: &str, moves: &[String]) -> Result<()> {
+    let moves = moves
+        .iter()
+        .map(|m| parse_move(m))
+        .collect::<Result<Vec<_>>>()?;
+    let mut c = PrimaryClient::connect(primary.to_string())
+        .await
+        .with_context(|| format!("connecting to the primary at {primary}"))?;
+    let r = c
+        .swap(moelane_proto::lane::SwapRequest { moves })
+        .await
+        .map_err(|e| anyhow::anyhow!("swap: {}", e.message()))?
+        .into_inner();
+    if r.committed {
+        println!(
+            "committed: map epoch {} (prepare {:.1} ms, total {:.1} ms)",
+            r.map_epoch,
+            r.prepare_ns as f64 / 1e6,
+            r.total_ns as f64 / 1e6
+        );
+        Ok(())
+    } else {
+        bail!(
+            "aborted, still on epoch {}: {}",
+            r.map_epoch,
+            r.abort_reason
+        )
+    }
+}

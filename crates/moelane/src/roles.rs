@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use kameo::actor::ActorRef;
 use kameo::actor::Spawn;
 use moelane_engine::checkpoint::Checkpoint;
 use moelane_engine::load::{engine_with_tier, resolve_map, EngineOptions};
@@ -15,9 +16,11 @@ use moelane_gateway::registry::{AddLane, Registry};
 use moelane_gateway::{AppState, GatewayConfig};
 use moelane_gb300_worker::scheduler::SchedulerConfig;
 use moelane_gb300_worker::PrimaryHandle;
+use moelane_gb300_worker::PrimaryParticipant;
 use moelane_proto::control::sidecar_client::SidecarClient;
 use moelane_proto::control::RegisterRequest;
-use moelane_rtx_worker::{InProcessCore, SidecarCore, SidecarOptions};
+use moelane_residency_actor::{Participant, Residency};
+use moelane_rtx_worker::{InProcessCore, LocalSidecar, RemoteSidecar, SidecarCore, SidecarOptions};
 use moelane_text::chat::ChatTemplate;
 use moelane_text::tokenizer::Tokenizer;
 
@@ -47,14 +50,23 @@ fn read_map(p: &Option<PathBuf>) -> Result<Option<Rowmap>> {
 }
 
 /// Loads the engine with its cold tier attached and starts the scheduler and actor.
-pub async fn start_primary(o: &PrimaryOptions) -> Result<(PrimaryHandle, String)> {
+/// A started primary: the scheduler, its link, and the residency coordinator.
+pub struct Primary {
+    pub handle: PrimaryHandle,
+    pub link: String,
+    pub residency: ActorRef<Residency>,
+}
+
+pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
     let ckpt = Checkpoint::open(&o.model)?;
     let map = resolve_map(&ckpt, read_map(&o.map)?)?;
     let any_cold = map.map.layers.iter().any(|l| !l.cold.is_empty());
+    let mut sidecar: Option<Box<dyn Participant>> = None;
     let (tier, link_name): (Option<Box<dyn RemoteTier>>, String) = match &o.cold {
         _ if !any_cold => (None, "none".into()),
         ColdLink::InProcess => {
             let core = Arc::new(SidecarCore::load(&ckpt, &map)?);
+            sidecar = Some(Box::new(LocalSidecar(core.clone())));
             (
                 Some(Box::new(InProcessTier::spawn(Box::new(InProcessCore(
                     core,
@@ -75,6 +87,7 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<(PrimaryHandle, String)
                 .await
                 .map_err(|s| anyhow::anyhow!("sidecar refused registration: {}", s.message()))?
                 .into_inner();
+            sidecar = Some(Box::new(RemoteSidecar(c.clone())));
             let t: Box<dyn RemoteTier> = match link.as_str() {
                 "tcp" => Box::new(moelane_link::tcp::TcpTier::connect(
                     &rep.endpoint,
@@ -90,6 +103,15 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<(PrimaryHandle, String)
         }
     };
     let eos = ckpt.config.eos_token_ids.clone();
+    let manifest = {
+        let dir = o.model.clone();
+        tokio::task::spawn_blocking(move || {
+            Checkpoint::open(&dir).and_then(|c| moelane_engine::swap::manifest(&c))
+        })
+        .await??
+    };
+    let (layers, experts) = (map.layers(), map.experts());
+    let residency_map = map.clone();
     let engine = engine_with_tier(
         &ckpt,
         map,
@@ -100,10 +122,26 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<(PrimaryHandle, String)
         tier,
     )?;
     let id = ckpt.id.clone();
-    Ok((
-        moelane_gb300_worker::start(engine, id, eos, o.sched.clone()),
-        link_name,
-    ))
+    let handle = moelane_gb300_worker::start(engine, id.clone(), eos, o.sched.clone());
+    let participant = PrimaryParticipant {
+        tx: handle.commands(),
+        ckpt_dir: o.model.clone(),
+        model: id,
+        layers,
+        experts,
+    };
+    let residency = Residency::spawn(Residency::new(
+        residency_map,
+        manifest,
+        Box::new(participant),
+        sidecar,
+        o.map.clone(),
+    ));
+    Ok(Primary {
+        handle,
+        link: link_name,
+        residency,
+    })
 }
 
 pub async fn bind(addr: &str) -> Result<tokio::net::TcpListener> {
@@ -113,12 +151,13 @@ pub async fn bind(addr: &str) -> Result<tokio::net::TcpListener> {
 }
 
 /// Serves the primary's gRPC API; returns the bound address.
-pub async fn serve_primary(h: &PrimaryHandle, addr: &str) -> Result<SocketAddr> {
+pub async fn serve_primary(p: &Primary, addr: &str) -> Result<SocketAddr> {
     let l = bind(addr).await?;
     let a = l.local_addr()?;
-    let actor = h.actor.clone();
+    let actor = p.handle.actor.clone();
+    let residency = Some(p.residency.clone());
     tokio::spawn(async move {
-        if let Err(e) = moelane_gb300_worker::serve(l, actor).await {
+        if let Err(e) = moelane_gb300_worker::serve(l, actor, residency).await {
             eprintln!("moelane: primary gRPC server stopped: {e}");
         }
     });
@@ -133,8 +172,9 @@ pub async fn start_sidecar(
     let l = bind(control).await?;
     let a = l.local_addr()?;
     let actor = s.actor.clone();
+    let core = s.core.clone();
     tokio::spawn(async move {
-        if let Err(e) = moelane_rtx_worker::serve_control(l, actor).await {
+        if let Err(e) = moelane_rtx_worker::serve_control(l, actor, core).await {
             eprintln!("moelane: sidecar control server stopped: {e}");
         }
     });

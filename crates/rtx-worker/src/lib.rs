@@ -24,15 +24,19 @@ use moelane_proto::Category;
 use tokio_stream::StreamExt as _;
 use tonic::{Request, Response, Status};
 
-/// The cold experts and the epoch they were placed with.
+/// The cold experts, the committed map, and the next map while a swap is prepared.
 pub struct ColdState {
     pub bank: ExpertBank,
     pub epoch: u64,
+    pub map: ValidMap,
+    /// Set between PREPARE and RELEASE/ABORT: requests tagged with its epoch are served too.
+    pub next: Option<ValidMap>,
 }
 
 /// The sidecar's compute, shared by every link.
 pub struct SidecarCore {
     pub model: String,
+    pub ckpt_dir: PathBuf,
     pub state: RwLock<ColdState>,
     pub requests: AtomicU64,
     pub picks: AtomicU64,
@@ -48,7 +52,7 @@ impl ColdService for SidecarCore {
             .state
             .read()
             .map_err(|_| "sidecar state poisoned".to_string())?;
-        if req.epoch != st.epoch {
+        if req.epoch != st.epoch && st.next.as_ref().map(|n| n.epoch()) != Some(req.epoch) {
             return Err(format!(
                 "epoch mismatch: request tagged {} but this sidecar holds epoch {}",
                 req.epoch, st.epoch
@@ -90,9 +94,12 @@ impl SidecarCore {
         let bank = ExpertBank::load(ckpt, map, Tier::Cold, &moe, None)?;
         Ok(SidecarCore {
             model: ckpt.id.clone(),
+            ckpt_dir: ckpt.dir.clone(),
             state: RwLock::new(ColdState {
                 bank,
                 epoch: map.epoch(),
+                map: map.clone(),
+                next: None,
             }),
             requests: AtomicU64::new(0),
             picks: AtomicU64::new(0),
@@ -104,6 +111,159 @@ impl SidecarCore {
 
     pub fn epoch(&self) -> u64 {
         self.state.read().map(|s| s.epoch).unwrap_or(0)
+    }
+
+    /// PREPARE: validates the next map, loads and verifies the incoming experts (without
+    /// holding the lock, so serving goes on), then stages them and accepts the next epoch.
+    pub fn prepare(
+        &self,
+        next: Rowmap,
+        incoming: &[moelane_engine::swap::Incoming],
+    ) -> Result<u64, String> {
+        let (layers, experts) = {
+            let st = self.state.read().map_err(|_| "state poisoned")?;
+            if st.next.is_some() {
+                return Err("a swap is already prepared".into());
+            }
+            (st.map.layers(), st.map.experts())
+        };
+        let next = next
+            .validate(&self.model, layers, experts, None)
+            .map_err(|e| e.to_string())?;
+        let ckpt = Checkpoint::open(&self.ckpt_dir).map_err(|e| e.to_string())?;
+        let loaded =
+            moelane_engine::swap::load_verified(&ckpt, incoming).map_err(|e| e.to_string())?;
+        let mut st = self.state.write().map_err(|_| "state poisoned")?;
+        if next.epoch() != st.epoch + 1 {
+            return Err(format!(
+                "PREPARE for epoch {} but this sidecar is on {}",
+                next.epoch(),
+                st.epoch
+            ));
+        }
+        moelane_engine::swap::stage(&mut st.bank, loaded);
+        moelane_engine::swap::check_resident(&st.bank, &next, Tier::Cold)
+            .map_err(|e| e.to_string())?;
+        let epoch = next.epoch();
+        st.next = Some(next);
+        Ok(epoch)
+    }
+
+    /// RELEASE(old): the next map becomes the only one; slots only the old one used are freed.
+    pub fn release(&self, old_epoch: u64) -> Result<u64, String> {
+        let mut st = self.state.write().map_err(|_| "state poisoned")?;
+        if st.epoch != old_epoch {
+            return Err(format!(
+                "RELEASE({old_epoch}) but this sidecar is on epoch {}",
+                st.epoch
+            ));
+        }
+        let next = st.next.take().ok_or("RELEASE without a prepared swap")?;
+        st.epoch = next.epoch();
+        st.map = next;
+        let ColdState { bank, map, .. } = &mut *st;
+        moelane_engine::swap::release(bank, map, Tier::Cold);
+        Ok(st.epoch)
+    }
+
+    /// ABORT(epoch): drops what was staged for it; nothing else changes.
+    pub fn abort(&self, epoch: u64) -> Result<(), String> {
+        let mut st = self.state.write().map_err(|_| "state poisoned")?;
+        if st.next.as_ref().map(|n| n.epoch()) == Some(epoch) {
+            st.next = None;
+        }
+        let ColdState { bank, map, .. } = &mut *st;
+        moelane_engine::swap::release(bank, map, Tier::Cold);
+        Ok(())
+    }
+}
+
+/// The sidecar in this process, as the coordinator drives it.
+pub struct LocalSidecar(pub Arc<SidecarCore>);
+
+impl moelane_residency_actor::Participant for LocalSidecar {
+    fn name(&self) -> &'static str {
+        "sidecar"
+    }
+    fn prepare<'a>(
+        &'a self,
+        next: &'a Rowmap,
+        incoming: Vec<moelane_engine::swap::Incoming>,
+    ) -> futures::future::BoxFuture<'a, Result<(), String>> {
+        let core = self.0.clone();
+        let next = next.clone();
+        Box::pin(async move {
+            tokio::task::spawn_blocking(move || core.prepare(next, &incoming).map(|_| ()))
+                .await
+                .map_err(|e| e.to_string())?
+        })
+    }
+    fn commit<'a>(&'a self, _: &'a Rowmap) -> futures::future::BoxFuture<'a, Result<(), String>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn release(&self, old: u64) -> futures::future::BoxFuture<'_, Result<(), String>> {
+        Box::pin(async move { self.0.release(old).map(|_| ()) })
+    }
+    fn abort(&self, epoch: u64) -> futures::future::BoxFuture<'_, Result<(), String>> {
+        Box::pin(async move { self.0.abort(epoch) })
+    }
+}
+
+/// A sidecar process, driven over its control API.
+pub struct RemoteSidecar(
+    pub moelane_proto::control::sidecar_client::SidecarClient<tonic::transport::Channel>,
+);
+
+impl moelane_residency_actor::Participant for RemoteSidecar {
+    fn name(&self) -> &'static str {
+        "sidecar"
+    }
+    fn prepare<'a>(
+        &'a self,
+        next: &'a Rowmap,
+        incoming: Vec<moelane_engine::swap::Incoming>,
+    ) -> futures::future::BoxFuture<'a, Result<(), String>> {
+        let mut c = self.0.clone();
+        Box::pin(async move {
+            let rowmap_json = next.to_json().map_err(|e| e.to_string())?;
+            let incoming = incoming
+                .into_iter()
+                .map(|(l, e, checksum)| Staged {
+                    layer: l as u32,
+                    expert: e as u32,
+                    checksum,
+                })
+                .collect();
+            c.prepare(PrepareRequest {
+                epoch: next.epoch,
+                rowmap_json,
+                incoming,
+            })
+            .await
+            .map(|_| ())
+            .map_err(|s| s.message().to_string())
+        })
+    }
+    fn commit<'a>(&'a self, _: &'a Rowmap) -> futures::future::BoxFuture<'a, Result<(), String>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn release(&self, old_epoch: u64) -> futures::future::BoxFuture<'_, Result<(), String>> {
+        let mut c = self.0.clone();
+        Box::pin(async move {
+            c.release(ReleaseRequest { old_epoch })
+                .await
+                .map(|_| ())
+                .map_err(|s| s.message().to_string())
+        })
+    }
+    fn abort(&self, epoch: u64) -> futures::future::BoxFuture<'_, Result<(), String>> {
+        let mut c = self.0.clone();
+        Box::pin(async move {
+            c.abort(AbortRequest { epoch })
+                .await
+                .map(|_| ())
+                .map_err(|s| s.message().to_string())
+        })
     }
 }
 
@@ -232,6 +392,8 @@ impl Message<LoadMapMsg> for SidecarActor {
         *st = ColdState {
             bank,
             epoch: valid.epoch(),
+            map: valid.clone(),
+            next: None,
         };
         Ok(LoadMapReply {
             map_epoch: valid.epoch(),
@@ -246,6 +408,7 @@ fn serde_json_from(s: &str) -> Result<Rowmap, String> {
 /// The tonic face of the actor.
 pub struct SidecarService {
     actor: ActorRef<SidecarActor>,
+    core: Arc<SidecarCore>,
 }
 
 /// Flattens an ask: the handler's own status, or the actor's failure as Unavailable.
@@ -279,6 +442,41 @@ impl Sidecar for SidecarService {
     }
     async fn load_map(&self, r: Request<LoadMapRequest>) -> Result<Response<LoadMapReply>, Status> {
         flat(self.actor.ask(LoadMapMsg(r.into_inner().rowmap_json)).await)
+    }
+    async fn prepare(&self, r: Request<PrepareRequest>) -> Result<Response<PrepareReply>, Status> {
+        let r = r.into_inner();
+        let next = Rowmap::from_json(&r.rowmap_json)
+            .map_err(|e| Category::BadRequest.status(e.to_string()))?;
+        if next.epoch != r.epoch {
+            return Err(Category::BadRequest.status(format!(
+                "PREPARE epoch {} but the map says {}",
+                r.epoch, next.epoch
+            )));
+        }
+        let incoming: Vec<_> = r
+            .incoming
+            .iter()
+            .map(|s| (s.layer as usize, s.expert as usize, s.checksum))
+            .collect();
+        let core = self.core.clone();
+        let epoch = tokio::task::spawn_blocking(move || core.prepare(next, &incoming))
+            .await
+            .map_err(|e| Category::Internal.status(e.to_string()))?
+            .map_err(|e| Category::EpochMismatch.status(e))?;
+        Ok(Response::new(PrepareReply { epoch }))
+    }
+    async fn release(&self, r: Request<ReleaseRequest>) -> Result<Response<ReleaseReply>, Status> {
+        let epoch = self
+            .core
+            .release(r.into_inner().old_epoch)
+            .map_err(|e| Category::EpochMismatch.status(e))?;
+        Ok(Response::new(ReleaseReply { epoch }))
+    }
+    async fn abort(&self, r: Request<AbortRequest>) -> Result<Response<AbortReply>, Status> {
+        self.core
+            .abort(r.into_inner().epoch)
+            .map_err(|e| Category::Internal.status(e))?;
+        Ok(Response::new(AbortReply {}))
     }
 }
 
@@ -341,9 +539,10 @@ pub fn start(opts: &SidecarOptions) -> moelane_engine::Result<Sidecar0> {
 pub async fn serve_control(
     listener: tokio::net::TcpListener,
     actor: ActorRef<SidecarActor>,
+    core: Arc<SidecarCore>,
 ) -> Result<(), tonic::transport::Error> {
     tonic::transport::Server::builder()
-        .add_service(SidecarServer::new(SidecarService { actor }))
+        .add_service(SidecarServer::new(SidecarService { actor, core }))
         .serve_with_incoming(
             tokio_stream::wrappers::TcpListenerStream::new(listener).map(|s| {
                 if let Ok(s) = &s {

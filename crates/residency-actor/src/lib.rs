@@ -1,0 +1,256 @@
+//! The residency coordinator: moves experts between the primary (hot) and the sidecar
+//! (cold) through DESIGN.md's two-phase, epoch-tagged protocol, per batch of moves, map
+//! epoch E -> E+1:
+//! 1. PREPARE(E+1) to both tiers, concurrently, with a deadline: each stages its incoming
+//!    experts (read from the checkpoint, checksum verified against the manifest taken at
+//!    start) while serving goes on with map E. Any error or timeout -> ABORT(E+1) to both.
+//! 2. COMMIT(E+1) to the primary only after both PREPARED: it switches at its next step
+//!    boundary; the sidecar serves each request with the map of its tag (it holds both).
+//! 3. RELEASE(E) to both once no step with epoch E is in flight (the primary's step loop is
+//!    synchronous, so that is as soon as COMMIT is acknowledged); the map is persisted
+//!    atomically with its epoch.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use futures::future::BoxFuture;
+use kameo::message::{Context, Message};
+use kameo::Actor;
+use moelane_engine::rowmap::{Rowmap, Tier, ValidMap};
+use moelane_engine::swap::Incoming;
+
+/// One tier as the coordinator drives it. Errors are messages (they end in a ledger and a reply).
+pub trait Participant: Send + Sync {
+    fn name(&self) -> &'static str;
+    /// Stage `incoming` for map `next` (epoch `next.epoch`).
+    fn prepare<'a>(
+        &'a self,
+        next: &'a Rowmap,
+        incoming: Vec<Incoming>,
+    ) -> BoxFuture<'a, Result<(), String>>;
+    /// Switch to `next` at a step boundary (the primary; a sidecar answers Ok).
+    fn commit<'a>(&'a self, next: &'a Rowmap) -> BoxFuture<'a, Result<(), String>>;
+    /// Free what only `old_epoch` used.
+    fn release(&self, old_epoch: u64) -> BoxFuture<'_, Result<(), String>>;
+    /// Drop what was staged for `epoch`.
+    fn abort(&self, epoch: u64) -> BoxFuture<'_, Result<(), String>>;
+}
+
+/// A requested move.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Move {
+    pub layer: usize,
+    pub expert: usize,
+    pub to: Tier,
+}
+
+/// The outcome of one swap batch.
+#[derive(Clone, Debug, PartialEq, kameo::Reply)]
+pub struct SwapOutcome {
+    pub epoch: u64,
+    pub committed: bool,
+    pub abort_reason: String,
+    pub prepare: Duration,
+    pub total: Duration,
+}
+
+#[derive(Actor)]
+pub struct Residency {
+    map: ValidMap,
+    model: String,
+    /// `checksums[layer][expert]` of the checkpoint as it was at start.
+    manifest: Vec<Vec<u64>>,
+    primary: Box<dyn Participant>,
+    sidecar: Option<Box<dyn Participant>>,
+    /// Where the committed map is persisted at each RELEASE (None: not persisted).
+    map_path: Option<PathBuf>,
+    prepare_timeout: Duration,
+    /// Most moves per layer in one batch (the tiers' spare slots).
+    spare_slots: usize,
+    pub swaps_done: u64,
+    pub swaps_aborted: u64,
+}
+
+impl Residency {
+    pub fn new(
+        map: ValidMap,
+        manifest: Vec<Vec<u64>>,
+        primary: Box<dyn Participant>,
+        sidecar: Option<Box<dyn Participant>>,
+        map_path: Option<PathBuf>,
+    ) -> Self {
+        let model = map.map.model.clone();
+        Residency {
+            map,
+            model,
+            manifest,
+            primary,
+            sidecar,
+            map_path,
+            prepare_timeout: Duration::from_secs(30),
+            spare_slots: 8,
+            swaps_done: 0,
+            swaps_aborted: 0,
+        }
+    }
+
+    pub fn with_limits(mut self, prepare_timeout: Duration, spare_slots: usize) -> Self {
+        self.prepare_timeout = prepare_timeout;
+        self.spare_slots = spare_slots.max(1);
+        self
+    }
+
+    /// The next map: `moves` applied to the current one (promoted experts take new hot slots at
+    /// the end, demoted ones new cold slots at the end), epoch + 1, validated whole.
+    fn next_map(&self, moves: &[Move]) -> Result<ValidMap, String> {
+        let (layers, experts) = (self.map.layers(), self.map.experts());
+        let mut next = self.map.map.clone();
+        next.epoch += 1;
+        let mut per_layer = vec![0usize; layers];
+        for m in moves {
+            if m.layer >= layers || m.expert >= experts {
+                return Err(format!(
+                    "layer {} expert {}: out of range ({layers} layers, {experts} experts)",
+                    m.layer, m.expert
+                ));
+            }
+            per_layer[m.layer] += 1;
+            if per_layer[m.layer] > self.spare_slots {
+                return Err(format!(
+                    "layer {}: more than {} moves in one batch (spare slots)",
+                    m.layer, self.spare_slots
+                ));
+            }
+            let lm = &mut next.layers[m.layer];
+            let e = m.expert as u16;
+            let (from, to) = match m.to {
+                Tier::Hot => (&mut lm.cold, &mut lm.hot),
+                Tier::Cold => (&mut lm.hot, &mut lm.cold),
+            };
+            let Some(i) = from.iter().position(|&x| x == e) else {
+                return Err(format!(
+                    "layer {} expert {} is already {}",
+                    m.layer,
+                    m.expert,
+                    m.to.name()
+                ));
+            };
+            from.remove(i);
+            to.push(e);
+        }
+        if moves.iter().any(|m| m.to == Tier::Cold) && self.sidecar.is_none() {
+            return Err("no sidecar: nothing can be made cold".into());
+        }
+        next.validate(&self.model, layers, experts, None)
+            .map_err(|e| e.to_string())
+    }
+
+    async fn run(&mut self, moves: Vec<Move>) -> SwapOutcome {
+        let t0 = Instant::now();
+        let old = self.map.epoch();
+        let abort = |reason: String, prepare: Duration| SwapOutcome {
+            epoch: old,
+            committed: false,
+            abort_reason: reason,
+            prepare,
+            total: t0.elapsed(),
+        };
+        let next = match self.next_map(&moves) {
+            Ok(n) => n,
+            Err(e) => {
+                self.swaps_aborted += 1;
+                return abort(e, Duration::ZERO);
+            }
+        };
+        let incoming = |tier: Tier| -> Vec<Incoming> {
+            moves
+                .iter()
+                .filter(|m| m.to == tier)
+                .map(|m| (m.layer, m.expert, self.manifest[m.layer][m.expert]))
+                .collect()
+        };
+        let (hot_in, cold_in) = (incoming(Tier::Hot), incoming(Tier::Cold));
+        let epoch = next.epoch();
+        // 1. PREPARE both, concurrently, with a deadline
+        let p = self.primary.prepare(&next.map, hot_in);
+        let s: BoxFuture<'_, Result<(), String>> = match &self.sidecar {
+            Some(sc) => sc.prepare(&next.map, cold_in),
+            None => Box::pin(async { Ok(()) }),
+        };
+        let prepared =
+            tokio::time::timeout(self.prepare_timeout, futures::future::join(p, s)).await;
+        let prepare = t0.elapsed();
+        let failure = match prepared {
+            Err(_) => Some(format!(
+                "PREPARE timed out after {:?}",
+                self.prepare_timeout
+            )),
+            Ok((Err(e), _)) => Some(format!("primary PREPARE failed: {e}")),
+            Ok((_, Err(e))) => Some(format!("sidecar PREPARE failed: {e}")),
+            Ok((Ok(()), Ok(()))) => None,
+        };
+        if let Some(reason) = failure {
+            self.abort_all(epoch).await;
+            self.swaps_aborted += 1;
+            return abort(reason, prepare);
+        }
+        // 2. COMMIT to the primary
+        if let Err(e) = self.primary.commit(&next.map).await {
+            self.abort_all(epoch).await;
+            self.swaps_aborted += 1;
+            return abort(format!("primary COMMIT failed: {e}"), prepare);
+        }
+        // 3. RELEASE(E): no step of epoch E is in flight once the primary has switched
+        let _ = self.primary.release(old).await;
+        if let Some(sc) = &self.sidecar {
+            if let Err(e) = sc.release(old).await {
+                tracing::warn!("sidecar RELEASE({old}) failed: {e}");
+            }
+        }
+        if let Some(p) = &self.map_path {
+            if let Err(e) = next.map.write_atomic(p) {
+                tracing::warn!("persisting map epoch {epoch}: {e}");
+            }
+        }
+        self.map = next;
+        self.swaps_done += 1;
+        SwapOutcome {
+            epoch,
+            committed: true,
+            abort_reason: String::new(),
+            prepare,
+            total: t0.elapsed(),
+        }
+    }
+
+    async fn abort_all(&self, epoch: u64) {
+        let _ = self.primary.abort(epoch).await;
+        if let Some(sc) = &self.sidecar {
+            let _ = sc.abort(epoch).await;
+        }
+    }
+}
+
+/// Moves experts (one batch, one epoch step).
+pub struct Swap(pub Vec<Move>);
+
+impl Message<Swap> for Residency {
+    type Reply = SwapOutcome;
+    async fn handle(
+        &mut self,
+        Swap(moves): Swap,
+        _: &mut Context<Self, Self::Reply>,
+    ) -> SwapOutcome {
+        self.run(moves).await
+    }
+}
+
+/// The committed map.
+pub struct CurrentMap;
+
+impl Message<CurrentMap> for Residency {
+    type Reply = Result<Rowmap, std::convert::Infallible>;
+    async fn handle(&mut self, _: CurrentMap, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        Ok(self.map.map.clone())
+    }
+}
