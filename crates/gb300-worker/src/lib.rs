@@ -234,6 +234,22 @@ impl moelane_residency_actor::Participant for PrimaryParticipant {
     }
 }
 
+impl moelane_residency_actor::CounterSource for PrimaryParticipant {
+    fn sample(
+        &self,
+    ) -> futures::future::BoxFuture<'_, Result<moelane_residency_actor::policy::Sample, String>>
+    {
+        Box::pin(async move {
+            let s = call(&self.tx, Command::Snapshot).await?;
+            Ok(moelane_residency_actor::policy::Sample {
+                picks: s.picks,
+                wait_ns: s.wait_ns,
+                step_ns: s.step_ns,
+            })
+        })
+    }
+}
+
 /// The tonic face of the primary.
 pub struct PrimaryService {
     pub actor: ActorRef<PrimaryActor>,

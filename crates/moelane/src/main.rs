@@ -67,6 +67,8 @@ enum Cmd {
         /// Most sequences decoded together.
         #[arg(long, default_value_t = 64)]
         max_running: usize,
+        #[command(flatten)]
+        residency: ResidencyArgs,
     },
     /// Start one role of a lane as its own process (flags, or a TOML file with the same keys).
     Lane(LaneArgs),
@@ -112,9 +114,63 @@ enum Cmd {
     },
 }
 
+/// Adaptive residency flags.
+#[derive(clap::Args, serde::Deserialize, Default, Debug, Clone)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+struct ResidencyArgs {
+    /// Move experts between tiers while serving, following the traffic.
+    #[arg(long)]
+    #[serde(default)]
+    adaptive: bool,
+    /// Log what adaptive residency would move, without moving.
+    #[arg(long)]
+    #[serde(default)]
+    dry_run: bool,
+    /// Milliseconds between decisions.
+    #[arg(long, default_value_t = 1000)]
+    #[serde(default)]
+    residency_interval_ms: u64,
+    /// Half-life of the decayed pick rates, seconds.
+    #[arg(long, default_value_t = 10.0)]
+    #[serde(default)]
+    half_life_s: f64,
+    /// Hysteresis: a cold expert must beat a hot one by this factor.
+    #[arg(long, default_value_t = 0.25)]
+    #[serde(default)]
+    margin: f64,
+    /// Skip decisions while the wait share of step time is under this fraction.
+    #[arg(long, default_value_t = 0.0)]
+    #[serde(default)]
+    min_wait_share: f64,
+    /// Most experts moved to hot per layer per decision.
+    #[arg(long, default_value_t = 4)]
+    #[serde(default)]
+    moves_per_layer: usize,
+}
+
+impl ResidencyArgs {
+    fn options(&self) -> Option<roles::AdaptiveOptions> {
+        (self.adaptive || self.dry_run).then(|| roles::AdaptiveOptions {
+            policy: moelane_residency_actor::policy::Policy {
+                half_life: std::time::Duration::from_secs_f64(self.half_life_s.max(0.01)),
+                margin: self.margin.max(0.0),
+                min_wait_share: self.min_wait_share.clamp(0.0, 1.0),
+                moves_per_layer: self.moves_per_layer.max(1),
+                ..Default::default()
+            },
+            dry_run: self.dry_run,
+            interval: std::time::Duration::from_millis(self.residency_interval_ms.max(10)),
+        })
+    }
+}
+
 #[derive(clap::Args, serde::Deserialize, Default, Debug)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
 struct LaneArgs {
+    /// (adaptive residency flags: command line only)
+    #[command(flatten)]
+    #[serde(skip)]
+    residency: ResidencyArgs,
     /// gateway, primary or sidecar
     #[arg(long)]
     role: Option<String>,
@@ -271,6 +327,7 @@ async fn run_async(cmd: Cmd) -> Result<()> {
             served_model_name,
             kv_tokens,
             max_running,
+            residency,
         } => {
             let model = match model {
                 Some(m) => m,
@@ -282,6 +339,7 @@ async fn run_async(cmd: Cmd) -> Result<()> {
                 kv_tokens,
                 cold: ColdLink::InProcess,
                 link_timeout: std::time::Duration::from_secs(30),
+                adaptive: residency.options(),
                 sched: moelane_gb300_worker::scheduler::SchedulerConfig {
                     max_running,
                     ..Default::default()
@@ -352,6 +410,7 @@ async fn run_async(cmd: Cmd) -> Result<()> {
                         link_timeout: std::time::Duration::from_secs_f64(
                             a.link_timeout.unwrap_or(30.0).max(0.001),
                         ),
+                        adaptive: a.residency.options(),
                         sched: Default::default(),
                     };
                     let primary = roles::start_primary(&opts).await?;

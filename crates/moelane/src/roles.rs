@@ -33,7 +33,16 @@ pub enum ColdLink {
     Remote { control: String, link: String },
 }
 
+/// Adaptive residency settings.
+#[derive(Clone, Debug)]
+pub struct AdaptiveOptions {
+    pub policy: moelane_residency_actor::policy::Policy,
+    pub dry_run: bool,
+    pub interval: Duration,
+}
+
 pub struct PrimaryOptions {
+    pub adaptive: Option<AdaptiveOptions>,
     pub model: PathBuf,
     pub map: Option<PathBuf>,
     pub kv_tokens: usize,
@@ -126,17 +135,54 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
     let participant = PrimaryParticipant {
         tx: handle.commands(),
         ckpt_dir: o.model.clone(),
-        model: id,
+        model: id.clone(),
         layers,
         experts,
     };
-    let residency = Residency::spawn(Residency::new(
+    let mut res = Residency::new(
         residency_map,
         manifest,
         Box::new(participant),
         sidecar,
         o.map.clone(),
-    ));
+    );
+    if let Some(a) = &o.adaptive {
+        let source = PrimaryParticipant {
+            tx: handle.commands(),
+            ckpt_dir: o.model.clone(),
+            model: id,
+            layers,
+            experts,
+        };
+        let mut policy = a.policy.clone();
+        policy.expert_bytes = (ckpt.config.expert_params() * 4) as f64;
+        res = res.with_adaptive(moelane_residency_actor::Adaptive::new(
+            Box::new(source),
+            policy,
+            a.dry_run,
+        ));
+    }
+    let residency = Residency::spawn(res);
+    if let Some(a) = &o.adaptive {
+        let (r, iv, dry) = (residency.clone(), a.interval, a.dry_run);
+        tokio::spawn(async move {
+            let mut t = tokio::time::interval(iv);
+            loop {
+                t.tick().await;
+                let Ok(rep) = r.ask(moelane_residency_actor::Tick).await else {
+                    break;
+                };
+                if let Some(d) = rep.decision.filter(|d| !d.moves.is_empty()) {
+                    match rep.outcome {
+                        Some(o) if o.committed => println!("moelane: residency swap to epoch {}: {} moves, cold share {:.2}% -> predicted {:.2}%, wait share {:.2}%", o.epoch, d.moves.len(), 100.0 * d.cold_share, 100.0 * d.predicted_cold_share, 100.0 * d.wait_share),
+                        Some(o) => println!("moelane: residency swap aborted: {}", o.abort_reason),
+                        None if dry => println!("moelane: residency dry run: would move {} experts, cold share {:.2}% -> predicted {:.2}%", d.moves.len(), 100.0 * d.cold_share, 100.0 * d.predicted_cold_share),
+                        None => {}
+                    }
+                }
+            }
+        });
+    }
     Ok(Primary {
         handle,
         link: link_name,

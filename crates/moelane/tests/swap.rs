@@ -304,3 +304,82 @@ fn a_checksum_mismatch_aborts_and_changes_nothing() {
     assert_eq!(r.map_epoch, 1);
     assert_eq!(complete(&gw, "朝早く、川の上には", 24), before);
 }
+
+fn window_cold_share(addr: &str, prev: &mut (u64, u64)) -> f64 {
+    let (_, v) = get(addr, "/v1/stats");
+    let layers = v["lanes"][0]["stats"]["layers"].as_array().unwrap().clone();
+    let (h, c): (u64, u64) = layers.iter().fold((0, 0), |a, l| {
+        (
+            a.0 + l["hot_picks"].as_u64().unwrap(),
+            a.1 + l["cold_picks"].as_u64().unwrap(),
+        )
+    });
+    let (dh, dc) = (h - prev.0, c - prev.1);
+    *prev = (h, c);
+    dc as f64 / (dh + dc).max(1) as f64
+}
+
+#[test]
+fn adaptive_residency_follows_an_unseen_language_and_dry_run_moves_nothing() {
+    let dir = tiny().to_str().unwrap().to_string();
+    let korean = [
+        "이른 아침 강 위에는 짙은 안개가",
+        "가을 산을 걸으면 고요한 숲과",
+        "기차가 늦어져서 우리는 역 앞 카페에서",
+        "연구자들은 왜 어떤 식물은",
+    ];
+    for dry in [false, true] {
+        let mut args = vec![
+            "serve",
+            "--model",
+            dir.as_str(),
+            "--listen",
+            "127.0.0.1:0",
+            "--residency-interval-ms",
+            "150",
+            "--moves-per-layer",
+            "8",
+        ];
+        args.push(if dry { "--dry-run" } else { "--adaptive" });
+        let (_p, v) = start(&args, &["primary grpc://", "gateway listening on "]);
+        let gw = hostport(&v[1]);
+        let want: Vec<String> = korean.iter().map(|p| complete(&gw, p, 40)).collect();
+        let mut prev = (0, 0);
+        let first = window_cold_share(&gw, &mut prev);
+        let mut last = first;
+        let deadline =
+            std::time::Instant::now() + std::time::Duration::from_secs(if dry { 3 } else { 20 });
+        while std::time::Instant::now() < deadline {
+            for p in korean {
+                complete(&gw, p, 40);
+            }
+            last = window_cold_share(&gw, &mut prev);
+            if !dry && last < 0.02 {
+                break;
+            }
+        }
+        let got: Vec<String> = korean.iter().map(|p| complete(&gw, p, 40)).collect();
+        assert_eq!(got, want, "swaps changed the output");
+        eprintln!(
+            "dry_run={dry}: cold share {:.1}% -> {:.1}%",
+            100.0 * first,
+            100.0 * last
+        );
+        if dry {
+            assert!(
+                (last - first).abs() < 0.05 && first > 0.1,
+                "dry run moved experts: {first} -> {last}"
+            );
+        } else {
+            assert!(
+                first > 0.1,
+                "the English map should leave Korean largely cold ({first})"
+            );
+            assert!(
+                last < 0.02,
+                "adaptive residency left {:.1}% cold",
+                100.0 * last
+            );
+        }
+    }
+}

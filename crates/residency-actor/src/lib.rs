@@ -10,6 +10,8 @@
 //!    synchronous, so that is as soon as COMMIT is acknowledged); the map is persisted
 //!    atomically with its epoch.
 
+pub mod policy;
+
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -34,6 +36,48 @@ pub trait Participant: Send + Sync {
     fn release(&self, old_epoch: u64) -> BoxFuture<'_, Result<(), String>>;
     /// Drop what was staged for `epoch`.
     fn abort(&self, epoch: u64) -> BoxFuture<'_, Result<(), String>>;
+}
+
+/// Where the coordinator reads the lane's counters.
+pub trait CounterSource: Send + Sync {
+    fn sample(&self) -> BoxFuture<'_, Result<policy::Sample, String>>;
+}
+
+/// One adaptive swap batch: what was predicted, and what the next tick measured.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LedgerEntry {
+    pub epoch: u64,
+    pub moves: usize,
+    pub committed: bool,
+    pub cold_share_before: f64,
+    pub cold_share_predicted: f64,
+    /// measured over the tick after the swap (None until then)
+    pub cold_share_realised: Option<f64>,
+    pub wait_share_before: f64,
+    pub wait_share_realised: Option<f64>,
+}
+
+/// Adaptive mode: counters, policy, and what it learnt.
+pub struct Adaptive {
+    pub source: Box<dyn CounterSource>,
+    pub policy: policy::Policy,
+    pub dry_run: bool,
+    scores: policy::Scores,
+    last: Option<Instant>,
+    pub ledger: Vec<LedgerEntry>,
+}
+
+impl Adaptive {
+    pub fn new(source: Box<dyn CounterSource>, policy: policy::Policy, dry_run: bool) -> Self {
+        Adaptive {
+            source,
+            policy,
+            dry_run,
+            scores: policy::Scores::default(),
+            last: None,
+            ledger: Vec::new(),
+        }
+    }
 }
 
 /// A requested move.
@@ -69,9 +113,16 @@ pub struct Residency {
     spare_slots: usize,
     pub swaps_done: u64,
     pub swaps_aborted: u64,
+    adaptive: Option<Adaptive>,
 }
 
 impl Residency {
+    /// Turns on adaptive decisions (driven by [`Tick`] messages).
+    pub fn with_adaptive(mut self, a: Adaptive) -> Self {
+        self.adaptive = Some(a);
+        self
+    }
+
     pub fn new(
         map: ValidMap,
         manifest: Vec<Vec<u64>>,
@@ -91,6 +142,7 @@ impl Residency {
             spare_slots: 8,
             swaps_done: 0,
             swaps_aborted: 0,
+            adaptive: None,
         }
     }
 
@@ -252,5 +304,98 @@ impl Message<CurrentMap> for Residency {
     type Reply = Result<Rowmap, std::convert::Infallible>;
     async fn handle(&mut self, _: CurrentMap, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
         Ok(self.map.map.clone())
+    }
+}
+
+/// One decision round of adaptive residency.
+pub struct Tick;
+
+/// What a tick did.
+#[derive(Clone, Debug, PartialEq, kameo::Reply)]
+pub struct TickReport {
+    pub decision: Option<policy::Decision>,
+    pub outcome: Option<SwapOutcome>,
+}
+
+impl Message<Tick> for Residency {
+    type Reply = TickReport;
+    async fn handle(&mut self, _: Tick, _: &mut Context<Self, Self::Reply>) -> TickReport {
+        let mut report = TickReport {
+            decision: None,
+            outcome: None,
+        };
+        let Some(mut a) = self.adaptive.take() else {
+            return report;
+        };
+        let now = Instant::now();
+        if let Ok(sample) = a.source.sample().await {
+            let dt = a.last.map(|t| now - t).unwrap_or(Duration::from_secs(1));
+            a.last = Some(now);
+            if let Some(delta) = a.scores.update(sample, dt, &a.policy) {
+                let decision = a.scores.decide(&self.map, &delta, &a.policy);
+                // realised effect of the previous batch
+                if let Some(last) = a.ledger.last_mut() {
+                    if last.cold_share_realised.is_none() && delta.iter().flatten().any(|&n| n > 0)
+                    {
+                        last.cold_share_realised = Some(decision.cold_share);
+                        last.wait_share_realised = Some(decision.wait_share);
+                    }
+                }
+                if !decision.moves.is_empty() {
+                    if a.dry_run {
+                        tracing::info!(
+                            moves = decision.moves.len(),
+                            cold = decision.cold_share,
+                            predicted = decision.predicted_cold_share,
+                            "dry run: would swap"
+                        );
+                    } else {
+                        let moves = decision.moves.clone();
+                        let o = self.run(moves).await;
+                        a.ledger.push(LedgerEntry {
+                            epoch: o.epoch,
+                            moves: decision.moves.len(),
+                            committed: o.committed,
+                            cold_share_before: decision.cold_share,
+                            cold_share_predicted: decision.predicted_cold_share,
+                            cold_share_realised: None,
+                            wait_share_before: decision.wait_share,
+                            wait_share_realised: None,
+                        });
+                        report.outcome = Some(o);
+                    }
+                }
+                report.decision = Some(decision);
+            }
+        }
+        self.adaptive = Some(a);
+        report
+    }
+}
+
+/// The adaptive ledger and swap counts.
+pub struct GetLedger;
+
+#[derive(Clone, Debug, PartialEq, kameo::Reply)]
+pub struct LedgerReport {
+    pub epoch: u64,
+    pub swaps_done: u64,
+    pub swaps_aborted: u64,
+    pub ledger: Vec<LedgerEntry>,
+}
+
+impl Message<GetLedger> for Residency {
+    type Reply = LedgerReport;
+    async fn handle(&mut self, _: GetLedger, _: &mut Context<Self, Self::Reply>) -> LedgerReport {
+        LedgerReport {
+            epoch: self.map.epoch(),
+            swaps_done: self.swaps_done,
+            swaps_aborted: self.swaps_aborted,
+            ledger: self
+                .adaptive
+                .as_ref()
+                .map(|a| a.ledger.clone())
+                .unwrap_or_default(),
+        }
     }
 }
