@@ -177,7 +177,7 @@ impl Scores {
         };
         let cost_s = p.expert_bytes / p.load_bytes_per_s.max(1.0);
         let mut moved_picks: i64 = 0;
-        for l in 0..map.layers() {
+        for (l, dl) in delta.iter().enumerate().take(map.layers()) {
             let mut cold: Vec<(f64, usize)> = (0..map.experts())
                 .filter(|&e| map.tier(l, e) == Tier::Cold)
                 .map(|e| (self.score(l, e, p), e))
@@ -212,7 +212,7 @@ impl Scores {
                     expert: he,
                     to: Tier::Cold,
                 });
-                moved_picks += delta[l][ce] as i64 - delta[l][he] as i64;
+                moved_picks += dl[ce] as i64 - dl[he] as i64;
             }
         }
         if d.moves.is_empty() {
