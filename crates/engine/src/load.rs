@@ -59,14 +59,42 @@ pub fn load_engine(dir: &Path, map: Option<Rowmap>, opts: &EngineOptions) -> Res
 }
 
 pub fn engine_from(ckpt: &Checkpoint, map: ValidMap, opts: &EngineOptions) -> Result<Engine> {
+    let any_cold = map.map.layers.iter().any(|l| !l.cold.is_empty());
+    let cold: Option<Box<dyn crate::tier::RemoteTier>> = if any_cold {
+        let moe = ckpt.config.moe_layers();
+        let bank = ExpertBank::load(ckpt, &map, Tier::Cold, &moe, None)?;
+        Some(Box::new(InProcessTier::spawn(Box::new(FixedBank {
+            bank,
+            epoch: map.epoch(),
+        }))))
+    } else {
+        None
+    };
+    engine_with_tier(ckpt, map, opts, cold)
+}
+
+/// Loads the dense weights and the hot experts only; the cold tier is the given link
+/// (a sidecar in another thread or process). `None` when the map has no cold experts.
+/// Shows a progress bar (on a terminal) when asked and the checkpoint is large.
+pub fn engine_with_tier(
+    ckpt: &Checkpoint,
+    map: ValidMap,
+    opts: &EngineOptions,
+    cold: Option<Box<dyn crate::tier::RemoteTier>>,
+) -> Result<Engine> {
+    if cold.is_none() && map.map.layers.iter().any(|l| !l.cold.is_empty()) {
+        return Err(crate::Error::Tier(
+            "the map has cold experts but no cold tier is attached".into(),
+        ));
+    }
     let c = ckpt.config.clone();
     let moe = c.moe_layers();
-    let total = (moe.len() * c.num_experts) as u64;
     let pb = (opts.progress && ckpt.total_bytes() > (64 << 20)).then(|| {
-        let pb = ProgressBar::new(total);
+        let total: usize = map.map.layers.iter().map(|l| l.hot.len()).sum();
+        let pb = ProgressBar::new(total as u64);
         pb.set_style(
             ProgressStyle::with_template(
-                "loading {msg} [{bar:30}] {pos}/{len} experts ({elapsed})",
+                "loading {msg} [{bar:30}] {pos}/{len} hot experts ({elapsed})",
             )
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
         );
@@ -76,47 +104,8 @@ pub fn engine_from(ckpt: &Checkpoint, map: ValidMap, opts: &EngineOptions) -> Re
     });
     let dense = DenseWeights::load(ckpt)?;
     let hot = ExpertBank::load(ckpt, &map, Tier::Hot, &moe, pb.as_ref())?;
-    let cold_bank = ExpertBank::load(ckpt, &map, Tier::Cold, &moe, pb.as_ref())?;
     if let Some(pb) = pb {
         pb.finish_and_clear();
-    }
-    let any_cold = map.map.layers.iter().any(|l| !l.cold.is_empty());
-    let epoch = map.epoch();
-    let cold: Option<Box<dyn crate::tier::RemoteTier>> = if any_cold {
-        Some(Box::new(InProcessTier::spawn(Box::new(FixedBank {
-            bank: cold_bank,
-            epoch,
-        }))))
-    } else {
-        None
-    };
-    let blocks = KvCache::blocks_for(opts.kv_tokens.max(BLOCK));
-    Ok(Engine::new(
-        c.clone(),
-        Box::new(CpuDense::new(c, dense)),
-        hot,
-        cold,
-        map,
-        blocks,
-    ))
-}
-
-/// Loads the dense weights and the hot experts only; the cold tier is the given link
-/// (a sidecar in another thread or process). `None` when the map has no cold experts.
-pub fn engine_with_tier(
-    ckpt: &Checkpoint,
-    map: ValidMap,
-    opts: &EngineOptions,
-    cold: Option<Box<dyn crate::tier::RemoteTier>>,
-) -> Result<Engine> {
-    let c = ckpt.config.clone();
-    let moe = c.moe_layers();
-    let dense = DenseWeights::load(ckpt)?;
-    let hot = ExpertBank::load(ckpt, &map, Tier::Hot, &moe, None)?;
-    if cold.is_none() && map.map.layers.iter().any(|l| !l.cold.is_empty()) {
-        return Err(crate::Error::Tier(
-            "the map has cold experts but no cold tier is attached".into(),
-        ));
     }
     let blocks = KvCache::blocks_for(opts.kv_tokens.max(BLOCK));
     Ok(Engine::new(

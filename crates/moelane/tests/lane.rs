@@ -24,60 +24,13 @@ const PROMPTS: [&str; 10] = [
 
 #[test]
 fn embedded_shm_and_tcp_lanes_give_bitwise_the_same_greedy_output() {
-    let dir = tiny().to_str().unwrap().to_string();
     let (_serve, embedded) = serve_tiny(&[]);
-    let (_side, v) = start(
-        &[
-            "lane",
-            "--role",
-            "sidecar",
-            "--model",
-            &dir,
-            "--listen",
-            "127.0.0.1:0",
-            "--data",
-            "127.0.0.1:0",
-        ],
-        &["sidecar control "],
-    );
-    let control = v[0].clone();
     let mut gateways = vec![("embedded".to_string(), embedded)];
     let mut procs = Vec::new();
     for link in ["shm", "tcp"] {
-        let (p, v) = start(
-            &[
-                "lane",
-                "--role",
-                "primary",
-                "--model",
-                &dir,
-                "--listen",
-                "127.0.0.1:0",
-                "--sidecar",
-                &control,
-                "--link",
-                link,
-            ],
-            &["primary grpc "],
-        );
-        let purl = v[0].split(',').next().unwrap_or_default().to_string();
+        let (p, gw, _) = two_process_lane(link, &[]);
         procs.push(p);
-        let (g, v) = start(
-            &[
-                "lane",
-                "--role",
-                "gateway",
-                "--model",
-                &dir,
-                "--listen",
-                "127.0.0.1:0",
-                "--lane",
-                &purl,
-            ],
-            &["gateway listening on "],
-        );
-        procs.push(g);
-        gateways.push((link.to_string(), hostport(&v[0])));
+        gateways.push((link.to_string(), gw));
     }
     let mut distinct = std::collections::BTreeSet::new();
     for p in PROMPTS {
@@ -256,58 +209,10 @@ fn openai_python_client() {
 
 #[test]
 fn a_dead_sidecar_is_an_error_not_a_hang() {
-    let dir = tiny().to_str().unwrap().to_string();
     for link in ["shm", "tcp"] {
-        let (side, v) = start(
-            &[
-                "lane",
-                "--role",
-                "sidecar",
-                "--model",
-                &dir,
-                "--listen",
-                "127.0.0.1:0",
-                "--data",
-                "127.0.0.1:0",
-            ],
-            &["sidecar control "],
-        );
-        let (_p, pv) = start(
-            &[
-                "lane",
-                "--role",
-                "primary",
-                "--model",
-                &dir,
-                "--listen",
-                "127.0.0.1:0",
-                "--sidecar",
-                &v[0],
-                "--link",
-                link,
-                "--link-timeout",
-                "5",
-            ],
-            &["primary grpc "],
-        );
-        let purl = pv[0].split(',').next().unwrap_or_default().to_string();
-        let (_g, gv) = start(
-            &[
-                "lane",
-                "--role",
-                "gateway",
-                "--model",
-                &dir,
-                "--listen",
-                "127.0.0.1:0",
-                "--lane",
-                &purl,
-            ],
-            &["gateway listening on "],
-        );
-        let addr = hostport(&gv[0]);
+        let (mut procs, addr, _) = two_process_lane(link, &["--link-timeout", "5"]);
         assert!(!complete(&addr, PROMPTS[2], 8).is_empty());
-        drop(side); // kill the sidecar
+        drop(procs.remove(0)); // kill the sidecar
         let t0 = Instant::now();
         let (st, v) = post(
             &addr,

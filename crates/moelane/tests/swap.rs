@@ -150,51 +150,8 @@ fn swaps_during_generation_are_lossless_embedded() {
 
 #[test]
 fn swaps_during_generation_are_lossless_over_shm() {
-    let dir = tiny().to_str().unwrap().to_string();
-    let (_s, v) = start(
-        &[
-            "lane",
-            "--role",
-            "sidecar",
-            "--model",
-            &dir,
-            "--listen",
-            "127.0.0.1:0",
-        ],
-        &["sidecar control "],
-    );
-    let (_p, pv) = start(
-        &[
-            "lane",
-            "--role",
-            "primary",
-            "--model",
-            &dir,
-            "--listen",
-            "127.0.0.1:0",
-            "--sidecar",
-            &v[0],
-            "--link",
-            "shm",
-        ],
-        &["primary grpc "],
-    );
-    let purl = pv[0].split(',').next().unwrap().to_string();
-    let (_g, gv) = start(
-        &[
-            "lane",
-            "--role",
-            "gateway",
-            "--model",
-            &dir,
-            "--listen",
-            "127.0.0.1:0",
-            "--lane",
-            &purl,
-        ],
-        &["gateway listening on "],
-    );
-    lossless_on(&hostport(&gv[0]), &purl);
+    let (_procs, gw, purl) = two_process_lane("shm", &[]);
+    lossless_on(&gw, &purl);
 }
 
 /// Overwrites the first bytes of a tensor in a safetensors file.

@@ -204,3 +204,55 @@ pub fn kv_used(addr: &str) -> (u64, u64) {
         s["requests_cancelled"].as_u64().unwrap_or(0),
     )
 }
+
+/// A two-process lane on the tiny checkpoint: sidecar process, primary process over `link`,
+/// gateway process. Returns the processes (killed on drop), the gateway's host:port and the
+/// primary's URL.
+pub fn two_process_lane(link: &str, primary_extra: &[&str]) -> (Vec<Proc>, String, String) {
+    let dir = tiny().to_str().unwrap().to_string();
+    let (side, v) = start(
+        &[
+            "lane",
+            "--role",
+            "sidecar",
+            "--model",
+            &dir,
+            "--listen",
+            "127.0.0.1:0",
+            "--data",
+            "127.0.0.1:0",
+        ],
+        &["sidecar control "],
+    );
+    let mut args = vec![
+        "lane",
+        "--role",
+        "primary",
+        "--model",
+        dir.as_str(),
+        "--listen",
+        "127.0.0.1:0",
+        "--sidecar",
+        v[0].as_str(),
+        "--link",
+        link,
+    ];
+    args.extend_from_slice(primary_extra);
+    let (prim, pv) = start(&args, &["primary grpc "]);
+    let purl = pv[0].split(',').next().unwrap_or_default().to_string();
+    let (gw, gv) = start(
+        &[
+            "lane",
+            "--role",
+            "gateway",
+            "--model",
+            &dir,
+            "--listen",
+            "127.0.0.1:0",
+            "--lane",
+            &purl,
+        ],
+        &["gateway listening on "],
+    );
+    (vec![side, prim, gw], hostport(&gv[0]), purl)
+}
