@@ -31,3 +31,28 @@ pub fn answer(
         outputs: std::mem::take(out),
     })
 }
+
+/// The sidecar's side of one exchange on any byte link: `buf` holds a request frame on entry
+/// and the reply frame on return (an undecodable request gets an error reply, never a panic).
+pub fn handle_frame(
+    svc: &Arc<dyn ColdService>,
+    buf: &mut Vec<u8>,
+    req: &mut ColdRequest,
+    out: &mut Vec<f32>,
+) {
+    let rep = match frame::decode_request(buf, req) {
+        Ok(()) => answer(svc, req, out),
+        Err(e) => Err(e.to_string()),
+    };
+    frame::encode_reply(&rep, req.step, req.layer, req.epoch, buf);
+    if let Ok(r) = rep {
+        *out = r.outputs; // keep the buffer for the next request
+    }
+}
+
+/// The primary's side: decodes a reply frame.
+pub fn reply_from(buf: &[u8]) -> moelane_engine::Result<ColdReply> {
+    let mut rep = ColdReply::default();
+    frame::decode_reply(buf, &mut rep).map_err(|e| moelane_engine::Error::Tier(e.to_string()))?;
+    Ok(rep)
+}

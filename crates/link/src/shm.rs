@@ -18,7 +18,7 @@ use moelane_engine::tier::{ColdReply, ColdRequest, RemoteTier};
 use moelane_engine::{Error, Result};
 
 use crate::frame::{self, MAX_FRAME};
-use crate::{answer, ColdService};
+use crate::ColdService;
 
 const MAGIC: u64 = u64::from_le_bytes(*b"MOELANE1");
 const DATA: usize = 4096;
@@ -331,9 +331,7 @@ impl RemoteTier for ShmTier {
         self.m
             .read(1, &mut self.buf, Some(self.timeout), &|| Some(sidecar))
             .map_err(|e| Error::Tier(format!("shm link recv: {e}")))?;
-        let mut rep = ColdReply::default();
-        frame::decode_reply(&self.buf, &mut rep).map_err(|e| Error::Tier(e.to_string()))?;
-        Ok(rep)
+        crate::reply_from(&self.buf)
     }
 
     fn kind(&self) -> &'static str {
@@ -373,14 +371,7 @@ pub fn serve(path: &Path, cap: u64, svc: Arc<dyn ColdService>) -> Result<()> {
                     let _ = std::fs::remove_file(&m.path);
                     unlinked = true;
                 }
-                let rep = match frame::decode_request(&buf, &mut req) {
-                    Ok(()) => answer(&svc, &req, &mut out),
-                    Err(e) => Err(e.to_string()),
-                };
-                frame::encode_reply(&rep, req.step, req.layer, req.epoch, &mut buf);
-                if let Ok(r) = rep {
-                    out = r.outputs;
-                }
+                crate::handle_frame(&svc, &mut buf, &mut req, &mut out);
                 if m.write(1, &buf, Duration::from_secs(30), peer()).is_err() {
                     break;
                 }

@@ -10,7 +10,7 @@ use moelane_engine::tier::{ColdReply, ColdRequest, RemoteTier};
 use moelane_engine::{Error, Result};
 
 use crate::frame::{self, MAX_FRAME};
-use crate::{answer, ColdService};
+use crate::ColdService;
 
 fn read_frame(s: &mut TcpStream, buf: &mut Vec<u8>) -> std::io::Result<()> {
     let mut len = [0u8; 4];
@@ -73,9 +73,7 @@ impl RemoteTier for TcpTier {
         }
         read_frame(&mut self.stream, &mut self.buf)
             .map_err(|e| Error::Tier(format!("tcp link recv: {e}")))?;
-        let mut rep = ColdReply::default();
-        frame::decode_reply(&self.buf, &mut rep).map_err(|e| Error::Tier(e.to_string()))?;
-        Ok(rep)
+        crate::reply_from(&self.buf)
     }
 
     fn kind(&self) -> &'static str {
@@ -98,14 +96,7 @@ pub fn serve(listener: TcpListener, svc: Arc<dyn ColdService>) {
                         let (mut buf, mut out, mut req) =
                             (Vec::new(), Vec::new(), ColdRequest::default());
                         while read_frame(&mut s, &mut buf).is_ok() {
-                            let rep = match frame::decode_request(&buf, &mut req) {
-                                Ok(()) => answer(&svc, &req, &mut out),
-                                Err(e) => Err(e.to_string()),
-                            };
-                            frame::encode_reply(&rep, req.step, req.layer, req.epoch, &mut buf);
-                            if let Ok(r) = rep {
-                                out = r.outputs;
-                            }
+                            crate::handle_frame(&svc, &mut buf, &mut req, &mut out);
                             if write_frame(&mut s, &buf).is_err() {
                                 break;
                             }

@@ -115,6 +115,25 @@ pub fn default_model(preset: &str) -> Result<PathBuf> {
     Ok(dir)
 }
 
+/// One batched greedy step: each sequence's `toks` in, its next token out.
+fn greedy_step(
+    eng: &mut moelane_engine::model::Engine,
+    seqs: &mut [moelane_engine::kv::SeqKv],
+    toks: &mut [Vec<u32>],
+) -> Result<()> {
+    let v = eng.cfg.vocab_size;
+    let mut steps: Vec<SeqStep> = seqs
+        .iter_mut()
+        .zip(toks.iter())
+        .map(|(s, t)| SeqStep { kv: s, tokens: t })
+        .collect();
+    let l = eng.step(&mut steps)?;
+    for (i, t) in toks.iter_mut().enumerate() {
+        *t = vec![argmax(&l[i * v..(i + 1) * v]) as u32];
+    }
+    Ok(())
+}
+
 pub fn run(cmd: BenchCmd) -> Result<()> {
     match cmd {
         BenchCmd::Serve {
@@ -198,32 +217,15 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
                             p
                         })
                         .collect();
-                    {
-                        let mut steps_in: Vec<SeqStep> = seqs
-                            .iter_mut()
-                            .zip(&toks)
-                            .map(|(s, t)| SeqStep { kv: s, tokens: t })
-                            .collect();
-                        let l = eng.step(&mut steps_in)?;
-                        for (i, t) in toks.iter_mut().enumerate() {
-                            *t = vec![argmax(&l[i * c.vocab_size..(i + 1) * c.vocab_size]) as u32];
-                        }
-                    }
-                    let loads0 = eng.counters.expert_loads;
+                    greedy_step(&mut eng, &mut seqs, &mut toks)?; // the prompts' prefill
+                    let mut loads0 = eng.counters.expert_loads;
                     let mut t0 = Instant::now();
                     for s in 0..steps + 8 {
                         if s == 8 {
                             t0 = Instant::now();
+                            loads0 = eng.counters.expert_loads;
                         }
-                        let mut steps_in: Vec<SeqStep> = seqs
-                            .iter_mut()
-                            .zip(&toks)
-                            .map(|(s, t)| SeqStep { kv: s, tokens: t })
-                            .collect();
-                        let l = eng.step(&mut steps_in)?;
-                        for (i, t) in toks.iter_mut().enumerate() {
-                            *t = vec![argmax(&l[i * c.vocab_size..(i + 1) * c.vocab_size]) as u32];
-                        }
+                        greedy_step(&mut eng, &mut seqs, &mut toks)?;
                     }
                     let dt = t0.elapsed().as_secs_f64();
                     rates.push((b * steps) as f64 / dt);
