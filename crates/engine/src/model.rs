@@ -350,6 +350,8 @@ pub struct Counters {
     pub expert_loads: u64,
     /// Nanoseconds spent inside `step`.
     pub step_ns: u64,
+    /// The longest single step, ns.
+    pub max_step_ns: u64,
 }
 
 impl Counters {
@@ -363,6 +365,7 @@ impl Counters {
             tokens: 0,
             expert_loads: 0,
             step_ns: 0,
+            max_step_ns: 0,
         }
     }
 }
@@ -451,7 +454,9 @@ impl Engine {
     pub fn step_with(&mut self, seqs: &mut [SeqStep<'_>], all_rows: bool) -> Result<Vec<f32>> {
         let t0 = Instant::now();
         let r = self.step_inner(seqs, all_rows);
-        self.counters.step_ns += t0.elapsed().as_nanos() as u64;
+        let ns = t0.elapsed().as_nanos() as u64;
+        self.counters.step_ns += ns;
+        self.counters.max_step_ns = self.counters.max_step_ns.max(ns);
         r
     }
 

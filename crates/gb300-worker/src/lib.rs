@@ -381,6 +381,7 @@ impl Primary for PrimaryService {
             step_ns: s.step_ns,
             model: s.model.clone(),
             map_epoch: s.epoch,
+            max_step_ns: s.max_step_ns,
         }))
     }
 }

@@ -60,6 +60,7 @@ pub struct Snapshot {
     pub wait_ns: Vec<u64>,
     pub picks: Vec<Vec<u64>>,
     pub step_ns: u64,
+    pub max_step_ns: u64,
     pub finished: u64,
     pub cancelled: u64,
     pub failed: u64,
@@ -130,6 +131,7 @@ pub struct Scheduler {
     running: Vec<Running>,
     model: String,
     stats: Snapshot,
+    max_iter_ns: u64,
 }
 
 impl Scheduler {
@@ -141,6 +143,7 @@ impl Scheduler {
             running: Vec::new(),
             model,
             stats: Snapshot::default(),
+            max_iter_ns: 0,
         }
     }
 
@@ -157,6 +160,9 @@ impl Scheduler {
             wait_ns: c.wait_ns.clone(),
             picks: c.picks.clone(),
             step_ns: c.step_ns,
+            // the longest loop iteration while serving: swap commands handled between steps
+            // included, so a stall a swap causes shows here
+            max_step_ns: self.max_iter_ns.max(c.max_step_ns),
             max_context: self.engine.cfg.max_position_embeddings,
             model: self.model.clone(),
             epoch: self.engine.map.epoch(),
@@ -374,6 +380,7 @@ impl Scheduler {
             } else {
                 None
             };
+            let iter_start = (!idle).then(Instant::now);
             for cmd in first
                 .into_iter()
                 .chain(std::iter::from_fn(|| rx.try_recv().ok()))
@@ -400,6 +407,9 @@ impl Scheduler {
                 }
             }
             self.step();
+            if let Some(t) = iter_start {
+                self.max_iter_ns = self.max_iter_ns.max(t.elapsed().as_nanos() as u64);
+            }
         }
     }
 }

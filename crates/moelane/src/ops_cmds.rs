@@ -60,6 +60,11 @@ pub async fn status(primary: &str, counts_out: Option<&Path>) -> Result<()> {
     }
     let wait_share = tw as f64 / wall;
     println!("total cold share {:.2}%, wait share of step time {:.2}%, ceiling of a perfect swapper {:.3}x", 100.0 * tc as f64 / (th + tc).max(1) as f64, 100.0 * wait_share, 1.0 / (1.0 - wait_share.min(0.999)));
+    println!(
+        "longest step {:.2} ms, mean step {:.2} ms",
+        s.max_step_ns as f64 / 1e6,
+        s.step_ns as f64 / 1e6 / s.steps.max(1) as f64
+    );
     if let Some(p) = counts_out {
         let counts = Counts {
             version: 1,
