@@ -281,17 +281,29 @@ impl ValidMap {
         })
     }
 
-    /// Fraction of the counted picks that fall on cold experts.
-    pub fn cold_share(&self, counts: &[Vec<u64>]) -> f64 {
+    /// (cold, all) counted picks of one layer.
+    pub fn layer_cold_picks(&self, l: usize, counts: &[u64]) -> (u64, u64) {
         let (mut cold, mut all) = (0u64, 0u64);
-        for (l, c) in counts.iter().enumerate().take(self.layers()) {
-            for (e, &n) in c.iter().enumerate().take(self.experts()) {
-                all += n;
-                if self.tier(l, e) == Tier::Cold {
-                    cold += n;
-                }
+        for (e, &n) in counts.iter().enumerate().take(self.experts()) {
+            all += n;
+            if self.tier(l, e) == Tier::Cold {
+                cold += n;
             }
         }
+        (cold, all)
+    }
+
+    /// Fraction of the counted picks (`counts[layer][expert]`) that fall on cold experts.
+    pub fn cold_share(&self, counts: &[Vec<u64>]) -> f64 {
+        let (cold, all) =
+            counts
+                .iter()
+                .enumerate()
+                .take(self.layers())
+                .fold((0, 0), |(c, a), (l, cl)| {
+                    let (c2, a2) = self.layer_cold_picks(l, cl);
+                    (c + c2, a + a2)
+                });
         if all == 0 {
             0.0
         } else {

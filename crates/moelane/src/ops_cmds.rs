@@ -136,18 +136,8 @@ pub fn refit(counts: &Path, map: &Path, hot: usize, out: &Path) -> Result<()> {
 }
 
 fn single_layer_share(m: &moelane_engine::rowmap::ValidMap, l: usize, c: &[Vec<u64>]) -> f64 {
-    let (mut cold, mut all) = (0u64, 0u64);
-    for (e, &n) in c[0].iter().enumerate() {
-        all += n;
-        if m.tier(l, e) == Tier::Cold {
-            cold += n;
-        }
-    }
-    if all == 0 {
-        0.0
-    } else {
-        cold as f64 / all as f64
-    }
+    let (cold, all) = m.layer_cold_picks(l, &c[0]);
+    cold as f64 / all.max(1) as f64
 }
 
 /// Parses LAYER:EXPERT:hot|cold.
