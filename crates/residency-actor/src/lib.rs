@@ -30,8 +30,11 @@ pub trait Participant: Send + Sync {
         next: &'a Rowmap,
         incoming: Vec<Incoming>,
     ) -> BoxFuture<'a, Result<(), String>>;
-    /// Switch to `next` at a step boundary (the primary; a sidecar answers Ok).
-    fn commit<'a>(&'a self, next: &'a Rowmap) -> BoxFuture<'a, Result<(), String>>;
+    /// Switch to `next` at a step boundary. Only the primary commits (the protocol sends
+    /// COMMIT to it alone; a sidecar already serves both epochs once prepared).
+    fn commit<'a>(&'a self, _next: &'a Rowmap) -> BoxFuture<'a, Result<(), String>> {
+        Box::pin(async { Ok(()) })
+    }
     /// Free what only `old_epoch` used.
     fn release(&self, old_epoch: u64) -> BoxFuture<'_, Result<(), String>>;
     /// Drop what was staged for `epoch`.

@@ -198,9 +198,6 @@ impl moelane_residency_actor::Participant for LocalSidecar {
                 .map_err(|e| e.to_string())?
         })
     }
-    fn commit<'a>(&'a self, _: &'a Rowmap) -> futures::future::BoxFuture<'a, Result<(), String>> {
-        Box::pin(async { Ok(()) })
-    }
     fn release(&self, old: u64) -> futures::future::BoxFuture<'_, Result<(), String>> {
         Box::pin(async move { self.0.release(old).map(|_| ()) })
     }
@@ -243,9 +240,6 @@ impl moelane_residency_actor::Participant for RemoteSidecar {
             .map(|_| ())
             .map_err(|s| s.message().to_string())
         })
-    }
-    fn commit<'a>(&'a self, _: &'a Rowmap) -> futures::future::BoxFuture<'a, Result<(), String>> {
-        Box::pin(async { Ok(()) })
     }
     fn release(&self, old_epoch: u64) -> futures::future::BoxFuture<'_, Result<(), String>> {
         let mut c = self.0.clone();
