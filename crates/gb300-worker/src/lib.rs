@@ -199,12 +199,14 @@ impl moelane_residency_actor::Participant for PrimaryParticipant {
     }
     fn prepare<'a>(
         &'a self,
+        _base: u64,
         _next: &'a moelane_engine::rowmap::Rowmap,
         incoming: Vec<moelane_engine::swap::Incoming>,
     ) -> futures::future::BoxFuture<'a, Result<(), String>> {
         let dir = self.ckpt_dir.clone();
         Box::pin(async move {
             let loaded = tokio::task::spawn_blocking(move || {
+                moelane_residency_actor::failpoint::load_point("primary.load")?;
                 let ckpt = moelane_engine::checkpoint::Checkpoint::open(&dir)
                     .map_err(|e| e.to_string())?;
                 moelane_engine::swap::load_verified(&ckpt, &incoming).map_err(|e| e.to_string())
@@ -226,7 +228,7 @@ impl moelane_residency_actor::Participant for PrimaryParticipant {
             call(&self.tx, |r| Command::Commit(Box::new(valid), r)).await?
         })
     }
-    fn release(&self, _old: u64) -> futures::future::BoxFuture<'_, Result<(), String>> {
+    fn release(&self, _epoch: u64) -> futures::future::BoxFuture<'_, Result<(), String>> {
         Box::pin(async move { call(&self.tx, Command::ReleaseUnused).await.map(|_| ()) })
     }
     fn abort(&self, _epoch: u64) -> futures::future::BoxFuture<'_, Result<(), String>> {

@@ -146,9 +146,17 @@ struct ResidencyArgs {
     #[arg(long, default_value_t = 4)]
     #[serde(default)]
     moves_per_layer: usize,
+    /// Seconds both tiers have to PREPARE a swap (load and verify its experts) before it is
+    /// aborted.
+    #[arg(long, default_value_t = 30.0)]
+    #[serde(default)]
+    prepare_timeout_s: f64,
 }
 
 impl ResidencyArgs {
+    fn prepare_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(self.prepare_timeout_s.clamp(0.001, 86400.0))
+    }
     fn options(&self) -> Option<roles::AdaptiveOptions> {
         (self.adaptive || self.dry_run).then(|| roles::AdaptiveOptions {
             policy: moelane_residency_actor::policy::Policy {
@@ -340,6 +348,7 @@ async fn run_async(cmd: Cmd) -> Result<()> {
                 cold: ColdLink::InProcess,
                 link_timeout: std::time::Duration::from_secs(30),
                 adaptive: residency.options(),
+                prepare_timeout: residency.prepare_timeout(),
                 sched: moelane_gb300_worker::scheduler::SchedulerConfig {
                     max_running,
                     ..Default::default()
@@ -411,6 +420,7 @@ async fn run_async(cmd: Cmd) -> Result<()> {
                             a.link_timeout.unwrap_or(30.0).max(0.001),
                         ),
                         adaptive: a.residency.options(),
+                        prepare_timeout: a.residency.prepare_timeout(),
                         sched: Default::default(),
                     };
                     let primary = roles::start_primary(&opts).await?;

@@ -18,7 +18,6 @@ use moelane_gb300_worker::scheduler::SchedulerConfig;
 use moelane_gb300_worker::PrimaryHandle;
 use moelane_gb300_worker::PrimaryParticipant;
 use moelane_proto::control::sidecar_client::SidecarClient;
-use moelane_proto::control::RegisterRequest;
 use moelane_residency_actor::{Participant, Residency};
 use moelane_rtx_worker::{InProcessCore, LocalSidecar, RemoteSidecar, SidecarCore, SidecarOptions};
 use moelane_text::chat::ChatTemplate;
@@ -48,7 +47,73 @@ pub struct PrimaryOptions {
     pub kv_tokens: usize,
     pub cold: ColdLink,
     pub link_timeout: Duration,
+    pub prepare_timeout: Duration,
     pub sched: SchedulerConfig,
+}
+
+/// The data link to a sidecar process. When a call on it fails, the link is dropped and the
+/// supervisor re-registers with the sidecar through the residency coordinator (which brings
+/// the sidecar onto the committed map) and installs the new link; steps fail with a clear
+/// error meanwhile.
+struct Relink {
+    slot: Arc<std::sync::Mutex<Option<Box<dyn RemoteTier>>>>,
+    broken: Arc<tokio::sync::Notify>,
+    kind: &'static str,
+}
+
+impl Relink {
+    fn call<T>(
+        &mut self,
+        f: impl FnOnce(&mut Box<dyn RemoteTier>) -> moelane_engine::Result<T>,
+    ) -> moelane_engine::Result<T> {
+        let mut g = self
+            .slot
+            .lock()
+            .map_err(|_| moelane_engine::Error::Tier("sidecar link poisoned".into()))?;
+        let Some(t) = g.as_mut() else {
+            return Err(moelane_engine::Error::Tier(
+                "sidecar link down; reconnecting".into(),
+            ));
+        };
+        let r = f(t);
+        if r.is_err() {
+            *g = None;
+            self.broken.notify_one();
+        }
+        r
+    }
+}
+
+impl RemoteTier for Relink {
+    fn send(&mut self, req: moelane_engine::tier::ColdRequest) -> moelane_engine::Result<()> {
+        self.call(|t| t.send(req))
+    }
+    fn recv(&mut self) -> moelane_engine::Result<moelane_engine::tier::ColdReply> {
+        self.call(|t| t.recv())
+    }
+    fn kind(&self) -> &'static str {
+        self.kind
+    }
+}
+
+fn open_link(kind: &str, endpoint: &str, timeout: Duration) -> Result<Box<dyn RemoteTier>, String> {
+    Ok(match kind {
+        "tcp" => Box::new(
+            moelane_link::tcp::TcpTier::connect(endpoint, timeout).map_err(|e| e.to_string())?,
+        ),
+        "shm" => Box::new(
+            moelane_link::shm::ShmTier::open(Path::new(endpoint), timeout)
+                .map_err(|e| e.to_string())?,
+        ),
+        other => return Err(format!("--link {other:?}: choose tcp or shm")),
+    })
+}
+
+fn incarnation() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
 }
 
 fn read_map(p: &Option<PathBuf>) -> Result<Option<Rowmap>> {
@@ -71,6 +136,10 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
     let map = resolve_map(&ckpt, read_map(&o.map)?)?;
     let any_cold = map.map.layers.iter().any(|l| !l.cold.is_empty());
     let mut sidecar: Option<Box<dyn Participant>> = None;
+    let mut seen_epoch = 0;
+    let broken = Arc::new(tokio::sync::Notify::new());
+    let mut relink = None;
+    let mut probe = None;
     let (tier, link_name): (Option<Box<dyn RemoteTier>>, String) = match &o.cold {
         _ if !any_cold => (None, "none".into()),
         ColdLink::InProcess => {
@@ -84,31 +153,46 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
             )
         }
         ColdLink::Remote { control, link } => {
-            let mut c = SidecarClient::connect(control.clone())
-                .await
-                .with_context(|| format!("connecting to the sidecar at {control}"))?;
-            let rep = c
-                .register(RegisterRequest {
-                    model: ckpt.id.clone(),
-                    link: link.clone(),
-                    map_epoch: map.epoch(),
-                })
-                .await
-                .map_err(|s| anyhow::anyhow!("sidecar refused registration: {}", s.message()))?
-                .into_inner();
-            sidecar = Some(Box::new(RemoteSidecar(c.clone())));
-            let t: Box<dyn RemoteTier> = match link.as_str() {
-                "tcp" => Box::new(moelane_link::tcp::TcpTier::connect(
-                    &rep.endpoint,
-                    o.link_timeout,
-                )?),
-                "shm" => Box::new(moelane_link::shm::ShmTier::open(
-                    Path::new(&rep.endpoint),
-                    o.link_timeout,
-                )?),
+            let kind: &'static str = match link.as_str() {
+                "tcp" => "tcp",
+                "shm" => "shm",
                 other => bail!("--link {other:?}: choose tcp or shm"),
             };
-            (Some(t), format!("{link} {}", rep.endpoint))
+            let client = SidecarClient::connect(control.clone())
+                .await
+                .with_context(|| format!("connecting to the sidecar at {control}"))?;
+            let slot = Arc::new(std::sync::Mutex::new(None));
+            let (slot2, timeout) = (slot.clone(), o.link_timeout);
+            let on_link: moelane_rtx_worker::OnLink = Arc::new(move |rep| {
+                let t = open_link(kind, &rep.endpoint, timeout)?;
+                *slot2
+                    .lock()
+                    .map_err(|_| "sidecar link poisoned".to_string())? = Some(t);
+                Ok(())
+            });
+            let inc = Arc::new(std::sync::atomic::AtomicU64::new(incarnation()));
+            probe = Some((client.clone(), inc.clone()));
+            let remote = RemoteSidecar {
+                client,
+                model: ckpt.id.clone(),
+                incarnation: inc,
+                link: link.clone(),
+                on_link: Some(on_link.clone()),
+            };
+            let rep = remote
+                .register(&map.map)
+                .await
+                .map_err(|s| anyhow::anyhow!("sidecar refused registration: {}", s.message()))?;
+            on_link(&rep).map_err(|e| anyhow::anyhow!("opening the data link: {e}"))?;
+            seen_epoch = rep.highest_epoch;
+            sidecar = Some(Box::new(moelane_residency_actor::Faulty(Arc::new(remote))));
+            relink = Some(broken.clone());
+            let t = Relink {
+                slot,
+                broken: broken.clone(),
+                kind,
+            };
+            (Some(Box::new(t)), format!("{link} {}", rep.endpoint))
         }
     };
     let eos = ckpt.config.eos_token_ids.clone();
@@ -145,7 +229,9 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
         Box::new(participant),
         sidecar,
         o.map.clone(),
-    );
+    )
+    .with_limits(o.prepare_timeout, 8)
+    .with_seen_epoch(seen_epoch);
     if let Some(a) = &o.adaptive {
         let source = PrimaryParticipant {
             tx: handle.commands(),
@@ -163,6 +249,48 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
         ));
     }
     let residency = Residency::spawn(res);
+    if let (Some((mut client, inc)), Some(broken)) = (probe, relink.clone()) {
+        // a sidecar that restarted answers health with another incarnation: re-register
+        // before any request has to fail on it
+        tokio::spawn(async move {
+            let mut t = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                t.tick().await;
+                if let Ok(h) = client
+                    .health(moelane_proto::control::SidecarHealthRequest {})
+                    .await
+                {
+                    if h.into_inner().incarnation != inc.load(std::sync::atomic::Ordering::SeqCst) {
+                        broken.notify_one();
+                    }
+                }
+            }
+        });
+    }
+    if let Some(broken) = relink {
+        let r = residency.clone();
+        tokio::spawn(async move {
+            loop {
+                broken.notified().await;
+                eprintln!("moelane: sidecar link lost; re-registering");
+                let mut backoff = Duration::from_millis(100);
+                loop {
+                    match r.ask(moelane_residency_actor::Resync).await {
+                        Ok(epoch) => {
+                            println!("moelane: sidecar link restored on map epoch {epoch}");
+                            break;
+                        }
+                        Err(kameo::error::SendError::HandlerError(e)) => {
+                            eprintln!("moelane: sidecar not back yet: {e}")
+                        }
+                        Err(_) => return,
+                    }
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                }
+            }
+        });
+    }
     if let Some(a) = &o.adaptive {
         let (r, iv, dry) = (residency.clone(), a.interval, a.dry_run);
         tokio::spawn(async move {

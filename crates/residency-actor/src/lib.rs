@@ -6,11 +6,17 @@
 //!    start) while serving goes on with map E. Any error or timeout -> ABORT(E+1) to both.
 //! 2. COMMIT(E+1) to the primary only after both PREPARED: it switches at its next step
 //!    boundary; the sidecar serves each request with the map of its tag (it holds both).
-//! 3. RELEASE(E) to both once no step with epoch E is in flight (the primary's step loop is
-//!    synchronous, so that is as soon as COMMIT is acknowledged); the map is persisted
-//!    atomically with its epoch.
+//! 3. The map is persisted atomically with its epoch (the durable commit point: after a
+//!    crash both tiers come back on the persisted map), then RELEASE to both once no step
+//!    with epoch E is in flight (the primary's step loop is synchronous, so that is as soon as
+//!    COMMIT is acknowledged).
+//!
+//! Every attempt gets a fresh epoch; what that buys against lost, duplicated and late
+//! messages is in [`protocol`], the transitions the sidecar runs.
 
+pub mod failpoint;
 pub mod policy;
+pub mod protocol;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -24,9 +30,10 @@ use moelane_engine::swap::Incoming;
 /// One tier as the coordinator drives it. Errors are messages (they end in a ledger and a reply).
 pub trait Participant: Send + Sync {
     fn name(&self) -> &'static str;
-    /// Stage `incoming` for map `next` (epoch `next.epoch`).
+    /// Stage `incoming` for map `next` (epoch `next.epoch`), built on committed epoch `base`.
     fn prepare<'a>(
         &'a self,
+        base: u64,
         next: &'a Rowmap,
         incoming: Vec<Incoming>,
     ) -> BoxFuture<'a, Result<(), String>>;
@@ -35,10 +42,96 @@ pub trait Participant: Send + Sync {
     fn commit<'a>(&'a self, _next: &'a Rowmap) -> BoxFuture<'a, Result<(), String>> {
         Box::pin(async { Ok(()) })
     }
-    /// Free what only `old_epoch` used.
-    fn release(&self, old_epoch: u64) -> BoxFuture<'_, Result<(), String>>;
-    /// Drop what was staged for `epoch`.
+    /// `epoch` is committed: free what only the epoch before it used.
+    fn release(&self, epoch: u64) -> BoxFuture<'_, Result<(), String>>;
+    /// Drop what was staged for `epoch`; it is never staged afterwards.
     fn abort(&self, epoch: u64) -> BoxFuture<'_, Result<(), String>>;
+    /// Bring the tier onto `map` (the committed one) after it or the coordinator restarted;
+    /// returns the highest epoch the tier has seen, so that new attempts go above it.
+    fn resync<'a>(&'a self, map: &'a Rowmap) -> BoxFuture<'a, Result<u64, String>> {
+        Box::pin(async move { Ok(map.epoch) })
+    }
+}
+
+/// A participant whose control messages suffer the faults armed at `sidecar.prepare`,
+/// `sidecar.release` and `sidecar.abort` (see [`failpoint`]).
+pub struct Faulty(pub std::sync::Arc<dyn Participant>);
+
+impl Faulty {
+    /// Runs `deliver` as the armed fault at `point` says; a duplicate's late copy runs after
+    /// 300 ms, when later messages have gone by.
+    fn around<'a>(
+        &'a self,
+        point: &'static str,
+        deliver: impl Fn(std::sync::Arc<dyn Participant>) -> BoxFuture<'static, Result<(), String>>
+            + Send
+            + Sync
+            + 'a,
+    ) -> BoxFuture<'a, Result<(), String>> {
+        Box::pin(async move {
+            let p = self.0.clone();
+            match failpoint::hit(point) {
+                Some(failpoint::Action::LoseRequest) => {
+                    Err(format!("{point}: no answer (request lost)"))
+                }
+                Some(failpoint::Action::LoseReply) => {
+                    let _ = deliver(p).await;
+                    Err(format!("{point}: no answer (reply lost)"))
+                }
+                Some(failpoint::Action::Duplicate) => {
+                    let r = deliver(p.clone()).await;
+                    let _ = deliver(p.clone()).await;
+                    let late = deliver(p);
+                    tokio::spawn(async move {
+                        tokio::time::sleep(Duration::from_millis(300)).await;
+                        let r = late.await;
+                        tracing::info!("{point}: late duplicate answered {r:?}");
+                    });
+                    r
+                }
+                Some(failpoint::Action::Delay(d)) => {
+                    tokio::time::sleep(d).await;
+                    deliver(p).await
+                }
+                Some(failpoint::Action::Fail) => Err(format!("{point}: injected failure")),
+                _ => deliver(p).await,
+            }
+        })
+    }
+}
+
+impl Participant for Faulty {
+    fn name(&self) -> &'static str {
+        self.0.name()
+    }
+    fn prepare<'a>(
+        &'a self,
+        base: u64,
+        next: &'a Rowmap,
+        incoming: Vec<Incoming>,
+    ) -> BoxFuture<'a, Result<(), String>> {
+        let next = next.clone();
+        self.around("sidecar.prepare", move |p| {
+            let (next, incoming) = (next.clone(), incoming.clone());
+            Box::pin(async move { p.prepare(base, &next, incoming).await })
+        })
+    }
+    fn commit<'a>(&'a self, next: &'a Rowmap) -> BoxFuture<'a, Result<(), String>> {
+        self.0.commit(next)
+    }
+    fn release(&self, epoch: u64) -> BoxFuture<'_, Result<(), String>> {
+        self.around("sidecar.release", move |p| {
+            Box::pin(async move { p.release(epoch).await })
+        })
+    }
+    fn abort(&self, epoch: u64) -> BoxFuture<'_, Result<(), String>> {
+        self.around("sidecar.abort", move |p| {
+            Box::pin(async move { p.abort(epoch).await })
+        })
+    }
+    fn resync<'a>(&'a self, map: &'a Rowmap) -> BoxFuture<'a, Result<u64, String>> {
+        self.0.resync(map)
+    }
 }
 
 /// Where the coordinator reads the lane's counters.
@@ -116,6 +209,8 @@ pub struct Residency {
     spare_slots: usize,
     pub swaps_done: u64,
     pub swaps_aborted: u64,
+    /// The highest epoch ever proposed or heard of: each attempt takes the one above.
+    attempted: u64,
     adaptive: Option<Adaptive>,
 }
 
@@ -134,7 +229,9 @@ impl Residency {
         map_path: Option<PathBuf>,
     ) -> Self {
         let model = map.map.model.clone();
+        let attempted = map.epoch();
         Residency {
+            attempted,
             map,
             model,
             manifest,
@@ -149,6 +246,12 @@ impl Residency {
         }
     }
 
+    /// Attempts go above `epoch` (the highest a tier has heard of).
+    pub fn with_seen_epoch(mut self, epoch: u64) -> Self {
+        self.attempted = self.attempted.max(epoch);
+        self
+    }
+
     pub fn with_limits(mut self, prepare_timeout: Duration, spare_slots: usize) -> Self {
         self.prepare_timeout = prepare_timeout;
         self.spare_slots = spare_slots.max(1);
@@ -156,11 +259,11 @@ impl Residency {
     }
 
     /// The next map: `moves` applied to the current one (promoted experts take new hot slots at
-    /// the end, demoted ones new cold slots at the end), epoch + 1, validated whole.
+    /// the end, demoted ones new cold slots at the end), a fresh epoch, validated whole.
     fn next_map(&self, moves: &[Move]) -> Result<ValidMap, String> {
         let (layers, experts) = (self.map.layers(), self.map.experts());
         let mut next = self.map.map.clone();
-        next.epoch += 1;
+        next.epoch = self.attempted.max(next.epoch) + 1;
         let mut per_layer = vec![0usize; layers];
         for m in moves {
             if m.layer >= layers || m.expert >= experts {
@@ -226,10 +329,11 @@ impl Residency {
         };
         let (hot_in, cold_in) = (incoming(Tier::Hot), incoming(Tier::Cold));
         let epoch = next.epoch();
+        self.attempted = epoch;
         // 1. PREPARE both, concurrently, with a deadline
-        let p = self.primary.prepare(&next.map, hot_in);
+        let p = self.primary.prepare(old, &next.map, hot_in);
         let s: BoxFuture<'_, Result<(), String>> = match &self.sidecar {
-            Some(sc) => sc.prepare(&next.map, cold_in),
+            Some(sc) => sc.prepare(old, &next.map, cold_in),
             None => Box::pin(async { Ok(()) }),
         };
         let prepared =
@@ -249,26 +353,33 @@ impl Residency {
             self.swaps_aborted += 1;
             return abort(reason, prepare);
         }
+        failpoint::hit("coordinator.after-prepare");
         // 2. COMMIT to the primary
         if let Err(e) = self.primary.commit(&next.map).await {
             self.abort_all(epoch).await;
             self.swaps_aborted += 1;
             return abort(format!("primary COMMIT failed: {e}"), prepare);
         }
-        // 3. RELEASE(E): no step of epoch E is in flight once the primary has switched
-        let _ = self.primary.release(old).await;
-        if let Some(sc) = &self.sidecar {
-            if let Err(e) = sc.release(old).await {
-                tracing::warn!("sidecar RELEASE({old}) failed: {e}");
-            }
-        }
+        failpoint::hit("coordinator.after-commit");
+        self.map = next;
+        self.swaps_done += 1;
+        // the durable commit point
         if let Some(p) = &self.map_path {
-            if let Err(e) = next.map.write_atomic(p) {
+            if let Err(e) = self.map.map.write_atomic(p) {
                 tracing::warn!("persisting map epoch {epoch}: {e}");
             }
         }
-        self.map = next;
-        self.swaps_done += 1;
+        failpoint::hit("coordinator.after-persist");
+        // 3. RELEASE: no step of the old epoch is in flight once the primary has switched. A
+        // lost RELEASE costs nothing: the sidecar serves both maps until the next PREPARE,
+        // which tells it the staged one was committed.
+        let _ = self.primary.release(epoch).await;
+        if let Some(sc) = &self.sidecar {
+            if let Err(e) = sc.release(epoch).await {
+                tracing::warn!("sidecar RELEASE into {epoch} failed: {e}");
+            }
+        }
+        failpoint::hit("coordinator.after-release");
         SwapOutcome {
             epoch,
             committed: true,
@@ -297,6 +408,21 @@ impl Message<Swap> for Residency {
         _: &mut Context<Self, Self::Reply>,
     ) -> SwapOutcome {
         self.run(moves).await
+    }
+}
+
+/// Brings the sidecar onto the committed map after it (or this coordinator) restarted.
+pub struct Resync;
+
+impl Message<Resync> for Residency {
+    type Reply = Result<u64, String>;
+    async fn handle(&mut self, _: Resync, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        let Some(sc) = &self.sidecar else {
+            return Ok(self.map.epoch());
+        };
+        let highest = sc.resync(&self.map.map).await?;
+        self.attempted = self.attempted.max(highest);
+        Ok(self.map.epoch())
     }
 }
 

@@ -21,13 +21,15 @@ use moelane_link::ColdService;
 use moelane_proto::control::sidecar_server::{Sidecar, SidecarServer};
 use moelane_proto::control::*;
 use moelane_proto::Category;
+use moelane_residency_actor::protocol::{PrepareStep, RegisterStep, ReleaseStep, TierEpochs};
 use tokio_stream::StreamExt as _;
 use tonic::{Request, Response, Status};
 
 /// The cold experts, the committed map, and the next map while a swap is prepared.
 pub struct ColdState {
     pub bank: ExpertBank,
-    pub epoch: u64,
+    /// Epoch bookkeeping: the transitions of [`moelane_residency_actor::protocol`].
+    pub epochs: TierEpochs,
     pub map: ValidMap,
     /// Set between PREPARE and RELEASE/ABORT: requests tagged with its epoch are served too.
     pub next: Option<ValidMap>,
@@ -52,10 +54,10 @@ impl ColdService for SidecarCore {
             .state
             .read()
             .map_err(|_| "sidecar state poisoned".to_string())?;
-        if req.epoch != st.epoch && st.next.as_ref().map(|n| n.epoch()) != Some(req.epoch) {
+        if !st.epochs.serves(req.epoch) {
             return Err(format!(
                 "epoch mismatch: request tagged {} but this sidecar holds epoch {}",
-                req.epoch, st.epoch
+                req.epoch, st.epochs.epoch
             ));
         }
         out.clear();
@@ -97,7 +99,7 @@ impl SidecarCore {
             ckpt_dir: ckpt.dir.clone(),
             state: RwLock::new(ColdState {
                 bank,
-                epoch: map.epoch(),
+                epochs: TierEpochs::new(map.epoch()),
                 map: map.clone(),
                 next: None,
             }),
@@ -110,71 +112,137 @@ impl SidecarCore {
     }
 
     pub fn epoch(&self) -> u64 {
-        self.state.read().map(|s| s.epoch).unwrap_or(0)
+        self.state.read().map(|s| s.epochs.epoch).unwrap_or(0)
     }
 
-    /// PREPARE: validates the next map, loads and verifies the incoming experts (without
-    /// holding the lock, so serving goes on), then stages them and accepts the next epoch.
+    /// The staged epoch, while a swap is prepared.
+    pub fn staged(&self) -> Option<u64> {
+        self.state.read().ok().and_then(|s| s.epochs.next)
+    }
+
+    /// PREPARE: checks the epochs, validates the next map, loads and verifies the incoming
+    /// experts (without holding the lock, so serving goes on), then, checking the epochs again
+    /// under the lock (an ABORT may have come meanwhile), stages them.
     pub fn prepare(
         &self,
+        incarnation: u64,
+        base: u64,
         next: Rowmap,
         incoming: &[moelane_engine::swap::Incoming],
     ) -> Result<u64, String> {
+        let epoch = next.epoch;
         let (layers, experts) = {
             let st = self.state.read().map_err(|_| "state poisoned")?;
-            if st.next.is_some() {
-                return Err("a swap is already prepared".into());
+            if st.epochs.check_prepare(incarnation, base, epoch)? == PrepareStep::AlreadyStaged {
+                return Ok(epoch);
             }
             (st.map.layers(), st.map.experts())
         };
         let next = next
             .validate(&self.model, layers, experts, None)
             .map_err(|e| e.to_string())?;
+        moelane_residency_actor::failpoint::load_point("sidecar.load")?;
         let ckpt = Checkpoint::open(&self.ckpt_dir).map_err(|e| e.to_string())?;
         let loaded =
             moelane_engine::swap::load_verified(&ckpt, incoming).map_err(|e| e.to_string())?;
         let mut st = self.state.write().map_err(|_| "state poisoned")?;
-        if next.epoch() != st.epoch + 1 {
-            return Err(format!(
-                "PREPARE for epoch {} but this sidecar is on {}",
-                next.epoch(),
-                st.epoch
-            ));
+        let step = st.epochs.check_prepare(incarnation, base, epoch)?;
+        match step {
+            PrepareStep::AlreadyStaged => return Ok(epoch),
+            PrepareStep::PromoteThenStage => {
+                if let Some(n) = st.next.take() {
+                    st.map = n;
+                }
+            }
+            PrepareStep::DropThenStage => st.next = None,
+            PrepareStep::Stage => {}
+        }
+        // free what neither the (possibly promoted) committed map nor the new one uses
+        {
+            let ColdState { bank, map, .. } = &mut *st;
+            moelane_engine::swap::release(bank, map, Tier::Cold);
         }
         moelane_engine::swap::stage(&mut st.bank, loaded);
         moelane_engine::swap::check_resident(&st.bank, &next, Tier::Cold)
             .map_err(|e| e.to_string())?;
-        let epoch = next.epoch();
+        st.epochs.apply_prepare(step, epoch);
         st.next = Some(next);
         Ok(epoch)
     }
 
-    /// RELEASE(old): the next map becomes the only one; slots only the old one used are freed.
-    pub fn release(&self, old_epoch: u64) -> Result<u64, String> {
+    /// RELEASE: `epoch` (staged) is committed and becomes the only map; slots only the old one
+    /// used are freed. A repeated RELEASE is a no-op.
+    pub fn release(&self, incarnation: u64, epoch: u64) -> Result<u64, String> {
         let mut st = self.state.write().map_err(|_| "state poisoned")?;
-        if st.epoch != old_epoch {
-            return Err(format!(
-                "RELEASE({old_epoch}) but this sidecar is on epoch {}",
-                st.epoch
-            ));
+        if st.epochs.release(incarnation, epoch)? == ReleaseStep::Promote {
+            if let Some(n) = st.next.take() {
+                st.map = n;
+            }
+            let ColdState { bank, map, .. } = &mut *st;
+            moelane_engine::swap::release(bank, map, Tier::Cold);
         }
-        let next = st.next.take().ok_or("RELEASE without a prepared swap")?;
-        st.epoch = next.epoch();
-        st.map = next;
-        let ColdState { bank, map, .. } = &mut *st;
-        moelane_engine::swap::release(bank, map, Tier::Cold);
-        Ok(st.epoch)
+        Ok(st.epochs.epoch)
     }
 
-    /// ABORT(epoch): drops what was staged for it; nothing else changes.
-    pub fn abort(&self, epoch: u64) -> Result<(), String> {
+    /// ABORT(epoch): drops what was staged for it (nothing else changes); it is never staged
+    /// afterwards, even by a PREPARE still loading.
+    pub fn abort(&self, incarnation: u64, epoch: u64) -> Result<(), String> {
         let mut st = self.state.write().map_err(|_| "state poisoned")?;
-        if st.next.as_ref().map(|n| n.epoch()) == Some(epoch) {
+        if st.epochs.abort(incarnation, epoch)? {
             st.next = None;
+            let ColdState { bank, map, .. } = &mut *st;
+            moelane_engine::swap::release(bank, map, Tier::Cold);
         }
+        Ok(())
+    }
+
+    /// REGISTER from coordinator `incarnation` committed on `map`: the bank is made to match it
+    /// (kept, promoted from the staged map, or reloaded from the checkpoint) and everything of
+    /// other incarnations is fenced off. Returns the highest epoch heard of before.
+    pub fn register(&self, incarnation: u64, map: Option<ValidMap>) -> Result<u64, String> {
+        let (step, highest) = {
+            let st = self.state.read().map_err(|_| "state poisoned")?;
+            st.epochs.check_register(incarnation)?;
+            let step = match &map {
+                None => RegisterStep::KeepCommitted,
+                Some(m) if m.map == st.map.map => RegisterStep::KeepCommitted,
+                Some(m) if st.next.as_ref().map(|n| &n.map) == Some(&m.map) => {
+                    RegisterStep::PromoteStaged
+                }
+                Some(_) => RegisterStep::Reload,
+            };
+            (step, st.epochs.highest())
+        };
+        let bank = match (&map, step) {
+            (Some(m), RegisterStep::Reload) => {
+                let ckpt = Checkpoint::open(&self.ckpt_dir).map_err(|e| e.to_string())?;
+                let moe = ckpt.config.moe_layers();
+                Some(
+                    ExpertBank::load(&ckpt, m, Tier::Cold, &moe, None)
+                        .map_err(|e| e.to_string())?,
+                )
+            }
+            _ => None,
+        };
+        let mut st = self.state.write().map_err(|_| "state poisoned")?;
+        if let Some(m) = map {
+            st.map = m;
+        } else if step == RegisterStep::PromoteStaged {
+            if let Some(n) = st.next.take() {
+                st.map = n;
+            }
+        }
+        if let Some(b) = bank {
+            st.bank = b;
+        }
+        st.epochs.check_register(incarnation)?;
+        st.next = None;
+        let epoch = st.map.epoch();
+        st.epochs.register(incarnation, epoch);
         let ColdState { bank, map, .. } = &mut *st;
         moelane_engine::swap::release(bank, map, Tier::Cold);
-        Ok(())
+        moelane_engine::swap::check_resident(bank, map, Tier::Cold).map_err(|e| e.to_string())?;
+        Ok(highest)
     }
 }
 
@@ -187,29 +255,74 @@ impl moelane_residency_actor::Participant for LocalSidecar {
     }
     fn prepare<'a>(
         &'a self,
+        base: u64,
         next: &'a Rowmap,
         incoming: Vec<moelane_engine::swap::Incoming>,
     ) -> futures::future::BoxFuture<'a, Result<(), String>> {
         let core = self.0.clone();
         let next = next.clone();
         Box::pin(async move {
-            tokio::task::spawn_blocking(move || core.prepare(next, &incoming).map(|_| ()))
+            tokio::task::spawn_blocking(move || core.prepare(0, base, next, &incoming).map(|_| ()))
                 .await
                 .map_err(|e| e.to_string())?
         })
     }
-    fn release(&self, old: u64) -> futures::future::BoxFuture<'_, Result<(), String>> {
-        Box::pin(async move { self.0.release(old).map(|_| ()) })
+    fn release(&self, epoch: u64) -> futures::future::BoxFuture<'_, Result<(), String>> {
+        Box::pin(async move { self.0.release(0, epoch).map(|_| ()) })
     }
     fn abort(&self, epoch: u64) -> futures::future::BoxFuture<'_, Result<(), String>> {
-        Box::pin(async move { self.0.abort(epoch) })
+        Box::pin(async move { self.0.abort(0, epoch) })
     }
 }
 
+/// Installs a data link that REGISTER answered with (the primary opens it).
+pub type OnLink = Arc<dyn Fn(&RegisterReply) -> Result<(), String> + Send + Sync>;
+
 /// A sidecar process, driven over its control API.
-pub struct RemoteSidecar(
-    pub moelane_proto::control::sidecar_client::SidecarClient<tonic::transport::Channel>,
-);
+pub struct RemoteSidecar {
+    pub client: moelane_proto::control::sidecar_client::SidecarClient<tonic::transport::Channel>,
+    pub model: String,
+    /// The fencing token of this coordinator's registration: fresh at every primary start,
+    /// and raised at every REGISTER, so that a late REGISTER (or anything sent under an older
+    /// one) is refused.
+    pub incarnation: Arc<AtomicU64>,
+    /// The data link to reopen on resync ("tcp"/"shm").
+    pub link: String,
+    pub on_link: Option<OnLink>,
+}
+
+impl RemoteSidecar {
+    fn inc(&self) -> u64 {
+        self.incarnation.load(Ordering::SeqCst)
+    }
+
+    /// REGISTER under a new token: the sidecar adopts `map` and opens a data link of
+    /// `self.link`.
+    pub async fn register(&self, map: &Rowmap) -> Result<RegisterReply, Status> {
+        // above our last token and above whatever the sidecar obeys now (a predecessor of
+        // this process, or a clock that stepped back)
+        let theirs = match self.client.clone().health(SidecarHealthRequest {}).await {
+            Ok(h) => h.into_inner().incarnation,
+            Err(_) => 0,
+        };
+        let token = self.inc().max(theirs) + 1;
+        self.incarnation.store(token, Ordering::SeqCst);
+        let rowmap_json = map
+            .to_json()
+            .map_err(|e| Category::Internal.status(e.to_string()))?;
+        self.client
+            .clone()
+            .register(RegisterRequest {
+                model: self.model.clone(),
+                link: self.link.clone(),
+                map_epoch: map.epoch,
+                rowmap_json,
+                incarnation: token,
+            })
+            .await
+            .map(|r| r.into_inner())
+    }
+}
 
 impl moelane_residency_actor::Participant for RemoteSidecar {
     fn name(&self) -> &'static str {
@@ -217,10 +330,11 @@ impl moelane_residency_actor::Participant for RemoteSidecar {
     }
     fn prepare<'a>(
         &'a self,
+        base: u64,
         next: &'a Rowmap,
         incoming: Vec<moelane_engine::swap::Incoming>,
     ) -> futures::future::BoxFuture<'a, Result<(), String>> {
-        let mut c = self.0.clone();
+        let mut c = self.client.clone();
         Box::pin(async move {
             let rowmap_json = next.to_json().map_err(|e| e.to_string())?;
             let incoming = incoming
@@ -235,28 +349,51 @@ impl moelane_residency_actor::Participant for RemoteSidecar {
                 epoch: next.epoch,
                 rowmap_json,
                 incoming,
+                base_epoch: base,
+                incarnation: self.inc(),
             })
             .await
             .map(|_| ())
             .map_err(|s| s.message().to_string())
         })
     }
-    fn release(&self, old_epoch: u64) -> futures::future::BoxFuture<'_, Result<(), String>> {
-        let mut c = self.0.clone();
+    fn release(&self, epoch: u64) -> futures::future::BoxFuture<'_, Result<(), String>> {
+        let mut c = self.client.clone();
         Box::pin(async move {
-            c.release(ReleaseRequest { old_epoch })
-                .await
-                .map(|_| ())
-                .map_err(|s| s.message().to_string())
+            c.release(ReleaseRequest {
+                epoch,
+                incarnation: self.inc(),
+            })
+            .await
+            .map(|_| ())
+            .map_err(|s| s.message().to_string())
         })
     }
     fn abort(&self, epoch: u64) -> futures::future::BoxFuture<'_, Result<(), String>> {
-        let mut c = self.0.clone();
+        let mut c = self.client.clone();
         Box::pin(async move {
-            c.abort(AbortRequest { epoch })
+            c.abort(AbortRequest {
+                epoch,
+                incarnation: self.inc(),
+            })
+            .await
+            .map(|_| ())
+            .map_err(|s| s.message().to_string())
+        })
+    }
+    fn resync<'a>(
+        &'a self,
+        map: &'a Rowmap,
+    ) -> futures::future::BoxFuture<'a, Result<u64, String>> {
+        Box::pin(async move {
+            let rep = self
+                .register(map)
                 .await
-                .map(|_| ())
-                .map_err(|s| s.message().to_string())
+                .map_err(|s| format!("sidecar refused registration: {}", s.message()))?;
+            if let Some(f) = &self.on_link {
+                f(&rep)?;
+            }
+            Ok(rep.highest_epoch)
         })
     }
 }
@@ -291,13 +428,37 @@ impl Message<RegisterMsg> for SidecarActor {
                 r.model, self.core.model
             )));
         }
-        let epoch = self.core.epoch();
-        if r.map_epoch != epoch {
+        let map = if r.rowmap_json.is_empty() {
+            None
+        } else {
+            let m = Rowmap::from_json(&r.rowmap_json)
+                .map_err(|e| Category::BadRequest.status(e.to_string()))?;
+            let st = self
+                .core
+                .state
+                .read()
+                .map_err(|_| Category::Internal.status("state poisoned"))?;
+            let (layers, experts) = (st.map.layers(), st.map.experts());
+            drop(st);
+            Some(
+                m.validate(&self.core.model, layers, experts, None)
+                    .map_err(|e| Category::BadRequest.status(e.to_string()))?,
+            )
+        };
+        if map.is_none() && r.map_epoch != self.core.epoch() {
             return Err(Category::EpochMismatch.status(format!(
                 "primary is on map epoch {}, this sidecar on {}",
-                r.map_epoch, epoch
+                r.map_epoch,
+                self.core.epoch()
             )));
         }
+        let core = self.core.clone();
+        let inc = r.incarnation;
+        let highest_epoch = tokio::task::spawn_blocking(move || core.register(inc, map))
+            .await
+            .map_err(|e| Category::Internal.status(e.to_string()))?
+            .map_err(|e| Category::Internal.status(e))?;
+        let epoch = self.core.epoch();
         let cold = {
             let st = self
                 .core
@@ -322,6 +483,7 @@ impl Message<RegisterMsg> for SidecarActor {
                     .map_err(|e| Category::Unavailable.status(e.to_string()))?;
                 path.display().to_string()
             }
+            "" => String::new(),
             other => {
                 return Err(Category::BadRequest
                     .status(format!("unknown link kind {other:?} (tcp or shm)")))
@@ -332,6 +494,7 @@ impl Message<RegisterMsg> for SidecarActor {
             endpoint,
             map_epoch: epoch,
             cold_experts: cold,
+            highest_epoch,
         })
     }
 }
@@ -339,10 +502,19 @@ impl Message<RegisterMsg> for SidecarActor {
 impl Message<HealthMsg> for SidecarActor {
     type Reply = Result<SidecarHealthReply, Status>;
     async fn handle(&mut self, _: HealthMsg, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        let staged = self.core.staged();
         Ok(SidecarHealthReply {
             ok: true,
             model: self.core.model.clone(),
             map_epoch: self.core.epoch(),
+            staged: staged.is_some(),
+            staged_epoch: staged.unwrap_or(0),
+            incarnation: self
+                .core
+                .state
+                .read()
+                .map(|s| s.epochs.incarnation)
+                .unwrap_or(0),
         })
     }
 }
@@ -383,9 +555,12 @@ impl Message<LoadMapMsg> for SidecarActor {
             .state
             .write()
             .map_err(|_| Category::Internal.status("state poisoned"))?;
+        let mut epochs = TierEpochs::new(valid.epoch());
+        epochs.incarnation = st.epochs.incarnation;
+        epochs.floor = st.epochs.highest().max(valid.epoch());
         *st = ColdState {
             bank,
-            epoch: valid.epoch(),
+            epochs,
             map: valid.clone(),
             next: None,
         };
@@ -453,23 +628,28 @@ impl Sidecar for SidecarService {
             .map(|s| (s.layer as usize, s.expert as usize, s.checksum))
             .collect();
         let core = self.core.clone();
-        let epoch = tokio::task::spawn_blocking(move || core.prepare(next, &incoming))
+        let (inc, base) = (r.incarnation, r.base_epoch);
+        let epoch = tokio::task::spawn_blocking(move || core.prepare(inc, base, next, &incoming))
             .await
             .map_err(|e| Category::Internal.status(e.to_string()))?
             .map_err(|e| Category::EpochMismatch.status(e))?;
+        moelane_residency_actor::failpoint::hit("sidecar.on-prepare");
         Ok(Response::new(PrepareReply { epoch }))
     }
     async fn release(&self, r: Request<ReleaseRequest>) -> Result<Response<ReleaseReply>, Status> {
+        moelane_residency_actor::failpoint::hit("sidecar.on-release");
+        let r = r.into_inner();
         let epoch = self
             .core
-            .release(r.into_inner().old_epoch)
+            .release(r.incarnation, r.epoch)
             .map_err(|e| Category::EpochMismatch.status(e))?;
         Ok(Response::new(ReleaseReply { epoch }))
     }
     async fn abort(&self, r: Request<AbortRequest>) -> Result<Response<AbortReply>, Status> {
+        let r = r.into_inner();
         self.core
-            .abort(r.into_inner().epoch)
-            .map_err(|e| Category::Internal.status(e))?;
+            .abort(r.incarnation, r.epoch)
+            .map_err(|e| Category::EpochMismatch.status(e))?;
         Ok(Response::new(AbortReply {}))
     }
 }

@@ -58,8 +58,14 @@ impl Drop for Proc {
 /// Starts `moelane args...` and waits until it has printed a line containing each of `wants`;
 /// returns the process and, per want, the text after it on its line.
 pub fn start(args: &[&str], wants: &[&str]) -> (Proc, Vec<String>) {
+    start_env(args, wants, &[])
+}
+
+/// [`start`] with extra environment variables.
+pub fn start_env(args: &[&str], wants: &[&str], env: &[(&str, &str)]) -> (Proc, Vec<String>) {
     let mut child = Command::new(bin())
         .args(args)
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
