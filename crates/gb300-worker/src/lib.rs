@@ -359,6 +359,40 @@ impl Primary for PrimaryService {
         }))
     }
 
+    async fn residency(
+        &self,
+        _: Request<ResidencyRequest>,
+    ) -> Result<Response<ResidencyReply>, Status> {
+        let res = self.residency.as_ref().ok_or_else(|| {
+            Category::Unavailable.status("this primary has no residency coordinator")
+        })?;
+        let r = res
+            .ask(moelane_residency_actor::GetLedger)
+            .await
+            .map_err(|e| Category::Unavailable.status(format!("residency actor: {e}")))?;
+        let skip = r.ledger.len().saturating_sub(256);
+        Ok(Response::new(ResidencyReply {
+            map_epoch: r.epoch,
+            swaps_done: r.swaps_done,
+            swaps_aborted: r.swaps_aborted,
+            adaptive: r.adaptive,
+            dry_run: r.dry_run,
+            ledger: r.ledger[skip..]
+                .iter()
+                .map(|e| LedgerEntry {
+                    epoch: e.epoch,
+                    moves: e.moves as u32,
+                    committed: e.committed,
+                    cold_share_before: e.cold_share_before,
+                    cold_share_predicted: e.cold_share_predicted,
+                    cold_share_realised: e.cold_share_realised.unwrap_or(-1.0),
+                    wait_share_before: e.wait_share_before,
+                    wait_share_realised: e.wait_share_realised.unwrap_or(-1.0),
+                })
+                .collect(),
+        }))
+    }
+
     async fn stats(&self, _: Request<StatsRequest>) -> Result<Response<StatsReply>, Status> {
         let s = flat(self.actor.ask(GetSnapshot).await)?;
         let layers = (0..s.hot_picks.len())

@@ -5,7 +5,7 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use moelane_engine::rowmap::{Rowmap, Tier};
 use moelane_proto::lane::primary_client::PrimaryClient;
-use moelane_proto::lane::StatsRequest;
+use moelane_proto::lane::{ResidencyRequest, StatsRequest};
 use serde::{Deserialize, Serialize};
 
 /// Raw pick counts per layer and expert, as dumped by `moelane status --counts-out`.
@@ -65,6 +65,55 @@ pub async fn status(primary: &str, counts_out: Option<&Path>) -> Result<()> {
         s.max_step_ns as f64 / 1e6,
         s.step_ns as f64 / 1e6 / s.steps.max(1) as f64
     );
+    match c.residency(ResidencyRequest {}).await {
+        Ok(r) => {
+            let r = r.into_inner();
+            let mode = match (r.adaptive, r.dry_run) {
+                (true, true) => "adaptive (dry run)",
+                (true, false) => "adaptive",
+                _ => "manual",
+            };
+            println!(
+                "residency {mode}: swaps done {}, aborted {}",
+                r.swaps_done, r.swaps_aborted
+            );
+            let show = r.ledger.len().saturating_sub(10);
+            if !r.ledger.is_empty() {
+                println!(
+                    "{:>7} {:>6} {:>9} {:>11} {:>11} {:>11} {:>10} {:>10}",
+                    "epoch",
+                    "moves",
+                    "committed",
+                    "cold before",
+                    "predicted",
+                    "realised",
+                    "wait bef.",
+                    "wait real."
+                );
+            }
+            let pct = |x: f64| {
+                if x < 0.0 {
+                    "-".to_string()
+                } else {
+                    format!("{:.2}%", 100.0 * x)
+                }
+            };
+            for e in &r.ledger[show..] {
+                println!(
+                    "{:>7} {:>6} {:>9} {:>11} {:>11} {:>11} {:>10} {:>10}",
+                    e.epoch,
+                    e.moves,
+                    e.committed,
+                    pct(e.cold_share_before),
+                    pct(e.cold_share_predicted),
+                    pct(e.cold_share_realised),
+                    pct(e.wait_share_before),
+                    pct(e.wait_share_realised)
+                );
+            }
+        }
+        Err(e) => println!("residency: {}", e.message()),
+    }
     if let Some(p) = counts_out {
         let counts = Counts {
             version: 1,

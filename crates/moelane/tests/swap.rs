@@ -318,6 +318,30 @@ fn adaptive_residency_follows_an_unseen_language_and_dry_run_moves_nothing() {
         }
         let got: Vec<String> = korean.iter().map(|p| complete(&gw, p, 40)).collect();
         assert_eq!(got, want, "swaps changed the output");
+        // `moelane status` reports the coordinator: swaps and the ledger
+        let purl = format!("http://{}", v[0].split(',').next().unwrap());
+        let out = std::process::Command::new(bin())
+            .args(["status", "--primary", &purl])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(out.status.success(), "{text}");
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("residency "))
+            .unwrap_or_else(|| panic!("no residency line in {text}"));
+        let done: u64 = line
+            .split("swaps done ")
+            .nth(1)
+            .and_then(|r| r.split(',').next())
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{line}"));
+        if dry {
+            assert!(line.contains("dry run") && done == 0, "{line}");
+        } else {
+            assert!(line.contains("adaptive") && done >= 1, "{line}");
+            assert!(text.contains("predicted"), "no ledger in {text}");
+        }
         eprintln!(
             "dry_run={dry}: cold share {:.1}% -> {:.1}%",
             100.0 * first,

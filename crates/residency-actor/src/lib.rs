@@ -481,6 +481,9 @@ impl Message<Tick> for Residency {
                     } else {
                         let moves = decision.moves.clone();
                         let o = self.run(moves).await;
+                        if a.ledger.len() >= 4096 {
+                            a.ledger.remove(0);
+                        }
                         a.ledger.push(LedgerEntry {
                             epoch: o.epoch,
                             moves: decision.moves.len(),
@@ -510,6 +513,8 @@ pub struct LedgerReport {
     pub epoch: u64,
     pub swaps_done: u64,
     pub swaps_aborted: u64,
+    pub adaptive: bool,
+    pub dry_run: bool,
     pub ledger: Vec<LedgerEntry>,
 }
 
@@ -520,6 +525,8 @@ impl Message<GetLedger> for Residency {
             epoch: self.map.epoch(),
             swaps_done: self.swaps_done,
             swaps_aborted: self.swaps_aborted,
+            adaptive: self.adaptive.is_some(),
+            dry_run: self.adaptive.as_ref().is_some_and(|a| a.dry_run),
             ledger: self
                 .adaptive
                 .as_ref()
