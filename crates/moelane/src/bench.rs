@@ -56,6 +56,42 @@ pub enum BenchCmd {
     },
     /// Decode tokens/s at several batch sizes on a checkpoint, bytes of weights read per
     /// token, and the implied bandwidth against this machine's measured copy bandwidth.
+    /// The domain-shift run: an embedded lane driven through English, German + Japanese,
+    /// Korean (unseen by the starting map) and mixed traffic, with the fixed map, a map refit
+    /// on the first two phases, and adaptive residency; tokens/s, cold share and wait share
+    /// sampled over time; writes shift.json, shift.svg and shift.md to --out.
+    Shift {
+        /// Checkpoint directory (default: generate mini into the cache).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// Concurrent users, one set of runs each.
+        #[arg(long, value_delimiter = ',', default_value = "1,4")]
+        users: Vec<usize>,
+        /// Maps to compare, in order (refit needs fixed first).
+        #[arg(long, value_delimiter = ',', default_value = "fixed,refit,adaptive")]
+        modes: Vec<String>,
+        /// Seconds of each phase: en, de+ja, ko, mix.
+        #[arg(long, value_delimiter = ',', default_value = "30,30,60,30")]
+        phase_s: Vec<f64>,
+        /// Seconds between samples of the lane's counters.
+        #[arg(long, default_value_t = 2.0)]
+        sample_s: f64,
+        /// Seconds at the start of each phase left out of its medians.
+        #[arg(long, default_value_t = 6.0)]
+        warmup_s: f64,
+        /// Tokens per answer.
+        #[arg(long, default_value_t = 64)]
+        max_tokens: usize,
+        /// Adaptive residency: milliseconds between decisions.
+        #[arg(long, default_value_t = 1000)]
+        residency_interval_ms: u64,
+        /// Adaptive residency: most experts moved to hot per layer per decision.
+        #[arg(long, default_value_t = 8)]
+        moves_per_layer: usize,
+        /// Output directory.
+        #[arg(long, default_value = "shift-out")]
+        out: PathBuf,
+    },
     Engine {
         /// Checkpoint directory (default: generate mini into the cache).
         #[arg(long)]
@@ -159,6 +195,43 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
                 temperature,
                 lane_stats,
                 json,
+            }))?;
+        }
+        BenchCmd::Shift {
+            model,
+            users,
+            modes,
+            phase_s,
+            sample_s,
+            warmup_s,
+            max_tokens,
+            residency_interval_ms,
+            moves_per_layer,
+            out,
+        } => {
+            let model = match model {
+                Some(m) => m,
+                None => default_model("mini")?,
+            };
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()?;
+            rt.block_on(crate::shift::run(crate::shift::ShiftOptions {
+                model,
+                users,
+                modes,
+                phase_s,
+                sample_s: sample_s.max(0.1),
+                warmup_s: warmup_s.max(0.0),
+                max_tokens: max_tokens.max(1),
+                out,
+                adaptive_args: vec![
+                    "--residency-interval-ms".into(),
+                    residency_interval_ms.to_string(),
+                    "--moves-per-layer".into(),
+                    moves_per_layer.to_string(),
+                ],
             }))?;
         }
         BenchCmd::Link {

@@ -14,6 +14,7 @@ mod client;
 mod loadgen;
 mod ops_cmds;
 mod roles;
+mod shift;
 
 use roles::{ColdLink, GatewayOptions, PrimaryOptions};
 
@@ -151,6 +152,11 @@ struct ResidencyArgs {
     #[arg(long, default_value_t = 30.0)]
     #[serde(default)]
     prepare_timeout_s: f64,
+    /// Spare expert slots per layer on each tier: the most experts one swap batch moves into a
+    /// tier's layer (manual swaps beyond it are refused; adaptive moves are capped by it).
+    #[arg(long, default_value_t = 8)]
+    #[serde(default)]
+    spare_slots: usize,
 }
 
 impl ResidencyArgs {
@@ -163,7 +169,7 @@ impl ResidencyArgs {
                 half_life: std::time::Duration::from_secs_f64(self.half_life_s.max(0.01)),
                 margin: self.margin.max(0.0),
                 min_wait_share: self.min_wait_share.clamp(0.0, 1.0),
-                moves_per_layer: self.moves_per_layer.max(1),
+                moves_per_layer: self.moves_per_layer.clamp(1, self.spare_slots.max(1)),
                 ..Default::default()
             },
             dry_run: self.dry_run,
@@ -349,6 +355,7 @@ async fn run_async(cmd: Cmd) -> Result<()> {
                 link_timeout: std::time::Duration::from_secs(30),
                 adaptive: residency.options(),
                 prepare_timeout: residency.prepare_timeout(),
+                spare_slots: residency.spare_slots.max(1),
                 sched: moelane_gb300_worker::scheduler::SchedulerConfig {
                     max_running,
                     ..Default::default()
@@ -421,6 +428,7 @@ async fn run_async(cmd: Cmd) -> Result<()> {
                         ),
                         adaptive: a.residency.options(),
                         prepare_timeout: a.residency.prepare_timeout(),
+                        spare_slots: a.residency.spare_slots.max(1),
                         sched: Default::default(),
                     };
                     let primary = roles::start_primary(&opts).await?;

@@ -48,6 +48,7 @@ pub struct PrimaryOptions {
     pub cold: ColdLink,
     pub link_timeout: Duration,
     pub prepare_timeout: Duration,
+    pub spare_slots: usize,
     pub sched: SchedulerConfig,
 }
 
@@ -230,7 +231,7 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
         sidecar,
         o.map.clone(),
     )
-    .with_limits(o.prepare_timeout, 8)
+    .with_limits(o.prepare_timeout, o.spare_slots)
     .with_seen_epoch(seen_epoch);
     if let Some(a) = &o.adaptive {
         let source = PrimaryParticipant {

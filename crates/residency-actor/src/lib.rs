@@ -264,7 +264,8 @@ impl Residency {
         let (layers, experts) = (self.map.layers(), self.map.experts());
         let mut next = self.map.map.clone();
         next.epoch = self.attempted.max(next.epoch) + 1;
-        let mut per_layer = vec![0usize; layers];
+        // each tier stages its incoming experts in its spare slots of the layer
+        let mut incoming = vec![[0usize; 2]; layers];
         for m in moves {
             if m.layer >= layers || m.expert >= experts {
                 return Err(format!(
@@ -272,11 +273,14 @@ impl Residency {
                     m.layer, m.expert
                 ));
             }
-            per_layer[m.layer] += 1;
-            if per_layer[m.layer] > self.spare_slots {
+            let n = &mut incoming[m.layer][(m.to == Tier::Cold) as usize];
+            *n += 1;
+            if *n > self.spare_slots {
                 return Err(format!(
-                    "layer {}: more than {} moves in one batch (spare slots)",
-                    m.layer, self.spare_slots
+                    "layer {}: more than {} experts moved {} in one batch (spare slots)",
+                    m.layer,
+                    self.spare_slots,
+                    m.to.name()
                 ));
             }
             let lm = &mut next.layers[m.layer];
