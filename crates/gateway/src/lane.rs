@@ -64,7 +64,11 @@ impl Lane for GrpcLane {
     fn generate(&self, req: GenerateRequest) -> BoxFuture<'_, Result<EventStream, LaneError>> {
         let mut c = self.client.clone();
         Box::pin(async move {
-            let s = c.generate(req).await?.into_inner();
+            // the request's trace continues on the primary (context in gRPC metadata)
+            let s = c
+                .generate(moelane_telemetry::request(req))
+                .await?
+                .into_inner();
             Ok(s.map(|r| r.map_err(LaneError::from)).boxed())
         })
     }

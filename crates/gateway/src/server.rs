@@ -5,7 +5,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
@@ -17,10 +17,12 @@ use axum::{Json, Router};
 use futures::StreamExt;
 use kameo::actor::ActorRef;
 use moelane_proto::lane::GenerateRequest;
+use moelane_telemetry::names as n;
 use moelane_text::chat::{ChatMessage, ChatTemplate};
 use moelane_text::detok::Detokenizer;
 use moelane_text::tokenizer::Tokenizer;
 use serde_json::{json, Value};
+use tracing::Instrument as _;
 
 use crate::error::ApiError;
 use crate::registry::{InFlight, ListLanes, Pick, Registry, SetDrain};
@@ -76,6 +78,109 @@ pub fn router(state: Arc<AppState>) -> Router {
             ApiError::NotFound(format!("{} {}", req.method(), req.uri().path()))
         })
         .with_state(state)
+        .merge(moelane_telemetry::router())
+        .layer(axum::middleware::from_fn(count_requests))
+}
+
+/// Counts requests by matched route and status code (unmatched paths share one label).
+async fn count_requests(req: Request, next: axum::middleware::Next) -> Response {
+    let route = req
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_else(|| "unmatched".into());
+    let r = next.run(req).await;
+    metrics::counter!(n::HTTP_REQUESTS, "route" => route, "code" => r.status().as_u16().to_string())
+        .increment(1);
+    r
+}
+
+/// Publishes each lane's health, drain state and requests in flight on each scrape.
+pub fn register_metrics(st: Arc<AppState>) {
+    moelane_telemetry::add_collector(Box::new(move || {
+        let st = st.clone();
+        Box::pin(async move {
+            let Ok(list) = lanes(&st).await else {
+                return;
+            };
+            for (info, lane) in list {
+                let up = tokio::time::timeout(std::time::Duration::from_secs(1), lane.health())
+                    .await
+                    .ok()
+                    .and_then(|r| r.ok())
+                    .is_some_and(|h| h.ok);
+                let l = info.name.clone();
+                metrics::gauge!(n::LANE_UP, "lane" => l.clone()).set(up as u8 as f64);
+                metrics::gauge!(n::LANE_DRAINING, "lane" => l.clone())
+                    .set(info.draining as u8 as f64);
+                metrics::gauge!(n::LANE_INFLIGHT, "lane" => l).set(info.inflight as f64);
+            }
+        })
+    }));
+}
+
+/// The request's span: the root of its trace.
+fn request_span(chat: bool) -> tracing::Span {
+    let name = if chat {
+        "POST /v1/chat/completions"
+    } else {
+        "POST /v1/completions"
+    };
+    tracing::info_span!(
+        "request",
+        otel.name = name,
+        otel.kind = "server",
+        http.route = if chat {
+            "/v1/chat/completions"
+        } else {
+            "/v1/completions"
+        },
+        moelane.request_id = tracing::field::Empty,
+        moelane.lane = tracing::field::Empty,
+        gen_ai.usage.input_tokens = tracing::field::Empty,
+        gen_ai.usage.output_tokens = tracing::field::Empty,
+        moelane.finish_reason = tracing::field::Empty,
+    )
+}
+
+/// Per-request latency bookkeeping: first token, gaps between tokens, totals at the end.
+struct Timing {
+    t0: Instant,
+    last: Option<Instant>,
+    route: &'static str,
+}
+
+impl Timing {
+    fn new(chat: bool) -> Self {
+        Timing {
+            t0: Instant::now(),
+            last: None,
+            route: if chat {
+                "/v1/chat/completions"
+            } else {
+                "/v1/completions"
+            },
+        }
+    }
+    fn token(&mut self) {
+        let now = Instant::now();
+        match self.last {
+            None => {
+                metrics::histogram!(n::TIME_TO_FIRST_TOKEN).record((now - self.t0).as_secs_f64())
+            }
+            Some(l) => metrics::histogram!(n::INTER_TOKEN_LATENCY).record((now - l).as_secs_f64()),
+        }
+        self.last = Some(now);
+    }
+    fn done(&self, prompt: usize, completion: usize, finish: &str) {
+        metrics::histogram!(n::REQUEST_DURATION, "route" => self.route)
+            .record(self.t0.elapsed().as_secs_f64());
+        metrics::counter!(n::GENERATED_TOKENS).increment(completion as u64);
+        metrics::counter!(n::PROMPT_TOKENS).increment(prompt as u64);
+        let span = tracing::Span::current();
+        span.record("gen_ai.usage.output_tokens", completion);
+        span.record("moelane.finish_reason", finish);
+    }
 }
 
 /// A request after parsing and validation: tokenised, clamped, checked.
@@ -332,12 +437,14 @@ async fn pick(st: &AppState) -> Result<InFlight, ApiError> {
 
 async fn completions(State(st): State<Arc<AppState>>, req: Request) -> Response {
     handle(st, req, false)
+        .instrument(request_span(false))
         .await
         .unwrap_or_else(|e| e.into_response())
 }
 
 async fn chat_completions(State(st): State<Arc<AppState>>, req: Request) -> Response {
     handle(st, req, true)
+        .instrument(request_span(true))
         .await
         .unwrap_or_else(|e| e.into_response())
 }
@@ -379,9 +486,13 @@ fn usage(p: usize, c: usize) -> Value {
 }
 
 async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response, ApiError> {
+    let mut timing = Timing::new(chat);
     let v = read_json(&st, req.into_body()).await?;
     let vr = validate(&st, &v, chat)?;
     let inflight = pick(&st).await?;
+    let span = tracing::Span::current();
+    span.record("gen_ai.usage.input_tokens", vr.prompt.len());
+    span.record("moelane.lane", inflight.lane.name());
     let id_n = st.next_id.fetch_add(1, Ordering::Relaxed);
     let out = Out {
         id: format!(
@@ -391,6 +502,7 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
         ),
         created: now_secs(),
     };
+    span.record("moelane.request_id", out.id.as_str());
     let greq = GenerateRequest {
         request_id: out.id.clone(),
         prompt: vr.prompt.clone(),
@@ -415,6 +527,7 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
         while let Some(ev) = events.next().await {
             let ev = ev.map_err(|e| ApiError::from_lane(e.category, e.message))?;
             if let Some(t) = ev.token {
+                timing.token();
                 completion += 1;
                 if !st.tokenizer.is_special(t) {
                     text.push_str(&det.push(st.tokenizer.token_bytes(t)));
@@ -436,6 +549,7 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
         drop(events);
         text.push_str(&det.finish());
         drop(inflight);
+        timing.done(prompt_tokens, completion, &finish);
         let body = if chat {
             json!({"id": out.id, "object": "chat.completion", "created": out.created, "model": st.cfg.model_name,
                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish}],
@@ -451,7 +565,7 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
     // channel closes, the task ends and drops the lane stream, which cancels the request.
     let (tx, rx) = tokio::sync::mpsc::channel::<SseEvent>(64);
     let st2 = st.clone();
-    tokio::spawn(async move {
+    let relay = async move {
         let _inflight = inflight;
         let mut det = Detokenizer::new(vr.stop.clone());
         let mut completion = 0usize;
@@ -475,6 +589,7 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
                 }
             };
             if let Some(t) = ev.token {
+                timing.token();
                 completion += 1;
                 let piece = if st2.tokenizer.is_special(t) {
                     String::new()
@@ -504,6 +619,11 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
             }
         }
         drop(events);
+        timing.done(
+            prompt_tokens,
+            completion,
+            finish.as_deref().unwrap_or("error"),
+        );
         let tail = det.finish();
         if !tail.is_empty()
             && tx
@@ -534,7 +654,9 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
             }
         }
         let _ = tx.send(SseEvent::default().data("[DONE]")).await;
-    });
+    };
+    // the request's span lives until the last chunk is sent
+    tokio::spawn(relay.instrument(span));
     let stream =
         tokio_stream::wrappers::ReceiverStream::new(rx).map(Ok::<_, std::convert::Infallible>);
     Ok(Sse::new(stream)

@@ -29,7 +29,8 @@ pub struct PrimaryActor {
     eos: Vec<u32>,
 }
 
-pub struct Generate(pub GenerateRequest);
+/// A request and its trace span.
+pub struct Generate(pub GenerateRequest, pub tracing::Span);
 pub struct Cancel(pub String);
 pub struct GetSnapshot;
 
@@ -37,7 +38,7 @@ impl Message<Generate> for PrimaryActor {
     type Reply = Result<UnboundedReceiver<Event>, Status>;
     async fn handle(
         &mut self,
-        Generate(r): Generate,
+        Generate(r, span): Generate,
         _: &mut Context<Self, Self::Reply>,
     ) -> Self::Reply {
         let bad = |m: String| Err(Category::BadRequest.status(m));
@@ -76,6 +77,7 @@ impl Message<Generate> for PrimaryActor {
                 seed: r.seed,
             },
             stop_ids,
+            span,
         };
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         self.tx
@@ -278,7 +280,17 @@ impl Primary for PrimaryService {
         &self,
         r: Request<GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        let rx = flat(self.actor.ask(Generate(r.into_inner())).await)?;
+        let span = tracing::info_span!(
+            "generate",
+            otel.kind = "server",
+            moelane.request_id = tracing::field::Empty,
+            gen_ai.usage.input_tokens = r.get_ref().prompt.len(),
+            gen_ai.usage.output_tokens = tracing::field::Empty,
+            moelane.finish_reason = tracing::field::Empty,
+        );
+        moelane_telemetry::adopt(&span, r.metadata());
+        span.record("moelane.request_id", r.get_ref().request_id.as_str());
+        let rx = flat(self.actor.ask(Generate(r.into_inner(), span)).await)?;
         let s = tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(|ev| match ev {
             Event::Token {
                 token,
@@ -439,4 +451,58 @@ pub async fn serve(
             }),
         )
         .await
+}
+
+/// Publishes the lane's counters (kept by the engine as plain integers) on each scrape of the
+/// Prometheus page: per-layer hot and cold picks, wait on the sidecar, the cold share since
+/// the previous scrape, step time, tokens, request outcomes, and the map epoch.
+pub fn register_metrics(tx: mpsc::Sender<Command>) {
+    use moelane_telemetry::names as n;
+    let prev = std::sync::Arc::new(std::sync::Mutex::new((
+        Vec::<u64>::new(),
+        Vec::<u64>::new(),
+    )));
+    moelane_telemetry::add_collector(Box::new(move || {
+        let (tx, prev) = (tx.clone(), prev.clone());
+        Box::pin(async move {
+            let Ok(s) = call(&tx, Command::Snapshot).await else {
+                return;
+            };
+            let Ok(mut p) = prev.lock() else {
+                return;
+            };
+            let (ph, pc) = &mut *p;
+            ph.resize(s.hot_picks.len(), 0);
+            pc.resize(s.cold_picks.len(), 0);
+            for l in 0..s.hot_picks.len() {
+                let layer = l.to_string();
+                metrics::counter!(n::HOT_PICKS, "layer" => layer.clone()).absolute(s.hot_picks[l]);
+                metrics::counter!(n::COLD_PICKS, "layer" => layer.clone())
+                    .absolute(s.cold_picks[l]);
+                moelane_telemetry::set_seconds_total(
+                    n::SIDECAR_WAIT,
+                    &[("layer", &layer)],
+                    s.wait_ns[l] as f64 * 1e-9,
+                );
+                let dh = s.hot_picks[l].saturating_sub(ph[l]);
+                let dc = s.cold_picks[l].saturating_sub(pc[l]);
+                if dh + dc > 0 {
+                    metrics::gauge!(n::COLD_SHARE, "layer" => layer)
+                        .set(dc as f64 / (dh + dc) as f64);
+                }
+                ph[l] = s.hot_picks[l];
+                pc[l] = s.cold_picks[l];
+            }
+            moelane_telemetry::set_seconds_total(n::STEP_TIME, &[], s.step_ns as f64 * 1e-9);
+            metrics::counter!(n::LANE_TOKENS).absolute(s.tokens_generated);
+            for (outcome, v) in [
+                ("finished", s.finished),
+                ("cancelled", s.cancelled),
+                ("failed", s.failed),
+            ] {
+                metrics::counter!(n::LANE_REQUESTS, "outcome" => outcome).absolute(v);
+            }
+            metrics::gauge!(n::MAP_EPOCH, "tier" => "primary").set(s.epoch as f64);
+        })
+    }));
 }

@@ -23,6 +23,8 @@ pub struct ValidGen {
     pub max_tokens: usize,
     pub sampling: SamplingParams,
     pub stop_ids: Vec<u32>,
+    /// The request's trace span ("generate"); queue, prefill and decode are its children.
+    pub span: tracing::Span,
 }
 
 /// What a request's stream carries.
@@ -101,6 +103,30 @@ struct Running {
     next: Vec<u32>,
     generated: u32,
     admitted: Instant,
+    /// "prefill" until the first token, then "decode"
+    phase: tracing::Span,
+}
+
+/// Metric handles, taken once (recording through a handle is an atomic add).
+struct Meters {
+    step: metrics::Histogram,
+    queue: metrics::Gauge,
+    batch: metrics::Gauge,
+    kv_used: metrics::Gauge,
+    kv_free: metrics::Gauge,
+}
+
+impl Meters {
+    fn new() -> Self {
+        use moelane_telemetry::names as n;
+        Meters {
+            step: metrics::histogram!(n::STEP_DURATION),
+            queue: metrics::gauge!(n::QUEUE_DEPTH),
+            batch: metrics::gauge!(n::BATCH_SIZE),
+            kv_used: metrics::gauge!(n::KV_BLOCKS_USED),
+            kv_free: metrics::gauge!(n::KV_BLOCKS_FREE),
+        }
+    }
 }
 
 /// Limits of the scheduler.
@@ -127,11 +153,12 @@ impl Default for SchedulerConfig {
 pub struct Scheduler {
     engine: Engine,
     cfg: SchedulerConfig,
-    waiting: VecDeque<(ValidGen, UnboundedSender<Event>)>,
+    waiting: VecDeque<(ValidGen, UnboundedSender<Event>, tracing::Span)>,
     running: Vec<Running>,
     model: String,
     stats: Snapshot,
     max_iter_ns: u64,
+    meters: Meters,
 }
 
 impl Scheduler {
@@ -144,6 +171,7 @@ impl Scheduler {
             model,
             stats: Snapshot::default(),
             max_iter_ns: 0,
+            meters: Meters::new(),
         }
     }
 
@@ -201,12 +229,13 @@ impl Scheduler {
             });
             return;
         }
-        self.waiting.push_back((req, tx));
+        let queue = tracing::info_span!(parent: &req.span, "queue");
+        self.waiting.push_back((req, tx, queue));
     }
 
     fn cancel(&mut self, id: &str) -> bool {
         let before = self.running.len() + self.waiting.len();
-        self.waiting.retain(|(r, tx)| {
+        self.waiting.retain(|(r, tx, _)| {
             let keep = r.id != id;
             if !keep {
                 let _ = tx.send(Event::Finish {
@@ -241,7 +270,7 @@ impl Scheduler {
     fn admit(&mut self) -> usize {
         let mut budget = self.cfg.prefill_budget;
         let mut admitted = 0;
-        while let Some((req, _)) = self.waiting.front() {
+        while let Some((req, _, _)) = self.waiting.front() {
             if self.running.len() >= self.cfg.max_running {
                 break;
             }
@@ -253,9 +282,10 @@ impl Scheduler {
             if self.engine.kv.reserve(&mut kv, need).is_err() {
                 break; // waits for blocks to free up
             }
-            let Some((req, tx)) = self.waiting.pop_front() else {
+            let Some((req, tx, queue)) = self.waiting.pop_front() else {
                 break;
             };
+            drop(queue);
             if tx.is_closed() {
                 self.stats.cancelled += 1;
                 continue;
@@ -263,7 +293,13 @@ impl Scheduler {
             budget = budget.saturating_sub(req.prompt.len());
             let sampler = Sampler::new(req.sampling.clone());
             let next = req.prompt.clone();
+            let phase = tracing::info_span!(
+                parent: &req.span,
+                "prefill",
+                gen_ai.usage.input_tokens = req.prompt.len()
+            );
             self.running.push(Running {
+                phase,
                 req,
                 tx,
                 kv,
@@ -325,6 +361,13 @@ impl Scheduler {
                 self.stats.prompt_tokens += r.req.prompt.len() as u64;
             }
             let tok = r.sampler.sample(&logits[i * vocab..(i + 1) * vocab]);
+            if r.generated == 0 {
+                r.phase = tracing::info_span!(
+                    parent: &r.req.span,
+                    "decode",
+                    gen_ai.usage.output_tokens = tracing::field::Empty
+                );
+            }
             let elapsed_ns = r.admitted.elapsed().as_nanos() as u64;
             let stop = r.req.stop_ids.contains(&tok);
             if !stop {
@@ -351,6 +394,9 @@ impl Scheduler {
             };
             match done {
                 Some(reason) => {
+                    r.phase.record("gen_ai.usage.output_tokens", r.generated);
+                    r.req.span.record("moelane.finish_reason", reason);
+                    r.req.span.record("gen_ai.usage.output_tokens", r.generated);
                     let _ = r.tx.send(Event::Finish {
                         reason,
                         prompt_tokens: r.req.prompt.len() as u32,
@@ -407,8 +453,19 @@ impl Scheduler {
                 }
             }
             self.step();
+            let m = &self.meters;
             if let Some(t) = iter_start {
-                self.max_iter_ns = self.max_iter_ns.max(t.elapsed().as_nanos() as u64);
+                let ns = t.elapsed().as_nanos() as u64;
+                self.max_iter_ns = self.max_iter_ns.max(ns);
+                m.step.record(ns as f64 * 1e-9);
+            }
+            {
+                m.queue.set(self.waiting.len() as f64);
+                m.batch.set(self.running.len() as f64);
+                let used = self.engine.kv.used_blocks();
+                m.kv_used.set(used as f64);
+                m.kv_free
+                    .set(self.engine.kv.blocks.saturating_sub(used) as f64);
             }
         }
     }

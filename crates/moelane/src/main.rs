@@ -27,6 +27,10 @@ use roles::{ColdLink, GatewayOptions, PrimaryOptions};
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
+    /// Log lines on stderr as text or json (filter with MOELANE_LOG, e.g. "info,moelane=debug").
+    /// Traces go to OTEL_EXPORTER_OTLP_ENDPOINT (OTLP over gRPC) when it is set.
+    #[arg(long, global = true, default_value = "text")]
+    log_format: moelane_telemetry::LogFormat,
 }
 
 #[derive(Subcommand)]
@@ -72,7 +76,7 @@ enum Cmd {
         residency: ResidencyArgs,
     },
     /// Start one role of a lane as its own process (flags, or a TOML file with the same keys).
-    Lane(LaneArgs),
+    Lane(Box<LaneArgs>),
     /// A lane's state: map epoch, per-layer cold share and wait share, the ceiling a perfect
     /// swapper could reach (1 / (1 - wait share)); optionally dump the raw pick counts.
     Status {
@@ -230,6 +234,10 @@ struct LaneArgs {
     /// Gateway: the model name clients use.
     #[arg(long)]
     served_model_name: Option<String>,
+    /// Primary, sidecar: address of the Prometheus page (GET /metrics; the gateway serves it on
+    /// its own listener). Default 127.0.0.1:0 (printed at start): set a fixed one to scrape.
+    #[arg(long)]
+    metrics_listen: Option<String>,
 }
 
 impl LaneArgs {
@@ -254,7 +262,8 @@ impl LaneArgs {
             shm_bytes,
             kv_tokens,
             link_timeout,
-            served_model_name
+            served_model_name,
+            metrics_listen
         );
         if self.lane.is_empty() {
             self.lane = f.lane;
@@ -278,7 +287,8 @@ fn main() -> Result<()> {
             .worker_threads(2)
             .enable_all()
             .build()?;
-        return rt.block_on(run_async(cli.cmd));
+        let fmt = cli.log_format;
+        return rt.block_on(run_async(cli.cmd, fmt));
     }
     match cli.cmd {
         Cmd::Gen {
@@ -332,7 +342,30 @@ fn unreachable_cmd() -> Result<()> {
     bail!("internal: async command dispatched synchronously")
 }
 
-async fn run_async(cmd: Cmd) -> Result<()> {
+async fn metrics_on(listen: Option<&str>) -> Result<()> {
+    if std::env::var("MOELANE_METRICS").is_ok_and(|v| v == "off") {
+        return Ok(());
+    }
+    let a = moelane_telemetry::serve(listen.unwrap_or("127.0.0.1:0"))
+        .await
+        .map_err(|e| anyhow::anyhow!(e))?;
+    println!("moelane: metrics http://{a}/metrics");
+    Ok(())
+}
+
+async fn run_async(cmd: Cmd, log_format: moelane_telemetry::LogFormat) -> Result<()> {
+    match &cmd {
+        Cmd::Serve { .. } => moelane_telemetry::init("lane", log_format),
+        Cmd::Lane(a) => moelane_telemetry::init(a.role.as_deref().unwrap_or("lane"), log_format),
+        _ => {}
+    }
+    moelane_residency_actor::failpoint::init();
+    let r = run_cmd(cmd).await;
+    moelane_telemetry::shutdown();
+    r
+}
+
+async fn run_cmd(cmd: Cmd) -> Result<()> {
     match cmd {
         Cmd::Serve {
             model,
@@ -383,7 +416,7 @@ async fn run_async(cmd: Cmd) -> Result<()> {
             drop(primary);
         }
         Cmd::Lane(args) => {
-            let a = args.merged()?;
+            let a = (*args).merged()?;
             let role = a
                 .role
                 .clone()
@@ -405,6 +438,7 @@ async fn run_async(cmd: Cmd) -> Result<()> {
                         roles::start_sidecar(&o, a.listen.as_deref().unwrap_or("127.0.0.1:50061"))
                             .await?;
                     println!("moelane: sidecar control http://{c}");
+                    metrics_on(a.metrics_listen.as_deref()).await?;
                     if let Some(d) = d {
                         println!("moelane: sidecar data tcp {d}");
                     }
@@ -439,6 +473,7 @@ async fn run_async(cmd: Cmd) -> Result<()> {
                     )
                     .await?;
                     println!("moelane: primary grpc http://{paddr}, sidecar {link}");
+                    metrics_on(a.metrics_listen.as_deref()).await?;
                     wait_for_signal().await;
                     drop(primary);
                 }

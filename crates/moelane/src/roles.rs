@@ -97,6 +97,51 @@ impl RemoteTier for Relink {
     }
 }
 
+/// Counts link bytes and round trips of a tier (handles taken once; an atomic add each).
+struct Metered {
+    inner: Box<dyn RemoteTier>,
+    sent_at: Option<std::time::Instant>,
+    rtt: metrics::Histogram,
+    sent: metrics::Counter,
+    received: metrics::Counter,
+}
+
+impl Metered {
+    fn wrap(inner: Box<dyn RemoteTier>) -> Box<dyn RemoteTier> {
+        use moelane_telemetry::names as n;
+        let link = inner.kind();
+        Box::new(Metered {
+            inner,
+            sent_at: None,
+            rtt: metrics::histogram!(n::LINK_ROUND_TRIP, "link" => link),
+            sent: metrics::counter!(n::LINK_BYTES, "link" => link, "side" => "primary", "direction" => "sent"),
+            received: metrics::counter!(n::LINK_BYTES, "link" => link, "side" => "primary", "direction" => "received"),
+        })
+    }
+}
+
+impl RemoteTier for Metered {
+    fn send(&mut self, req: moelane_engine::tier::ColdRequest) -> moelane_engine::Result<()> {
+        // the frame's payload: activations and picks
+        let bytes = req.activations.len() * 4 + req.picks.len() * 8;
+        self.sent_at = Some(std::time::Instant::now());
+        self.inner.send(req)?;
+        self.sent.increment(bytes as u64);
+        Ok(())
+    }
+    fn recv(&mut self) -> moelane_engine::Result<moelane_engine::tier::ColdReply> {
+        let r = self.inner.recv()?;
+        if let Some(t) = self.sent_at.take() {
+            self.rtt.record(t.elapsed().as_secs_f64());
+        }
+        self.received.increment((r.outputs.len() * 4) as u64);
+        Ok(r)
+    }
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+}
+
 fn open_link(kind: &str, endpoint: &str, timeout: Duration) -> Result<Box<dyn RemoteTier>, String> {
     Ok(match kind {
         "tcp" => Box::new(
@@ -145,10 +190,11 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
         _ if !any_cold => (None, "none".into()),
         ColdLink::InProcess => {
             let core = Arc::new(SidecarCore::load(&ckpt, &map)?);
+            moelane_rtx_worker::register_metrics(core.clone());
             sidecar = Some(Box::new(LocalSidecar(core.clone())));
             (
-                Some(Box::new(InProcessTier::spawn(Box::new(InProcessCore(
-                    core,
+                Some(Metered::wrap(Box::new(InProcessTier::spawn(Box::new(
+                    InProcessCore(core),
                 ))))),
                 "inproc".into(),
             )
@@ -193,7 +239,10 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
                 broken: broken.clone(),
                 kind,
             };
-            (Some(Box::new(t)), format!("{link} {}", rep.endpoint))
+            (
+                Some(Metered::wrap(Box::new(t))),
+                format!("{link} {}", rep.endpoint),
+            )
         }
     };
     let eos = ckpt.config.eos_token_ids.clone();
@@ -217,6 +266,7 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
     )?;
     let id = ckpt.id.clone();
     let handle = moelane_gb300_worker::start(engine, id.clone(), eos, o.sched.clone());
+    moelane_gb300_worker::register_metrics(handle.commands());
     let participant = PrimaryParticipant {
         tx: handle.commands(),
         ckpt_dir: o.model.clone(),
@@ -344,6 +394,7 @@ pub async fn start_sidecar(
     control: &str,
 ) -> Result<(SocketAddr, Option<SocketAddr>)> {
     let s = moelane_rtx_worker::start(o)?;
+    moelane_rtx_worker::register_metrics(s.core.clone());
     let l = bind(control).await?;
     let a = l.local_addr()?;
     let actor = s.actor.clone();
@@ -404,6 +455,7 @@ pub async fn start_gateway(o: &GatewayOptions) -> Result<SocketAddr> {
     ));
     let l = bind(&o.listen).await?;
     let a = l.local_addr()?;
+    moelane_gateway::server::register_metrics(state.clone());
     let app = moelane_gateway::router(state);
     // Nagle off: small SSE chunks must not wait for the client's delayed ACK
     use axum::serve::ListenerExt;

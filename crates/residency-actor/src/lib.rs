@@ -307,7 +307,49 @@ impl Residency {
             .map_err(|e| e.to_string())
     }
 
+    /// One swap batch, traced (span "swap" with a child per phase) and counted.
     async fn run(&mut self, moves: Vec<Move>) -> SwapOutcome {
+        use moelane_telemetry::names as n;
+        use tracing::Instrument as _;
+        let span = tracing::info_span!(
+            "swap",
+            moelane.epoch_from = self.map.epoch(),
+            moelane.epoch = tracing::field::Empty,
+            moelane.moves = moves.len(),
+            moelane.outcome = tracing::field::Empty,
+            moelane.abort_reason = tracing::field::Empty,
+        );
+        let (to_hot, to_cold) = (
+            moves.iter().filter(|m| m.to == Tier::Hot).count() as u64,
+            moves.iter().filter(|m| m.to == Tier::Cold).count() as u64,
+        );
+        let o = self.run_inner(moves).instrument(span.clone()).await;
+        span.record("moelane.epoch", o.epoch);
+        span.record(
+            "moelane.outcome",
+            if o.committed { "committed" } else { "aborted" },
+        );
+        if !o.committed {
+            span.record("moelane.abort_reason", o.abort_reason.as_str());
+        }
+        metrics::counter!(n::SWAPS, "outcome" => if o.committed { "committed" } else { "aborted" })
+            .increment(1);
+        metrics::histogram!(n::SWAP_DURATION).record(o.total.as_secs_f64());
+        if o.committed {
+            metrics::counter!(n::EXPERTS_MOVED, "to" => "hot").increment(to_hot);
+            metrics::counter!(n::EXPERTS_MOVED, "to" => "cold").increment(to_cold);
+            metrics::gauge!(n::MAP_EPOCH, "tier" => "primary").set(o.epoch as f64);
+        }
+        o
+    }
+
+    async fn run_inner(&mut self, moves: Vec<Move>) -> SwapOutcome {
+        use moelane_telemetry::names as n;
+        use tracing::Instrument as _;
+        let phase = |name: &'static str, ok: bool| {
+            metrics::counter!(n::SWAP_PHASES, "phase" => name, "outcome" => if ok { "ok" } else { "error" })
+                .increment(1)
+        };
         let t0 = Instant::now();
         let old = self.map.epoch();
         let abort = |reason: String, prepare: Duration| SwapOutcome {
@@ -332,16 +374,24 @@ impl Residency {
                 .collect()
         };
         let (hot_in, cold_in) = (incoming(Tier::Hot), incoming(Tier::Cold));
+        let (hot_n, cold_n) = (hot_in.len(), cold_in.len());
         let epoch = next.epoch();
         self.attempted = epoch;
         // 1. PREPARE both, concurrently, with a deadline
-        let p = self.primary.prepare(old, &next.map, hot_in);
+        let prepare_span = tracing::info_span!("prepare", moelane.epoch = epoch);
+        let p = self.primary.prepare(old, &next.map, hot_in).instrument(
+            tracing::info_span!(parent: &prepare_span, "primary.prepare", moelane.experts_in = hot_n),
+        );
         let s: BoxFuture<'_, Result<(), String>> = match &self.sidecar {
-            Some(sc) => sc.prepare(old, &next.map, cold_in),
+            Some(sc) => Box::pin(sc.prepare(old, &next.map, cold_in).instrument(
+                tracing::info_span!(parent: &prepare_span, "sidecar.prepare", moelane.experts_in = cold_n),
+            )),
             None => Box::pin(async { Ok(()) }),
         };
-        let prepared =
-            tokio::time::timeout(self.prepare_timeout, futures::future::join(p, s)).await;
+        let prepared = tokio::time::timeout(self.prepare_timeout, futures::future::join(p, s))
+            .instrument(prepare_span.clone())
+            .await;
+        drop(prepare_span);
         let prepare = t0.elapsed();
         let failure = match prepared {
             Err(_) => Some(format!(
@@ -352,15 +402,28 @@ impl Residency {
             Ok((_, Err(e))) => Some(format!("sidecar PREPARE failed: {e}")),
             Ok((Ok(()), Ok(()))) => None,
         };
+        phase("prepare", failure.is_none());
         if let Some(reason) = failure {
-            self.abort_all(epoch).await;
+            self.abort_all(epoch)
+                .instrument(tracing::info_span!("abort", moelane.epoch = epoch))
+                .await;
+            phase("abort", true);
             self.swaps_aborted += 1;
             return abort(reason, prepare);
         }
         failpoint::hit("coordinator.after-prepare");
         // 2. COMMIT to the primary
-        if let Err(e) = self.primary.commit(&next.map).await {
-            self.abort_all(epoch).await;
+        let committed = self
+            .primary
+            .commit(&next.map)
+            .instrument(tracing::info_span!("commit", moelane.epoch = epoch))
+            .await;
+        phase("commit", committed.is_ok());
+        if let Err(e) = committed {
+            self.abort_all(epoch)
+                .instrument(tracing::info_span!("abort", moelane.epoch = epoch))
+                .await;
+            phase("abort", true);
             self.swaps_aborted += 1;
             return abort(format!("primary COMMIT failed: {e}"), prepare);
         }
@@ -369,20 +432,35 @@ impl Residency {
         self.swaps_done += 1;
         // the durable commit point
         if let Some(p) = &self.map_path {
+            let _g = tracing::info_span!("persist", moelane.epoch = epoch).entered();
             if let Err(e) = self.map.map.write_atomic(p) {
                 tracing::warn!("persisting map epoch {epoch}: {e}");
             }
         }
         failpoint::hit("coordinator.after-persist");
+        let release_span = tracing::info_span!("release", moelane.epoch = epoch);
         // 3. RELEASE: no step of the old epoch is in flight once the primary has switched. A
         // lost RELEASE costs nothing: the sidecar serves both maps until the next PREPARE,
         // which tells it the staged one was committed.
-        let _ = self.primary.release(epoch).await;
-        if let Some(sc) = &self.sidecar {
-            if let Err(e) = sc.release(epoch).await {
-                tracing::warn!("sidecar RELEASE into {epoch} failed: {e}");
+        let released = async {
+            let _ = self
+                .primary
+                .release(epoch)
+                .instrument(tracing::info_span!("primary.release"))
+                .await;
+            match &self.sidecar {
+                Some(sc) => sc
+                    .release(epoch)
+                    .instrument(tracing::info_span!("sidecar.release"))
+                    .await
+                    .map_err(|e| tracing::warn!("sidecar RELEASE into {epoch} failed: {e}"))
+                    .is_ok(),
+                None => true,
             }
         }
+        .instrument(release_span)
+        .await;
+        phase("release", released);
         failpoint::hit("coordinator.after-release");
         SwapOutcome {
             epoch,

@@ -141,10 +141,13 @@ impl SidecarCore {
         let next = next
             .validate(&self.model, layers, experts, None)
             .map_err(|e| e.to_string())?;
-        moelane_residency_actor::failpoint::load_point("sidecar.load")?;
-        let ckpt = Checkpoint::open(&self.ckpt_dir).map_err(|e| e.to_string())?;
-        let loaded =
-            moelane_engine::swap::load_verified(&ckpt, incoming).map_err(|e| e.to_string())?;
+        let loaded = {
+            let _g = tracing::info_span!("load", moelane.experts = incoming.len()).entered();
+            moelane_residency_actor::failpoint::load_point("sidecar.load")?;
+            let ckpt = Checkpoint::open(&self.ckpt_dir).map_err(|e| e.to_string())?;
+            moelane_engine::swap::load_verified(&ckpt, incoming).map_err(|e| e.to_string())?
+        };
+        let _g = tracing::info_span!("stage").entered();
         let mut st = self.state.write().map_err(|_| "state poisoned")?;
         let step = st.epochs.check_prepare(incarnation, base, epoch)?;
         match step {
@@ -345,13 +348,13 @@ impl moelane_residency_actor::Participant for RemoteSidecar {
                     checksum,
                 })
                 .collect();
-            c.prepare(PrepareRequest {
+            c.prepare(moelane_telemetry::request(PrepareRequest {
                 epoch: next.epoch,
                 rowmap_json,
                 incoming,
                 base_epoch: base,
                 incarnation: self.inc(),
-            })
+            }))
             .await
             .map(|_| ())
             .map_err(|s| s.message().to_string())
@@ -360,10 +363,10 @@ impl moelane_residency_actor::Participant for RemoteSidecar {
     fn release(&self, epoch: u64) -> futures::future::BoxFuture<'_, Result<(), String>> {
         let mut c = self.client.clone();
         Box::pin(async move {
-            c.release(ReleaseRequest {
+            c.release(moelane_telemetry::request(ReleaseRequest {
                 epoch,
                 incarnation: self.inc(),
-            })
+            }))
             .await
             .map(|_| ())
             .map_err(|s| s.message().to_string())
@@ -372,10 +375,10 @@ impl moelane_residency_actor::Participant for RemoteSidecar {
     fn abort(&self, epoch: u64) -> futures::future::BoxFuture<'_, Result<(), String>> {
         let mut c = self.client.clone();
         Box::pin(async move {
-            c.abort(AbortRequest {
+            c.abort(moelane_telemetry::request(AbortRequest {
                 epoch,
                 incarnation: self.inc(),
-            })
+            }))
             .await
             .map(|_| ())
             .map_err(|s| s.message().to_string())
@@ -613,6 +616,13 @@ impl Sidecar for SidecarService {
         flat(self.actor.ask(LoadMapMsg(r.into_inner().rowmap_json)).await)
     }
     async fn prepare(&self, r: Request<PrepareRequest>) -> Result<Response<PrepareReply>, Status> {
+        let span = tracing::info_span!(
+            "sidecar PREPARE",
+            otel.kind = "server",
+            moelane.epoch = r.get_ref().epoch,
+            moelane.experts_in = r.get_ref().incoming.len()
+        );
+        moelane_telemetry::adopt(&span, r.metadata());
         let r = r.into_inner();
         let next = Rowmap::from_json(&r.rowmap_json)
             .map_err(|e| Category::BadRequest.status(e.to_string()))?;
@@ -629,15 +639,25 @@ impl Sidecar for SidecarService {
             .collect();
         let core = self.core.clone();
         let (inc, base) = (r.incarnation, r.base_epoch);
-        let epoch = tokio::task::spawn_blocking(move || core.prepare(inc, base, next, &incoming))
-            .await
-            .map_err(|e| Category::Internal.status(e.to_string()))?
-            .map_err(|e| Category::EpochMismatch.status(e))?;
+        let epoch = tokio::task::spawn_blocking(move || {
+            let _g = span.entered();
+            core.prepare(inc, base, next, &incoming)
+        })
+        .await
+        .map_err(|e| Category::Internal.status(e.to_string()))?
+        .map_err(|e| Category::EpochMismatch.status(e))?;
         moelane_residency_actor::failpoint::hit("sidecar.on-prepare");
         Ok(Response::new(PrepareReply { epoch }))
     }
     async fn release(&self, r: Request<ReleaseRequest>) -> Result<Response<ReleaseReply>, Status> {
         moelane_residency_actor::failpoint::hit("sidecar.on-release");
+        let span = tracing::info_span!(
+            "sidecar RELEASE",
+            otel.kind = "server",
+            moelane.epoch = r.get_ref().epoch
+        );
+        moelane_telemetry::adopt(&span, r.metadata());
+        let _g = span.enter();
         let r = r.into_inner();
         let epoch = self
             .core
@@ -646,6 +666,13 @@ impl Sidecar for SidecarService {
         Ok(Response::new(ReleaseReply { epoch }))
     }
     async fn abort(&self, r: Request<AbortRequest>) -> Result<Response<AbortReply>, Status> {
+        let span = tracing::info_span!(
+            "sidecar ABORT",
+            otel.kind = "server",
+            moelane.epoch = r.get_ref().epoch
+        );
+        moelane_telemetry::adopt(&span, r.metadata());
+        let _g = span.enter();
         let r = r.into_inner();
         self.core
             .abort(r.incarnation, r.epoch)
@@ -736,4 +763,30 @@ pub fn default_shm_dir() -> PathBuf {
     } else {
         std::env::temp_dir()
     }
+}
+
+/// Publishes the sidecar's counters on each scrape of the Prometheus page.
+pub fn register_metrics(core: Arc<SidecarCore>) {
+    use moelane_telemetry::names as n;
+    moelane_telemetry::add_collector(Box::new(move || {
+        let c = core.clone();
+        Box::pin(async move {
+            metrics::counter!(n::SIDECAR_REQUESTS).absolute(c.requests.load(Ordering::Relaxed));
+            metrics::counter!(n::SIDECAR_PICKS).absolute(c.picks.load(Ordering::Relaxed));
+            moelane_telemetry::set_seconds_total(
+                n::SIDECAR_COMPUTE,
+                &[],
+                c.compute_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+            );
+            metrics::counter!(n::LINK_BYTES, "link" => "all", "side" => "sidecar", "direction" => "received")
+                .absolute(c.bytes_in.load(Ordering::Relaxed));
+            metrics::counter!(n::LINK_BYTES, "link" => "all", "side" => "sidecar", "direction" => "sent")
+                .absolute(c.bytes_out.load(Ordering::Relaxed));
+            if let Ok(st) = c.state.read() {
+                let resident: usize = (0..st.bank.layers()).map(|l| st.bank.resident(l)).sum();
+                metrics::gauge!(n::SIDECAR_EXPERTS).set(resident as f64);
+                metrics::gauge!(n::MAP_EPOCH, "tier" => "sidecar").set(st.epochs.epoch as f64);
+            }
+        })
+    }));
 }

@@ -215,8 +215,17 @@ pub fn kv_used(addr: &str) -> (u64, u64) {
 /// gateway process. Returns the processes (killed on drop), the gateway's host:port and the
 /// primary's URL.
 pub fn two_process_lane(link: &str, primary_extra: &[&str]) -> (Vec<Proc>, String, String) {
+    two_process_lane_env(link, primary_extra, &[])
+}
+
+/// [`two_process_lane`] with extra environment variables for all three processes.
+pub fn two_process_lane_env(
+    link: &str,
+    primary_extra: &[&str],
+    env: &[(&str, &str)],
+) -> (Vec<Proc>, String, String) {
     let dir = tiny().to_str().unwrap().to_string();
-    let (side, v) = start(
+    let (side, v) = start_env(
         &[
             "lane",
             "--role",
@@ -229,6 +238,7 @@ pub fn two_process_lane(link: &str, primary_extra: &[&str]) -> (Vec<Proc>, Strin
             "127.0.0.1:0",
         ],
         &["sidecar control "],
+        env,
     );
     let mut args = vec![
         "lane",
@@ -244,9 +254,9 @@ pub fn two_process_lane(link: &str, primary_extra: &[&str]) -> (Vec<Proc>, Strin
         link,
     ];
     args.extend_from_slice(primary_extra);
-    let (prim, pv) = start(&args, &["primary grpc "]);
+    let (prim, pv) = start_env(&args, &["primary grpc "], env);
     let purl = pv[0].split(',').next().unwrap_or_default().to_string();
-    let (gw, gv) = start(
+    let (gw, gv) = start_env(
         &[
             "lane",
             "--role",
@@ -259,6 +269,7 @@ pub fn two_process_lane(link: &str, primary_extra: &[&str]) -> (Vec<Proc>, Strin
             &purl,
         ],
         &["gateway listening on "],
+        env,
     );
     (vec![side, prim, gw], hostport(&gv[0]), purl)
 }
