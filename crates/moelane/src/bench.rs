@@ -92,6 +92,25 @@ pub enum BenchCmd {
         #[arg(long, default_value = "shift-out")]
         out: PathBuf,
     },
+    /// What metrics and tracing cost: two embedded lanes, telemetry off and on (page scraped
+    /// every second, every span exported over OTLP), loaded in turn; median tokens/s of each.
+    Telemetry {
+        /// Checkpoint directory (default: generate mini into the cache).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// Concurrent users.
+        #[arg(long, default_value_t = 4)]
+        users: usize,
+        /// Alternating repetitions (the median is reported).
+        #[arg(long, default_value_t = 7)]
+        reps: usize,
+        /// Requests per user per repetition.
+        #[arg(long, default_value_t = 4)]
+        requests: usize,
+        /// Tokens per answer.
+        #[arg(long, default_value_t = 64)]
+        max_tokens: usize,
+    },
     Engine {
         /// Checkpoint directory (default: generate mini into the cache).
         #[arg(long)]
@@ -233,6 +252,29 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
                     moves_per_layer.to_string(),
                 ],
             }))?;
+        }
+        BenchCmd::Telemetry {
+            model,
+            users,
+            reps,
+            requests,
+            max_tokens,
+        } => {
+            let model = match model {
+                Some(m) => m,
+                None => default_model("mini")?,
+            };
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()?;
+            rt.block_on(crate::telemetry_bench::run(
+                model,
+                users.max(1),
+                reps.max(1),
+                requests.max(1),
+                max_tokens.max(1),
+            ))?;
         }
         BenchCmd::Link {
             hidden,

@@ -15,6 +15,7 @@ mod loadgen;
 mod ops_cmds;
 mod roles;
 mod shift;
+mod telemetry_bench;
 
 use roles::{ColdLink, GatewayOptions, PrimaryOptions};
 

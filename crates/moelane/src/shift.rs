@@ -74,9 +74,12 @@ pub struct Run {
     pub mean_step_ms: f64,
 }
 
-struct Lane {
+pub(crate) struct Lane {
     child: Child,
-    url: String,
+    /// the primary's gRPC URL
+    pub url: String,
+    /// the gateway's host:port
+    pub gateway: String,
 }
 
 impl Drop for Lane {
@@ -87,14 +90,20 @@ impl Drop for Lane {
 }
 
 fn start_lane(model: &Path, map: &Path, extra: &[String]) -> Result<Lane> {
+    let mut a = vec!["--map".to_string(), map.display().to_string()];
+    a.extend(extra.iter().cloned());
+    start_serve(model, &a, &[])
+}
+
+/// Starts `moelane serve` (this binary) on `model`; waits until it listens.
+pub(crate) fn start_serve(model: &Path, extra: &[String], env: &[(&str, &str)]) -> Result<Lane> {
     let exe = std::env::current_exe().context("locating the moelane binary")?;
     let mut child = Command::new(exe)
         .args(["serve", "--model"])
         .arg(model)
-        .arg("--map")
-        .arg(map)
         .args(["--listen", "127.0.0.1:0"])
         .args(extra)
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -102,7 +111,8 @@ fn start_lane(model: &Path, map: &Path, extra: &[String]) -> Result<Lane> {
     let out = child.stdout.take().context("lane stdout")?;
     let mut rd = BufReader::new(out);
     let mut line = String::new();
-    let url = loop {
+    let mut url = None;
+    let gateway = loop {
         line.clear();
         if rd.read_line(&mut line)? == 0 {
             bail!("moelane serve exited before listening");
@@ -114,16 +124,27 @@ fn start_lane(model: &Path, map: &Path, extra: &[String]) -> Result<Lane> {
                 .unwrap_or_default()
                 .trim()
                 .to_string();
-            break format!("http://{addr}");
+            url = Some(format!("http://{addr}"));
+        }
+        if let Some(p) = line.find("gateway listening on http://") {
+            break line[p + "gateway listening on http://".len()..]
+                .trim()
+                .trim_end_matches("/v1")
+                .to_string();
         }
     };
+    let url = url.context("moelane serve did not print its primary's address")?;
     std::thread::spawn(move || {
         let mut l = String::new();
         while rd.read_line(&mut l).unwrap_or(0) > 0 {
             l.clear();
         }
     });
-    Ok(Lane { child, url })
+    Ok(Lane {
+        child,
+        url,
+        gateway,
+    })
 }
 
 fn totals(s: &StatsReply) -> (u64, u64, u64, u64, u64) {
