@@ -148,6 +148,16 @@ impl ExpertBank {
         self.slots[layer][s as usize].as_ref()
     }
 
+    /// The experts resident in `layer`, with their weights.
+    pub fn experts_of(&self, layer: usize) -> impl Iterator<Item = (usize, &Arc<ExpertWeights>)> {
+        self.slot_of[layer]
+            .iter()
+            .enumerate()
+            .filter_map(move |(e, s)| {
+                s.and_then(|s| self.slots[layer][s as usize].as_ref().map(|w| (e, w)))
+            })
+    }
+
     pub fn resident(&self, layer: usize) -> usize {
         self.slot_of[layer].iter().filter(|s| s.is_some()).count()
     }

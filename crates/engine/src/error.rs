@@ -5,6 +5,8 @@ use std::path::PathBuf;
 /// Every failure the engine can report.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    #[error("GPU: {0}")]
+    Gpu(String),
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,

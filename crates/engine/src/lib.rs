@@ -24,3 +24,5 @@ pub use error::{Error, Result};
 
 /// The tokenizer lives in `moelane-text` (shared with the gateway).
 pub use moelane_text::tokenizer;
+#[cfg(feature = "cuda")]
+pub mod cuda;

@@ -111,6 +111,23 @@ pub enum BenchCmd {
         #[arg(long, default_value_t = 64)]
         max_tokens: usize,
     },
+    /// Expert compute for many picks at once, CPU bank against GPU (`--device cuda:N`, a build
+    /// with --features cuda) in one run: every expert resident, picks of distinct experts,
+    /// median time per layer call, weight bytes read and the bandwidth that implies.
+    Experts {
+        /// Checkpoint directory (default: generate mini into the cache).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// cpu, or cuda:N to compare with the GPU.
+        #[arg(long, default_value = "cpu")]
+        device: String,
+        /// Picks per call (each of a distinct expert, up to the layer's experts).
+        #[arg(long, value_delimiter = ',', default_value = "6,24,96,384")]
+        picks: Vec<usize>,
+        /// Calls timed per size (the median is reported).
+        #[arg(long, default_value_t = 50)]
+        reps: usize,
+    },
     Engine {
         /// Checkpoint directory (default: generate mini into the cache).
         #[arg(long)]
@@ -276,6 +293,18 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
                 max_tokens.max(1),
             ))?;
         }
+        BenchCmd::Experts {
+            model,
+            device,
+            picks,
+            reps,
+        } => {
+            let model = match model {
+                Some(m) => m,
+                None => default_model("mini")?,
+            };
+            bench_experts(&model, &device, &picks, reps.max(1))?;
+        }
         BenchCmd::Link {
             hidden,
             picks,
@@ -364,6 +393,79 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             }
             println!("implied GB/s = weight bytes per token x tokens/s; physical limit ~{:.1} GB/s of reads (half the copy figure is reads)", bw / 2e9);
         }
+    }
+    Ok(())
+}
+
+/// `moelane bench experts`.
+fn bench_experts(
+    model: &std::path::Path,
+    device: &str,
+    sizes: &[usize],
+    reps: usize,
+) -> Result<()> {
+    use moelane_engine::bank::{ExpertBank, Pick};
+    use moelane_engine::rowmap::{Rowmap, Tier};
+    let ckpt = moelane_engine::checkpoint::Checkpoint::open(model)?;
+    let moe = ckpt.config.moe_layers();
+    let (layers, experts) = (moe.len(), ckpt.config.num_experts);
+    let mut m = Rowmap::all_hot(&ckpt.id, layers, experts);
+    for l in &mut m.layers {
+        l.cold = std::mem::take(&mut l.hot);
+    }
+    let vm = m.validate(&ckpt.id, layers, experts, None)?;
+    let bank = ExpertBank::load(&ckpt, &vm, Tier::Cold, &moe, None)?;
+    let h = bank.hidden;
+    let expert_bytes = 3 * bank.hidden * bank.inter * 4;
+    let dev = moelane_rtx_worker::Device::open(device, &bank).map_err(|e| anyhow::anyhow!(e))?;
+    println!(
+        "{}: {} layers x {} experts, hidden {}, expert width {}, {:.0} KiB per expert (f32); device {}",
+        model.display(),
+        layers,
+        experts,
+        h,
+        bank.inter,
+        expert_bytes as f64 / 1024.0,
+        dev.name()
+    );
+    println!(
+        "{:>6} {:>12} {:>12} {:>12} {:>12}",
+        "picks", "cpu us", "cpu GB/s", "dev us", "dev GB/s"
+    );
+    let mut rng = moelane_engine::rng::Rng::new(3);
+    for &n in sizes {
+        let n = n.clamp(1, experts);
+        let rows = n.div_ceil(6).max(1);
+        let acts: Vec<f32> = (0..rows * h).map(|_| rng.normal()).collect();
+        let picks: Vec<Pick> = (0..n)
+            .map(|i| Pick {
+                row: (i % rows) as u32,
+                expert: i as u16,
+            })
+            .collect();
+        let mut out = vec![0f32; n * h];
+        let mut time =
+            |f: &mut dyn FnMut(&mut [f32]) -> moelane_engine::Result<()>| -> Result<f64> {
+                f(&mut out)?;
+                let mut t = Vec::with_capacity(reps);
+                for _ in 0..reps {
+                    let t0 = Instant::now();
+                    f(&mut out)?;
+                    t.push(t0.elapsed().as_secs_f64());
+                }
+                Ok(median(t))
+            };
+        let cpu = time(&mut |o| bank.compute(0, &picks, &acts, o))?;
+        let devt = time(&mut |o| dev.compute(&bank, 0, &picks, &acts, o))?;
+        let bytes = (n * expert_bytes) as f64;
+        println!(
+            "{:>6} {:>12.1} {:>12.1} {:>12.1} {:>12.1}",
+            n,
+            cpu * 1e6,
+            bytes / cpu / 1e9,
+            devt * 1e6,
+            bytes / devt / 1e9
+        );
     }
     Ok(())
 }

@@ -73,6 +73,10 @@ enum Cmd {
         /// Most sequences decoded together.
         #[arg(long, default_value_t = 64)]
         max_running: usize,
+        /// Where the sidecar computes the cold experts: cpu or cuda:N (needs a build with
+        /// --features cuda).
+        #[arg(long, default_value = "cpu")]
+        sidecar_device: String,
         #[command(flatten)]
         residency: ResidencyArgs,
     },
@@ -239,6 +243,10 @@ struct LaneArgs {
     /// its own listener). Default 127.0.0.1:0 (printed at start): set a fixed one to scrape.
     #[arg(long)]
     metrics_listen: Option<String>,
+    /// Sidecar (and a primary's in-process sidecar): where cold experts are computed, cpu or
+    /// cuda:N (needs a build with --features cuda).
+    #[arg(long)]
+    device: Option<String>,
 }
 
 impl LaneArgs {
@@ -264,7 +272,8 @@ impl LaneArgs {
             kv_tokens,
             link_timeout,
             served_model_name,
-            metrics_listen
+            metrics_listen,
+            device
         );
         if self.lane.is_empty() {
             self.lane = f.lane;
@@ -275,7 +284,7 @@ impl LaneArgs {
 
 async fn wait_for_signal() {
     let _ = tokio::signal::ctrl_c().await;
-    eprintln!("moelane: shutting down");
+    tracing::info!("shutting down");
 }
 
 fn main() -> Result<()> {
@@ -375,6 +384,7 @@ async fn run_cmd(cmd: Cmd) -> Result<()> {
             served_model_name,
             kv_tokens,
             max_running,
+            sidecar_device,
             residency,
         } => {
             let model = match model {
@@ -390,6 +400,7 @@ async fn run_cmd(cmd: Cmd) -> Result<()> {
                 adaptive: residency.options(),
                 prepare_timeout: residency.prepare_timeout(),
                 spare_slots: residency.spare_slots.max(1),
+                sidecar_device: sidecar_device.clone(),
                 sched: moelane_gb300_worker::scheduler::SchedulerConfig {
                     max_running,
                     ..Default::default()
@@ -434,6 +445,7 @@ async fn run_cmd(cmd: Cmd) -> Result<()> {
                             .clone()
                             .unwrap_or_else(moelane_rtx_worker::default_shm_dir),
                         shm_cap: a.shm_bytes.unwrap_or(64 << 20),
+                        device: a.device.clone().unwrap_or_else(|| "cpu".into()),
                     };
                     let (c, d) =
                         roles::start_sidecar(&o, a.listen.as_deref().unwrap_or("127.0.0.1:50061"))
@@ -464,6 +476,7 @@ async fn run_cmd(cmd: Cmd) -> Result<()> {
                         adaptive: a.residency.options(),
                         prepare_timeout: a.residency.prepare_timeout(),
                         spare_slots: a.residency.spare_slots.max(1),
+                        sidecar_device: a.device.clone().unwrap_or_else(|| "cpu".into()),
                         sched: Default::default(),
                     };
                     let primary = roles::start_primary(&opts).await?;

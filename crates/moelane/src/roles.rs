@@ -49,6 +49,8 @@ pub struct PrimaryOptions {
     pub link_timeout: Duration,
     pub prepare_timeout: Duration,
     pub spare_slots: usize,
+    /// Where the in-process sidecar computes: "cpu" or "cuda:N".
+    pub sidecar_device: String,
     pub sched: SchedulerConfig,
 }
 
@@ -189,7 +191,11 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
     let (tier, link_name): (Option<Box<dyn RemoteTier>>, String) = match &o.cold {
         _ if !any_cold => (None, "none".into()),
         ColdLink::InProcess => {
-            let core = Arc::new(SidecarCore::load(&ckpt, &map)?);
+            let core = Arc::new(
+                SidecarCore::load(&ckpt, &map)?
+                    .with_device(&o.sidecar_device)
+                    .map_err(|e| anyhow::anyhow!(e))?,
+            );
             moelane_rtx_worker::register_metrics(core.clone());
             sidecar = Some(Box::new(LocalSidecar(core.clone())));
             (
@@ -323,16 +329,16 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
         tokio::spawn(async move {
             loop {
                 broken.notified().await;
-                eprintln!("moelane: sidecar link lost; re-registering");
+                tracing::warn!("sidecar link lost; re-registering");
                 let mut backoff = Duration::from_millis(100);
                 loop {
                     match r.ask(moelane_residency_actor::Resync).await {
                         Ok(epoch) => {
-                            println!("moelane: sidecar link restored on map epoch {epoch}");
+                            tracing::info!(epoch, "sidecar link restored");
                             break;
                         }
                         Err(kameo::error::SendError::HandlerError(e)) => {
-                            eprintln!("moelane: sidecar not back yet: {e}")
+                            tracing::warn!(error = %e, "sidecar not back yet")
                         }
                         Err(_) => return,
                     }
@@ -353,9 +359,23 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
                 };
                 if let Some(d) = rep.decision.filter(|d| !d.moves.is_empty()) {
                     match rep.outcome {
-                        Some(o) if o.committed => println!("moelane: residency swap to epoch {}: {} moves, cold share {:.2}% -> predicted {:.2}%, wait share {:.2}%", o.epoch, d.moves.len(), 100.0 * d.cold_share, 100.0 * d.predicted_cold_share, 100.0 * d.wait_share),
-                        Some(o) => println!("moelane: residency swap aborted: {}", o.abort_reason),
-                        None if dry => println!("moelane: residency dry run: would move {} experts, cold share {:.2}% -> predicted {:.2}%", d.moves.len(), 100.0 * d.cold_share, 100.0 * d.predicted_cold_share),
+                        Some(o) if o.committed => tracing::info!(
+                            epoch = o.epoch,
+                            moves = d.moves.len(),
+                            cold_share = d.cold_share,
+                            predicted_cold_share = d.predicted_cold_share,
+                            wait_share = d.wait_share,
+                            "residency swap committed"
+                        ),
+                        Some(o) => {
+                            tracing::warn!(reason = %o.abort_reason, "residency swap aborted")
+                        }
+                        None if dry => tracing::info!(
+                            moves = d.moves.len(),
+                            cold_share = d.cold_share,
+                            predicted_cold_share = d.predicted_cold_share,
+                            "residency dry run: would swap"
+                        ),
                         None => {}
                     }
                 }
@@ -383,7 +403,7 @@ pub async fn serve_primary(p: &Primary, addr: &str) -> Result<SocketAddr> {
     let residency = Some(p.residency.clone());
     tokio::spawn(async move {
         if let Err(e) = moelane_gb300_worker::serve(l, actor, residency).await {
-            eprintln!("moelane: primary gRPC server stopped: {e}");
+            tracing::error!(error = %e, "primary gRPC server stopped");
         }
     });
     Ok(a)
@@ -401,7 +421,7 @@ pub async fn start_sidecar(
     let core = s.core.clone();
     tokio::spawn(async move {
         if let Err(e) = moelane_rtx_worker::serve_control(l, actor, core).await {
-            eprintln!("moelane: sidecar control server stopped: {e}");
+            tracing::error!(error = %e, "sidecar control server stopped");
         }
     });
     Ok((a, s.data_addr))
@@ -464,7 +484,7 @@ pub async fn start_gateway(o: &GatewayOptions) -> Result<SocketAddr> {
     });
     tokio::spawn(async move {
         if let Err(e) = axum::serve(l, app).await {
-            eprintln!("moelane: gateway stopped: {e}");
+            tracing::error!(error = %e, "gateway stopped");
         }
     });
     Ok(a)

@@ -1,9 +1,10 @@
-//! `moelane bench telemetry`: what metrics and tracing cost. Two embedded lanes on one
-//! checkpoint, started side by side: one with telemetry off (`MOELANE_METRICS=off`, no OTLP
-//! endpoint), one with everything on (the Prometheus page scraped every second, every span
-//! exported over OTLP/gRPC to a receiver in this process). They are loaded in turn, in
-//! alternating order, through their gateways with streaming completions; the medians of
-//! tokens/s are compared.
+//! `moelane bench telemetry`: what metrics and tracing cost. Three embedded lanes on one
+//! checkpoint, started side by side: two with telemetry off (`MOELANE_METRICS=off`, no OTLP
+//! endpoint) and one with everything on (the Prometheus page scraped every second, every span
+//! exported over OTLP/gRPC to a receiver in this process). They are loaded one at a time, in
+//! rotating order, through their gateways with streaming completions; the medians of tokens/s
+//! are compared. The two identical lanes give the noise floor of the comparison (lane to lane
+//! differences that have nothing to do with telemetry).
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -50,23 +51,31 @@ const PROMPTS: [&str; 5] = [
 ];
 
 /// Tokens/s of `users` concurrent streaming clients, `requests` each.
-async fn load(gateway: &str, users: usize, requests: usize, max_tokens: usize) -> Result<f64> {
+async fn load(
+    gateway: &str,
+    model: &str,
+    users: usize,
+    requests: usize,
+    max_tokens: usize,
+) -> Result<f64> {
     let t0 = Instant::now();
     let mut hs = Vec::new();
     for u in 0..users {
-        let g = gateway.to_string();
+        let (g, m) = (gateway.to_string(), model.to_string());
         hs.push(tokio::spawn(async move {
             let mut tokens = 0u64;
             for i in 0..requests {
-                let body = json!({"model": "m", "prompt": PROMPTS[(u + i) % PROMPTS.len()],
+                let body = json!({"model": m, "prompt": PROMPTS[(u + i) % PROMPTS.len()],
                                   "max_tokens": max_tokens, "temperature": 0, "stream": true,
-                                  "ignore_eos": true})
+                                  "stream_options": {"include_usage": true}, "ignore_eos": true})
                 .to_string();
                 let evs = crate::client::stream_post(&g, "/v1/completions", &body).await?;
+                // the usage chunk says how many tokens were generated
                 tokens += evs
                     .iter()
-                    .filter(|(_, d)| d.contains("\"text\":\"") && !d.contains("\"text\":\"\""))
-                    .count() as u64;
+                    .filter_map(|(_, d)| serde_json::from_str::<serde_json::Value>(d).ok())
+                    .filter_map(|v| v["usage"]["completion_tokens"].as_u64())
+                    .sum::<u64>();
             }
             Ok::<u64, anyhow::Error>(tokens)
         }));
@@ -101,12 +110,14 @@ pub async fn run(
             .await;
     });
     let ep = format!("http://{addr}");
+    let name = model
+        .file_name()
+        .map(|n| n.to_string_lossy().to_string())
+        .unwrap_or_default();
     let off = crate::shift::start_serve(&model, &[], &[("MOELANE_METRICS", "off")])?;
-    let on = crate::shift::start_serve(
-        &model,
-        &[],
-        &[("OTEL_EXPORTER_OTLP_ENDPOINT", ep.as_str())],
-    )?;
+    let off_b = crate::shift::start_serve(&model, &[], &[("MOELANE_METRICS", "off")])?;
+    let on =
+        crate::shift::start_serve(&model, &[], &[("OTEL_EXPORTER_OTLP_ENDPOINT", ep.as_str())])?;
     // a Prometheus-like scraper on the lane with telemetry on
     let scrapes = Arc::new(AtomicU64::new(0));
     let (g, sc) = (on.gateway.clone(), scrapes.clone());
@@ -120,26 +131,34 @@ pub async fn run(
         }
     });
     eprintln!("warming up both lanes...");
-    load(&off.gateway, users, 1, 16).await.context("lane with telemetry off")?;
-    load(&on.gateway, users, 1, 16).await.context("lane with telemetry on")?;
-    let (mut a, mut b) = (Vec::new(), Vec::new());
+    load(&off.gateway, &name, users, 1, 16)
+        .await
+        .context("lane with telemetry off")?;
+    load(&on.gateway, &name, users, 1, 16)
+        .await
+        .context("lane with telemetry on")?;
+    load(&off_b.gateway, &name, users, 1, 16)
+        .await
+        .context("second lane with telemetry off")?;
+    let lanes = [("off", &off), ("on", &on), ("off (2nd)", &off_b)];
+    let mut got: Vec<Vec<f64>> = vec![Vec::new(); 3];
     for r in 0..reps {
-        let order = if r % 2 == 0 { [false, true] } else { [true, false] };
-        for with in order {
-            let lane = if with { &on } else { &off };
-            let t = load(&lane.gateway, users, requests, max_tokens).await?;
-            eprintln!("  rep {r} telemetry {}: {t:.1} tok/s", if with { "on " } else { "off" });
-            if with {
-                b.push(t);
-            } else {
-                a.push(t);
-            }
+        for k in 0..3 {
+            let i = (r + k) % 3;
+            let t = load(&lanes[i].1.gateway, &name, users, requests, max_tokens).await?;
+            eprintln!("  rep {r} telemetry {:<9}: {t:.1} tok/s", lanes[i].0);
+            got[i].push(t);
         }
     }
-    let (ma, mb) = (median(a.clone()), median(b.clone()));
+    let m: Vec<f64> = got.iter().map(|v| median(v.clone())).collect();
+    for (i, (n, _)) in lanes.iter().enumerate() {
+        println!("telemetry {n:<9}: median {:.1} tok/s  {:.1?}", m[i], got[i]);
+    }
+    let base = (m[0] + m[2]) / 2.0;
     println!(
-        "telemetry off: median {ma:.1} tok/s  {a:.1?}\ntelemetry on:  median {mb:.1} tok/s  {b:.1?}\ncost: {:+.2}% ({} spans exported, {} scrapes)",
-        100.0 * (ma - mb) / ma,
+        "cost of telemetry: {:+.2}% of the mean of the two off lanes; noise floor (off vs off): {:.2}%; {} spans exported, {} scrapes",
+        100.0 * (base - m[1]) / base,
+        100.0 * (m[0] - m[2]).abs() / base,
         sink.0.load(Ordering::Relaxed),
         scrapes.load(Ordering::Relaxed)
     );

@@ -35,11 +35,101 @@ pub struct ColdState {
     pub next: Option<ValidMap>,
 }
 
+/// Where the cold experts are computed.
+pub enum Device {
+    Cpu,
+    /// Experts mirrored on a GPU (the CPU bank stays the record of what is resident).
+    #[cfg(feature = "cuda")]
+    Gpu(Box<std::sync::Mutex<moelane_engine::cuda::GpuExperts>>),
+}
+
+impl Device {
+    /// "cpu" or "cuda:N".
+    pub fn open(spec: &str, bank: &ExpertBank) -> Result<Device, String> {
+        if spec == "cpu" {
+            return Ok(Device::Cpu);
+        }
+        let Some(n) = spec
+            .strip_prefix("cuda:")
+            .or((spec == "cuda").then_some("0"))
+        else {
+            return Err(format!("--device {spec:?}: choose cpu or cuda:N"));
+        };
+        let ordinal: usize = n
+            .parse()
+            .map_err(|_| format!("--device {spec:?}: N in cuda:N must be a number"))?;
+        Self::open_gpu(ordinal, bank)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn open_gpu(ordinal: usize, bank: &ExpertBank) -> Result<Device, String> {
+        let gpu = moelane_engine::cuda::Gpu::open(ordinal).map_err(|e| e.to_string())?;
+        let mut g = moelane_engine::cuda::GpuExperts::new(gpu, bank.hidden, bank.inter)
+            .map_err(|e| e.to_string())?;
+        g.sync(bank).map_err(|e| e.to_string())?;
+        Ok(Device::Gpu(Box::new(std::sync::Mutex::new(g))))
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn open_gpu(ordinal: usize, _: &ExpertBank) -> Result<Device, String> {
+        Err(format!(
+            "--device cuda:{ordinal}: this moelane was built without CUDA (cargo build --release --features cuda)"
+        ))
+    }
+
+    pub fn name(&self) -> String {
+        match self {
+            Device::Cpu => "cpu".into(),
+            #[cfg(feature = "cuda")]
+            Device::Gpu(g) => g
+                .lock()
+                .map(|g| g.describe())
+                .unwrap_or_else(|_| "gpu (poisoned)".into()),
+        }
+    }
+
+    /// One output row per pick, on this device.
+    pub fn compute(
+        &self,
+        bank: &ExpertBank,
+        layer: usize,
+        picks: &[moelane_engine::bank::Pick],
+        acts: &[f32],
+        out: &mut [f32],
+    ) -> moelane_engine::Result<()> {
+        match self {
+            Device::Cpu => bank.compute(layer, picks, acts, out),
+            #[cfg(feature = "cuda")]
+            Device::Gpu(g) => g
+                .lock()
+                .map_err(|_| moelane_engine::Error::Gpu("GPU state poisoned".into()))?
+                .compute(layer, picks, acts, out),
+        }
+    }
+
+    /// Makes the GPU mirror hold what `bank` holds (after any change to the bank).
+    fn mirror(&self, bank: &ExpertBank) -> Result<(), String> {
+        match self {
+            Device::Cpu => {
+                let _ = bank;
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Device::Gpu(g) => g
+                .lock()
+                .map_err(|_| "GPU state poisoned".to_string())?
+                .sync(bank)
+                .map_err(|e| e.to_string()),
+        }
+    }
+}
+
 /// The sidecar's compute, shared by every link.
 pub struct SidecarCore {
     pub model: String,
     pub ckpt_dir: PathBuf,
     pub state: RwLock<ColdState>,
+    pub device: Device,
     pub requests: AtomicU64,
     pub picks: AtomicU64,
     pub compute_ns: AtomicU64,
@@ -62,8 +152,14 @@ impl ColdService for SidecarCore {
         }
         out.clear();
         out.resize(req.picks.len() * st.bank.hidden, 0.0);
-        st.bank
-            .compute(req.layer as usize, &req.picks, &req.activations, out)
+        self.device
+            .compute(
+                &st.bank,
+                req.layer as usize,
+                &req.picks,
+                &req.activations,
+                out,
+            )
             .map_err(|e| e.to_string())?;
         self.requests.fetch_add(1, Ordering::Relaxed);
         self.picks
@@ -103,12 +199,22 @@ impl SidecarCore {
                 map: map.clone(),
                 next: None,
             }),
+            device: Device::Cpu,
             requests: AtomicU64::new(0),
             picks: AtomicU64::new(0),
             compute_ns: AtomicU64::new(0),
             bytes_in: AtomicU64::new(0),
             bytes_out: AtomicU64::new(0),
         })
+    }
+
+    /// Computes on `spec` ("cpu" or "cuda:N") instead of the CPU.
+    pub fn with_device(mut self, spec: &str) -> Result<Self, String> {
+        let st = self.state.read().map_err(|_| "state poisoned")?;
+        let d = Device::open(spec, &st.bank)?;
+        drop(st);
+        self.device = d;
+        Ok(self)
     }
 
     pub fn epoch(&self) -> u64 {
@@ -168,6 +274,7 @@ impl SidecarCore {
         moelane_engine::swap::stage(&mut st.bank, loaded);
         moelane_engine::swap::check_resident(&st.bank, &next, Tier::Cold)
             .map_err(|e| e.to_string())?;
+        self.device.mirror(&st.bank)?;
         st.epochs.apply_prepare(step, epoch);
         st.next = Some(next);
         Ok(epoch)
@@ -183,6 +290,7 @@ impl SidecarCore {
             }
             let ColdState { bank, map, .. } = &mut *st;
             moelane_engine::swap::release(bank, map, Tier::Cold);
+            self.device.mirror(bank)?;
         }
         Ok(st.epochs.epoch)
     }
@@ -195,6 +303,7 @@ impl SidecarCore {
             st.next = None;
             let ColdState { bank, map, .. } = &mut *st;
             moelane_engine::swap::release(bank, map, Tier::Cold);
+            self.device.mirror(bank)?;
         }
         Ok(())
     }
@@ -245,6 +354,7 @@ impl SidecarCore {
         let ColdState { bank, map, .. } = &mut *st;
         moelane_engine::swap::release(bank, map, Tier::Cold);
         moelane_engine::swap::check_resident(bank, map, Tier::Cold).map_err(|e| e.to_string())?;
+        self.device.mirror(bank)?;
         Ok(highest)
     }
 }
@@ -567,6 +677,10 @@ impl Message<LoadMapMsg> for SidecarActor {
             map: valid.clone(),
             next: None,
         };
+        self.core
+            .device
+            .mirror(&st.bank)
+            .map_err(|e| Category::Internal.status(e))?;
         Ok(LoadMapReply {
             map_epoch: valid.epoch(),
         })
@@ -691,6 +805,8 @@ pub struct SidecarOptions {
     pub shm_dir: PathBuf,
     /// Bytes per ring of a shared-memory link.
     pub shm_cap: u64,
+    /// Where cold experts are computed: "cpu" or "cuda:N".
+    pub device: String,
 }
 
 /// A started sidecar: its actor and the addresses it serves.
@@ -708,7 +824,11 @@ pub fn start(opts: &SidecarOptions) -> moelane_engine::Result<Sidecar0> {
         None => None,
     };
     let map = moelane_engine::load::resolve_map(&ckpt, map)?;
-    let core = Arc::new(SidecarCore::load(&ckpt, &map)?);
+    let core = Arc::new(
+        SidecarCore::load(&ckpt, &map)?
+            .with_device(&opts.device)
+            .map_err(moelane_engine::Error::Gpu)?,
+    );
     let data_addr = match &opts.data {
         Some(a) => {
             let l = std::net::TcpListener::bind(a)

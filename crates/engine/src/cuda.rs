@@ -1,0 +1,311 @@
+//! The CUDA path (feature `cuda`), built on cudarc with dynamic loading: nothing of CUDA is
+//! needed to build, and the driver, NVRTC and the kernels are found at run time.
+//!
+//! Built so far: a device handle; kernels (`kernels/*.cu`) compiled by NVRTC for the device's
+//! compute capability at first use, their PTX cached on disk by source hash and capability;
+//! and [`GpuExperts`], a tier's experts resident on the GPU, computed for many picks at once
+//! by one kernel launch (one thread block per pick), with scratch buffers that only grow, so
+//! a warm step allocates nothing.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
+    PushKernelArg,
+};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+use sha2::Digest;
+
+use crate::bank::{ExpertBank, Pick};
+use crate::error::{Error, Result};
+
+fn gpu_err(what: &str, e: impl std::fmt::Debug) -> Error {
+    Error::Gpu(format!("{what}: {e:?}"))
+}
+
+/// The expert kernels' source, compiled at run time.
+pub const EXPERTS_CU: &str = include_str!("../../../kernels/experts.cu");
+
+/// One CUDA device.
+pub struct Gpu {
+    pub ordinal: usize,
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    /// compute capability (major, minor)
+    pub cc: (i32, i32),
+    pub name: String,
+}
+
+impl Gpu {
+    /// Opens device `ordinal` (fails with a clear error where there is no driver or device).
+    pub fn open(ordinal: usize) -> Result<Arc<Gpu>> {
+        // cudarc panics when it cannot load libcuda: turn that into an error, quietly
+        let hook = std::panic::take_hook();
+        std::panic::set_hook(Box::new(|_| {}));
+        let n = std::panic::catch_unwind(CudaContext::device_count);
+        std::panic::set_hook(hook);
+        let n = n
+            .map_err(|_| Error::Gpu("the CUDA driver library (libcuda) was not found".into()))?
+            .map_err(|e| gpu_err("counting CUDA devices", e))?;
+        if ordinal >= n as usize {
+            return Err(Error::Gpu(format!(
+                "cuda:{ordinal}: this machine has {n} CUDA device(s)"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| gpu_err("creating a CUDA context", e))?;
+        use cudarc::driver::sys::CUdevice_attribute_enum as A;
+        let major = ctx
+            .attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+            .map_err(|e| gpu_err("reading the compute capability", e))?;
+        let minor = ctx
+            .attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+            .map_err(|e| gpu_err("reading the compute capability", e))?;
+        let cc = (major, minor);
+        let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
+        let stream = ctx.default_stream();
+        Ok(Arc::new(Gpu {
+            ordinal,
+            ctx,
+            stream,
+            cc,
+            name,
+        }))
+    }
+
+    fn ptx_cache_dir() -> PathBuf {
+        std::env::var_os("MOELANE_CACHE")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| {
+                std::env::var_os("HOME")
+                    .map(PathBuf::from)
+                    .unwrap_or_else(std::env::temp_dir)
+                    .join(".cache/moelane")
+            })
+            .join("ptx")
+    }
+
+    /// Loads `src` as a module: PTX from the cache when this source was compiled for this
+    /// capability before, else compiled by NVRTC (and cached).
+    pub fn module(&self, name: &str, src: &str) -> Result<Arc<CudaModule>> {
+        let hash = sha2::Sha256::digest(src.as_bytes());
+        let key: String = hash[..8].iter().map(|b| format!("{b:02x}")).collect();
+        let arch = format!("sm_{}{}", self.cc.0, self.cc.1);
+        let path = Self::ptx_cache_dir().join(format!("{name}-{key}-{arch}.ptx"));
+        let ptx = match std::fs::read_to_string(&path) {
+            Ok(text) => Ptx::from_src(text),
+            Err(_) => {
+                let arch_static: &'static str = Box::leak(arch.clone().into_boxed_str());
+                let opts = CompileOptions {
+                    arch: Some(arch_static),
+                    ..Default::default()
+                };
+                let ptx = compile_ptx_with_opts(src, opts)
+                    .map_err(|e| gpu_err(&format!("NVRTC compiling {name} for {arch}"), e))?;
+                if let Some(dir) = path.parent() {
+                    let _ = std::fs::create_dir_all(dir);
+                    let tmp = path.with_extension("ptx.tmp");
+                    if std::fs::write(&tmp, ptx.to_src()).is_ok() {
+                        let _ = std::fs::rename(&tmp, &path);
+                    }
+                }
+                ptx
+            }
+        };
+        self.ctx
+            .load_module(ptx)
+            .map_err(|e| gpu_err(&format!("loading module {name}"), e))
+    }
+}
+
+/// A tier's experts on the GPU: `gate_up [2I, H]` and `down [H, I]` per resident expert.
+pub struct GpuExperts {
+    gpu: Arc<Gpu>,
+    f: CudaFunction,
+    hidden: usize,
+    inter: usize,
+    w: HashMap<(usize, usize), (CudaSlice<f32>, CudaSlice<f32>)>,
+    acts: CudaSlice<f32>,
+    rows: CudaSlice<i32>,
+    gate_up: CudaSlice<u64>,
+    down: CudaSlice<u64>,
+    out: CudaSlice<f32>,
+    host_rows: Vec<i32>,
+    host_gu: Vec<u64>,
+    host_dn: Vec<u64>,
+}
+
+fn grow<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+    stream: &Arc<CudaStream>,
+    buf: &mut CudaSlice<T>,
+    n: usize,
+) -> Result<()> {
+    if buf.len() < n {
+        *buf = stream
+            .alloc_zeros::<T>(n.next_power_of_two())
+            .map_err(|e| gpu_err("allocating GPU scratch", e))?;
+    }
+    Ok(())
+}
+
+impl GpuExperts {
+    pub fn new(gpu: Arc<Gpu>, hidden: usize, inter: usize) -> Result<Self> {
+        let m = gpu.module("experts", EXPERTS_CU)?;
+        let f = m
+            .load_function("expert_swiglu")
+            .map_err(|e| gpu_err("loading expert_swiglu", e))?;
+        let s = gpu.stream.clone();
+        let z = |n| {
+            s.alloc_zeros::<f32>(n)
+                .map_err(|e| gpu_err("allocating", e))
+        };
+        Ok(GpuExperts {
+            f,
+            hidden,
+            inter,
+            w: HashMap::new(),
+            acts: z(hidden)?,
+            rows: s.alloc_zeros(1).map_err(|e| gpu_err("allocating", e))?,
+            gate_up: s.alloc_zeros(1).map_err(|e| gpu_err("allocating", e))?,
+            down: s.alloc_zeros(1).map_err(|e| gpu_err("allocating", e))?,
+            out: z(hidden)?,
+            host_rows: Vec::new(),
+            host_gu: Vec::new(),
+            host_dn: Vec::new(),
+            gpu,
+        })
+    }
+
+    /// "cuda:N (name, sm_XY)"
+    pub fn describe(&self) -> String {
+        format!(
+            "cuda:{} ({}, sm_{}{})",
+            self.gpu.ordinal, self.gpu.name, self.gpu.cc.0, self.gpu.cc.1
+        )
+    }
+
+    /// Experts resident on the GPU.
+    pub fn resident(&self) -> usize {
+        self.w.len()
+    }
+
+    /// Bytes of expert weights on the GPU.
+    pub fn bytes(&self) -> usize {
+        self.w.len() * 3 * self.hidden * self.inter * 4
+    }
+
+    /// Makes the GPU hold exactly the experts `bank` holds: uploads the missing ones, frees
+    /// the ones it no longer has.
+    pub fn sync(&mut self, bank: &ExpertBank) -> Result<()> {
+        let mut want = Vec::new();
+        for l in 0..bank.layers() {
+            for (e, w) in bank.experts_of(l) {
+                want.push(((l, e), w));
+            }
+        }
+        let keep: std::collections::HashSet<(usize, usize)> =
+            want.iter().map(|(k, _)| *k).collect();
+        self.w.retain(|k, _| keep.contains(k));
+        for (k, w) in want {
+            if self.w.contains_key(&k) {
+                continue;
+            }
+            let s = &self.gpu.stream;
+            let gu = s
+                .clone_htod(&w.gate_up.data)
+                .map_err(|e| gpu_err("uploading an expert", e))?;
+            let dn = s
+                .clone_htod(&w.down.data)
+                .map_err(|e| gpu_err("uploading an expert", e))?;
+            self.w.insert(k, (gu, dn));
+        }
+        self.gpu
+            .stream
+            .synchronize()
+            .map_err(|e| gpu_err("synchronising uploads", e))
+    }
+
+    /// One output row per pick, in pick order: the same contract as [`ExpertBank::compute`].
+    pub fn compute(
+        &mut self,
+        layer: usize,
+        picks: &[Pick],
+        acts: &[f32],
+        out: &mut [f32],
+    ) -> Result<()> {
+        let h = self.hidden;
+        if picks.is_empty() {
+            return Ok(());
+        }
+        if out.len() < picks.len() * h {
+            return Err(Error::Tier(format!(
+                "output buffer holds {} floats, {} picks need {}",
+                out.len(),
+                picks.len(),
+                picks.len() * h
+            )));
+        }
+        let rows = acts.len() / h.max(1);
+        let s = self.gpu.stream.clone();
+        self.host_rows.clear();
+        self.host_gu.clear();
+        self.host_dn.clear();
+        for p in picks {
+            if p.row as usize >= rows {
+                return Err(Error::Tier(format!(
+                    "pick row {} but {rows} activation rows",
+                    p.row
+                )));
+            }
+            let Some((gu, dn)) = self.w.get(&(layer, p.expert as usize)) else {
+                return Err(Error::NotResident {
+                    layer,
+                    expert: p.expert as usize,
+                    tier: "gpu",
+                });
+            };
+            let (gp, _g1) = gu.device_ptr(&s);
+            let (dp, _g2) = dn.device_ptr(&s);
+            self.host_rows.push(p.row as i32);
+            self.host_gu.push(gp);
+            self.host_dn.push(dp);
+        }
+        let n = picks.len();
+        grow(&s, &mut self.acts, acts.len())?;
+        grow(&s, &mut self.rows, n)?;
+        grow(&s, &mut self.gate_up, n)?;
+        grow(&s, &mut self.down, n)?;
+        grow(&s, &mut self.out, n * h)?;
+        let e = |x| gpu_err("copying to the GPU", x);
+        s.memcpy_htod(acts, &mut self.acts.slice_mut(..acts.len()))
+            .map_err(e)?;
+        s.memcpy_htod(&self.host_rows, &mut self.rows.slice_mut(..n))
+            .map_err(e)?;
+        s.memcpy_htod(&self.host_gu, &mut self.gate_up.slice_mut(..n))
+            .map_err(e)?;
+        s.memcpy_htod(&self.host_dn, &mut self.down.slice_mut(..n))
+            .map_err(e)?;
+        let (hi, ii) = (h as i32, self.inter as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: ((h + self.inter) * 4) as u32,
+        };
+        let mut b = s.launch_builder(&self.f);
+        b.arg(&self.acts)
+            .arg(&self.rows)
+            .arg(&self.gate_up)
+            .arg(&self.down)
+            .arg(&mut self.out)
+            .arg(&hi)
+            .arg(&ii);
+        // SAFETY: the arguments match the kernel's signature; every pointer the kernel follows
+        // (rows < activation rows, resident experts' weights of [2I,H] and [H,I]) was checked
+        // above, and the scratch holds n picks.
+        unsafe { b.launch(cfg) }.map_err(|e| gpu_err("launching expert_swiglu", e))?;
+        s.memcpy_dtoh(&self.out.slice(..n * h), &mut out[..n * h])
+            .map_err(|e| gpu_err("copying from the GPU", e))?;
+        s.synchronize().map_err(|e| gpu_err("synchronising", e))
+    }
+}

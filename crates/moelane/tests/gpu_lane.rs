@@ -1,0 +1,63 @@
+//! The embedded lane with its sidecar computing on a GPU (`--sidecar-device cuda:0`; feature
+//! `cuda`; skips, saying why, where there is no CUDA device): greedy answers of 50 prompts
+//! (five languages) under the fitted map and under an all-cold map (every expert on the GPU),
+//! against the CPU-only lane. The GPU sums in another order than the CPU, so a near-tie can
+//! flip a greedy pick: the test reports k/50 identical and requires nearly all.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use common::*;
+
+fn prompts() -> Vec<String> {
+    (0..5)
+        .flat_map(|l| {
+            moelane_engine::synth::prompts(l)
+                .into_iter()
+                .take(10)
+                .map(|p| p.chars().take(40).collect::<String>())
+        })
+        .collect()
+}
+
+fn answers(extra: &[&str]) -> Vec<String> {
+    let (_p, gw) = serve_tiny(extra);
+    prompts().iter().map(|p| complete(&gw, p, 32)).collect()
+}
+
+#[test]
+fn gpu_sidecar_matches_the_cpu_lane() {
+    if let Err(e) = moelane_engine::cuda::Gpu::open(0) {
+        eprintln!("SKIP gpu lane: {e}");
+        return;
+    }
+    let want = answers(&[]);
+    let map = moelane_engine::rowmap::Rowmap::read(&tiny().join("rowmap.json")).unwrap();
+    let mut cold = map.clone();
+    for l in &mut cold.layers {
+        let mut all = std::mem::take(&mut l.hot);
+        all.append(&mut l.cold);
+        l.cold = all;
+    }
+    let dir = std::env::temp_dir().join(format!("moelane-gpu-lane-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cold_path = dir.join("all-cold.json");
+    cold.write_atomic(&cold_path).unwrap();
+    for (name, extra) in [
+        ("fitted map", vec!["--sidecar-device", "cuda:0"]),
+        (
+            "all-cold map",
+            vec![
+                "--sidecar-device",
+                "cuda:0",
+                "--map",
+                cold_path.to_str().unwrap(),
+            ],
+        ),
+    ] {
+        let got = answers(&extra);
+        let same = got.iter().zip(&want).filter(|(a, b)| a == b).count();
+        eprintln!("GPU sidecar, {name}: {same}/50 greedy answers identical to the CPU lane");
+        assert!(same >= 45, "{name}: only {same}/50 identical");
+    }
+}
