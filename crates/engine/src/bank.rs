@@ -19,6 +19,17 @@ pub struct Pick {
     pub expert: u16,
 }
 
+/// Refuses an output buffer too small for one row of `hidden` per pick.
+pub fn check_out(out_len: usize, picks: usize, hidden: usize) -> Result<()> {
+    if out_len < picks * hidden {
+        return Err(Error::Tier(format!(
+            "output buffer holds {out_len} floats, {picks} picks need {}",
+            picks * hidden
+        )));
+    }
+    Ok(())
+}
+
 /// Per layer: the experts resident in this tier, by slot.
 pub struct ExpertBank {
     pub tier: Tier,
@@ -186,14 +197,7 @@ impl ExpertBank {
         out: &mut [f32],
     ) -> Result<()> {
         let h = self.hidden;
-        if out.len() < picks.len() * h {
-            return Err(Error::Tier(format!(
-                "output buffer holds {} floats, {} picks need {}",
-                out.len(),
-                picks.len(),
-                picks.len() * h
-            )));
-        }
+        check_out(out.len(), picks.len(), h)?;
         let rows = acts.len() / h.max(1);
         // group picks by expert (stable: pick order within a group)
         let mut order: Vec<u32> = (0..picks.len() as u32).collect();

@@ -238,14 +238,7 @@ impl GpuExperts {
         if picks.is_empty() {
             return Ok(());
         }
-        if out.len() < picks.len() * h {
-            return Err(Error::Tier(format!(
-                "output buffer holds {} floats, {} picks need {}",
-                out.len(),
-                picks.len(),
-                picks.len() * h
-            )));
-        }
+        crate::bank::check_out(out.len(), picks.len(), h)?;
         let rows = acts.len() / h.max(1);
         let s = self.gpu.stream.clone();
         self.host_rows.clear();

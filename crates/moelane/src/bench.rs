@@ -165,6 +165,21 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// `--model`, or the mini checkpoint in the cache (made once).
+fn model_or_mini(model: Option<PathBuf>) -> Result<PathBuf> {
+    match model {
+        Some(m) => Ok(m),
+        None => default_model("mini"),
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?)
+}
+
 pub fn default_model(preset: &str) -> Result<PathBuf> {
     let base = std::env::var_os("MOELANE_CACHE")
         .map(PathBuf::from)
@@ -218,10 +233,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             lane_stats,
             json,
         } => {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()?;
+            let rt = runtime()?;
             rt.block_on(crate::loadgen::run(crate::loadgen::LoadOptions {
                 url,
                 model,
@@ -245,14 +257,8 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             moves_per_layer,
             out,
         } => {
-            let model = match model {
-                Some(m) => m,
-                None => default_model("mini")?,
-            };
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()?;
+            let model = model_or_mini(model)?;
+            let rt = runtime()?;
             rt.block_on(crate::shift::run(crate::shift::ShiftOptions {
                 model,
                 users,
@@ -277,14 +283,8 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             requests,
             max_tokens,
         } => {
-            let model = match model {
-                Some(m) => m,
-                None => default_model("mini")?,
-            };
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()?;
+            let model = model_or_mini(model)?;
+            let rt = runtime()?;
             rt.block_on(crate::telemetry_bench::run(
                 model,
                 users.max(1),
@@ -299,10 +299,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             picks,
             reps,
         } => {
-            let model = match model {
-                Some(m) => m,
-                None => default_model("mini")?,
-            };
+            let model = model_or_mini(model)?;
             bench_experts(&model, &device, &picks, reps.max(1))?;
         }
         BenchCmd::Link {

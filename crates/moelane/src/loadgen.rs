@@ -23,7 +23,8 @@ pub struct LoadOptions {
     pub json: Option<PathBuf>,
 }
 
-const PROMPTS: [&str; 5] = [
+/// One prompt per language of the synthetic checkpoints.
+pub(crate) const PROMPTS: [&str; 5] = [
     "The agent called the tool search_files with the query",
     "Am frühen Morgen lag dichter Nebel über dem Fluss",
     "朝早く、川の上には濃い霧が立ちこめていて",

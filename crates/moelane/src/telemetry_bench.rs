@@ -42,13 +42,7 @@ impl TraceService for Sink {
     }
 }
 
-const PROMPTS: [&str; 5] = [
-    "The agent called the tool search_files with the query",
-    "Am frühen Morgen lag dichter Nebel über dem Fluss",
-    "朝早く、川の上には濃い霧が立ちこめていて",
-    "이른 아침 강 위에는 짙은 안개가 끼어 있었고",
-    "fn main() { let args: Vec<String> = std::env::args().collect();",
-];
+use crate::loadgen::PROMPTS;
 
 /// Tokens/s of `users` concurrent streaming clients, `requests` each.
 async fn load(

@@ -9,20 +9,9 @@ mod common;
 
 use common::*;
 
-fn prompts() -> Vec<String> {
-    (0..5)
-        .flat_map(|l| {
-            moelane_engine::synth::prompts(l)
-                .into_iter()
-                .take(10)
-                .map(|p| p.chars().take(40).collect::<String>())
-        })
-        .collect()
-}
-
 fn answers(extra: &[&str]) -> Vec<String> {
     let (_p, gw) = serve_tiny(extra);
-    prompts().iter().map(|p| complete(&gw, p, 32)).collect()
+    prompts50().iter().map(|p| complete(&gw, p, 32)).collect()
 }
 
 #[test]

@@ -140,32 +140,7 @@ fn metrics_count_what_clients_saw_and_pass_promtool() {
     );
     assert_eq!(get(&gw, "/nope").0, 404);
     // one swap
-    let map = moelane_engine::rowmap::Rowmap::read(&tiny().join("rowmap.json")).unwrap();
-    let (h, c) = (map.layers[0].hot[0], map.layers[0].cold[0]);
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let sw = rt.block_on(async {
-        let mut cl = PrimaryClient::connect(purl).await.unwrap();
-        cl.swap(SwapRequest {
-            moves: vec![
-                Move {
-                    layer: 0,
-                    expert: h as u32,
-                    to_hot: false,
-                },
-                Move {
-                    layer: 0,
-                    expert: c as u32,
-                    to_hot: true,
-                },
-            ],
-        })
-        .await
-        .unwrap()
-        .into_inner()
-    });
+    let sw = swap_pair(&purl, 0);
     assert!(sw.committed, "{}", sw.abort_reason);
 
     let page = request(&gw, "GET", "/metrics", b"");
@@ -383,6 +358,31 @@ fn metrics_count_what_clients_saw_and_pass_promtool() {
     assert!(queries >= 20, "only {queries} metric references");
 }
 
+/// One hot expert of `layer` to cold and one cold to hot, through the primary's Swap RPC.
+fn swap_pair(purl: &str, layer: u32) -> moelane_proto::lane::SwapReply {
+    let map = moelane_engine::rowmap::Rowmap::read(&tiny().join("rowmap.json")).unwrap();
+    let lm = &map.layers[layer as usize];
+    let (h, c) = (lm.hot[0] as u32, lm.cold[0] as u32);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut cl = PrimaryClient::connect(purl.to_string()).await.unwrap();
+        let mv = |expert, to_hot| Move {
+            layer,
+            expert,
+            to_hot,
+        };
+        cl.swap(SwapRequest {
+            moves: vec![mv(h, false), mv(c, true)],
+        })
+        .await
+        .unwrap()
+        .into_inner()
+    })
+}
+
 #[derive(Clone, Default)]
 struct Sink(Arc<Mutex<Vec<ExportTraceServiceRequest>>>);
 
@@ -504,28 +504,7 @@ fn one_trace_per_request_and_per_swap_across_processes() {
     );
     assert_eq!(st, 200, "{r}");
     let completion = r["usage"]["completion_tokens"].as_u64().unwrap();
-    let map = moelane_engine::rowmap::Rowmap::read(&tiny().join("rowmap.json")).unwrap();
-    let (h, c) = (map.layers[1].hot[0], map.layers[1].cold[0]);
-    let sw = rt.block_on(async {
-        let mut cl = PrimaryClient::connect(purl).await.unwrap();
-        cl.swap(SwapRequest {
-            moves: vec![
-                Move {
-                    layer: 1,
-                    expert: h as u32,
-                    to_hot: false,
-                },
-                Move {
-                    layer: 1,
-                    expert: c as u32,
-                    to_hot: true,
-                },
-            ],
-        })
-        .await
-        .unwrap()
-        .into_inner()
-    });
+    let sw = swap_pair(&purl, 1);
     assert!(sw.committed, "{}", sw.abort_reason);
     // wait for the batches to arrive
     let deadline = Instant::now() + Duration::from_secs(20);

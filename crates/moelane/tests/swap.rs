@@ -14,17 +14,6 @@ use moelane_engine::rowmap::Rowmap;
 use moelane_proto::lane::primary_client::PrimaryClient;
 use moelane_proto::lane::{Move, SwapRequest};
 
-fn prompts() -> Vec<String> {
-    (0..5)
-        .flat_map(|l| {
-            moelane_engine::synth::prompts(l)
-                .into_iter()
-                .take(10)
-                .map(|p| p.chars().take(40).collect::<String>())
-        })
-        .collect()
-}
-
 /// Swaps random hot/cold pairs until stopped; returns how many committed.
 fn swapper(
     primary: String,
@@ -111,7 +100,7 @@ fn run_all(addr: &str, ps: &[String]) -> Vec<String> {
 }
 
 fn lossless_on(gateway: &str, primary: &str) {
-    let ps = prompts();
+    let ps = prompts50();
     assert_eq!(ps.len(), 50);
     let want = run_all(gateway, &ps);
     let map = Rowmap::read(&tiny().join("rowmap.json")).unwrap();

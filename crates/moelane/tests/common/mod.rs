@@ -273,3 +273,15 @@ pub fn two_process_lane_env(
     );
     (vec![side, prim, gw], hostport(&gv[0]), purl)
 }
+
+/// 50 prompts: the first 10 of each of the five languages, 40 characters each.
+pub fn prompts50() -> Vec<String> {
+    (0..5)
+        .flat_map(|l| {
+            moelane_engine::synth::prompts(l)
+                .into_iter()
+                .take(10)
+                .map(|p| p.chars().take(40).collect::<String>())
+        })
+        .collect()
+}
