@@ -64,6 +64,37 @@ fn config_value(key: &str) -> u64 {
     c[key].as_u64().unwrap()
 }
 
+/// Prometheus's own validator on a page (skips, saying why, without promtool).
+fn promtool_check(page: &str) {
+    match std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+    {
+        Err(e) => eprintln!(
+            "SKIP promtool check: promtool not runnable here ({e}); ./scripts/test.sh installs it"
+        ),
+        Ok(mut child) => {
+            use std::io::Write;
+            child
+                .stdin
+                .take()
+                .unwrap()
+                .write_all(page.as_bytes())
+                .unwrap();
+            let out = child.wait_with_output().unwrap();
+            assert!(
+                out.status.success(),
+                "promtool check metrics:\n{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+}
+
 #[test]
 fn metrics_count_what_clients_saw_and_pass_promtool() {
     let dir = tiny().to_str().unwrap().to_string();
@@ -273,34 +304,7 @@ fn metrics_count_what_clients_saw_and_pass_promtool() {
     assert_eq!(shares.len() as u64, layers);
     assert!(shares.iter().all(|x| (0.0..=1.0).contains(x)));
 
-    // Prometheus's own validator
-    match std::process::Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-    {
-        Err(e) => eprintln!(
-            "SKIP promtool check: promtool not runnable here ({e}); ./scripts/test.sh installs it"
-        ),
-        Ok(mut child) => {
-            use std::io::Write;
-            child
-                .stdin
-                .take()
-                .unwrap()
-                .write_all(page.body.as_bytes())
-                .unwrap();
-            let out = child.wait_with_output().unwrap();
-            assert!(
-                out.status.success(),
-                "promtool check metrics:\n{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-    }
+    promtool_check(&page.body);
 
     // the dashboard: Grafana's shape, and every query names a metric this page serves
     let served: BTreeSet<String> = s
@@ -496,7 +500,7 @@ fn one_trace_per_request_and_per_swap_across_processes() {
         ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
         ("OTEL_BSP_SCHEDULE_DELAY", "100"),
     ];
-    let (_procs, gw, purl) = two_process_lane_env("shm", &[], &env);
+    let (procs, gw, purl) = two_process_lane_env("shm", &[], &env);
     let (st, r) = post(
         &gw,
         "/v1/completions",
@@ -589,4 +593,57 @@ fn one_trace_per_request_and_per_swap_across_processes() {
         "moelane-sidecar"
     );
     child(&all, rel, "primary.release");
+
+    // every process serves its own page: the sidecar's and the primary's, each valid; a
+    // Korean prompt first, so that the English-fitted map sends picks to the sidecar
+    let (st, r) = post(
+        &gw,
+        "/v1/completions",
+        &json!({"model": "tiny", "prompt": "이른 아침 강 위에는 짙은 안개가", "max_tokens": 12, "temperature": 0}),
+    );
+    assert_eq!(st, 200, "{r}");
+    let completion = completion + r["usage"]["completion_tokens"].as_u64().unwrap();
+    let side = parse(&request(&metrics_addr(&procs[0]), "GET", "/metrics", b"").body);
+    let prim_page = request(&metrics_addr(&procs[1]), "GET", "/metrics", b"").body;
+    let prim = parse(&prim_page);
+    assert_eq!(
+        sum(&side, "moelane_build_info", &[("role", "sidecar")]),
+        1.0
+    );
+    assert_eq!(
+        sum(&prim, "moelane_build_info", &[("role", "primary")]),
+        1.0
+    );
+    assert_eq!(
+        sum(&side, "moelane_sidecar_picks_total", &[]),
+        sum(&prim, "moelane_expert_cold_picks_total", &[]),
+        "the sidecar process computed other picks than the primary process sent"
+    );
+    assert!(sum(&side, "moelane_sidecar_picks_total", &[]) > 0.0);
+    assert!(
+        sum(
+            &prim,
+            "moelane_link_round_trip_seconds_count",
+            &[("link", "shm")]
+        ) > 0.0,
+        "{}",
+        prim_page
+            .lines()
+            .filter(|l| l.contains("link"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    assert_eq!(
+        sum(&side, "moelane_map_epoch", &[("tier", "sidecar")]),
+        sw.map_epoch as f64
+    );
+    assert_eq!(
+        sum(&prim, "moelane_map_epoch", &[("tier", "primary")]),
+        sw.map_epoch as f64
+    );
+    assert_eq!(
+        sum(&prim, "moelane_lane_generated_tokens_total", &[]),
+        completion as f64
+    );
+    promtool_check(&prim_page);
 }

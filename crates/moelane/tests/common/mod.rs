@@ -237,7 +237,7 @@ pub fn two_process_lane_env(
             "--data",
             "127.0.0.1:0",
         ],
-        &["sidecar control "],
+        &["sidecar control ", "moelane: metrics http://"],
         env,
     );
     let mut args = vec![
@@ -254,7 +254,7 @@ pub fn two_process_lane_env(
         link,
     ];
     args.extend_from_slice(primary_extra);
-    let (prim, pv) = start_env(&args, &["primary grpc "], env);
+    let (prim, pv) = start_env(&args, &["primary grpc ", "moelane: metrics http://"], env);
     let purl = pv[0].split(',').next().unwrap_or_default().to_string();
     let (gw, gv) = start_env(
         &[
@@ -284,4 +284,13 @@ pub fn prompts50() -> Vec<String> {
                 .map(|p| p.chars().take(40).collect::<String>())
         })
         .collect()
+}
+
+/// The host:port of the Prometheus page a process printed at start (primary, sidecar).
+pub fn metrics_addr(p: &Proc) -> String {
+    p.lines
+        .iter()
+        .find_map(|l| l.split("moelane: metrics http://").nth(1))
+        .map(|r| r.trim().trim_end_matches("/metrics").to_string())
+        .expect("the process printed no metrics address")
 }
