@@ -119,8 +119,23 @@ impl Gpu {
     }
 }
 
+/// How a call's inputs travel to the GPU. Both are kept so that `moelane bench experts` can
+/// measure the difference side by side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Upload {
+    /// activations, pick rows and weight pointers in one buffer, one copy (the default)
+    Packed,
+    /// one copy each
+    Separate,
+}
+
 /// A tier's experts on the GPU: `gate_up [2I, H]` and `down [H, I]` per resident expert.
 pub struct GpuExperts {
+    pub upload: Upload,
+    packed: CudaSlice<u8>,
+    staging: Vec<u8>,
+    /// the last packed call's device pointers and pick count (for [`Self::relaunch`])
+    last: Option<([u64; 4], usize)>,
     gpu: Arc<Gpu>,
     f: CudaFunction,
     hidden: usize,
@@ -161,6 +176,10 @@ impl GpuExperts {
                 .map_err(|e| gpu_err("allocating", e))
         };
         Ok(GpuExperts {
+            upload: Upload::Packed,
+            packed: s.alloc_zeros(1).map_err(|e| gpu_err("allocating", e))?,
+            staging: Vec::new(),
+            last: None,
             f,
             hidden,
             inter,
@@ -207,6 +226,7 @@ impl GpuExperts {
         let keep: std::collections::HashSet<(usize, usize)> =
             want.iter().map(|(k, _)| *k).collect();
         self.w.retain(|k, _| keep.contains(k));
+        self.last = None;
         for (k, w) in want {
             if self.w.contains_key(&k) {
                 continue;
@@ -224,6 +244,38 @@ impl GpuExperts {
             .stream
             .synchronize()
             .map_err(|e| gpu_err("synchronising uploads", e))
+    }
+
+    fn cfg(&self, n: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: ((self.hidden + self.inter) * 4) as u32,
+        }
+    }
+
+    /// Launches the kernel again on the last packed call's inputs and waits: the kernel and
+    /// launch alone, without copies (for `moelane bench experts`).
+    pub fn relaunch(&mut self) -> Result<()> {
+        let Some((ptrs, n)) = self.last else {
+            return Err(Error::Gpu("relaunch before a packed call".into()));
+        };
+        let s = self.gpu.stream.clone();
+        let (hi, ii) = (self.hidden as i32, self.inter as i32);
+        let cfg = self.cfg(n);
+        let mut b = s.launch_builder(&self.f);
+        b.arg(&ptrs[0])
+            .arg(&ptrs[1])
+            .arg(&ptrs[2])
+            .arg(&ptrs[3])
+            .arg(&mut self.out)
+            .arg(&hi)
+            .arg(&ii);
+        // SAFETY: as in the packed call that set `last`: `packed` still holds its inputs
+        // (nothing has been copied over them since) and the experts are still resident
+        // (`sync` clears `last`).
+        unsafe { b.launch(cfg) }.map_err(|e| gpu_err("launching expert_swiglu", e))?;
+        s.synchronize().map_err(|e| gpu_err("synchronising", e))
     }
 
     /// One output row per pick, in pick order: the same contract as [`ExpertBank::compute`].
@@ -265,38 +317,78 @@ impl GpuExperts {
             self.host_dn.push(dp);
         }
         let n = picks.len();
-        grow(&s, &mut self.acts, acts.len())?;
-        grow(&s, &mut self.rows, n)?;
-        grow(&s, &mut self.gate_up, n)?;
-        grow(&s, &mut self.down, n)?;
         grow(&s, &mut self.out, n * h)?;
         let e = |x| gpu_err("copying to the GPU", x);
-        s.memcpy_htod(acts, &mut self.acts.slice_mut(..acts.len()))
-            .map_err(e)?;
-        s.memcpy_htod(&self.host_rows, &mut self.rows.slice_mut(..n))
-            .map_err(e)?;
-        s.memcpy_htod(&self.host_gu, &mut self.gate_up.slice_mut(..n))
-            .map_err(e)?;
-        s.memcpy_htod(&self.host_dn, &mut self.down.slice_mut(..n))
-            .map_err(e)?;
         let (hi, ii) = (h as i32, self.inter as i32);
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: ((h + self.inter) * 4) as u32,
-        };
-        let mut b = s.launch_builder(&self.f);
-        b.arg(&self.acts)
-            .arg(&self.rows)
-            .arg(&self.gate_up)
-            .arg(&self.down)
-            .arg(&mut self.out)
-            .arg(&hi)
-            .arg(&ii);
-        // SAFETY: the arguments match the kernel's signature; every pointer the kernel follows
-        // (rows < activation rows, resident experts' weights of [2I,H] and [H,I]) was checked
-        // above, and the scratch holds n picks.
-        unsafe { b.launch(cfg) }.map_err(|e| gpu_err("launching expert_swiglu", e))?;
+        let cfg = self.cfg(n);
+        if self.upload == Upload::Packed {
+            // one buffer: acts f32 | rows i32 | gate_up ptrs u64 | down ptrs u64, 8-aligned
+            let al = |x: usize| x.div_ceil(8) * 8;
+            let oa = 0;
+            let or = al(oa + acts.len() * 4);
+            let og = al(or + n * 4);
+            let od = og + n * 8;
+            let len = od + n * 8;
+            self.staging.clear();
+            self.staging.resize(len, 0);
+            for (i, x) in acts.iter().enumerate() {
+                self.staging[oa + 4 * i..oa + 4 * i + 4].copy_from_slice(&x.to_le_bytes());
+            }
+            for i in 0..n {
+                let (r, g, d) = (self.host_rows[i], self.host_gu[i], self.host_dn[i]);
+                self.staging[or + 4 * i..or + 4 * i + 4].copy_from_slice(&r.to_le_bytes());
+                self.staging[og + 8 * i..og + 8 * i + 8].copy_from_slice(&g.to_le_bytes());
+                self.staging[od + 8 * i..od + 8 * i + 8].copy_from_slice(&d.to_le_bytes());
+            }
+            grow(&s, &mut self.packed, len)?;
+            s.memcpy_htod(&self.staging[..len], &mut self.packed.slice_mut(..len))
+                .map_err(e)?;
+            let (base, _g) = self.packed.device_ptr(&s);
+            let ptrs = [
+                base + oa as u64,
+                base + or as u64,
+                base + og as u64,
+                base + od as u64,
+            ];
+            self.last = Some((ptrs, n));
+            let mut b = s.launch_builder(&self.f);
+            b.arg(&ptrs[0])
+                .arg(&ptrs[1])
+                .arg(&ptrs[2])
+                .arg(&ptrs[3])
+                .arg(&mut self.out)
+                .arg(&hi)
+                .arg(&ii);
+            // SAFETY: the four pointers address the regions just copied into `packed` (alive
+            // in `self`), laid out as the kernel's acts/rows/gate_up/down arguments; every
+            // pointer the kernel follows was checked above; `out` holds n rows.
+            unsafe { b.launch(cfg) }.map_err(|e| gpu_err("launching expert_swiglu", e))?;
+        } else {
+            grow(&s, &mut self.acts, acts.len())?;
+            grow(&s, &mut self.rows, n)?;
+            grow(&s, &mut self.gate_up, n)?;
+            grow(&s, &mut self.down, n)?;
+            s.memcpy_htod(acts, &mut self.acts.slice_mut(..acts.len()))
+                .map_err(e)?;
+            s.memcpy_htod(&self.host_rows, &mut self.rows.slice_mut(..n))
+                .map_err(e)?;
+            s.memcpy_htod(&self.host_gu, &mut self.gate_up.slice_mut(..n))
+                .map_err(e)?;
+            s.memcpy_htod(&self.host_dn, &mut self.down.slice_mut(..n))
+                .map_err(e)?;
+            let mut b = s.launch_builder(&self.f);
+            b.arg(&self.acts)
+                .arg(&self.rows)
+                .arg(&self.gate_up)
+                .arg(&self.down)
+                .arg(&mut self.out)
+                .arg(&hi)
+                .arg(&ii);
+            // SAFETY: the arguments match the kernel's signature; every pointer the kernel
+            // follows (rows < activation rows, resident experts' weights of [2I,H] and [H,I])
+            // was checked above, and the scratch holds n picks.
+            unsafe { b.launch(cfg) }.map_err(|e| gpu_err("launching expert_swiglu", e))?;
+        }
         s.memcpy_dtoh(&self.out.slice(..n * h), &mut out[..n * h])
             .map_err(|e| gpu_err("copying from the GPU", e))?;
         s.synchronize().map_err(|e| gpu_err("synchronising", e))

@@ -426,8 +426,8 @@ fn bench_experts(
         dev.name()
     );
     println!(
-        "{:>6} {:>12} {:>12} {:>12} {:>12}",
-        "picks", "cpu us", "cpu GB/s", "dev us", "dev GB/s"
+        "{:>6} {:>10} {:>10} {:>10} {:>10} {:>14} {:>14}",
+        "picks", "cpu us", "cpu GB/s", "dev us", "dev GB/s", "4 copies us", "kernel+sync us"
     );
     let mut rng = moelane_engine::rng::Rng::new(3);
     for &n in sizes {
@@ -455,13 +455,32 @@ fn bench_experts(
         let cpu = time(&mut |o| bank.compute(0, &picks, &acts, o))?;
         let devt = time(&mut |o| dev.compute(&bank, 0, &picks, &acts, o))?;
         let bytes = (n * expert_bytes) as f64;
+        // on a GPU, in the same run: the call with one copy per input, and the kernel alone
+        #[allow(unused_mut)]
+        let (mut separate, mut kernel) = (f64::NAN, f64::NAN);
+        #[cfg(feature = "cuda")]
+        if let Some(g) = dev.gpu() {
+            use moelane_engine::cuda::Upload;
+            let lock = || g.lock().map_err(|_| anyhow::anyhow!("GPU state poisoned"));
+            lock()?.upload = Upload::Separate;
+            separate = time(&mut |o| dev.compute(&bank, 0, &picks, &acts, o))?;
+            lock()?.upload = Upload::Packed;
+            dev.compute(&bank, 0, &picks, &acts, &mut vec![0f32; n * h])?;
+            kernel = time(&mut |_| {
+                lock()
+                    .map_err(|e| moelane_engine::Error::Gpu(e.to_string()))?
+                    .relaunch()
+            })?;
+        }
         println!(
-            "{:>6} {:>12.1} {:>12.1} {:>12.1} {:>12.1}",
+            "{:>6} {:>10.1} {:>10.1} {:>10.1} {:>10.1} {:>14.1} {:>14.1}",
             n,
             cpu * 1e6,
             bytes / cpu / 1e9,
             devt * 1e6,
-            bytes / devt / 1e9
+            bytes / devt / 1e9,
+            separate * 1e6,
+            kernel * 1e6
         );
     }
     Ok(())

@@ -77,6 +77,15 @@ impl Device {
         ))
     }
 
+    /// The GPU expert bank, when computing on a GPU.
+    #[cfg(feature = "cuda")]
+    pub fn gpu(&self) -> Option<&std::sync::Mutex<moelane_engine::cuda::GpuExperts>> {
+        match self {
+            Device::Gpu(g) => Some(g),
+            Device::Cpu => None,
+        }
+    }
+
     pub fn name(&self) -> String {
         match self {
             Device::Cpu => "cpu".into(),
