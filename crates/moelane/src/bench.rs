@@ -54,8 +54,6 @@ pub enum BenchCmd {
         #[arg(long, default_value_t = 20000)]
         iters: usize,
     },
-    /// Decode tokens/s at several batch sizes on a checkpoint, bytes of weights read per
-    /// token, and the implied bandwidth against this machine's measured copy bandwidth.
     /// The domain-shift run: an embedded lane driven through English, German + Japanese,
     /// Korean (unseen by the starting map) and mixed traffic, with the fixed map, a map refit
     /// on the first two phases, and adaptive residency; tokens/s, cold share and wait share
@@ -92,8 +90,9 @@ pub enum BenchCmd {
         #[arg(long, default_value = "shift-out")]
         out: PathBuf,
     },
-    /// What metrics and tracing cost: two embedded lanes, telemetry off and on (page scraped
-    /// every second, every span exported over OTLP), loaded in turn; median tokens/s of each.
+    /// What metrics and tracing cost: three embedded lanes, two with telemetry off and one with
+    /// it on (page scraped every second, every span exported over OTLP), loaded one at a time in
+    /// rotating order; median tokens/s of each, the off-off difference as the noise floor.
     Telemetry {
         /// Checkpoint directory (default: generate mini into the cache).
         #[arg(long)]
@@ -128,6 +127,8 @@ pub enum BenchCmd {
         #[arg(long, default_value_t = 50)]
         reps: usize,
     },
+    /// Decode tokens/s at several batch sizes on a checkpoint, bytes of weights read per
+    /// token, and the implied bandwidth against this machine's measured copy bandwidth.
     Engine {
         /// Checkpoint directory (default: generate mini into the cache).
         #[arg(long)]
