@@ -190,14 +190,14 @@ impl ResidencyArgs {
 #[derive(clap::Args, serde::Deserialize, Default, Debug)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
 struct LaneArgs {
-    /// (adaptive residency flags: command line only)
+    /// (adaptive residency flags; in TOML, a [residency] table with the same keys)
     #[command(flatten)]
-    #[serde(skip)]
+    #[serde(default)]
     residency: ResidencyArgs,
     /// gateway, primary or sidecar
     #[arg(long)]
     role: Option<String>,
-    /// TOML file with any of these keys (role, model, map, listen, lane, sidecar, link, data, shm-dir, kv-tokens, ...); flags override it.
+    /// TOML file with any of these keys (role, model, map, listen, lane, sidecar, link, data, shm-dir, kv-tokens, ...; residency flags in a [residency] table); flags override it.
     #[arg(long)]
     #[serde(skip)]
     config: Option<PathBuf>,
@@ -258,6 +258,33 @@ impl LaneArgs {
             .with_context(|| format!("reading {}", path.display()))?;
         let f: LaneArgs = toml::from_str(&text)
             .with_context(|| format!("{}: invalid lane config", path.display()))?;
+        // [residency]: each key given in the file applies unless its flag was given
+        let table: toml::Table = toml::from_str(&text)
+            .with_context(|| format!("{}: invalid lane config", path.display()))?;
+        if let Some(res) = table.get("residency").and_then(|v| v.as_table()) {
+            let on_command_line = |id: &str| {
+                LANE_MATCHES.get().is_some_and(|m| {
+                    m.value_source(id) == Some(clap::parser::ValueSource::CommandLine)
+                })
+            };
+            macro_rules! take { ($($k:ident),*) => { $(
+                let key = stringify!($k).replace('_', "-");
+                if res.contains_key(&key) && !on_command_line(stringify!($k)) {
+                    self.residency.$k = f.residency.$k.clone();
+                }
+            )* } }
+            take!(
+                adaptive,
+                dry_run,
+                residency_interval_ms,
+                half_life_s,
+                margin,
+                min_wait_share,
+                moves_per_layer,
+                prepare_timeout_s,
+                spare_slots
+            );
+        }
         macro_rules! fill { ($($k:ident),*) => { $( if self.$k.is_none() { self.$k = f.$k; } )* } }
         fill!(
             role,
@@ -287,8 +314,17 @@ async fn wait_for_signal() {
     tracing::info!("shutting down");
 }
 
+/// The `lane` subcommand's parsed flags, to tell flags given from defaults when a TOML file
+/// fills in.
+static LANE_MATCHES: std::sync::OnceLock<clap::ArgMatches> = std::sync::OnceLock::new();
+
 fn main() -> Result<()> {
-    let cli = Cli::parse();
+    use clap::{CommandFactory, FromArgMatches};
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    if let Some(m) = matches.subcommand_matches("lane") {
+        let _ = LANE_MATCHES.set(m.clone());
+    }
     if matches!(
         cli.cmd,
         Cmd::Serve { .. } | Cmd::Lane(_) | Cmd::Status { .. } | Cmd::Swap { .. }

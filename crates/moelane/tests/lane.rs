@@ -236,3 +236,49 @@ fn a_dead_sidecar_is_an_error_not_a_hang() {
         assert_eq!(kv_used(&addr).0, 0, "{link}");
     }
 }
+
+/// The residency line of `moelane status`.
+fn residency_line(purl: &str) -> String {
+    let out = std::process::Command::new(bin())
+        .args(["status", "--primary", purl])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    text.lines()
+        .find(|l| l.starts_with("residency "))
+        .unwrap_or_else(|| panic!("no residency line in {text}"))
+        .to_string()
+}
+
+#[test]
+fn toml_config_carries_residency_settings_and_flags_override_them() {
+    let dir = std::env::temp_dir().join(format!("moelane-toml-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("lane.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "role = \"primary\"\nmodel = {:?}\nlisten = \"127.0.0.1:0\"\n\n[residency]\nadaptive = true\ndry-run = false\nresidency-interval-ms = 200\nmoves-per-layer = 8\n",
+            tiny().display().to_string()
+        ),
+    )
+    .unwrap();
+    let c = cfg.to_str().unwrap();
+    let purl = |v: &[String]| v[0].split(',').next().unwrap().to_string();
+    let (_p, v) = start(&["lane", "--config", c], &["primary grpc "]);
+    let line = residency_line(&purl(&v));
+    assert!(line.starts_with("residency adaptive:"), "{line}");
+    // a flag on the command line wins over the file
+    let (_p2, v2) = start(&["lane", "--config", c, "--dry-run"], &["primary grpc "]);
+    let line = residency_line(&purl(&v2));
+    assert!(line.contains("adaptive (dry run)"), "{line}");
+    // an unknown key is an error that names it
+    let bad = dir.join("bad.toml");
+    std::fs::write(&bad, "role = \"primary\"\n[residency]\nadaptve = true\n").unwrap();
+    let out = std::process::Command::new(bin())
+        .args(["lane", "--config", bad.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("adaptve"), "{err}");
+}
