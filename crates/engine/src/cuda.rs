@@ -260,7 +260,16 @@ impl GpuExperts {
         let Some((ptrs, n)) = self.last else {
             return Err(Error::Gpu("relaunch before a packed call".into()));
         };
+        // `packed` still holds that call's inputs (nothing was copied over them since) and
+        // its experts are still resident (`sync` clears `last`)
         let s = self.gpu.stream.clone();
+        self.launch_packed(&s, ptrs, n)?;
+        s.synchronize().map_err(|e| gpu_err("synchronising", e))
+    }
+
+    /// Launches the kernel on inputs in `packed` at `ptrs` (acts, rows, gate_up and down
+    /// pointer tables) for `n` picks, writing `out`. The caller vouches for the pointers.
+    fn launch_packed(&mut self, s: &Arc<CudaStream>, ptrs: [u64; 4], n: usize) -> Result<()> {
         let (hi, ii) = (self.hidden as i32, self.inter as i32);
         let cfg = self.cfg(n);
         let mut b = s.launch_builder(&self.f);
@@ -271,11 +280,11 @@ impl GpuExperts {
             .arg(&mut self.out)
             .arg(&hi)
             .arg(&ii);
-        // SAFETY: as in the packed call that set `last`: `packed` still holds its inputs
-        // (nothing has been copied over them since) and the experts are still resident
-        // (`sync` clears `last`).
-        unsafe { b.launch(cfg) }.map_err(|e| gpu_err("launching expert_swiglu", e))?;
-        s.synchronize().map_err(|e| gpu_err("synchronising", e))
+        // SAFETY: the arguments match the kernel's signature; the pointers are valid device
+        // addresses of the layout above (both callers' comments say why), `out` holds n rows.
+        unsafe { b.launch(cfg) }
+            .map(|_| ())
+            .map_err(|e| gpu_err("launching expert_swiglu", e))
     }
 
     /// One output row per pick, in pick order: the same contract as [`ExpertBank::compute`].
@@ -319,8 +328,6 @@ impl GpuExperts {
         let n = picks.len();
         grow(&s, &mut self.out, n * h)?;
         let e = |x| gpu_err("copying to the GPU", x);
-        let (hi, ii) = (h as i32, self.inter as i32);
-        let cfg = self.cfg(n);
         if self.upload == Upload::Packed {
             // one buffer: acts f32 | rows i32 | gate_up ptrs u64 | down ptrs u64, 8-aligned
             let al = |x: usize| x.div_ceil(8) * 8;
@@ -343,7 +350,8 @@ impl GpuExperts {
             grow(&s, &mut self.packed, len)?;
             s.memcpy_htod(&self.staging[..len], &mut self.packed.slice_mut(..len))
                 .map_err(e)?;
-            let (base, _g) = self.packed.device_ptr(&s);
+            let (base, guard) = self.packed.device_ptr(&s);
+            drop(guard); // one stream: the launch below is ordered after the copy anyway
             let ptrs = [
                 base + oa as u64,
                 base + or as u64,
@@ -351,19 +359,13 @@ impl GpuExperts {
                 base + od as u64,
             ];
             self.last = Some((ptrs, n));
-            let mut b = s.launch_builder(&self.f);
-            b.arg(&ptrs[0])
-                .arg(&ptrs[1])
-                .arg(&ptrs[2])
-                .arg(&ptrs[3])
-                .arg(&mut self.out)
-                .arg(&hi)
-                .arg(&ii);
-            // SAFETY: the four pointers address the regions just copied into `packed` (alive
-            // in `self`), laid out as the kernel's acts/rows/gate_up/down arguments; every
-            // pointer the kernel follows was checked above; `out` holds n rows.
-            unsafe { b.launch(cfg) }.map_err(|e| gpu_err("launching expert_swiglu", e))?;
+            // the four pointers address the regions just copied into `packed`, laid out as
+            // the kernel's acts/rows/gate_up/down; every pointer the kernel follows was
+            // checked above
+            self.launch_packed(&s, ptrs, n)?;
         } else {
+            let (hi, ii) = (h as i32, self.inter as i32);
+            let cfg = self.cfg(n);
             grow(&s, &mut self.acts, acts.len())?;
             grow(&s, &mut self.rows, n)?;
             grow(&s, &mut self.gate_up, n)?;

@@ -97,15 +97,7 @@ fn promtool_check(page: &str) {
 
 #[test]
 fn metrics_count_what_clients_saw_and_pass_promtool() {
-    let dir = tiny().to_str().unwrap().to_string();
-    let (_p, v) = start(
-        &["serve", "--model", &dir, "--listen", "127.0.0.1:0"],
-        &["primary grpc://", "gateway listening on "],
-    );
-    let (purl, gw) = (
-        format!("http://{}", v[0].split(',').next().unwrap()),
-        hostport(&v[1]),
-    );
+    let (_p, purl, gw) = serve_lane(tiny(), &[]);
     // traffic: whole and streamed completions; usage as the clients saw it
     let prompts = [
         "The agent called",

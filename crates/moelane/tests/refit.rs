@@ -27,18 +27,7 @@ fn status_counts_refit_and_serve_the_new_map() {
         "この町の歴史は古く",
         "가을 산을 걸으면 고요한 숲과",
     ];
-    let (p, v) = start(
-        &[
-            "serve",
-            "--model",
-            dir.to_str().unwrap(),
-            "--listen",
-            "127.0.0.1:0",
-        ],
-        &["primary grpc://", "gateway listening on "],
-    );
-    let primary = format!("http://{}", v[0].split(',').next().unwrap());
-    let gw = hostport(&v[1]);
+    let (p, primary, gw) = serve_lane(dir, &[]);
     let before: Vec<String> = prompts.iter().map(|q| complete(&gw, q, 48)).collect();
     let share_before = cold_share(&gw);
     let tmp = std::env::temp_dir().join(format!("moelane-refit-{}", std::process::id()));
@@ -112,19 +101,7 @@ fn status_counts_refit_and_serve_the_new_map() {
         String::from_utf8_lossy(&out.stderr)
     );
 
-    let (_p2, v) = start(
-        &[
-            "serve",
-            "--model",
-            dir.to_str().unwrap(),
-            "--listen",
-            "127.0.0.1:0",
-            "--map",
-            new_map.to_str().unwrap(),
-        ],
-        &["gateway listening on "],
-    );
-    let gw = hostport(&v[0]);
+    let (_p2, _, gw) = serve_lane(dir, &["--map", new_map.to_str().unwrap()]);
     let after: Vec<String> = prompts.iter().map(|q| complete(&gw, q, 48)).collect();
     assert_eq!(before, after, "the map changed the output");
     let share_after = cold_share(&gw);

@@ -121,20 +121,8 @@ fn lossless_on(gateway: &str, primary: &str) {
 
 #[test]
 fn swaps_during_generation_are_lossless_embedded() {
-    let (_p, v) = start(
-        &[
-            "serve",
-            "--model",
-            tiny().to_str().unwrap(),
-            "--listen",
-            "127.0.0.1:0",
-        ],
-        &["primary grpc://", "gateway listening on "],
-    );
-    lossless_on(
-        &hostport(&v[1]),
-        &format!("http://{}", v[0].split(',').next().unwrap()),
-    );
+    let (_p, purl, gw) = serve_lane(tiny(), &[]);
+    lossless_on(&gw, &purl);
 }
 
 #[test]
@@ -173,22 +161,7 @@ fn a_checksum_mismatch_aborts_and_changes_nothing() {
     ] {
         std::fs::copy(src.join(f), dir.join(f)).unwrap();
     }
-    let (_p, v) = start(
-        &[
-            "serve",
-            "--model",
-            dir.to_str().unwrap(),
-            "--listen",
-            "127.0.0.1:0",
-            "--served-model-name",
-            "tiny",
-        ],
-        &["primary grpc://", "gateway listening on "],
-    );
-    let (primary, gw) = (
-        format!("http://{}", v[0].split(',').next().unwrap()),
-        hostport(&v[1]),
-    );
+    let (_p, primary, gw) = serve_lane(&dir, &["--served-model-name", "tiny"]);
     let before = complete(&gw, "朝早く、川の上には", 24);
     let map = Rowmap::read(&dir.join("rowmap.json")).unwrap();
     let (cold, hot) = (map.layers[1].cold[0], map.layers[1].hot[0]);
@@ -268,7 +241,6 @@ fn window_cold_share(addr: &str, prev: &mut (u64, u64)) -> f64 {
 
 #[test]
 fn adaptive_residency_follows_an_unseen_language_and_dry_run_moves_nothing() {
-    let dir = tiny().to_str().unwrap().to_string();
     let korean = [
         "이른 아침 강 위에는 짙은 안개가",
         "가을 산을 걸으면 고요한 숲과",
@@ -276,20 +248,17 @@ fn adaptive_residency_follows_an_unseen_language_and_dry_run_moves_nothing() {
         "연구자들은 왜 어떤 식물은",
     ];
     for dry in [false, true] {
-        let mut args = vec![
-            "serve",
-            "--model",
-            dir.as_str(),
-            "--listen",
-            "127.0.0.1:0",
-            "--residency-interval-ms",
-            "150",
-            "--moves-per-layer",
-            "8",
-        ];
-        args.push(if dry { "--dry-run" } else { "--adaptive" });
-        let (_p, v) = start(&args, &["primary grpc://", "gateway listening on "]);
-        let gw = hostport(&v[1]);
+        let mode = if dry { "--dry-run" } else { "--adaptive" };
+        let (_p, purl, gw) = serve_lane(
+            tiny(),
+            &[
+                "--residency-interval-ms",
+                "150",
+                "--moves-per-layer",
+                "8",
+                mode,
+            ],
+        );
         let want: Vec<String> = korean.iter().map(|p| complete(&gw, p, 40)).collect();
         let mut prev = (0, 0);
         let first = window_cold_share(&gw, &mut prev);
@@ -308,7 +277,6 @@ fn adaptive_residency_follows_an_unseen_language_and_dry_run_moves_nothing() {
         let got: Vec<String> = korean.iter().map(|p| complete(&gw, p, 40)).collect();
         assert_eq!(got, want, "swaps changed the output");
         // `moelane status` reports the coordinator: swaps and the ledger
-        let purl = format!("http://{}", v[0].split(',').next().unwrap());
         let out = std::process::Command::new(bin())
             .args(["status", "--primary", &purl])
             .output()

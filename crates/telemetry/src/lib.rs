@@ -153,6 +153,7 @@ pub fn init(role: &str, log_format: LogFormat) {
             }
         },
     };
+    TRACING.store(provider.is_some(), std::sync::atomic::Ordering::Relaxed);
     let _ = tracing_subscriber::registry()
         .with(fmt)
         .with(otel)
@@ -191,16 +192,18 @@ fn otlp_provider(role: &str) -> Result<opentelemetry_sdk::trace::SdkTracerProvid
         .build())
 }
 
+/// Set once at [`init`] when traces are exported (read on every request: no lock).
+static TRACING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// Whether traces are being exported.
 pub fn tracing_on() -> bool {
-    T.get()
-        .and_then(|t| t.tracer.lock().ok().map(|g| g.is_some()))
-        .unwrap_or(false)
+    TRACING.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Flushes spans not yet exported (call before exiting).
 pub fn shutdown() {
     if let Some(t) = T.get() {
+        TRACING.store(false, std::sync::atomic::Ordering::Relaxed);
         if let Some(p) = t.tracer.lock().ok().and_then(|mut g| g.take()) {
             let _ = p.force_flush();
             let _ = p.shutdown();

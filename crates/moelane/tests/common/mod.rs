@@ -114,6 +114,17 @@ pub fn hostport(url: &str) -> String {
         .to_string()
 }
 
+/// Starts `moelane serve --model DIR --listen 127.0.0.1:0 EXTRA...`; returns the process, the
+/// primary's gRPC URL and the gateway's host:port.
+pub fn serve_lane(dir: &Path, extra: &[&str]) -> (Proc, String, String) {
+    let d = dir.to_str().unwrap();
+    let mut args = vec!["serve", "--model", d, "--listen", "127.0.0.1:0"];
+    args.extend_from_slice(extra);
+    let (p, v) = start(&args, &["primary grpc://", "gateway listening on "]);
+    let purl = format!("http://{}", v[0].split(',').next().unwrap_or_default());
+    (p, purl, hostport(&v[1]))
+}
+
 /// Starts the embedded lane on the tiny checkpoint; returns (process, gateway host:port).
 pub fn serve_tiny(extra: &[&str]) -> (Proc, String) {
     let dir = tiny().to_str().unwrap().to_string();
