@@ -11,9 +11,11 @@ pick() { # the newest executable test binary of a test target
 }
 cargo test --profile test -p moelane-engine --features cuda --test gpu_parity --no-run
 cp "$(pick gpu_parity)" .gpu/gpu_parity
+cargo test --profile test -p moelane-engine --features cuda --test gpu_dense --no-run
+cp "$(pick gpu_dense)" .gpu/gpu_dense
 cargo test --profile test -p moelane --features cuda --test gpu_lane --no-run
 cp "$(pick gpu_lane)" .gpu/gpu_lane
 echo "$(pwd)/target/debug/moelane" > .gpu/bin_path
 # debug info would not fit the device call's 64 MiB
-strip --strip-debug .gpu/moelane .gpu/gpu_parity .gpu/gpu_lane
+strip --strip-debug .gpu/moelane .gpu/gpu_parity .gpu/gpu_dense .gpu/gpu_lane
 ls -la .gpu

@@ -204,6 +204,27 @@ impl GpuExperts {
         )
     }
 
+    pub fn hidden(&self) -> usize {
+        self.hidden
+    }
+
+    /// Generates the given experts of a hashed model (the `station` preset) on this GPU,
+    /// bit-identical to [`crate::synth::hashed_expert`]; `sync` would drop them (no bank
+    /// holds them), so a tier built this way serves a fixed map.
+    pub fn generate(&mut self, seed: u64, which: &[(usize, usize)]) -> Result<()> {
+        let f = crate::cuda_model::gen_kernel(&self.gpu)?;
+        for &(l, e) in which {
+            let (gu, dn) =
+                crate::cuda_model::gen_expert(&self.gpu, &f, seed, l, e, self.hidden, self.inter)?;
+            self.w.insert((l, e), (gu.into_slice(), dn.into_slice()));
+        }
+        self.last = None;
+        self.gpu
+            .stream
+            .synchronize()
+            .map_err(|e| gpu_err("synchronising generation", e))
+    }
+
     /// Experts resident on the GPU.
     pub fn resident(&self) -> usize {
         self.w.len()

@@ -66,6 +66,20 @@ impl KvCache {
     }
 
     /// Blocks needed to hold `tokens` positions.
+    /// Block accounting only, no host arrays: for an engine whose K/V live on a GPU.
+    pub fn accounting(layers: usize, kv_dim: usize, blocks: usize) -> Self {
+        KvCache {
+            layers,
+            kv_dim,
+            blocks,
+            k: Vec::new(),
+            v: Vec::new(),
+            free: Arc::new(Mutex::new(FreeList {
+                free: (0..blocks as u32).rev().collect(),
+            })),
+        }
+    }
+
     pub fn blocks_for(tokens: usize) -> usize {
         tokens.div_ceil(BLOCK)
     }

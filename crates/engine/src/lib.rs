@@ -26,3 +26,5 @@ pub use error::{Error, Result};
 pub use moelane_text::tokenizer;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "cuda")]
+pub mod cuda_model;

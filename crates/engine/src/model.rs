@@ -43,9 +43,33 @@ pub struct DenseWeights {
     pub lm_head: Option<Matrix>,
 }
 
+/// Where dense weights are read from: a checkpoint on disk, or tensors built in memory (the
+/// `station` preset, whose weights never touch a file).
+pub trait TensorSource {
+    fn config(&self) -> &ModelConfig;
+    /// A tensor as f32, checking its shape.
+    fn tensor(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>>;
+    fn has(&self, name: &str) -> bool;
+    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
+        Ok(Matrix::new(rows, cols, self.tensor(name, &[rows, cols])?))
+    }
+}
+
+impl TensorSource for Checkpoint {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+    fn tensor(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        Checkpoint::tensor(self, name, shape)
+    }
+    fn has(&self, name: &str) -> bool {
+        Checkpoint::has(self, name)
+    }
+}
+
 impl DenseWeights {
-    pub fn load(ckpt: &Checkpoint) -> Result<Self> {
-        let c = &ckpt.config;
+    pub fn load(ckpt: &impl TensorSource) -> Result<Self> {
+        let c = ckpt.config();
         let h = c.hidden_size;
         let embed = ckpt.matrix("model.embed_tokens.weight", c.vocab_size, h)?;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
@@ -394,6 +418,32 @@ pub struct Engine {
     combined: Vec<f32>,
     /// per-step scratch of the MoE layer (reused; the hot path allocates only the cold message)
     scratch: MoeScratch,
+    /// When set, the hidden state `[rows, H]` after every decoder layer of each step is
+    /// appended here (the GPU/CPU parity tests read it).
+    pub trace: Option<Vec<Vec<f32>>>,
+    /// The GPU running this engine's steps (`attach_gpu`); the CPU backend is then unused.
+    #[cfg(feature = "cuda")]
+    pub gpu: Option<Box<crate::cuda_model::GpuModel>>,
+    #[cfg(feature = "cuda")]
+    gpu_scratch: GpuScratch,
+}
+
+#[cfg(feature = "cuda")]
+#[derive(Default)]
+struct GpuScratch {
+    idx: Vec<i32>,
+    h: Vec<f32>,
+    picks: Vec<i32>,
+    slots: Vec<i32>,
+    ids: Vec<u32>,
+    x: Vec<f32>,
+}
+
+/// What a step returns: every asked row's logits, or only their argmax ids (computed where
+/// the logits are, so a GPU step downloads a few ints instead of rows of the vocabulary).
+pub enum StepOut {
+    Logits(Vec<f32>),
+    Ids(Vec<u32>),
 }
 
 #[derive(Default)]
@@ -442,7 +492,29 @@ impl Engine {
             hot_out: Vec::new(),
             combined: Vec::new(),
             scratch: MoeScratch::default(),
+            trace: None,
+            #[cfg(feature = "cuda")]
+            gpu: None,
+            #[cfg(feature = "cuda")]
+            gpu_scratch: GpuScratch::default(),
         }
+    }
+
+    /// Moves this engine's steps onto `g`: its hot experts (from the bank, unless `g`
+    /// generated its own), its map, and a KV cache on the GPU (this engine's must be unused:
+    /// call before the first step). The CPU KV arrays are dropped.
+    #[cfg(feature = "cuda")]
+    pub fn attach_gpu(&mut self, mut g: crate::cuda_model::GpuModel) -> Result<()> {
+        if self.kv.used_blocks() != 0 {
+            return Err(Error::Tier(
+                "attach_gpu: the engine has live sequences".into(),
+            ));
+        }
+        g.sync_hot(&self.hot)?;
+        g.set_map(&self.map)?;
+        self.kv = KvCache::accounting(self.cfg.num_hidden_layers, self.cfg.kv_dim(), g.kv_blocks());
+        self.gpu = Some(Box::new(g));
+        Ok(())
     }
 
     /// Runs one step; returns logits `[seqs.len(), vocab]` of each sequence's last new token.
@@ -452,15 +524,43 @@ impl Engine {
 
     /// As [`Engine::step`]; with `all_rows`, logits of every new token (`[rows, vocab]`).
     pub fn step_with(&mut self, seqs: &mut [SeqStep<'_>], all_rows: bool) -> Result<Vec<f32>> {
+        match self.step_timed(seqs, all_rows, false)? {
+            StepOut::Logits(l) => Ok(l),
+            StepOut::Ids(_) => Err(Error::Tier("step returned ids, not logits".into())),
+        }
+    }
+
+    /// As [`Engine::step`], returning only each sequence's greedy next token.
+    pub fn step_argmax(&mut self, seqs: &mut [SeqStep<'_>]) -> Result<Vec<u32>> {
+        match self.step_timed(seqs, false, true)? {
+            StepOut::Ids(ids) => Ok(ids),
+            StepOut::Logits(l) => Err(Error::Tier(format!(
+                "step returned {} logits, not ids",
+                l.len()
+            ))),
+        }
+    }
+
+    fn step_timed(
+        &mut self,
+        seqs: &mut [SeqStep<'_>],
+        all_rows: bool,
+        argmax: bool,
+    ) -> Result<StepOut> {
         let t0 = Instant::now();
-        let r = self.step_inner(seqs, all_rows);
+        let r = self.step_inner(seqs, all_rows, argmax);
         let ns = t0.elapsed().as_nanos() as u64;
         self.counters.step_ns += ns;
         self.counters.max_step_ns = self.counters.max_step_ns.max(ns);
         r
     }
 
-    fn step_inner(&mut self, seqs: &mut [SeqStep<'_>], all_rows: bool) -> Result<Vec<f32>> {
+    fn step_inner(
+        &mut self,
+        seqs: &mut [SeqStep<'_>],
+        all_rows: bool,
+        argmax: bool,
+    ) -> Result<StepOut> {
         let c = self.cfg.clone();
         let hs = c.hidden_size;
         let max_ctx = c.max_position_embeddings;
@@ -497,6 +597,10 @@ impl Engine {
         if all_rows {
             last_rows = (0..n).collect();
         }
+        #[cfg(feature = "cuda")]
+        if self.gpu.is_some() {
+            return self.step_gpu(seqs, &rows, &tokens, &last_rows, argmax);
+        }
         self.x.resize(n * hs, 0.0);
         self.dense.embed(&tokens, &mut self.x)?;
         let seq_refs: Vec<&SeqKv> = seqs.iter().map(|s| &*s.kv).collect();
@@ -506,6 +610,9 @@ impl Engine {
             match self.moe_of_layer[l] {
                 Some(ml) => self.moe_layer(l, ml, n)?,
                 None => self.dense.dense_mlp(l, &mut self.x[..n * hs])?,
+            }
+            if let Some(t) = self.trace.as_mut() {
+                t.push(self.x[..n * hs].to_vec());
             }
         }
         drop(seq_refs);
@@ -517,7 +624,182 @@ impl Engine {
         self.step_no += 1;
         self.counters.steps += 1;
         self.counters.tokens += n as u64;
-        Ok(logits)
+        if argmax {
+            let v = c.vocab_size;
+            return Ok(StepOut::Ids(
+                logits
+                    .chunks_exact(v)
+                    .map(|r| crate::sampling::argmax(r) as u32)
+                    .collect(),
+            ));
+        }
+        Ok(StepOut::Logits(logits))
+    }
+
+    /// The step on the GPU: as `step_inner`, with the hidden state on the device.
+    #[cfg(feature = "cuda")]
+    fn step_gpu(
+        &mut self,
+        seqs: &mut [SeqStep<'_>],
+        rows: &[RowPos],
+        tokens: &[u32],
+        last_rows: &[usize],
+        argmax: bool,
+    ) -> Result<StepOut> {
+        let c = self.cfg.clone();
+        let (n, hs, k, ne) = (
+            rows.len(),
+            c.hidden_size,
+            c.num_experts_per_tok,
+            c.num_experts,
+        );
+        let mut gs = std::mem::take(&mut self.gpu_scratch);
+        let Some(g) = self.gpu.as_mut() else {
+            return Err(Error::Gpu("no GPU attached".into()));
+        };
+        {
+            let seq_refs: Vec<&SeqKv> = seqs.iter().map(|s| &*s.kv).collect();
+            g.begin(tokens, rows, &seq_refs)?;
+        }
+        for l in 0..c.num_hidden_layers {
+            let g = self
+                .gpu
+                .as_mut()
+                .ok_or_else(|| Error::Gpu("GPU detached".into()))?;
+            g.attention(l)?;
+            match self.moe_of_layer[l] {
+                Some(ml) => {
+                    g.route(l, ml)?;
+                    let has_cold = !self.map.map.layers[ml].cold.is_empty();
+                    if !has_cold {
+                        g.moe(ml)?;
+                    } else {
+                        g.fetch_route(ml, &mut gs.idx, &mut gs.h)?;
+                        // the cold picks, rows deduplicated, in pick order (as on the CPU)
+                        let mut cold_picks = Vec::new();
+                        let mut cold_rows: Vec<u32> = Vec::new();
+                        let mut row_of = vec![u32::MAX; n];
+                        gs.slots.clear();
+                        #[allow(clippy::needless_range_loop)]
+                        for r in 0..n {
+                            for j in 0..k {
+                                let e = gs.idx[r * k + j];
+                                if e < 0 || e as usize >= ne {
+                                    return Err(Error::Gpu(format!("router picked expert {e}")));
+                                }
+                                if self.map.tier(ml, e as usize) == Tier::Cold {
+                                    if row_of[r] == u32::MAX {
+                                        row_of[r] = cold_rows.len() as u32;
+                                        cold_rows.push(r as u32);
+                                    }
+                                    cold_picks.push(Pick {
+                                        row: row_of[r],
+                                        expert: e as u16,
+                                    });
+                                    gs.slots.push((r * k + j) as i32);
+                                }
+                            }
+                        }
+                        let sent = !cold_picks.is_empty();
+                        if sent {
+                            let cold = self.cold.as_mut().ok_or_else(|| {
+                                Error::Tier(format!(
+                                    "layer {ml}: cold picks but no cold tier is attached"
+                                ))
+                            })?;
+                            let mut acts = Vec::with_capacity(cold_rows.len() * hs);
+                            for &r in &cold_rows {
+                                acts.extend_from_slice(
+                                    &gs.h[r as usize * hs..(r as usize + 1) * hs],
+                                );
+                            }
+                            cold.send(ColdRequest {
+                                step: self.step_no,
+                                layer: ml as u32,
+                                epoch: self.map.epoch(),
+                                picks: cold_picks,
+                                activations: acts,
+                            })?;
+                        }
+                        let g = self
+                            .gpu
+                            .as_mut()
+                            .ok_or_else(|| Error::Gpu("GPU detached".into()))?;
+                        g.moe(ml)?;
+                        if sent {
+                            let t0 = Instant::now();
+                            let cold = self
+                                .cold
+                                .as_mut()
+                                .ok_or_else(|| Error::Tier("cold tier vanished".into()))?;
+                            let reply = cold.recv()?;
+                            self.counters.wait_ns[ml] += t0.elapsed().as_nanos() as u64;
+                            if reply.step != self.step_no
+                                || reply.layer != ml as u32
+                                || reply.epoch != self.map.epoch()
+                            {
+                                return Err(Error::Tier(format!("cold reply for step {} layer {} epoch {}, expected step {} layer {ml} epoch {}", reply.step, reply.layer, reply.epoch, self.step_no, self.map.epoch())));
+                            }
+                            g.scatter(&gs.slots, &reply.outputs)?;
+                        }
+                    }
+                    let g = self
+                        .gpu
+                        .as_mut()
+                        .ok_or_else(|| Error::Gpu("GPU detached".into()))?;
+                    g.combine()?;
+                }
+                None => g.dense_mlp(l)?,
+            }
+            if self.trace.is_some() {
+                let g = self
+                    .gpu
+                    .as_mut()
+                    .ok_or_else(|| Error::Gpu("GPU detached".into()))?;
+                g.read_x(&mut gs.x)?;
+                if let Some(t) = self.trace.as_mut() {
+                    t.push(gs.x.clone());
+                }
+            }
+        }
+        for s in seqs.iter_mut() {
+            s.kv.len += s.tokens.len();
+        }
+        let g = self
+            .gpu
+            .as_mut()
+            .ok_or_else(|| Error::Gpu("GPU detached".into()))?;
+        let out = if argmax {
+            g.finish(last_rows, None, Some(&mut gs.ids), &mut gs.picks)?;
+            StepOut::Ids(gs.ids.clone())
+        } else {
+            let mut logits = vec![0f32; last_rows.len() * c.vocab_size];
+            g.finish(last_rows, Some(&mut logits), None, &mut gs.picks)?;
+            StepOut::Logits(logits)
+        };
+        // counters from the step's picks
+        let moe = self.counters.hot_picks.len();
+        for ml in 0..moe {
+            let layer = &gs.picks[ml * n * k..(ml + 1) * n * k];
+            let mut seen = vec![false; ne];
+            for &e in layer {
+                let e = e.clamp(0, ne as i32 - 1) as usize;
+                self.counters.picks[ml][e] += 1;
+                match self.map.tier(ml, e) {
+                    Tier::Hot => self.counters.hot_picks[ml] += 1,
+                    Tier::Cold => self.counters.cold_picks[ml] += 1,
+                }
+                if !seen[e] {
+                    seen[e] = true;
+                    self.counters.expert_loads += 1;
+                }
+            }
+        }
+        self.gpu_scratch = gs;
+        self.step_no += 1;
+        self.counters.steps += 1;
+        self.counters.tokens += n as u64;
+        Ok(out)
     }
 
     fn moe_layer(&mut self, layer: usize, ml: usize, n: usize) -> Result<()> {
@@ -694,11 +976,29 @@ impl Engine {
     /// Stages loaded experts into the hot bank (the map does not reference them yet).
     pub fn stage(&mut self, loaded: Vec<(usize, usize, std::sync::Arc<ExpertWeights>)>) {
         crate::swap::stage(&mut self.hot, loaded);
+        // upload while the swap is being prepared; a failure here surfaces at commit, which
+        // refuses a map whose hot experts are not on the GPU
+        #[cfg(feature = "cuda")]
+        if let Some(g) = self.gpu.as_mut() {
+            let _ = g.sync_hot(&self.hot);
+        }
     }
 
     /// Switches to `map` (call between steps). Refused, changing nothing, if a hot expert of
     /// the new map is not resident.
     pub fn commit(&mut self, map: ValidMap) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let Some(g) = self.gpu.as_mut() {
+            if g.generated {
+                return Err(Error::Tier(
+                    "this engine's experts were generated on the GPU: swaps cannot move them"
+                        .into(),
+                ));
+            }
+            crate::swap::check_resident(&self.hot, &map, Tier::Hot)?;
+            g.sync_hot(&self.hot)?;
+            g.set_map(&map)?;
+        }
         crate::swap::check_resident(&self.hot, &map, Tier::Hot)?;
         self.map = map;
         Ok(())
@@ -706,7 +1006,12 @@ impl Engine {
 
     /// Frees hot slots the current map does not use (after RELEASE, or ABORT).
     pub fn release_unused(&mut self) -> usize {
-        crate::swap::release(&mut self.hot, &self.map, Tier::Hot)
+        let n = crate::swap::release(&mut self.hot, &self.map, Tier::Hot);
+        #[cfg(feature = "cuda")]
+        if let Some(g) = self.gpu.as_mut() {
+            let _ = g.sync_hot(&self.hot);
+        }
+        n
     }
 
     /// Greedy continuation of `prompt` for `max_new` tokens (a test and benchmark helper).

@@ -105,6 +105,25 @@ impl Preset {
                 core: 150,
                 max_pos: 4096,
             }),
+            // Sized for two H200s: hot tier (295 x 40 experts of 7.5 MiB, f32) 92.8 GB on
+            // the primary, cold tier (89 x 40) 28.0 GB on the sidecar; both fit one GPU
+            // (120.8 GB) for the primary-only placement. Experts are generated on the GPU
+            // (`cuda_model::station_experts`), never written to a file.
+            "station" => Some(Preset {
+                name: "station",
+                hidden: 1024,
+                layers: 40,
+                heads: 16,
+                kv_heads: 4,
+                head_dim: 64,
+                inter: 640,
+                experts: 384,
+                topk: 6,
+                hot: 295,
+                vocab_target: 2048,
+                core: 150,
+                max_pos: 4096,
+            }),
             _ => None,
         }
     }
@@ -230,6 +249,7 @@ fn build_tensors(
     vocab: usize,
     lang: &[TokenLang],
     theta: f32,
+    with_experts: bool,
 ) -> BTreeMap<String, Tensor> {
     let k = &KNOBS;
     let h = p.hidden;
@@ -395,7 +415,7 @@ fn build_tensors(
             ));
 
             // experts
-            for e in 0..p.experts {
+            for e in (0..p.experts).filter(|_| with_experts) {
                 let mut r = Rng::derive(seed, &format!("layer{l}.expert{e}"));
                 let gs = 1.0 / (h as f32).sqrt();
                 let mut g = normal_vec(&mut r, p.inter * h, gs);
@@ -513,28 +533,9 @@ pub fn write_safetensors_as(
 
 const CHAT_TEMPLATE: &str = "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
 
-/// Generates the checkpoint of `preset` into `out` (created), with an all-hot rowmap
-/// placeholder; [`crate::figures`] then measures routing and writes the fitted map.
-pub fn generate(preset: &Preset, seed: u64, out: &Path) -> Result<()> {
-    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
-    let texts: Vec<&str> = LANGS.iter().map(|l| l.1).collect();
-    let bpe = bpe::train(&texts, preset.vocab_target);
-    let tok_json = bpe.to_json();
-    let tok_path = out.join("tokenizer.json");
-    std::fs::write(
-        &tok_path,
-        serde_json::to_vec_pretty(&tok_json).unwrap_or_default(),
-    )
-    .map_err(|e| Error::io(&tok_path, e))?;
-    let tok = tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| Error::Tokenizer {
-        path: tok_path.clone(),
-        reason: e.to_string(),
-    })?;
-    let vocab = bpe.len();
-    let lang = token_langs(&token_freqs(&tok, vocab));
+fn config_json(preset: &Preset, seed: u64, vocab: usize, bos: u32, eos: u32) -> serde_json::Value {
     let theta = 10000.0f32;
-    let eos = (bpe.vocab.len() + 2) as u32; // <|im_end|>
-    let config = json!({
+    json!({
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
         "vocab_size": vocab,
@@ -564,12 +565,36 @@ pub fn generate(preset: &Preset, seed: u64, out: &Path) -> Result<()> {
         "router_aux_loss_coef": 0.001,
         "tie_word_embeddings": false,
         "torch_dtype": "bfloat16",
-        "bos_token_id": bpe.vocab.len(),
+        "bos_token_id": bos,
         "eos_token_id": eos,
         "use_cache": true,
         "initializer_range": 0.02,
         "moelane_synthetic": {"preset": preset.name, "seed": seed, "hot": preset.hot}
-    });
+    })
+}
+
+/// Generates the checkpoint of `preset` into `out` (created), with an all-hot rowmap
+/// placeholder; [`crate::figures`] then measures routing and writes the fitted map.
+pub fn generate(preset: &Preset, seed: u64, out: &Path) -> Result<()> {
+    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+    let texts: Vec<&str> = LANGS.iter().map(|l| l.1).collect();
+    let bpe = bpe::train(&texts, preset.vocab_target);
+    let tok_json = bpe.to_json();
+    let tok_path = out.join("tokenizer.json");
+    std::fs::write(
+        &tok_path,
+        serde_json::to_vec_pretty(&tok_json).unwrap_or_default(),
+    )
+    .map_err(|e| Error::io(&tok_path, e))?;
+    let tok = tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| Error::Tokenizer {
+        path: tok_path.clone(),
+        reason: e.to_string(),
+    })?;
+    let vocab = bpe.len();
+    let lang = token_langs(&token_freqs(&tok, vocab));
+    let theta = 10000.0f32;
+    let eos = (bpe.vocab.len() + 2) as u32; // <|im_end|>
+    let config = config_json(preset, seed, vocab, bpe.vocab.len() as u32, eos);
     let cfg_path = out.join("config.json");
     std::fs::write(
         &cfg_path,
@@ -593,7 +618,7 @@ pub fn generate(preset: &Preset, seed: u64, out: &Path) -> Result<()> {
     std::fs::write(&gc_path, serde_json::to_vec_pretty(&gc).unwrap_or_default())
         .map_err(|e| Error::io(&gc_path, e))?;
 
-    let tensors = build_tensors(preset, seed, vocab, &lang, theta);
+    let tensors = build_tensors(preset, seed, vocab, &lang, theta, true);
     let tensors: BTreeMap<String, (Vec<usize>, Vec<f32>)> = tensors
         .into_iter()
         .map(|(k, t)| (k, (t.shape, t.data)))
@@ -637,3 +662,151 @@ pub fn fit_map(model: &str, counts: &[Vec<u64>], hot: usize) -> Rowmap {
 pub fn checkpoint_id(dir: &Path) -> Result<String> {
     Ok(Checkpoint::open(dir)?.id)
 }
+
+/// A synthetic model built in memory: its config, dense weights and tokenizer, the experts
+/// left to a generator ([`hashed_expert`] on the CPU, `cuda_model::station_experts` on the
+/// GPU, bit-identical).
+pub struct InMemory {
+    pub config: crate::config::ModelConfig,
+    pub dense: crate::model::DenseWeights,
+    pub tokenizer_json: serde_json::Value,
+    pub seed: u64,
+    pub hot: usize,
+    pub id: String,
+}
+
+struct MemTensors {
+    config: crate::config::ModelConfig,
+    t: BTreeMap<String, Tensor>,
+}
+
+impl crate::model::TensorSource for MemTensors {
+    fn config(&self) -> &crate::config::ModelConfig {
+        &self.config
+    }
+    fn tensor(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let t = self
+            .t
+            .get(name)
+            .ok_or_else(|| Error::Gpu(format!("in-memory model has no tensor {name}")))?;
+        if t.shape != shape {
+            return Err(Error::Gpu(format!(
+                "in-memory tensor {name} is {:?}, expected {shape:?}",
+                t.shape
+            )));
+        }
+        Ok(t.data.clone())
+    }
+    fn has(&self, name: &str) -> bool {
+        self.t.contains_key(name)
+    }
+}
+
+/// Builds `preset`'s dense part in memory (no file): the same language-structured
+/// embedding, attention and router as [`generate`]; experts come from [`hashed_expert`].
+pub fn in_memory(preset: &Preset, seed: u64) -> Result<InMemory> {
+    let texts: Vec<&str> = LANGS.iter().map(|l| l.1).collect();
+    let bpe = bpe::train(&texts, preset.vocab_target);
+    let tok_json = bpe.to_json();
+    let bytes = serde_json::to_vec(&tok_json).unwrap_or_default();
+    let tok = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| Error::Tokenizer {
+        path: format!("<{} tokenizer>", preset.name).into(),
+        reason: e.to_string(),
+    })?;
+    let vocab = bpe.len();
+    let lang = token_langs(&token_freqs(&tok, vocab));
+    let eos = (bpe.vocab.len() + 2) as u32;
+    let cj = config_json(preset, seed, vocab, bpe.vocab.len() as u32, eos);
+    let config = crate::config::ModelConfig::from_json_str(
+        &cj.to_string(),
+        Path::new(&format!("<{} config>", preset.name)),
+    )?;
+    let t = build_tensors(preset, seed, vocab, &lang, 10000.0, false);
+    let dense = crate::model::DenseWeights::load(&MemTensors {
+        config: config.clone(),
+        t,
+    })?;
+    Ok(InMemory {
+        config,
+        dense,
+        tokenizer_json: tok_json,
+        seed,
+        hot: preset.hot,
+        id: format!("synthetic-{}-{seed}", preset.name),
+    })
+}
+
+fn splitmix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The key of one generated tensor (`which`: 0 gate_up, 1 down) of expert `e` of MoE layer
+/// `layer`.
+pub fn hashed_key(seed: u64, layer: usize, e: usize, which: u64) -> u64 {
+    splitmix(seed ^ splitmix(((layer as u64) << 32) ^ ((e as u64) << 2) ^ which))
+}
+
+/// Fills `w` (a matrix of `cols` columns) as the GPU kernel `gen_weights` does, bit for bit.
+pub fn hashed_fill(
+    w: &mut [f32],
+    cols: usize,
+    zero_cols: usize,
+    zero_rows: usize,
+    key: u64,
+    scale: f32,
+) {
+    let k = 5.960_464_5e-8f32; // 2^-24
+    for (i, v) in w.iter_mut().enumerate() {
+        let (row, col) = (i / cols, i % cols);
+        *v = if col >= zero_cols && row >= zero_rows {
+            let i = i as u64;
+            let a = splitmix(key.wrapping_add(2 * i));
+            let b = splitmix(key.wrapping_add(2 * i + 1));
+            let u1 = (a >> 40) as u32 as f32 * k;
+            let u2 = ((a >> 8) & 0xff_ffff) as u32 as f32 * k;
+            let u3 = (b >> 40) as u32 as f32 * k;
+            let u4 = ((b >> 8) & 0xff_ffff) as u32 as f32 * k;
+            ((u1 + u2) + (u3 + u4) - 2.0) * scale
+        } else {
+            0.0
+        };
+    }
+}
+
+/// The generator's scales for a model of `hidden` x `inter` experts: (gate_up, down), each
+/// already times sqrt(3) (the Irwin-Hall sum's unit variance), as [`build_tensors`] scales
+/// its normal draws.
+pub fn hashed_scales(hidden: usize, inter: usize) -> (f32, f32) {
+    let s3 = 3f32.sqrt();
+    (
+        s3 / (hidden as f32).sqrt(),
+        s3 * KNOBS.expert_gain / (inter as f32).sqrt(),
+    )
+}
+
+/// Expert `e` of MoE layer `layer` of a hashed (in-memory) model, on the CPU.
+pub fn hashed_expert(
+    seed: u64,
+    layer: usize,
+    e: usize,
+    hidden: usize,
+    inter: usize,
+) -> crate::checkpoint::ExpertWeights {
+    let (gs, ds) = hashed_scales(hidden, inter);
+    let mut gu = vec![0f32; 2 * inter * hidden];
+    hashed_fill(&mut gu, hidden, C0, 0, hashed_key(seed, layer, e, 0), gs);
+    let mut dn = vec![0f32; hidden * inter];
+    hashed_fill(&mut dn, inter, 0, C0, hashed_key(seed, layer, e, 1), ds);
+    crate::checkpoint::ExpertWeights {
+        gate_up: crate::ops::Matrix::new(2 * inter, hidden, gu),
+        down: crate::ops::Matrix::new(hidden, inter, dn),
+        checksum: hashed_key(seed, layer, e, 2),
+    }
+}
+
+/// Columns (gate/up) and rows (down) the generator leaves zero: the language and constant
+/// dims, as in [`build_tensors`].
+pub const HASHED_ZERO: usize = C0;

@@ -1,0 +1,1050 @@
+//! The primary's decode step on the GPU (feature `cuda`): dense weights, the KV cache, the
+//! hidden state, the router's top-k and the hot experts all live on the device; a step
+//! uploads one small table (tokens, positions, block tables) and downloads the logits (or
+//! only the argmax ids) and the step's picks for the counters. Nothing allocates in a warm
+//! step: scratch buffers only grow.
+//!
+//! Dense products go through cuBLAS (f32, no TF32, so the GPU agrees with the CPU backend to
+//! rounding); everything else is `kernels/dense.cu`, compiled by NVRTC at start. The MoE
+//! layer reads each picked expert's weights once per step however many rows picked it
+//! (one block per (expert, chunk of rows)). Where the map puts experts on a cold tier, the
+//! primary downloads the router's picks and the normed activations of that layer (the only
+//! synchronisation inside a step), sends the cold picks, computes the hot ones meanwhile,
+//! and scatters the reply into the pick slots; a layer whose map has no cold expert never
+//! synchronises.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::cublas::{sys as blas, CudaBlas};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    ValidAsZeroBits,
+};
+
+use crate::bank::ExpertBank;
+use crate::checkpoint::ExpertWeights;
+use crate::config::ModelConfig;
+use crate::cuda::Gpu;
+use crate::error::{Error, Result};
+use crate::kv::{SeqKv, BLOCK};
+use crate::model::{DenseWeights, RowPos};
+use crate::ops::Rope;
+use crate::rowmap::{Tier, ValidMap};
+
+/// The dense kernels' source, compiled at run time.
+pub const DENSE_CU: &str = include_str!("../../../kernels/dense.cu");
+
+fn gerr(what: &str, e: impl std::fmt::Debug) -> Error {
+    Error::Gpu(format!("{what}: {e:?}"))
+}
+
+/// A device buffer and its address (event tracking is off: one stream orders everything).
+pub struct Buf<T> {
+    s: CudaSlice<T>,
+    pub p: u64,
+    pub len: usize,
+}
+
+impl<T: DeviceRepr + ValidAsZeroBits> Buf<T> {
+    pub fn zeros(st: &Arc<CudaStream>, n: usize) -> Result<Self> {
+        let s = st
+            .alloc_zeros::<T>(n.max(1))
+            .map_err(|e| gerr(&format!("allocating {n} elements on the GPU"), e))?;
+        let p = {
+            let (p, _g) = s.device_ptr(st);
+            p
+        };
+        Ok(Buf {
+            p,
+            len: n.max(1),
+            s,
+        })
+    }
+
+    pub fn from_host(st: &Arc<CudaStream>, data: &[T]) -> Result<Self> {
+        let s = st
+            .clone_htod(data)
+            .map_err(|e| gerr("uploading to the GPU", e))?;
+        let p = {
+            let (p, _g) = s.device_ptr(st);
+            p
+        };
+        Ok(Buf {
+            p,
+            len: data.len().max(1),
+            s,
+        })
+    }
+
+    /// At least `n` elements (contents not kept).
+    pub fn grow(&mut self, st: &Arc<CudaStream>, n: usize) -> Result<()> {
+        if self.len < n {
+            *self = Buf::zeros(st, n.next_power_of_two())?;
+        }
+        Ok(())
+    }
+
+    pub fn write(&mut self, st: &Arc<CudaStream>, data: &[T]) -> Result<()> {
+        self.grow(st, data.len())?;
+        st.memcpy_htod(data, &mut self.s.slice_mut(..data.len()))
+            .map_err(|e| gerr("copying to the GPU", e))
+    }
+
+    pub fn into_slice(self) -> CudaSlice<T> {
+        self.s
+    }
+
+    pub fn read(&self, st: &Arc<CudaStream>, out: &mut [T]) -> Result<()> {
+        st.memcpy_dtoh(&self.s.slice(..out.len()), out)
+            .map_err(|e| gerr("copying from the GPU", e))
+    }
+}
+
+struct Funcs {
+    embed: CudaFunction,
+    rmsnorm: CudaFunction,
+    qk_rope_kv: CudaFunction,
+    attention: CudaFunction,
+    route_topk: CudaFunction,
+    moe_up: CudaFunction,
+    moe_down: CudaFunction,
+    scatter: CudaFunction,
+    combine: CudaFunction,
+    silu_mul: CudaFunction,
+    argmax: CudaFunction,
+    gen: CudaFunction,
+}
+
+fn funcs(gpu: &Gpu) -> Result<Funcs> {
+    let m = gpu.module("dense", DENSE_CU)?;
+    let f = |n: &str| {
+        m.load_function(n)
+            .map_err(|e| gerr(&format!("loading kernel {n}"), e))
+    };
+    Ok(Funcs {
+        embed: f("embed_rows")?,
+        rmsnorm: f("rmsnorm_rows")?,
+        qk_rope_kv: f("qk_rope_kv")?,
+        attention: f("attention")?,
+        route_topk: f("route_topk")?,
+        moe_up: f("moe_up")?,
+        moe_down: f("moe_down")?,
+        scatter: f("scatter_rows")?,
+        combine: f("moe_combine")?,
+        silu_mul: f("silu_mul")?,
+        argmax: f("argmax_rows")?,
+        gen: f("gen_weights")?,
+    })
+}
+
+struct Layer {
+    input_norm: Buf<f32>,
+    post_norm: Buf<f32>,
+    qkv: Buf<f32>,
+    o: Buf<f32>,
+    q_norm: Buf<f32>,
+    k_norm: Buf<f32>,
+    router: Option<Buf<f32>>,
+    mlp: Option<(Buf<f32>, Buf<f32>)>,
+}
+
+fn grid(x: usize, y: usize, threads: usize, shared: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (x as u32, y as u32, 1),
+        block_dim: (threads as u32, 1, 1),
+        shared_mem_bytes: shared as u32,
+    }
+}
+
+/// Generates expert `e` of MoE layer `layer` of a hashed model on `gpu` (bit-identical to
+/// [`crate::synth::hashed_expert`]): `(gate_up [2I, H], down [H, I])`.
+pub fn gen_expert(
+    gpu: &Gpu,
+    f: &CudaFunction,
+    seed: u64,
+    layer: usize,
+    e: usize,
+    hidden: usize,
+    inter: usize,
+) -> Result<(Buf<f32>, Buf<f32>)> {
+    let st = &gpu.stream;
+    let (gs, ds) = crate::synth::hashed_scales(hidden, inter);
+    let gu = Buf::<f32>::zeros(st, 2 * inter * hidden)?;
+    let dn = Buf::<f32>::zeros(st, hidden * inter)?;
+    let z = crate::synth::HASHED_ZERO as i32;
+    for (b, cols, zc, zr, key, scale) in [
+        (
+            &gu,
+            hidden,
+            z,
+            0,
+            crate::synth::hashed_key(seed, layer, e, 0),
+            gs,
+        ),
+        (
+            &dn,
+            inter,
+            0,
+            z,
+            crate::synth::hashed_key(seed, layer, e, 1),
+            ds,
+        ),
+    ] {
+        let n = (b.len) as u64;
+        let cols = cols as i32;
+        let mut l = st.launch_builder(f);
+        l.arg(&b.p)
+            .arg(&n)
+            .arg(&cols)
+            .arg(&zc)
+            .arg(&zr)
+            .arg(&key)
+            .arg(&scale);
+        // SAFETY: `b` holds exactly n floats; the kernel writes w[0..n).
+        unsafe { l.launch(grid(1024, 1, 256, 0)) }.map_err(|e| gerr("launching gen_weights", e))?;
+    }
+    Ok((gu, dn))
+}
+
+/// Loads the dense kernels' module on `gpu` and returns the generator kernel (for a sidecar
+/// that generates its experts).
+pub fn gen_kernel(gpu: &Gpu) -> Result<CudaFunction> {
+    Ok(funcs(gpu)?.gen)
+}
+
+/// The model on one GPU. See the module comment.
+pub struct GpuModel {
+    pub gpu: Arc<Gpu>,
+    st: Arc<CudaStream>,
+    blas: CudaBlas,
+    f: Funcs,
+    cfg: ModelConfig,
+    layers: Vec<Layer>,
+    embed: Buf<f32>,
+    norm: Buf<f32>,
+    head: Option<Buf<f32>>,
+    cos: Buf<f32>,
+    sin: Buf<f32>,
+    max_pos: usize,
+    kc: Vec<Buf<f32>>,
+    vc: Vec<Buf<f32>>,
+    kv_blocks: usize,
+    experts: HashMap<(usize, usize), (Buf<f32>, Buf<f32>)>,
+    /// experts generated on the device (no host copy): swaps cannot move them
+    pub generated: bool,
+    tab_gu: Buf<u64>,
+    tab_dn: Buf<u64>,
+    moe: usize,
+    // scratch (grow-only)
+    x: Buf<f32>,
+    h: Buf<f32>,
+    qkv: Buf<f32>,
+    att: Buf<f32>,
+    rlog: Buf<f32>,
+    idx: Buf<i32>,
+    wts: Buf<f32>,
+    act: Buf<f32>,
+    y: Buf<f32>,
+    meta: Buf<i32>,
+    lrows: Buf<i32>,
+    logits: Buf<f32>,
+    amax: Buf<i32>,
+    cold_src: Buf<f32>,
+    cold_slots: Buf<i32>,
+    host_meta: Vec<i32>,
+    n: usize,
+    o_pos: u64,
+    o_tab: u64,
+    o_blocks: u64,
+}
+
+impl GpuModel {
+    /// Uploads the dense weights of `cfg` and makes a KV cache of `kv_blocks` blocks on `gpu`.
+    pub fn new(
+        gpu: Arc<Gpu>,
+        cfg: &ModelConfig,
+        w: &DenseWeights,
+        kv_blocks: usize,
+    ) -> Result<Self> {
+        if cfg.head_dim > 128 || cfg.head_dim % 2 != 0 {
+            return Err(Error::Gpu(format!(
+                "head_dim {} is not supported on the GPU (even, at most 128)",
+                cfg.head_dim
+            )));
+        }
+        if cfg.num_attention_heads + cfg.num_key_value_heads > 32 {
+            return Err(Error::Gpu(format!(
+                "{} query + {} key/value heads: the GPU kernel takes at most 32 together",
+                cfg.num_attention_heads, cfg.num_key_value_heads
+            )));
+        }
+        // SAFETY: this model uses one stream, which orders every use of every buffer.
+        unsafe { gpu.ctx.disable_event_tracking() };
+        let st = gpu.stream.clone();
+        let f = funcs(&gpu)?;
+        let blas = CudaBlas::new(st.clone()).map_err(|e| gerr("creating a cuBLAS handle", e))?;
+        let up = |v: &[f32]| Buf::from_host(&st, v);
+        let mut layers = Vec::with_capacity(w.layers.len());
+        for l in &w.layers {
+            layers.push(Layer {
+                input_norm: up(&l.input_norm)?,
+                post_norm: up(&l.post_norm)?,
+                qkv: up(&l.qkv.data)?,
+                o: up(&l.o.data)?,
+                q_norm: up(&l.q_norm)?,
+                k_norm: up(&l.k_norm)?,
+                router: l.router.as_ref().map(|r| up(&r.data)).transpose()?,
+                mlp: match &l.dense_mlp {
+                    Some(m) => Some((up(&m.gate_up.data)?, up(&m.down.data)?)),
+                    None => None,
+                },
+            });
+        }
+        let max_pos = cfg.max_position_embeddings.min(1 << 16);
+        let rope = Rope::new(cfg.head_dim, cfg.rope_theta, max_pos);
+        let per_layer = kv_blocks * BLOCK * cfg.kv_dim();
+        let mut kc = Vec::new();
+        let mut vc = Vec::new();
+        for _ in 0..cfg.num_hidden_layers {
+            kc.push(Buf::zeros(&st, per_layer)?);
+            vc.push(Buf::zeros(&st, per_layer)?);
+        }
+        let moe = cfg.moe_layers().len();
+        let e = cfg.num_experts;
+        let m = GpuModel {
+            embed: up(&w.embed.data)?,
+            norm: up(&w.norm)?,
+            head: w.lm_head.as_ref().map(|h| up(&h.data)).transpose()?,
+            cos: up(&rope.cos)?,
+            sin: up(&rope.sin)?,
+            max_pos,
+            kc,
+            vc,
+            kv_blocks,
+            experts: HashMap::new(),
+            generated: false,
+            tab_gu: Buf::zeros(&st, moe * e)?,
+            tab_dn: Buf::zeros(&st, moe * e)?,
+            moe,
+            x: Buf::zeros(&st, 1)?,
+            h: Buf::zeros(&st, 1)?,
+            qkv: Buf::zeros(&st, 1)?,
+            att: Buf::zeros(&st, 1)?,
+            rlog: Buf::zeros(&st, 1)?,
+            idx: Buf::zeros(&st, 1)?,
+            wts: Buf::zeros(&st, 1)?,
+            act: Buf::zeros(&st, 1)?,
+            y: Buf::zeros(&st, 1)?,
+            meta: Buf::zeros(&st, 1)?,
+            lrows: Buf::zeros(&st, 1)?,
+            logits: Buf::zeros(&st, 1)?,
+            amax: Buf::zeros(&st, 1)?,
+            cold_src: Buf::zeros(&st, 1)?,
+            cold_slots: Buf::zeros(&st, 1)?,
+            host_meta: Vec::new(),
+            n: 0,
+            o_pos: 0,
+            o_tab: 0,
+            o_blocks: 0,
+            layers,
+            cfg: cfg.clone(),
+            f,
+            blas,
+            st,
+            gpu,
+        };
+        m.sync()?;
+        Ok(m)
+    }
+
+    /// "cuda:N (name, sm_XY)"
+    pub fn describe(&self) -> String {
+        format!(
+            "cuda:{} ({}, sm_{}{})",
+            self.gpu.ordinal, self.gpu.name, self.gpu.cc.0, self.gpu.cc.1
+        )
+    }
+
+    pub fn kv_blocks(&self) -> usize {
+        self.kv_blocks
+    }
+
+    /// Experts resident on this GPU.
+    pub fn resident(&self) -> usize {
+        self.experts.len()
+    }
+
+    /// Bytes of expert weights on this GPU.
+    pub fn expert_bytes(&self) -> usize {
+        self.experts.len() * 3 * self.cfg.hidden_size * self.cfg.moe_intermediate_size * 4
+    }
+
+    pub fn sync(&self) -> Result<()> {
+        self.st
+            .synchronize()
+            .map_err(|e| gerr("synchronising the GPU", e))
+    }
+
+    /// Makes this GPU hold exactly the experts `bank` holds (uploads missing ones, frees the
+    /// rest). A no-op on a model whose experts were generated on the device.
+    pub fn sync_hot(&mut self, bank: &ExpertBank) -> Result<()> {
+        if self.generated {
+            return Ok(());
+        }
+        let mut keep = std::collections::HashSet::new();
+        for l in 0..bank.layers() {
+            for (e, w) in bank.experts_of(l) {
+                keep.insert((l, e));
+                if !self.experts.contains_key(&(l, e)) {
+                    self.put_expert(l, e, w)?;
+                }
+            }
+        }
+        self.experts.retain(|k, _| keep.contains(k));
+        Ok(())
+    }
+
+    fn put_expert(&mut self, l: usize, e: usize, w: &ExpertWeights) -> Result<()> {
+        let gu = Buf::from_host(&self.st, &w.gate_up.data)?;
+        let dn = Buf::from_host(&self.st, &w.down.data)?;
+        self.experts.insert((l, e), (gu, dn));
+        Ok(())
+    }
+
+    /// Generates the given experts of a hashed model (the `station` preset) on the device.
+    pub fn generate(&mut self, seed: u64, which: &[(usize, usize)]) -> Result<()> {
+        self.generated = true;
+        let (h, i) = (self.cfg.hidden_size, self.cfg.moe_intermediate_size);
+        for &(l, e) in which {
+            let w = gen_expert(&self.gpu, &self.f.gen, seed, l, e, h, i)?;
+            self.experts.insert((l, e), w);
+        }
+        self.sync()
+    }
+
+    /// Points every MoE layer's expert table at the experts `map` puts hot; cold ones get a
+    /// null entry (their slots are filled from the cold tier's reply). Fails, changing
+    /// nothing, when a hot expert is not on this GPU.
+    pub fn set_map(&mut self, map: &ValidMap) -> Result<()> {
+        let e = self.cfg.num_experts;
+        let mut gu = vec![0u64; self.moe * e];
+        let mut dn = vec![0u64; self.moe * e];
+        for ml in 0..self.moe {
+            for x in 0..e {
+                if map.tier(ml, x) == Tier::Hot {
+                    let Some((g, d)) = self.experts.get(&(ml, x)) else {
+                        return Err(Error::NotResident {
+                            layer: ml,
+                            expert: x,
+                            tier: "gpu",
+                        });
+                    };
+                    gu[ml * e + x] = g.p;
+                    dn[ml * e + x] = d.p;
+                }
+            }
+        }
+        self.tab_gu.write(&self.st, &gu)?;
+        self.tab_dn.write(&self.st, &dn)?;
+        self.sync()
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        w: u64,
+        out_dim: usize,
+        in_dim: usize,
+        x: u64,
+        n: usize,
+        y: u64,
+        beta: f32,
+    ) -> Result<()> {
+        let alpha = 1f32;
+        // y[n, out] (row-major) = x[n, in] . w[out, in]^T, i.e. column-major
+        // y^T[out, n] = w^T' [out, in] x^T [in, n] with w read transposed.
+        // SAFETY: w holds out*in floats, x n*in, y n*out (the callers size them), all on the
+        // handle's stream.
+        unsafe {
+            cudarc::cublas::result::sgemm(
+                *self.blas.handle(),
+                blas::cublasOperation_t::CUBLAS_OP_T,
+                blas::cublasOperation_t::CUBLAS_OP_N,
+                out_dim as i32,
+                n as i32,
+                in_dim as i32,
+                &alpha,
+                w as *const f32,
+                in_dim as i32,
+                x as *const f32,
+                in_dim as i32,
+                &beta,
+                y as *mut f32,
+                out_dim as i32,
+            )
+        }
+        .map_err(|e| gerr("cuBLAS sgemm", e))
+    }
+
+    fn rmsnorm(&self, x: u64, rows: u64, w: u64, y: u64, n: usize) -> Result<()> {
+        let h = self.cfg.hidden_size as i32;
+        let eps = self.cfg.rms_norm_eps;
+        let mut b = self.st.launch_builder(&self.f.rmsnorm);
+        b.arg(&x).arg(&rows).arg(&w).arg(&y).arg(&h).arg(&eps);
+        // SAFETY: x holds the source rows (rows[i] < its row count when given), y n rows,
+        // w h floats.
+        unsafe { b.launch(grid(n, 1, 256, 0)) }.map_err(|e| gerr("launching rmsnorm_rows", e))?;
+        Ok(())
+    }
+
+    /// Starts a step: checks and uploads the tokens, positions and block tables, and embeds.
+    pub fn begin(&mut self, tokens: &[u32], rows: &[RowPos], seqs: &[&SeqKv]) -> Result<()> {
+        let c = &self.cfg;
+        let n = rows.len();
+        let (hs, ne, k) = (c.hidden_size, c.num_experts, c.num_experts_per_tok);
+        let dense_i = c.intermediate_size;
+        self.host_meta.clear();
+        for &t in tokens {
+            if t as usize >= c.vocab_size {
+                return Err(Error::BadToken {
+                    id: t,
+                    vocab: c.vocab_size,
+                });
+            }
+            self.host_meta.push(t as i32);
+        }
+        let mut tab_of = Vec::with_capacity(seqs.len());
+        let mut blocks = Vec::new();
+        for s in seqs {
+            tab_of.push(blocks.len() as i32);
+            for &b in &s.blocks {
+                if b as usize >= self.kv_blocks {
+                    return Err(Error::Gpu(format!(
+                        "KV block {b} but the GPU cache has {}",
+                        self.kv_blocks
+                    )));
+                }
+                blocks.push(b as i32);
+            }
+        }
+        for rp in rows {
+            if rp.pos >= self.max_pos {
+                return Err(Error::ContextOverflow {
+                    len: rp.pos + 1,
+                    max: self.max_pos,
+                });
+            }
+            if rp.pos / BLOCK >= seqs[rp.seq].blocks.len() {
+                return Err(Error::Gpu(format!(
+                    "position {} has no KV block reserved",
+                    rp.pos
+                )));
+            }
+            self.host_meta.push(rp.pos as i32);
+        }
+        for rp in rows {
+            self.host_meta.push(tab_of[rp.seq]);
+        }
+        self.host_meta.extend_from_slice(&blocks);
+        let st = self.st.clone();
+        self.meta.write(&st, &self.host_meta)?;
+        self.o_pos = self.meta.p + 4 * n as u64;
+        self.o_tab = self.o_pos + 4 * n as u64;
+        self.o_blocks = self.o_tab + 4 * n as u64;
+        let wide = (c.q_dim() + 2 * c.kv_dim()).max(2 * dense_i);
+        self.x.grow(&st, n * hs)?;
+        self.h.grow(&st, n * hs)?;
+        self.qkv.grow(&st, n * wide)?;
+        self.att.grow(&st, n * c.q_dim().max(dense_i))?;
+        self.rlog.grow(&st, n * ne)?;
+        self.idx.grow(&st, self.moe.max(1) * n * k)?;
+        self.wts.grow(&st, n * k)?;
+        self.act.grow(&st, n * k * c.moe_intermediate_size)?;
+        self.y.grow(&st, n * k * hs)?;
+        self.n = n;
+        let h = hs as i32;
+        let mut b = st.launch_builder(&self.f.embed);
+        b.arg(&self.embed.p)
+            .arg(&self.meta.p)
+            .arg(&self.x.p)
+            .arg(&h);
+        // SAFETY: every token id was checked < vocab; x holds n rows.
+        unsafe { b.launch(grid(n, 1, 256, 0)) }.map_err(|e| gerr("launching embed_rows", e))?;
+        Ok(())
+    }
+
+    /// x += attention(input_norm(x)) of decoder layer `l`, writing K/V of every row.
+    pub fn attention(&mut self, l: usize) -> Result<()> {
+        let c = &self.cfg;
+        let n = self.n;
+        let (qd, kvd, hs) = (c.q_dim(), c.kv_dim(), c.hidden_size);
+        let lw = &self.layers[l];
+        self.rmsnorm(self.x.p, 0, lw.input_norm.p, self.h.p, n)?;
+        self.gemm(lw.qkv.p, qd + 2 * kvd, hs, self.h.p, n, self.qkv.p, 0.0)?;
+        let (nh, nkv, hd) = (
+            c.num_attention_heads as i32,
+            c.num_key_value_heads as i32,
+            c.head_dim as i32,
+        );
+        let eps = c.rms_norm_eps;
+        let mut b = self.st.launch_builder(&self.f.qk_rope_kv);
+        b.arg(&self.qkv.p)
+            .arg(&lw.q_norm.p)
+            .arg(&lw.k_norm.p)
+            .arg(&self.cos.p)
+            .arg(&self.sin.p)
+            .arg(&self.o_pos)
+            .arg(&self.o_tab)
+            .arg(&self.o_blocks)
+            .arg(&self.kc[l].p)
+            .arg(&self.vc[l].p)
+            .arg(&nh)
+            .arg(&nkv)
+            .arg(&hd)
+            .arg(&eps);
+        // SAFETY: positions < max_pos and their blocks < kv_blocks were checked in `begin`;
+        // qkv holds n rows of q_dim + 2 kv_dim.
+        unsafe {
+            b.launch(grid(
+                n,
+                1,
+                32 * (c.num_attention_heads + c.num_key_value_heads),
+                0,
+            ))
+        }
+        .map_err(|e| gerr("launching qk_rope_kv", e))?;
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        let nw = 4usize;
+        let mut b = self.st.launch_builder(&self.f.attention);
+        b.arg(&self.qkv.p)
+            .arg(&self.kc[l].p)
+            .arg(&self.vc[l].p)
+            .arg(&self.o_pos)
+            .arg(&self.o_tab)
+            .arg(&self.o_blocks)
+            .arg(&self.att.p)
+            .arg(&nh)
+            .arg(&nkv)
+            .arg(&hd)
+            .arg(&scale);
+        // SAFETY: as above; att holds n rows of q_dim.
+        unsafe { b.launch(grid(n, c.num_attention_heads, 32 * nw, nw * c.head_dim * 4)) }
+            .map_err(|e| gerr("launching attention", e))?;
+        self.gemm(lw.o.p, hs, qd, self.att.p, n, self.x.p, 1.0)
+    }
+
+    /// Router of MoE layer `l` (`ml`-th MoE layer): h = post_norm(x), top-k ids and weights.
+    pub fn route(&mut self, l: usize, ml: usize) -> Result<()> {
+        let c = &self.cfg;
+        let n = self.n;
+        let (hs, ne, k) = (c.hidden_size, c.num_experts, c.num_experts_per_tok);
+        let lw = &self.layers[l];
+        let router = lw
+            .router
+            .as_ref()
+            .ok_or_else(|| Error::Tier(format!("layer {l} is not a MoE layer")))?;
+        self.rmsnorm(self.x.p, 0, lw.post_norm.p, self.h.p, n)?;
+        self.gemm(router.p, ne, hs, self.h.p, n, self.rlog.p, 0.0)?;
+        let idx = self.idx.p + (4 * ml * n * k) as u64;
+        let (e, ki, norm) = (ne as i32, k as i32, c.norm_topk_prob as i32);
+        let mut b = self.st.launch_builder(&self.f.route_topk);
+        b.arg(&self.rlog.p)
+            .arg(&idx)
+            .arg(&self.wts.p)
+            .arg(&e)
+            .arg(&ki)
+            .arg(&norm);
+        // SAFETY: rlog holds n rows of E; idx has room for the ml-th layer's n*k ids.
+        unsafe { b.launch(grid(n, 1, 256, ne * 4)) }
+            .map_err(|e| gerr("launching route_topk", e))?;
+        Ok(())
+    }
+
+    /// Downloads MoE layer `ml`'s picks `[n, k]` and normed activations `[n, H]` (waits).
+    pub fn fetch_route(&mut self, ml: usize, idx: &mut Vec<i32>, h: &mut Vec<f32>) -> Result<()> {
+        let c = &self.cfg;
+        let (n, k, hs) = (self.n, c.num_experts_per_tok, c.hidden_size);
+        idx.resize(n * k, 0);
+        h.resize(n * hs, 0.0);
+        self.st
+            .memcpy_dtoh(
+                &self.idx.s.slice(ml * n * k..(ml + 1) * n * k),
+                &mut idx[..],
+            )
+            .map_err(|e| gerr("copying picks from the GPU", e))?;
+        self.h.read(&self.st, &mut h[..])?;
+        self.sync()
+    }
+
+    /// The hot experts' outputs of MoE layer `ml` into their pick slots.
+    pub fn moe(&mut self, ml: usize) -> Result<()> {
+        let c = &self.cfg;
+        let (n, k, hs, i, ne) = (
+            self.n,
+            c.num_experts_per_tok,
+            c.hidden_size,
+            c.moe_intermediate_size,
+            c.num_experts,
+        );
+        let nk = n * k;
+        let idx = self.idx.p + (4 * ml * nk) as u64;
+        let gu = self.tab_gu.p + (8 * ml * ne) as u64;
+        let dn = self.tab_dn.p + (8 * ml * ne) as u64;
+        let (nki, ki, hi, ii) = (nk as i32, k as i32, hs as i32, i as i32);
+        let v_up = (hs % 4 == 0) as i32;
+        let v_dn = (i % 4 == 0) as i32;
+        let mut b = self.st.launch_builder(&self.f.moe_up);
+        b.arg(&idx)
+            .arg(&gu)
+            .arg(&self.h.p)
+            .arg(&self.act.p)
+            .arg(&nki)
+            .arg(&ki)
+            .arg(&hi)
+            .arg(&ii)
+            .arg(&v_up);
+        // SAFETY: ids < E (the router's top-k), table entries are null or resident experts of
+        // [2I, H]; h holds n rows, act n*k rows of I; float4 reads only when H % 4 == 0.
+        unsafe { b.launch(grid(nk, i.div_ceil(8), 256, 0)) }
+            .map_err(|e| gerr("launching moe_up", e))?;
+        let mut b = self.st.launch_builder(&self.f.moe_down);
+        b.arg(&idx)
+            .arg(&dn)
+            .arg(&self.act.p)
+            .arg(&self.y.p)
+            .arg(&nki)
+            .arg(&hi)
+            .arg(&ii)
+            .arg(&v_dn);
+        // SAFETY: as above, down [H, I]; y holds n*k rows of H.
+        unsafe { b.launch(grid(nk, hs.div_ceil(8), 256, 0)) }
+            .map_err(|e| gerr("launching moe_down", e))?;
+        Ok(())
+    }
+
+    /// The cold tier's outputs (`src [slots.len(), H]`) into pick slots.
+    pub fn scatter(&mut self, slots: &[i32], src: &[f32]) -> Result<()> {
+        let hs = self.cfg.hidden_size;
+        let nk = self.n * self.cfg.num_experts_per_tok;
+        if slots.is_empty() {
+            return Ok(());
+        }
+        if src.len() != slots.len() * hs || slots.iter().any(|&s| s < 0 || s as usize >= nk) {
+            return Err(Error::Tier(format!(
+                "cold outputs: {} floats for {} slots (of {nk})",
+                src.len(),
+                slots.len()
+            )));
+        }
+        let st = self.st.clone();
+        self.cold_slots.write(&st, slots)?;
+        self.cold_src.write(&st, src)?;
+        let h = hs as i32;
+        let mut b = st.launch_builder(&self.f.scatter);
+        b.arg(&self.cold_src.p)
+            .arg(&self.cold_slots.p)
+            .arg(&self.y.p)
+            .arg(&h);
+        // SAFETY: slots were checked < n*k; src holds slots.len() rows.
+        unsafe { b.launch(grid(slots.len(), 1, 256, 0)) }
+            .map_err(|e| gerr("launching scatter_rows", e))?;
+        Ok(())
+    }
+
+    /// x += the picks' outputs weighted by the router, in rank order.
+    pub fn combine(&mut self) -> Result<()> {
+        let c = &self.cfg;
+        let (k, h) = (c.num_experts_per_tok as i32, c.hidden_size as i32);
+        let mut b = self.st.launch_builder(&self.f.combine);
+        b.arg(&self.x.p)
+            .arg(&self.y.p)
+            .arg(&self.wts.p)
+            .arg(&k)
+            .arg(&h);
+        // SAFETY: x holds n rows, y n*k rows, wts n*k.
+        unsafe { b.launch(grid(self.n, 1, 256, 0)) }
+            .map_err(|e| gerr("launching moe_combine", e))?;
+        Ok(())
+    }
+
+    /// x += dense MLP(post_norm(x)) of a non-MoE layer.
+    pub fn dense_mlp(&mut self, l: usize) -> Result<()> {
+        let c = &self.cfg;
+        let (n, hs, i) = (self.n, c.hidden_size, c.intermediate_size);
+        let lw = &self.layers[l];
+        let (gu, dn) = lw
+            .mlp
+            .as_ref()
+            .ok_or_else(|| Error::Tier(format!("layer {l} has no dense MLP")))?;
+        self.rmsnorm(self.x.p, 0, lw.post_norm.p, self.h.p, n)?;
+        self.gemm(gu.p, 2 * i, hs, self.h.p, n, self.qkv.p, 0.0)?;
+        let ii = i as i32;
+        let mut b = self.st.launch_builder(&self.f.silu_mul);
+        b.arg(&self.qkv.p).arg(&self.att.p).arg(&ii);
+        // SAFETY: qkv holds n rows of 2I (sized in `begin`), att n rows of I.
+        unsafe { b.launch(grid(n, 1, 256, 0)) }.map_err(|e| gerr("launching silu_mul", e))?;
+        self.gemm(dn.p, hs, i, self.att.p, n, self.x.p, 1.0)
+    }
+
+    /// The hidden state `[n, H]` (waits).
+    pub fn read_x(&self, out: &mut Vec<f32>) -> Result<()> {
+        out.resize(self.n * self.cfg.hidden_size, 0.0);
+        self.x.read(&self.st, &mut out[..])?;
+        self.sync()
+    }
+
+    /// Logits of final_norm(x[row]) for `rows`: into `logits` (`[rows, vocab]`) or, with
+    /// `ids`, only each row's argmax; then the step's picks `[moe layers, n, k]` into `picks`.
+    /// Waits for the step to finish.
+    pub fn finish(
+        &mut self,
+        rows: &[usize],
+        logits: Option<&mut [f32]>,
+        ids: Option<&mut Vec<u32>>,
+        picks: &mut Vec<i32>,
+    ) -> Result<()> {
+        let c = &self.cfg;
+        let (hs, v) = (c.hidden_size, c.vocab_size);
+        let m = rows.len();
+        let st = self.st.clone();
+        let lr: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+        if m > 0 {
+            self.lrows.write(&st, &lr)?;
+            self.logits.grow(&st, m * v)?;
+            self.rmsnorm(self.x.p, self.lrows.p, self.norm.p, self.h.p, m)?;
+            let head = self.head.as_ref().unwrap_or(&self.embed).p;
+            self.gemm(head, v, hs, self.h.p, m, self.logits.p, 0.0)?;
+        }
+        if let Some(out) = logits {
+            self.logits.read(&st, &mut out[..m * v])?;
+        }
+        if let Some(ids) = ids {
+            self.amax.grow(&st, m)?;
+            let vi = v as i32;
+            let mut b = st.launch_builder(&self.f.argmax);
+            b.arg(&self.logits.p).arg(&self.amax.p).arg(&vi);
+            if m > 0 {
+                // SAFETY: logits holds m rows of V; amax m ints.
+                unsafe { b.launch(grid(m, 1, 256, 0)) }
+                    .map_err(|e| gerr("launching argmax_rows", e))?;
+            }
+            let mut tmp = vec![0i32; m];
+            self.amax.read(&st, &mut tmp)?;
+            ids.clear();
+            ids.extend(tmp.iter().map(|&t| t.max(0) as u32));
+        }
+        let nk = self.moe * self.n * c.num_experts_per_tok;
+        picks.resize(nk, 0);
+        if nk > 0 {
+            self.idx.read(&st, &mut picks[..])?;
+        }
+        self.sync()
+    }
+}
+
+/// A cold tier on a GPU in this process (the `gpu+gpu` placement of `moelane bench decode`):
+/// its experts generated on that GPU, activations crossing through host memory.
+pub struct GpuColdServer {
+    pub experts: crate::cuda::GpuExperts,
+    pub epoch: u64,
+}
+
+impl crate::tier::ColdServer for GpuColdServer {
+    fn serve(&mut self, req: &crate::tier::ColdRequest, out: &mut Vec<f32>) -> Result<()> {
+        if req.epoch != self.epoch {
+            return Err(Error::Tier(format!(
+                "request tagged epoch {} but this tier serves epoch {}",
+                req.epoch, self.epoch
+            )));
+        }
+        out.clear();
+        out.resize(req.picks.len() * self.experts.hidden(), 0.0);
+        self.experts
+            .compute(req.layer as usize, &req.picks, &req.activations, out)
+    }
+}
+
+/// An embedded engine of `ckpt` whose steps run on `gpu`: dense weights, KV cache and the
+/// hot experts there; the cold experts (if the map has any) on an in-process CPU tier.
+pub fn load_on_gpu(
+    ckpt: &crate::checkpoint::Checkpoint,
+    map: ValidMap,
+    opts: &crate::load::EngineOptions,
+    gpu: Arc<Gpu>,
+) -> Result<crate::model::Engine> {
+    let mut eng = crate::load::engine_from(ckpt, map, opts)?;
+    let dense = DenseWeights::load(ckpt)?;
+    let g = GpuModel::new(gpu, &ckpt.config, &dense, eng.kv.blocks)?;
+    eng.attach_gpu(g)?;
+    Ok(eng)
+}
+
+/// Where a hashed model's cold experts are computed (`moelane bench decode --placement`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// every expert hot, on the primary's GPU (primary-only)
+    OneGpu,
+    /// hot experts on the primary's GPU, cold ones on an in-process CPU tier
+    GpuCpu,
+    /// hot experts on the primary's GPU, cold ones on a second GPU in this process
+    GpuGpu(usize),
+}
+
+impl Placement {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "one-gpu" => Ok(Placement::OneGpu),
+            "gpu+cpu" => Ok(Placement::GpuCpu),
+            _ => match s.strip_prefix("gpu+cuda:").map(str::parse::<usize>) {
+                Some(Ok(n)) => Ok(Placement::GpuGpu(n)),
+                _ => Err(Error::Gpu(format!(
+                    "unknown placement {s:?}: expected one-gpu, gpu+cpu or gpu+cuda:N"
+                ))),
+            },
+        }
+    }
+
+    pub fn name(&self) -> String {
+        match self {
+            Placement::OneGpu => "one-gpu".into(),
+            Placement::GpuCpu => "gpu+cpu".into(),
+            Placement::GpuGpu(n) => format!("gpu+cuda:{n}"),
+        }
+    }
+}
+
+/// The map of a hashed model: per MoE layer the `hot` experts with the largest router
+/// affinity to the five languages (the sum over languages of exp(gate weight on that
+/// language's dimension)) hot, the rest cold; ties to the lower id.
+pub fn affinity_map(mem: &crate::synth::InMemory, hot: usize) -> Result<ValidMap> {
+    let c = &mem.config;
+    let moe = c.moe_layers();
+    let mut m = crate::rowmap::Rowmap::all_hot(&mem.id, moe.len(), c.num_experts);
+    for (ml, &l) in moe.iter().enumerate() {
+        let r = mem.dense.layers[l]
+            .router
+            .as_ref()
+            .ok_or_else(|| Error::Tier(format!("layer {l} has no router")))?;
+        let mut score: Vec<(usize, f32)> = (0..c.num_experts)
+            .map(|e| (e, r.row(e)[..5].iter().map(|v| v.exp()).sum::<f32>()))
+            .collect();
+        score.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let mut hot_ids: Vec<u16> = score[..hot.min(score.len())]
+            .iter()
+            .map(|x| x.0 as u16)
+            .collect();
+        let mut cold_ids: Vec<u16> = score[hot.min(score.len())..]
+            .iter()
+            .map(|x| x.0 as u16)
+            .collect();
+        hot_ids.sort_unstable();
+        cold_ids.sort_unstable();
+        m.layers[ml].hot = hot_ids;
+        m.layers[ml].cold = cold_ids;
+    }
+    m.validate(&mem.id, moe.len(), c.num_experts, None)
+}
+
+/// An engine of a hashed model (the `station` preset) on `gpu`, its experts generated on
+/// the device(s) of `placement` (the CPU tier's on the CPU, bit-identical).
+pub fn hashed_engine(
+    mem: &crate::synth::InMemory,
+    placement: Placement,
+    gpu: Arc<Gpu>,
+    kv_tokens: usize,
+) -> Result<crate::model::Engine> {
+    let c = &mem.config;
+    let moe = c.moe_layers();
+    let (h, i, ne) = (c.hidden_size, c.moe_intermediate_size, c.num_experts);
+    let map = match placement {
+        Placement::OneGpu => crate::rowmap::Rowmap::all_hot(&mem.id, moe.len(), ne).validate(
+            &mem.id,
+            moe.len(),
+            ne,
+            None,
+        )?,
+        _ => affinity_map(mem, mem.hot)?,
+    };
+    let of = |t: Tier| -> Vec<(usize, usize)> {
+        let mut v = Vec::new();
+        for ml in 0..moe.len() {
+            for e in 0..ne {
+                if map.tier(ml, e) == t {
+                    v.push((ml, e));
+                }
+            }
+        }
+        v
+    };
+    let (hot, cold) = (of(Tier::Hot), of(Tier::Cold));
+    let cold_tier: Option<Box<dyn crate::tier::RemoteTier>> = match placement {
+        Placement::OneGpu => None,
+        Placement::GpuCpu => {
+            use rayon::prelude::*;
+            let ws: Vec<((usize, usize), ExpertWeights)> = cold
+                .par_iter()
+                .map(|&(l, e)| ((l, e), crate::synth::hashed_expert(mem.seed, l, e, h, i)))
+                .collect();
+            let mut bank = ExpertBank::empty(Tier::Cold, moe.len(), ne, h, i);
+            for ((l, e), w) in ws {
+                bank.insert(l, e, Arc::new(w));
+            }
+            Some(Box::new(crate::tier::InProcessTier::spawn(Box::new(
+                crate::tier::FixedBank {
+                    bank,
+                    epoch: map.epoch(),
+                },
+            ))))
+        }
+        Placement::GpuGpu(n) => {
+            let g2 = Gpu::open(n)?;
+            let mut ge = crate::cuda::GpuExperts::new(g2, h, i)?;
+            ge.generate(mem.seed, &cold)?;
+            Some(Box::new(crate::tier::InProcessTier::spawn(Box::new(
+                GpuColdServer {
+                    experts: ge,
+                    epoch: map.epoch(),
+                },
+            ))))
+        }
+    };
+    let blocks = crate::kv::KvCache::blocks_for(kv_tokens.max(BLOCK));
+    let mut g = GpuModel::new(gpu, c, &mem.dense, blocks)?;
+    g.generate(mem.seed, &hot)?;
+    // the engine's host-side dense backend is never stepped (the GPU is); it holds a copy
+    // of the dense weights' shapes for bytes_per_token
+    let dense = crate::model::CpuDense::new(c.clone(), clone_dense(&mem.dense));
+    let mut eng = crate::model::Engine::new(
+        c.clone(),
+        Box::new(dense),
+        ExpertBank::empty(Tier::Hot, moe.len(), ne, h, i),
+        cold_tier,
+        map,
+        1,
+    );
+    eng.attach_gpu(g)?;
+    Ok(eng)
+}
+
+fn clone_dense(w: &DenseWeights) -> DenseWeights {
+    DenseWeights {
+        embed: w.embed.clone(),
+        layers: w
+            .layers
+            .iter()
+            .map(|l| crate::model::LayerWeights {
+                input_norm: l.input_norm.clone(),
+                post_norm: l.post_norm.clone(),
+                qkv: l.qkv.clone(),
+                o: l.o.clone(),
+                q_norm: l.q_norm.clone(),
+                k_norm: l.k_norm.clone(),
+                router: l.router.clone(),
+                dense_mlp: l.dense_mlp.clone(),
+            })
+            .collect(),
+        norm: w.norm.clone(),
+        lm_head: w.lm_head.clone(),
+    }
+}

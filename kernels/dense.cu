@@ -1,0 +1,380 @@
+// The primary's decode step on the GPU: everything between the embedding and the logits
+// except the dense matrix products (cuBLAS). f32 throughout, as the CPU backend, so the two
+// agree to rounding. Row-major [rows, cols] everywhere; a "row" is one token of the batch.
+//
+// KV cache: per layer K and V of [blocks * 16, kv_dim]; row r of the batch sits at
+// position row_pos[r] of a sequence whose block table starts at blocks[row_tab[r]].
+
+#define KV_BLOCK 16
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32); every thread gets the result.
+__device__ float block_sum(float v, float* red) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) red[w] = v;
+    __syncthreads();
+    float t = (int)threadIdx.x < nw ? red[threadIdx.x] : 0.f;
+    if (w == 0) t = warp_sum(t);
+    if (threadIdx.x == 0) red[32] = t;
+    __syncthreads();
+    return red[32];
+}
+
+__device__ float block_max(float v, float* red) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) red[w] = v;
+    __syncthreads();
+    float t = (int)threadIdx.x < nw ? red[threadIdx.x] : -INFINITY;
+    if (w == 0) t = warp_max(t);
+    if (threadIdx.x == 0) red[32] = t;
+    __syncthreads();
+    return red[32];
+}
+
+// (value, index) argmax over the block, ties to the lower index; every thread gets it.
+__device__ void block_argmax(float& v, int& i, float* redv, int* redi) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
+    }
+    __syncthreads();
+    if (lane == 0) { redv[w] = v; redi[w] = i; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float bv = redv[0]; int bi = redi[0];
+        for (int k = 1; k < nw; k++)
+            if (redv[k] > bv || (redv[k] == bv && redi[k] < bi)) { bv = redv[k]; bi = redi[k]; }
+        redv[32] = bv; redi[32] = bi;
+    }
+    __syncthreads();
+    v = redv[32]; i = redi[32];
+}
+
+// x[r] = emb[tok[r]]. grid: rows.
+extern "C" __global__ void embed_rows(const float* __restrict__ emb, const int* __restrict__ tok,
+                                      float* __restrict__ x, int h) {
+    const int r = blockIdx.x;
+    const float* e = emb + (size_t)tok[r] * h;
+    for (int i = threadIdx.x; i < h; i += blockDim.x) x[(size_t)r * h + i] = e[i];
+}
+
+// y[r] = w * (x[src] * rsqrt(mean(x[src]^2) + eps)), src = rows ? rows[r] : r. grid: rows.
+extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, const int* __restrict__ rows,
+                                        const float* __restrict__ w, float* __restrict__ y,
+                                        int h, float eps) {
+    __shared__ float red[33];
+    const int r = blockIdx.x;
+    const int src = rows ? rows[r] : r;
+    const float* xr = x + (size_t)src * h;
+    float* yr = y + (size_t)r * h;
+    float s = 0.f;
+    for (int i = threadIdx.x; i < h; i += blockDim.x) s = fmaf(xr[i], xr[i], s);
+    s = block_sum(s, red);
+    const float inv = 1.f / sqrtf(s / (float)h + eps);
+    for (int i = threadIdx.x; i < h; i += blockDim.x) yr[i] = w[i] * (xr[i] * inv);
+}
+
+// Per row of qkv [rows, q_dim + 2 kv_dim]: RMSNorm of each q and k head, RoPE (rotate-half,
+// tables [max_pos, hd/2]), then K and V into the cache. grid: rows; block: 32 * (nh + nkv).
+extern "C" __global__ void qk_rope_kv(float* __restrict__ qkv, const float* __restrict__ qn,
+                                      const float* __restrict__ kn, const float* __restrict__ cos_t,
+                                      const float* __restrict__ sin_t, const int* __restrict__ row_pos,
+                                      const int* __restrict__ row_tab, const int* __restrict__ blocks,
+                                      float* __restrict__ kc, float* __restrict__ vc,
+                                      int nh, int nkv, int hd, float eps) {
+    const int r = blockIdx.x, w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int qd = nh * hd, kvd = nkv * hd, half = hd / 2;
+    float* row = qkv + (size_t)r * (qd + 2 * kvd);
+    const int pos = row_pos[r];
+    if (w < nh + nkv) {
+        float* v = w < nh ? row + w * hd : row + qd + (w - nh) * hd;
+        const float* nw = w < nh ? qn : kn;
+        float s = 0.f;
+        for (int i = lane; i < hd; i += 32) s = fmaf(v[i], v[i], s);
+        s = warp_sum(s);
+        const float inv = 1.f / sqrtf(s / (float)hd + eps);
+        for (int i = lane; i < half; i += 32) {
+            const float a = nw[i] * (v[i] * inv), b = nw[i + half] * (v[i + half] * inv);
+            const float c = cos_t[(size_t)pos * half + i], sn = sin_t[(size_t)pos * half + i];
+            v[i] = a * c - b * sn;
+            v[i + half] = b * c + a * sn;
+        }
+    }
+    __syncthreads();
+    const size_t off = ((size_t)blocks[row_tab[r] + pos / KV_BLOCK] * KV_BLOCK + pos % KV_BLOCK) * kvd;
+    for (int i = threadIdx.x; i < kvd; i += blockDim.x) {
+        kc[off + i] = row[qd + i];
+        vc[off + i] = row[qd + kvd + i];
+    }
+}
+
+// Causal attention of each row over its sequence's positions 0..=pos, one block per
+// (row, head), warps taking positions in turn with an online softmax, merged at the end.
+// grid: (rows, nh); block: 32 * nw; dynamic shared memory: nw * hd floats. hd <= 128.
+extern "C" __global__ void attention(const float* __restrict__ qkv, const float* __restrict__ kc,
+                                     const float* __restrict__ vc, const int* __restrict__ row_pos,
+                                     const int* __restrict__ row_tab, const int* __restrict__ blocks,
+                                     float* __restrict__ out, int nh, int nkv, int hd, float scale) {
+    extern __shared__ float sacc[];
+    __shared__ float sm[32], sl[32];
+    const int r = blockIdx.x, hh = blockIdx.y;
+    const int qd = nh * hd, kvd = nkv * hd;
+    const int g = hh / (nh / nkv);
+    const float* q = qkv + (size_t)r * (qd + 2 * kvd) + hh * hd;
+    const int pos = row_pos[r];
+    const int* tab = blocks + row_tab[r];
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    float qv[4], acc[4];
+    for (int d = 0; d < 4; d++) {
+        const int i = lane + 32 * d;
+        qv[d] = i < hd ? q[i] : 0.f;
+        acc[d] = 0.f;
+    }
+    float m = -INFINITY, l = 0.f;
+    for (int j = w; j <= pos; j += nw) {
+        const size_t off = ((size_t)tab[j / KV_BLOCK] * KV_BLOCK + j % KV_BLOCK) * kvd + g * hd;
+        float s = 0.f;
+        for (int d = 0; d < 4; d++) {
+            const int i = lane + 32 * d;
+            if (i < hd) s = fmaf(qv[d], kc[off + i], s);
+        }
+        s = warp_sum(s) * scale;
+        const float mn = fmaxf(m, s);
+        const float corr = expf(m - mn);
+        const float p = expf(s - mn);
+        l = l * corr + p;
+        for (int d = 0; d < 4; d++) {
+            const int i = lane + 32 * d;
+            if (i < hd) acc[d] = acc[d] * corr + p * vc[off + i];
+        }
+        m = mn;
+    }
+    if (lane == 0) { sm[w] = m; sl[w] = l; }
+    for (int d = 0; d < 4; d++) {
+        const int i = lane + 32 * d;
+        if (i < hd) sacc[w * hd + i] = acc[d];
+    }
+    __syncthreads();
+    if (w == 0) {
+        float mx = -INFINITY;
+        for (int k = 0; k < nw; k++) mx = fmaxf(mx, sm[k]);
+        float tot = 0.f;
+        for (int k = 0; k < nw; k++) tot += sl[k] * expf(sm[k] - mx);
+        for (int d = 0; d < 4; d++) {
+            const int i = lane + 32 * d;
+            if (i >= hd) continue;
+            float o = 0.f;
+            for (int k = 0; k < nw; k++) o += sacc[k * hd + i] * expf(sm[k] - mx);
+            out[(size_t)r * qd + hh * hd + i] = o / tot;
+        }
+    }
+}
+
+// Router: softmax of each row of logits [rows, E], then its top k (descending, ties to the
+// lower expert), renormalised when `norm`. grid: rows; dynamic shared memory: E floats.
+extern "C" __global__ void route_topk(const float* __restrict__ logits, int* __restrict__ idx,
+                                      float* __restrict__ wts, int E, int k, int norm) {
+    extern __shared__ float p[];
+    __shared__ float red[33];
+    __shared__ int redi[33];
+    const int r = blockIdx.x;
+    const float* row = logits + (size_t)r * E;
+    float mx = -INFINITY;
+    for (int i = threadIdx.x; i < E; i += blockDim.x) mx = fmaxf(mx, row[i]);
+    mx = block_max(mx, red);
+    float s = 0.f;
+    for (int i = threadIdx.x; i < E; i += blockDim.x) {
+        const float e = expf(row[i] - mx);
+        p[i] = e;
+        s += e;
+    }
+    s = block_sum(s, red);
+    const float inv = 1.f / s;
+    for (int i = threadIdx.x; i < E; i += blockDim.x) p[i] *= inv;
+    __syncthreads();
+    for (int j = 0; j < k; j++) {
+        float bv = -INFINITY;
+        int bi = 0x7fffffff;
+        for (int i = threadIdx.x; i < E; i += blockDim.x)
+            if (p[i] > bv) { bv = p[i]; bi = i; }
+        block_argmax(bv, bi, red, redi);
+        if (threadIdx.x == 0) {
+            idx[r * k + j] = bi;
+            wts[r * k + j] = bv;
+            p[bi] = -1.f;
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0 && norm) {
+        float tot = 0.f;
+        for (int j = 0; j < k; j++) tot += wts[r * k + j];
+        for (int j = 0; j < k; j++) wts[r * k + j] /= tot;
+    }
+}
+
+// Is slot s the first of the picks [0, nk) on its expert? (the block that computes it)
+__device__ __forceinline__ bool first_of_expert(const int* idx, int s) {
+    const int e = idx[s];
+    for (int t = 0; t < s; t++)
+        if (idx[t] == e) return false;
+    return true;
+}
+
+// MoE up-projection for all picks of this layer whose expert this GPU holds (table entry
+// non-zero): act[s, j] = silu(gate_e[j] . h[s/k]) * (up_e[j] . h[s/k]). One block per
+// (first slot of an expert, chunk of 8 rows); every slot on that expert is done by that
+// block, so each weight row is fetched from memory once per step. grid: (nk, ceil(I/8)).
+extern "C" __global__ void moe_up(const int* __restrict__ idx, const unsigned long long* __restrict__ gu_tab,
+                                  const float* __restrict__ h, float* __restrict__ act,
+                                  int nk, int k, int H, int I, int vec4) {
+    const int s = blockIdx.x;
+    const int e = idx[s];
+    const float* gu = (const float*)gu_tab[e];
+    if (gu == 0 || !first_of_expert(idx, s)) return;
+    const int j = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (j >= I) return;
+    const float* g = gu + (size_t)j * H;
+    const float* u = gu + (size_t)(j + I) * H;
+    for (int t = s; t < nk; t++) {
+        if (idx[t] != e) continue;
+        const float* x = h + (size_t)(t / k) * H;
+        float sg = 0.f, su = 0.f;
+        if (vec4) {
+            for (int i = lane * 4; i < H; i += 128) {
+                const float4 gv = *(const float4*)(g + i);
+                const float4 uv = *(const float4*)(u + i);
+                const float4 xv = *(const float4*)(x + i);
+                sg = fmaf(gv.x, xv.x, fmaf(gv.y, xv.y, fmaf(gv.z, xv.z, fmaf(gv.w, xv.w, sg))));
+                su = fmaf(uv.x, xv.x, fmaf(uv.y, xv.y, fmaf(uv.z, xv.z, fmaf(uv.w, xv.w, su))));
+            }
+        } else {
+            for (int i = lane; i < H; i += 32) {
+                sg = fmaf(g[i], x[i], sg);
+                su = fmaf(u[i], x[i], su);
+            }
+        }
+        sg = warp_sum(sg);
+        su = warp_sum(su);
+        if (lane == 0) act[(size_t)t * I + j] = sg / (1.f + expf(-sg)) * su;
+    }
+}
+
+// MoE down-projection: y[s, j] = down_e[j] . act[s], as moe_up. grid: (nk, ceil(H/8)).
+extern "C" __global__ void moe_down(const int* __restrict__ idx, const unsigned long long* __restrict__ dn_tab,
+                                    const float* __restrict__ act, float* __restrict__ y,
+                                    int nk, int H, int I, int vec4) {
+    const int s = blockIdx.x;
+    const int e = idx[s];
+    const float* dn = (const float*)dn_tab[e];
+    if (dn == 0 || !first_of_expert(idx, s)) return;
+    const int j = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (j >= H) return;
+    const float* d = dn + (size_t)j * I;
+    for (int t = s; t < nk; t++) {
+        if (idx[t] != e) continue;
+        const float* a = act + (size_t)t * I;
+        float sum = 0.f;
+        if (vec4) {
+            for (int i = lane * 4; i < I; i += 128) {
+                const float4 dv = *(const float4*)(d + i);
+                const float4 av = *(const float4*)(a + i);
+                sum = fmaf(dv.x, av.x, fmaf(dv.y, av.y, fmaf(dv.z, av.z, fmaf(dv.w, av.w, sum))));
+            }
+        } else {
+            for (int i = lane; i < I; i += 32) sum = fmaf(d[i], a[i], sum);
+        }
+        sum = warp_sum(sum);
+        if (lane == 0) y[(size_t)t * H + j] = sum;
+    }
+}
+
+// y[slots[i]] = src[i] (the cold tier's outputs into their pick slots). grid: count.
+extern "C" __global__ void scatter_rows(const float* __restrict__ src, const int* __restrict__ slots,
+                                        float* __restrict__ y, int H) {
+    const int i = blockIdx.x;
+    const float* a = src + (size_t)i * H;
+    float* b = y + (size_t)slots[i] * H;
+    for (int c = threadIdx.x; c < H; c += blockDim.x) b[c] = a[c];
+}
+
+// x[r] += sum_j w[r, j] * y[r*k + j], the k picks in router-rank order. grid: rows.
+extern "C" __global__ void moe_combine(float* __restrict__ x, const float* __restrict__ y,
+                                       const float* __restrict__ wts, int k, int H) {
+    const int r = blockIdx.x;
+    for (int c = threadIdx.x; c < H; c += blockDim.x) {
+        float acc = 0.f;
+        for (int j = 0; j < k; j++) acc += wts[r * k + j] * y[((size_t)r * k + j) * H + c];
+        x[(size_t)r * H + c] += acc;
+    }
+}
+
+// a[r, j] = silu(gu[r, j]) * gu[r, I + j] (the dense MLP between its two products).
+extern "C" __global__ void silu_mul(const float* __restrict__ gu, float* __restrict__ a, int I) {
+    const int r = blockIdx.x;
+    for (int j = threadIdx.x; j < I; j += blockDim.x) {
+        const float g = gu[(size_t)r * 2 * I + j];
+        a[(size_t)r * I + j] = g / (1.f + expf(-g)) * gu[(size_t)r * 2 * I + I + j];
+    }
+}
+
+// out[r] = argmax of logits row r (ties to the lower id). grid: rows.
+extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int* __restrict__ out, int V) {
+    __shared__ float red[33];
+    __shared__ int redi[33];
+    const float* row = logits + (size_t)blockIdx.x * V;
+    float bv = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int i = threadIdx.x; i < V; i += blockDim.x)
+        if (row[i] > bv) { bv = row[i]; bi = i; }
+    block_argmax(bv, bi, red, redi);
+    if (threadIdx.x == 0) out[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;
+}
+
+// Synthetic weights from a counter hash (the `station` preset): w[i] for i < n, a matrix of
+// `cols` columns, zero where col < zero_cols or row < zero_rows, else an Irwin-Hall(4)
+// approximate normal times `scale` (already times sqrt(3)). Every operation is exact or a
+// single rounding in a fixed order, so the CPU mirror (synth::station_fill) gives the same bits.
+__device__ __forceinline__ unsigned long long splitmix(unsigned long long z) {
+    z += 0x9e3779b97f4a7c15ULL;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+extern "C" __global__ void gen_weights(float* __restrict__ w, unsigned long long n, int cols,
+                                       int zero_cols, int zero_rows, unsigned long long key,
+                                       float scale) {
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        const unsigned long long row = i / cols, col = i % cols;
+        float v = 0.f;
+        if (col >= (unsigned long long)zero_cols && row >= (unsigned long long)zero_rows) {
+            const unsigned long long a = splitmix(key + 2 * i), b = splitmix(key + 2 * i + 1);
+            const float u1 = __uint2float_rn((unsigned)(a >> 40)) * 5.9604645e-8f;
+            const float u2 = __uint2float_rn((unsigned)((a >> 8) & 0xffffffu)) * 5.9604645e-8f;
+            const float u3 = __uint2float_rn((unsigned)(b >> 40)) * 5.9604645e-8f;
+            const float u4 = __uint2float_rn((unsigned)((b >> 8) & 0xffffffu)) * 5.9604645e-8f;
+            const float s = __fadd_rn(__fadd_rn(u1, u2), __fadd_rn(u3, u4));
+            v = __fmul_rn(__fsub_rn(s, 2.f), scale);
+        }
+        w[i] = v;
+    }
+}
