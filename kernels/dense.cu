@@ -230,50 +230,62 @@ extern "C" __global__ void route_topk(const float* __restrict__ logits, int* __r
     }
 }
 
-// Is slot s the first of the picks [0, nk) on its expert? (the block that computes it)
-__device__ __forceinline__ bool first_of_expert(const int* idx, int s) {
-    const int e = idx[s];
-    for (int t = 0; t < s; t++)
-        if (idx[t] == e) return false;
-    return true;
+// The picks [0, nk) of one layer are grouped by expert without a separate pass: the block
+// of slot s works only when s is the first slot on its expert (checked by one warp with a
+// ballot), and then walks the later slots on that expert with ballots, so every weight row
+// is fetched from memory once per step however many rows picked the expert.
+__device__ __forceinline__ bool leads_expert(const int* idx, int s, int e, int* flag) {
+    if (threadIdx.x < 32) {
+        bool dup = false;
+        for (int t = threadIdx.x; t < s; t += 32) dup |= idx[t] == e;
+        dup = __any_sync(0xffffffffu, dup);
+        if (threadIdx.x == 0) *flag = !dup;
+    }
+    __syncthreads();
+    return *flag != 0;
 }
 
 // MoE up-projection for all picks of this layer whose expert this GPU holds (table entry
-// non-zero): act[s, j] = silu(gate_e[j] . h[s/k]) * (up_e[j] . h[s/k]). One block per
-// (first slot of an expert, chunk of 8 rows); every slot on that expert is done by that
-// block, so each weight row is fetched from memory once per step. grid: (nk, ceil(I/8)).
+// non-zero): act[s, j] = silu(gate_e[j] . h[s/k]) * (up_e[j] . h[s/k]). One warp per row j,
+// 8 rows per block. grid: (nk, ceil(I/8)).
 extern "C" __global__ void moe_up(const int* __restrict__ idx, const unsigned long long* __restrict__ gu_tab,
                                   const float* __restrict__ h, float* __restrict__ act,
                                   int nk, int k, int H, int I, int vec4) {
+    __shared__ int flag;
     const int s = blockIdx.x;
     const int e = idx[s];
     const float* gu = (const float*)gu_tab[e];
-    if (gu == 0 || !first_of_expert(idx, s)) return;
+    if (gu == 0 || !leads_expert(idx, s, e, &flag)) return;
     const int j = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (j >= I) return;
     const float* g = gu + (size_t)j * H;
     const float* u = gu + (size_t)(j + I) * H;
-    for (int t = s; t < nk; t++) {
-        if (idx[t] != e) continue;
-        const float* x = h + (size_t)(t / k) * H;
-        float sg = 0.f, su = 0.f;
-        if (vec4) {
-            for (int i = lane * 4; i < H; i += 128) {
-                const float4 gv = *(const float4*)(g + i);
-                const float4 uv = *(const float4*)(u + i);
-                const float4 xv = *(const float4*)(x + i);
-                sg = fmaf(gv.x, xv.x, fmaf(gv.y, xv.y, fmaf(gv.z, xv.z, fmaf(gv.w, xv.w, sg))));
-                su = fmaf(uv.x, xv.x, fmaf(uv.y, xv.y, fmaf(uv.z, xv.z, fmaf(uv.w, xv.w, su))));
+    for (int t0 = s; t0 < nk; t0 += 32) {
+        unsigned mask = __ballot_sync(0xffffffffu, t0 + lane < nk && idx[t0 + lane] == e);
+        while (mask) {
+            const int t = t0 + __ffs(mask) - 1;
+            mask &= mask - 1;
+            const float* x = h + (size_t)(t / k) * H;
+            float sg = 0.f, su = 0.f;
+            if (vec4) {
+#pragma unroll 4
+                for (int i = lane * 4; i < H; i += 128) {
+                    const float4 gv = *(const float4*)(g + i);
+                    const float4 uv = *(const float4*)(u + i);
+                    const float4 xv = *(const float4*)(x + i);
+                    sg = fmaf(gv.x, xv.x, fmaf(gv.y, xv.y, fmaf(gv.z, xv.z, fmaf(gv.w, xv.w, sg))));
+                    su = fmaf(uv.x, xv.x, fmaf(uv.y, xv.y, fmaf(uv.z, xv.z, fmaf(uv.w, xv.w, su))));
+                }
+            } else {
+                for (int i = lane; i < H; i += 32) {
+                    sg = fmaf(g[i], x[i], sg);
+                    su = fmaf(u[i], x[i], su);
+                }
             }
-        } else {
-            for (int i = lane; i < H; i += 32) {
-                sg = fmaf(g[i], x[i], sg);
-                su = fmaf(u[i], x[i], su);
-            }
+            sg = warp_sum(sg);
+            su = warp_sum(su);
+            if (lane == 0) act[(size_t)t * I + j] = sg / (1.f + expf(-sg)) * su;
         }
-        sg = warp_sum(sg);
-        su = warp_sum(su);
-        if (lane == 0) act[(size_t)t * I + j] = sg / (1.f + expf(-sg)) * su;
     }
 }
 
@@ -281,28 +293,34 @@ extern "C" __global__ void moe_up(const int* __restrict__ idx, const unsigned lo
 extern "C" __global__ void moe_down(const int* __restrict__ idx, const unsigned long long* __restrict__ dn_tab,
                                     const float* __restrict__ act, float* __restrict__ y,
                                     int nk, int H, int I, int vec4) {
+    __shared__ int flag;
     const int s = blockIdx.x;
     const int e = idx[s];
     const float* dn = (const float*)dn_tab[e];
-    if (dn == 0 || !first_of_expert(idx, s)) return;
+    if (dn == 0 || !leads_expert(idx, s, e, &flag)) return;
     const int j = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (j >= H) return;
     const float* d = dn + (size_t)j * I;
-    for (int t = s; t < nk; t++) {
-        if (idx[t] != e) continue;
-        const float* a = act + (size_t)t * I;
-        float sum = 0.f;
-        if (vec4) {
-            for (int i = lane * 4; i < I; i += 128) {
-                const float4 dv = *(const float4*)(d + i);
-                const float4 av = *(const float4*)(a + i);
-                sum = fmaf(dv.x, av.x, fmaf(dv.y, av.y, fmaf(dv.z, av.z, fmaf(dv.w, av.w, sum))));
+    for (int t0 = s; t0 < nk; t0 += 32) {
+        unsigned mask = __ballot_sync(0xffffffffu, t0 + lane < nk && idx[t0 + lane] == e);
+        while (mask) {
+            const int t = t0 + __ffs(mask) - 1;
+            mask &= mask - 1;
+            const float* a = act + (size_t)t * I;
+            float sum = 0.f;
+            if (vec4) {
+#pragma unroll 4
+                for (int i = lane * 4; i < I; i += 128) {
+                    const float4 dv = *(const float4*)(d + i);
+                    const float4 av = *(const float4*)(a + i);
+                    sum = fmaf(dv.x, av.x, fmaf(dv.y, av.y, fmaf(dv.z, av.z, fmaf(dv.w, av.w, sum))));
+                }
+            } else {
+                for (int i = lane; i < I; i += 32) sum = fmaf(d[i], a[i], sum);
             }
-        } else {
-            for (int i = lane; i < I; i += 32) sum = fmaf(d[i], a[i], sum);
+            sum = warp_sum(sum);
+            if (lane == 0) y[(size_t)t * H + j] = sum;
         }
-        sum = warp_sum(sum);
-        if (lane == 0) y[(size_t)t * H + j] = sum;
     }
 }
 
@@ -377,4 +395,19 @@ extern "C" __global__ void gen_weights(float* __restrict__ w, unsigned long long
         }
         w[i] = v;
     }
+}
+
+// Reads n4 float4s and writes one partial sum per block (the read-bandwidth probe of
+// `moelane bench decode`: a decode step mostly reads). grid: any; block: 256.
+extern "C" __global__ void read_probe(const float4* __restrict__ a, unsigned long long n4,
+                                      float* __restrict__ out) {
+    __shared__ float red[33];
+    float s = 0.f;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        const float4 v = a[i];
+        s += (v.x + v.y) + (v.z + v.w);
+    }
+    s = block_sum(s, red);
+    if (threadIdx.x == 0) out[blockIdx.x] = s;
 }

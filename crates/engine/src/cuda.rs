@@ -215,7 +215,15 @@ impl GpuExperts {
         let f = crate::cuda_model::gen_kernel(&self.gpu)?;
         for &(l, e) in which {
             let (gu, dn) =
-                crate::cuda_model::gen_expert(&self.gpu, &f, seed, l, e, self.hidden, self.inter)?;
+                crate::cuda_model::gen_expert(
+                &self.gpu.stream,
+                &f,
+                seed,
+                l,
+                e,
+                self.hidden,
+                self.inter,
+            )?;
             self.w.insert((l, e), (gu.into_slice(), dn.into_slice()));
         }
         self.last = None;

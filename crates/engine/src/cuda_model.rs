@@ -77,15 +77,19 @@ impl<T: DeviceRepr + ValidAsZeroBits> Buf<T> {
         })
     }
 
-    /// At least `n` elements (contents not kept).
-    pub fn grow(&mut self, st: &Arc<CudaStream>, n: usize) -> Result<()> {
+    /// At least `n` elements (contents not kept); true when it moved.
+    pub fn grow(&mut self, st: &Arc<CudaStream>, n: usize) -> Result<bool> {
         if self.len < n {
             *self = Buf::zeros(st, n.next_power_of_two())?;
+            return Ok(true);
         }
-        Ok(())
+        Ok(false)
     }
 
     pub fn write(&mut self, st: &Arc<CudaStream>, data: &[T]) -> Result<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
         self.grow(st, data.len())?;
         st.memcpy_htod(data, &mut self.s.slice_mut(..data.len()))
             .map_err(|e| gerr("copying to the GPU", e))
@@ -114,6 +118,7 @@ struct Funcs {
     silu_mul: CudaFunction,
     argmax: CudaFunction,
     gen: CudaFunction,
+    read_probe: CudaFunction,
 }
 
 fn funcs(gpu: &Gpu) -> Result<Funcs> {
@@ -135,6 +140,7 @@ fn funcs(gpu: &Gpu) -> Result<Funcs> {
         silu_mul: f("silu_mul")?,
         argmax: f("argmax_rows")?,
         gen: f("gen_weights")?,
+        read_probe: f("read_probe")?,
     })
 }
 
@@ -159,8 +165,9 @@ fn grid(x: usize, y: usize, threads: usize, shared: usize) -> LaunchConfig {
 
 /// Generates expert `e` of MoE layer `layer` of a hashed model on `gpu` (bit-identical to
 /// [`crate::synth::hashed_expert`]): `(gate_up [2I, H], down [H, I])`.
+#[allow(clippy::too_many_arguments)]
 pub fn gen_expert(
-    gpu: &Gpu,
+    st: &Arc<CudaStream>,
     f: &CudaFunction,
     seed: u64,
     layer: usize,
@@ -168,7 +175,6 @@ pub fn gen_expert(
     hidden: usize,
     inter: usize,
 ) -> Result<(Buf<f32>, Buf<f32>)> {
-    let st = &gpu.stream;
     let (gs, ds) = crate::synth::hashed_scales(hidden, inter);
     let gu = Buf::<f32>::zeros(st, 2 * inter * hidden)?;
     let dn = Buf::<f32>::zeros(st, hidden * inter)?;
@@ -205,6 +211,47 @@ pub fn gen_expert(
         unsafe { l.launch(grid(1024, 1, 256, 0)) }.map_err(|e| gerr("launching gen_weights", e))?;
     }
     Ok((gu, dn))
+}
+
+/// Memory bandwidth of `gpu` measured two ways over `bytes`-sized buffers, medians of
+/// `reps`: (device-to-device copy, bytes read + written per second; a read-only kernel,
+/// bytes read per second). The second is the roofline of a decode step, which reads weights.
+pub fn bandwidth(gpu: &Gpu, bytes: usize, reps: usize) -> Result<(f64, f64)> {
+    let st = &gpu.stream;
+    let n = (bytes / 16).max(1) * 4;
+    let a = Buf::<f32>::zeros(st, n)?;
+    let mut b = st
+        .alloc_zeros::<f32>(n)
+        .map_err(|e| gerr("allocating the bandwidth probe", e))?;
+    let out = Buf::<f32>::zeros(st, 132 * 8)?;
+    let f = funcs(gpu)?.read_probe;
+    let sync = || st.synchronize().map_err(|e| gerr("synchronising", e));
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (mut copy, mut read) = (Vec::new(), Vec::new());
+    for r in 0..reps.max(1) + 1 {
+        let t0 = std::time::Instant::now();
+        st.memcpy_dtod(&a.s, &mut b)
+            .map_err(|e| gerr("copying on the GPU", e))?;
+        sync()?;
+        let tc = t0.elapsed().as_secs_f64();
+        let n4 = (n / 4) as u64;
+        let t0 = std::time::Instant::now();
+        let mut l = st.launch_builder(&f);
+        l.arg(&a.p).arg(&n4).arg(&out.p);
+        // SAFETY: a holds n4 float4s; out 132*8 floats, one per block.
+        unsafe { l.launch(grid(132 * 8, 1, 256, 0)) }
+            .map_err(|e| gerr("launching read_probe", e))?;
+        sync()?;
+        let tr = t0.elapsed().as_secs_f64();
+        if r > 0 {
+            copy.push(2.0 * (n * 4) as f64 / tc);
+            read.push((n * 4) as f64 / tr);
+        }
+    }
+    Ok((median(copy), median(read)))
 }
 
 /// Loads the dense kernels' module on `gpu` and returns the generator kernel (for a sidecar
@@ -247,16 +294,51 @@ pub struct GpuModel {
     act: Buf<f32>,
     y: Buf<f32>,
     meta: Buf<i32>,
-    lrows: Buf<i32>,
     logits: Buf<f32>,
     amax: Buf<i32>,
     cold_src: Buf<f32>,
     cold_slots: Buf<i32>,
     host_meta: Vec<i32>,
+    /// rows of the current step, and rows whose logits it computes
     n: usize,
+    m: usize,
     o_pos: u64,
     o_tab: u64,
+    o_lrows: u64,
     o_blocks: u64,
+    /// cuBLAS's workspace (declared after `blas`, so dropped after the handle)
+    _workspace: Buf<u8>,
+    /// Replay whole runs of kernels as CUDA graphs (on by default; `MOELANE_CUDA_GRAPHS=0`
+    /// or `graphs = false` launches every kernel from the host instead).
+    pub graphs: bool,
+    /// bumped whenever a scratch buffer moves: graphs captured before hold stale addresses
+    generation: u64,
+    captured: HashMap<(usize, usize, u64, Vec<Op>), Graph>,
+    seen: HashMap<(usize, usize, u64, Vec<Op>), u32>,
+}
+
+/// A captured graph. CUDA graph objects are not internally synchronised; this one is only
+/// touched through `&mut GpuModel`, so never from two threads at once.
+struct Graph(cudarc::driver::CudaGraph);
+
+// SAFETY: see above: access is serialised by the owning model's `&mut`; the graph's handles
+// are plain driver handles, valid from any thread of the process.
+unsafe impl Send for Graph {}
+
+/// One device-only piece of a step. A step is runs of these between the points where the
+/// host must look (the cold tier's picks); each run is captured once as a CUDA graph per
+/// batch shape and replayed after.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Op {
+    Embed,
+    Attention(usize),
+    /// decoder layer, MoE layer
+    Route(usize, usize),
+    Moe(usize),
+    Combine,
+    DenseMlp(usize),
+    /// final norm and the LM head for the step's logit rows; with `true`, their argmax too
+    Head(bool),
 }
 
 impl GpuModel {
@@ -281,9 +363,27 @@ impl GpuModel {
         }
         // SAFETY: this model uses one stream, which orders every use of every buffer.
         unsafe { gpu.ctx.disable_event_tracking() };
-        let st = gpu.stream.clone();
+        // its own stream: the legacy default stream cannot be captured into a graph
+        let st = gpu
+            .ctx
+            .new_stream()
+            .map_err(|e| gerr("creating a CUDA stream", e))?;
         let f = funcs(&gpu)?;
         let blas = CudaBlas::new(st.clone()).map_err(|e| gerr("creating a cuBLAS handle", e))?;
+        // a fixed cuBLAS workspace, so that no product allocates while a graph is captured
+        let workspace = Buf::<u8>::zeros(&st, 32 << 20)?;
+        // SAFETY: the workspace outlives the handle (both are fields of this model; the
+        // handle is dropped first, see the field order).
+        unsafe {
+            blas::cublasSetWorkspace_v2(
+                *blas.handle(),
+                workspace.p as *mut std::ffi::c_void,
+                workspace.len,
+            )
+        }
+        .result()
+        .map_err(|e| gerr("setting the cuBLAS workspace", e))?;
+        let graphs = std::env::var("MOELANE_CUDA_GRAPHS").map_or(true, |v| v != "0");
         let up = |v: &[f32]| Buf::from_host(&st, v);
         let mut layers = Vec::with_capacity(w.layers.len());
         for l in &w.layers {
@@ -337,16 +437,22 @@ impl GpuModel {
             act: Buf::zeros(&st, 1)?,
             y: Buf::zeros(&st, 1)?,
             meta: Buf::zeros(&st, 1)?,
-            lrows: Buf::zeros(&st, 1)?,
             logits: Buf::zeros(&st, 1)?,
             amax: Buf::zeros(&st, 1)?,
             cold_src: Buf::zeros(&st, 1)?,
             cold_slots: Buf::zeros(&st, 1)?,
             host_meta: Vec::new(),
             n: 0,
+            m: 0,
             o_pos: 0,
             o_tab: 0,
+            o_lrows: 0,
             o_blocks: 0,
+            _workspace: workspace,
+            graphs,
+            generation: 0,
+            captured: HashMap::new(),
+            seen: HashMap::new(),
             layers,
             cfg: cfg.clone(),
             f,
@@ -417,7 +523,7 @@ impl GpuModel {
         self.generated = true;
         let (h, i) = (self.cfg.hidden_size, self.cfg.moe_intermediate_size);
         for &(l, e) in which {
-            let w = gen_expert(&self.gpu, &self.f.gen, seed, l, e, h, i)?;
+            let w = gen_expert(&self.st, &self.f.gen, seed, l, e, h, i)?;
             self.experts.insert((l, e), w);
         }
         self.sync()
@@ -498,10 +604,18 @@ impl GpuModel {
         Ok(())
     }
 
-    /// Starts a step: checks and uploads the tokens, positions and block tables, and embeds.
-    pub fn begin(&mut self, tokens: &[u32], rows: &[RowPos], seqs: &[&SeqKv]) -> Result<()> {
+    /// Starts a step: checks and uploads the tokens, positions, block tables and logit rows
+    /// (one copy) and sizes the scratch. Nothing runs until [`Self::run`].
+    pub fn begin(
+        &mut self,
+        tokens: &[u32],
+        rows: &[RowPos],
+        seqs: &[&SeqKv],
+        logit_rows: &[usize],
+    ) -> Result<()> {
         let c = &self.cfg;
         let n = rows.len();
+        let m = logit_rows.len();
         let (hs, ne, k) = (c.hidden_size, c.num_experts, c.num_experts_per_tok);
         let dense_i = c.intermediate_size;
         self.host_meta.clear();
@@ -546,31 +660,135 @@ impl GpuModel {
         for rp in rows {
             self.host_meta.push(tab_of[rp.seq]);
         }
+        for &r in logit_rows {
+            if r >= n {
+                return Err(Error::Gpu(format!("logits of row {r} of {n}")));
+            }
+            self.host_meta.push(r as i32);
+        }
         self.host_meta.extend_from_slice(&blocks);
         let st = self.st.clone();
+        // sized for any block table, so the table's address is the same every step
+        let mut moved = self.meta.grow(&st, 3 * n + m + self.kv_blocks)?;
         self.meta.write(&st, &self.host_meta)?;
         self.o_pos = self.meta.p + 4 * n as u64;
         self.o_tab = self.o_pos + 4 * n as u64;
-        self.o_blocks = self.o_tab + 4 * n as u64;
+        self.o_lrows = self.o_tab + 4 * n as u64;
+        self.o_blocks = self.o_lrows + 4 * m as u64;
         let wide = (c.q_dim() + 2 * c.kv_dim()).max(2 * dense_i);
-        self.x.grow(&st, n * hs)?;
-        self.h.grow(&st, n * hs)?;
-        self.qkv.grow(&st, n * wide)?;
-        self.att.grow(&st, n * c.q_dim().max(dense_i))?;
-        self.rlog.grow(&st, n * ne)?;
-        self.idx.grow(&st, self.moe.max(1) * n * k)?;
-        self.wts.grow(&st, n * k)?;
-        self.act.grow(&st, n * k * c.moe_intermediate_size)?;
-        self.y.grow(&st, n * k * hs)?;
+        moved |= self.x.grow(&st, n * hs)?;
+        moved |= self.h.grow(&st, n * hs)?;
+        moved |= self.qkv.grow(&st, n * wide)?;
+        moved |= self.att.grow(&st, n * c.q_dim().max(dense_i))?;
+        moved |= self.rlog.grow(&st, n * ne)?;
+        moved |= self.idx.grow(&st, self.moe.max(1) * n * k)?;
+        moved |= self.wts.grow(&st, n * k)?;
+        moved |= self.act.grow(&st, n * k * c.moe_intermediate_size)?;
+        moved |= self.y.grow(&st, n * k * hs)?;
+        moved |= self.logits.grow(&st, m * c.vocab_size)?;
+        moved |= self.amax.grow(&st, m)?;
+        if moved {
+            self.generation += 1;
+            self.captured.clear();
+            self.seen.clear();
+        }
         self.n = n;
-        let h = hs as i32;
-        let mut b = st.launch_builder(&self.f.embed);
-        b.arg(&self.embed.p)
-            .arg(&self.meta.p)
-            .arg(&self.x.p)
-            .arg(&h);
-        // SAFETY: every token id was checked < vocab; x holds n rows.
-        unsafe { b.launch(grid(n, 1, 256, 0)) }.map_err(|e| gerr("launching embed_rows", e))?;
+        self.m = m;
+        Ok(())
+    }
+
+    /// Runs `ops` on the device: replays the CUDA graph of this run and batch shape when
+    /// one was captured, captures it the second time the same run is seen (decode shapes
+    /// repeat; prefill shapes mostly do not), else launches kernel by kernel.
+    pub fn run(&mut self, ops: &[Op]) -> Result<()> {
+        if ops.is_empty() {
+            return Ok(());
+        }
+        if !self.graphs {
+            return ops.iter().try_for_each(|op| self.exec(op));
+        }
+        let key = (self.n, self.m, self.generation, ops.to_vec());
+        if let Some(g) = self.captured.get(&key) {
+            return g.0.launch().map_err(|e| gerr("launching a CUDA graph", e));
+        }
+        // bounded: a server sees many prefill shapes over its life
+        if self.seen.len() > 4096 {
+            self.seen.clear();
+        }
+        if self.captured.len() > 512 {
+            self.captured.clear();
+        }
+        let seen = self.seen.entry(key.clone()).or_insert(0);
+        *seen += 1;
+        if *seen < 2 {
+            return ops.iter().try_for_each(|op| self.exec(op));
+        }
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        self.st
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| gerr("starting a CUDA graph capture", e))?;
+        let r = ops.iter().try_for_each(|op| self.exec(op));
+        let g = self
+            .st
+            .end_capture(CUgraphInstantiate_flags(0));
+        match (r, g) {
+            (Ok(()), Ok(Some(g))) => {
+                g.launch().map_err(|e| gerr("launching a CUDA graph", e))?;
+                self.captured.insert(key, Graph(g));
+                Ok(())
+            }
+            (r, g) => {
+                // capture is not available here (or a launch failed while capturing):
+                // launch kernel by kernel from now on
+                eprintln!(
+                    "moelane: CUDA graph capture failed ({:?} / {:?}); launching kernels one by one",
+                    r.as_ref().err(),
+                    g.as_ref().err()
+                );
+                self.graphs = false;
+                r?;
+                ops.iter().try_for_each(|op| self.exec(op))
+            }
+        }
+    }
+
+    fn exec(&mut self, op: &Op) -> Result<()> {
+        match *op {
+            Op::Embed => {
+                let h = self.cfg.hidden_size as i32;
+                let mut b = self.st.launch_builder(&self.f.embed);
+                b.arg(&self.embed.p).arg(&self.meta.p).arg(&self.x.p).arg(&h);
+                // SAFETY: every token id was checked < vocab in `begin`; x holds n rows.
+                unsafe { b.launch(grid(self.n, 1, 256, 0)) }
+                    .map_err(|e| gerr("launching embed_rows", e))?;
+                Ok(())
+            }
+            Op::Attention(l) => self.attention(l),
+            Op::Route(l, ml) => self.route(l, ml),
+            Op::Moe(ml) => self.moe(ml),
+            Op::Combine => self.combine(),
+            Op::DenseMlp(l) => self.dense_mlp(l),
+            Op::Head(argmax) => self.head(argmax),
+        }
+    }
+
+    fn head(&mut self, argmax: bool) -> Result<()> {
+        let c = &self.cfg;
+        let (hs, v, m) = (c.hidden_size, c.vocab_size, self.m);
+        if m == 0 {
+            return Ok(());
+        }
+        self.rmsnorm(self.x.p, self.o_lrows, self.norm.p, self.h.p, m)?;
+        let head = self.head.as_ref().unwrap_or(&self.embed).p;
+        self.gemm(head, v, hs, self.h.p, m, self.logits.p, 0.0)?;
+        if argmax {
+            let vi = v as i32;
+            let mut b = self.st.launch_builder(&self.f.argmax);
+            b.arg(&self.logits.p).arg(&self.amax.p).arg(&vi);
+            // SAFETY: logits holds m rows of V; amax m ints (sized in `begin`).
+            unsafe { b.launch(grid(m, 1, 256, 0)) }
+                .map_err(|e| gerr("launching argmax_rows", e))?;
+        }
         Ok(())
     }
 
@@ -794,43 +1012,27 @@ impl GpuModel {
         self.sync()
     }
 
-    /// Logits of final_norm(x[row]) for `rows`: into `logits` (`[rows, vocab]`) or, with
-    /// `ids`, only each row's argmax; then the step's picks `[moe layers, n, k]` into `picks`.
-    /// Waits for the step to finish.
-    pub fn finish(
+    /// After a run that ended in [`Op::Head`]: the logits (`[m, vocab]`) or their argmax
+    /// ids, and the step's picks `[moe layers, n, k]`. Waits for the step to finish.
+    pub fn download(
         &mut self,
-        rows: &[usize],
         logits: Option<&mut [f32]>,
         ids: Option<&mut Vec<u32>>,
         picks: &mut Vec<i32>,
     ) -> Result<()> {
         let c = &self.cfg;
-        let (hs, v) = (c.hidden_size, c.vocab_size);
-        let m = rows.len();
+        let (v, m) = (c.vocab_size, self.m);
         let st = self.st.clone();
-        let lr: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
-        if m > 0 {
-            self.lrows.write(&st, &lr)?;
-            self.logits.grow(&st, m * v)?;
-            self.rmsnorm(self.x.p, self.lrows.p, self.norm.p, self.h.p, m)?;
-            let head = self.head.as_ref().unwrap_or(&self.embed).p;
-            self.gemm(head, v, hs, self.h.p, m, self.logits.p, 0.0)?;
-        }
         if let Some(out) = logits {
-            self.logits.read(&st, &mut out[..m * v])?;
+            if m > 0 {
+                self.logits.read(&st, &mut out[..m * v])?;
+            }
         }
         if let Some(ids) = ids {
-            self.amax.grow(&st, m)?;
-            let vi = v as i32;
-            let mut b = st.launch_builder(&self.f.argmax);
-            b.arg(&self.logits.p).arg(&self.amax.p).arg(&vi);
-            if m > 0 {
-                // SAFETY: logits holds m rows of V; amax m ints.
-                unsafe { b.launch(grid(m, 1, 256, 0)) }
-                    .map_err(|e| gerr("launching argmax_rows", e))?;
-            }
             let mut tmp = vec![0i32; m];
-            self.amax.read(&st, &mut tmp)?;
+            if m > 0 {
+                self.amax.read(&st, &mut tmp)?;
+            }
             ids.clear();
             ids.extend(tmp.iter().map(|&t| t.max(0) as u32));
         }

@@ -376,6 +376,8 @@ pub struct Counters {
     pub step_ns: u64,
     /// The longest single step, ns.
     pub max_step_ns: u64,
+    /// Of `expert_loads`, those of experts the map puts hot (read from the primary's memory).
+    pub hot_expert_loads: u64,
 }
 
 impl Counters {
@@ -390,6 +392,7 @@ impl Counters {
             expert_loads: 0,
             step_ns: 0,
             max_step_ns: 0,
+            hot_expert_loads: 0,
         }
     }
 }
@@ -659,21 +662,27 @@ impl Engine {
         };
         {
             let seq_refs: Vec<&SeqKv> = seqs.iter().map(|s| &*s.kv).collect();
-            g.begin(tokens, rows, &seq_refs)?;
+            g.begin(tokens, rows, &seq_refs, last_rows)?;
         }
+        use crate::cuda_model::Op;
+        // device work is gathered into runs, cut only where the host must look: a layer whose
+        // map has cold experts (its picks go to the cold tier) and, when tracing, each layer
+        let mut ops = vec![Op::Embed];
         for l in 0..c.num_hidden_layers {
-            let g = self
-                .gpu
-                .as_mut()
-                .ok_or_else(|| Error::Gpu("GPU detached".into()))?;
-            g.attention(l)?;
+            ops.push(Op::Attention(l));
             match self.moe_of_layer[l] {
                 Some(ml) => {
-                    g.route(l, ml)?;
+                    ops.push(Op::Route(l, ml));
                     let has_cold = !self.map.map.layers[ml].cold.is_empty();
                     if !has_cold {
-                        g.moe(ml)?;
+                        ops.push(Op::Moe(ml));
                     } else {
+                        let g = self
+                            .gpu
+                            .as_mut()
+                            .ok_or_else(|| Error::Gpu("GPU detached".into()))?;
+                        g.run(&ops)?;
+                        ops.clear();
                         g.fetch_route(ml, &mut gs.idx, &mut gs.h)?;
                         // the cold picks, rows deduplicated, in pick order (as on the CPU)
                         let mut cold_picks = Vec::new();
@@ -725,7 +734,8 @@ impl Engine {
                             .gpu
                             .as_mut()
                             .ok_or_else(|| Error::Gpu("GPU detached".into()))?;
-                        g.moe(ml)?;
+                        // the hot experts run while the cold tier computes
+                        g.run(&[Op::Moe(ml)])?;
                         if sent {
                             let t0 = Instant::now();
                             let cold = self
@@ -743,19 +753,17 @@ impl Engine {
                             g.scatter(&gs.slots, &reply.outputs)?;
                         }
                     }
-                    let g = self
-                        .gpu
-                        .as_mut()
-                        .ok_or_else(|| Error::Gpu("GPU detached".into()))?;
-                    g.combine()?;
+                    ops.push(Op::Combine);
                 }
-                None => g.dense_mlp(l)?,
+                None => ops.push(Op::DenseMlp(l)),
             }
             if self.trace.is_some() {
                 let g = self
                     .gpu
                     .as_mut()
                     .ok_or_else(|| Error::Gpu("GPU detached".into()))?;
+                g.run(&ops)?;
+                ops.clear();
                 g.read_x(&mut gs.x)?;
                 if let Some(t) = self.trace.as_mut() {
                     t.push(gs.x.clone());
@@ -769,12 +777,14 @@ impl Engine {
             .gpu
             .as_mut()
             .ok_or_else(|| Error::Gpu("GPU detached".into()))?;
+        ops.push(Op::Head(argmax));
+        g.run(&ops)?;
         let out = if argmax {
-            g.finish(last_rows, None, Some(&mut gs.ids), &mut gs.picks)?;
+            g.download(None, Some(&mut gs.ids), &mut gs.picks)?;
             StepOut::Ids(gs.ids.clone())
         } else {
             let mut logits = vec![0f32; last_rows.len() * c.vocab_size];
-            g.finish(last_rows, Some(&mut logits), None, &mut gs.picks)?;
+            g.download(Some(&mut logits), None, &mut gs.picks)?;
             StepOut::Logits(logits)
         };
         // counters from the step's picks
@@ -792,6 +802,9 @@ impl Engine {
                 if !seen[e] {
                     seen[e] = true;
                     self.counters.expert_loads += 1;
+                    if self.map.tier(ml, e) == Tier::Hot {
+                        self.counters.hot_expert_loads += 1;
+                    }
                 }
             }
         }
@@ -873,6 +886,9 @@ impl Engine {
             if !sc.seen[e as usize] {
                 sc.seen[e as usize] = true;
                 self.counters.expert_loads += 1;
+                if self.map.tier(ml, e as usize) == Tier::Hot {
+                    self.counters.hot_expert_loads += 1;
+                }
             }
         }
         let r = self.moe_exchange(ml, n, cold_picks, &mut sc);

@@ -810,3 +810,29 @@ pub fn hashed_expert(
 /// Columns (gate/up) and rows (down) the generator leaves zero: the language and constant
 /// dims, as in [`build_tensors`].
 pub const HASHED_ZERO: usize = C0;
+
+impl InMemory {
+    /// Every language's prompts ([`prompts`]), tokenized, languages interleaved.
+    pub fn prompt_ids(&self) -> Result<Vec<Vec<u32>>> {
+        let bytes = serde_json::to_vec(&self.tokenizer_json).unwrap_or_default();
+        let tok = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| Error::Tokenizer {
+            path: "<in-memory tokenizer>".into(),
+            reason: e.to_string(),
+        })?;
+        let per: Vec<Vec<&str>> = (0..LANGS.len()).map(prompts).collect();
+        let most = per.iter().map(Vec::len).max().unwrap_or(0);
+        let mut out = Vec::new();
+        for i in 0..most {
+            for p in &per {
+                if let Some(text) = p.get(i) {
+                    let enc = tok.encode(*text, false).map_err(|e| Error::Tokenizer {
+                        path: "<in-memory tokenizer>".into(),
+                        reason: e.to_string(),
+                    })?;
+                    out.push(enc.get_ids().to_vec());
+                }
+            }
+        }
+        Ok(out)
+    }
+}

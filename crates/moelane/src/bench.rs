@@ -127,6 +127,41 @@ pub enum BenchCmd {
         #[arg(long, default_value_t = 50)]
         reps: usize,
     },
+    /// Decode tokens/s of the GPU engine (a build with --features cuda) at several batch
+    /// sizes, per placement of the cold experts: one-gpu (all experts hot on the primary's
+    /// GPU), gpu+cpu (cold ones on an in-process CPU tier), gpu+cuda:N (cold ones on a second
+    /// GPU in this process). Reports bytes read per token from the primary's memory against
+    /// its measured read bandwidth, the cold share and the per-layer wait on the cold tier.
+    Decode {
+        /// `station` (built in memory, experts generated on the GPU: ~121 GB), another preset
+        /// (tiny, mini), or a checkpoint directory.
+        #[arg(long, default_value = "station")]
+        model: String,
+        /// The primary's GPU.
+        #[arg(long, default_value = "cuda:0")]
+        device: String,
+        /// Placements to run, in order.
+        #[arg(long, value_delimiter = ',', default_value = "one-gpu,gpu+cpu")]
+        placements: Vec<String>,
+        /// Concurrent sequences.
+        #[arg(long, value_delimiter = ',', default_value = "1,4,16,64")]
+        batch: Vec<usize>,
+        /// Decode steps timed per repetition (after a prefill and 4 warm-up steps).
+        #[arg(long, default_value_t = 32)]
+        steps: usize,
+        /// Repetitions per batch size (the median is reported).
+        #[arg(long, default_value_t = 3)]
+        reps: usize,
+        /// Seed of a generated preset.
+        #[arg(long, default_value_t = 7)]
+        seed: u64,
+        /// Also write the results as JSON here.
+        #[arg(long)]
+        json: Option<PathBuf>,
+        /// Also run every size launching kernels one by one (no CUDA graphs), side by side.
+        #[arg(long)]
+        compare_launches: bool,
+    },
     /// Decode tokens/s at several batch sizes on a checkpoint, bytes of weights read per
     /// token, and the implied bandwidth against this machine's measured copy bandwidth.
     Engine {
@@ -303,6 +338,27 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             let model = model_or_mini(model)?;
             bench_experts(&model, &device, &picks, reps.max(1))?;
         }
+        BenchCmd::Decode {
+            model,
+            device,
+            placements,
+            batch,
+            steps,
+            reps,
+            seed,
+            json,
+            compare_launches,
+        } => crate::decode_bench::run(crate::decode_bench::DecodeArgs {
+            compare_launches,
+            model,
+            device,
+            placements,
+            batch,
+            steps: steps.max(1),
+            reps,
+            seed,
+            json,
+        })?,
         BenchCmd::Link {
             hidden,
             picks,

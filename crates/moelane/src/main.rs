@@ -11,6 +11,7 @@ use moelane_engine::synth::{self, Preset};
 
 mod bench;
 mod client;
+mod decode_bench;
 mod loadgen;
 mod ops_cmds;
 mod roles;

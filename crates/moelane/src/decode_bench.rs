@@ -1,0 +1,250 @@
+//! `moelane bench decode`: decode tokens/s of the GPU engine at several batch sizes, per
+//! placement of the cold tier, with the bytes a step reads from the primary's memory against
+//! the GPU's measured read bandwidth (the roofline), and the per-layer wait on the cold tier.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+
+/// Options of `moelane bench decode`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub struct DecodeArgs {
+    pub model: String,
+    pub device: String,
+    pub placements: Vec<String>,
+    pub batch: Vec<usize>,
+    pub steps: usize,
+    pub reps: usize,
+    pub seed: u64,
+    pub json: Option<PathBuf>,
+    /// also run every size with kernels launched one by one (no CUDA graphs)
+    pub compare_launches: bool,
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn run(_a: DecodeArgs) -> Result<()> {
+    anyhow::bail!("bench decode runs the GPU engine: build with --features cuda")
+}
+
+#[cfg(feature = "cuda")]
+pub fn run(a: DecodeArgs) -> Result<()> {
+    use moelane_engine::cuda::Gpu;
+    use moelane_engine::cuda_model::{self, Placement};
+    use moelane_engine::model::{Engine, SeqStep};
+    use serde_json::json;
+    use std::time::Instant;
+
+    let ordinal = a
+        .device
+        .strip_prefix("cuda:")
+        .and_then(|n| n.parse::<usize>().ok())
+        .ok_or_else(|| anyhow::anyhow!("--device {:?}: expected cuda:N", a.device))?;
+    let gpu = Gpu::open(ordinal)?;
+    let placements: Vec<Placement> = a
+        .placements
+        .iter()
+        .map(|p| Placement::parse(p))
+        .collect::<moelane_engine::Result<_>>()?;
+    let (copy_bw, read_bw) = cuda_model::bandwidth(&gpu, 4 << 30, 9)?;
+    println!(
+        "device cuda:{ordinal} {} sm_{}{} | measured: copy {:.0} GB/s (read+write), read {:.0} GB/s",
+        gpu.name,
+        gpu.cc.0,
+        gpu.cc.1,
+        copy_bw / 1e9,
+        read_bw / 1e9
+    );
+    let max_b = a.batch.iter().copied().max().unwrap_or(1);
+    // the model: station generated in memory and on the GPU, or a checkpoint directory
+    let station = match moelane_engine::synth::Preset::by_name(&a.model) {
+        Some(p) => {
+            let t0 = Instant::now();
+            let m = moelane_engine::synth::in_memory(&p, a.seed)?;
+            println!(
+                "model {} (seed {}): dense part built in memory in {:.1} s",
+                a.model,
+                a.seed,
+                t0.elapsed().as_secs_f64()
+            );
+            Some(m)
+        }
+        None => None,
+    };
+    let prompts: Vec<Vec<u32>> = match &station {
+        Some(m) => m.prompt_ids()?,
+        None => {
+            let tok = moelane_engine::tokenizer::Tokenizer::from_file(
+                &PathBuf::from(&a.model).join("tokenizer.json"),
+            )?;
+            (0..moelane_engine::synth::LANGS.len())
+                .flat_map(moelane_engine::synth::prompts)
+                .map(|t| tok.encode(t))
+                .collect::<std::result::Result<_, _>>()?
+        }
+    };
+    if prompts.is_empty() {
+        anyhow::bail!("no prompts");
+    }
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(1);
+    let kv_tokens = max_b * (longest + a.steps + 16 + 16);
+    let mut results = Vec::new();
+    println!(
+        "{:>13} {:>6} {:>10} {:>9} {:>11} {:>10} {:>9} {:>8} {:>9} {:>13}",
+        "placement",
+        "batch",
+        "tok/s",
+        "ms/step",
+        "MB/token",
+        "GB/s read",
+        "% of read",
+        "cold %",
+        "wait us",
+        "wait us/layer"
+    );
+    for pl in &placements {
+        let t0 = Instant::now();
+        let mut eng: Engine = match &station {
+            Some(m) => cuda_model::hashed_engine(m, *pl, gpu.clone(), kv_tokens)?,
+            None => {
+                let dir = PathBuf::from(&a.model);
+                let ckpt = moelane_engine::checkpoint::Checkpoint::open(&dir)?;
+                let c = &ckpt.config;
+                let (layers, ne) = (c.moe_layers().len(), c.num_experts);
+                let map = match pl {
+                    Placement::OneGpu => moelane_engine::rowmap::Rowmap::all_hot(&ckpt.id, layers, ne)
+                        .validate(&ckpt.id, layers, ne, None)?,
+                    Placement::GpuCpu => moelane_engine::load::resolve_map(&ckpt, None)?,
+                    Placement::GpuGpu(_) => anyhow::bail!(
+                        "gpu+cuda:N generates its experts: it takes a preset (station), not a checkpoint"
+                    ),
+                };
+                let opts = moelane_engine::load::EngineOptions {
+                    kv_tokens,
+                    progress: false,
+                };
+                cuda_model::load_on_gpu(&ckpt, map, &opts, gpu.clone())?
+            }
+        };
+        let c = eng.cfg.clone();
+        let expert_bytes = (3 * c.hidden_size * c.moe_intermediate_size * 4) as f64;
+        let dense_bytes = eng.dense.bytes_per_token() as f64;
+        let moe_layers = c.moe_layers().len();
+        let resident = eng.gpu.as_ref().map(|g| g.expert_bytes()).unwrap_or(0);
+        println!(
+            "-- {}: built in {:.1} s, {:.1} GB of experts on {}",
+            pl.name(),
+            t0.elapsed().as_secs_f64(),
+            resident as f64 / 1e9,
+            a.device
+        );
+        let modes: &[bool] = if a.compare_launches {
+            &[true, false]
+        } else {
+            &[true]
+        };
+        for (&b, &graphs) in a
+            .batch
+            .iter()
+            .flat_map(|b| modes.iter().map(move |g| (b, g)))
+        {
+            if let Some(g) = eng.gpu.as_mut() {
+                g.graphs = graphs;
+            }
+            let label = if graphs {
+                pl.name()
+            } else {
+                format!("{} -g", pl.name())
+            };
+            let mut reps = Vec::new();
+            for _ in 0..a.reps.max(1) {
+                let mut seqs: Vec<_> = (0..b).map(|_| eng.kv.new_seq()).collect();
+                let mut next: Vec<Vec<u32>> =
+                    (0..b).map(|i| prompts[i % prompts.len()].clone()).collect();
+                let step = |eng: &mut Engine,
+                                seqs: &mut Vec<moelane_engine::kv::SeqKv>,
+                                next: &mut Vec<Vec<u32>>|
+                 -> Result<()> {
+                    let mut st: Vec<SeqStep> = seqs
+                        .iter_mut()
+                        .zip(next.iter())
+                        .map(|(kv, t)| SeqStep { kv, tokens: t })
+                        .collect();
+                    let ids = eng.step_argmax(&mut st)?;
+                    for (n, t) in next.iter_mut().zip(ids) {
+                        *n = vec![t];
+                    }
+                    Ok(())
+                };
+                step(&mut eng, &mut seqs, &mut next)?; // prefill
+                for _ in 0..4 {
+                    step(&mut eng, &mut seqs, &mut next)?; // warm-up decode
+                }
+                let c0 = eng.counters.clone();
+                let ctx0: usize = seqs.iter().map(|s| s.len).sum();
+                let t0 = Instant::now();
+                for _ in 0..a.steps {
+                    step(&mut eng, &mut seqs, &mut next)?;
+                }
+                let dt = t0.elapsed().as_secs_f64();
+                let c1 = &eng.counters;
+                let steps = a.steps as f64;
+                let hot_loads = (c1.hot_expert_loads - c0.hot_expert_loads) as f64;
+                // K and V of every position each row attends to, every layer
+                let ctx1: usize = seqs.iter().map(|s| s.len).sum();
+                let kv_bytes = (ctx0 + ctx1) as f64 / 2.0
+                    * steps
+                    * (2 * c.kv_dim() * 4 * c.num_hidden_layers) as f64;
+                let bytes = dense_bytes * steps + hot_loads * expert_bytes + kv_bytes;
+                let cold: u64 = c1.cold_picks.iter().sum::<u64>() - c0.cold_picks.iter().sum::<u64>();
+                let hot: u64 = c1.hot_picks.iter().sum::<u64>() - c0.hot_picks.iter().sum::<u64>();
+                let wait: u64 = c1.wait_ns.iter().sum::<u64>() - c0.wait_ns.iter().sum::<u64>();
+                reps.push((
+                    (b as f64 * steps) / dt,
+                    dt / steps,
+                    bytes / steps,
+                    cold as f64 / (cold + hot).max(1) as f64,
+                    wait as f64 / steps / 1e3,
+                ));
+            }
+            reps.sort_by(|x, y| x.0.total_cmp(&y.0));
+            let (tps, step_s, step_bytes, cold, wait_us) = reps[reps.len() / 2];
+            let gbs = step_bytes / step_s;
+            println!(
+                "{:>13} {:>6} {:>10.1} {:>9.3} {:>11.1} {:>10.0} {:>8.1}% {:>7.2}% {:>9.1} {:>13.2}",
+                label,
+                b,
+                tps,
+                step_s * 1e3,
+                step_bytes / b as f64 / 1e6,
+                gbs / 1e9,
+                100.0 * gbs / read_bw,
+                100.0 * cold,
+                wait_us,
+                wait_us / moe_layers as f64
+            );
+            results.push(json!({
+                "placement": pl.name(), "graphs": graphs, "batch": b, "tokens_per_s": tps,
+                "ms_per_step": step_s * 1e3, "bytes_per_step": step_bytes,
+                "bytes_per_token": step_bytes / b as f64, "read_gbs": gbs / 1e9,
+                "fraction_of_read_bw": gbs / read_bw, "cold_share": cold,
+                "wait_us_per_step": wait_us, "wait_us_per_layer": wait_us / moe_layers as f64,
+            }));
+        }
+        drop(eng);
+    }
+    println!(
+        "bytes = dense weights once per step + each distinct hot expert once per step + the K/V \
+         read; the cold tier's reads are not counted (another device); tok/s medians of {} reps of {} steps; \
+         \"-g\": kernels launched one by one instead of replaying CUDA graphs",
+        a.reps.max(1),
+        a.steps
+    );
+    if let Some(p) = a.json {
+        let doc = json!({
+            "device": gpu.name, "model": a.model, "seed": a.seed,
+            "copy_gbs": copy_bw / 1e9, "read_gbs": read_bw / 1e9, "results": results,
+        });
+        std::fs::write(&p, serde_json::to_vec_pretty(&doc)?)?;
+    }
+    Ok(())
+}
