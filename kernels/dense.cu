@@ -189,44 +189,153 @@ extern "C" __global__ void attention(const float* __restrict__ qkv, const float*
 }
 
 // Router: softmax of each row of logits [rows, E], then its top k (descending, ties to the
-// lower expert), renormalised when `norm`. grid: rows; dynamic shared memory: E floats.
+// lower expert), renormalised when `norm`. One warp per row (no block barriers: the k
+// rounds of argmax are shuffles). grid: rows; block: 32; dynamic shared memory: E floats.
 extern "C" __global__ void route_topk(const float* __restrict__ logits, int* __restrict__ idx,
                                       float* __restrict__ wts, int E, int k, int norm) {
     extern __shared__ float p[];
-    __shared__ float red[33];
-    __shared__ int redi[33];
-    const int r = blockIdx.x;
+    const int r = blockIdx.x, lane = threadIdx.x;
     const float* row = logits + (size_t)r * E;
     float mx = -INFINITY;
-    for (int i = threadIdx.x; i < E; i += blockDim.x) mx = fmaxf(mx, row[i]);
-    mx = block_max(mx, red);
+    for (int i = lane; i < E; i += 32) mx = fmaxf(mx, row[i]);
+    mx = warp_max(mx);
     float s = 0.f;
-    for (int i = threadIdx.x; i < E; i += blockDim.x) {
+    for (int i = lane; i < E; i += 32) {
         const float e = expf(row[i] - mx);
         p[i] = e;
         s += e;
     }
-    s = block_sum(s, red);
+    s = warp_sum(s);
     const float inv = 1.f / s;
-    for (int i = threadIdx.x; i < E; i += blockDim.x) p[i] *= inv;
-    __syncthreads();
+    for (int i = lane; i < E; i += 32) p[i] *= inv;
+    __syncwarp();
+    float tot = 0.f;
     for (int j = 0; j < k; j++) {
         float bv = -INFINITY;
         int bi = 0x7fffffff;
-        for (int i = threadIdx.x; i < E; i += blockDim.x)
+        for (int i = lane; i < E; i += 32)
             if (p[i] > bv) { bv = p[i]; bi = i; }
-        block_argmax(bv, bi, red, redi);
-        if (threadIdx.x == 0) {
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        }
+        if (lane == 0) {
             idx[r * k + j] = bi;
             wts[r * k + j] = bv;
             p[bi] = -1.f;
         }
-        __syncthreads();
+        tot += bv;
+        __syncwarp();
     }
-    if (threadIdx.x == 0 && norm) {
-        float tot = 0.f;
-        for (int j = 0; j < k; j++) tot += wts[r * k + j];
+    if (lane == 0 && norm)
         for (int j = 0; j < k; j++) wts[r * k + j] /= tot;
+}
+
+// y[r, j] = beta * y[r, j] + w[j] . x[r] for r < n <= 4 (beta 0 or 1): the dense products
+// of small decode batches, one warp per output row, each weight row read once for all n
+// rows (cuBLAS takes n > 4). grid: ceil(out/8); block: 256.
+extern "C" __global__ void gemv_rows(const float* __restrict__ w, const float* __restrict__ x,
+                                     float* __restrict__ y, int out, int in, int n, float beta,
+                                     int vec4) {
+    const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (j >= out) return;
+    const float* wr = w + (size_t)j * in;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    if (vec4) {
+#pragma unroll 4
+        for (int i = lane * 4; i < in; i += 128) {
+            const float4 wv = *(const float4*)(wr + i);
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                if (r < n) {
+                    const float4 xv = *(const float4*)(x + (size_t)r * in + i);
+                    acc[r] = fmaf(wv.x, xv.x, fmaf(wv.y, xv.y, fmaf(wv.z, xv.z, fmaf(wv.w, xv.w, acc[r]))));
+                }
+            }
+        }
+    } else {
+        for (int i = lane; i < in; i += 32) {
+            const float wv = wr[i];
+#pragma unroll
+            for (int r = 0; r < 4; r++)
+                if (r < n) acc[r] = fmaf(wv, x[(size_t)r * in + i], acc[r]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        if (r < n) {
+            const float t = warp_sum(acc[r]);
+            if (lane == 0) {
+                float* o = y + (size_t)r * out + j;
+                *o = beta != 0.f ? beta * *o + t : t;
+            }
+        }
+    }
+}
+
+// As gemv_rows, on RMSNorm'd rows: y[r] = w . (nw * (x[r] * rsqrt(mean(x[r]^2) + eps))), each
+// warp computing the norms itself (the rows are a few KiB, read from L2), so no separate
+// norm kernel runs; block 0 also writes the normed rows to h when h is not null. n <= 4.
+extern "C" __global__ void norm_gemv_rows(const float* __restrict__ w, const float* __restrict__ x,
+                                          const float* __restrict__ nw, float* __restrict__ h,
+                                          float* __restrict__ y, int out, int in, int n, float eps,
+                                          int vec4) {
+    const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    float inv[4];
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        float s = 0.f;
+        if (r < n) {
+            if (vec4) {
+                for (int i = lane * 4; i < in; i += 128) {
+                    const float4 v = *(const float4*)(x + (size_t)r * in + i);
+                    s = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, s))));
+                }
+            } else {
+                for (int i = lane; i < in; i += 32) s = fmaf(x[(size_t)r * in + i], x[(size_t)r * in + i], s);
+            }
+        }
+        s = warp_sum(s);
+        inv[r] = 1.f / sqrtf(s / (float)in + eps);
+    }
+    if (h != 0 && blockIdx.x == 0) {
+        for (int r = 0; r < n; r++)
+            for (int i = threadIdx.x; i < in; i += blockDim.x)
+                h[(size_t)r * in + i] = nw[i] * (x[(size_t)r * in + i] * inv[r]);
+    }
+    if (j >= out) return;
+    const float* wr = w + (size_t)j * in;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    if (vec4) {
+#pragma unroll 4
+        for (int i = lane * 4; i < in; i += 128) {
+            const float4 wv = *(const float4*)(wr + i);
+            const float4 gv = *(const float4*)(nw + i);
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                if (r < n) {
+                    const float4 xv = *(const float4*)(x + (size_t)r * in + i);
+                    const float a = gv.x * (xv.x * inv[r]), b = gv.y * (xv.y * inv[r]);
+                    const float c = gv.z * (xv.z * inv[r]), d = gv.w * (xv.w * inv[r]);
+                    acc[r] = fmaf(wv.x, a, fmaf(wv.y, b, fmaf(wv.z, c, fmaf(wv.w, d, acc[r]))));
+                }
+            }
+        }
+    } else {
+        for (int i = lane; i < in; i += 32) {
+            const float wv = wr[i];
+#pragma unroll
+            for (int r = 0; r < 4; r++)
+                if (r < n) acc[r] = fmaf(wv, nw[i] * (x[(size_t)r * in + i] * inv[r]), acc[r]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        if (r < n) {
+            const float t = warp_sum(acc[r]);
+            if (lane == 0) y[(size_t)r * out + j] = t;
+        }
     }
 }
 
@@ -246,11 +355,13 @@ __device__ __forceinline__ bool leads_expert(const int* idx, int s, int e, int* 
 }
 
 // MoE up-projection for all picks of this layer whose expert this GPU holds (table entry
-// non-zero): act[s, j] = silu(gate_e[j] . h[s/k]) * (up_e[j] . h[s/k]). One warp per row j,
+// non-zero): act[s, j] = silu(gate_e[j] . h[row]) * (up_e[j] . h[row]), row = s/k, or rows[s]
+// when given (a sidecar's picks name their activation rows). One warp per row j,
 // 8 rows per block. grid: (nk, ceil(I/8)).
 extern "C" __global__ void moe_up(const int* __restrict__ idx, const unsigned long long* __restrict__ gu_tab,
                                   const float* __restrict__ h, float* __restrict__ act,
-                                  int nk, int k, int H, int I, int vec4) {
+                                  int nk, int k, int H, int I, int vec4,
+                                  const int* __restrict__ rows) {
     __shared__ int flag;
     const int s = blockIdx.x;
     const int e = idx[s];
@@ -265,7 +376,7 @@ extern "C" __global__ void moe_up(const int* __restrict__ idx, const unsigned lo
         while (mask) {
             const int t = t0 + __ffs(mask) - 1;
             mask &= mask - 1;
-            const float* x = h + (size_t)(t / k) * H;
+            const float* x = h + (size_t)(rows ? rows[t] : t / k) * H;
             float sg = 0.f, su = 0.f;
             if (vec4) {
 #pragma unroll 4
@@ -333,15 +444,16 @@ extern "C" __global__ void scatter_rows(const float* __restrict__ src, const int
     for (int c = threadIdx.x; c < H; c += blockDim.x) b[c] = a[c];
 }
 
-// x[r] += sum_j w[r, j] * y[r*k + j], the k picks in router-rank order. grid: rows.
+// x[r] += sum_j w[r, j] * y[r*k + j], the k picks in router-rank order. grid: (rows,
+// ceil(H / blockDim)): several blocks per row, so a single decode row is not one SM's work.
 extern "C" __global__ void moe_combine(float* __restrict__ x, const float* __restrict__ y,
                                        const float* __restrict__ wts, int k, int H) {
     const int r = blockIdx.x;
-    for (int c = threadIdx.x; c < H; c += blockDim.x) {
-        float acc = 0.f;
-        for (int j = 0; j < k; j++) acc += wts[r * k + j] * y[((size_t)r * k + j) * H + c];
-        x[(size_t)r * H + c] += acc;
-    }
+    const int c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= H) return;
+    float acc = 0.f;
+    for (int j = 0; j < k; j++) acc += wts[r * k + j] * y[((size_t)r * k + j) * H + c];
+    x[(size_t)r * H + c] += acc;
 }
 
 // a[r, j] = silu(gu[r, j]) * gu[r, I + j] (the dense MLP between its two products).

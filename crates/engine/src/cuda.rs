@@ -132,9 +132,18 @@ pub enum Upload {
 /// A tier's experts on the GPU: `gate_up [2I, H]` and `down [H, I]` per resident expert.
 pub struct GpuExperts {
     pub upload: Upload,
+    /// grouped kernels (`kernels/dense.cu`): one block per (expert, 8 weight rows)
+    k_up: CudaFunction,
+    k_down: CudaFunction,
+    /// per layer, the device addresses of each resident expert's gate_up and down, indexed
+    /// by expert id (0 where not resident); rebuilt after the resident set changes
+    tables: HashMap<usize, (CudaSlice<u64>, CudaSlice<u64>)>,
+    tables_dirty: bool,
+    act: CudaSlice<f32>,
     packed: CudaSlice<u8>,
     staging: Vec<u8>,
-    /// the last packed call's device pointers and pick count (for [`Self::relaunch`])
+    /// the last packed call's device pointers (acts, rows, ids, layer tables) and pick
+    /// count (for [`Self::relaunch`])
     last: Option<([u64; 4], usize)>,
     gpu: Arc<Gpu>,
     f: CudaFunction,
@@ -170,6 +179,7 @@ impl GpuExperts {
         let f = m
             .load_function("expert_swiglu")
             .map_err(|e| gpu_err("loading expert_swiglu", e))?;
+        let (up, down) = crate::cuda_model::moe_kernels(&gpu)?;
         let s = gpu.stream.clone();
         let z = |n| {
             s.alloc_zeros::<f32>(n)
@@ -177,6 +187,11 @@ impl GpuExperts {
         };
         Ok(GpuExperts {
             upload: Upload::Packed,
+            k_up: up,
+            k_down: down,
+            tables: HashMap::new(),
+            tables_dirty: true,
+            act: z(inter)?,
             packed: s.alloc_zeros(1).map_err(|e| gpu_err("allocating", e))?,
             staging: Vec::new(),
             last: None,
@@ -214,8 +229,7 @@ impl GpuExperts {
     pub fn generate(&mut self, seed: u64, which: &[(usize, usize)]) -> Result<()> {
         let f = crate::cuda_model::gen_kernel(&self.gpu)?;
         for &(l, e) in which {
-            let (gu, dn) =
-                crate::cuda_model::gen_expert(
+            let (gu, dn) = crate::cuda_model::gen_expert(
                 &self.gpu.stream,
                 &f,
                 seed,
@@ -227,6 +241,7 @@ impl GpuExperts {
             self.w.insert((l, e), (gu.into_slice(), dn.into_slice()));
         }
         self.last = None;
+        self.tables_dirty = true;
         self.gpu
             .stream
             .synchronize()
@@ -256,6 +271,7 @@ impl GpuExperts {
             want.iter().map(|(k, _)| *k).collect();
         self.w.retain(|k, _| keep.contains(k));
         self.last = None;
+        self.tables_dirty = true;
         for (k, w) in want {
             if self.w.contains_key(&k) {
                 continue;
@@ -283,37 +299,95 @@ impl GpuExperts {
         }
     }
 
-    /// Launches the kernel again on the last packed call's inputs and waits: the kernel and
-    /// launch alone, without copies (for `moelane bench experts`).
+    /// Launches the kernels again on the last packed call's inputs and waits: the kernels
+    /// and launches alone, without copies (for `moelane bench experts`).
     pub fn relaunch(&mut self) -> Result<()> {
         let Some((ptrs, n)) = self.last else {
             return Err(Error::Gpu("relaunch before a packed call".into()));
         };
         // `packed` still holds that call's inputs (nothing was copied over them since) and
-        // its experts are still resident (`sync` clears `last`)
+        // its experts are still resident (`sync` and `generate` clear `last`)
         let s = self.gpu.stream.clone();
-        self.launch_packed(&s, ptrs, n)?;
+        self.launch_grouped(&s, ptrs, n)?;
         s.synchronize().map_err(|e| gpu_err("synchronising", e))
     }
 
-    /// Launches the kernel on inputs in `packed` at `ptrs` (acts, rows, gate_up and down
-    /// pointer tables) for `n` picks, writing `out`. The caller vouches for the pointers.
-    fn launch_packed(&mut self, s: &Arc<CudaStream>, ptrs: [u64; 4], n: usize) -> Result<()> {
-        let (hi, ii) = (self.hidden as i32, self.inter as i32);
-        let cfg = self.cfg(n);
-        let mut b = s.launch_builder(&self.f);
-        b.arg(&ptrs[0])
-            .arg(&ptrs[1])
-            .arg(&ptrs[2])
-            .arg(&ptrs[3])
-            .arg(&mut self.out)
+    /// Rebuilds the per-layer expert tables after the resident set changed.
+    fn ensure_tables(&mut self) -> Result<()> {
+        if !self.tables_dirty {
+            return Ok(());
+        }
+        let s = self.gpu.stream.clone();
+        let width = self.w.keys().map(|k| k.1 + 1).max().unwrap_or(1);
+        let mut host: HashMap<usize, (Vec<u64>, Vec<u64>)> = HashMap::new();
+        for (&(l, e), (gu, dn)) in &self.w {
+            let t = host
+                .entry(l)
+                .or_insert_with(|| (vec![0; width], vec![0; width]));
+            t.0[e] = gu.device_ptr(&s).0;
+            t.1[e] = dn.device_ptr(&s).0;
+        }
+        self.tables.clear();
+        for (l, (g, d)) in host {
+            let g = s
+                .clone_htod(&g)
+                .map_err(|e| gpu_err("uploading tables", e))?;
+            let d = s
+                .clone_htod(&d)
+                .map_err(|e| gpu_err("uploading tables", e))?;
+            self.tables.insert(l, (g, d));
+        }
+        self.tables_dirty = false;
+        Ok(())
+    }
+
+    /// Launches the grouped up and down kernels on inputs at `ptrs` (acts, rows, expert ids,
+    /// the layer's table pair as [gu table, dn table] in `ptrs[3]`'s slot) for `n` picks,
+    /// writing `out`. The caller vouches for the pointers.
+    fn launch_grouped(&mut self, s: &Arc<CudaStream>, ptrs: [u64; 4], n: usize) -> Result<()> {
+        let (hi, ii, ni, one) = (self.hidden as i32, self.inter as i32, n as i32, 1i32);
+        let (v_up, v_dn) = ((self.hidden % 4 == 0) as i32, (self.inter % 4 == 0) as i32);
+        let (acts, rows, ids, layer) = (ptrs[0], ptrs[1], ptrs[2], ptrs[3] as usize);
+        let Some((gt, dt)) = self.tables.get(&layer) else {
+            return Err(Error::Gpu(format!(
+                "no experts of layer {layer} on the GPU"
+            )));
+        };
+        let (gt, dt) = (gt.device_ptr(s).0, dt.device_ptr(s).0);
+        let act = self.act.device_ptr(s).0;
+        let out = self.out.device_ptr(s).0;
+        let mut b = s.launch_builder(&self.k_up);
+        b.arg(&ids)
+            .arg(&gt)
+            .arg(&acts)
+            .arg(&act)
+            .arg(&ni)
+            .arg(&one)
             .arg(&hi)
-            .arg(&ii);
-        // SAFETY: the arguments match the kernel's signature; the pointers are valid device
-        // addresses of the layout above (both callers' comments say why), `out` holds n rows.
-        unsafe { b.launch(cfg) }
-            .map(|_| ())
-            .map_err(|e| gpu_err("launching expert_swiglu", e))
+            .arg(&ii)
+            .arg(&v_up)
+            .arg(&rows);
+        let cfg = |rows_out: usize| LaunchConfig {
+            grid_dim: (n as u32, rows_out.div_ceil(8) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: ids are experts resident on this GPU (checked by the caller), so their
+        // table entries address [2I, H] and [H, I] weights; rows < activation rows; act
+        // holds n rows of I and out n rows of H (grown by the caller).
+        unsafe { b.launch(cfg(self.inter)) }.map_err(|e| gpu_err("launching moe_up", e))?;
+        let mut b = s.launch_builder(&self.k_down);
+        b.arg(&ids)
+            .arg(&dt)
+            .arg(&act)
+            .arg(&out)
+            .arg(&ni)
+            .arg(&hi)
+            .arg(&ii)
+            .arg(&v_dn);
+        // SAFETY: as above.
+        unsafe { b.launch(cfg(self.hidden)) }.map_err(|e| gpu_err("launching moe_down", e))?;
+        Ok(())
     }
 
     /// One output row per pick, in pick order: the same contract as [`ExpertBank::compute`].
@@ -358,40 +432,40 @@ impl GpuExperts {
         grow(&s, &mut self.out, n * h)?;
         let e = |x| gpu_err("copying to the GPU", x);
         if self.upload == Upload::Packed {
-            // one buffer: acts f32 | rows i32 | gate_up ptrs u64 | down ptrs u64, 8-aligned
+            self.ensure_tables()?;
+            grow(&s, &mut self.act, n * self.inter)?;
+            // one buffer: acts f32 | rows i32 | expert ids i32, 8-aligned
             let al = |x: usize| x.div_ceil(8) * 8;
             let oa = 0;
             let or = al(oa + acts.len() * 4);
-            let og = al(or + n * 4);
-            let od = og + n * 8;
-            let len = od + n * 8;
+            let oi = al(or + n * 4);
+            let len = oi + n * 4;
             self.staging.clear();
             self.staging.resize(len, 0);
             for (i, x) in acts.iter().enumerate() {
                 self.staging[oa + 4 * i..oa + 4 * i + 4].copy_from_slice(&x.to_le_bytes());
             }
-            for i in 0..n {
-                let (r, g, d) = (self.host_rows[i], self.host_gu[i], self.host_dn[i]);
+            for (i, p) in picks.iter().enumerate() {
+                let r = self.host_rows[i];
                 self.staging[or + 4 * i..or + 4 * i + 4].copy_from_slice(&r.to_le_bytes());
-                self.staging[og + 8 * i..og + 8 * i + 8].copy_from_slice(&g.to_le_bytes());
-                self.staging[od + 8 * i..od + 8 * i + 8].copy_from_slice(&d.to_le_bytes());
+                let e = p.expert as i32;
+                self.staging[oi + 4 * i..oi + 4 * i + 4].copy_from_slice(&e.to_le_bytes());
             }
             grow(&s, &mut self.packed, len)?;
             s.memcpy_htod(&self.staging[..len], &mut self.packed.slice_mut(..len))
                 .map_err(e)?;
             let (base, guard) = self.packed.device_ptr(&s);
-            drop(guard); // one stream: the launch below is ordered after the copy anyway
+            drop(guard); // one stream: the launches below are ordered after the copy anyway
             let ptrs = [
                 base + oa as u64,
                 base + or as u64,
-                base + og as u64,
-                base + od as u64,
+                base + oi as u64,
+                layer as u64,
             ];
             self.last = Some((ptrs, n));
-            // the four pointers address the regions just copied into `packed`, laid out as
-            // the kernel's acts/rows/gate_up/down; every pointer the kernel follows was
-            // checked above
-            self.launch_packed(&s, ptrs, n)?;
+            // the pointers address the regions just copied into `packed`; every pick was
+            // checked above (row in range, expert resident)
+            self.launch_grouped(&s, ptrs, n)?;
         } else {
             let (hi, ii) = (h as i32, self.inter as i32);
             let cfg = self.cfg(n);

@@ -119,6 +119,8 @@ struct Funcs {
     argmax: CudaFunction,
     gen: CudaFunction,
     read_probe: CudaFunction,
+    gemv: CudaFunction,
+    norm_gemv: CudaFunction,
 }
 
 fn funcs(gpu: &Gpu) -> Result<Funcs> {
@@ -141,6 +143,8 @@ fn funcs(gpu: &Gpu) -> Result<Funcs> {
         argmax: f("argmax_rows")?,
         gen: f("gen_weights")?,
         read_probe: f("read_probe")?,
+        gemv: f("gemv_rows")?,
+        norm_gemv: f("norm_gemv_rows")?,
     })
 }
 
@@ -254,6 +258,13 @@ pub fn bandwidth(gpu: &Gpu, bytes: usize, reps: usize) -> Result<(f64, f64)> {
     Ok((median(copy), median(read)))
 }
 
+/// The grouped MoE kernels (`moe_up`, `moe_down`) of the dense module on `gpu`, for a
+/// sidecar's [`crate::cuda::GpuExperts`].
+pub fn moe_kernels(gpu: &Gpu) -> Result<(CudaFunction, CudaFunction)> {
+    let f = funcs(gpu)?;
+    Ok((f.moe_up, f.moe_down))
+}
+
 /// Loads the dense kernels' module on `gpu` and returns the generator kernel (for a sidecar
 /// that generates its experts).
 pub fn gen_kernel(gpu: &Gpu) -> Result<CudaFunction> {
@@ -314,7 +325,13 @@ pub struct GpuModel {
     /// bumped whenever a scratch buffer moves: graphs captured before hold stale addresses
     generation: u64,
     captured: HashMap<(usize, usize, u64, Vec<Op>), Graph>,
+    profile: Option<std::sync::Mutex<Profile>>,
     seen: HashMap<(usize, usize, u64, Vec<Op>), u32>,
+}
+
+struct Profile {
+    start: cudarc::driver::CudaEvent,
+    events: Vec<(&'static str, cudarc::driver::CudaEvent)>,
 }
 
 /// A captured graph. CUDA graph objects are not internally synchronised; this one is only
@@ -452,6 +469,7 @@ impl GpuModel {
             graphs,
             generation: 0,
             captured: HashMap::new(),
+            profile: None,
             seen: HashMap::new(),
             layers,
             cfg: cfg.clone(),
@@ -567,6 +585,23 @@ impl GpuModel {
         y: u64,
         beta: f32,
     ) -> Result<()> {
+        if n <= 4 {
+            let (o, i, ni) = (out_dim as i32, in_dim as i32, n as i32);
+            let v4 = (in_dim % 4 == 0) as i32;
+            let mut b = self.st.launch_builder(&self.f.gemv);
+            b.arg(&w)
+                .arg(&x)
+                .arg(&y)
+                .arg(&o)
+                .arg(&i)
+                .arg(&ni)
+                .arg(&beta)
+                .arg(&v4);
+            // SAFETY: as below; n <= 4 rows.
+            unsafe { b.launch(grid(out_dim.div_ceil(8), 1, 256, 0)) }
+                .map_err(|e| gerr("launching gemv_rows", e))?;
+            return self.mark("gemv");
+        }
         let alpha = 1f32;
         // y[n, out] (row-major) = x[n, in] . w[out, in]^T, i.e. column-major
         // y^T[out, n] = w^T' [out, in] x^T [in, n] with w read transposed.
@@ -590,7 +625,95 @@ impl GpuModel {
                 out_dim as i32,
             )
         }
-        .map_err(|e| gerr("cuBLAS sgemm", e))
+        .map_err(|e| gerr("cuBLAS sgemm", e))?;
+        self.mark("cublas sgemm")
+    }
+
+    /// y[n, out] = w . norm(x) with RMSNorm weight `nw`, writing the normed rows to `h`
+    /// when `h` is non-zero: one fused kernel for n <= 4, else the norm then cuBLAS.
+    #[allow(clippy::too_many_arguments)]
+    fn normed_product(
+        &self,
+        w: u64,
+        out_dim: usize,
+        x: u64,
+        nw: u64,
+        h: u64,
+        n: usize,
+        y: u64,
+    ) -> Result<()> {
+        let in_dim = self.cfg.hidden_size;
+        if n > 4 {
+            self.rmsnorm(x, 0, nw, self.h.p, n)?;
+            return self.gemm(w, out_dim, in_dim, self.h.p, n, y, 0.0);
+        }
+        let (o, i, ni) = (out_dim as i32, in_dim as i32, n as i32);
+        let eps = self.cfg.rms_norm_eps;
+        let v4 = (in_dim % 4 == 0) as i32;
+        let mut b = self.st.launch_builder(&self.f.norm_gemv);
+        b.arg(&w)
+            .arg(&x)
+            .arg(&nw)
+            .arg(&h)
+            .arg(&y)
+            .arg(&o)
+            .arg(&i)
+            .arg(&ni)
+            .arg(&eps)
+            .arg(&v4);
+        // SAFETY: w holds out*in floats, x and h n rows of in, nw in, y n rows of out.
+        unsafe { b.launch(grid(out_dim.div_ceil(8), 1, 256, 0)) }
+            .map_err(|e| gerr("launching norm_gemv_rows", e))?;
+        self.mark("norm_gemv")
+    }
+
+    /// With profiling on: records a timing event after the work launched since the last
+    /// mark, charged to `what` (the GPU's own clock: no host wait between kernels).
+    fn mark(&self, what: &'static str) -> Result<()> {
+        if let Some(p) = &self.profile {
+            use cudarc::driver::sys::CUevent_flags;
+            let ev = self
+                .st
+                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| gerr("recording a CUDA event", e))?;
+            p.lock()
+                .map_err(|_| Error::Gpu("profile poisoned".into()))?
+                .events
+                .push((what, ev));
+        }
+        Ok(())
+    }
+
+    /// Turns the per-kernel profile on (kernels launched one by one, each followed by a
+    /// timing event) or off; returns what was gathered: (kernel, total ns, launches),
+    /// largest first. A kernel's time runs from the previous kernel's end to its own end.
+    pub fn set_profile(&mut self, on: bool) -> Vec<(&'static str, u64, u64)> {
+        use cudarc::driver::sys::CUevent_flags;
+        let old = self.profile.take();
+        if on {
+            if let Ok(start) = self.st.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)) {
+                self.profile = Some(std::sync::Mutex::new(Profile {
+                    start,
+                    events: Vec::new(),
+                }));
+            }
+        }
+        let mut by: HashMap<&'static str, (u64, u64)> = HashMap::new();
+        if let Some(p) = old.and_then(|p| p.into_inner().ok()) {
+            let _ = self.sync();
+            let mut prev = &p.start;
+            for (what, ev) in &p.events {
+                let ms = prev.elapsed_ms(ev).unwrap_or(0.0);
+                let e = by.entry(what).or_insert((0, 0));
+                e.0 += (ms as f64 * 1e6) as u64;
+                e.1 += 1;
+                prev = ev;
+            }
+        }
+        let mut v: Vec<(&'static str, u64, u64)> =
+            by.into_iter().map(|(k, (a, b))| (k, a, b)).collect();
+        v.sort_by_key(|x| std::cmp::Reverse(x.1));
+        v
     }
 
     fn rmsnorm(&self, x: u64, rows: u64, w: u64, y: u64, n: usize) -> Result<()> {
@@ -601,6 +724,7 @@ impl GpuModel {
         // SAFETY: x holds the source rows (rows[i] < its row count when given), y n rows,
         // w h floats.
         unsafe { b.launch(grid(n, 1, 256, 0)) }.map_err(|e| gerr("launching rmsnorm_rows", e))?;
+        self.mark("rmsnorm_rows")?;
         Ok(())
     }
 
@@ -704,7 +828,7 @@ impl GpuModel {
         if ops.is_empty() {
             return Ok(());
         }
-        if !self.graphs {
+        if !self.graphs || self.profile.is_some() {
             return ops.iter().try_for_each(|op| self.exec(op));
         }
         let key = (self.n, self.m, self.generation, ops.to_vec());
@@ -728,9 +852,7 @@ impl GpuModel {
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| gerr("starting a CUDA graph capture", e))?;
         let r = ops.iter().try_for_each(|op| self.exec(op));
-        let g = self
-            .st
-            .end_capture(CUgraphInstantiate_flags(0));
+        let g = self.st.end_capture(CUgraphInstantiate_flags(0));
         match (r, g) {
             (Ok(()), Ok(Some(g))) => {
                 g.launch().map_err(|e| gerr("launching a CUDA graph", e))?;
@@ -757,10 +879,14 @@ impl GpuModel {
             Op::Embed => {
                 let h = self.cfg.hidden_size as i32;
                 let mut b = self.st.launch_builder(&self.f.embed);
-                b.arg(&self.embed.p).arg(&self.meta.p).arg(&self.x.p).arg(&h);
+                b.arg(&self.embed.p)
+                    .arg(&self.meta.p)
+                    .arg(&self.x.p)
+                    .arg(&h);
                 // SAFETY: every token id was checked < vocab in `begin`; x holds n rows.
                 unsafe { b.launch(grid(self.n, 1, 256, 0)) }
                     .map_err(|e| gerr("launching embed_rows", e))?;
+                self.mark("embed_rows")?;
                 Ok(())
             }
             Op::Attention(l) => self.attention(l),
@@ -788,6 +914,7 @@ impl GpuModel {
             // SAFETY: logits holds m rows of V; amax m ints (sized in `begin`).
             unsafe { b.launch(grid(m, 1, 256, 0)) }
                 .map_err(|e| gerr("launching argmax_rows", e))?;
+            self.mark("argmax_rows")?;
         }
         Ok(())
     }
@@ -798,8 +925,15 @@ impl GpuModel {
         let n = self.n;
         let (qd, kvd, hs) = (c.q_dim(), c.kv_dim(), c.hidden_size);
         let lw = &self.layers[l];
-        self.rmsnorm(self.x.p, 0, lw.input_norm.p, self.h.p, n)?;
-        self.gemm(lw.qkv.p, qd + 2 * kvd, hs, self.h.p, n, self.qkv.p, 0.0)?;
+        self.normed_product(
+            lw.qkv.p,
+            qd + 2 * kvd,
+            self.x.p,
+            lw.input_norm.p,
+            0,
+            n,
+            self.qkv.p,
+        )?;
         let (nh, nkv, hd) = (
             c.num_attention_heads as i32,
             c.num_key_value_heads as i32,
@@ -832,8 +966,11 @@ impl GpuModel {
             ))
         }
         .map_err(|e| gerr("launching qk_rope_kv", e))?;
+        self.mark("qk_rope_kv")?;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
-        let nw = 4usize;
+        // 16 warps take the positions in turn: a decode row's chain of dependent loads is
+        // 1/16 of its context long
+        let nw = 16usize;
         let mut b = self.st.launch_builder(&self.f.attention);
         b.arg(&self.qkv.p)
             .arg(&self.kc[l].p)
@@ -849,6 +986,7 @@ impl GpuModel {
         // SAFETY: as above; att holds n rows of q_dim.
         unsafe { b.launch(grid(n, c.num_attention_heads, 32 * nw, nw * c.head_dim * 4)) }
             .map_err(|e| gerr("launching attention", e))?;
+        self.mark("attention")?;
         self.gemm(lw.o.p, hs, qd, self.att.p, n, self.x.p, 1.0)
     }
 
@@ -856,14 +994,22 @@ impl GpuModel {
     pub fn route(&mut self, l: usize, ml: usize) -> Result<()> {
         let c = &self.cfg;
         let n = self.n;
-        let (hs, ne, k) = (c.hidden_size, c.num_experts, c.num_experts_per_tok);
+        let (ne, k) = (c.num_experts, c.num_experts_per_tok);
         let lw = &self.layers[l];
         let router = lw
             .router
             .as_ref()
             .ok_or_else(|| Error::Tier(format!("layer {l} is not a MoE layer")))?;
-        self.rmsnorm(self.x.p, 0, lw.post_norm.p, self.h.p, n)?;
-        self.gemm(router.p, ne, hs, self.h.p, n, self.rlog.p, 0.0)?;
+        // h (the normed rows) feeds the experts: written by the fused kernel or the norm
+        self.normed_product(
+            router.p,
+            ne,
+            self.x.p,
+            lw.post_norm.p,
+            self.h.p,
+            n,
+            self.rlog.p,
+        )?;
         let idx = self.idx.p + (4 * ml * n * k) as u64;
         let (e, ki, norm) = (ne as i32, k as i32, c.norm_topk_prob as i32);
         let mut b = self.st.launch_builder(&self.f.route_topk);
@@ -874,8 +1020,8 @@ impl GpuModel {
             .arg(&ki)
             .arg(&norm);
         // SAFETY: rlog holds n rows of E; idx has room for the ml-th layer's n*k ids.
-        unsafe { b.launch(grid(n, 1, 256, ne * 4)) }
-            .map_err(|e| gerr("launching route_topk", e))?;
+        unsafe { b.launch(grid(n, 1, 32, ne * 4)) }.map_err(|e| gerr("launching route_topk", e))?;
+        self.mark("route_topk")?;
         Ok(())
     }
 
@@ -921,11 +1067,13 @@ impl GpuModel {
             .arg(&ki)
             .arg(&hi)
             .arg(&ii)
-            .arg(&v_up);
+            .arg(&v_up)
+            .arg(&0u64);
         // SAFETY: ids < E (the router's top-k), table entries are null or resident experts of
         // [2I, H]; h holds n rows, act n*k rows of I; float4 reads only when H % 4 == 0.
         unsafe { b.launch(grid(nk, i.div_ceil(8), 256, 0)) }
             .map_err(|e| gerr("launching moe_up", e))?;
+        self.mark("moe_up")?;
         let mut b = self.st.launch_builder(&self.f.moe_down);
         b.arg(&idx)
             .arg(&dn)
@@ -938,6 +1086,7 @@ impl GpuModel {
         // SAFETY: as above, down [H, I]; y holds n*k rows of H.
         unsafe { b.launch(grid(nk, hs.div_ceil(8), 256, 0)) }
             .map_err(|e| gerr("launching moe_down", e))?;
+        self.mark("moe_down")?;
         Ok(())
     }
 
@@ -967,6 +1116,7 @@ impl GpuModel {
         // SAFETY: slots were checked < n*k; src holds slots.len() rows.
         unsafe { b.launch(grid(slots.len(), 1, 256, 0)) }
             .map_err(|e| gerr("launching scatter_rows", e))?;
+        self.mark("scatter_rows")?;
         Ok(())
     }
 
@@ -981,8 +1131,9 @@ impl GpuModel {
             .arg(&k)
             .arg(&h);
         // SAFETY: x holds n rows, y n*k rows, wts n*k.
-        unsafe { b.launch(grid(self.n, 1, 256, 0)) }
+        unsafe { b.launch(grid(self.n, self.cfg.hidden_size.div_ceil(128), 128, 0)) }
             .map_err(|e| gerr("launching moe_combine", e))?;
+        self.mark("moe_combine")?;
         Ok(())
     }
 
@@ -1002,6 +1153,7 @@ impl GpuModel {
         b.arg(&self.qkv.p).arg(&self.att.p).arg(&ii);
         // SAFETY: qkv holds n rows of 2I (sized in `begin`), att n rows of I.
         unsafe { b.launch(grid(n, 1, 256, 0)) }.map_err(|e| gerr("launching silu_mul", e))?;
+        self.mark("silu_mul")?;
         self.gemm(dn.p, hs, i, self.att.p, n, self.x.p, 1.0)
     }
 

@@ -161,6 +161,10 @@ pub enum BenchCmd {
         /// Also run every size launching kernels one by one (no CUDA graphs), side by side.
         #[arg(long)]
         compare_launches: bool,
+        /// After each size, a per-kernel profile of one run (each kernel waited for and
+        /// timed: shows where a step's time goes, not its speed).
+        #[arg(long)]
+        profile: bool,
     },
     /// Decode tokens/s at several batch sizes on a checkpoint, bytes of weights read per
     /// token, and the implied bandwidth against this machine's measured copy bandwidth.
@@ -348,8 +352,10 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             seed,
             json,
             compare_launches,
+            profile,
         } => crate::decode_bench::run(crate::decode_bench::DecodeArgs {
             compare_launches,
+            profile,
             model,
             device,
             placements,

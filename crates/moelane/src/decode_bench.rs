@@ -19,6 +19,8 @@ pub struct DecodeArgs {
     pub json: Option<PathBuf>,
     /// also run every size with kernels launched one by one (no CUDA graphs)
     pub compare_launches: bool,
+    /// after each size, a profile: every kernel waited for and timed, per step
+    pub profile: bool,
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -137,6 +139,21 @@ pub fn run(a: DecodeArgs) -> Result<()> {
             resident as f64 / 1e9,
             a.device
         );
+        let step = |eng: &mut Engine,
+                    seqs: &mut Vec<moelane_engine::kv::SeqKv>,
+                    next: &mut Vec<Vec<u32>>|
+         -> Result<()> {
+            let mut st: Vec<SeqStep> = seqs
+                .iter_mut()
+                .zip(next.iter())
+                .map(|(kv, t)| SeqStep { kv, tokens: t })
+                .collect();
+            let ids = eng.step_argmax(&mut st)?;
+            for (n, t) in next.iter_mut().zip(ids) {
+                *n = vec![t];
+            }
+            Ok(())
+        };
         let modes: &[bool] = if a.compare_launches {
             &[true, false]
         } else {
@@ -160,21 +177,6 @@ pub fn run(a: DecodeArgs) -> Result<()> {
                 let mut seqs: Vec<_> = (0..b).map(|_| eng.kv.new_seq()).collect();
                 let mut next: Vec<Vec<u32>> =
                     (0..b).map(|i| prompts[i % prompts.len()].clone()).collect();
-                let step = |eng: &mut Engine,
-                                seqs: &mut Vec<moelane_engine::kv::SeqKv>,
-                                next: &mut Vec<Vec<u32>>|
-                 -> Result<()> {
-                    let mut st: Vec<SeqStep> = seqs
-                        .iter_mut()
-                        .zip(next.iter())
-                        .map(|(kv, t)| SeqStep { kv, tokens: t })
-                        .collect();
-                    let ids = eng.step_argmax(&mut st)?;
-                    for (n, t) in next.iter_mut().zip(ids) {
-                        *n = vec![t];
-                    }
-                    Ok(())
-                };
                 step(&mut eng, &mut seqs, &mut next)?; // prefill
                 for _ in 0..4 {
                     step(&mut eng, &mut seqs, &mut next)?; // warm-up decode
@@ -195,7 +197,8 @@ pub fn run(a: DecodeArgs) -> Result<()> {
                     * steps
                     * (2 * c.kv_dim() * 4 * c.num_hidden_layers) as f64;
                 let bytes = dense_bytes * steps + hot_loads * expert_bytes + kv_bytes;
-                let cold: u64 = c1.cold_picks.iter().sum::<u64>() - c0.cold_picks.iter().sum::<u64>();
+                let cold: u64 =
+                    c1.cold_picks.iter().sum::<u64>() - c0.cold_picks.iter().sum::<u64>();
                 let hot: u64 = c1.hot_picks.iter().sum::<u64>() - c0.hot_picks.iter().sum::<u64>();
                 let wait: u64 = c1.wait_ns.iter().sum::<u64>() - c0.wait_ns.iter().sum::<u64>();
                 reps.push((
@@ -222,6 +225,44 @@ pub fn run(a: DecodeArgs) -> Result<()> {
                 wait_us,
                 wait_us / moe_layers as f64
             );
+            if a.profile && graphs {
+                if let Some(g) = eng.gpu.as_mut() {
+                    g.set_profile(true);
+                }
+                let mut seqs: Vec<_> = (0..b).map(|_| eng.kv.new_seq()).collect();
+                let mut next: Vec<Vec<u32>> =
+                    (0..b).map(|i| prompts[i % prompts.len()].clone()).collect();
+                step(&mut eng, &mut seqs, &mut next)?;
+                if let Some(g) = eng.gpu.as_mut() {
+                    g.set_profile(true); // drop the prefill's share
+                }
+                for _ in 0..a.steps {
+                    step(&mut eng, &mut seqs, &mut next)?;
+                }
+                let prof = eng
+                    .gpu
+                    .as_mut()
+                    .map(|g| g.set_profile(false))
+                    .unwrap_or_default();
+                let total: u64 = prof.iter().map(|p| p.1).sum();
+                let line: Vec<String> = prof
+                    .iter()
+                    .map(|(k, ns, n)| {
+                        format!(
+                            "{k} {:.1} us ({:.0}%, {:.1} us x {})",
+                            *ns as f64 / a.steps as f64 / 1e3,
+                            100.0 * *ns as f64 / total.max(1) as f64,
+                            *ns as f64 / (*n).max(1) as f64 / 1e3,
+                            n / a.steps as u64
+                        )
+                    })
+                    .collect();
+                println!(
+                    "  profile (each kernel waited for; {:.3} ms/step in kernels): {}",
+                    total as f64 / a.steps as f64 / 1e6,
+                    line.join(", ")
+                );
+            }
             results.push(json!({
                 "placement": pl.name(), "graphs": graphs, "batch": b, "tokens_per_s": tps,
                 "ms_per_step": step_s * 1e3, "bytes_per_step": step_bytes,

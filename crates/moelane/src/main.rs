@@ -78,6 +78,10 @@ enum Cmd {
         /// --features cuda).
         #[arg(long, default_value = "cpu")]
         sidecar_device: String,
+        /// Where the primary computes (attention, router, hot experts, KV cache): cpu or
+        /// cuda:N (needs a build with --features cuda).
+        #[arg(long, default_value = "cpu")]
+        device: String,
         #[command(flatten)]
         residency: ResidencyArgs,
     },
@@ -248,6 +252,10 @@ struct LaneArgs {
     /// cuda:N (needs a build with --features cuda).
     #[arg(long)]
     device: Option<String>,
+    /// Primary: where it computes (attention, router, hot experts, KV cache), cpu or cuda:N
+    /// (needs a build with --features cuda).
+    #[arg(long)]
+    primary_device: Option<String>,
 }
 
 impl LaneArgs {
@@ -288,6 +296,7 @@ impl LaneArgs {
         }
         macro_rules! fill { ($($k:ident),*) => { $( if self.$k.is_none() { self.$k = f.$k; } )* } }
         fill!(
+            primary_device,
             role,
             model,
             map,
@@ -422,6 +431,7 @@ async fn run_cmd(cmd: Cmd) -> Result<()> {
             kv_tokens,
             max_running,
             sidecar_device,
+            device,
             residency,
         } => {
             let model = match model {
@@ -438,6 +448,7 @@ async fn run_cmd(cmd: Cmd) -> Result<()> {
                 prepare_timeout: residency.prepare_timeout(),
                 spare_slots: residency.spare_slots.max(1),
                 sidecar_device: sidecar_device.clone(),
+                primary_device: device.clone(),
                 sched: moelane_gb300_worker::scheduler::SchedulerConfig {
                     max_running,
                     ..Default::default()
@@ -514,6 +525,7 @@ async fn run_cmd(cmd: Cmd) -> Result<()> {
                         prepare_timeout: a.residency.prepare_timeout(),
                         spare_slots: a.residency.spare_slots.max(1),
                         sidecar_device: a.device.clone().unwrap_or_else(|| "cpu".into()),
+                        primary_device: a.primary_device.clone().unwrap_or_else(|| "cpu".into()),
                         sched: Default::default(),
                     };
                     let primary = roles::start_primary(&opts).await?;

@@ -51,6 +51,8 @@ pub struct PrimaryOptions {
     pub spare_slots: usize,
     /// Where the in-process sidecar computes: "cpu" or "cuda:N".
     pub sidecar_device: String,
+    /// Where the primary computes: "cpu" or "cuda:N".
+    pub primary_device: String,
     pub sched: SchedulerConfig,
 }
 
@@ -261,7 +263,8 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
     };
     let (layers, experts) = (map.layers(), map.experts());
     let residency_map = map.clone();
-    let engine = engine_with_tier(
+    #[allow(unused_mut)]
+    let mut engine = engine_with_tier(
         &ckpt,
         map,
         &EngineOptions {
@@ -270,6 +273,31 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
         },
         tier,
     )?;
+    match o.primary_device.as_str() {
+        "cpu" => {}
+        #[cfg(feature = "cuda")]
+        d if d.starts_with("cuda:") => {
+            let n: usize = d[5..]
+                .parse()
+                .map_err(|_| anyhow::anyhow!("--device {d:?}: expected cpu or cuda:N"))?;
+            let gpu = moelane_engine::cuda::Gpu::open(n)?;
+            let dense = moelane_engine::model::DenseWeights::load(&ckpt)?;
+            let g = moelane_engine::cuda_model::GpuModel::new(
+                gpu,
+                &ckpt.config,
+                &dense,
+                engine.kv.blocks,
+            )?;
+            let desc = g.describe();
+            engine.attach_gpu(g)?;
+            println!("moelane: primary computes on {desc}");
+        }
+        #[cfg(not(feature = "cuda"))]
+        d if d.starts_with("cuda:") => anyhow::bail!(
+            "--device {d}: this moelane was built without CUDA (build with --features cuda)"
+        ),
+        d => anyhow::bail!("--device {d:?}: expected cpu or cuda:N"),
+    }
     let id = ckpt.id.clone();
     let handle = moelane_gb300_worker::start(engine, id.clone(), eos, o.sched.clone());
     moelane_gb300_worker::register_metrics(handle.commands());

@@ -1,7 +1,8 @@
-//! The embedded lane with its sidecar computing on a GPU (`--sidecar-device cuda:0`; feature
-//! `cuda`; skips, saying why, where there is no CUDA device): greedy answers of 50 prompts
-//! (five languages) under the fitted map and under an all-cold map (every expert on the GPU),
-//! against the CPU-only lane. The GPU sums in another order than the CPU, so a near-tie can
+//! The embedded lane on a GPU (feature `cuda`; skips, saying why, where there is no CUDA
+//! device): its sidecar on the GPU (`--sidecar-device cuda:0`) under the fitted map and an
+//! all-cold map; the primary on the GPU (`--device cuda:0`) with the sidecar on the CPU; both
+//! tiers on one GPU. Greedy answers of 50 prompts (five languages), served through the
+//! gateway, against the CPU-only lane. The GPU sums in another order than the CPU, so a near-tie can
 //! flip a greedy pick: the test reports k/50 identical and requires nearly all.
 #![cfg(feature = "cuda")]
 
@@ -35,6 +36,18 @@ fn gpu_sidecar_matches_the_cpu_lane() {
     for (name, extra) in [
         ("fitted map", vec!["--sidecar-device", "cuda:0"]),
         (
+            "primary on the GPU, sidecar on the CPU",
+            vec!["--device", "cuda:0"],
+        ),
+        (
+            "both tiers on one GPU",
+            vec!["--device", "cuda:0", "--sidecar-device", "cuda:0"],
+        ),
+        (
+            "primary on the GPU, all-cold map on the CPU",
+            vec!["--device", "cuda:0", "--map", cold_path.to_str().unwrap()],
+        ),
+        (
             "all-cold map",
             vec![
                 "--sidecar-device",
@@ -46,7 +59,7 @@ fn gpu_sidecar_matches_the_cpu_lane() {
     ] {
         let got = answers(&extra);
         let same = got.iter().zip(&want).filter(|(a, b)| a == b).count();
-        eprintln!("GPU sidecar, {name}: {same}/50 greedy answers identical to the CPU lane");
+        eprintln!("GPU lane, {name}: {same}/50 greedy answers identical to the CPU lane");
         assert!(same >= 45, "{name}: only {same}/50 identical");
     }
 }

@@ -282,3 +282,23 @@ fn toml_config_carries_residency_settings_and_flags_override_them() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("adaptve"), "{err}");
 }
+
+#[test]
+fn bad_primary_device_is_refused_by_name() {
+    // a device that is not cpu or cuda:N, and (in a build without CUDA) a GPU, are refused
+    // at start with the flag's value in the error; nothing is served
+    let mut cases = vec![(vec!["--device", "gpu0"], "gpu0")];
+    if !cfg!(feature = "cuda") {
+        cases.push((vec!["--device", "cuda:0"], "without CUDA"));
+    }
+    for (args, want) in cases {
+        let mut a = vec!["serve", "--model"];
+        let t = tiny();
+        a.push(t.to_str().unwrap());
+        a.extend(args);
+        a.extend(["--listen", "127.0.0.1:0"]);
+        let out = std::process::Command::new(bin()).args(&a).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(want), "{a:?}: {err}");
+    }
+}
