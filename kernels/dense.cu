@@ -481,7 +481,7 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int* __
 // Synthetic weights from a counter hash (the `station` preset): w[i] for i < n, a matrix of
 // `cols` columns, zero where col < zero_cols or row < zero_rows, else an Irwin-Hall(4)
 // approximate normal times `scale` (already times sqrt(3)). Every operation is exact or a
-// single rounding in a fixed order, so the CPU mirror (synth::station_fill) gives the same bits.
+// single rounding in a fixed order, so the CPU mirror (synth::hashed_fill) gives the same bits.
 __device__ __forceinline__ unsigned long long splitmix(unsigned long long z) {
     z += 0x9e3779b97f4a7c15ULL;
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;

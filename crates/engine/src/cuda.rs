@@ -248,6 +248,22 @@ impl GpuExperts {
             .map_err(|e| gpu_err("synchronising generation", e))
     }
 
+    /// A resident expert's weights copied back: (gate_up, down), or None.
+    pub fn download(&self, layer: usize, e: usize) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
+        let Some((gu, dn)) = self.w.get(&(layer, e)) else {
+            return Ok(None);
+        };
+        let s = &self.gpu.stream;
+        let a = s
+            .clone_dtoh(gu)
+            .map_err(|e| gpu_err("copying an expert back", e))?;
+        let b = s
+            .clone_dtoh(dn)
+            .map_err(|e| gpu_err("copying an expert back", e))?;
+        s.synchronize().map_err(|e| gpu_err("synchronising", e))?;
+        Ok(Some((a, b)))
+    }
+
     /// Experts resident on the GPU.
     pub fn resident(&self) -> usize {
         self.w.len()

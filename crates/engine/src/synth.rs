@@ -576,6 +576,16 @@ fn config_json(preset: &Preset, seed: u64, vocab: usize, bos: u32, eos: u32) -> 
 /// Generates the checkpoint of `preset` into `out` (created), with an all-hot rowmap
 /// placeholder; [`crate::figures`] then measures routing and writes the fitted map.
 pub fn generate(preset: &Preset, seed: u64, out: &Path) -> Result<()> {
+    if preset.name == "station" {
+        return Err(Error::Config {
+            field: "preset",
+            value: "station".into(),
+            reason:
+                "station (121 GB of experts) is never written to a file: it is built in memory \
+                     and generated on the GPU (moelane bench decode --model station)"
+                    .into(),
+        });
+    }
     std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
     let texts: Vec<&str> = LANGS.iter().map(|l| l.1).collect();
     let bpe = bpe::train(&texts, preset.vocab_target);

@@ -206,6 +206,12 @@ fn station_generator_is_bit_identical_on_gpu_and_cpu() {
     let acts: Vec<f32> = (0..h).map(|_| rng.normal()).collect();
     for &(l, e) in &which {
         let w = moelane_engine::synth::hashed_expert(42, l, e, h, i);
+        let (gu, dn) = ge.download(l, e).unwrap().unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        assert!(
+            bits(&gu) == bits(&w.gate_up.data) && bits(&dn) == bits(&w.down.data),
+            "expert ({l},{e}): GPU-generated weights differ from the CPU mirror's bits"
+        );
         let mut bank = moelane_engine::bank::ExpertBank::empty(
             moelane_engine::rowmap::Tier::Cold,
             40,
@@ -222,7 +228,7 @@ fn station_generator_is_bit_identical_on_gpu_and_cpu() {
         bank.compute(l, &pick, &acts, &mut a).unwrap();
         ge.compute(l, &pick, &acts, &mut b).unwrap();
         let c = cos(&a, &b);
-        eprintln!("generated expert ({l},{e}): output cosine {c:.9}");
+        eprintln!("generated expert ({l},{e}): weights bit-identical, output cosine {c:.9}");
         assert!(c > 0.999999, "expert ({l},{e}) differs: {c}");
     }
 }

@@ -354,7 +354,7 @@ fn main() -> Result<()> {
             answer_len,
         } => {
             let Some(p) = Preset::by_name(&preset) else {
-                bail!("--preset {preset:?}: unknown preset (choose tiny or mini)");
+                bail!("--preset {preset:?}: unknown preset (choose tiny or mini; station is generated on the GPU by `moelane bench decode`)");
             };
             let t0 = Instant::now();
             synth::generate(&p, seed, &out)
