@@ -6,6 +6,19 @@
 // position row_pos[r] of a sequence whose block table starts at blocks[row_tab[r]].
 
 #define KV_BLOCK 16
+
+// Programmatic dependent launch (sm_90+): every step kernel first waits for its predecessor
+// grid (its results visible), then lets its own successor be scheduled, so the successor's
+// launch overlaps this kernel's run. Launched without the attribute, both are no-ops.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PDL_ENTRY()                                          \
+    do {                                                     \
+        asm volatile("griddepcontrol.wait;" ::: "memory");   \
+        asm volatile("griddepcontrol.launch_dependents;" :::); \
+    } while (0)
+#else
+#define PDL_ENTRY() do {} while (0)
+#endif
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
 #endif
@@ -71,6 +84,7 @@ __device__ void block_argmax(float& v, int& i, float* redv, int* redi) {
 // x[r] = emb[tok[r]]. grid: rows.
 extern "C" __global__ void embed_rows(const float* __restrict__ emb, const int* __restrict__ tok,
                                       float* __restrict__ x, int h) {
+    PDL_ENTRY();
     const int r = blockIdx.x;
     const float* e = emb + (size_t)tok[r] * h;
     for (int i = threadIdx.x; i < h; i += blockDim.x) x[(size_t)r * h + i] = e[i];
@@ -80,6 +94,7 @@ extern "C" __global__ void embed_rows(const float* __restrict__ emb, const int* 
 extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, const int* __restrict__ rows,
                                         const float* __restrict__ w, float* __restrict__ y,
                                         int h, float eps) {
+    PDL_ENTRY();
     __shared__ float red[33];
     const int r = blockIdx.x;
     const int src = rows ? rows[r] : r;
@@ -100,6 +115,7 @@ extern "C" __global__ void qk_rope_kv(float* __restrict__ qkv, const float* __re
                                       const int* __restrict__ row_tab, const int* __restrict__ blocks,
                                       float* __restrict__ kc, float* __restrict__ vc,
                                       int nh, int nkv, int hd, float eps) {
+    PDL_ENTRY();
     const int r = blockIdx.x, w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int qd = nh * hd, kvd = nkv * hd, half = hd / 2;
     float* row = qkv + (size_t)r * (qd + 2 * kvd);
@@ -133,6 +149,7 @@ extern "C" __global__ void attention(const float* __restrict__ qkv, const float*
                                      const float* __restrict__ vc, const int* __restrict__ row_pos,
                                      const int* __restrict__ row_tab, const int* __restrict__ blocks,
                                      float* __restrict__ out, int nh, int nkv, int hd, float scale) {
+    PDL_ENTRY();
     extern __shared__ float sacc[];
     __shared__ float sm[32], sl[32];
     const int r = blockIdx.x, hh = blockIdx.y;
@@ -193,6 +210,7 @@ extern "C" __global__ void attention(const float* __restrict__ qkv, const float*
 // rounds of argmax are shuffles). grid: rows; block: 32; dynamic shared memory: E floats.
 extern "C" __global__ void route_topk(const float* __restrict__ logits, int* __restrict__ idx,
                                       float* __restrict__ wts, int E, int k, int norm) {
+    PDL_ENTRY();
     extern __shared__ float p[];
     const int r = blockIdx.x, lane = threadIdx.x;
     const float* row = logits + (size_t)r * E;
@@ -238,6 +256,7 @@ extern "C" __global__ void route_topk(const float* __restrict__ logits, int* __r
 extern "C" __global__ void gemv_rows(const float* __restrict__ w, const float* __restrict__ x,
                                      float* __restrict__ y, int out, int in, int n, float beta,
                                      int vec4) {
+    PDL_ENTRY();
     const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (j >= out) return;
     const float* wr = w + (size_t)j * in;
@@ -281,6 +300,7 @@ extern "C" __global__ void norm_gemv_rows(const float* __restrict__ w, const flo
                                           const float* __restrict__ nw, float* __restrict__ h,
                                           float* __restrict__ y, int out, int in, int n, float eps,
                                           int vec4) {
+    PDL_ENTRY();
     const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     float inv[4];
 #pragma unroll
@@ -362,6 +382,7 @@ extern "C" __global__ void moe_up(const int* __restrict__ idx, const unsigned lo
                                   const float* __restrict__ h, float* __restrict__ act,
                                   int nk, int k, int H, int I, int vec4,
                                   const int* __restrict__ rows) {
+    PDL_ENTRY();
     __shared__ int flag;
     const int s = blockIdx.x;
     const int e = idx[s];
@@ -404,6 +425,7 @@ extern "C" __global__ void moe_up(const int* __restrict__ idx, const unsigned lo
 extern "C" __global__ void moe_down(const int* __restrict__ idx, const unsigned long long* __restrict__ dn_tab,
                                     const float* __restrict__ act, float* __restrict__ y,
                                     int nk, int H, int I, int vec4) {
+    PDL_ENTRY();
     __shared__ int flag;
     const int s = blockIdx.x;
     const int e = idx[s];
@@ -438,6 +460,7 @@ extern "C" __global__ void moe_down(const int* __restrict__ idx, const unsigned 
 // y[slots[i]] = src[i] (the cold tier's outputs into their pick slots). grid: count.
 extern "C" __global__ void scatter_rows(const float* __restrict__ src, const int* __restrict__ slots,
                                         float* __restrict__ y, int H) {
+    PDL_ENTRY();
     const int i = blockIdx.x;
     const float* a = src + (size_t)i * H;
     float* b = y + (size_t)slots[i] * H;
@@ -448,6 +471,7 @@ extern "C" __global__ void scatter_rows(const float* __restrict__ src, const int
 // ceil(H / blockDim)): several blocks per row, so a single decode row is not one SM's work.
 extern "C" __global__ void moe_combine(float* __restrict__ x, const float* __restrict__ y,
                                        const float* __restrict__ wts, int k, int H) {
+    PDL_ENTRY();
     const int r = blockIdx.x;
     const int c = blockIdx.y * blockDim.x + threadIdx.x;
     if (c >= H) return;
@@ -458,6 +482,7 @@ extern "C" __global__ void moe_combine(float* __restrict__ x, const float* __res
 
 // a[r, j] = silu(gu[r, j]) * gu[r, I + j] (the dense MLP between its two products).
 extern "C" __global__ void silu_mul(const float* __restrict__ gu, float* __restrict__ a, int I) {
+    PDL_ENTRY();
     const int r = blockIdx.x;
     for (int j = threadIdx.x; j < I; j += blockDim.x) {
         const float g = gu[(size_t)r * 2 * I + j];
@@ -467,6 +492,7 @@ extern "C" __global__ void silu_mul(const float* __restrict__ gu, float* __restr
 
 // out[r] = argmax of logits row r (ties to the lower id). grid: rows.
 extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int* __restrict__ out, int V) {
+    PDL_ENTRY();
     __shared__ float red[33];
     __shared__ int redi[33];
     const float* row = logits + (size_t)blockIdx.x * V;

@@ -35,6 +35,55 @@ use crate::rowmap::{Tier, ValidMap};
 /// The dense kernels' source, compiled at run time.
 pub const DENSE_CU: &str = include_str!("../../../kernels/dense.cu");
 
+/// Kernel parameters for [`launch_raw`]: a pointer to each argument's value, in order.
+macro_rules! kargs {
+    ($($a:expr),* $(,)?) => {
+        [$($a as *const _ as *mut std::ffi::c_void),*]
+    };
+}
+
+/// Launches `f` on `st` with `params` (pointers to the arguments' values, which must match
+/// the kernel's parameters). With `pdl`, as a programmatic dependent launch (Hopper and
+/// later): the kernel may be scheduled while its predecessor drains; every kernel of
+/// dense.cu waits for its predecessor (`griddepcontrol.wait`) before touching memory, so the
+/// order of effects is the stream's.
+///
+/// # Safety
+/// The parameters must match the kernel's signature and every pointer they carry must be
+/// valid for what the kernel reads and writes.
+unsafe fn launch_raw(
+    st: &Arc<CudaStream>,
+    f: &CudaFunction,
+    params: &mut [*mut std::ffi::c_void],
+    pdl: bool,
+    cfg: LaunchConfig,
+) -> std::result::Result<(), cudarc::driver::DriverError> {
+    use cudarc::driver::sys;
+    st.context().bind_to_thread()?;
+    let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let lc = sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: st.cu_stream(),
+        attrs: if pdl { &mut attr } else { std::ptr::null_mut() },
+        numAttrs: pdl as u32,
+    };
+    sys::cuLaunchKernelEx(
+        &lc,
+        f.cu_function(),
+        params.as_mut_ptr(),
+        std::ptr::null_mut(),
+    )
+    .result()
+}
+
 fn gerr(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Gpu(format!("{what}: {e:?}"))
 }
@@ -243,10 +292,9 @@ pub fn bandwidth(gpu: &Gpu, bytes: usize, reps: usize) -> Result<(f64, f64)> {
         let tc = t0.elapsed().as_secs_f64();
         let n4 = (n / 4) as u64;
         let t0 = std::time::Instant::now();
-        let mut l = st.launch_builder(&f);
-        l.arg(&a.p).arg(&n4).arg(&out.p);
+        let mut l = kargs![&a.p, &n4, &out.p];
         // SAFETY: a holds n4 float4s; out 132*8 floats, one per block.
-        unsafe { l.launch(grid(132 * 8, 1, 256, 0)) }
+        unsafe { launch_raw(st, &f, &mut l, false, grid(132 * 8, 1, 256, 0)) }
             .map_err(|e| gerr("launching read_probe", e))?;
         sync()?;
         let tr = t0.elapsed().as_secs_f64();
@@ -322,6 +370,9 @@ pub struct GpuModel {
     /// Replay whole runs of kernels as CUDA graphs (on by default; `MOELANE_CUDA_GRAPHS=0`
     /// or `graphs = false` launches every kernel from the host instead).
     pub graphs: bool,
+    /// Launch kernels as programmatic dependent launches (compute capability 9.0 and later;
+    /// `MOELANE_CUDA_PDL=0` turns it off).
+    pub pdl: bool,
     /// bumped whenever a scratch buffer moves: graphs captured before hold stale addresses
     generation: u64,
     captured: HashMap<(usize, usize, u64, Vec<Op>), Graph>,
@@ -401,6 +452,7 @@ impl GpuModel {
         .result()
         .map_err(|e| gerr("setting the cuBLAS workspace", e))?;
         let graphs = std::env::var("MOELANE_CUDA_GRAPHS").map_or(true, |v| v != "0");
+        let pdl = gpu.cc.0 >= 9 && std::env::var("MOELANE_CUDA_PDL").map_or(true, |v| v != "0");
         let up = |v: &[f32]| Buf::from_host(&st, v);
         let mut layers = Vec::with_capacity(w.layers.len());
         for l in &w.layers {
@@ -467,6 +519,7 @@ impl GpuModel {
             o_blocks: 0,
             _workspace: workspace,
             graphs,
+            pdl,
             generation: 0,
             captured: HashMap::new(),
             profile: None,
@@ -588,18 +641,18 @@ impl GpuModel {
         if n <= 4 {
             let (o, i, ni) = (out_dim as i32, in_dim as i32, n as i32);
             let v4 = (in_dim % 4 == 0) as i32;
-            let mut b = self.st.launch_builder(&self.f.gemv);
-            b.arg(&w)
-                .arg(&x)
-                .arg(&y)
-                .arg(&o)
-                .arg(&i)
-                .arg(&ni)
-                .arg(&beta)
-                .arg(&v4);
+            let mut b = kargs![&w, &x, &y, &o, &i, &ni, &beta, &v4];
             // SAFETY: as below; n <= 4 rows.
-            unsafe { b.launch(grid(out_dim.div_ceil(8), 1, 256, 0)) }
-                .map_err(|e| gerr("launching gemv_rows", e))?;
+            unsafe {
+                launch_raw(
+                    &self.st,
+                    &self.f.gemv,
+                    &mut b,
+                    self.pdl,
+                    grid(out_dim.div_ceil(8), 1, 256, 0),
+                )
+            }
+            .map_err(|e| gerr("launching gemv_rows", e))?;
             return self.mark("gemv");
         }
         let alpha = 1f32;
@@ -650,20 +703,18 @@ impl GpuModel {
         let (o, i, ni) = (out_dim as i32, in_dim as i32, n as i32);
         let eps = self.cfg.rms_norm_eps;
         let v4 = (in_dim % 4 == 0) as i32;
-        let mut b = self.st.launch_builder(&self.f.norm_gemv);
-        b.arg(&w)
-            .arg(&x)
-            .arg(&nw)
-            .arg(&h)
-            .arg(&y)
-            .arg(&o)
-            .arg(&i)
-            .arg(&ni)
-            .arg(&eps)
-            .arg(&v4);
+        let mut b = kargs![&w, &x, &nw, &h, &y, &o, &i, &ni, &eps, &v4];
         // SAFETY: w holds out*in floats, x and h n rows of in, nw in, y n rows of out.
-        unsafe { b.launch(grid(out_dim.div_ceil(8), 1, 256, 0)) }
-            .map_err(|e| gerr("launching norm_gemv_rows", e))?;
+        unsafe {
+            launch_raw(
+                &self.st,
+                &self.f.norm_gemv,
+                &mut b,
+                self.pdl,
+                grid(out_dim.div_ceil(8), 1, 256, 0),
+            )
+        }
+        .map_err(|e| gerr("launching norm_gemv_rows", e))?;
         self.mark("norm_gemv")
     }
 
@@ -719,11 +770,19 @@ impl GpuModel {
     fn rmsnorm(&self, x: u64, rows: u64, w: u64, y: u64, n: usize) -> Result<()> {
         let h = self.cfg.hidden_size as i32;
         let eps = self.cfg.rms_norm_eps;
-        let mut b = self.st.launch_builder(&self.f.rmsnorm);
-        b.arg(&x).arg(&rows).arg(&w).arg(&y).arg(&h).arg(&eps);
+        let mut b = kargs![&x, &rows, &w, &y, &h, &eps];
         // SAFETY: x holds the source rows (rows[i] < its row count when given), y n rows,
         // w h floats.
-        unsafe { b.launch(grid(n, 1, 256, 0)) }.map_err(|e| gerr("launching rmsnorm_rows", e))?;
+        unsafe {
+            launch_raw(
+                &self.st,
+                &self.f.rmsnorm,
+                &mut b,
+                self.pdl,
+                grid(n, 1, 256, 0),
+            )
+        }
+        .map_err(|e| gerr("launching rmsnorm_rows", e))?;
         self.mark("rmsnorm_rows")?;
         Ok(())
     }
@@ -878,14 +937,18 @@ impl GpuModel {
         match *op {
             Op::Embed => {
                 let h = self.cfg.hidden_size as i32;
-                let mut b = self.st.launch_builder(&self.f.embed);
-                b.arg(&self.embed.p)
-                    .arg(&self.meta.p)
-                    .arg(&self.x.p)
-                    .arg(&h);
+                let mut b = kargs![&self.embed.p, &self.meta.p, &self.x.p, &h];
                 // SAFETY: every token id was checked < vocab in `begin`; x holds n rows.
-                unsafe { b.launch(grid(self.n, 1, 256, 0)) }
-                    .map_err(|e| gerr("launching embed_rows", e))?;
+                unsafe {
+                    launch_raw(
+                        &self.st,
+                        &self.f.embed,
+                        &mut b,
+                        self.pdl,
+                        grid(self.n, 1, 256, 0),
+                    )
+                }
+                .map_err(|e| gerr("launching embed_rows", e))?;
                 self.mark("embed_rows")?;
                 Ok(())
             }
@@ -909,11 +972,18 @@ impl GpuModel {
         self.gemm(head, v, hs, self.h.p, m, self.logits.p, 0.0)?;
         if argmax {
             let vi = v as i32;
-            let mut b = self.st.launch_builder(&self.f.argmax);
-            b.arg(&self.logits.p).arg(&self.amax.p).arg(&vi);
+            let mut b = kargs![&self.logits.p, &self.amax.p, &vi];
             // SAFETY: logits holds m rows of V; amax m ints (sized in `begin`).
-            unsafe { b.launch(grid(m, 1, 256, 0)) }
-                .map_err(|e| gerr("launching argmax_rows", e))?;
+            unsafe {
+                launch_raw(
+                    &self.st,
+                    &self.f.argmax,
+                    &mut b,
+                    self.pdl,
+                    grid(m, 1, 256, 0),
+                )
+            }
+            .map_err(|e| gerr("launching argmax_rows", e))?;
             self.mark("argmax_rows")?;
         }
         Ok(())
@@ -940,30 +1010,33 @@ impl GpuModel {
             c.head_dim as i32,
         );
         let eps = c.rms_norm_eps;
-        let mut b = self.st.launch_builder(&self.f.qk_rope_kv);
-        b.arg(&self.qkv.p)
-            .arg(&lw.q_norm.p)
-            .arg(&lw.k_norm.p)
-            .arg(&self.cos.p)
-            .arg(&self.sin.p)
-            .arg(&self.o_pos)
-            .arg(&self.o_tab)
-            .arg(&self.o_blocks)
-            .arg(&self.kc[l].p)
-            .arg(&self.vc[l].p)
-            .arg(&nh)
-            .arg(&nkv)
-            .arg(&hd)
-            .arg(&eps);
+        let mut b = kargs![
+            &self.qkv.p,
+            &lw.q_norm.p,
+            &lw.k_norm.p,
+            &self.cos.p,
+            &self.sin.p,
+            &self.o_pos,
+            &self.o_tab,
+            &self.o_blocks,
+            &self.kc[l].p,
+            &self.vc[l].p,
+            &nh,
+            &nkv,
+            &hd,
+            &eps
+        ];
+        let heads = c.num_attention_heads + c.num_key_value_heads;
         // SAFETY: positions < max_pos and their blocks < kv_blocks were checked in `begin`;
         // qkv holds n rows of q_dim + 2 kv_dim.
         unsafe {
-            b.launch(grid(
-                n,
-                1,
-                32 * (c.num_attention_heads + c.num_key_value_heads),
-                0,
-            ))
+            launch_raw(
+                &self.st,
+                &self.f.qk_rope_kv,
+                &mut b,
+                self.pdl,
+                grid(n, 1, 32 * heads, 0),
+            )
         }
         .map_err(|e| gerr("launching qk_rope_kv", e))?;
         self.mark("qk_rope_kv")?;
@@ -971,21 +1044,30 @@ impl GpuModel {
         // 16 warps take the positions in turn: a decode row's chain of dependent loads is
         // 1/16 of its context long
         let nw = 16usize;
-        let mut b = self.st.launch_builder(&self.f.attention);
-        b.arg(&self.qkv.p)
-            .arg(&self.kc[l].p)
-            .arg(&self.vc[l].p)
-            .arg(&self.o_pos)
-            .arg(&self.o_tab)
-            .arg(&self.o_blocks)
-            .arg(&self.att.p)
-            .arg(&nh)
-            .arg(&nkv)
-            .arg(&hd)
-            .arg(&scale);
+        let mut b = kargs![
+            &self.qkv.p,
+            &self.kc[l].p,
+            &self.vc[l].p,
+            &self.o_pos,
+            &self.o_tab,
+            &self.o_blocks,
+            &self.att.p,
+            &nh,
+            &nkv,
+            &hd,
+            &scale
+        ];
         // SAFETY: as above; att holds n rows of q_dim.
-        unsafe { b.launch(grid(n, c.num_attention_heads, 32 * nw, nw * c.head_dim * 4)) }
-            .map_err(|e| gerr("launching attention", e))?;
+        unsafe {
+            launch_raw(
+                &self.st,
+                &self.f.attention,
+                &mut b,
+                self.pdl,
+                grid(n, c.num_attention_heads, 32 * nw, nw * c.head_dim * 4),
+            )
+        }
+        .map_err(|e| gerr("launching attention", e))?;
         self.mark("attention")?;
         self.gemm(lw.o.p, hs, qd, self.att.p, n, self.x.p, 1.0)
     }
@@ -1012,15 +1094,18 @@ impl GpuModel {
         )?;
         let idx = self.idx.p + (4 * ml * n * k) as u64;
         let (e, ki, norm) = (ne as i32, k as i32, c.norm_topk_prob as i32);
-        let mut b = self.st.launch_builder(&self.f.route_topk);
-        b.arg(&self.rlog.p)
-            .arg(&idx)
-            .arg(&self.wts.p)
-            .arg(&e)
-            .arg(&ki)
-            .arg(&norm);
+        let mut b = kargs![&self.rlog.p, &idx, &self.wts.p, &e, &ki, &norm];
         // SAFETY: rlog holds n rows of E; idx has room for the ml-th layer's n*k ids.
-        unsafe { b.launch(grid(n, 1, 32, ne * 4)) }.map_err(|e| gerr("launching route_topk", e))?;
+        unsafe {
+            launch_raw(
+                &self.st,
+                &self.f.route_topk,
+                &mut b,
+                self.pdl,
+                grid(n, 1, 32, ne * 4),
+            )
+        }
+        .map_err(|e| gerr("launching route_topk", e))?;
         self.mark("route_topk")?;
         Ok(())
     }
@@ -1058,34 +1143,43 @@ impl GpuModel {
         let (nki, ki, hi, ii) = (nk as i32, k as i32, hs as i32, i as i32);
         let v_up = (hs % 4 == 0) as i32;
         let v_dn = (i % 4 == 0) as i32;
-        let mut b = self.st.launch_builder(&self.f.moe_up);
-        b.arg(&idx)
-            .arg(&gu)
-            .arg(&self.h.p)
-            .arg(&self.act.p)
-            .arg(&nki)
-            .arg(&ki)
-            .arg(&hi)
-            .arg(&ii)
-            .arg(&v_up)
-            .arg(&0u64);
+        let mut b = kargs![
+            &idx,
+            &gu,
+            &self.h.p,
+            &self.act.p,
+            &nki,
+            &ki,
+            &hi,
+            &ii,
+            &v_up,
+            &0u64
+        ];
         // SAFETY: ids < E (the router's top-k), table entries are null or resident experts of
         // [2I, H]; h holds n rows, act n*k rows of I; float4 reads only when H % 4 == 0.
-        unsafe { b.launch(grid(nk, i.div_ceil(8), 256, 0)) }
-            .map_err(|e| gerr("launching moe_up", e))?;
+        unsafe {
+            launch_raw(
+                &self.st,
+                &self.f.moe_up,
+                &mut b,
+                self.pdl,
+                grid(nk, i.div_ceil(8), 256, 0),
+            )
+        }
+        .map_err(|e| gerr("launching moe_up", e))?;
         self.mark("moe_up")?;
-        let mut b = self.st.launch_builder(&self.f.moe_down);
-        b.arg(&idx)
-            .arg(&dn)
-            .arg(&self.act.p)
-            .arg(&self.y.p)
-            .arg(&nki)
-            .arg(&hi)
-            .arg(&ii)
-            .arg(&v_dn);
+        let mut b = kargs![&idx, &dn, &self.act.p, &self.y.p, &nki, &hi, &ii, &v_dn];
         // SAFETY: as above, down [H, I]; y holds n*k rows of H.
-        unsafe { b.launch(grid(nk, hs.div_ceil(8), 256, 0)) }
-            .map_err(|e| gerr("launching moe_down", e))?;
+        unsafe {
+            launch_raw(
+                &self.st,
+                &self.f.moe_down,
+                &mut b,
+                self.pdl,
+                grid(nk, hs.div_ceil(8), 256, 0),
+            )
+        }
+        .map_err(|e| gerr("launching moe_down", e))?;
         self.mark("moe_down")?;
         Ok(())
     }
@@ -1108,14 +1202,18 @@ impl GpuModel {
         self.cold_slots.write(&st, slots)?;
         self.cold_src.write(&st, src)?;
         let h = hs as i32;
-        let mut b = st.launch_builder(&self.f.scatter);
-        b.arg(&self.cold_src.p)
-            .arg(&self.cold_slots.p)
-            .arg(&self.y.p)
-            .arg(&h);
+        let mut b = kargs![&self.cold_src.p, &self.cold_slots.p, &self.y.p, &h];
         // SAFETY: slots were checked < n*k; src holds slots.len() rows.
-        unsafe { b.launch(grid(slots.len(), 1, 256, 0)) }
-            .map_err(|e| gerr("launching scatter_rows", e))?;
+        unsafe {
+            launch_raw(
+                &st,
+                &self.f.scatter,
+                &mut b,
+                self.pdl,
+                grid(slots.len(), 1, 256, 0),
+            )
+        }
+        .map_err(|e| gerr("launching scatter_rows", e))?;
         self.mark("scatter_rows")?;
         Ok(())
     }
@@ -1124,15 +1222,18 @@ impl GpuModel {
     pub fn combine(&mut self) -> Result<()> {
         let c = &self.cfg;
         let (k, h) = (c.num_experts_per_tok as i32, c.hidden_size as i32);
-        let mut b = self.st.launch_builder(&self.f.combine);
-        b.arg(&self.x.p)
-            .arg(&self.y.p)
-            .arg(&self.wts.p)
-            .arg(&k)
-            .arg(&h);
+        let mut b = kargs![&self.x.p, &self.y.p, &self.wts.p, &k, &h];
         // SAFETY: x holds n rows, y n*k rows, wts n*k.
-        unsafe { b.launch(grid(self.n, self.cfg.hidden_size.div_ceil(128), 128, 0)) }
-            .map_err(|e| gerr("launching moe_combine", e))?;
+        unsafe {
+            launch_raw(
+                &self.st,
+                &self.f.combine,
+                &mut b,
+                self.pdl,
+                grid(self.n, self.cfg.hidden_size.div_ceil(128), 128, 0),
+            )
+        }
+        .map_err(|e| gerr("launching moe_combine", e))?;
         self.mark("moe_combine")?;
         Ok(())
     }
@@ -1149,10 +1250,18 @@ impl GpuModel {
         self.rmsnorm(self.x.p, 0, lw.post_norm.p, self.h.p, n)?;
         self.gemm(gu.p, 2 * i, hs, self.h.p, n, self.qkv.p, 0.0)?;
         let ii = i as i32;
-        let mut b = self.st.launch_builder(&self.f.silu_mul);
-        b.arg(&self.qkv.p).arg(&self.att.p).arg(&ii);
+        let mut b = kargs![&self.qkv.p, &self.att.p, &ii];
         // SAFETY: qkv holds n rows of 2I (sized in `begin`), att n rows of I.
-        unsafe { b.launch(grid(n, 1, 256, 0)) }.map_err(|e| gerr("launching silu_mul", e))?;
+        unsafe {
+            launch_raw(
+                &self.st,
+                &self.f.silu_mul,
+                &mut b,
+                self.pdl,
+                grid(n, 1, 256, 0),
+            )
+        }
+        .map_err(|e| gerr("launching silu_mul", e))?;
         self.mark("silu_mul")?;
         self.gemm(dn.p, hs, i, self.att.p, n, self.x.p, 1.0)
     }

@@ -310,10 +310,9 @@ fn adaptive_residency_follows_an_unseen_language_and_dry_run_moves_nothing() {
                 "dry run moved experts: {first} -> {last}"
             );
         } else {
-            assert!(
-                first > 0.1,
-                "the English map should leave Korean largely cold ({first})"
-            );
+            // (that the English map leaves Korean largely cold is checked by the dry run,
+            // where no swap can lower the share before it is first measured: on a loaded
+            // machine the actor may already have moved experts during the first requests)
             assert!(
                 last < 0.02,
                 "adaptive residency left {:.1}% cold",
