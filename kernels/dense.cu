@@ -107,6 +107,26 @@ extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, const int* 
     for (int i = threadIdx.x; i < h; i += blockDim.x) yr[i] = w[i] * (xr[i] * inv);
 }
 
+// One head vector (hd floats, one warp): RMSNorm with weight nwt, then rotate-half RoPE for
+// position pos (tables [max_pos, hd/2]), into dst (may be v itself: each lane reads and
+// writes only its own pairs).
+__device__ __forceinline__ void norm_rope(const float* v, const float* __restrict__ nwt,
+                                          float* dst, const float* __restrict__ cos_t,
+                                          const float* __restrict__ sin_t, int pos, int hd,
+                                          float eps) {
+    const int lane = threadIdx.x & 31, half = hd / 2;
+    float s = 0.f;
+    for (int i = lane; i < hd; i += 32) s = fmaf(v[i], v[i], s);
+    s = warp_sum(s);
+    const float inv = 1.f / sqrtf(s / (float)hd + eps);
+    for (int i = lane; i < half; i += 32) {
+        const float a = nwt[i] * (v[i] * inv), b = nwt[i + half] * (v[i + half] * inv);
+        const float c = cos_t[(size_t)pos * half + i], sn = sin_t[(size_t)pos * half + i];
+        dst[i] = a * c - b * sn;
+        dst[i + half] = b * c + a * sn;
+    }
+}
+
 // Per row of qkv [rows, q_dim + 2 kv_dim]: RMSNorm of each q and k head, RoPE (rotate-half,
 // tables [max_pos, hd/2]), then K and V into the cache. grid: rows; block: 32 * (nh + nkv).
 extern "C" __global__ void qk_rope_kv(float* __restrict__ qkv, const float* __restrict__ qn,
@@ -116,23 +136,13 @@ extern "C" __global__ void qk_rope_kv(float* __restrict__ qkv, const float* __re
                                       float* __restrict__ kc, float* __restrict__ vc,
                                       int nh, int nkv, int hd, float eps) {
     PDL_ENTRY();
-    const int r = blockIdx.x, w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int qd = nh * hd, kvd = nkv * hd, half = hd / 2;
+    const int r = blockIdx.x, w = threadIdx.x >> 5;
+    const int qd = nh * hd, kvd = nkv * hd;
     float* row = qkv + (size_t)r * (qd + 2 * kvd);
     const int pos = row_pos[r];
     if (w < nh + nkv) {
         float* v = w < nh ? row + w * hd : row + qd + (w - nh) * hd;
-        const float* nw = w < nh ? qn : kn;
-        float s = 0.f;
-        for (int i = lane; i < hd; i += 32) s = fmaf(v[i], v[i], s);
-        s = warp_sum(s);
-        const float inv = 1.f / sqrtf(s / (float)hd + eps);
-        for (int i = lane; i < half; i += 32) {
-            const float a = nw[i] * (v[i] * inv), b = nw[i + half] * (v[i + half] * inv);
-            const float c = cos_t[(size_t)pos * half + i], sn = sin_t[(size_t)pos * half + i];
-            v[i] = a * c - b * sn;
-            v[i + half] = b * c + a * sn;
-        }
+        norm_rope(v, w < nh ? qn : kn, v, cos_t, sin_t, pos, hd, eps);
     }
     __syncthreads();
     const size_t off = ((size_t)blocks[row_tab[r] + pos / KV_BLOCK] * KV_BLOCK + pos % KV_BLOCK) * kvd;
@@ -142,36 +152,32 @@ extern "C" __global__ void qk_rope_kv(float* __restrict__ qkv, const float* __re
     }
 }
 
-// Causal attention of each row over its sequence's positions 0..=pos, one block per
-// (row, head), warps taking positions in turn with an online softmax, merged at the end.
-// grid: (rows, nh); block: 32 * nw; dynamic shared memory: nw * hd floats. hd <= 128.
-extern "C" __global__ void attention(const float* __restrict__ qkv, const float* __restrict__ kc,
-                                     const float* __restrict__ vc, const int* __restrict__ row_pos,
-                                     const int* __restrict__ row_tab, const int* __restrict__ blocks,
-                                     float* __restrict__ out, int nh, int nkv, int hd, float scale) {
-    PDL_ENTRY();
-    extern __shared__ float sacc[];
-    __shared__ float sm[32], sl[32];
-    const int r = blockIdx.x, hh = blockIdx.y;
-    const int qd = nh * hd, kvd = nkv * hd;
-    const int g = hh / (nh / nkv);
-    const float* q = qkv + (size_t)r * (qd + 2 * kvd) + hh * hd;
-    const int pos = row_pos[r];
-    const int* tab = blocks + row_tab[r];
+// One (row, head) of attention: warps take positions 0..=pos in turn with an online softmax
+// (q in registers, lane + 32 d), merged by warp 0 into out[0..hd). cur_k / cur_v, when not
+// null, stand in for the cache's entries at pos. sacc holds nw * hd floats.
+__device__ void attend(const float (&qv)[4], const float* __restrict__ kc,
+                       const float* __restrict__ vc, const int* __restrict__ tab, int pos,
+                       int kvd, int goff, int hd, float scale, const float* cur_k,
+                       const float* cur_v, float* sacc, float* sm, float* sl,
+                       float* __restrict__ out) {
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    float qv[4], acc[4];
-    for (int d = 0; d < 4; d++) {
-        const int i = lane + 32 * d;
-        qv[d] = i < hd ? q[i] : 0.f;
-        acc[d] = 0.f;
-    }
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
     float m = -INFINITY, l = 0.f;
     for (int j = w; j <= pos; j += nw) {
-        const size_t off = ((size_t)tab[j / KV_BLOCK] * KV_BLOCK + j % KV_BLOCK) * kvd + g * hd;
+        const float* kr;
+        const float* vr;
+        if (j == pos && cur_k != 0) {
+            kr = cur_k;
+            vr = cur_v;
+        } else {
+            const size_t off = ((size_t)tab[j / KV_BLOCK] * KV_BLOCK + j % KV_BLOCK) * kvd + goff;
+            kr = kc + off;
+            vr = vc + off;
+        }
         float s = 0.f;
         for (int d = 0; d < 4; d++) {
             const int i = lane + 32 * d;
-            if (i < hd) s = fmaf(qv[d], kc[off + i], s);
+            if (i < hd) s = fmaf(qv[d], kr[i], s);
         }
         s = warp_sum(s) * scale;
         const float mn = fmaxf(m, s);
@@ -180,7 +186,7 @@ extern "C" __global__ void attention(const float* __restrict__ qkv, const float*
         l = l * corr + p;
         for (int d = 0; d < 4; d++) {
             const int i = lane + 32 * d;
-            if (i < hd) acc[d] = acc[d] * corr + p * vc[off + i];
+            if (i < hd) acc[d] = acc[d] * corr + p * vr[i];
         }
         m = mn;
     }
@@ -200,9 +206,85 @@ extern "C" __global__ void attention(const float* __restrict__ qkv, const float*
             if (i >= hd) continue;
             float o = 0.f;
             for (int k = 0; k < nw; k++) o += sacc[k * hd + i] * expf(sm[k] - mx);
-            out[(size_t)r * qd + hh * hd + i] = o / tot;
+            out[i] = o / tot;
         }
     }
+}
+
+// Causal attention of each row over its sequence's positions 0..=pos, one block per
+// (row, head), warps taking positions in turn with an online softmax, merged at the end.
+// grid: (rows, nh); block: 32 * nw; dynamic shared memory: nw * hd floats. hd <= 128.
+extern "C" __global__ void attention(const float* __restrict__ qkv, const float* __restrict__ kc,
+                                     const float* __restrict__ vc, const int* __restrict__ row_pos,
+                                     const int* __restrict__ row_tab, const int* __restrict__ blocks,
+                                     float* __restrict__ out, int nh, int nkv, int hd, float scale) {
+    PDL_ENTRY();
+    extern __shared__ float sacc[];
+    __shared__ float sm[32], sl[32];
+    const int r = blockIdx.x, hh = blockIdx.y;
+    const int qd = nh * hd, kvd = nkv * hd;
+    const int g = hh / (nh / nkv);
+    const float* q = qkv + (size_t)r * (qd + 2 * kvd) + hh * hd;
+    const int pos = row_pos[r];
+    const int* tab = blocks + row_tab[r];
+    const int lane = threadIdx.x & 31;
+    float qv[4];
+    for (int d = 0; d < 4; d++) {
+        const int i = lane + 32 * d;
+        qv[d] = i < hd ? q[i] : 0.f;
+    }
+    attend(qv, kc, vc, tab, pos, kvd, g * hd, hd, scale, 0, 0, sacc, sm, sl,
+           out + (size_t)r * qd + hh * hd);
+}
+
+// Decode attention with the q/k norm, RoPE and KV write folded in (one kernel instead of
+// two), for steps where every row is its sequence's only new token: the block of (row, head)
+// norms and rotates its q head and its group's k head itself, the first head of each group
+// writes K/V to the cache, and the current position is read from shared memory (another
+// block's cache write may not be visible yet); earlier positions come from the cache.
+// grid: (rows, nh); block: 32 * nw; dynamic shared memory: (nw + 3) * hd floats. hd <= 128.
+extern "C" __global__ void attention_decode(const float* __restrict__ qkv, const float* __restrict__ qn,
+                                            const float* __restrict__ kn, const float* __restrict__ cos_t,
+                                            const float* __restrict__ sin_t, float* __restrict__ kc,
+                                            float* __restrict__ vc, const int* __restrict__ row_pos,
+                                            const int* __restrict__ row_tab, const int* __restrict__ blocks,
+                                            float* __restrict__ out, int nh, int nkv, int hd,
+                                            float eps, float scale) {
+    PDL_ENTRY();
+    extern __shared__ float sh[];
+    __shared__ float sm[32], sl[32];
+    const int r = blockIdx.x, hh = blockIdx.y;
+    const int qd = nh * hd, kvd = nkv * hd, group = nh / nkv;
+    const int g = hh / group;
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    float* sq = sh + nw * hd;
+    float* sk = sq + hd;
+    float* sv = sk + hd;
+    const float* row = qkv + (size_t)r * (qd + 2 * kvd);
+    const int pos = row_pos[r];
+    const int* tab = blocks + row_tab[r];
+    if (w < 2) {
+        // warp 0: q head hh; warp 1: k head g (RMSNorm, then rotate-half RoPE)
+        const float* v = w == 0 ? row + hh * hd : row + qd + g * hd;
+        norm_rope(v, w == 0 ? qn : kn, w == 0 ? sq : sk, cos_t, sin_t, pos, hd, eps);
+    } else if (w == 2) {
+        for (int i = lane; i < hd; i += 32) sv[i] = row[qd + kvd + g * hd + i];
+    }
+    __syncthreads();
+    if (hh % group == 0) {
+        const size_t off = ((size_t)tab[pos / KV_BLOCK] * KV_BLOCK + pos % KV_BLOCK) * kvd + g * hd;
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+            kc[off + i] = sk[i];
+            vc[off + i] = sv[i];
+        }
+    }
+    float qv[4];
+    for (int d = 0; d < 4; d++) {
+        const int i = lane + 32 * d;
+        qv[d] = i < hd ? sq[i] : 0.f;
+    }
+    attend(qv, kc, vc, tab, pos, kvd, g * hd, hd, scale, sk, sv, sh, sm, sl,
+           out + (size_t)r * qd + hh * hd);
 }
 
 // Router: softmax of each row of logits [rows, E], then its top k (descending, ties to the

@@ -159,6 +159,7 @@ struct Funcs {
     rmsnorm: CudaFunction,
     qk_rope_kv: CudaFunction,
     attention: CudaFunction,
+    attention_decode: CudaFunction,
     route_topk: CudaFunction,
     moe_up: CudaFunction,
     moe_down: CudaFunction,
@@ -183,6 +184,7 @@ fn funcs(gpu: &Gpu) -> Result<Funcs> {
         rmsnorm: f("rmsnorm_rows")?,
         qk_rope_kv: f("qk_rope_kv")?,
         attention: f("attention")?,
+        attention_decode: f("attention_decode")?,
         route_topk: f("route_topk")?,
         moe_up: f("moe_up")?,
         moe_down: f("moe_down")?,
@@ -360,6 +362,9 @@ pub struct GpuModel {
     host_meta: Vec<i32>,
     /// rows of the current step, and rows whose logits it computes
     n: usize,
+    /// every row of this step is its sequence's only new token (decode): attention takes
+    /// the fused kernel
+    decode_only: bool,
     m: usize,
     o_pos: u64,
     o_tab: u64,
@@ -375,9 +380,9 @@ pub struct GpuModel {
     pub pdl: bool,
     /// bumped whenever a scratch buffer moves: graphs captured before hold stale addresses
     generation: u64,
-    captured: HashMap<(usize, usize, u64, Vec<Op>), Graph>,
+    captured: HashMap<(usize, usize, bool, u64, Vec<Op>), Graph>,
     profile: Option<std::sync::Mutex<Profile>>,
-    seen: HashMap<(usize, usize, u64, Vec<Op>), u32>,
+    seen: HashMap<(usize, usize, bool, u64, Vec<Op>), u32>,
 }
 
 struct Profile {
@@ -512,6 +517,7 @@ impl GpuModel {
             cold_slots: Buf::zeros(&st, 1)?,
             host_meta: Vec::new(),
             n: 0,
+            decode_only: false,
             m: 0,
             o_pos: 0,
             o_tab: 0,
@@ -877,6 +883,7 @@ impl GpuModel {
         }
         self.n = n;
         self.m = m;
+        self.decode_only = n == seqs.len();
         Ok(())
     }
 
@@ -890,7 +897,13 @@ impl GpuModel {
         if !self.graphs || self.profile.is_some() {
             return ops.iter().try_for_each(|op| self.exec(op));
         }
-        let key = (self.n, self.m, self.generation, ops.to_vec());
+        let key = (
+            self.n,
+            self.m,
+            self.decode_only,
+            self.generation,
+            ops.to_vec(),
+        );
         if let Some(g) = self.captured.get(&key) {
             return g.0.launch().map_err(|e| gerr("launching a CUDA graph", e));
         }
@@ -1010,6 +1023,45 @@ impl GpuModel {
             c.head_dim as i32,
         );
         let eps = c.rms_norm_eps;
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        // 16 warps take the positions in turn: a decode row's chain of dependent loads is
+        // 1/16 of its context long
+        let nw = 16usize;
+        if self.decode_only {
+            let mut b = kargs![
+                &self.qkv.p,
+                &lw.q_norm.p,
+                &lw.k_norm.p,
+                &self.cos.p,
+                &self.sin.p,
+                &self.kc[l].p,
+                &self.vc[l].p,
+                &self.o_pos,
+                &self.o_tab,
+                &self.o_blocks,
+                &self.att.p,
+                &nh,
+                &nkv,
+                &hd,
+                &eps,
+                &scale
+            ];
+            // SAFETY: positions < max_pos and their blocks < kv_blocks were checked in
+            // `begin`; qkv holds n rows of q_dim + 2 kv_dim, att n rows of q_dim; every row
+            // is its own sequence's (decode_only), so no two rows write one cache slot.
+            unsafe {
+                launch_raw(
+                    &self.st,
+                    &self.f.attention_decode,
+                    &mut b,
+                    self.pdl,
+                    grid(n, c.num_attention_heads, 32 * nw, (nw + 3) * c.head_dim * 4),
+                )
+            }
+            .map_err(|e| gerr("launching attention_decode", e))?;
+            self.mark("attention_decode")?;
+            return self.gemm(lw.o.p, hs, qd, self.att.p, n, self.x.p, 1.0);
+        }
         let mut b = kargs![
             &self.qkv.p,
             &lw.q_norm.p,
@@ -1040,10 +1092,6 @@ impl GpuModel {
         }
         .map_err(|e| gerr("launching qk_rope_kv", e))?;
         self.mark("qk_rope_kv")?;
-        let scale = 1.0 / (c.head_dim as f32).sqrt();
-        // 16 warps take the positions in turn: a decode row's chain of dependent loads is
-        // 1/16 of its context long
-        let nw = 16usize;
         let mut b = kargs![
             &self.qkv.p,
             &self.kc[l].p,
