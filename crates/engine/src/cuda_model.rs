@@ -649,17 +649,14 @@ impl GpuModel {
             let v4 = (in_dim % 4 == 0) as i32;
             let mut b = kargs![&w, &x, &y, &o, &i, &ni, &beta, &v4];
             // SAFETY: as below; n <= 4 rows.
-            unsafe {
-                launch_raw(
-                    &self.st,
+            return unsafe {
+                self.launch(
                     &self.f.gemv,
+                    "gemv_rows",
                     &mut b,
-                    self.pdl,
                     grid(out_dim.div_ceil(8), 1, 256, 0),
                 )
-            }
-            .map_err(|e| gerr("launching gemv_rows", e))?;
-            return self.mark("gemv");
+            };
         }
         let alpha = 1f32;
         // y[n, out] (row-major) = x[n, in] . w[out, in]^T, i.e. column-major
@@ -688,6 +685,23 @@ impl GpuModel {
         self.mark("cublas sgemm")
     }
 
+    /// Launches a step kernel on this model's stream (a programmatic dependent launch when
+    /// `pdl`), naming it in errors and in the profile.
+    ///
+    /// # Safety
+    /// As [`launch_raw`]: `params` match `f`'s signature and every pointer is valid for it.
+    unsafe fn launch(
+        &self,
+        f: &CudaFunction,
+        name: &'static str,
+        params: &mut [*mut std::ffi::c_void],
+        cfg: LaunchConfig,
+    ) -> Result<()> {
+        launch_raw(&self.st, f, params, self.pdl, cfg)
+            .map_err(|e| gerr(&format!("launching {name}"), e))?;
+        self.mark(name)
+    }
+
     /// y[n, out] = w . norm(x) with RMSNorm weight `nw`, writing the normed rows to `h`
     /// when `h` is non-zero: one fused kernel for n <= 4, else the norm then cuBLAS.
     #[allow(clippy::too_many_arguments)]
@@ -712,16 +726,13 @@ impl GpuModel {
         let mut b = kargs![&w, &x, &nw, &h, &y, &o, &i, &ni, &eps, &v4];
         // SAFETY: w holds out*in floats, x and h n rows of in, nw in, y n rows of out.
         unsafe {
-            launch_raw(
-                &self.st,
+            self.launch(
                 &self.f.norm_gemv,
+                "norm_gemv_rows",
                 &mut b,
-                self.pdl,
                 grid(out_dim.div_ceil(8), 1, 256, 0),
             )
         }
-        .map_err(|e| gerr("launching norm_gemv_rows", e))?;
-        self.mark("norm_gemv")
     }
 
     /// With profiling on: records a timing event after the work launched since the last
@@ -779,17 +790,7 @@ impl GpuModel {
         let mut b = kargs![&x, &rows, &w, &y, &h, &eps];
         // SAFETY: x holds the source rows (rows[i] < its row count when given), y n rows,
         // w h floats.
-        unsafe {
-            launch_raw(
-                &self.st,
-                &self.f.rmsnorm,
-                &mut b,
-                self.pdl,
-                grid(n, 1, 256, 0),
-            )
-        }
-        .map_err(|e| gerr("launching rmsnorm_rows", e))?;
-        self.mark("rmsnorm_rows")?;
+        unsafe { self.launch(&self.f.rmsnorm, "rmsnorm_rows", &mut b, grid(n, 1, 256, 0)) }?;
         Ok(())
     }
 
@@ -953,16 +954,8 @@ impl GpuModel {
                 let mut b = kargs![&self.embed.p, &self.meta.p, &self.x.p, &h];
                 // SAFETY: every token id was checked < vocab in `begin`; x holds n rows.
                 unsafe {
-                    launch_raw(
-                        &self.st,
-                        &self.f.embed,
-                        &mut b,
-                        self.pdl,
-                        grid(self.n, 1, 256, 0),
-                    )
-                }
-                .map_err(|e| gerr("launching embed_rows", e))?;
-                self.mark("embed_rows")?;
+                    self.launch(&self.f.embed, "embed_rows", &mut b, grid(self.n, 1, 256, 0))
+                }?;
                 Ok(())
             }
             Op::Attention(l) => self.attention(l),
@@ -987,17 +980,7 @@ impl GpuModel {
             let vi = v as i32;
             let mut b = kargs![&self.logits.p, &self.amax.p, &vi];
             // SAFETY: logits holds m rows of V; amax m ints (sized in `begin`).
-            unsafe {
-                launch_raw(
-                    &self.st,
-                    &self.f.argmax,
-                    &mut b,
-                    self.pdl,
-                    grid(m, 1, 256, 0),
-                )
-            }
-            .map_err(|e| gerr("launching argmax_rows", e))?;
-            self.mark("argmax_rows")?;
+            unsafe { self.launch(&self.f.argmax, "argmax_rows", &mut b, grid(m, 1, 256, 0)) }?;
         }
         Ok(())
     }
@@ -1050,16 +1033,13 @@ impl GpuModel {
             // `begin`; qkv holds n rows of q_dim + 2 kv_dim, att n rows of q_dim; every row
             // is its own sequence's (decode_only), so no two rows write one cache slot.
             unsafe {
-                launch_raw(
-                    &self.st,
+                self.launch(
                     &self.f.attention_decode,
+                    "attention_decode",
                     &mut b,
-                    self.pdl,
                     grid(n, c.num_attention_heads, 32 * nw, (nw + 3) * c.head_dim * 4),
                 )
-            }
-            .map_err(|e| gerr("launching attention_decode", e))?;
-            self.mark("attention_decode")?;
+            }?;
             return self.gemm(lw.o.p, hs, qd, self.att.p, n, self.x.p, 1.0);
         }
         let mut b = kargs![
@@ -1082,16 +1062,13 @@ impl GpuModel {
         // SAFETY: positions < max_pos and their blocks < kv_blocks were checked in `begin`;
         // qkv holds n rows of q_dim + 2 kv_dim.
         unsafe {
-            launch_raw(
-                &self.st,
+            self.launch(
                 &self.f.qk_rope_kv,
+                "qk_rope_kv",
                 &mut b,
-                self.pdl,
                 grid(n, 1, 32 * heads, 0),
             )
-        }
-        .map_err(|e| gerr("launching qk_rope_kv", e))?;
-        self.mark("qk_rope_kv")?;
+        }?;
         let mut b = kargs![
             &self.qkv.p,
             &self.kc[l].p,
@@ -1107,16 +1084,13 @@ impl GpuModel {
         ];
         // SAFETY: as above; att holds n rows of q_dim.
         unsafe {
-            launch_raw(
-                &self.st,
+            self.launch(
                 &self.f.attention,
+                "attention",
                 &mut b,
-                self.pdl,
                 grid(n, c.num_attention_heads, 32 * nw, nw * c.head_dim * 4),
             )
-        }
-        .map_err(|e| gerr("launching attention", e))?;
-        self.mark("attention")?;
+        }?;
         self.gemm(lw.o.p, hs, qd, self.att.p, n, self.x.p, 1.0)
     }
 
@@ -1145,16 +1119,13 @@ impl GpuModel {
         let mut b = kargs![&self.rlog.p, &idx, &self.wts.p, &e, &ki, &norm];
         // SAFETY: rlog holds n rows of E; idx has room for the ml-th layer's n*k ids.
         unsafe {
-            launch_raw(
-                &self.st,
+            self.launch(
                 &self.f.route_topk,
+                "route_topk",
                 &mut b,
-                self.pdl,
                 grid(n, 1, 32, ne * 4),
             )
-        }
-        .map_err(|e| gerr("launching route_topk", e))?;
-        self.mark("route_topk")?;
+        }?;
         Ok(())
     }
 
@@ -1206,29 +1177,23 @@ impl GpuModel {
         // SAFETY: ids < E (the router's top-k), table entries are null or resident experts of
         // [2I, H]; h holds n rows, act n*k rows of I; float4 reads only when H % 4 == 0.
         unsafe {
-            launch_raw(
-                &self.st,
+            self.launch(
                 &self.f.moe_up,
+                "moe_up",
                 &mut b,
-                self.pdl,
                 grid(nk, i.div_ceil(8), 256, 0),
             )
-        }
-        .map_err(|e| gerr("launching moe_up", e))?;
-        self.mark("moe_up")?;
+        }?;
         let mut b = kargs![&idx, &dn, &self.act.p, &self.y.p, &nki, &hi, &ii, &v_dn];
         // SAFETY: as above, down [H, I]; y holds n*k rows of H.
         unsafe {
-            launch_raw(
-                &self.st,
+            self.launch(
                 &self.f.moe_down,
+                "moe_down",
                 &mut b,
-                self.pdl,
                 grid(nk, hs.div_ceil(8), 256, 0),
             )
-        }
-        .map_err(|e| gerr("launching moe_down", e))?;
-        self.mark("moe_down")?;
+        }?;
         Ok(())
     }
 
@@ -1253,16 +1218,13 @@ impl GpuModel {
         let mut b = kargs![&self.cold_src.p, &self.cold_slots.p, &self.y.p, &h];
         // SAFETY: slots were checked < n*k; src holds slots.len() rows.
         unsafe {
-            launch_raw(
-                &st,
+            self.launch(
                 &self.f.scatter,
+                "scatter_rows",
                 &mut b,
-                self.pdl,
                 grid(slots.len(), 1, 256, 0),
             )
-        }
-        .map_err(|e| gerr("launching scatter_rows", e))?;
-        self.mark("scatter_rows")?;
+        }?;
         Ok(())
     }
 
@@ -1273,16 +1235,13 @@ impl GpuModel {
         let mut b = kargs![&self.x.p, &self.y.p, &self.wts.p, &k, &h];
         // SAFETY: x holds n rows, y n*k rows, wts n*k.
         unsafe {
-            launch_raw(
-                &self.st,
+            self.launch(
                 &self.f.combine,
+                "moe_combine",
                 &mut b,
-                self.pdl,
                 grid(self.n, self.cfg.hidden_size.div_ceil(128), 128, 0),
             )
-        }
-        .map_err(|e| gerr("launching moe_combine", e))?;
-        self.mark("moe_combine")?;
+        }?;
         Ok(())
     }
 
@@ -1300,17 +1259,7 @@ impl GpuModel {
         let ii = i as i32;
         let mut b = kargs![&self.qkv.p, &self.att.p, &ii];
         // SAFETY: qkv holds n rows of 2I (sized in `begin`), att n rows of I.
-        unsafe {
-            launch_raw(
-                &self.st,
-                &self.f.silu_mul,
-                &mut b,
-                self.pdl,
-                grid(n, 1, 256, 0),
-            )
-        }
-        .map_err(|e| gerr("launching silu_mul", e))?;
-        self.mark("silu_mul")?;
+        unsafe { self.launch(&self.f.silu_mul, "silu_mul", &mut b, grid(n, 1, 256, 0)) }?;
         self.gemm(dn.p, hs, i, self.att.p, n, self.x.p, 1.0)
     }
 
@@ -1525,7 +1474,7 @@ pub fn hashed_engine(
     g.generate(mem.seed, &hot)?;
     // the engine's host-side dense backend is never stepped (the GPU is); it holds a copy
     // of the dense weights' shapes for bytes_per_token
-    let dense = crate::model::CpuDense::new(c.clone(), clone_dense(&mem.dense));
+    let dense = crate::model::CpuDense::new(c.clone(), mem.dense.clone());
     let mut eng = crate::model::Engine::new(
         c.clone(),
         Box::new(dense),
@@ -1536,26 +1485,4 @@ pub fn hashed_engine(
     );
     eng.attach_gpu(g)?;
     Ok(eng)
-}
-
-fn clone_dense(w: &DenseWeights) -> DenseWeights {
-    DenseWeights {
-        embed: w.embed.clone(),
-        layers: w
-            .layers
-            .iter()
-            .map(|l| crate::model::LayerWeights {
-                input_norm: l.input_norm.clone(),
-                post_norm: l.post_norm.clone(),
-                qkv: l.qkv.clone(),
-                o: l.o.clone(),
-                q_norm: l.q_norm.clone(),
-                k_norm: l.k_norm.clone(),
-                router: l.router.clone(),
-                dense_mlp: l.dense_mlp.clone(),
-            })
-            .collect(),
-        norm: w.norm.clone(),
-        lm_head: w.lm_head.clone(),
-    }
 }

@@ -21,6 +21,7 @@ use crate::rowmap::{Tier, ValidMap};
 use crate::tier::{ColdRequest, RemoteTier};
 
 /// Attention and norms of one decoder layer.
+#[derive(Clone)]
 pub struct LayerWeights {
     pub input_norm: Vec<f32>,
     pub post_norm: Vec<f32>,
@@ -35,6 +36,7 @@ pub struct LayerWeights {
 }
 
 /// Everything but the experts.
+#[derive(Clone)]
 pub struct DenseWeights {
     pub embed: Matrix,
     pub layers: Vec<LayerWeights>,
@@ -357,6 +359,70 @@ impl DenseBackend for CpuDense {
     fn bytes_per_token(&self) -> usize {
         self.w.bytes_per_token()
     }
+}
+
+/// Sends MoE layer `ml`'s cold picks with the activation rows they name (`rows` of `h`).
+#[allow(clippy::too_many_arguments)]
+fn send_cold(
+    cold: &mut Option<Box<dyn RemoteTier>>,
+    step: u64,
+    ml: usize,
+    epoch: u64,
+    picks: Vec<Pick>,
+    rows: &[u32],
+    h: &[f32],
+    hs: usize,
+) -> Result<()> {
+    let cold = cold.as_mut().ok_or_else(|| {
+        Error::Tier(format!(
+            "layer {ml}: {} cold picks but no cold tier is attached",
+            picks.len()
+        ))
+    })?;
+    let mut acts = Vec::with_capacity(rows.len() * hs);
+    for &r in rows {
+        acts.extend_from_slice(&h[r as usize * hs..(r as usize + 1) * hs]);
+    }
+    cold.send(ColdRequest {
+        step,
+        layer: ml as u32,
+        epoch,
+        picks,
+        activations: acts,
+    })
+}
+
+/// Waits for the cold tier's reply to step `step`, layer `ml` (time added to `wait_ns`),
+/// and checks it answers that request with one output row per pick.
+fn recv_cold(
+    cold: &mut Option<Box<dyn RemoteTier>>,
+    wait_ns: &mut u64,
+    step: u64,
+    ml: usize,
+    epoch: u64,
+    picks: usize,
+    hs: usize,
+) -> Result<crate::tier::ColdReply> {
+    let t0 = Instant::now();
+    let cold = cold
+        .as_mut()
+        .ok_or_else(|| Error::Tier("cold tier vanished".into()))?;
+    let reply = cold.recv()?;
+    *wait_ns += t0.elapsed().as_nanos() as u64;
+    if reply.step != step || reply.layer != ml as u32 || reply.epoch != epoch {
+        return Err(Error::Tier(format!(
+            "cold reply for step {} layer {} epoch {}, expected step {step} layer {ml} epoch {epoch}",
+            reply.step, reply.layer, reply.epoch
+        )));
+    }
+    if reply.outputs.len() != picks * hs {
+        return Err(Error::Tier(format!(
+            "cold reply has {} floats, {picks} picks need {}",
+            reply.outputs.len(),
+            picks * hs
+        )));
+    }
+    Ok(reply)
 }
 
 /// Per-layer counters the residency actor consumes.
@@ -710,25 +776,18 @@ impl Engine {
                             }
                         }
                         let sent = !cold_picks.is_empty();
+                        let (step, epoch) = (self.step_no, self.map.epoch());
                         if sent {
-                            let cold = self.cold.as_mut().ok_or_else(|| {
-                                Error::Tier(format!(
-                                    "layer {ml}: cold picks but no cold tier is attached"
-                                ))
-                            })?;
-                            let mut acts = Vec::with_capacity(cold_rows.len() * hs);
-                            for &r in &cold_rows {
-                                acts.extend_from_slice(
-                                    &gs.h[r as usize * hs..(r as usize + 1) * hs],
-                                );
-                            }
-                            cold.send(ColdRequest {
-                                step: self.step_no,
-                                layer: ml as u32,
-                                epoch: self.map.epoch(),
-                                picks: cold_picks,
-                                activations: acts,
-                            })?;
+                            send_cold(
+                                &mut self.cold,
+                                step,
+                                ml,
+                                epoch,
+                                cold_picks,
+                                &cold_rows,
+                                &gs.h,
+                                hs,
+                            )?;
                         }
                         let g = self
                             .gpu
@@ -737,19 +796,10 @@ impl Engine {
                         // the hot experts run while the cold tier computes
                         g.run(&[Op::Moe(ml)])?;
                         if sent {
-                            let t0 = Instant::now();
-                            let cold = self
-                                .cold
-                                .as_mut()
-                                .ok_or_else(|| Error::Tier("cold tier vanished".into()))?;
-                            let reply = cold.recv()?;
-                            self.counters.wait_ns[ml] += t0.elapsed().as_nanos() as u64;
-                            if reply.step != self.step_no
-                                || reply.layer != ml as u32
-                                || reply.epoch != self.map.epoch()
-                            {
-                                return Err(Error::Tier(format!("cold reply for step {} layer {} epoch {}, expected step {} layer {ml} epoch {}", reply.step, reply.layer, reply.epoch, self.step_no, self.map.epoch())));
-                            }
+                            let wait = &mut self.counters.wait_ns[ml];
+                            let picks = gs.slots.len();
+                            let reply =
+                                recv_cold(&mut self.cold, wait, step, ml, epoch, picks, hs)?;
                             g.scatter(&gs.slots, &reply.outputs)?;
                         }
                     }
@@ -789,9 +839,11 @@ impl Engine {
         };
         // counters from the step's picks
         let moe = self.counters.hot_picks.len();
+        let mut seen = std::mem::take(&mut self.scratch.seen);
         for ml in 0..moe {
             let layer = &gs.picks[ml * n * k..(ml + 1) * n * k];
-            let mut seen = vec![false; ne];
+            seen.clear();
+            seen.resize(ne, false);
             for &e in layer {
                 let e = e.clamp(0, ne as i32 - 1) as usize;
                 self.counters.picks[ml][e] += 1;
@@ -808,6 +860,7 @@ impl Engine {
                 }
             }
         }
+        self.scratch.seen = seen;
         self.gpu_scratch = gs;
         self.step_no += 1;
         self.counters.steps += 1;
@@ -915,23 +968,17 @@ impl Engine {
         self.counters.cold_picks[ml] += cold_picks.len() as u64;
         let sent = !cold_picks.is_empty();
         if sent {
-            let cold = self.cold.as_mut().ok_or_else(|| {
-                Error::Tier(format!(
-                    "layer {ml}: {} cold picks but no cold tier is attached",
-                    cold_picks.len()
-                ))
-            })?;
-            let mut acts = Vec::with_capacity(cold_rows.len() * hs);
-            for &r in cold_rows.iter() {
-                acts.extend_from_slice(&self.h[r as usize * hs..(r as usize + 1) * hs]);
-            }
-            cold.send(ColdRequest {
-                step: self.step_no,
-                layer: ml as u32,
-                epoch: self.map.epoch(),
-                picks: cold_picks,
-                activations: acts,
-            })?;
+            let (step, epoch) = (self.step_no, self.map.epoch());
+            send_cold(
+                &mut self.cold,
+                step,
+                ml,
+                epoch,
+                cold_picks,
+                cold_rows,
+                &self.h,
+                hs,
+            )?;
         }
         self.hot_out.resize(hot_picks.len() * hs, 0.0);
         self.hot
@@ -943,27 +990,9 @@ impl Engine {
                 .copy_from_slice(&self.hot_out[i * hs..(i + 1) * hs]);
         }
         if sent {
-            let t0 = Instant::now();
-            let cold = self
-                .cold
-                .as_mut()
-                .ok_or_else(|| Error::Tier("cold tier vanished".into()))?;
-            let reply = cold.recv()?;
-            self.counters.wait_ns[ml] += t0.elapsed().as_nanos() as u64;
-            if reply.step != self.step_no
-                || reply.layer != ml as u32
-                || reply.epoch != self.map.epoch()
-            {
-                return Err(Error::Tier(format!("cold reply for step {} layer {} epoch {}, expected step {} layer {ml} epoch {}", reply.step, reply.layer, reply.epoch, self.step_no, self.map.epoch())));
-            }
-            if reply.outputs.len() != cold_idx.len() * hs {
-                return Err(Error::Tier(format!(
-                    "cold reply has {} floats, {} picks need {}",
-                    reply.outputs.len(),
-                    cold_idx.len(),
-                    cold_idx.len() * hs
-                )));
-            }
+            let (step, epoch) = (self.step_no, self.map.epoch());
+            let wait = &mut self.counters.wait_ns[ml];
+            let reply = recv_cold(&mut self.cold, wait, step, ml, epoch, cold_idx.len(), hs)?;
             for (i, &slot) in cold_idx.iter().enumerate() {
                 self.combined[slot * hs..(slot + 1) * hs]
                     .copy_from_slice(&reply.outputs[i * hs..(i + 1) * hs]);
@@ -1004,18 +1033,17 @@ impl Engine {
     /// the new map is not resident.
     pub fn commit(&mut self, map: ValidMap) -> Result<()> {
         #[cfg(feature = "cuda")]
+        if self.gpu.as_ref().is_some_and(|g| g.generated) {
+            return Err(Error::Tier(
+                "this engine's experts were generated on the GPU: swaps cannot move them".into(),
+            ));
+        }
+        crate::swap::check_resident(&self.hot, &map, Tier::Hot)?;
+        #[cfg(feature = "cuda")]
         if let Some(g) = self.gpu.as_mut() {
-            if g.generated {
-                return Err(Error::Tier(
-                    "this engine's experts were generated on the GPU: swaps cannot move them"
-                        .into(),
-                ));
-            }
-            crate::swap::check_resident(&self.hot, &map, Tier::Hot)?;
             g.sync_hot(&self.hot)?;
             g.set_map(&map)?;
         }
-        crate::swap::check_resident(&self.hot, &map, Tier::Hot)?;
         self.map = map;
         Ok(())
     }

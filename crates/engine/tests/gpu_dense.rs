@@ -6,6 +6,10 @@
 //! mirror.
 #![cfg(feature = "cuda")]
 
+mod common;
+
+use common::cos;
+
 use moelane_engine::checkpoint::Checkpoint;
 use moelane_engine::cuda::Gpu;
 use moelane_engine::cuda_model::load_on_gpu;
@@ -13,16 +17,6 @@ use moelane_engine::load::{engine_from, EngineOptions};
 use moelane_engine::model::{Engine, SeqStep};
 use moelane_engine::rng::Rng;
 use moelane_engine::rowmap::{Rowmap, ValidMap};
-
-fn cos(a: &[f32], b: &[f32]) -> f64 {
-    let (mut ab, mut aa, mut bb) = (0f64, 0f64, 0f64);
-    for (x, y) in a.iter().zip(b) {
-        ab += (*x as f64) * (*y as f64);
-        aa += (*x as f64).powi(2);
-        bb += (*y as f64).powi(2);
-    }
-    ab / (aa.sqrt() * bb.sqrt()).max(1e-30)
-}
 
 fn gpu() -> Option<std::sync::Arc<Gpu>> {
     match Gpu::open(0) {

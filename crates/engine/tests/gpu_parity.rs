@@ -3,21 +3,15 @@
 //! decode and prefill sizes, outputs compared row by row.
 #![cfg(feature = "cuda")]
 
+mod common;
+
+use common::cos;
+
 use moelane_engine::bank::{ExpertBank, Pick};
 use moelane_engine::checkpoint::Checkpoint;
 use moelane_engine::cuda::{Gpu, GpuExperts};
 use moelane_engine::rng::Rng;
 use moelane_engine::rowmap::{Rowmap, Tier};
-
-fn cos(a: &[f32], b: &[f32]) -> f64 {
-    let (mut ab, mut aa, mut bb) = (0f64, 0f64, 0f64);
-    for (x, y) in a.iter().zip(b) {
-        ab += (*x as f64) * (*y as f64);
-        aa += (*x as f64).powi(2);
-        bb += (*y as f64).powi(2);
-    }
-    ab / (aa.sqrt() * bb.sqrt()).max(1e-30)
-}
 
 #[test]
 fn gpu_experts_match_the_cpu_bank() {

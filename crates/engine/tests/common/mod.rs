@@ -53,3 +53,14 @@ pub fn engine(dir: &Path, map: Option<Rowmap>) -> Engine {
     )
     .unwrap()
 }
+
+/// Cosine similarity of two vectors, in f64.
+pub fn cos(a: &[f32], b: &[f32]) -> f64 {
+    let (mut ab, mut aa, mut bb) = (0f64, 0f64, 0f64);
+    for (x, y) in a.iter().zip(b) {
+        ab += (*x as f64) * (*y as f64);
+        aa += (*x as f64).powi(2);
+        bb += (*y as f64).powi(2);
+    }
+    ab / (aa.sqrt() * bb.sqrt()).max(1e-30)
+}
