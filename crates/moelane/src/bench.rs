@@ -161,8 +161,8 @@ pub enum BenchCmd {
         /// Also run every size launching kernels one by one (no CUDA graphs), side by side.
         #[arg(long)]
         compare_launches: bool,
-        /// After each size, a per-kernel profile of one run (each kernel waited for and
-        /// timed: shows where a step's time goes, not its speed).
+        /// After each size, a per-kernel profile of one run (kernels launched one by one, a
+        /// timing event after each: shows where a step's time goes, not its speed).
         #[arg(long)]
         profile: bool,
     },

@@ -19,7 +19,7 @@ pub struct DecodeArgs {
     pub json: Option<PathBuf>,
     /// also run every size with kernels launched one by one (no CUDA graphs)
     pub compare_launches: bool,
-    /// after each size, a profile: every kernel waited for and timed, per step
+    /// after each size, a profile: kernels launched one by one, a timing event after each
     pub profile: bool,
 }
 
@@ -258,7 +258,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
                     })
                     .collect();
                 println!(
-                    "  profile (each kernel waited for; {:.3} ms/step in kernels): {}",
+                    "  profile (kernels launched one by one, GPU-timed; {:.3} ms/step): {}",
                     total as f64 / a.steps as f64 / 1e6,
                     line.join(", ")
                 );
