@@ -212,6 +212,11 @@ impl GpuExperts {
     }
 
     /// "cuda:N (name, sm_XY)"
+    /// The device's ordinal (cuda:N).
+    pub fn ordinal(&self) -> usize {
+        self.gpu.ordinal
+    }
+
     pub fn describe(&self) -> String {
         format!(
             "cuda:{} ({}, sm_{}{})",

@@ -1349,6 +1349,9 @@ pub enum Placement {
     GpuCpu,
     /// hot experts on the primary's GPU, cold ones on a second GPU in this process
     GpuGpu(usize),
+    /// hot experts on the primary's GPU (the affinity map), cold ones behind a link the
+    /// caller attaches ([`hashed_engine_with_tier`])
+    Remote,
 }
 
 impl Placement {
@@ -1370,6 +1373,7 @@ impl Placement {
             Placement::OneGpu => "one-gpu".into(),
             Placement::GpuCpu => "gpu+cpu".into(),
             Placement::GpuGpu(n) => format!("gpu+cuda:{n}"),
+            Placement::Remote => "remote".into(),
         }
     }
 }
@@ -1426,20 +1430,14 @@ pub fn hashed_engine(
         )?,
         _ => affinity_map(mem, mem.hot)?,
     };
-    let of = |t: Tier| -> Vec<(usize, usize)> {
-        let mut v = Vec::new();
-        for ml in 0..moe.len() {
-            for e in 0..ne {
-                if map.tier(ml, e) == t {
-                    v.push((ml, e));
-                }
-            }
-        }
-        v
-    };
-    let (hot, cold) = (of(Tier::Hot), of(Tier::Cold));
+    let cold = tier_experts(&map, Tier::Cold);
     let cold_tier: Option<Box<dyn crate::tier::RemoteTier>> = match placement {
         Placement::OneGpu => None,
+        Placement::Remote => {
+            return Err(Error::Tier(
+                "a remote cold tier is attached by hashed_engine_with_tier".into(),
+            ))
+        }
         Placement::GpuCpu => {
             use rayon::prelude::*;
             let ws: Vec<((usize, usize), ExpertWeights)> = cold
@@ -1469,6 +1467,35 @@ pub fn hashed_engine(
             ))))
         }
     };
+    hashed_engine_with_tier(mem, map, gpu, kv_tokens, cold_tier)
+}
+
+/// The experts of `map`'s `tier`, as (MoE layer, expert) pairs in order.
+pub fn tier_experts(map: &ValidMap, tier: Tier) -> Vec<(usize, usize)> {
+    let mut v = Vec::new();
+    for ml in 0..map.layers() {
+        for e in 0..map.experts() {
+            if map.tier(ml, e) == tier {
+                v.push((ml, e));
+            }
+        }
+    }
+    v
+}
+
+/// An engine of a hashed model on `gpu` under `map`, its hot experts generated there and its
+/// cold picks sent to `cold_tier` (a link to another process, say).
+pub fn hashed_engine_with_tier(
+    mem: &crate::synth::InMemory,
+    map: ValidMap,
+    gpu: Arc<Gpu>,
+    kv_tokens: usize,
+    cold_tier: Option<Box<dyn crate::tier::RemoteTier>>,
+) -> Result<crate::model::Engine> {
+    let c = &mem.config;
+    let moe = c.moe_layers();
+    let (h, i, ne) = (c.hidden_size, c.moe_intermediate_size, c.num_experts);
+    let hot = tier_experts(&map, Tier::Hot);
     let blocks = crate::kv::KvCache::blocks_for(kv_tokens.max(BLOCK));
     let mut g = GpuModel::new(gpu, c, &mem.dense, blocks)?;
     g.generate(mem.seed, &hot)?;

@@ -1,10 +1,12 @@
 //! Data-plane links between the primary and the sidecar, all behind the engine's
 //! [`RemoteTier`] trait: one frame format (every message tagged with step, layer and map
 //! epoch), carried over TCP between hosts or over a shared-memory ring between two
-//! processes on one host (the analogue of a pinned PCIe buffer). The in-process link is the
-//! engine's own. A broken link surfaces as an error on the step, never as a hang.
+//! processes on one host (the analogue of a pinned PCIe buffer), or, with the `cuda` feature,
+//! over NCCL between two GPUs. The in-process link is the engine's own. A broken link surfaces as an error on the step, never as a hang.
 
 pub mod frame;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod shm;
 pub mod tcp;
 

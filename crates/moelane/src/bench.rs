@@ -140,7 +140,9 @@ pub enum BenchCmd {
         /// The primary's GPU.
         #[arg(long, default_value = "cuda:0")]
         device: String,
-        /// Placements to run, in order.
+        /// Placements to run, in order: one-gpu (every expert on the primary's GPU), gpu+cpu
+        /// (cold experts on this host's CPU), gpu+cuda:N (cold experts on GPU N, this
+        /// process), gpu+nccl:N (cold experts on GPU N in a sidecar process, over NCCL).
         #[arg(long, value_delimiter = ',', default_value = "one-gpu,gpu+cpu")]
         placements: Vec<String>,
         /// Concurrent sequences.
@@ -165,6 +167,19 @@ pub enum BenchCmd {
         /// timing event after each: shows where a step's time goes, not its speed).
         #[arg(long)]
         profile: bool,
+    },
+    /// The sidecar process of `bench decode --placements gpu+nccl:N` (started by it).
+    #[command(hide = true)]
+    NcclSidecar {
+        #[arg(long)]
+        model: String,
+        #[arg(long)]
+        seed: u64,
+        #[arg(long)]
+        device: String,
+        /// The communicator's id, hex.
+        #[arg(long)]
+        id: String,
     },
     /// Decode tokens/s at several batch sizes on a checkpoint, bytes of weights read per
     /// token, and the implied bandwidth against this machine's measured copy bandwidth.
@@ -365,6 +380,12 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             seed,
             json,
         })?,
+        BenchCmd::NcclSidecar {
+            model,
+            seed,
+            device,
+            id,
+        } => crate::decode_bench::nccl_sidecar(&model, seed, &device, &id)?,
         BenchCmd::Link {
             hidden,
             picks,

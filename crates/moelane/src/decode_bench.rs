@@ -42,11 +42,18 @@ pub fn run(a: DecodeArgs) -> Result<()> {
         .and_then(|n| n.parse::<usize>().ok())
         .ok_or_else(|| anyhow::anyhow!("--device {:?}: expected cuda:N", a.device))?;
     let gpu = Gpu::open(ordinal)?;
-    let placements: Vec<Placement> = a
+    // gpu+nccl:N: the cold tier in a sidecar process on cuda:N, over NCCL
+    let placements: Vec<(Placement, Option<usize>)> = a
         .placements
         .iter()
-        .map(|p| Placement::parse(p))
-        .collect::<moelane_engine::Result<_>>()?;
+        .map(|p| match p.strip_prefix("gpu+nccl:") {
+            Some(n) => n
+                .parse::<usize>()
+                .map(|n| (Placement::Remote, Some(n)))
+                .map_err(|_| anyhow::anyhow!("placement {p:?}: expected gpu+nccl:N")),
+            None => Ok((Placement::parse(p)?, None)),
+        })
+        .collect::<Result<_>>()?;
     let (copy_bw, read_bw) = cuda_model::bandwidth(&gpu, 4 << 30, 9)?;
     println!(
         "device cuda:{ordinal} {} sm_{}{} | measured: copy {:.0} GB/s (read+write), read {:.0} GB/s",
@@ -103,11 +110,20 @@ pub fn run(a: DecodeArgs) -> Result<()> {
         "wait us",
         "wait us/layer"
     );
-    for pl in &placements {
+    for (pl, nccl) in &placements {
         let t0 = Instant::now();
-        let mut eng: Engine = match &station {
-            Some(m) => cuda_model::hashed_engine(m, *pl, gpu.clone(), kv_tokens)?,
-            None => {
+        let mut sidecar = None;
+        let mut eng: Engine = match (&station, nccl) {
+            (Some(m), Some(n)) => {
+                let (eng, child) = nccl_engine(m, &a, *n, ordinal, gpu.clone(), kv_tokens)?;
+                sidecar = Some(child);
+                eng
+            }
+            (None, Some(_)) => anyhow::bail!(
+                "gpu+nccl:N generates its experts: it takes a preset (station), not a checkpoint"
+            ),
+            (Some(m), None) => cuda_model::hashed_engine(m, *pl, gpu.clone(), kv_tokens)?,
+            (None, None) => {
                 let dir = PathBuf::from(&a.model);
                 let ckpt = moelane_engine::checkpoint::Checkpoint::open(&dir)?;
                 let c = &ckpt.config;
@@ -116,7 +132,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
                     Placement::OneGpu => moelane_engine::rowmap::Rowmap::all_hot(&ckpt.id, layers, ne)
                         .validate(&ckpt.id, layers, ne, None)?,
                     Placement::GpuCpu => moelane_engine::load::resolve_map(&ckpt, None)?,
-                    Placement::GpuGpu(_) => anyhow::bail!(
+                    Placement::GpuGpu(_) | Placement::Remote => anyhow::bail!(
                         "gpu+cuda:N generates its experts: it takes a preset (station), not a checkpoint"
                     ),
                 };
@@ -127,6 +143,10 @@ pub fn run(a: DecodeArgs) -> Result<()> {
                 cuda_model::load_on_gpu(&ckpt, map, &opts, gpu.clone())?
             }
         };
+        let name = match nccl {
+            Some(n) => format!("gpu+nccl:{n}"),
+            None => pl.name(),
+        };
         let c = eng.cfg.clone();
         let expert_bytes = (3 * c.hidden_size * c.moe_intermediate_size * 4) as f64;
         let dense_bytes = eng.dense.bytes_per_token() as f64;
@@ -134,7 +154,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
         let resident = eng.gpu.as_ref().map(|g| g.expert_bytes()).unwrap_or(0);
         println!(
             "-- {}: built in {:.1} s, {:.1} GB of experts on {}",
-            pl.name(),
+            name,
             t0.elapsed().as_secs_f64(),
             resident as f64 / 1e9,
             a.device
@@ -168,9 +188,9 @@ pub fn run(a: DecodeArgs) -> Result<()> {
                 g.graphs = graphs;
             }
             let label = if graphs {
-                pl.name()
+                name.clone()
             } else {
-                format!("{} -g", pl.name())
+                format!("{name} -g")
             };
             let mut reps = Vec::new();
             for _ in 0..a.reps.max(1) {
@@ -264,14 +284,18 @@ pub fn run(a: DecodeArgs) -> Result<()> {
                 );
             }
             results.push(json!({
-                "placement": pl.name(), "graphs": graphs, "batch": b, "tokens_per_s": tps,
+                "placement": name, "graphs": graphs, "batch": b, "tokens_per_s": tps,
                 "ms_per_step": step_s * 1e3, "bytes_per_step": step_bytes,
                 "bytes_per_token": step_bytes / b as f64, "read_gbs": gbs / 1e9,
                 "fraction_of_read_bw": gbs / read_bw, "cold_share": cold,
                 "wait_us_per_step": wait_us, "wait_us_per_layer": wait_us / moe_layers as f64,
             }));
         }
-        drop(eng);
+        drop(eng); // aborts an NCCL link: the sidecar process then exits
+        if let Some(mut child) = sidecar {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
     println!(
         "bytes = dense weights once per step + each distinct hot expert once per step + the K/V \
@@ -288,4 +312,118 @@ pub fn run(a: DecodeArgs) -> Result<()> {
         std::fs::write(&p, serde_json::to_vec_pretty(&doc)?)?;
     }
     Ok(())
+}
+
+/// The gpu+nccl:N placement: a sidecar process (`moelane bench nccl-sidecar`) generates the
+/// cold experts of the affinity map on cuda:N and serves them over NCCL; this process's
+/// engine holds the hot ones and sends its cold picks over the link.
+#[cfg(feature = "cuda")]
+fn nccl_engine(
+    m: &moelane_engine::synth::InMemory,
+    a: &DecodeArgs,
+    sidecar_gpu: usize,
+    ordinal: usize,
+    gpu: std::sync::Arc<moelane_engine::cuda::Gpu>,
+    kv_tokens: usize,
+) -> Result<(moelane_engine::model::Engine, std::process::Child)> {
+    use moelane_link::nccl::{NcclId, NcclTier};
+    if sidecar_gpu == ordinal {
+        anyhow::bail!("gpu+nccl:{sidecar_gpu}: the sidecar needs another GPU than the primary's");
+    }
+    let id = NcclId::new()?;
+    let exe = std::env::current_exe()?;
+    let mut child = std::process::Command::new(exe)
+        .args([
+            "bench",
+            "nccl-sidecar",
+            "--model",
+            &a.model,
+            "--seed",
+            &a.seed.to_string(),
+            "--device",
+            &format!("cuda:{sidecar_gpu}"),
+            "--id",
+            &id.to_hex(),
+        ])
+        .spawn()?;
+    let map = moelane_engine::cuda_model::affinity_map(m, m.hot)?;
+    let tier = match NcclTier::connect(
+        ordinal,
+        &id,
+        m.config.hidden_size,
+        std::time::Duration::from_secs(30),
+    ) {
+        Ok(t) => t,
+        Err(e) => {
+            let _ = child.kill();
+            return Err(e.into());
+        }
+    };
+    let eng = moelane_engine::cuda_model::hashed_engine_with_tier(
+        m,
+        map,
+        gpu,
+        kv_tokens,
+        Some(Box::new(tier)),
+    )?;
+    Ok((eng, child))
+}
+
+/// `moelane bench nccl-sidecar`: the sidecar process of the gpu+nccl:N placement.
+#[cfg(feature = "cuda")]
+pub fn nccl_sidecar(model: &str, seed: u64, device: &str, id: &str) -> Result<()> {
+    use moelane_engine::cuda_model::{affinity_map, tier_experts, GpuColdServer};
+    use moelane_engine::rowmap::Tier;
+    use moelane_engine::tier::ColdServer;
+    let ordinal: usize = device
+        .strip_prefix("cuda:")
+        .and_then(|n| n.parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("--device {device:?}: expected cuda:N"))?;
+    let id = moelane_link::nccl::NcclId::from_hex(id)?;
+    let p = moelane_engine::synth::Preset::by_name(model)
+        .ok_or_else(|| anyhow::anyhow!("--model {model:?}: the sidecar generates a preset"))?;
+    let m = moelane_engine::synth::in_memory(&p, seed)?;
+    let map = affinity_map(&m, m.hot)?;
+    let c = &m.config;
+    let gpu = moelane_engine::cuda::Gpu::open(ordinal)?;
+    let mut ge =
+        moelane_engine::cuda::GpuExperts::new(gpu, c.hidden_size, c.moe_intermediate_size)?;
+    ge.generate(seed, &tier_experts(&map, Tier::Cold))?;
+    struct Serve(std::sync::Mutex<GpuColdServer>);
+    impl moelane_link::ColdService for Serve {
+        fn serve(
+            &self,
+            req: &moelane_engine::tier::ColdRequest,
+            out: &mut Vec<f32>,
+        ) -> std::result::Result<(), String> {
+            self.0
+                .lock()
+                .map_err(|_| "sidecar poisoned".to_string())?
+                .serve(req, out)
+                .map_err(|e| e.to_string())
+        }
+    }
+    let svc: std::sync::Arc<dyn moelane_link::ColdService> =
+        std::sync::Arc::new(Serve(std::sync::Mutex::new(GpuColdServer {
+            experts: ge,
+            epoch: map.epoch(),
+        })));
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    // ends when the primary aborts the link (its engine dropped) or dies
+    let r = moelane_link::nccl::serve_blocking(
+        ordinal,
+        &id,
+        &svc,
+        &stop,
+        std::time::Duration::from_secs(300),
+    );
+    if let Err(e) = r {
+        eprintln!("nccl-sidecar: link ended: {e}");
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn nccl_sidecar(_model: &str, _seed: u64, _device: &str, _id: &str) -> Result<()> {
+    anyhow::bail!("bench nccl-sidecar needs the GPU build: --features cuda")
 }

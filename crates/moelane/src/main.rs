@@ -223,7 +223,9 @@ struct LaneArgs {
     /// Primary: the sidecar's control URL (none: the sidecar runs in this process).
     #[arg(long)]
     sidecar: Option<String>,
-    /// Primary: data-plane link to the sidecar, tcp or shm.
+    /// Primary: data-plane link to the sidecar: tcp, shm, or nccl (GPU to GPU; needs
+    /// --primary-device cuda:N here and the sidecar on another GPU, --device cuda:M; the
+    /// communicator's id travels over the control channel).
     #[arg(long)]
     link: Option<String>,
     /// Sidecar: TCP data-plane listener address (default 127.0.0.1:0).
@@ -330,6 +332,12 @@ static LANE_MATCHES: std::sync::OnceLock<clap::ArgMatches> = std::sync::OnceLock
 
 fn main() -> Result<()> {
     use clap::{CommandFactory, FromArgMatches};
+    // NCCL's NVLink multicast (NVLS) is never needed by the point-to-point link, and on
+    // shared hosts it can take the GPUs out of service: off unless set explicitly. Set before
+    // any thread starts.
+    if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
+        std::env::set_var("NCCL_NVLS_ENABLE", "0");
+    }
     let matches = Cli::command().get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     if let Some(m) = matches.subcommand_matches("lane") {

@@ -146,8 +146,31 @@ impl RemoteTier for Metered {
     }
 }
 
-fn open_link(kind: &str, endpoint: &str, timeout: Duration) -> Result<Box<dyn RemoteTier>, String> {
+/// Where the primary's end of an NCCL link lives: its GPU and the model's hidden size.
+#[derive(Clone, Copy)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct NcclEnd {
+    ordinal: usize,
+    hidden: usize,
+}
+
+fn open_link(
+    kind: &str,
+    endpoint: &str,
+    timeout: Duration,
+    nccl: Option<NcclEnd>,
+) -> Result<Box<dyn RemoteTier>, String> {
     Ok(match kind {
+        #[cfg(feature = "cuda")]
+        "nccl" => {
+            let end =
+                nccl.ok_or("the nccl link needs the primary on a GPU (--primary-device cuda:N)")?;
+            let id = moelane_link::nccl::NcclId::from_hex(endpoint).map_err(|e| e.to_string())?;
+            Box::new(
+                moelane_link::nccl::NcclTier::connect(end.ordinal, &id, end.hidden, timeout)
+                    .map_err(|e| e.to_string())?,
+            )
+        }
         "tcp" => Box::new(
             moelane_link::tcp::TcpTier::connect(endpoint, timeout).map_err(|e| e.to_string())?,
         ),
@@ -155,7 +178,10 @@ fn open_link(kind: &str, endpoint: &str, timeout: Duration) -> Result<Box<dyn Re
             moelane_link::shm::ShmTier::open(Path::new(endpoint), timeout)
                 .map_err(|e| e.to_string())?,
         ),
-        other => return Err(format!("--link {other:?}: choose tcp or shm")),
+        other => {
+            let _ = nccl;
+            return Err(format!("--link {other:?}: choose tcp, shm or nccl"));
+        }
     })
 }
 
@@ -211,15 +237,33 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
             let kind: &'static str = match link.as_str() {
                 "tcp" => "tcp",
                 "shm" => "shm",
-                other => bail!("--link {other:?}: choose tcp or shm"),
+                "nccl" if cfg!(feature = "cuda") => "nccl",
+                "nccl" => bail!(
+                    "--link nccl: this moelane was built without CUDA (build with --features cuda)"
+                ),
+                other => bail!("--link {other:?}: choose tcp, shm or nccl"),
             };
+            let nccl = o
+                .primary_device
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(|ordinal| NcclEnd {
+                    ordinal,
+                    hidden: ckpt.config.hidden_size,
+                });
+            if kind == "nccl" && nccl.is_none() {
+                bail!(
+                    "--link nccl carries activations between two GPUs: put the primary on one \
+                     (--primary-device cuda:N) and the sidecar on another (--device cuda:M)"
+                );
+            }
             let client = SidecarClient::connect(control.clone())
                 .await
                 .with_context(|| format!("connecting to the sidecar at {control}"))?;
             let slot = Arc::new(std::sync::Mutex::new(None));
             let (slot2, timeout) = (slot.clone(), o.link_timeout);
             let on_link: moelane_rtx_worker::OnLink = Arc::new(move |rep| {
-                let t = open_link(kind, &rep.endpoint, timeout)?;
+                let t = open_link(kind, &rep.endpoint, timeout, nccl)?;
                 *slot2
                     .lock()
                     .map_err(|_| "sidecar link poisoned".to_string())? = Some(t);
@@ -249,7 +293,14 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
             };
             (
                 Some(Metered::wrap(Box::new(t))),
-                format!("{link} {}", rep.endpoint),
+                if kind == "nccl" {
+                    format!(
+                        "nccl (communicator {}..)",
+                        rep.endpoint.get(..16).unwrap_or("")
+                    )
+                } else {
+                    format!("{link} {}", rep.endpoint)
+                },
             )
         }
     };

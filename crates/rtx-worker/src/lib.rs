@@ -86,6 +86,15 @@ impl Device {
         }
     }
 
+    /// The GPU's ordinal, when computing on one.
+    pub fn ordinal(&self) -> Option<usize> {
+        match self {
+            Device::Cpu => None,
+            #[cfg(feature = "cuda")]
+            Device::Gpu(g) => g.lock().ok().map(|g| g.ordinal()),
+        }
+    }
+
     pub fn name(&self) -> String {
         match self {
             Device::Cpu => "cpu".into(),
@@ -530,6 +539,9 @@ pub struct SidecarActor {
     shm_dir: PathBuf,
     shm_cap: u64,
     shm_count: u64,
+    /// Stops the NCCL link's thread of the last registration (a new one replaces it).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    nccl_stop: Option<Arc<std::sync::atomic::AtomicBool>>,
 }
 
 pub struct RegisterMsg(pub RegisterRequest);
@@ -605,10 +617,11 @@ impl Message<RegisterMsg> for SidecarActor {
                     .map_err(|e| Category::Unavailable.status(e.to_string()))?;
                 path.display().to_string()
             }
+            "nccl" => self.open_nccl()?,
             "" => String::new(),
             other => {
                 return Err(Category::BadRequest
-                    .status(format!("unknown link kind {other:?} (tcp or shm)")))
+                    .status(format!("unknown link kind {other:?} (tcp, shm or nccl)")))
             }
         };
         Ok(RegisterReply {
@@ -618,6 +631,41 @@ impl Message<RegisterMsg> for SidecarActor {
             cold_experts: cold,
             highest_epoch,
         })
+    }
+}
+
+impl SidecarActor {
+    /// A new NCCL communicator for a registering primary: its id (the REGISTER reply's
+    /// endpoint) and a thread that joins it as rank 1 and serves requests; the link of an
+    /// earlier registration is closed.
+    #[cfg(feature = "cuda")]
+    fn open_nccl(&mut self) -> Result<String, Status> {
+        let ordinal = self.core.device.ordinal().ok_or_else(|| {
+            Category::BadRequest
+                .status("the nccl link needs the sidecar on a GPU (start it with --device cuda:N)")
+        })?;
+        if let Some(s) = self.nccl_stop.take() {
+            s.store(true, Ordering::Release);
+        }
+        let id = moelane_link::nccl::NcclId::new()
+            .map_err(|e| Category::Unavailable.status(e.to_string()))?;
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        moelane_link::nccl::serve(
+            ordinal,
+            id,
+            self.core.clone(),
+            stop.clone(),
+            std::time::Duration::from_secs(60),
+        )
+        .map_err(|e| Category::Unavailable.status(e.to_string()))?;
+        self.nccl_stop = Some(stop);
+        Ok(id.to_hex())
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn open_nccl(&mut self) -> Result<String, Status> {
+        Err(Category::BadRequest
+            .status("this sidecar was built without CUDA: the nccl link needs --features cuda"))
     }
 }
 
@@ -857,6 +905,7 @@ pub fn start(opts: &SidecarOptions) -> moelane_engine::Result<Sidecar0> {
         shm_dir: opts.shm_dir.clone(),
         shm_cap: opts.shm_cap,
         shm_count: 0,
+        nccl_stop: None,
     });
     Ok(Sidecar0 {
         core,

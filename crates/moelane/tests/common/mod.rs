@@ -3,6 +3,8 @@
 //! client over a plain socket.
 #![allow(dead_code)]
 
+pub mod swaps;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
@@ -235,19 +237,31 @@ pub fn two_process_lane_env(
     primary_extra: &[&str],
     env: &[(&str, &str)],
 ) -> (Vec<Proc>, String, String) {
+    two_process_lane_with(link, &[], primary_extra, env)
+}
+
+/// [`two_process_lane_env`] with extra arguments for the sidecar too.
+pub fn two_process_lane_with(
+    link: &str,
+    sidecar_extra: &[&str],
+    primary_extra: &[&str],
+    env: &[(&str, &str)],
+) -> (Vec<Proc>, String, String) {
     let dir = tiny().to_str().unwrap().to_string();
+    let mut sargs = vec![
+        "lane",
+        "--role",
+        "sidecar",
+        "--model",
+        dir.as_str(),
+        "--listen",
+        "127.0.0.1:0",
+        "--data",
+        "127.0.0.1:0",
+    ];
+    sargs.extend_from_slice(sidecar_extra);
     let (side, v) = start_env(
-        &[
-            "lane",
-            "--role",
-            "sidecar",
-            "--model",
-            &dir,
-            "--listen",
-            "127.0.0.1:0",
-            "--data",
-            "127.0.0.1:0",
-        ],
+        &sargs,
         &["sidecar control ", "moelane: metrics http://"],
         env,
     );
