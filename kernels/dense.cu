@@ -16,8 +16,16 @@
         asm volatile("griddepcontrol.wait;" ::: "memory");   \
         asm volatile("griddepcontrol.launch_dependents;" :::); \
     } while (0)
+// Hints the L2 to fetch [p, p + bytes) (p 16-byte aligned, bytes below 2^32; rounded down
+// to 16): issued before PDL_ENTRY by kernels whose weights do not depend on the previous
+// kernel, so their weight reads overlap its tail.
+__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
+    if (bytes >= 16 && ((unsigned long long)p & 15) == 0)
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes & ~15u) : "memory");
+}
 #else
 #define PDL_ENTRY() do {} while (0)
+__device__ __forceinline__ void prefetch_l2(const void*, unsigned) {}
 #endif
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
@@ -332,12 +340,23 @@ extern "C" __global__ void route_topk(const float* __restrict__ logits, int* __r
         for (int j = 0; j < k; j++) wts[r * k + j] /= tot;
 }
 
+// Thread 0 asks the L2 for the weight rows this block's warps will read (one warp per row):
+// they do not depend on the previous kernel, so they may be fetched before PDL_ENTRY.
+__device__ __forceinline__ void prefetch_block_rows(const float* w, int out, int in) {
+    if (threadIdx.x == 0) {
+        const int j0 = blockIdx.x * (blockDim.x >> 5);
+        const int rows = min((int)(blockDim.x >> 5), out - j0);
+        if (rows > 0) prefetch_l2(w + (size_t)j0 * in, (unsigned)((size_t)rows * in * 4));
+    }
+}
+
 // y[r, j] = beta * y[r, j] + w[j] . x[r] for r < n <= 4 (beta 0 or 1): the dense products
 // of small decode batches, one warp per output row, each weight row read once for all n
 // rows (cuBLAS takes n > 4). grid: ceil(out/8); block: 256.
 extern "C" __global__ void gemv_rows(const float* __restrict__ w, const float* __restrict__ x,
                                      float* __restrict__ y, int out, int in, int n, float beta,
-                                     int vec4) {
+                                     int vec4, int prefetch) {
+    if (prefetch) prefetch_block_rows(w, out, in);
     PDL_ENTRY();
     const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (j >= out) return;
@@ -381,7 +400,8 @@ extern "C" __global__ void gemv_rows(const float* __restrict__ w, const float* _
 extern "C" __global__ void norm_gemv_rows(const float* __restrict__ w, const float* __restrict__ x,
                                           const float* __restrict__ nw, float* __restrict__ h,
                                           float* __restrict__ y, int out, int in, int n, float eps,
-                                          int vec4) {
+                                          int vec4, int prefetch) {
+    if (prefetch) prefetch_block_rows(w, out, in);
     PDL_ENTRY();
     const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     float inv[4];
@@ -504,9 +524,25 @@ extern "C" __global__ void moe_up(const int* __restrict__ idx, const unsigned lo
 }
 
 // MoE down-projection: y[s, j] = down_e[j] . act[s], as moe_up. grid: (nk, ceil(H/8)).
+// Thread 0 asks the L2 for the 8 down-projection rows of this block's expert before the
+// wait: the picks were written two kernels back (the router), whose completion the
+// up-projection waited for before it let this kernel launch, so they are final here (a
+// sidecar's picks are copied before its up-projection).
+__device__ __forceinline__ void prefetch_down_rows(const int* __restrict__ idx,
+                                                   const unsigned long long* __restrict__ dn_tab,
+                                                   int H, int I) {
+    if (threadIdx.x == 0) {
+        const float* dn = (const float*)dn_tab[idx[blockIdx.x]];
+        const int j0 = blockIdx.y * (blockDim.x >> 5);
+        const int rows = min((int)(blockDim.x >> 5), H - j0);
+        if (dn != 0 && rows > 0) prefetch_l2(dn + (size_t)j0 * I, (unsigned)((size_t)rows * I * 4));
+    }
+}
+
 extern "C" __global__ void moe_down(const int* __restrict__ idx, const unsigned long long* __restrict__ dn_tab,
                                     const float* __restrict__ act, float* __restrict__ y,
                                     int nk, int H, int I, int vec4) {
+    prefetch_down_rows(idx, dn_tab, H, I);
     PDL_ENTRY();
     __shared__ int flag;
     const int s = blockIdx.x;

@@ -28,6 +28,28 @@ fn gpu_err(what: &str, e: impl std::fmt::Debug) -> Error {
 /// The expert kernels' source, compiled at run time.
 pub const EXPERTS_CU: &str = include_str!("../../../kernels/experts.cu");
 
+/// Compiles `src` to PTX for `arch` ("sm_90") with NVRTC; a clear error where the NVRTC
+/// library cannot be loaded (cudarc would panic).
+pub fn nvrtc_compile(name: &str, src: &str, arch: &str) -> Result<Ptx> {
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    // SAFETY: only opens the library by its candidate names.
+    let found = std::panic::catch_unwind(|| unsafe { cudarc::nvrtc::sys::is_culib_present() });
+    std::panic::set_hook(hook);
+    if !matches!(found, Ok(true)) {
+        return Err(Error::Gpu(
+            "the NVRTC library (libnvrtc.so.13) was not found".into(),
+        ));
+    }
+    let arch_static: &'static str = Box::leak(arch.to_string().into_boxed_str());
+    let opts = CompileOptions {
+        arch: Some(arch_static),
+        ..Default::default()
+    };
+    compile_ptx_with_opts(src, opts)
+        .map_err(|e| gpu_err(&format!("NVRTC compiling {name} for {arch}"), e))
+}
+
 /// One CUDA device.
 pub struct Gpu {
     pub ordinal: usize,
@@ -96,13 +118,7 @@ impl Gpu {
         let ptx = match std::fs::read_to_string(&path) {
             Ok(text) => Ptx::from_src(text),
             Err(_) => {
-                let arch_static: &'static str = Box::leak(arch.clone().into_boxed_str());
-                let opts = CompileOptions {
-                    arch: Some(arch_static),
-                    ..Default::default()
-                };
-                let ptx = compile_ptx_with_opts(src, opts)
-                    .map_err(|e| gpu_err(&format!("NVRTC compiling {name} for {arch}"), e))?;
+                let ptx = nvrtc_compile(name, src, &arch)?;
                 if let Some(dir) = path.parent() {
                     let _ = std::fs::create_dir_all(dir);
                     let tmp = path.with_extension("ptx.tmp");

@@ -378,6 +378,9 @@ pub struct GpuModel {
     /// Launch kernels as programmatic dependent launches (compute capability 9.0 and later;
     /// `MOELANE_CUDA_PDL=0` turns it off).
     pub pdl: bool,
+    /// The small-batch GEMVs ask the L2 for their weights before waiting on the previous
+    /// kernel (`MOELANE_CUDA_PREFETCH=0` turns it off).
+    pub prefetch: bool,
     /// bumped whenever a scratch buffer moves: graphs captured before hold stale addresses
     generation: u64,
     captured: HashMap<(usize, usize, bool, u64, Vec<Op>), Graph>,
@@ -458,6 +461,8 @@ impl GpuModel {
         .map_err(|e| gerr("setting the cuBLAS workspace", e))?;
         let graphs = std::env::var("MOELANE_CUDA_GRAPHS").map_or(true, |v| v != "0");
         let pdl = gpu.cc.0 >= 9 && std::env::var("MOELANE_CUDA_PDL").map_or(true, |v| v != "0");
+        let on = |var: &str| std::env::var(var).map_or(true, |v| v != "0");
+        let prefetch = on("MOELANE_CUDA_PREFETCH");
         let up = |v: &[f32]| Buf::from_host(&st, v);
         let mut layers = Vec::with_capacity(w.layers.len());
         for l in &w.layers {
@@ -526,6 +531,7 @@ impl GpuModel {
             _workspace: workspace,
             graphs,
             pdl,
+            prefetch,
             generation: 0,
             captured: HashMap::new(),
             profile: None,
@@ -647,7 +653,8 @@ impl GpuModel {
         if n <= 4 {
             let (o, i, ni) = (out_dim as i32, in_dim as i32, n as i32);
             let v4 = (in_dim % 4 == 0) as i32;
-            let mut b = kargs![&w, &x, &y, &o, &i, &ni, &beta, &v4];
+            let pf = self.prefetch as i32;
+            let mut b = kargs![&w, &x, &y, &o, &i, &ni, &beta, &v4, &pf];
             // SAFETY: as below; n <= 4 rows.
             return unsafe {
                 self.launch(
@@ -723,7 +730,8 @@ impl GpuModel {
         let (o, i, ni) = (out_dim as i32, in_dim as i32, n as i32);
         let eps = self.cfg.rms_norm_eps;
         let v4 = (in_dim % 4 == 0) as i32;
-        let mut b = kargs![&w, &x, &nw, &h, &y, &o, &i, &ni, &eps, &v4];
+        let pf = self.prefetch as i32;
+        let mut b = kargs![&w, &x, &nw, &h, &y, &o, &i, &ni, &eps, &v4, &pf];
         // SAFETY: w holds out*in floats, x and h n rows of in, nw in, y n rows of out.
         unsafe {
             self.launch(
@@ -1104,6 +1112,8 @@ impl GpuModel {
             .router
             .as_ref()
             .ok_or_else(|| Error::Tier(format!("layer {l} is not a MoE layer")))?;
+        let idx = self.idx.p + (4 * ml * n * k) as u64;
+        let (e, ki, norm) = (ne as i32, k as i32, c.norm_topk_prob as i32);
         // h (the normed rows) feeds the experts: written by the fused kernel or the norm
         self.normed_product(
             router.p,
@@ -1114,8 +1124,6 @@ impl GpuModel {
             n,
             self.rlog.p,
         )?;
-        let idx = self.idx.p + (4 * ml * n * k) as u64;
-        let (e, ki, norm) = (ne as i32, k as i32, c.norm_topk_prob as i32);
         let mut b = kargs![&self.rlog.p, &idx, &self.wts.p, &e, &ki, &norm];
         // SAFETY: rlog holds n rows of E; idx has room for the ml-th layer's n*k ids.
         unsafe {

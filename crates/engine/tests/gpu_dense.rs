@@ -226,3 +226,24 @@ fn station_generator_is_bit_identical_on_gpu_and_cpu() {
         assert!(c > 0.999999, "expert ({l},{e}) differs: {c}");
     }
 }
+
+#[test]
+fn kernels_compile_with_nvrtc_for_each_supported_architecture() {
+    // needs only the NVRTC library, not a GPU: CI fetches it (.ci/run), so a kernel that
+    // does not compile fails there, not on the first device call
+    for arch in ["sm_80", "sm_90"] {
+        for (name, src) in [
+            ("dense", moelane_engine::cuda_model::DENSE_CU),
+            ("experts", moelane_engine::cuda::EXPERTS_CU),
+        ] {
+            match moelane_engine::cuda::nvrtc_compile(name, src, arch) {
+                Ok(ptx) => eprintln!("{name} for {arch}: {} bytes of PTX", ptx.to_src().len()),
+                Err(e) if e.to_string().contains("was not found") => {
+                    eprintln!("SKIP kernel compile: {e}");
+                    return;
+                }
+                Err(e) => panic!("{name} for {arch}: {e}"),
+            }
+        }
+    }
+}
