@@ -345,7 +345,8 @@ impl GpuExperts {
         // `packed` still holds that call's inputs (nothing was copied over them since) and
         // its experts are still resident (`sync` and `generate` clear `last`)
         let s = self.gpu.stream.clone();
-        self.launch_grouped(&s, ptrs, n)?;
+        let out = self.out.device_ptr(&s).0;
+        self.launch_grouped(&s, ptrs, n, out)?;
         s.synchronize().map_err(|e| gpu_err("synchronising", e))
     }
 
@@ -381,7 +382,13 @@ impl GpuExperts {
     /// Launches the grouped up and down kernels on inputs at `ptrs` (acts, rows, expert ids,
     /// the layer's table pair as [gu table, dn table] in `ptrs[3]`'s slot) for `n` picks,
     /// writing `out`. The caller vouches for the pointers.
-    fn launch_grouped(&mut self, s: &Arc<CudaStream>, ptrs: [u64; 4], n: usize) -> Result<()> {
+    fn launch_grouped(
+        &mut self,
+        s: &Arc<CudaStream>,
+        ptrs: [u64; 4],
+        n: usize,
+        out: u64,
+    ) -> Result<()> {
         let (hi, ii, ni, one) = (self.hidden as i32, self.inter as i32, n as i32, 1i32);
         let (v_up, v_dn) = ((self.hidden % 4 == 0) as i32, (self.inter % 4 == 0) as i32);
         let (acts, rows, ids, layer) = (ptrs[0], ptrs[1], ptrs[2], ptrs[3] as usize);
@@ -392,7 +399,6 @@ impl GpuExperts {
         };
         let (gt, dt) = (gt.device_ptr(s).0, dt.device_ptr(s).0);
         let act = self.act.device_ptr(s).0;
-        let out = self.out.device_ptr(s).0;
         let mut b = s.launch_builder(&self.k_up);
         b.arg(&ids)
             .arg(&gt)
@@ -411,7 +417,7 @@ impl GpuExperts {
         };
         // SAFETY: ids are experts resident on this GPU (checked by the caller), so their
         // table entries address [2I, H] and [H, I] weights; rows < activation rows; act
-        // holds n rows of I and out n rows of H (grown by the caller).
+        // holds n rows of I and `out` n rows of H (the caller's guarantee).
         unsafe { b.launch(cfg(self.inter)) }.map_err(|e| gpu_err("launching moe_up", e))?;
         let mut b = s.launch_builder(&self.k_down);
         b.arg(&ids)
@@ -425,6 +431,60 @@ impl GpuExperts {
         // SAFETY: as above.
         unsafe { b.launch(cfg(self.hidden)) }.map_err(|e| gpu_err("launching moe_down", e))?;
         Ok(())
+    }
+
+    /// As [`Self::compute`], with the activations (`rows` rows of H) and the outputs (one
+    /// row of H per pick) in device memory of this GPU: nothing but the picks crosses the
+    /// host (the NCCL link's sidecar computes from the received buffer into the reply).
+    ///
+    /// # Safety
+    /// `acts` addresses `rows * H` floats and `out` `picks.len() * H` floats of this GPU's
+    /// memory, 16-byte aligned, not written by other work until this returns.
+    pub unsafe fn compute_device(
+        &mut self,
+        layer: usize,
+        picks: &[Pick],
+        acts: u64,
+        rows: usize,
+        out: u64,
+    ) -> Result<()> {
+        if picks.is_empty() {
+            return Ok(());
+        }
+        self.ensure_tables()?;
+        let s = self.gpu.stream.clone();
+        let n = picks.len();
+        grow(&s, &mut self.act, n * self.inter)?;
+        self.staging.clear();
+        for p in picks {
+            if p.row as usize >= rows {
+                return Err(Error::Tier(format!(
+                    "pick row {} but {rows} activation rows",
+                    p.row
+                )));
+            }
+            if !self.w.contains_key(&(layer, p.expert as usize)) {
+                return Err(Error::NotResident {
+                    layer,
+                    expert: p.expert as usize,
+                    tier: "gpu",
+                });
+            }
+            self.staging
+                .extend_from_slice(&(p.row as i32).to_le_bytes());
+        }
+        for p in picks {
+            self.staging
+                .extend_from_slice(&(p.expert as i32).to_le_bytes());
+        }
+        let len = self.staging.len();
+        grow(&s, &mut self.packed, len)?;
+        s.memcpy_htod(&self.staging[..len], &mut self.packed.slice_mut(..len))
+            .map_err(|e| gpu_err("copying to the GPU", e))?;
+        let base = self.packed.device_ptr(&s).0;
+        let ptrs = [acts, base, base + 4 * n as u64, layer as u64];
+        self.launch_grouped(&s, ptrs, n, out)?;
+        s.synchronize().map_err(|e| gpu_err("synchronising", e))
     }
 
     /// One output row per pick, in pick order: the same contract as [`ExpertBank::compute`].
@@ -501,8 +561,9 @@ impl GpuExperts {
             ];
             self.last = Some((ptrs, n));
             // the pointers address the regions just copied into `packed`; every pick was
-            // checked above (row in range, expert resident)
-            self.launch_grouped(&s, ptrs, n)?;
+            // checked above (row in range, expert resident); out holds n rows of H
+            let out = self.out.device_ptr(&s).0;
+            self.launch_grouped(&s, ptrs, n, out)?;
         } else {
             let (hi, ii) = (h as i32, self.inter as i32);
             let cfg = self.cfg(n);

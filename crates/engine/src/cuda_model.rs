@@ -1318,14 +1318,50 @@ pub struct GpuColdServer {
     pub epoch: u64,
 }
 
-impl crate::tier::ColdServer for GpuColdServer {
-    fn serve(&mut self, req: &crate::tier::ColdRequest, out: &mut Vec<f32>) -> Result<()> {
+impl GpuColdServer {
+    fn check_epoch(&self, req: &crate::tier::ColdRequest) -> Result<()> {
         if req.epoch != self.epoch {
             return Err(Error::Tier(format!(
                 "request tagged epoch {} but this tier serves epoch {}",
                 req.epoch, self.epoch
             )));
         }
+        Ok(())
+    }
+
+    /// As `serve`, activations and outputs in this GPU's memory (the NCCL link's sidecar).
+    ///
+    /// # Safety
+    /// As [`crate::cuda::GpuExperts::compute_device`], with `acts_len` floats at `acts`.
+    /// Returns the floats written (one row per pick), at most `out_len`.
+    pub unsafe fn serve_device(
+        &mut self,
+        req: &crate::tier::ColdRequest,
+        acts: u64,
+        acts_len: usize,
+        out: u64,
+        out_len: usize,
+    ) -> Result<usize> {
+        self.check_epoch(req)?;
+        let h = self.experts.hidden().max(1);
+        if acts_len % h != 0 || req.picks.len() * h > out_len {
+            return Err(Error::Tier(format!(
+                "{acts_len} activation floats and {} picks do not fit rows of {h} ({out_len} floats of room)",
+                req.picks.len()
+            )));
+        }
+        // SAFETY: the caller's guarantee
+        unsafe {
+            self.experts
+                .compute_device(req.layer as usize, &req.picks, acts, acts_len / h, out)
+        }?;
+        Ok(req.picks.len() * h)
+    }
+}
+
+impl crate::tier::ColdServer for GpuColdServer {
+    fn serve(&mut self, req: &crate::tier::ColdRequest, out: &mut Vec<f32>) -> Result<()> {
+        self.check_epoch(req)?;
         out.clear();
         out.resize(req.picks.len() * self.experts.hidden(), 0.0);
         self.experts

@@ -18,6 +18,27 @@ use moelane_engine::tier::{ColdReply, ColdRequest};
 pub trait ColdService: Send + Sync {
     /// Fills `out` with one row per pick, or fails with a message.
     fn serve(&self, req: &ColdRequest, out: &mut Vec<f32>) -> Result<(), String>;
+
+    /// The NCCL link's device path: the request's activations (`acts_len` floats at device
+    /// address `acts`; `req.activations` is empty) are read and its outputs (one row per
+    /// pick, at most `out_len` floats at `out`) written in the memory of GPU `ordinal`,
+    /// without a host copy; returns the floats written. `None`: this service computes
+    /// elsewhere, and the link stages through host memory.
+    ///
+    /// # Safety
+    /// `acts` and `out` address that many floats of GPU `ordinal`, 16-byte aligned, and no
+    /// other work touches them until this returns.
+    unsafe fn serve_device(
+        &self,
+        _req: &ColdRequest,
+        _ordinal: usize,
+        _acts: u64,
+        _acts_len: usize,
+        _out: u64,
+        _out_len: usize,
+    ) -> Option<Result<usize, String>> {
+        None
+    }
 }
 
 /// Serves one request into a reply (the error text travels in the reply frame).

@@ -2,25 +2,35 @@
 //! two ranks (primary 0, sidecar 1) whose unique id travels over the gRPC control channel
 //! (REGISTER's endpoint, hex), and the activations and outputs as NCCL point-to-point
 //! messages between the two devices (NVLink or PCIe peer-to-peer, no host socket in the data
-//! path). The frames are the byte links' frames ([`crate::frame`]), so the epoch, step and
-//! layer checks are the same.
+//! path). The request's picks travel in the byte links' request frame ([`crate::frame`]), so
+//! the epoch, step and layer checks are the same.
 //!
-//! On the wire, per exchange:
-//! - primary -> sidecar: a 16-byte preamble `MLNC version:u32 frame_len:u32 reply_len:u32`,
-//!   then the request frame (`frame_len` bytes); the primary posts the reply's receive right
-//!   after (stream-ordered, no host round trip), so the answer lands as soon as it is sent.
-//!   Each is its own NCCL call: see [`End::post`] for why they are not grouped.
-//! - sidecar -> primary: exactly `reply_len` bytes: `len:u64`, the reply frame, zero padding.
-//!   The primary sizes `reply_len` for one output row per pick (or room for an error), so a
-//!   receive is always posted with the length the send will have.
+//! On the wire, per exchange (each message its own NCCL call: see [`End::send`]):
+//! - primary -> sidecar: a first message of [`SLOT`] bytes: a 32-byte preamble `MLNC
+//!   version:u32 frame_len:u32 reply_len:u32 acts:u32`, the request frame without its
+//!   activations (`frame_len` bytes: tags and picks), then the activations (`acts` floats)
+//!   16-byte aligned, when all of it fits (a decode step's request does); otherwise the
+//!   frame and the activations follow as two more messages (the sidecar posts their
+//!   receives once it has read the preamble). The primary posts the reply's receive right
+//!   after (stream-ordered, no host round trip).
+//! - sidecar -> primary: exactly `reply_len` bytes: a 64-byte head `MLNR status:u32 step:u64
+//!   layer:u32 epoch:u64 len:u64`, then `len` bytes: one output row per pick (f32) or the
+//!   error's text. The primary sizes `reply_len` for one row per pick (and room for an
+//!   error), so a receive is always posted with the length the send will have.
+//!
+//! A sidecar computing on the link's GPU (`ColdService::serve_device`) reads the activations
+//! where NCCL put them and writes its outputs straight into the reply buffer: only the picks
+//! and the two heads cross its host. Otherwise it stages through host memory.
 //!
 //! When the link opens, both ends exchange a 4 MiB handshake in one symmetric group (NCCL
 //! connects channels on first use; see [`End::handshake`]) carrying the protocol version.
 //!
-//! The communicator is non-blocking: every NCCL call and every wait is polled against a
-//! deadline (the link timeout) and a stop flag, so a dead peer is an error and never a hang;
-//! dropping a link aborts its communicator. Here the frames are staged through host memory
-//! on both ends (the engine's tiers exchange host slices); the device-to-device hop is NCCL.
+//! Joining the communicator is bounded by a deadline, every wait for the GPU is polled
+//! against a deadline (the link timeout) and a stop flag, so a dead peer is an error and
+//! never a hang; NCCL calls block only to enqueue (`MOELANE_NCCL_BLOCKING=0` makes the
+//! communicator non-blocking, every call polled);
+//! dropping a link aborts its communicator. The primary's end stages its request and the reply
+//! through host memory (the engine's tier interface exchanges host slices).
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -36,11 +46,12 @@ use crate::frame::{self, MAX_FRAME};
 use crate::ColdService;
 
 const MAGIC: u32 = u32::from_le_bytes(*b"MLNC");
-const VERSION: u32 = 1;
+const REPLY_MAGIC: u32 = u32::from_le_bytes(*b"MLNR");
+const VERSION: u32 = 2;
 /// Bytes of the preamble before each request frame.
-pub const PREAMBLE: usize = 16;
-/// Bytes of a reply frame's fixed part (tag, step, layer, epoch, status, length).
-const REPLY_HEAD: usize = 29;
+pub const PREAMBLE: usize = 32;
+/// Bytes of a reply's head (the outputs after it stay 16-byte aligned).
+pub const REPLY_HEAD: usize = 64;
 /// Room the primary leaves for an error text in every reply.
 const ERR_ROOM: usize = 512;
 /// Bytes each end sends the other when the link opens (large enough to use every channel a
@@ -188,30 +199,70 @@ fn poll(
     }
 }
 
+/// NCCL's configuration initialiser (NCCL_CONFIG_INITIALIZER of 2.28) with `blocking` set.
+fn config(blocking: bool) -> sys::ncclConfig_t {
+    sys::ncclConfig_t {
+        size: std::mem::size_of::<sys::ncclConfig_t>(),
+        magic: 0xcafebeef,
+        version: 22800,
+        blocking: blocking as i32,
+        cgaClusterSize: i32::MIN,
+        minCTAs: i32::MIN,
+        maxCTAs: i32::MIN,
+        netName: std::ptr::null(),
+        splitShare: i32::MIN,
+        trafficClass: i32::MIN,
+        commName: std::ptr::null(),
+        collnetEnable: i32::MIN,
+        CTAPolicy: i32::MIN,
+        shrinkShare: i32::MIN,
+        nvlsCTAs: i32::MIN,
+        nChannelsPerNetPeer: i32::MIN,
+        nvlinkCentricSched: i32::MIN,
+    }
+}
+
+/// Whether communicators block in NCCL calls (`MOELANE_NCCL_BLOCKING=0`: non-blocking, every
+/// call polled). Either way joining is bounded by the deadline and waits for the GPU are
+/// polled; blocking calls only enqueue, without the non-blocking mode's background thread.
+fn blocking() -> bool {
+    std::env::var("MOELANE_NCCL_BLOCKING").map_or(true, |v| v != "0")
+}
+
 impl Comm {
-    fn init(id: &NcclId, rank: usize, deadline: Instant) -> Result<Comm> {
-        let mut cfg = sys::ncclConfig_t {
-            size: std::mem::size_of::<sys::ncclConfig_t>(),
-            magic: 0xcafebeef,
-            version: 22800,
-            blocking: 0,
-            cgaClusterSize: i32::MIN,
-            minCTAs: i32::MIN,
-            maxCTAs: i32::MIN,
-            netName: std::ptr::null(),
-            splitShare: i32::MIN,
-            trafficClass: i32::MIN,
-            commName: std::ptr::null(),
-            collnetEnable: i32::MIN,
-            CTAPolicy: i32::MIN,
-            shrinkShare: i32::MIN,
-            nvlsCTAs: i32::MIN,
-            nChannelsPerNetPeer: i32::MIN,
-            nvlinkCentricSched: i32::MIN,
-        };
+    fn init(id: &NcclId, rank: usize, deadline: Instant, ctx: &Arc<CudaContext>) -> Result<Comm> {
         let uid = sys::ncclUniqueId {
             internal: id.0.map(|b| b as std::ffi::c_char),
         };
+        if blocking() {
+            // a blocking join has no deadline of its own: it runs on a thread, and one that
+            // finishes after the deadline drops (aborts) the communicator it made
+            let (tx, rx) = std::sync::mpsc::channel();
+            let ctx = ctx.clone();
+            std::thread::Builder::new()
+                .name("moelane-nccl-join".into())
+                .spawn(move || {
+                    let _ = ctx.bind_to_thread();
+                    let mut cfg = config(true);
+                    let mut raw: sys::ncclComm_t = std::ptr::null_mut();
+                    // SAFETY: valid out-pointer, id and config; 2 ranks, `rank` < 2.
+                    let r = unsafe {
+                        sys::ncclCommInitRankConfig(&mut raw, 2, uid, rank as i32, &mut cfg)
+                    };
+                    let _ = tx.send((r, Comm { raw }));
+                })
+                .map_err(|e| err(format!("starting the join thread: {e}")))?;
+            let left = deadline.saturating_duration_since(Instant::now());
+            let (r, comm) = rx.recv_timeout(left).map_err(|_| {
+                err(format!(
+                    "joining the communicator: the peer did not join within {:.1} s",
+                    left.as_secs_f64()
+                ))
+            })?;
+            check("joining the communicator", r)?;
+            return Ok(comm);
+        }
+        let mut cfg = config(false);
         let mut raw: sys::ncclComm_t = std::ptr::null_mut();
         // SAFETY: valid out-pointer, id and config; 2 ranks, `rank` < 2.
         let r = unsafe { sys::ncclCommInitRankConfig(&mut raw, 2, uid, rank as i32, &mut cfg) };
@@ -235,16 +286,26 @@ impl Comm {
 }
 
 /// One end of the link: the communicator, a stream on this end's GPU, device buffers that
-/// only grow, and an event marking the last posted operations.
+/// only grow (what this end sends, what it receives, received activations), and an event
+/// marking the last posted operation.
 struct End {
     comm: Comm,
     stream: Arc<CudaStream>,
     event: CudaEvent,
     send: CudaSlice<u8>,
     recv: CudaSlice<u8>,
+    acts: CudaSlice<u8>,
     host: Vec<u8>,
     peer: i32,
+    ordinal: usize,
     ctx: Arc<CudaContext>,
+}
+
+/// Which device buffer a receive lands in.
+#[derive(Clone, Copy)]
+enum Into {
+    Recv,
+    Acts,
 }
 
 impl End {
@@ -263,7 +324,7 @@ impl End {
             .map_err(|e| err(format!("creating an event: {e:?}")))?;
         ctx.bind_to_thread()
             .map_err(|e| err(format!("binding cuda:{ordinal}: {e:?}")))?;
-        let comm = Comm::init(id, rank, deadline)?;
+        let comm = Comm::init(id, rank, deadline, &ctx)?;
         let alloc = |n: usize| {
             stream
                 .alloc_zeros::<u8>(n)
@@ -273,10 +334,12 @@ impl End {
             comm,
             send: alloc(HANDSHAKE)?,
             recv: alloc(HANDSHAKE)?,
+            acts: alloc(1 << 16)?,
             stream: stream.clone(),
             event,
             host: Vec::new(),
             peer: 1 - rank as i32,
+            ordinal,
             ctx,
         };
         end.handshake(deadline)?;
@@ -290,98 +353,147 @@ impl End {
     /// first bytes carry the protocol version, checked on both ends.
     fn handshake(&mut self, deadline: Instant) -> Result<()> {
         let mut hello = vec![0u8; HANDSHAKE];
-        hello[..8].copy_from_slice(&preamble(0, 0)[..8]);
+        hello[..8].copy_from_slice(&preamble(0, 0, 0)[..8]);
         self.upload(&hello)?;
-        self.post(&[(0, HANDSHAKE)], HANDSHAKE, true)?;
+        self.bind()?;
+        let cs = self.stream.cu_stream() as sys::cudaStream_t;
+        // event tracking is off: the guards record nothing
+        let sp = self.send.device_ptr(&self.stream).0;
+        let rp = self.recv.device_ptr(&self.stream).0;
+        let u8t = sys::ncclDataType_t::ncclUint8;
+        // SAFETY: both buffers hold HANDSHAKE bytes; the group is closed on every path.
+        unsafe {
+            check("opening a group", sys::ncclGroupStart())?;
+            let a = check(
+                "handshake send",
+                sys::ncclSend(
+                    sp as *const c_void,
+                    HANDSHAKE,
+                    u8t,
+                    self.peer,
+                    self.comm.raw,
+                    cs,
+                ),
+            );
+            let b = check(
+                "handshake receive",
+                sys::ncclRecv(
+                    rp as *mut c_void,
+                    HANDSHAKE,
+                    u8t,
+                    self.peer,
+                    self.comm.raw,
+                    cs,
+                ),
+            );
+            let end = sys::ncclGroupEnd();
+            a?;
+            b?;
+            self.settle("handshake", end)?;
+        }
+        self.mark()?;
         self.wait("handshake", Some(deadline), None)?;
-        check_hello("handshake", self.download(8)?)
+        check_hello("handshake", self.download(Into::Recv, 8)?)
     }
 
-    fn grow(&mut self, send: usize, recv: usize) -> Result<()> {
-        let alloc = |s: &Arc<CudaStream>, n: usize| {
-            s.alloc_zeros::<u8>(n.next_power_of_two())
-                .map_err(|e| err(format!("allocating {n} bytes: {e:?}")))
-        };
-        if self.send.len() < send {
-            self.send = alloc(&self.stream, send)?;
+    fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| err(format!("binding cuda:{}: {e:?}", self.ordinal)))
+    }
+
+    /// Waits out a non-blocking call that returned "in progress".
+    fn settle(&self, what: &str, r: sys::ncclResult_t) -> Result<()> {
+        if !check(what, r)? {
+            poll(
+                what,
+                Some(Instant::now() + Duration::from_secs(30)),
+                None,
+                || self.comm.ready(what),
+            )?;
         }
-        if self.recv.len() < recv {
-            self.recv = alloc(&self.stream, recv)?;
+        Ok(())
+    }
+
+    fn grow(buf: &mut CudaSlice<u8>, stream: &Arc<CudaStream>, n: usize) -> Result<()> {
+        if buf.len() < n {
+            *buf = stream
+                .alloc_zeros::<u8>(n.next_power_of_two())
+                .map_err(|e| err(format!("allocating {n} bytes: {e:?}")))?;
         }
         Ok(())
     }
 
     /// Copies `bytes` to the start of the send buffer (stream-ordered).
     fn upload(&mut self, bytes: &[u8]) -> Result<()> {
-        self.grow(bytes.len(), 0)?;
+        Self::grow(&mut self.send, &self.stream, bytes.len())?;
         let mut dst = self.send.slice_mut(..bytes.len());
         self.stream
             .memcpy_htod(bytes, &mut dst)
             .map_err(|e| err(format!("copying {} bytes to the GPU: {e:?}", bytes.len())))
     }
 
-    /// Posts sends of `sends` (byte ranges of the send buffer, in order) and then a receive
-    /// of `recv` bytes into the receive buffer, then marks them with the event. `grouped`:
-    /// all in one NCCL group (only where the peer posts the mirror image, as the handshake
-    /// does); otherwise each is its own call. NCCL may spread the operations of one group to
-    /// a peer over its channels, so a group of two sends does not match two receives posted
-    /// one by one (it hangs); single operations always match in order.
-    fn post(&mut self, sends: &[(usize, usize)], recv: usize, grouped: bool) -> Result<()> {
-        self.grow(0, recv)?;
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| err(format!("binding the device: {e:?}")))?;
-        let cs = self.stream.cu_stream() as sys::cudaStream_t;
-        let (sp, _s) = self.send.device_ptr(&self.stream);
-        let (rp, _r) = self.recv.device_ptr(&self.stream);
-        let (sp, rp) = (sp as usize, rp as usize);
-        let (peer, comm) = (self.peer, self.comm.raw);
-        let u8t = sys::ncclDataType_t::ncclUint8;
-        let settle = |what: &str, r: sys::ncclResult_t| -> Result<()> {
-            if !check(what, r)? {
-                poll(
-                    what,
-                    Some(Instant::now() + Duration::from_secs(30)),
-                    None,
-                    || self.comm.ready(what),
-                )?;
-            }
-            Ok(())
-        };
-        // SAFETY (every call below): the ranges lie inside the buffers (grown above or by
-        // `upload`), which live as long as this link; an opened group is closed on every path.
-        let send = |off: usize, len: usize| unsafe {
-            sys::ncclSend((sp + off) as *const c_void, len, u8t, peer, comm, cs)
-        };
-        let receive = || unsafe { sys::ncclRecv(rp as *mut c_void, recv, u8t, peer, comm, cs) };
-        if grouped {
-            check("opening a group", unsafe { sys::ncclGroupStart() })?;
-            let mut r = Ok(true);
-            for &(off, len) in sends {
-                if r.is_ok() {
-                    r = check("send", send(off, len));
-                }
-            }
-            if recv > 0 && r.is_ok() {
-                r = check("receive", receive());
-            }
-            let end = unsafe { sys::ncclGroupEnd() };
-            r?;
-            settle("closing a group", end)?;
-        } else {
-            for &(off, len) in sends {
-                settle("send", send(off, len))?;
-            }
-            if recv > 0 {
-                settle("receive", receive())?;
-            }
+    /// Sends `len` bytes of the send buffer from `off`: one NCCL call. NCCL may spread the
+    /// operations of one group to a peer over its channels, so a group of two sends does not
+    /// match two receives posted one by one (it hangs); single operations match in order.
+    fn send(&mut self, off: usize, len: usize) -> Result<()> {
+        if len == 0 {
+            return Ok(());
         }
+        self.bind()?;
+        let cs = self.stream.cu_stream() as sys::cudaStream_t;
+        let sp = self.send.device_ptr(&self.stream).0;
+        // SAFETY: [off, off + len) lies in the send buffer (the callers upload or grow it
+        // first), which lives as long as this link.
+        let r = unsafe {
+            sys::ncclSend(
+                (sp as usize + off) as *const c_void,
+                len,
+                sys::ncclDataType_t::ncclUint8,
+                self.peer,
+                self.comm.raw,
+                cs,
+            )
+        };
+        self.settle("send", r)
+    }
+
+    /// Receives `len` bytes into the start of buffer `into` (grown first): one NCCL call.
+    fn recv(&mut self, into: Into, len: usize) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let buf = match into {
+            Into::Recv => &mut self.recv,
+            Into::Acts => &mut self.acts,
+        };
+        Self::grow(buf, &self.stream, len)?;
+        let rp = buf.device_ptr(&self.stream).0;
+        self.bind()?;
+        let cs = self.stream.cu_stream() as sys::cudaStream_t;
+        // SAFETY: the buffer holds at least `len` bytes (grown above) and lives as long as
+        // this link.
+        let r = unsafe {
+            sys::ncclRecv(
+                rp as *mut c_void,
+                len,
+                sys::ncclDataType_t::ncclUint8,
+                self.peer,
+                self.comm.raw,
+                cs,
+            )
+        };
+        self.settle("receive", r)
+    }
+
+    /// Marks what was posted so far with the event.
+    fn mark(&self) -> Result<()> {
         self.event
             .record(&self.stream)
             .map_err(|e| err(format!("recording an event: {e:?}")))
     }
 
-    /// Waits for what `post` posted.
+    /// Waits for what was posted before the last `mark`.
     fn wait(&self, what: &str, deadline: Option<Instant>, stop: Option<&AtomicBool>) -> Result<()> {
         poll(what, deadline, stop, || {
             let done = self
@@ -396,10 +508,26 @@ impl End {
         })
     }
 
-    /// The first `n` received bytes, copied to the host.
-    fn download(&mut self, n: usize) -> Result<&[u8]> {
+    /// The first `n` bytes of buffer `from`, copied to the host.
+    fn download(&mut self, from: Into, n: usize) -> Result<&[u8]> {
+        self.download_at(from, 0, n)
+    }
+
+    /// Bytes `[off, off + n)` of buffer `from`, copied to the host.
+    fn download_at(&mut self, from: Into, off: usize, n: usize) -> Result<&[u8]> {
         self.host.resize(n, 0);
-        let src = self.recv.slice(..n);
+        let buf = match from {
+            Into::Recv => &self.recv,
+            Into::Acts => &self.acts,
+        };
+        if off + n > buf.len() {
+            return Err(err(format!(
+                "bytes {off}..{} of a {}-byte buffer",
+                off + n,
+                buf.len()
+            )));
+        }
+        let src = buf.slice(off..off + n);
         self.stream
             .memcpy_dtoh(&src, &mut self.host[..])
             .map_err(|e| err(format!("copying {n} bytes from the GPU: {e:?}")))?;
@@ -410,18 +538,31 @@ impl End {
     }
 }
 
+/// Bytes of a request's first message, always: a small request (preamble, frame and
+/// activations within it) travels whole in one NCCL call; a larger one sends its preamble in
+/// it and the frame and the activations as two more messages.
+pub const SLOT: usize = 64 << 10;
+
+/// Where a request's activations start inside its first message, when they fit there:
+/// after the preamble and the frame, 16-byte aligned.
+pub fn inline_offset(frame_len: usize, acts: usize) -> Option<usize> {
+    let off = (PREAMBLE + frame_len).div_ceil(16) * 16;
+    (off + 4 * acts <= SLOT).then_some(off)
+}
+
 /// The reply length a primary expects for `picks` output rows of `hidden` floats.
 pub fn reply_len(picks: usize, hidden: usize) -> usize {
-    8 + REPLY_HEAD + (4 * picks * hidden).max(ERR_ROOM)
+    REPLY_HEAD + (4 * picks * hidden).max(ERR_ROOM)
 }
 
 /// Encodes a preamble.
-pub fn preamble(frame_len: usize, reply_len: usize) -> [u8; PREAMBLE] {
+pub fn preamble(frame_len: usize, reply_len: usize, acts: usize) -> [u8; PREAMBLE] {
     let mut p = [0u8; PREAMBLE];
     p[..4].copy_from_slice(&MAGIC.to_le_bytes());
     p[4..8].copy_from_slice(&VERSION.to_le_bytes());
     p[8..12].copy_from_slice(&(frame_len as u32).to_le_bytes());
     p[12..16].copy_from_slice(&(reply_len as u32).to_le_bytes());
+    p[16..20].copy_from_slice(&(acts as u32).to_le_bytes());
     p
 }
 
@@ -445,8 +586,9 @@ fn check_hello(what: &str, b: &[u8]) -> Result<()> {
     }
 }
 
-/// Decodes a preamble: (frame_len, reply_len), each checked against the frame limit.
-pub fn parse_preamble(b: &[u8]) -> Result<(usize, usize)> {
+/// Decodes a preamble: (frame_len, reply_len, activation floats), each checked against the
+/// frame limit.
+pub fn parse_preamble(b: &[u8]) -> Result<(usize, usize, usize)> {
     if b.len() != PREAMBLE {
         return Err(err(format!(
             "preamble of {} bytes, expected {PREAMBLE}",
@@ -454,21 +596,37 @@ pub fn parse_preamble(b: &[u8]) -> Result<(usize, usize)> {
         )));
     }
     check_hello("preamble", b)?;
-    let w = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
-    let (f, r) = (w(8) as usize, w(12) as usize);
+    let w = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]) as usize;
+    let (f, r, a) = (w(8), w(12), w(16));
     if f == 0 || f > MAX_FRAME {
         return Err(err(format!("request frame of {f} bytes")));
     }
-    if !(8 + REPLY_HEAD + ERR_ROOM..=MAX_FRAME).contains(&r) {
+    if !(REPLY_HEAD + ERR_ROOM..=MAX_FRAME).contains(&r) {
         return Err(err(format!("reply length {r} out of range")));
     }
-    Ok((f, r))
+    if a > MAX_FRAME / 4 {
+        return Err(err(format!("{a} activation floats")));
+    }
+    Ok((f, r, a))
 }
 
-/// Writes `frame` as a reply message of exactly `reply_len` bytes into `out`: its length, the
-/// frame, zeros. A frame that does not fit becomes an error frame that does.
+/// A reply's head: status 0 with `len` bytes of outputs after it, or 1 with an error text.
+fn reply_head(ok: bool, step: u64, layer: u32, epoch: u64, len: usize) -> [u8; REPLY_HEAD] {
+    let mut h = [0u8; REPLY_HEAD];
+    h[..4].copy_from_slice(&REPLY_MAGIC.to_le_bytes());
+    h[4..8].copy_from_slice(&(!ok as u32).to_le_bytes());
+    h[8..16].copy_from_slice(&step.to_le_bytes());
+    h[16..20].copy_from_slice(&layer.to_le_bytes());
+    h[24..32].copy_from_slice(&epoch.to_le_bytes());
+    h[32..40].copy_from_slice(&(len as u64).to_le_bytes());
+    h
+}
+
+/// Writes a whole reply message of exactly `reply_len` bytes into `out`: the head, the
+/// outputs (or the error's text, cut to fit), zeros. Outputs that do not fit become an
+/// error that does.
 pub fn pack_reply(
-    frame: &[u8],
+    rep: &std::result::Result<&[f32], String>,
     reply_len: usize,
     step: u64,
     layer: u32,
@@ -476,38 +634,74 @@ pub fn pack_reply(
     out: &mut Vec<u8>,
 ) {
     out.clear();
-    if 8 + frame.len() <= reply_len {
-        out.extend_from_slice(&(frame.len() as u64).to_le_bytes());
-        out.extend_from_slice(frame);
-    } else {
-        let mut text = format!(
-            "reply of {} bytes exceeds the {reply_len} the primary expects",
-            frame.len()
-        );
-        text.truncate(reply_len.saturating_sub(8 + REPLY_HEAD));
-        let mut f = Vec::new();
-        frame::encode_reply(&Err(text), step, layer, epoch, &mut f);
-        out.extend_from_slice(&(f.len() as u64).to_le_bytes());
-        out.extend_from_slice(&f);
+    let room = reply_len.saturating_sub(REPLY_HEAD);
+    match rep {
+        Ok(v) if 4 * v.len() <= room => {
+            out.extend_from_slice(&reply_head(true, step, layer, epoch, 4 * v.len()));
+            for x in v.iter() {
+                out.extend_from_slice(&x.to_le_bytes());
+            }
+        }
+        r => {
+            let mut text = match r {
+                Ok(v) => format!(
+                    "reply of {} bytes exceeds the {room} the primary expects",
+                    4 * v.len()
+                ),
+                Err(e) => e.clone(),
+            };
+            while text.len() > room {
+                text.pop();
+            }
+            out.extend_from_slice(&reply_head(false, step, layer, epoch, text.len()));
+            out.extend_from_slice(text.as_bytes());
+        }
     }
-    out.resize(reply_len, 0);
+    out.resize(reply_len.max(REPLY_HEAD), 0);
 }
 
 /// Reads a reply message (see [`pack_reply`]).
 pub fn unpack_reply(b: &[u8]) -> Result<ColdReply> {
-    if b.len() < 8 {
-        return Err(err("reply shorter than its length word"));
-    }
-    let mut l = [0u8; 8];
-    l.copy_from_slice(&b[..8]);
-    let n = u64::from_le_bytes(l);
-    if n > (b.len() - 8) as u64 {
+    if b.len() < REPLY_HEAD {
         return Err(err(format!(
-            "reply frame of {n} bytes in a {}-byte message",
+            "reply of {} bytes, shorter than its head",
             b.len()
         )));
     }
-    crate::reply_from(&b[8..8 + n as usize])
+    let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+    let u64_at = |i: usize| {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(&b[i..i + 8]);
+        u64::from_le_bytes(a)
+    };
+    if u32_at(0) != REPLY_MAGIC {
+        return Err(err("not a reply (bad magic)"));
+    }
+    let len = u64_at(32);
+    if len > (b.len() - REPLY_HEAD) as u64 {
+        return Err(err(format!(
+            "reply payload of {len} bytes in a {}-byte message",
+            b.len()
+        )));
+    }
+    let payload = &b[REPLY_HEAD..REPLY_HEAD + len as usize];
+    match u32_at(4) {
+        0 if len % 4 == 0 => Ok(ColdReply {
+            step: u64_at(8),
+            layer: u32_at(16),
+            epoch: u64_at(24),
+            outputs: payload
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        }),
+        0 => Err(err(format!("reply payload of {len} bytes is not floats"))),
+        1 => Err(Error::Tier(format!(
+            "sidecar error: {}",
+            String::from_utf8_lossy(payload)
+        ))),
+        s => Err(err(format!("reply status {s}"))),
+    }
 }
 
 /// The primary's end: a [`RemoteTier`] over NCCL.
@@ -516,7 +710,7 @@ pub struct NcclTier {
     hidden: usize,
     timeout: Duration,
     frame: Vec<u8>,
-    req_frame: Vec<u8>,
+    msg: Vec<u8>,
     /// the reply length of the request in flight
     pending: Option<usize>,
 }
@@ -536,29 +730,53 @@ impl NcclTier {
             hidden,
             timeout,
             frame: Vec::new(),
-            req_frame: Vec::new(),
+            msg: Vec::new(),
             pending: None,
         })
     }
 }
 
 impl RemoteTier for NcclTier {
-    fn send(&mut self, req: ColdRequest) -> Result<()> {
+    fn send(&mut self, mut req: ColdRequest) -> Result<()> {
         if self.pending.is_some() {
             return Err(err("a request is already in flight"));
         }
-        frame::encode_request(&req, &mut self.req_frame);
-        let flen = self.req_frame.len();
-        if flen > MAX_FRAME {
-            return Err(err(format!("request frame of {flen} bytes is too large")));
+        // the frame carries tags and picks; the activations follow as their own message
+        let acts = std::mem::take(&mut req.activations);
+        frame::encode_request(&req, &mut self.frame);
+        let flen = self.frame.len();
+        if flen > MAX_FRAME || acts.len() > MAX_FRAME / 4 {
+            return Err(err(format!(
+                "request of {flen} bytes and {} activations is too large",
+                acts.len()
+            )));
         }
         let rl = reply_len(req.picks.len(), self.hidden);
-        self.frame.clear();
-        self.frame.extend_from_slice(&preamble(flen, rl));
-        self.frame.extend_from_slice(&self.req_frame);
-        self.end.upload(&self.frame)?;
-        self.end
-            .post(&[(0, PREAMBLE), (PREAMBLE, flen)], rl, false)?;
+        let inline = inline_offset(flen, acts.len());
+        self.msg.clear();
+        self.msg.extend_from_slice(&preamble(flen, rl, acts.len()));
+        self.msg.extend_from_slice(&self.frame);
+        if let Some(off) = inline {
+            self.msg.resize(off, 0);
+        }
+        for x in &acts {
+            self.msg.extend_from_slice(&x.to_le_bytes());
+        }
+        // the first message is always SLOT bytes (past what was uploaded: whatever the
+        // buffer held, ignored by the sidecar)
+        End::grow(
+            &mut self.end.send,
+            &self.end.stream,
+            SLOT.max(self.msg.len()),
+        )?;
+        self.end.upload(&self.msg)?;
+        self.end.send(0, SLOT)?;
+        if inline.is_none() {
+            self.end.send(PREAMBLE, flen)?;
+            self.end.send(PREAMBLE + flen, 4 * acts.len())?;
+        }
+        self.end.recv(Into::Recv, rl)?;
+        self.end.mark()?;
         self.pending = Some(rl);
         Ok(())
     }
@@ -573,7 +791,7 @@ impl RemoteTier for NcclTier {
             Some(Instant::now() + self.timeout),
             None,
         )?;
-        unpack_reply(self.end.download(rl)?)
+        unpack_reply(self.end.download(Into::Recv, rl)?)
     }
 
     fn kind(&self) -> &'static str {
@@ -615,27 +833,96 @@ pub fn serve_blocking(
     join_timeout: Duration,
 ) -> Result<()> {
     let mut end = End::open(ordinal, id, 1, Instant::now() + join_timeout)?;
-    let (mut buf, mut out, mut req) = (Vec::new(), Vec::new(), ColdRequest::default());
-    let mut msg = Vec::new();
+    let mut req = ColdRequest::default();
+    let (mut out, mut msg) = (Vec::new(), Vec::new());
+    let mut first = Vec::new();
     loop {
-        end.post(&[], PREAMBLE, false)?;
+        end.recv(Into::Recv, SLOT)?;
+        end.mark()?;
         end.wait("waiting for a request", None, Some(stop))?;
-        let (flen, rl) = parse_preamble(end.download(PREAMBLE)?)?;
-        end.post(&[], flen, false)?;
-        end.wait(
-            "receiving a request",
-            Some(Instant::now() + Duration::from_secs(30)),
-            Some(stop),
-        )?;
-        buf.clear();
-        buf.extend_from_slice(end.download(flen)?);
-        crate::handle_frame(svc, &mut buf, &mut req, &mut out);
-        pack_reply(&buf, rl, req.step, req.layer, req.epoch, &mut msg);
-        end.upload(&msg)?;
-        end.post(&[(0, rl)], 0, false)?;
+        // the preamble and, for a small request, its frame, in one copy
+        first.clear();
+        first.extend_from_slice(end.download(Into::Recv, SLOT.min(PREAMBLE + 4096))?);
+        let (flen, rl, na) = parse_preamble(&first[..PREAMBLE])?;
+        let (acts_in, acts_off) = match inline_offset(flen, na) {
+            Some(off) => {
+                if PREAMBLE + flen > first.len() {
+                    first.clear();
+                    first.extend_from_slice(end.download(Into::Recv, PREAMBLE + flen)?);
+                }
+                first.drain(..PREAMBLE);
+                first.truncate(flen);
+                (Into::Recv, off)
+            }
+            None => {
+                end.recv(Into::Recv, flen)?;
+                end.recv(Into::Acts, 4 * na)?;
+                end.mark()?;
+                end.wait(
+                    "receiving a request",
+                    Some(Instant::now() + Duration::from_secs(30)),
+                    Some(stop),
+                )?;
+                first.clear();
+                first.extend_from_slice(end.download(Into::Recv, flen)?);
+                (Into::Acts, 0)
+            }
+        };
+        let decoded = frame::decode_request(&first, &mut req).map_err(|e| e.to_string());
+        // the reply buffer holds the head and the outputs (written on the GPU or uploaded)
+        End::grow(&mut end.send, &end.stream, rl)?;
+        let room = (rl - REPLY_HEAD) / 4;
+        let acts_buf = match acts_in {
+            Into::Recv => &end.recv,
+            Into::Acts => &end.acts,
+        };
+        let (acts, outs) = (
+            acts_buf.device_ptr(&end.stream).0 + acts_off as u64,
+            end.send.device_ptr(&end.stream).0 + REPLY_HEAD as u64,
+        );
+        let on_device = match &decoded {
+            // SAFETY: `acts` holds the na floats just received and `outs` room floats of the
+            // reply buffer (grown above; 16-byte aligned: allocations are 256-byte aligned,
+            // the head 64 bytes), both on this link's GPU and idle until the reply is sent.
+            Ok(()) => unsafe { svc.serve_device(&req, ordinal, acts, na, outs, room) },
+            Err(_) => None,
+        };
+        match on_device {
+            Some(Ok(floats)) => {
+                end.upload(&reply_head(
+                    true,
+                    req.step,
+                    req.layer,
+                    req.epoch,
+                    4 * floats,
+                ))?;
+            }
+            Some(Err(e)) => {
+                pack_reply(&Err(e), rl, req.step, req.layer, req.epoch, &mut msg);
+                end.upload(&msg)?;
+            }
+            None => {
+                let rep: std::result::Result<&[f32], String> = match decoded {
+                    Err(e) => Err(e),
+                    Ok(()) => match end.download_at(acts_in, acts_off, 4 * na) {
+                        Err(e) => Err(e.to_string()),
+                        Ok(a) => {
+                            req.activations.clear();
+                            req.activations.extend(
+                                a.chunks_exact(4)
+                                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+                            );
+                            svc.serve(&req, &mut out).map(|()| &out[..])
+                        }
+                    },
+                };
+                pack_reply(&rep, rl, req.step, req.layer, req.epoch, &mut msg);
+                end.upload(&msg)?;
+            }
+        }
+        end.send(0, rl)?;
     }
 }
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -660,58 +947,73 @@ mod tests {
 
     #[test]
     fn preamble_and_reply_framing() {
-        let p = preamble(100, reply_len(3, 64));
-        assert_eq!(parse_preamble(&p).unwrap(), (100, reply_len(3, 64)));
+        let p = preamble(100, reply_len(3, 64), 128);
+        assert_eq!(parse_preamble(&p).unwrap(), (100, reply_len(3, 64), 128));
         let mut bad = p;
         bad[0] ^= 1;
         assert!(parse_preamble(&bad)
             .unwrap_err()
             .to_string()
             .contains("magic"));
-        let mut v2 = p;
-        v2[4] = 9;
-        assert!(parse_preamble(&v2)
+        let mut v9 = p;
+        v9[4] = 9;
+        assert!(parse_preamble(&v9)
             .unwrap_err()
             .to_string()
             .contains("version 9"));
-        assert!(parse_preamble(&preamble(0, 4096)).is_err());
-        assert!(parse_preamble(&preamble(10, 20)).is_err());
+        assert!(parse_preamble(&preamble(0, 4096, 0)).is_err());
+        assert!(parse_preamble(&preamble(10, 20, 0)).is_err());
+        assert!(parse_preamble(&preamble(10, 4096, usize::MAX >> 1)).is_err());
         assert!(parse_preamble(&p[..8]).is_err());
+        // small requests travel whole in the first message, activations 16-byte aligned
+        assert_eq!(inline_offset(100, 10), Some(144));
+        assert_eq!(inline_offset(0, 0), Some(32));
+        assert_eq!(inline_offset(100, 16 * 1024), None);
+        let big = SLOT / 4 - 40;
+        assert_eq!(
+            inline_offset(8, big).map(|o| o + 4 * big <= SLOT),
+            Some(true)
+        );
 
-        // an ok reply fits exactly the length the primary expects
-        let rep = ColdReply {
-            step: 4,
-            layer: 1,
-            epoch: 2,
-            outputs: vec![0.25; 3 * 64],
-        };
-        let mut f = Vec::new();
-        frame::encode_reply(&Ok(rep.clone()), 4, 1, 2, &mut f);
+        // an ok reply fits exactly the length the primary expects, outputs 16-byte aligned
+        let outs = vec![0.25f32; 3 * 64];
         let rl = reply_len(3, 64);
         let mut m = Vec::new();
-        pack_reply(&f, rl, 4, 1, 2, &mut m);
+        pack_reply(&Ok(&outs[..]), rl, 4, 1, 2, &mut m);
         assert_eq!(m.len(), rl);
-        assert_eq!(unpack_reply(&m).unwrap(), rep);
+        assert_eq!(REPLY_HEAD % 16, 0);
+        let r = unpack_reply(&m).unwrap();
+        assert_eq!((r.step, r.layer, r.epoch), (4, 1, 2));
+        assert_eq!(r.outputs, outs);
         // an error reply is padded to the same length and comes back as the error
-        frame::encode_reply(&Err("epoch mismatch".into()), 4, 1, 2, &mut f);
-        pack_reply(&f, rl, 4, 1, 2, &mut m);
+        pack_reply(&Err("epoch mismatch".into()), rl, 4, 1, 2, &mut m);
         assert_eq!(m.len(), rl);
         let e = unpack_reply(&m).unwrap_err().to_string();
         assert!(e.contains("epoch mismatch"), "{e}");
-        // a reply larger than expected becomes an error that fits
-        let big = ColdReply {
-            outputs: vec![1.0; 10 * 64],
-            ..rep
-        };
-        frame::encode_reply(&Ok(big), 4, 1, 2, &mut f);
-        pack_reply(&f, rl, 4, 1, 2, &mut m);
+        // outputs larger than expected become an error that fits
+        let big = vec![1.0f32; 10 * 64];
+        pack_reply(&Ok(&big[..]), rl, 4, 1, 2, &mut m);
         assert_eq!(m.len(), rl);
         let e = unpack_reply(&m).unwrap_err().to_string();
         assert!(e.contains("exceeds"), "{e}");
-        // a length word past the message is an error, not a panic
+        // a long error is cut to fit, never past the message
+        let long = "x".repeat(10 * rl);
+        pack_reply(&Err(long), rl, 4, 1, 2, &mut m);
+        assert_eq!(m.len(), rl);
+        assert!(unpack_reply(&m).is_err());
+        // a length past the message, a bad magic or status, a short message: errors
         let mut lie = m.clone();
-        lie[..8].copy_from_slice(&(u64::MAX).to_le_bytes());
+        lie[32..40].copy_from_slice(&u64::MAX.to_le_bytes());
         assert!(unpack_reply(&lie).is_err());
-        assert!(unpack_reply(&m[..4]).is_err());
+        let mut st = m.clone();
+        st[4] = 7;
+        assert!(unpack_reply(&st)
+            .unwrap_err()
+            .to_string()
+            .contains("status 7"));
+        let mut mg = m.clone();
+        mg[0] ^= 1;
+        assert!(unpack_reply(&mg).is_err());
+        assert!(unpack_reply(&m[..40]).is_err());
     }
 }

@@ -402,6 +402,25 @@ pub fn nccl_sidecar(model: &str, seed: u64, device: &str, id: &str) -> Result<()
                 .serve(req, out)
                 .map_err(|e| e.to_string())
         }
+        unsafe fn serve_device(
+            &self,
+            req: &moelane_engine::tier::ColdRequest,
+            ordinal: usize,
+            acts: u64,
+            acts_len: usize,
+            out: u64,
+            out_len: usize,
+        ) -> Option<std::result::Result<usize, String>> {
+            let mut g = self.0.lock().ok()?;
+            if g.experts.ordinal() != ordinal {
+                return None;
+            }
+            // SAFETY: the link's guarantee (see the trait)
+            Some(
+                unsafe { g.serve_device(req, acts, acts_len, out, out_len) }
+                    .map_err(|e| e.to_string()),
+            )
+        }
     }
     let svc: std::sync::Arc<dyn moelane_link::ColdService> =
         std::sync::Arc::new(Serve(std::sync::Mutex::new(GpuColdServer {

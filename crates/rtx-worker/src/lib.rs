@@ -155,8 +155,15 @@ pub struct SidecarCore {
     pub bytes_out: AtomicU64,
 }
 
-impl ColdService for SidecarCore {
-    fn serve(&self, req: &ColdRequest, out: &mut Vec<f32>) -> Result<(), String> {
+impl SidecarCore {
+    /// One request under the state lock: the epoch check, `compute` (given the bank), the
+    /// counters (`acts` floats in, one row per pick out).
+    fn serve_with(
+        &self,
+        req: &ColdRequest,
+        acts: usize,
+        compute: impl FnOnce(&ColdState) -> moelane_engine::Result<()>,
+    ) -> Result<(), String> {
         let t0 = Instant::now();
         let st = self
             .state
@@ -168,29 +175,69 @@ impl ColdService for SidecarCore {
                 req.epoch, st.epochs.epoch
             ));
         }
-        out.clear();
-        out.resize(req.picks.len() * st.bank.hidden, 0.0);
-        self.device
-            .compute(
+        compute(&st).map_err(|e| e.to_string())?;
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        self.picks
+            .fetch_add(req.picks.len() as u64, Ordering::Relaxed);
+        self.bytes_in
+            .fetch_add((acts * 4 + req.picks.len() * 8) as u64, Ordering::Relaxed);
+        self.bytes_out.fetch_add(
+            (req.picks.len() * st.bank.hidden * 4) as u64,
+            Ordering::Relaxed,
+        );
+        self.compute_ns
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+impl ColdService for SidecarCore {
+    fn serve(&self, req: &ColdRequest, out: &mut Vec<f32>) -> Result<(), String> {
+        self.serve_with(req, req.activations.len(), |st| {
+            out.clear();
+            out.resize(req.picks.len() * st.bank.hidden, 0.0);
+            self.device.compute(
                 &st.bank,
                 req.layer as usize,
                 &req.picks,
                 &req.activations,
                 out,
             )
-            .map_err(|e| e.to_string())?;
-        self.requests.fetch_add(1, Ordering::Relaxed);
-        self.picks
-            .fetch_add(req.picks.len() as u64, Ordering::Relaxed);
-        self.bytes_in.fetch_add(
-            (req.activations.len() * 4 + req.picks.len() * 8) as u64,
-            Ordering::Relaxed,
-        );
-        self.bytes_out
-            .fetch_add((out.len() * 4) as u64, Ordering::Relaxed);
-        self.compute_ns
-            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        Ok(())
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    unsafe fn serve_device(
+        &self,
+        req: &ColdRequest,
+        ordinal: usize,
+        acts: u64,
+        acts_len: usize,
+        out: u64,
+        out_len: usize,
+    ) -> Option<Result<usize, String>> {
+        let g = self.device.gpu()?;
+        let h = g.lock().ok()?.hidden();
+        if self.device.ordinal() != Some(ordinal) {
+            return None;
+        }
+        if h == 0 || acts_len % h != 0 || req.picks.len() * h > out_len {
+            return Some(Err(format!(
+                "{acts_len} activation floats and {} picks do not fit rows of {h} ({out_len} floats of room)",
+                req.picks.len()
+            )));
+        }
+        let floats = req.picks.len() * h;
+        Some(
+            self.serve_with(req, acts_len, |_| {
+                let mut g = g
+                    .lock()
+                    .map_err(|_| moelane_engine::Error::Gpu("GPU state poisoned".into()))?;
+                // SAFETY: the link's guarantee (see the trait): acts and out on this GPU
+                unsafe { g.compute_device(req.layer as usize, &req.picks, acts, acts_len / h, out) }
+            })
+            .map(|()| floats),
+        )
     }
 }
 
