@@ -31,6 +31,7 @@ use crate::kv::{SeqKv, BLOCK};
 use crate::model::{DenseWeights, RowPos};
 use crate::ops::Rope;
 use crate::rowmap::{Tier, ValidMap};
+use crate::sampling::TokenPick;
 
 /// The dense kernels' source, compiled at run time.
 pub const DENSE_CU: &str = include_str!("../../../kernels/dense.cu");
@@ -167,6 +168,7 @@ struct Funcs {
     combine: CudaFunction,
     silu_mul: CudaFunction,
     argmax: CudaFunction,
+    sample: CudaFunction,
     gen: CudaFunction,
     read_probe: CudaFunction,
     gemv: CudaFunction,
@@ -192,6 +194,7 @@ fn funcs(gpu: &Gpu) -> Result<Funcs> {
         combine: f("moe_combine")?,
         silu_mul: f("silu_mul")?,
         argmax: f("argmax_rows")?,
+        sample: f("sample_rows")?,
         gen: f("gen_weights")?,
         read_probe: f("read_probe")?,
         gemv: f("gemv_rows")?,
@@ -357,6 +360,9 @@ pub struct GpuModel {
     meta: Buf<i32>,
     logits: Buf<f32>,
     amax: Buf<i32>,
+    /// per logit row (temperature, top_p, u) of a sampling head, and its probabilities
+    spec: Buf<f64>,
+    probs: Buf<f32>,
     cold_src: Buf<f32>,
     cold_slots: Buf<i32>,
     host_meta: Vec<i32>,
@@ -413,8 +419,17 @@ pub enum Op {
     Moe(usize),
     Combine,
     DenseMlp(usize),
-    /// final norm and the LM head for the step's logit rows; with `true`, their argmax too
-    Head(bool),
+    /// final norm and the LM head for the step's logit rows, then what the step returns
+    Head(HeadOut),
+}
+
+/// What a step's head leaves for the host: the logits, or one token per logit row (the
+/// argmax, or drawn as [`GpuModel::set_picks`] says).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum HeadOut {
+    Logits,
+    Argmax,
+    Sample,
 }
 
 impl GpuModel {
@@ -518,6 +533,8 @@ impl GpuModel {
             meta: Buf::zeros(&st, 1)?,
             logits: Buf::zeros(&st, 1)?,
             amax: Buf::zeros(&st, 1)?,
+            spec: Buf::zeros(&st, 1)?,
+            probs: Buf::zeros(&st, 1)?,
             cold_src: Buf::zeros(&st, 1)?,
             cold_slots: Buf::zeros(&st, 1)?,
             host_meta: Vec::new(),
@@ -885,6 +902,7 @@ impl GpuModel {
         moved |= self.y.grow(&st, n * k * hs)?;
         moved |= self.logits.grow(&st, m * c.vocab_size)?;
         moved |= self.amax.grow(&st, m)?;
+        moved |= self.spec.grow(&st, 3 * m)?;
         if moved {
             self.generation += 1;
             self.captured.clear();
@@ -971,11 +989,41 @@ impl GpuModel {
             Op::Moe(ml) => self.moe(ml),
             Op::Combine => self.combine(),
             Op::DenseMlp(l) => self.dense_mlp(l),
-            Op::Head(argmax) => self.head(argmax),
+            Op::Head(out) => self.head(out),
         }
     }
 
-    fn head(&mut self, argmax: bool) -> Result<()> {
+    /// How this step's head samples: one pick per logit row (set after `begin`, before
+    /// the run that ends in `Op::Head(HeadOut::Sample)`). Grows the probabilities' scratch.
+    pub fn set_picks(&mut self, picks: &[TokenPick]) -> Result<()> {
+        if picks.len() != self.m {
+            return Err(Error::Gpu(format!(
+                "{} token picks for {} logit rows",
+                picks.len(),
+                self.m
+            )));
+        }
+        let st = self.st.clone();
+        if self.probs.grow(&st, self.m * self.cfg.vocab_size)? {
+            self.generation += 1;
+            self.captured.clear();
+            self.seen.clear();
+        }
+        let spec: Vec<f64> = picks
+            .iter()
+            .flat_map(|p| match *p {
+                TokenPick::Greedy => [0.0, 1.0, 0.0],
+                TokenPick::Sample {
+                    temperature,
+                    top_p,
+                    u,
+                } => [temperature as f64, top_p as f64, u],
+            })
+            .collect();
+        self.spec.write(&st, &spec)
+    }
+
+    fn head(&mut self, out: HeadOut) -> Result<()> {
         let c = &self.cfg;
         let (hs, v, m) = (c.hidden_size, c.vocab_size, self.m);
         if m == 0 {
@@ -984,11 +1032,29 @@ impl GpuModel {
         self.rmsnorm(self.x.p, self.o_lrows, self.norm.p, self.h.p, m)?;
         let head = self.head.as_ref().unwrap_or(&self.embed).p;
         self.gemm(head, v, hs, self.h.p, m, self.logits.p, 0.0)?;
-        if argmax {
-            let vi = v as i32;
-            let mut b = kargs![&self.logits.p, &self.amax.p, &vi];
-            // SAFETY: logits holds m rows of V; amax m ints (sized in `begin`).
-            unsafe { self.launch(&self.f.argmax, "argmax_rows", &mut b, grid(m, 1, 256, 0)) }?;
+        let vi = v as i32;
+        match out {
+            HeadOut::Logits => {}
+            HeadOut::Argmax => {
+                let mut b = kargs![&self.logits.p, &self.amax.p, &vi];
+                // SAFETY: logits holds m rows of V; amax m ints (sized in `begin`).
+                unsafe { self.launch(&self.f.argmax, "argmax_rows", &mut b, grid(m, 1, 256, 0)) }?;
+            }
+            HeadOut::Sample => {
+                if self.probs.len < m * v {
+                    return Err(Error::Gpu("a sampling head without set_picks".into()));
+                }
+                let mut b = kargs![
+                    &self.logits.p,
+                    &self.spec.p,
+                    &self.probs.p,
+                    &self.amax.p,
+                    &vi
+                ];
+                // SAFETY: logits and probs hold m rows of V, spec 3m doubles (written by
+                // set_picks), amax m ints.
+                unsafe { self.launch(&self.f.sample, "sample_rows", &mut b, grid(m, 1, 1024, 0)) }?;
+            }
         }
         Ok(())
     }

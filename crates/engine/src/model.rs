@@ -18,6 +18,7 @@ use crate::error::{Error, Result};
 use crate::kv::{KvCache, SeqKv};
 use crate::ops::{self, matmul, rmsnorm, Matrix, Rope};
 use crate::rowmap::{Tier, ValidMap};
+use crate::sampling::TokenPick;
 use crate::tier::{ColdRequest, RemoteTier};
 
 /// Attention and norms of one decoder layer.
@@ -593,7 +594,7 @@ impl Engine {
 
     /// As [`Engine::step`]; with `all_rows`, logits of every new token (`[rows, vocab]`).
     pub fn step_with(&mut self, seqs: &mut [SeqStep<'_>], all_rows: bool) -> Result<Vec<f32>> {
-        match self.step_timed(seqs, all_rows, false)? {
+        match self.step_timed(seqs, all_rows, None)? {
             StepOut::Logits(l) => Ok(l),
             StepOut::Ids(_) => Err(Error::Tier("step returned ids, not logits".into())),
         }
@@ -601,7 +602,14 @@ impl Engine {
 
     /// As [`Engine::step`], returning only each sequence's greedy next token.
     pub fn step_argmax(&mut self, seqs: &mut [SeqStep<'_>]) -> Result<Vec<u32>> {
-        match self.step_timed(seqs, false, true)? {
+        let picks = vec![TokenPick::Greedy; seqs.iter().filter(|s| !s.tokens.is_empty()).count()];
+        self.step_pick(seqs, &picks)
+    }
+
+    /// As [`Engine::step`], returning each sequence's next token as `picks` says (one per
+    /// sequence with new tokens): on the GPU the logits never leave it.
+    pub fn step_pick(&mut self, seqs: &mut [SeqStep<'_>], picks: &[TokenPick]) -> Result<Vec<u32>> {
+        match self.step_timed(seqs, false, Some(picks))? {
             StepOut::Ids(ids) => Ok(ids),
             StepOut::Logits(l) => Err(Error::Tier(format!(
                 "step returned {} logits, not ids",
@@ -614,10 +622,10 @@ impl Engine {
         &mut self,
         seqs: &mut [SeqStep<'_>],
         all_rows: bool,
-        argmax: bool,
+        picks: Option<&[TokenPick]>,
     ) -> Result<StepOut> {
         let t0 = Instant::now();
-        let r = self.step_inner(seqs, all_rows, argmax);
+        let r = self.step_inner(seqs, all_rows, picks);
         let ns = t0.elapsed().as_nanos() as u64;
         self.counters.step_ns += ns;
         self.counters.max_step_ns = self.counters.max_step_ns.max(ns);
@@ -628,7 +636,7 @@ impl Engine {
         &mut self,
         seqs: &mut [SeqStep<'_>],
         all_rows: bool,
-        argmax: bool,
+        picks: Option<&[TokenPick]>,
     ) -> Result<StepOut> {
         let c = self.cfg.clone();
         let hs = c.hidden_size;
@@ -666,9 +674,18 @@ impl Engine {
         if all_rows {
             last_rows = (0..n).collect();
         }
+        if let Some(p) = picks {
+            if p.len() != last_rows.len() {
+                return Err(Error::Tier(format!(
+                    "{} token picks for {} sequences with new tokens",
+                    p.len(),
+                    last_rows.len()
+                )));
+            }
+        }
         #[cfg(feature = "cuda")]
         if self.gpu.is_some() {
-            return self.step_gpu(seqs, &rows, &tokens, &last_rows, argmax);
+            return self.step_gpu(seqs, &rows, &tokens, &last_rows, picks);
         }
         self.x.resize(n * hs, 0.0);
         self.dense.embed(&tokens, &mut self.x)?;
@@ -693,12 +710,14 @@ impl Engine {
         self.step_no += 1;
         self.counters.steps += 1;
         self.counters.tokens += n as u64;
-        if argmax {
+        if let Some(picks) = picks {
             let v = c.vocab_size;
+            let mut scratch = Vec::new();
             return Ok(StepOut::Ids(
                 logits
                     .chunks_exact(v)
-                    .map(|r| crate::sampling::argmax(r) as u32)
+                    .zip(picks)
+                    .map(|(row, &p)| crate::sampling::pick_token(row, p, &mut scratch))
                     .collect(),
             ));
         }
@@ -713,7 +732,7 @@ impl Engine {
         rows: &[RowPos],
         tokens: &[u32],
         last_rows: &[usize],
-        argmax: bool,
+        picks: Option<&[TokenPick]>,
     ) -> Result<StepOut> {
         let c = self.cfg.clone();
         let (n, hs, k, ne) = (
@@ -827,9 +846,18 @@ impl Engine {
             .gpu
             .as_mut()
             .ok_or_else(|| Error::Gpu("GPU detached".into()))?;
-        ops.push(Op::Head(argmax));
+        use crate::cuda_model::HeadOut;
+        let head = match picks {
+            None => HeadOut::Logits,
+            Some(p) if p.iter().all(|p| *p == TokenPick::Greedy) => HeadOut::Argmax,
+            Some(p) => {
+                g.set_picks(p)?;
+                HeadOut::Sample
+            }
+        };
+        ops.push(Op::Head(head));
         g.run(&ops)?;
-        let out = if argmax {
+        let out = if head != HeadOut::Logits {
             g.download(None, Some(&mut gs.ids), &mut gs.picks)?;
             StepOut::Ids(gs.ids.clone())
         } else {

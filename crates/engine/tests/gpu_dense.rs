@@ -64,6 +64,23 @@ fn prompts(vocab: usize, n: usize) -> Vec<Vec<u32>> {
         .collect()
 }
 
+/// `mini` (seed 1) generated into a temporary directory, on the GPU under map `which` of
+/// [`maps`] (0 all hot, 1 split); None (the test skips) without a GPU.
+fn mini_on_gpu(which: usize) -> Option<(tempfile::TempDir, Checkpoint, Engine)> {
+    let gpu = gpu()?;
+    let dir = tempfile::tempdir().unwrap();
+    let p = moelane_engine::synth::Preset::by_name("mini").unwrap();
+    moelane_engine::synth::generate(&p, 1, dir.path()).unwrap();
+    let ckpt = Checkpoint::open(dir.path()).unwrap();
+    let opts = EngineOptions {
+        kv_tokens: 8192,
+        progress: false,
+    };
+    let (_, map) = maps(&ckpt, p.hot).remove(which);
+    let e = load_on_gpu(&ckpt, map, &opts, gpu).unwrap();
+    Some((dir, ckpt, e))
+}
+
 /// Prefill `prompt`, then `decode` greedy steps; the trace of every step and its logits.
 fn traced(e: &mut Engine, prompt: &[u32], decode: usize) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
     e.trace = Some(Vec::new());
@@ -156,17 +173,9 @@ fn gpu_step_matches_the_cpu_backend() {
 fn gpu_batched_steps_and_argmax_match_single() {
     // several sequences in one step (mixed prefill and decode rows) give each sequence the
     // same greedy tokens as running it alone; step_argmax equals argmax of step's logits
-    let Some(gpu) = gpu() else { return };
-    let dir = tempfile::tempdir().unwrap();
-    let p = moelane_engine::synth::Preset::by_name("mini").unwrap();
-    moelane_engine::synth::generate(&p, 1, dir.path()).unwrap();
-    let ckpt = Checkpoint::open(dir.path()).unwrap();
-    let opts = EngineOptions {
-        kv_tokens: 8192,
-        progress: false,
+    let Some((_dir, ckpt, mut e)) = mini_on_gpu(1) else {
+        return;
     };
-    let (_, map) = maps(&ckpt, p.hot).remove(1);
-    let mut e = load_on_gpu(&ckpt, map, &opts, gpu).unwrap();
     let ps = prompts(ckpt.config.vocab_size, 8);
     let alone: Vec<Vec<u32>> = ps.iter().map(|p| e.greedy(p, 12).unwrap()).collect();
     let mut seqs: Vec<_> = ps.iter().map(|_| e.kv.new_seq()).collect();
@@ -246,4 +255,62 @@ fn kernels_compile_with_nvrtc_for_each_supported_architecture() {
             }
         }
     }
+}
+
+#[test]
+fn gpu_sampling_follows_the_host_rule() {
+    // the same prompt prefilled twice: once returning logits (sampled on the host by
+    // sampling::pick_token), once sampled on the GPU with the same (temperature, top_p, u)
+    use moelane_engine::sampling::{pick_token, TokenPick};
+    let Some((_dir, ckpt, mut e)) = mini_on_gpu(0) else {
+        return;
+    };
+    let ps = prompts(ckpt.config.vocab_size, 40);
+    let mut rng = Rng::new(9);
+    let (mut same, mut total, mut scratch) = (0, 0, Vec::new());
+    for (i, prompt) in ps.iter().enumerate() {
+        for (t, top_p) in [
+            (0.0f32, 1.0f32),
+            (0.7, 0.9),
+            (1.0, 1.0),
+            (1.5, 0.5),
+            (1.0, 0.95),
+        ] {
+            let pick = if t == 0.0 {
+                TokenPick::Greedy
+            } else {
+                TokenPick::Sample {
+                    temperature: t,
+                    top_p,
+                    u: rng.uniform_f64(),
+                }
+            };
+            let mut a = e.kv.new_seq();
+            let logits = e
+                .step(&mut [SeqStep {
+                    kv: &mut a,
+                    tokens: prompt,
+                }])
+                .unwrap();
+            let want = pick_token(&logits, pick, &mut scratch);
+            let mut b = e.kv.new_seq();
+            let got = e
+                .step_pick(
+                    &mut [SeqStep {
+                        kv: &mut b,
+                        tokens: prompt,
+                    }],
+                    &[pick],
+                )
+                .unwrap()[0];
+            drop((a, b)); // their KV blocks go back
+            same += (got == want) as usize;
+            total += 1;
+            if pick == TokenPick::Greedy {
+                assert_eq!(got, want, "prompt {i}: greedy");
+            }
+        }
+    }
+    eprintln!("GPU sampling: {same}/{total} tokens identical to the host rule on the same logits");
+    assert!(same * 100 >= total * 98, "only {same}/{total}");
 }

@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use moelane_engine::kv::{KvCache, SeqKv};
 use moelane_engine::model::{Engine, SeqStep};
-use moelane_engine::sampling::{Sampler, SamplingParams};
+use moelane_engine::sampling::{Sampler, SamplingParams, TokenPick};
 use moelane_proto::Category;
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -322,7 +322,13 @@ impl Scheduler {
         if self.running.is_empty() {
             return;
         }
-        let vocab = self.engine.cfg.vocab_size;
+        // each request's next token: greedy or its next draw, picked where the logits are
+        // (on the GPU they never leave it)
+        let picks: Vec<TokenPick> = self
+            .running
+            .iter_mut()
+            .map(|r| r.sampler.next_pick())
+            .collect();
         let result = {
             let mut steps: Vec<SeqStep> = self
                 .running
@@ -332,9 +338,9 @@ impl Scheduler {
                     tokens: &r.next,
                 })
                 .collect();
-            self.engine.step(&mut steps)
+            self.engine.step_pick(&mut steps, &picks)
         };
-        let logits = match result {
+        let ids = match result {
             Ok(l) => l,
             Err(e) => {
                 let category = match &e {
@@ -360,7 +366,7 @@ impl Scheduler {
             if r.generated == 0 {
                 self.stats.prompt_tokens += r.req.prompt.len() as u64;
             }
-            let tok = r.sampler.sample(&logits[i * vocab..(i + 1) * vocab]);
+            let tok = ids[i];
             if r.generated == 0 {
                 r.phase = tracing::info_span!(
                     parent: &r.req.span,
