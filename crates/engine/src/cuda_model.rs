@@ -1205,18 +1205,9 @@ impl GpuModel {
 
     /// Downloads MoE layer `ml`'s picks `[n, k]` and normed activations `[n, H]` (waits).
     pub fn fetch_route(&mut self, ml: usize, idx: &mut Vec<i32>, h: &mut Vec<f32>) -> Result<()> {
-        let c = &self.cfg;
-        let (n, k, hs) = (self.n, c.num_experts_per_tok, c.hidden_size);
-        idx.resize(n * k, 0);
-        h.resize(n * hs, 0.0);
-        self.st
-            .memcpy_dtoh(
-                &self.idx.s.slice(ml * n * k..(ml + 1) * n * k),
-                &mut idx[..],
-            )
-            .map_err(|e| gerr("copying picks from the GPU", e))?;
+        h.resize(self.n * self.cfg.hidden_size, 0.0);
         self.h.read(&self.st, &mut h[..])?;
-        self.sync()
+        self.fetch_picks(ml, idx)
     }
 
     /// The hot experts' outputs of MoE layer `ml` into their pick slots.
@@ -1271,26 +1262,50 @@ impl GpuModel {
         Ok(())
     }
 
-    /// The cold tier's outputs (`src [slots.len(), H]`) into pick slots.
-    pub fn scatter(&mut self, slots: &[i32], src: &[f32]) -> Result<()> {
+    /// Downloads MoE layer `ml`'s picks `[n, k]` only (waits): the activations stay here,
+    /// for a link that sends from device memory ([`Self::normed_rows`]).
+    pub fn fetch_picks(&mut self, ml: usize, idx: &mut Vec<i32>) -> Result<()> {
+        let (n, k) = (self.n, self.cfg.num_experts_per_tok);
+        idx.resize(n * k, 0);
+        self.st
+            .memcpy_dtoh(
+                &self.idx.s.slice(ml * n * k..(ml + 1) * n * k),
+                &mut idx[..],
+            )
+            .map_err(|e| gerr("copying picks from the GPU", e))?;
+        self.sync()
+    }
+
+    /// This GPU's ordinal and the device address and length (floats) of the step's normed
+    /// rows `[n, H]` (the MoE input): complete after [`Self::fetch_picks`], unchanged until
+    /// the next layer's router runs.
+    pub fn normed_rows(&self) -> (usize, u64, usize) {
+        (self.gpu.ordinal, self.h.p, self.n * self.cfg.hidden_size)
+    }
+
+    /// As [`Self::scatter`], from `len` floats at device address `src` on this GPU (a link's
+    /// receive buffer).
+    ///
+    /// # Safety
+    /// `src` addresses `len` floats of this GPU's memory, complete (the host waited for
+    /// them) and unchanged until this model's stream is next synchronised.
+    pub unsafe fn scatter_from(&mut self, slots: &[i32], src: u64, len: usize) -> Result<()> {
         let hs = self.cfg.hidden_size;
         let nk = self.n * self.cfg.num_experts_per_tok;
         if slots.is_empty() {
             return Ok(());
         }
-        if src.len() != slots.len() * hs || slots.iter().any(|&s| s < 0 || s as usize >= nk) {
+        if len != slots.len() * hs || slots.iter().any(|&s| s < 0 || s as usize >= nk) {
             return Err(Error::Tier(format!(
-                "cold outputs: {} floats for {} slots (of {nk})",
-                src.len(),
+                "cold outputs: {len} floats for {} slots (of {nk})",
                 slots.len()
             )));
         }
         let st = self.st.clone();
         self.cold_slots.write(&st, slots)?;
-        self.cold_src.write(&st, src)?;
         let h = hs as i32;
-        let mut b = kargs![&self.cold_src.p, &self.cold_slots.p, &self.y.p, &h];
-        // SAFETY: slots were checked < n*k; src holds slots.len() rows.
+        let mut b = kargs![&src, &self.cold_slots.p, &self.y.p, &h];
+        // SAFETY: slots were checked < n*k; src holds slots.len() rows (the caller's word).
         unsafe {
             self.launch(
                 &self.f.scatter,
@@ -1298,8 +1313,25 @@ impl GpuModel {
                 &mut b,
                 grid(slots.len(), 1, 256, 0),
             )
-        }?;
-        Ok(())
+        }
+    }
+
+    /// The cold tier's outputs (`src [slots.len(), H]`) into pick slots.
+    pub fn scatter(&mut self, slots: &[i32], src: &[f32]) -> Result<()> {
+        if slots.is_empty() {
+            return Ok(());
+        }
+        if src.len() != slots.len() * self.cfg.hidden_size {
+            return Err(Error::Tier(format!(
+                "cold outputs: {} floats for {} slots",
+                src.len(),
+                slots.len()
+            )));
+        }
+        let st = self.st.clone();
+        self.cold_src.write(&st, src)?;
+        // SAFETY: cold_src now holds src (stream-ordered before the kernel)
+        unsafe { self.scatter_from(slots, self.cold_src.p, src.len()) }
     }
 
     /// x += the picks' outputs weighted by the router, in rank order.

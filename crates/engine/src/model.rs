@@ -410,20 +410,31 @@ fn recv_cold(
         .ok_or_else(|| Error::Tier("cold tier vanished".into()))?;
     let reply = cold.recv()?;
     *wait_ns += t0.elapsed().as_nanos() as u64;
+    check_reply(&reply, step, ml, epoch, reply.outputs.len(), picks * hs)?;
+    Ok(reply)
+}
+
+/// A reply must answer the request sent (step, layer, epoch) with `want` floats.
+fn check_reply(
+    reply: &crate::tier::ColdReply,
+    step: u64,
+    ml: usize,
+    epoch: u64,
+    got: usize,
+    want: usize,
+) -> Result<()> {
     if reply.step != step || reply.layer != ml as u32 || reply.epoch != epoch {
         return Err(Error::Tier(format!(
             "cold reply for step {} layer {} epoch {}, expected step {step} layer {ml} epoch {epoch}",
             reply.step, reply.layer, reply.epoch
         )));
     }
-    if reply.outputs.len() != picks * hs {
+    if got != want {
         return Err(Error::Tier(format!(
-            "cold reply has {} floats, {picks} picks need {}",
-            reply.outputs.len(),
-            picks * hs
+            "cold reply has {got} floats, the picks need {want}"
         )));
     }
-    Ok(reply)
+    Ok(())
 }
 
 /// Per-layer counters the residency actor consumes.
@@ -768,7 +779,16 @@ impl Engine {
                             .ok_or_else(|| Error::Gpu("GPU detached".into()))?;
                         g.run(&ops)?;
                         ops.clear();
-                        g.fetch_route(ml, &mut gs.idx, &mut gs.h)?;
+                        // a link between GPUs sends the activations from here: only the
+                        // picks come to the host
+                        let (ord, h_dev, h_len) = g.normed_rows();
+                        let on_device =
+                            self.cold.as_ref().and_then(|t| t.device_ordinal()) == Some(ord);
+                        if on_device {
+                            g.fetch_picks(ml, &mut gs.idx)?;
+                        } else {
+                            g.fetch_route(ml, &mut gs.idx, &mut gs.h)?;
+                        }
                         // the cold picks, rows deduplicated, in pick order (as on the CPU)
                         let mut cold_picks = Vec::new();
                         let mut cold_rows: Vec<u32> = Vec::new();
@@ -787,7 +807,8 @@ impl Engine {
                                         cold_rows.push(r as u32);
                                     }
                                     cold_picks.push(Pick {
-                                        row: row_of[r],
+                                        // all n rows travel on the device path
+                                        row: if on_device { r as u32 } else { row_of[r] },
                                         expert: e as u16,
                                     });
                                     gs.slots.push((r * k + j) as i32);
@@ -796,7 +817,23 @@ impl Engine {
                         }
                         let sent = !cold_picks.is_empty();
                         let (step, epoch) = (self.step_no, self.map.epoch());
-                        if sent {
+                        if sent && on_device {
+                            let cold = self
+                                .cold
+                                .as_mut()
+                                .ok_or_else(|| Error::Tier("cold tier vanished".into()))?;
+                            let req = ColdRequest {
+                                step,
+                                layer: ml as u32,
+                                epoch,
+                                picks: cold_picks,
+                                activations: Vec::new(),
+                            };
+                            // SAFETY: h holds the step's n normed rows, complete (fetch_picks
+                            // waited for the stream) and unchanged until the reply is in:
+                            // the next writer is the next layer's router, queued after it.
+                            unsafe { cold.send_device(req, h_dev, h_len) }?;
+                        } else if sent {
                             send_cold(
                                 &mut self.cold,
                                 step,
@@ -814,7 +851,21 @@ impl Engine {
                             .ok_or_else(|| Error::Gpu("GPU detached".into()))?;
                         // the hot experts run while the cold tier computes
                         g.run(&[Op::Moe(ml)])?;
-                        if sent {
+                        if sent && on_device {
+                            let t0 = Instant::now();
+                            let cold = self
+                                .cold
+                                .as_mut()
+                                .ok_or_else(|| Error::Tier("cold tier vanished".into()))?;
+                            let (reply, out, len) = cold.recv_device()?;
+                            self.counters.wait_ns[ml] += t0.elapsed().as_nanos() as u64;
+                            check_reply(&reply, step, ml, epoch, len, gs.slots.len() * hs)?;
+                            // SAFETY: `out` holds the reply's `len` floats on this GPU (the
+                            // link waited for them); the link's buffer is not reused before
+                            // this model's stream is next synchronised (the next exchange
+                            // starts with fetch_picks, which waits for it).
+                            unsafe { g.scatter_from(&gs.slots, out, len) }?;
+                        } else if sent {
                             let wait = &mut self.counters.wait_ns[ml];
                             let picks = gs.slots.len();
                             let reply =

@@ -39,6 +39,38 @@ pub trait RemoteTier: Send {
     fn recv(&mut self) -> Result<ColdReply>;
     /// Link kind, for metrics and logs.
     fn kind(&self) -> &'static str;
+
+    /// The GPU whose memory this link sends from and receives into, when it can take a
+    /// request's activations and give its outputs there ([`RemoteTier::send_device`]): an
+    /// NCCL link. None for links through host memory.
+    fn device_ordinal(&self) -> Option<usize> {
+        None
+    }
+
+    /// As `send`, with the activations in device memory of [`RemoteTier::device_ordinal`]'s
+    /// GPU: `acts_len` floats at `acts`, rows of the hidden size that `req.picks` index
+    /// (`req.activations` is empty).
+    ///
+    /// # Safety
+    /// `acts` addresses `acts_len` floats on that GPU, complete before the call and not
+    /// written until the reply has been received.
+    unsafe fn send_device(&mut self, req: ColdRequest, acts: u64, acts_len: usize) -> Result<()> {
+        let _ = (req, acts, acts_len);
+        Err(Error::Tier(format!(
+            "the {} link sends from host memory",
+            self.kind()
+        )))
+    }
+
+    /// Waits for the reply to the request sent last by `send_device`: its tags (`outputs`
+    /// empty) and the device address of its outputs (one row per pick) on the link's GPU,
+    /// valid until the next send.
+    fn recv_device(&mut self) -> Result<(ColdReply, u64, usize)> {
+        Err(Error::Tier(format!(
+            "the {} link receives into host memory",
+            self.kind()
+        )))
+    }
 }
 
 /// Resolves a request against a bank: checks the epoch the server can serve.

@@ -437,17 +437,33 @@ impl End {
     /// operations of one group to a peer over its channels, so a group of two sends does not
     /// match two receives posted one by one (it hangs); single operations match in order.
     fn send(&mut self, off: usize, len: usize) -> Result<()> {
+        if off + len > self.send.len() {
+            return Err(err(format!(
+                "send of bytes {off}..{} from a {}-byte buffer",
+                off + len,
+                self.send.len()
+            )));
+        }
+        let sp = self.send.device_ptr(&self.stream).0;
+        // SAFETY: [off, off + len) lies in the send buffer (checked), which lives as long as
+        // this link and is only written on this stream.
+        unsafe { self.send_from(sp + off as u64, len) }
+    }
+
+    /// Sends `len` bytes at device address `ptr` of this link's GPU: one NCCL call.
+    ///
+    /// # Safety
+    /// `ptr` addresses `len` bytes on this GPU, complete, unchanged until the send is done.
+    unsafe fn send_from(&mut self, ptr: u64, len: usize) -> Result<()> {
         if len == 0 {
             return Ok(());
         }
         self.bind()?;
         let cs = self.stream.cu_stream() as sys::cudaStream_t;
-        let sp = self.send.device_ptr(&self.stream).0;
-        // SAFETY: [off, off + len) lies in the send buffer (the callers upload or grow it
-        // first), which lives as long as this link.
+        // SAFETY: the caller's guarantee
         let r = unsafe {
             sys::ncclSend(
-                (sp as usize + off) as *const c_void,
+                ptr as *const c_void,
                 len,
                 sys::ncclDataType_t::ncclUint8,
                 self.peer,
@@ -660,9 +676,10 @@ pub fn pack_reply(
     out.resize(reply_len.max(REPLY_HEAD), 0);
 }
 
-/// Reads a reply message (see [`pack_reply`]).
-pub fn unpack_reply(b: &[u8]) -> Result<ColdReply> {
-    if b.len() < REPLY_HEAD {
+/// A reply's head: (ok, its tags with no outputs, payload bytes), checked against a message
+/// of `msg_len` bytes.
+fn parse_head(b: &[u8], msg_len: usize) -> Result<(bool, ColdReply, usize)> {
+    if b.len() < REPLY_HEAD || msg_len < REPLY_HEAD {
         return Err(err(format!(
             "reply of {} bytes, shorter than its head",
             b.len()
@@ -678,30 +695,42 @@ pub fn unpack_reply(b: &[u8]) -> Result<ColdReply> {
         return Err(err("not a reply (bad magic)"));
     }
     let len = u64_at(32);
-    if len > (b.len() - REPLY_HEAD) as u64 {
+    if len > (msg_len - REPLY_HEAD) as u64 {
         return Err(err(format!(
-            "reply payload of {len} bytes in a {}-byte message",
-            b.len()
+            "reply payload of {len} bytes in a {msg_len}-byte message"
         )));
     }
-    let payload = &b[REPLY_HEAD..REPLY_HEAD + len as usize];
-    match u32_at(4) {
-        0 if len % 4 == 0 => Ok(ColdReply {
-            step: u64_at(8),
-            layer: u32_at(16),
-            epoch: u64_at(24),
-            outputs: payload
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-        }),
-        0 => Err(err(format!("reply payload of {len} bytes is not floats"))),
-        1 => Err(Error::Tier(format!(
-            "sidecar error: {}",
-            String::from_utf8_lossy(payload)
-        ))),
-        s => Err(err(format!("reply status {s}"))),
+    let ok = match u32_at(4) {
+        0 if len % 4 == 0 => true,
+        0 => return Err(err(format!("reply payload of {len} bytes is not floats"))),
+        1 => false,
+        s => return Err(err(format!("reply status {s}"))),
+    };
+    let tags = ColdReply {
+        step: u64_at(8),
+        layer: u32_at(16),
+        epoch: u64_at(24),
+        outputs: Vec::new(),
+    };
+    Ok((ok, tags, len as usize))
+}
+
+fn sidecar_error(text: &[u8]) -> Error {
+    Error::Tier(format!("sidecar error: {}", String::from_utf8_lossy(text)))
+}
+
+/// Reads a reply message (see [`pack_reply`]).
+pub fn unpack_reply(b: &[u8]) -> Result<ColdReply> {
+    let (ok, mut rep, len) = parse_head(b, b.len())?;
+    let payload = &b[REPLY_HEAD..REPLY_HEAD + len];
+    if !ok {
+        return Err(sidecar_error(payload));
     }
+    rep.outputs = payload
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    Ok(rep)
 }
 
 /// The primary's end: a [`RemoteTier`] over NCCL.
@@ -736,52 +765,37 @@ impl NcclTier {
     }
 }
 
-impl RemoteTier for NcclTier {
-    fn send(&mut self, mut req: ColdRequest) -> Result<()> {
+impl NcclTier {
+    /// Stages the preamble and the frame of `req` (its activations taken out) in `msg`:
+    /// returns (frame bytes, reply length, where inline activations start).
+    fn stage(&mut self, req: &ColdRequest, acts: usize) -> Result<(usize, usize, Option<usize>)> {
         if self.pending.is_some() {
             return Err(err("a request is already in flight"));
         }
-        // the frame carries tags and picks; the activations follow as their own message
-        let acts = std::mem::take(&mut req.activations);
-        frame::encode_request(&req, &mut self.frame);
+        frame::encode_request(req, &mut self.frame);
         let flen = self.frame.len();
-        if flen > MAX_FRAME || acts.len() > MAX_FRAME / 4 {
+        if flen > MAX_FRAME || acts > MAX_FRAME / 4 {
             return Err(err(format!(
-                "request of {flen} bytes and {} activations is too large",
-                acts.len()
+                "request of {flen} bytes and {acts} activations is too large"
             )));
         }
         let rl = reply_len(req.picks.len(), self.hidden);
-        let inline = inline_offset(flen, acts.len());
+        let inline = inline_offset(flen, acts);
         self.msg.clear();
-        self.msg.extend_from_slice(&preamble(flen, rl, acts.len()));
+        self.msg.extend_from_slice(&preamble(flen, rl, acts));
         self.msg.extend_from_slice(&self.frame);
         if let Some(off) = inline {
             self.msg.resize(off, 0);
         }
-        for x in &acts {
-            self.msg.extend_from_slice(&x.to_le_bytes());
-        }
-        // the first message is always SLOT bytes (past what was uploaded: whatever the
-        // buffer held, ignored by the sidecar)
-        End::grow(
-            &mut self.end.send,
-            &self.end.stream,
-            SLOT.max(self.msg.len()),
-        )?;
-        self.end.upload(&self.msg)?;
-        self.end.send(0, SLOT)?;
-        if inline.is_none() {
-            self.end.send(PREAMBLE, flen)?;
-            self.end.send(PREAMBLE + flen, 4 * acts.len())?;
-        }
-        self.end.recv(Into::Recv, rl)?;
-        self.end.mark()?;
-        self.pending = Some(rl);
-        Ok(())
+        // the first message is always SLOT bytes (past what was written: whatever the buffer
+        // held, ignored by the sidecar)
+        let need = SLOT.max(self.msg.len() + 4 * acts);
+        End::grow(&mut self.end.send, &self.end.stream, need)?;
+        Ok((flen, rl, inline))
     }
 
-    fn recv(&mut self) -> Result<ColdReply> {
+    /// Waits for the reply to the request in flight; its length.
+    fn reply_in(&mut self) -> Result<usize> {
         let rl = self
             .pending
             .take()
@@ -791,6 +805,85 @@ impl RemoteTier for NcclTier {
             Some(Instant::now() + self.timeout),
             None,
         )?;
+        Ok(rl)
+    }
+
+    /// Posts the reply's receive and marks the request sent.
+    fn posted(&mut self, rl: usize) -> Result<()> {
+        self.end.recv(Into::Recv, rl)?;
+        self.end.mark()?;
+        self.pending = Some(rl);
+        Ok(())
+    }
+}
+
+impl RemoteTier for NcclTier {
+    fn send(&mut self, mut req: ColdRequest) -> Result<()> {
+        // the frame carries tags and picks; the activations follow it
+        let acts = std::mem::take(&mut req.activations);
+        let (flen, rl, inline) = self.stage(&req, acts.len())?;
+        for x in &acts {
+            self.msg.extend_from_slice(&x.to_le_bytes());
+        }
+        self.end.upload(&self.msg)?;
+        self.end.send(0, SLOT)?;
+        if inline.is_none() {
+            self.end.send(PREAMBLE, flen)?;
+            self.end.send(PREAMBLE + flen, 4 * acts.len())?;
+        }
+        self.posted(rl)
+    }
+
+    fn device_ordinal(&self) -> Option<usize> {
+        Some(self.end.ordinal)
+    }
+
+    unsafe fn send_device(&mut self, req: ColdRequest, acts: u64, acts_len: usize) -> Result<()> {
+        let (flen, rl, inline) = self.stage(&req, acts_len)?;
+        self.end.upload(&self.msg)?;
+        match inline {
+            Some(off) => {
+                // the activations join the first message on the device
+                let dst = self.end.send.device_ptr(&self.end.stream).0 + off as u64;
+                // SAFETY: the send buffer holds off + 4 acts_len bytes (grown by `stage`);
+                // `acts` is the caller's; the copy is ordered before the send on this stream.
+                unsafe {
+                    cudarc::driver::result::memcpy_dtod_async(
+                        dst,
+                        acts,
+                        4 * acts_len,
+                        self.end.stream.cu_stream(),
+                    )
+                }
+                .map_err(|e| err(format!("copying the activations on the GPU: {e:?}")))?;
+                self.end.send(0, SLOT)?;
+            }
+            None => {
+                self.end.send(0, SLOT)?;
+                self.end.send(PREAMBLE, flen)?;
+                // SAFETY: the caller's guarantee
+                unsafe { self.end.send_from(acts, 4 * acts_len) }?;
+            }
+        }
+        self.posted(rl)
+    }
+
+    fn recv_device(&mut self) -> Result<(ColdReply, u64, usize)> {
+        let rl = self.reply_in()?;
+        let (ok, tags, len) = parse_head(self.end.download(Into::Recv, REPLY_HEAD)?, rl)?;
+        if !ok {
+            return Err(sidecar_error(self.end.download_at(
+                Into::Recv,
+                REPLY_HEAD,
+                len,
+            )?));
+        }
+        let out = self.end.recv.device_ptr(&self.end.stream).0 + REPLY_HEAD as u64;
+        Ok((tags, out, len / 4))
+    }
+
+    fn recv(&mut self) -> Result<ColdReply> {
+        let rl = self.reply_in()?;
         unpack_reply(self.end.download(Into::Recv, rl)?)
     }
 

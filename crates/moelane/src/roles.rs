@@ -99,6 +99,23 @@ impl RemoteTier for Relink {
     fn kind(&self) -> &'static str {
         self.kind
     }
+    fn device_ordinal(&self) -> Option<usize> {
+        self.slot.lock().ok()?.as_ref()?.device_ordinal()
+    }
+    unsafe fn send_device(
+        &mut self,
+        req: moelane_engine::tier::ColdRequest,
+        acts: u64,
+        acts_len: usize,
+    ) -> moelane_engine::Result<()> {
+        // SAFETY: the caller's guarantee, passed on
+        self.call(|t| unsafe { t.send_device(req, acts, acts_len) })
+    }
+    fn recv_device(
+        &mut self,
+    ) -> moelane_engine::Result<(moelane_engine::tier::ColdReply, u64, usize)> {
+        self.call(|t| t.recv_device())
+    }
 }
 
 /// Counts link bytes and round trips of a tier (handles taken once; an atomic add each).
@@ -143,6 +160,32 @@ impl RemoteTier for Metered {
     }
     fn kind(&self) -> &'static str {
         self.inner.kind()
+    }
+    fn device_ordinal(&self) -> Option<usize> {
+        self.inner.device_ordinal()
+    }
+    unsafe fn send_device(
+        &mut self,
+        req: moelane_engine::tier::ColdRequest,
+        acts: u64,
+        acts_len: usize,
+    ) -> moelane_engine::Result<()> {
+        let bytes = acts_len * 4 + req.picks.len() * 8;
+        self.sent_at = Some(std::time::Instant::now());
+        // SAFETY: the caller's guarantee, passed on
+        unsafe { self.inner.send_device(req, acts, acts_len) }?;
+        self.sent.increment(bytes as u64);
+        Ok(())
+    }
+    fn recv_device(
+        &mut self,
+    ) -> moelane_engine::Result<(moelane_engine::tier::ColdReply, u64, usize)> {
+        let r = self.inner.recv_device()?;
+        if let Some(t) = self.sent_at.take() {
+            self.rtt.record(t.elapsed().as_secs_f64());
+        }
+        self.received.increment((r.2 * 4) as u64);
+        Ok(r)
     }
 }
 
