@@ -29,8 +29,10 @@
 //! against a deadline (the link timeout) and a stop flag, so a dead peer is an error and
 //! never a hang; NCCL calls block only to enqueue (`MOELANE_NCCL_BLOCKING=0` makes the
 //! communicator non-blocking, every call polled);
-//! dropping a link aborts its communicator. The primary's end stages its request and the reply
-//! through host memory (the engine's tier interface exchanges host slices).
+//! dropping a link aborts its communicator. A primary stepping on the link's GPU sends the
+//! activations from its device buffer and takes the outputs from the receive buffer
+//! ([`RemoteTier::send_device`], [`RemoteTier::recv_device`]); otherwise it stages them through
+//! host memory.
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
