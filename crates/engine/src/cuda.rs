@@ -31,12 +31,8 @@ pub const EXPERTS_CU: &str = include_str!("../../../kernels/experts.cu");
 /// Compiles `src` to PTX for `arch` ("sm_90") with NVRTC; a clear error where the NVRTC
 /// library cannot be loaded (cudarc would panic).
 pub fn nvrtc_compile(name: &str, src: &str, arch: &str) -> Result<Ptx> {
-    let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
-    // SAFETY: only opens the library by its candidate names.
-    let found = std::panic::catch_unwind(|| unsafe { cudarc::nvrtc::sys::is_culib_present() });
-    std::panic::set_hook(hook);
-    if !matches!(found, Ok(true)) {
+    // SAFETY: only tries to open the library by its candidate names.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(Error::Gpu(
             "the NVRTC library (libnvrtc.so.13) was not found".into(),
         ));
@@ -63,14 +59,15 @@ pub struct Gpu {
 impl Gpu {
     /// Opens device `ordinal` (fails with a clear error where there is no driver or device).
     pub fn open(ordinal: usize) -> Result<Arc<Gpu>> {
-        // cudarc panics when it cannot load libcuda: turn that into an error, quietly
-        let hook = std::panic::take_hook();
-        std::panic::set_hook(Box::new(|_| {}));
-        let n = std::panic::catch_unwind(CudaContext::device_count);
-        std::panic::set_hook(hook);
-        let n = n
-            .map_err(|_| Error::Gpu("the CUDA driver library (libcuda) was not found".into()))?
-            .map_err(|e| gpu_err("counting CUDA devices", e))?;
+        // cudarc panics when it cannot load libcuda: look for it first (no panic, and no
+        // swap of the process-wide panic hook, which races with other threads)
+        // SAFETY: only tries to open the library by its candidate names.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(Error::Gpu(
+                "the CUDA driver library (libcuda) was not found".into(),
+            ));
+        }
+        let n = CudaContext::device_count().map_err(|e| gpu_err("counting CUDA devices", e))?;
         if ordinal >= n as usize {
             return Err(Error::Gpu(format!(
                 "cuda:{ordinal}: this machine has {n} CUDA device(s)"

@@ -66,16 +66,13 @@ fn err(what: impl std::fmt::Display) -> Error {
 
 /// Whether libnccl can be loaded (cudarc would panic on first use where it cannot).
 pub fn available() -> Result<()> {
-    let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
     // SAFETY: only tries to open the library by its candidate names.
-    let found = std::panic::catch_unwind(|| unsafe { sys::is_culib_present() });
-    std::panic::set_hook(hook);
-    match found {
-        Ok(true) => Ok(()),
-        _ => Err(err(
+    if unsafe { sys::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(err(
             "the NCCL library (libnccl.so) was not found; install NCCL 2.28 or newer",
-        )),
+        ))
     }
 }
 
