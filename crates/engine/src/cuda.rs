@@ -46,6 +46,9 @@ pub fn nvrtc_compile(name: &str, src: &str, arch: &str) -> Result<Ptx> {
         .map_err(|e| gpu_err(&format!("NVRTC compiling {name} for {arch}"), e))
 }
 
+/// An expert resident on a GPU: its gate_up `[2I, H]` and down `[H, I]` weights.
+type ExpertPair = (CudaSlice<f32>, CudaSlice<f32>);
+
 /// One CUDA device.
 pub struct Gpu {
     pub ordinal: usize,
@@ -162,7 +165,7 @@ pub struct GpuExperts {
     f: CudaFunction,
     hidden: usize,
     inter: usize,
-    w: HashMap<(usize, usize), (CudaSlice<f32>, CudaSlice<f32>)>,
+    w: HashMap<(usize, usize), ExpertPair>,
     acts: CudaSlice<f32>,
     rows: CudaSlice<i32>,
     gate_up: CudaSlice<u64>,
@@ -430,6 +433,28 @@ impl GpuExperts {
         Ok(())
     }
 
+    /// The resident weights (gate_up, down) pick `p` of `layer` uses, checking its row is
+    /// one of `rows` activation rows.
+    fn weights_of<'a>(
+        w: &'a HashMap<(usize, usize), ExpertPair>,
+        layer: usize,
+        p: &Pick,
+        rows: usize,
+    ) -> Result<&'a ExpertPair> {
+        if p.row as usize >= rows {
+            return Err(Error::Tier(format!(
+                "pick row {} but {rows} activation rows",
+                p.row
+            )));
+        }
+        w.get(&(layer, p.expert as usize))
+            .ok_or(Error::NotResident {
+                layer,
+                expert: p.expert as usize,
+                tier: "gpu",
+            })
+    }
+
     /// As [`Self::compute`], with the activations (`rows` rows of H) and the outputs (one
     /// row of H per pick) in device memory of this GPU: nothing but the picks crosses the
     /// host (the NCCL link's sidecar computes from the received buffer into the reply).
@@ -454,19 +479,7 @@ impl GpuExperts {
         grow(&s, &mut self.act, n * self.inter)?;
         self.staging.clear();
         for p in picks {
-            if p.row as usize >= rows {
-                return Err(Error::Tier(format!(
-                    "pick row {} but {rows} activation rows",
-                    p.row
-                )));
-            }
-            if !self.w.contains_key(&(layer, p.expert as usize)) {
-                return Err(Error::NotResident {
-                    layer,
-                    expert: p.expert as usize,
-                    tier: "gpu",
-                });
-            }
+            Self::weights_of(&self.w, layer, p, rows)?;
             self.staging
                 .extend_from_slice(&(p.row as i32).to_le_bytes());
         }
@@ -503,19 +516,7 @@ impl GpuExperts {
         self.host_gu.clear();
         self.host_dn.clear();
         for p in picks {
-            if p.row as usize >= rows {
-                return Err(Error::Tier(format!(
-                    "pick row {} but {rows} activation rows",
-                    p.row
-                )));
-            }
-            let Some((gu, dn)) = self.w.get(&(layer, p.expert as usize)) else {
-                return Err(Error::NotResident {
-                    layer,
-                    expert: p.expert as usize,
-                    tier: "gpu",
-                });
-            };
+            let (gu, dn) = Self::weights_of(&self.w, layer, p, rows)?;
             let (gp, _g1) = gu.device_ptr(&s);
             let (dp, _g2) = dn.device_ptr(&s);
             self.host_rows.push(p.row as i32);

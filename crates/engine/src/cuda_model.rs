@@ -476,8 +476,7 @@ impl GpuModel {
         .map_err(|e| gerr("setting the cuBLAS workspace", e))?;
         let graphs = std::env::var("MOELANE_CUDA_GRAPHS").map_or(true, |v| v != "0");
         let pdl = gpu.cc.0 >= 9 && std::env::var("MOELANE_CUDA_PDL").map_or(true, |v| v != "0");
-        let on = |var: &str| std::env::var(var).map_or(true, |v| v != "0");
-        let prefetch = on("MOELANE_CUDA_PREFETCH");
+        let prefetch = std::env::var("MOELANE_CUDA_PREFETCH").map_or(true, |v| v != "0");
         let up = |v: &[f32]| Buf::from_host(&st, v);
         let mut layers = Vec::with_capacity(w.layers.len());
         for l in &w.layers {

@@ -300,9 +300,9 @@ struct End {
     ctx: Arc<CudaContext>,
 }
 
-/// Which device buffer a receive lands in.
+/// Which of an end's receive buffers: frames and replies, or a request's activations.
 #[derive(Clone, Copy)]
-enum Into {
+enum Inbox {
     Recv,
     Acts,
 }
@@ -392,7 +392,7 @@ impl End {
         }
         self.mark()?;
         self.wait("handshake", Some(deadline), None)?;
-        check_hello("handshake", self.download(Into::Recv, 8)?)
+        check_hello("handshake", self.download(Inbox::Recv, 8)?)
     }
 
     fn bind(&self) -> Result<()> {
@@ -474,13 +474,13 @@ impl End {
     }
 
     /// Receives `len` bytes into the start of buffer `into` (grown first): one NCCL call.
-    fn recv(&mut self, into: Into, len: usize) -> Result<()> {
+    fn recv(&mut self, into: Inbox, len: usize) -> Result<()> {
         if len == 0 {
             return Ok(());
         }
         let buf = match into {
-            Into::Recv => &mut self.recv,
-            Into::Acts => &mut self.acts,
+            Inbox::Recv => &mut self.recv,
+            Inbox::Acts => &mut self.acts,
         };
         Self::grow(buf, &self.stream, len)?;
         let rp = buf.device_ptr(&self.stream).0;
@@ -523,17 +523,25 @@ impl End {
         })
     }
 
+    fn inbox(&self, which: Inbox) -> &CudaSlice<u8> {
+        match which {
+            Inbox::Recv => &self.recv,
+            Inbox::Acts => &self.acts,
+        }
+    }
+
     /// The first `n` bytes of buffer `from`, copied to the host.
-    fn download(&mut self, from: Into, n: usize) -> Result<&[u8]> {
+    fn download(&mut self, from: Inbox, n: usize) -> Result<&[u8]> {
         self.download_at(from, 0, n)
     }
 
     /// Bytes `[off, off + n)` of buffer `from`, copied to the host.
-    fn download_at(&mut self, from: Into, off: usize, n: usize) -> Result<&[u8]> {
+    fn download_at(&mut self, from: Inbox, off: usize, n: usize) -> Result<&[u8]> {
         self.host.resize(n, 0);
+        // disjoint fields: `host` is written while the buffer is read
         let buf = match from {
-            Into::Recv => &self.recv,
-            Into::Acts => &self.acts,
+            Inbox::Recv => &self.recv,
+            Inbox::Acts => &self.acts,
         };
         if off + n > buf.len() {
             return Err(err(format!(
@@ -809,7 +817,7 @@ impl NcclTier {
 
     /// Posts the reply's receive and marks the request sent.
     fn posted(&mut self, rl: usize) -> Result<()> {
-        self.end.recv(Into::Recv, rl)?;
+        self.end.recv(Inbox::Recv, rl)?;
         self.end.mark()?;
         self.pending = Some(rl);
         Ok(())
@@ -869,10 +877,10 @@ impl RemoteTier for NcclTier {
 
     fn recv_device(&mut self) -> Result<(ColdReply, u64, usize)> {
         let rl = self.reply_in()?;
-        let (ok, tags, len) = parse_head(self.end.download(Into::Recv, REPLY_HEAD)?, rl)?;
+        let (ok, tags, len) = parse_head(self.end.download(Inbox::Recv, REPLY_HEAD)?, rl)?;
         if !ok {
             return Err(sidecar_error(self.end.download_at(
-                Into::Recv,
+                Inbox::Recv,
                 REPLY_HEAD,
                 len,
             )?));
@@ -883,7 +891,7 @@ impl RemoteTier for NcclTier {
 
     fn recv(&mut self) -> Result<ColdReply> {
         let rl = self.reply_in()?;
-        unpack_reply(self.end.download(Into::Recv, rl)?)
+        unpack_reply(self.end.download(Inbox::Recv, rl)?)
     }
 
     fn kind(&self) -> &'static str {
@@ -929,26 +937,26 @@ pub fn serve_blocking(
     let (mut out, mut msg) = (Vec::new(), Vec::new());
     let mut first = Vec::new();
     loop {
-        end.recv(Into::Recv, SLOT)?;
+        end.recv(Inbox::Recv, SLOT)?;
         end.mark()?;
         end.wait("waiting for a request", None, Some(stop))?;
         // the preamble and, for a small request, its frame, in one copy
         first.clear();
-        first.extend_from_slice(end.download(Into::Recv, SLOT.min(PREAMBLE + 4096))?);
+        first.extend_from_slice(end.download(Inbox::Recv, SLOT.min(PREAMBLE + 4096))?);
         let (flen, rl, na) = parse_preamble(&first[..PREAMBLE])?;
         let (acts_in, acts_off) = match inline_offset(flen, na) {
             Some(off) => {
                 if PREAMBLE + flen > first.len() {
                     first.clear();
-                    first.extend_from_slice(end.download(Into::Recv, PREAMBLE + flen)?);
+                    first.extend_from_slice(end.download(Inbox::Recv, PREAMBLE + flen)?);
                 }
                 first.drain(..PREAMBLE);
                 first.truncate(flen);
-                (Into::Recv, off)
+                (Inbox::Recv, off)
             }
             None => {
-                end.recv(Into::Recv, flen)?;
-                end.recv(Into::Acts, 4 * na)?;
+                end.recv(Inbox::Recv, flen)?;
+                end.recv(Inbox::Acts, 4 * na)?;
                 end.mark()?;
                 end.wait(
                     "receiving a request",
@@ -956,18 +964,15 @@ pub fn serve_blocking(
                     Some(stop),
                 )?;
                 first.clear();
-                first.extend_from_slice(end.download(Into::Recv, flen)?);
-                (Into::Acts, 0)
+                first.extend_from_slice(end.download(Inbox::Recv, flen)?);
+                (Inbox::Acts, 0)
             }
         };
         let decoded = frame::decode_request(&first, &mut req).map_err(|e| e.to_string());
         // the reply buffer holds the head and the outputs (written on the GPU or uploaded)
         End::grow(&mut end.send, &end.stream, rl)?;
         let room = (rl - REPLY_HEAD) / 4;
-        let acts_buf = match acts_in {
-            Into::Recv => &end.recv,
-            Into::Acts => &end.acts,
-        };
+        let acts_buf = end.inbox(acts_in);
         let (acts, outs) = (
             acts_buf.device_ptr(&end.stream).0 + acts_off as u64,
             end.send.device_ptr(&end.stream).0 + REPLY_HEAD as u64,
