@@ -160,43 +160,64 @@ extern "C" __global__ void qk_rope_kv(float* __restrict__ qkv, const float* __re
     }
 }
 
-// One (row, head) of attention: warps take positions 0..=pos in turn with an online softmax
-// (q in registers, lane + 32 d), merged by warp 0 into out[0..hd). cur_k / cur_v, when not
-// null, stand in for the cache's entries at pos. sacc holds nw * hd floats.
+#define ATT_AHEAD 4  // positions whose K/V rows a warp has in flight at once
+
+// One (row, head) of attention over positions [lo, hi): warps take them in turn with an
+// online softmax (q in registers, lane + 32 d), merged by warp 0 into out[0..hd), or, when
+// `part` is not null, into the unnormalised partial part = (max score, sum of weights,
+// weighted values [hd]) that attention_merge combines with the other ranges' (a range
+// without positions gives (-inf, 0, 0)). cur_k / cur_v, when not null, stand in for the
+// cache's entries at pos. sacc holds nw * hd floats.
 __device__ void attend(const float (&qv)[4], const float* __restrict__ kc,
                        const float* __restrict__ vc, const int* __restrict__ tab, int pos,
-                       int kvd, int goff, int hd, float scale, const float* cur_k,
-                       const float* cur_v, float* sacc, float* sm, float* sl,
-                       float* __restrict__ out) {
+                       int lo, int hi, int kvd, int goff, int hd, float scale,
+                       const float* cur_k, const float* cur_v, float* sacc, float* sm,
+                       float* sl, float* __restrict__ out, float* __restrict__ part) {
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     float m = -INFINITY, l = 0.f;
-    for (int j = w; j <= pos; j += nw) {
-        const float* kr;
-        const float* vr;
-        if (j == pos && cur_k != 0) {
-            kr = cur_k;
-            vr = cur_v;
-        } else {
-            const size_t off = ((size_t)tab[j / KV_BLOCK] * KV_BLOCK + j % KV_BLOCK) * kvd + goff;
-            kr = kc + off;
-            vr = vc + off;
+    // a warp's positions are w, w + nw, ... in order; it loads ATT_AHEAD of them at once
+    // (their K and V rows in registers), then folds them in one by one: the chain of
+    // dependent loads is ATT_AHEAD times shorter, the arithmetic and its order unchanged
+    for (int j0 = lo + w; j0 < hi; j0 += ATT_AHEAD * nw) {
+        float kk[ATT_AHEAD][4], vv[ATT_AHEAD][4];
+#pragma unroll
+        for (int u = 0; u < ATT_AHEAD; u++) {
+            const int j = j0 + u * nw;
+            const float* kr = cur_k;
+            const float* vr = cur_v;
+            if (j < hi && !(j == pos && cur_k != 0)) {
+                const size_t off = ((size_t)tab[j / KV_BLOCK] * KV_BLOCK + j % KV_BLOCK) * kvd + goff;
+                kr = kc + off;
+                vr = vc + off;
+            }
+#pragma unroll
+            for (int d = 0; d < 4; d++) {
+                const int i = lane + 32 * d;
+                const bool ok = j < hi && i < hd;
+                kk[u][d] = ok ? kr[i] : 0.f;
+                vv[u][d] = ok ? vr[i] : 0.f;
+            }
         }
-        float s = 0.f;
-        for (int d = 0; d < 4; d++) {
-            const int i = lane + 32 * d;
-            if (i < hd) s = fmaf(qv[d], kr[i], s);
+#pragma unroll
+        for (int u = 0; u < ATT_AHEAD; u++) {
+            if (j0 + u * nw >= hi) break;
+            float s = 0.f;
+            for (int d = 0; d < 4; d++) {
+                const int i = lane + 32 * d;
+                if (i < hd) s = fmaf(qv[d], kk[u][d], s);
+            }
+            s = warp_sum(s) * scale;
+            const float mn = fmaxf(m, s);
+            const float corr = expf(m - mn);
+            const float p = expf(s - mn);
+            l = l * corr + p;
+            for (int d = 0; d < 4; d++) {
+                const int i = lane + 32 * d;
+                if (i < hd) acc[d] = acc[d] * corr + p * vv[u][d];
+            }
+            m = mn;
         }
-        s = warp_sum(s) * scale;
-        const float mn = fmaxf(m, s);
-        const float corr = expf(m - mn);
-        const float p = expf(s - mn);
-        l = l * corr + p;
-        for (int d = 0; d < 4; d++) {
-            const int i = lane + 32 * d;
-            if (i < hd) acc[d] = acc[d] * corr + p * vr[i];
-        }
-        m = mn;
     }
     if (lane == 0) { sm[w] = m; sl[w] = l; }
     for (int d = 0; d < 4; d++) {
@@ -207,14 +228,24 @@ __device__ void attend(const float (&qv)[4], const float* __restrict__ kc,
     if (w == 0) {
         float mx = -INFINITY;
         for (int k = 0; k < nw; k++) mx = fmaxf(mx, sm[k]);
+        const bool none = mx == -INFINITY;
         float tot = 0.f;
-        for (int k = 0; k < nw; k++) tot += sl[k] * expf(sm[k] - mx);
+        if (!none)
+            for (int k = 0; k < nw; k++) tot += sl[k] * expf(sm[k] - mx);
+        if (part != 0 && lane == 0) {
+            part[0] = mx;
+            part[1] = tot;
+        }
         for (int d = 0; d < 4; d++) {
             const int i = lane + 32 * d;
             if (i >= hd) continue;
             float o = 0.f;
-            for (int k = 0; k < nw; k++) o += sacc[k * hd + i] * expf(sm[k] - mx);
-            out[i] = o / tot;
+            if (!none)
+                for (int k = 0; k < nw; k++) o += sacc[k * hd + i] * expf(sm[k] - mx);
+            if (part != 0)
+                part[2 + i] = o;
+            else
+                out[i] = o / tot;
         }
     }
 }
@@ -241,8 +272,8 @@ extern "C" __global__ void attention(const float* __restrict__ qkv, const float*
         const int i = lane + 32 * d;
         qv[d] = i < hd ? q[i] : 0.f;
     }
-    attend(qv, kc, vc, tab, pos, kvd, g * hd, hd, scale, 0, 0, sacc, sm, sl,
-           out + (size_t)r * qd + hh * hd);
+    attend(qv, kc, vc, tab, pos, 0, pos + 1, kvd, g * hd, hd, scale, 0, 0, sacc, sm, sl,
+           out + (size_t)r * qd + hh * hd, 0);
 }
 
 // Decode attention with the q/k norm, RoPE and KV write folded in (one kernel instead of
@@ -250,14 +281,17 @@ extern "C" __global__ void attention(const float* __restrict__ qkv, const float*
 // norms and rotates its q head and its group's k head itself, the first head of each group
 // writes K/V to the cache, and the current position is read from shared memory (another
 // block's cache write may not be visible yet); earlier positions come from the cache.
-// grid: (rows, nh); block: 32 * nw; dynamic shared memory: (nw + 3) * hd floats. hd <= 128.
-extern "C" __global__ void attention_decode(const float* __restrict__ qkv, const float* __restrict__ qn,
+// With S = gridDim.z > 1 (long contexts), block z takes the z-th of S equal ranges of the
+// row's positions and writes its partial to part [rows, nh, S, hd + 2] (attention_merge
+// then writes out), so a long context is read by S blocks at once, not one.
+// grid: (rows, nh, S); block: 32 * nw; dynamic shared memory: (nw + 3) * hd floats. hd <= 128.
+extern "C" __global__ void __launch_bounds__(512, 2) attention_decode(const float* __restrict__ qkv, const float* __restrict__ qn,
                                             const float* __restrict__ kn, const float* __restrict__ cos_t,
                                             const float* __restrict__ sin_t, float* __restrict__ kc,
                                             float* __restrict__ vc, const int* __restrict__ row_pos,
                                             const int* __restrict__ row_tab, const int* __restrict__ blocks,
                                             float* __restrict__ out, int nh, int nkv, int hd,
-                                            float eps, float scale) {
+                                            float eps, float scale, float* __restrict__ part) {
     PDL_ENTRY();
     extern __shared__ float sh[];
     __shared__ float sm[32], sl[32];
@@ -279,7 +313,7 @@ extern "C" __global__ void attention_decode(const float* __restrict__ qkv, const
         for (int i = lane; i < hd; i += 32) sv[i] = row[qd + kvd + g * hd + i];
     }
     __syncthreads();
-    if (hh % group == 0) {
+    if (hh % group == 0 && blockIdx.z == 0) {
         const size_t off = ((size_t)tab[pos / KV_BLOCK] * KV_BLOCK + pos % KV_BLOCK) * kvd + g * hd;
         for (int i = threadIdx.x; i < hd; i += blockDim.x) {
             kc[off + i] = sk[i];
@@ -291,8 +325,34 @@ extern "C" __global__ void attention_decode(const float* __restrict__ qkv, const
         const int i = lane + 32 * d;
         qv[d] = i < hd ? sq[i] : 0.f;
     }
-    attend(qv, kc, vc, tab, pos, kvd, g * hd, hd, scale, sk, sv, sh, sm, sl,
-           out + (size_t)r * qd + hh * hd);
+    const int S = gridDim.z, per = (pos + 1 + S - 1) / S;
+    const int lo = min(pos + 1, (int)blockIdx.z * per), hi = min(pos + 1, lo + per);
+    attend(qv, kc, vc, tab, pos, lo, hi, kvd, g * hd, hd, scale, sk, sv, sh, sm, sl,
+           out + (size_t)r * qd + hh * hd,
+           S > 1 ? part + (((size_t)r * nh + hh) * S + blockIdx.z) * (hd + 2) : 0);
+}
+
+// out[r, head hh] from the S partials of attention_decode: the softmax-weighted values of
+// every range rescaled to the largest score. grid: (rows, nh); block: >= hd threads.
+extern "C" __global__ void attention_merge(const float* __restrict__ part, float* __restrict__ out,
+                                           int nh, int hd, int S) {
+    PDL_ENTRY();
+    const int r = blockIdx.x, hh = blockIdx.y, i = threadIdx.x;
+    if (i >= hd) return;
+    const float* p = part + ((size_t)r * nh + hh) * S * (hd + 2);
+    float mx = -INFINITY;
+    for (int z = 0; z < S; z++)
+        if (p[(size_t)z * (hd + 2) + 1] > 0.f) mx = fmaxf(mx, p[(size_t)z * (hd + 2)]);
+    float tot = 0.f, o = 0.f;
+    for (int z = 0; z < S; z++) {
+        const float* q = p + (size_t)z * (hd + 2);
+        if (q[1] > 0.f) {
+            const float f = expf(q[0] - mx);
+            tot += q[1] * f;
+            o += q[2 + i] * f;
+        }
+    }
+    out[(size_t)r * nh * hd + hh * hd + i] = o / tot;
 }
 
 // Router: softmax of each row of logits [rows, E], then its top k (descending, ties to the

@@ -3,12 +3,7 @@
 # prefetch (MOELANE_CUDA_PREFETCH) off and on, side by side, a per-kernel profile, and an
 # Nsight Compute pass over one decode step's kernels (each kernel alone: its duration and DRAM
 # bytes). Binaries from scripts/gpu_build.sh, carried in .gpu/.
-set -uo pipefail
-OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
-export MOELANE_CACHE=/tmp/moelane-cache NCCL_NVLS_ENABLE=0
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
-BIN=$(cat .gpu/bin_path)
-mkdir -p "$(dirname "$BIN")" && cp .gpu/moelane "$BIN" && chmod +x "$BIN"
+source "$(dirname "$0")/gpu_env.sh"
 echo "== gpu_dense"; timeout 150 ./.gpu/gpu_dense --nocapture --test-threads 1 2>&1 | tee "$OUT/gpu_dense.log" | grep -E "SKIP|cosine|identical|test result|panicked"
 echo "== gpu_lane"; timeout 150 ./.gpu/gpu_lane --nocapture --test-threads 1 2>&1 | tee "$OUT/gpu_lane.log" | grep -E "SKIP|identical|test result|panicked"
 for pf in 0 1; do

@@ -161,6 +161,7 @@ struct Funcs {
     qk_rope_kv: CudaFunction,
     attention: CudaFunction,
     attention_decode: CudaFunction,
+    attention_merge: CudaFunction,
     route_topk: CudaFunction,
     moe_up: CudaFunction,
     moe_down: CudaFunction,
@@ -187,6 +188,7 @@ fn funcs(gpu: &Gpu) -> Result<Funcs> {
         qk_rope_kv: f("qk_rope_kv")?,
         attention: f("attention")?,
         attention_decode: f("attention_decode")?,
+        attention_merge: f("attention_merge")?,
         route_topk: f("route_topk")?,
         moe_up: f("moe_up")?,
         moe_down: f("moe_down")?,
@@ -389,9 +391,40 @@ pub struct GpuModel {
     pub prefetch: bool,
     /// bumped whenever a scratch buffer moves: graphs captured before hold stale addresses
     generation: u64,
-    captured: HashMap<(usize, usize, bool, u64, Vec<Op>), Graph>,
+    captured: HashMap<GraphKey, Graph>,
     profile: Option<std::sync::Mutex<Profile>>,
-    seen: HashMap<(usize, usize, bool, u64, Vec<Op>), u32>,
+    seen: HashMap<GraphKey, u32>,
+    /// decode attention's position ranges per (row, head) this step (1: one block reads the
+    /// whole context; see [`attention_splits`])
+    splits: usize,
+    /// split decode attention on (`MOELANE_CUDA_ATTN_SPLIT=0` or `set_split_attention`
+    /// turns it off)
+    split_attention: bool,
+    /// the ranges' partials, [n, heads, splits, head_dim + 2]
+    att_part: Buf<f32>,
+    /// blocks of decode attention the device holds at once (SMs times blocks per SM)
+    att_wave: usize,
+}
+
+/// Warps of a decode attention block.
+const ATT_WARPS: usize = 16;
+
+/// A captured run: (rows, logit rows, decode only, attention splits, scratch generation,
+/// the ops).
+type GraphKey = (usize, usize, bool, usize, u64, Vec<Op>);
+
+/// Position ranges of each decode row's attention for `rows` rows of `heads` heads, the
+/// longest context `len` positions, on a device that holds `wave` attention blocks at once:
+/// a power of two, each range at least 32 and (up to 64 ranges) at most 64 positions long,
+/// and no more ranges than keep every block in one wave (more only repeat each block's
+/// q/k norm for less work: measured slower at 16 rows). The count changes only at powers
+/// of two, so a captured step graph stays valid for many steps.
+pub fn attention_splits(len: usize, rows: usize, heads: usize, wave: usize) -> usize {
+    let by_len = len.div_ceil(64).next_power_of_two().clamp(1, 64);
+    let fit = (wave / (rows * heads).max(1)).max(1);
+    // the largest power of two <= fit
+    let by_wave = 1usize << (usize::BITS - 1 - fit.leading_zeros());
+    by_len.min(by_wave)
 }
 
 struct Profile {
@@ -477,6 +510,23 @@ impl GpuModel {
         let graphs = std::env::var("MOELANE_CUDA_GRAPHS").map_or(true, |v| v != "0");
         let pdl = gpu.cc.0 >= 9 && std::env::var("MOELANE_CUDA_PDL").map_or(true, |v| v != "0");
         let prefetch = std::env::var("MOELANE_CUDA_PREFETCH").map_or(true, |v| v != "0");
+        let att_wave = {
+            use cudarc::driver::sys::CUdevice_attribute_enum as A;
+            let sms = gpu
+                .ctx
+                .attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+                .map_err(|e| gerr("reading the SM count", e))? as usize;
+            let per = f
+                .attention_decode
+                .occupancy_max_active_blocks_per_multiprocessor(
+                    32 * ATT_WARPS as u32,
+                    (ATT_WARPS + 3) * cfg.head_dim * 4,
+                    None,
+                )
+                .map_err(|e| gerr("reading decode attention's occupancy", e))?
+                as usize;
+            sms * per.max(1)
+        };
         let up = |v: &[f32]| Buf::from_host(&st, v);
         let mut layers = Vec::with_capacity(w.layers.len());
         for l in &w.layers {
@@ -552,6 +602,10 @@ impl GpuModel {
             captured: HashMap::new(),
             profile: None,
             seen: HashMap::new(),
+            splits: 1,
+            split_attention: std::env::var("MOELANE_CUDA_ATTN_SPLIT").map_or(true, |v| v != "0"),
+            att_part: Buf::zeros(&st, 1)?,
+            att_wave,
             layers,
             cfg: cfg.clone(),
             f,
@@ -910,6 +964,18 @@ impl GpuModel {
         self.n = n;
         self.m = m;
         self.decode_only = n == seqs.len();
+        let longest = rows.iter().map(|r| r.pos + 1).max().unwrap_or(1);
+        self.splits = if self.decode_only && self.split_attention {
+            attention_splits(longest, n, c.num_attention_heads, self.att_wave)
+        } else {
+            1
+        };
+        let part = n * c.num_attention_heads * self.splits * (c.head_dim + 2);
+        if self.att_part.grow(&st, part)? {
+            self.generation += 1;
+            self.captured.clear();
+            self.seen.clear();
+        }
         Ok(())
     }
 
@@ -927,6 +993,7 @@ impl GpuModel {
             self.n,
             self.m,
             self.decode_only,
+            self.splits,
             self.generation,
             ops.to_vec(),
         );
@@ -1081,8 +1148,8 @@ impl GpuModel {
         let eps = c.rms_norm_eps;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         // 16 warps take the positions in turn: a decode row's chain of dependent loads is
-        // 1/16 of its context long
-        let nw = 16usize;
+        // 1/16 of its context (or of its range of it) long
+        let nw = ATT_WARPS;
         if self.decode_only {
             let mut b = kargs![
                 &self.qkv.p,
@@ -1100,19 +1167,29 @@ impl GpuModel {
                 &nkv,
                 &hd,
                 &eps,
-                &scale
+                &scale,
+                &self.att_part.p
             ];
+            let mut cfg = grid(n, c.num_attention_heads, 32 * nw, (nw + 3) * c.head_dim * 4);
+            cfg.grid_dim.2 = self.splits as u32;
             // SAFETY: positions < max_pos and their blocks < kv_blocks were checked in
-            // `begin`; qkv holds n rows of q_dim + 2 kv_dim, att n rows of q_dim; every row
-            // is its own sequence's (decode_only), so no two rows write one cache slot.
-            unsafe {
-                self.launch(
-                    &self.f.attention_decode,
-                    "attention_decode",
-                    &mut b,
-                    grid(n, c.num_attention_heads, 32 * nw, (nw + 3) * c.head_dim * 4),
-                )
-            }?;
+            // `begin`; qkv holds n rows of q_dim + 2 kv_dim, att n rows of q_dim, att_part
+            // n * heads * splits partials (`begin`); every row is its own sequence's
+            // (decode_only), so no two rows write one cache slot.
+            unsafe { self.launch(&self.f.attention_decode, "attention_decode", &mut b, cfg) }?;
+            if self.splits > 1 {
+                let sp = self.splits as i32;
+                let mut b = kargs![&self.att_part.p, &self.att.p, &nh, &hd, &sp];
+                // SAFETY: att_part holds the partials the kernel above wrote, att n rows.
+                unsafe {
+                    self.launch(
+                        &self.f.attention_merge,
+                        "attention_merge",
+                        &mut b,
+                        grid(n, c.num_attention_heads, c.head_dim.next_multiple_of(32), 0),
+                    )
+                }?;
+            }
             return self.gemm(lw.o.p, hs, qd, self.att.p, n, self.x.p, 1.0);
         }
         let mut b = kargs![
@@ -1331,6 +1408,16 @@ impl GpuModel {
         self.cold_src.write(&st, src)?;
         // SAFETY: cold_src now holds src (stream-ordered before the kernel)
         unsafe { self.scatter_from(slots, self.cold_src.p, src.len()) }
+    }
+
+    /// Decode attention's position ranges per row and head in the last step begun.
+    pub fn splits(&self) -> usize {
+        self.splits
+    }
+
+    /// Turns split decode attention on or off (from the next step begun).
+    pub fn set_split_attention(&mut self, on: bool) {
+        self.split_attention = on;
     }
 
     /// x += the picks' outputs weighted by the router, in rank order.

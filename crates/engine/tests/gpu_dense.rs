@@ -314,3 +314,83 @@ fn gpu_sampling_follows_the_host_rule() {
     eprintln!("GPU sampling: {same}/{total} tokens identical to the host rule on the same logits");
     assert!(same * 100 >= total * 98, "only {same}/{total}");
 }
+
+#[test]
+fn split_decode_attention_matches_the_cpu_at_long_context() {
+    // a 1500-token context: decode attention runs as position ranges in many blocks plus a
+    // merge (attention_splits), against the CPU backend and against one block per head
+    let Some((_dir, ckpt, mut g)) = mini_on_gpu(0) else {
+        return;
+    };
+    let opts = EngineOptions {
+        kv_tokens: 8192,
+        progress: false,
+    };
+    let p = moelane_engine::synth::Preset::by_name("mini").unwrap();
+    let (_, map) = maps(&ckpt, p.hot).remove(0);
+    let mut cpu = engine_from(&ckpt, map, &opts).unwrap();
+    let base = &prompts(ckpt.config.vocab_size, 1)[0];
+    let prompt: Vec<u32> = base.iter().copied().cycle().take(1500).collect();
+    let run = |e: &mut Engine, split: Option<bool>| -> (Vec<Vec<f32>>, usize) {
+        if let Some(on) = split {
+            e.gpu.as_mut().unwrap().set_split_attention(on);
+        }
+        let mut seq = e.kv.new_seq();
+        let mut out = Vec::new();
+        let mut splits = 0;
+        let mut next = prompt.clone();
+        for _ in 0..6 {
+            let l = e
+                .step(&mut [SeqStep {
+                    kv: &mut seq,
+                    tokens: &next,
+                }])
+                .unwrap();
+            if let Some(gm) = e.gpu.as_ref() {
+                splits = splits.max(gm.splits());
+            }
+            next = vec![moelane_engine::sampling::argmax(&l) as u32];
+            out.push(l);
+        }
+        (out, splits)
+    };
+    let (want, _) = run(&mut cpu, None);
+    let (split, s) = run(&mut g, Some(true));
+    let (one, s1) = run(&mut g, Some(false));
+    assert!(s >= 16, "decode at 1500 positions ran {s} ranges");
+    assert_eq!(s1, 1);
+    let (mut w_cpu, mut w_one) = (1f64, 1f64);
+    for (i, ((a, b), c)) in want.iter().zip(&split).zip(&one).enumerate() {
+        w_cpu = w_cpu.min(cos(a, b));
+        w_one = w_one.min(cos(b, c));
+        let am = moelane_engine::sampling::argmax;
+        assert_eq!(am(a), am(b), "step {i}: greedy token, CPU vs split");
+        assert_eq!(am(b), am(c), "step {i}: greedy token, split vs one block");
+    }
+    eprintln!(
+        "split decode attention at 1500 positions ({s} ranges): logits cosine vs CPU {w_cpu:.7}, vs one block per head {w_one:.9}"
+    );
+    assert!(w_cpu >= 0.999, "vs CPU {w_cpu}");
+    assert!(w_one >= 0.99999, "vs one block {w_one}");
+}
+
+#[test]
+fn attention_splits_follow_the_context_and_the_wave() {
+    // no GPU needed: the rule that sizes split decode attention
+    use moelane_engine::cuda_model::attention_splits as s;
+    // short contexts: one block per (row, head)
+    assert_eq!(s(1, 1, 16, 528), 1);
+    assert_eq!(s(64, 1, 16, 528), 1);
+    // ranges of 32..=64 positions, powers of two
+    assert_eq!(s(65, 1, 16, 528), 2);
+    assert_eq!(s(1025, 1, 16, 528), 32);
+    assert_eq!(s(1024, 1, 16, 528), 16);
+    // at most 64 ranges
+    assert_eq!(s(100_000, 1, 4, 100_000), 64);
+    // no more blocks than one wave of the device: 16 rows of 16 heads fill 528 twice over
+    assert_eq!(s(1024, 4, 16, 528), 8);
+    assert_eq!(s(1024, 16, 16, 528), 2);
+    assert_eq!(s(1024, 64, 16, 528), 1);
+    // degenerate inputs do not panic
+    assert_eq!(s(0, 0, 0, 0), 1);
+}

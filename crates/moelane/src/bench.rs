@@ -163,6 +163,14 @@ pub enum BenchCmd {
         /// Also run every size launching kernels one by one (no CUDA graphs), side by side.
         #[arg(long)]
         compare_launches: bool,
+        /// Also run every size with decode attention in one block per (row, head) instead
+        /// of split into position ranges, side by side.
+        #[arg(long)]
+        compare_split: bool,
+        /// Context length before the timed decode steps: each sequence's prompt repeated to
+        /// this many tokens and prefilled (512 at a time) first; 0 = the prompt as it is.
+        #[arg(long, default_value_t = 0)]
+        context: usize,
         /// After each size, a per-kernel profile of one run (kernels launched one by one, a
         /// timing event after each: shows where a step's time goes, not its speed).
         #[arg(long)]
@@ -367,9 +375,13 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             seed,
             json,
             compare_launches,
+            compare_split,
+            context,
             profile,
         } => crate::decode_bench::run(crate::decode_bench::DecodeArgs {
             compare_launches,
+            compare_split,
+            context,
             profile,
             model,
             device,

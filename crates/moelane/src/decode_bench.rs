@@ -19,6 +19,10 @@ pub struct DecodeArgs {
     pub json: Option<PathBuf>,
     /// also run every size with kernels launched one by one (no CUDA graphs)
     pub compare_launches: bool,
+    /// also run every size with decode attention unsplit
+    pub compare_split: bool,
+    /// context length before the timed steps (0: the prompts as they are)
+    pub context: usize,
     /// after each size, a profile: kernels launched one by one, a timing event after each
     pub profile: bool,
 }
@@ -94,7 +98,12 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     if prompts.is_empty() {
         anyhow::bail!("no prompts");
     }
-    let longest = prompts.iter().map(Vec::len).max().unwrap_or(1);
+    let longest = prompts
+        .iter()
+        .map(Vec::len)
+        .max()
+        .unwrap_or(1)
+        .max(a.context);
     let kv_tokens = max_b * (longest + a.steps + 16 + 16);
     let mut results = Vec::new();
     println!(
@@ -174,29 +183,45 @@ pub fn run(a: DecodeArgs) -> Result<()> {
             }
             Ok(())
         };
-        let modes: &[bool] = if a.compare_launches {
-            &[true, false]
-        } else {
-            &[true]
-        };
-        for (&b, &graphs) in a
+        // (CUDA graphs, split decode attention)
+        let mut modes = vec![(true, true)];
+        if a.compare_launches {
+            modes.push((false, true));
+        }
+        if a.compare_split {
+            modes.push((true, false));
+        }
+        for (&b, &(graphs, split)) in a
             .batch
             .iter()
-            .flat_map(|b| modes.iter().map(move |g| (b, g)))
+            .flat_map(|b| modes.iter().map(move |m| (b, m)))
         {
             if let Some(g) = eng.gpu.as_mut() {
                 g.graphs = graphs;
+                g.set_split_attention(split);
             }
-            let label = if graphs {
-                name.clone()
-            } else {
-                format!("{name} -g")
+            let label = match (graphs, split) {
+                (true, true) => name.clone(),
+                (false, _) => format!("{name} -g"),
+                (true, false) => format!("{name} -1"),
             };
             let mut reps = Vec::new();
             for _ in 0..a.reps.max(1) {
                 let mut seqs: Vec<_> = (0..b).map(|_| eng.kv.new_seq()).collect();
-                let mut next: Vec<Vec<u32>> =
-                    (0..b).map(|i| prompts[i % prompts.len()].clone()).collect();
+                let mut next: Vec<Vec<u32>> = (0..b)
+                    .map(|i| context_prompt(&prompts[i % prompts.len()], a.context))
+                    .collect();
+                if a.context > 512 {
+                    // long prompts prefilled alone, 512 tokens at a time (bounded scratch);
+                    // the last chunk goes with the batch's first step
+                    for (kv, t) in seqs.iter_mut().zip(next.iter_mut()) {
+                        while t.len() > 512 {
+                            let rest = t.split_off(512);
+                            eng.step_argmax(&mut [SeqStep { kv, tokens: t }])?;
+                            *t = rest;
+                        }
+                    }
+                }
                 step(&mut eng, &mut seqs, &mut next)?; // prefill
                 for _ in 0..4 {
                     step(&mut eng, &mut seqs, &mut next)?; // warm-up decode
@@ -245,7 +270,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
                 wait_us,
                 wait_us / moe_layers as f64
             );
-            if a.profile && graphs {
+            if a.profile && graphs && split {
                 if let Some(g) = eng.gpu.as_mut() {
                     g.set_profile(true);
                 }
@@ -284,7 +309,8 @@ pub fn run(a: DecodeArgs) -> Result<()> {
                 );
             }
             results.push(json!({
-                "placement": name, "graphs": graphs, "batch": b, "tokens_per_s": tps,
+                "placement": name, "graphs": graphs, "split_attention": split, "batch": b,
+                "context": a.context, "tokens_per_s": tps,
                 "ms_per_step": step_s * 1e3, "bytes_per_step": step_bytes,
                 "bytes_per_token": step_bytes / b as f64, "read_gbs": gbs / 1e9,
                 "fraction_of_read_bw": gbs / read_bw, "cold_share": cold,
@@ -300,7 +326,8 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     println!(
         "bytes = dense weights once per step + each distinct hot expert once per step + the K/V \
          read; the cold tier's reads are not counted (another device); tok/s medians of {} reps of {} steps; \
-         \"-g\": kernels launched one by one instead of replaying CUDA graphs",
+         \"-g\": kernels launched one by one instead of replaying CUDA graphs; \"-1\": decode \
+         attention unsplit (one block per row and head)",
         a.reps.max(1),
         a.steps
     );
@@ -317,6 +344,15 @@ pub fn run(a: DecodeArgs) -> Result<()> {
 /// The gpu+nccl:N placement: a sidecar process (`moelane bench nccl-sidecar`) generates the
 /// cold experts of the affinity map on cuda:N and serves them over NCCL; this process's
 /// engine holds the hot ones and sends its cold picks over the link.
+/// `prompt` repeated (cut) to `len` tokens; the prompt itself when `len` is 0 or shorter.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn context_prompt(prompt: &[u32], len: usize) -> Vec<u32> {
+    if len <= prompt.len() || prompt.is_empty() {
+        return prompt.to_vec();
+    }
+    prompt.iter().copied().cycle().take(len).collect()
+}
+
 #[cfg(feature = "cuda")]
 fn nccl_engine(
     m: &moelane_engine::synth::InMemory,
