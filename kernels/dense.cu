@@ -252,11 +252,13 @@ __device__ void attend(const float (&qv)[4], const float* __restrict__ kc,
 
 // Causal attention of each row over its sequence's positions 0..=pos, one block per
 // (row, head), warps taking positions in turn with an online softmax, merged at the end.
-// grid: (rows, nh); block: 32 * nw; dynamic shared memory: nw * hd floats. hd <= 128.
+// `tiles` is unused (the parameters are attention_tiled's). grid: (rows, nh); block:
+// 32 * nw; dynamic shared memory: nw * hd floats. hd <= 128.
 extern "C" __global__ void attention(const float* __restrict__ qkv, const float* __restrict__ kc,
                                      const float* __restrict__ vc, const int* __restrict__ row_pos,
                                      const int* __restrict__ row_tab, const int* __restrict__ blocks,
-                                     float* __restrict__ out, int nh, int nkv, int hd, float scale) {
+                                     const int* __restrict__ tiles, float* __restrict__ out,
+                                     int nh, int nkv, int hd, float scale) {
     PDL_ENTRY();
     extern __shared__ float sacc[];
     __shared__ float sm[32], sl[32];
@@ -274,6 +276,101 @@ extern "C" __global__ void attention(const float* __restrict__ qkv, const float*
     }
     attend(qv, kc, vc, tab, pos, 0, pos + 1, kvd, g * hd, hd, scale, 0, 0, sacc, sm, sl,
            out + (size_t)r * qd + hh * hd, 0);
+}
+
+// Causal attention for prefill, a tile of up to ATT_TILE rows of one sequence per block (the
+// host lists the tiles: first row, row count): each block reads the K/V rows of positions
+// 0..=the tile's last position once, ATT_CHUNK at a time, into shared memory, for all its
+// rows (one block per row read them once per row). A warp takes ATT_TILE / nw rows; lane j
+// scores position j0 + j of the chunk (masked past the row's position), the online softmax
+// moves by the chunk, and lanes then own output dimensions lane + 32 i. Rows' q, K and V were
+// written by qk_rope_kv. grid: (tiles, nh); block: 256; dynamic shared memory:
+// (ATT_TILE hd + ATT_CHUNK (2 hd + 1) + 8 ATT_CHUNK) floats. hd <= 128.
+#define ATT_TILE 16
+#define ATT_TPW 2  // rows per warp: ATT_TILE / 8 warps
+#define ATT_CHUNK 32
+extern "C" __global__ void __launch_bounds__(256) attention_tiled(
+    const float* __restrict__ qkv, const float* __restrict__ kc, const float* __restrict__ vc,
+    const int* __restrict__ row_pos, const int* __restrict__ row_tab, const int* __restrict__ blocks,
+    const int* __restrict__ tiles, float* __restrict__ out, int nh, int nkv, int hd, float scale) {
+    PDL_ENTRY();
+    extern __shared__ float sh[];
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    const int r0 = tiles[2 * blockIdx.x], cnt = tiles[2 * blockIdx.x + 1], hh = blockIdx.y;
+    const int qd = nh * hd, kvd = nkv * hd, g = hh / (nh / nkv);
+    const int* tab = blocks + row_tab[r0];
+    float* qs = sh;                              // [ATT_TILE][hd]
+    float* ks = qs + ATT_TILE * hd;              // [ATT_CHUNK][hd + 1] (padded: no bank conflicts)
+    float* vs = ks + ATT_CHUNK * (hd + 1);       // [ATT_CHUNK][hd]
+    float* ps = vs + ATT_CHUNK * hd;             // [nw][ATT_CHUNK]
+    int last = 0;
+    for (int t = 0; t < cnt; t++) last = max(last, row_pos[r0 + t]);
+    for (int e = threadIdx.x; e < ATT_TILE * hd; e += blockDim.x) {
+        const int t = e / hd, d = e % hd;
+        qs[e] = t < cnt ? qkv[(size_t)(r0 + t) * (qd + 2 * kvd) + hh * hd + d] : 0.f;
+    }
+    const int per = ATT_TPW;
+    float m[ATT_TPW], l[ATT_TPW], acc[ATT_TPW][4];
+#pragma unroll
+    for (int u = 0; u < ATT_TPW; u++) {
+        m[u] = -INFINITY;
+        l[u] = 0.f;
+        for (int i = 0; i < 4; i++) acc[u][i] = 0.f;
+    }
+    for (int j0 = 0; j0 <= last; j0 += ATT_CHUNK) {
+        __syncthreads();
+        for (int e = threadIdx.x; e < ATT_CHUNK * hd; e += blockDim.x) {
+            const int jj = e / hd, d = e % hd, j = j0 + jj;
+            float kv = 0.f, vv = 0.f;
+            if (j <= last) {
+                const size_t off = ((size_t)tab[j / KV_BLOCK] * KV_BLOCK + j % KV_BLOCK) * kvd + g * hd + d;
+                kv = kc[off];
+                vv = vc[off];
+            }
+            ks[jj * (hd + 1) + d] = kv;
+            vs[jj * hd + d] = vv;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int u = 0; u < ATT_TPW; u++) {
+            const int t = w * per + u;
+            if (t >= cnt) break;
+            const int pos = row_pos[r0 + t], j = j0 + lane;
+            const bool ok = j <= pos;
+            float sc = -INFINITY;
+            if (ok) {
+                float a = 0.f;
+                for (int d = 0; d < hd; d++) a = fmaf(qs[t * hd + d], ks[lane * (hd + 1) + d], a);
+                sc = a * scale;
+            }
+            const float cm = warp_max(sc);
+            if (cm == -INFINITY) continue;  // no position of this chunk is visible to the row
+            const float mn = fmaxf(m[u], cm);
+            const float corr = expf(m[u] - mn);
+            const float p = ok ? expf(sc - mn) : 0.f;
+            l[u] = l[u] * corr + warp_sum(p);
+            ps[w * ATT_CHUNK + lane] = p;
+            __syncwarp();
+            for (int i = 0; i < 4; i++) {
+                const int d = lane + 32 * i;
+                if (d >= hd) continue;
+                float a = acc[u][i] * corr;
+                for (int jj = 0; jj < ATT_CHUNK; jj++) a = fmaf(ps[w * ATT_CHUNK + jj], vs[jj * hd + d], a);
+                acc[u][i] = a;
+            }
+            __syncwarp();
+            m[u] = mn;
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < ATT_TPW; u++) {
+        const int t = w * per + u;
+        if (t >= cnt) break;
+        for (int i = 0; i < 4; i++) {
+            const int d = lane + 32 * i;
+            if (d < hd) out[(size_t)(r0 + t) * qd + hh * hd + d] = acc[u][i] / l[u];
+        }
+    }
 }
 
 // Decode attention with the q/k norm, RoPE and KV write folded in (one kernel instead of

@@ -162,6 +162,7 @@ struct Funcs {
     attention: CudaFunction,
     attention_decode: CudaFunction,
     attention_merge: CudaFunction,
+    attention_tiled: CudaFunction,
     route_topk: CudaFunction,
     moe_up: CudaFunction,
     moe_down: CudaFunction,
@@ -189,6 +190,7 @@ fn funcs(gpu: &Gpu) -> Result<Funcs> {
         attention: f("attention")?,
         attention_decode: f("attention_decode")?,
         attention_merge: f("attention_merge")?,
+        attention_tiled: f("attention_tiled")?,
         route_topk: f("route_topk")?,
         moe_up: f("moe_up")?,
         moe_down: f("moe_down")?,
@@ -377,7 +379,13 @@ pub struct GpuModel {
     o_pos: u64,
     o_tab: u64,
     o_lrows: u64,
+    o_tiles: u64,
     o_blocks: u64,
+    /// prefill attention's tiles this step
+    tiles: usize,
+    /// prefill attention a tile of rows per block (`MOELANE_CUDA_TILED_PREFILL=0` or
+    /// `set_tiled_prefill` turns it off: a block per row)
+    tiled_prefill: bool,
     /// cuBLAS's workspace (declared after `blas`, so dropped after the handle)
     _workspace: Buf<u8>,
     /// Replay whole runs of kernels as CUDA graphs (on by default; `MOELANE_CUDA_GRAPHS=0`
@@ -409,9 +417,12 @@ pub struct GpuModel {
 /// Warps of a decode attention block.
 const ATT_WARPS: usize = 16;
 
-/// A captured run: (rows, logit rows, decode only, attention splits, scratch generation,
-/// the ops).
-type GraphKey = (usize, usize, bool, usize, u64, Vec<Op>);
+/// A captured run: (rows, logit rows, decode only, attention splits, prefill tiles, scratch
+/// generation, the ops).
+type GraphKey = (usize, usize, bool, usize, usize, u64, Vec<Op>);
+
+/// Rows per block of prefill attention (ATT_TILE of kernels/dense.cu).
+const ATT_TILE: usize = 16;
 
 /// Position ranges of each decode row's attention for `rows` rows of `heads` heads, the
 /// longest context `len` positions, on a device that holds `wave` attention blocks at once:
@@ -593,7 +604,10 @@ impl GpuModel {
             o_pos: 0,
             o_tab: 0,
             o_lrows: 0,
+            o_tiles: 0,
             o_blocks: 0,
+            tiles: 0,
+            tiled_prefill: std::env::var("MOELANE_CUDA_TILED_PREFILL").map_or(true, |v| v != "0"),
             _workspace: workspace,
             graphs,
             pdl,
@@ -934,15 +948,30 @@ impl GpuModel {
             }
             self.host_meta.push(r as i32);
         }
+        // prefill attention's tiles: up to ATT_TILE consecutive rows of one sequence
+        let mut tiles = 0;
+        let mut i = 0;
+        while i < n {
+            let mut j = i + 1;
+            while j < n && j - i < ATT_TILE && rows[j].seq == rows[i].seq {
+                j += 1;
+            }
+            self.host_meta
+                .extend_from_slice(&[i as i32, (j - i) as i32]);
+            tiles += 1;
+            i = j;
+        }
+        self.tiles = tiles;
         self.host_meta.extend_from_slice(&blocks);
         let st = self.st.clone();
         // sized for any block table, so the table's address is the same every step
-        let mut moved = self.meta.grow(&st, 3 * n + m + self.kv_blocks)?;
+        let mut moved = self.meta.grow(&st, 5 * n + m + self.kv_blocks)?;
         self.meta.write(&st, &self.host_meta)?;
         self.o_pos = self.meta.p + 4 * n as u64;
         self.o_tab = self.o_pos + 4 * n as u64;
         self.o_lrows = self.o_tab + 4 * n as u64;
-        self.o_blocks = self.o_lrows + 4 * m as u64;
+        self.o_tiles = self.o_lrows + 4 * m as u64;
+        self.o_blocks = self.o_tiles + 8 * tiles as u64;
         let wide = (c.q_dim() + 2 * c.kv_dim()).max(2 * dense_i);
         moved |= self.x.grow(&st, n * hs)?;
         moved |= self.h.grow(&st, n * hs)?;
@@ -994,6 +1023,7 @@ impl GpuModel {
             self.m,
             self.decode_only,
             self.splits,
+            self.tiles,
             self.generation,
             ops.to_vec(),
         );
@@ -1219,6 +1249,16 @@ impl GpuModel {
                 grid(n, 1, 32 * heads, 0),
             )
         }?;
+        // a tile of rows per block, or (tiles ignored) a block per row
+        let (f, name, cfg) = if self.tiled_prefill {
+            let hd = c.head_dim;
+            let smem = 4 * (ATT_TILE * hd + 32 * (2 * hd + 1) + 8 * 32);
+            let cfg = grid(self.tiles, c.num_attention_heads, 256, smem);
+            (&self.f.attention_tiled, "attention_tiled", cfg)
+        } else {
+            let cfg = grid(n, c.num_attention_heads, 32 * nw, nw * c.head_dim * 4);
+            (&self.f.attention, "attention", cfg)
+        };
         let mut b = kargs![
             &self.qkv.p,
             &self.kc[l].p,
@@ -1226,21 +1266,16 @@ impl GpuModel {
             &self.o_pos,
             &self.o_tab,
             &self.o_blocks,
+            &self.o_tiles,
             &self.att.p,
             &nh,
             &nkv,
             &hd,
             &scale
         ];
-        // SAFETY: as above; att holds n rows of q_dim.
-        unsafe {
-            self.launch(
-                &self.f.attention,
-                "attention",
-                &mut b,
-                grid(n, c.num_attention_heads, 32 * nw, nw * c.head_dim * 4),
-            )
-        }?;
+        // SAFETY: as above; the tiles (first row, count <= ATT_TILE, rows of one sequence)
+        // were built in `begin` from these rows; att holds n rows of q_dim.
+        unsafe { self.launch(f, name, &mut b, cfg) }?;
         self.gemm(lw.o.p, hs, qd, self.att.p, n, self.x.p, 1.0)
     }
 
@@ -1413,6 +1448,16 @@ impl GpuModel {
     /// Decode attention's position ranges per row and head in the last step begun.
     pub fn splits(&self) -> usize {
         self.splits
+    }
+
+    /// Turns tiled prefill attention on or off (from the next step run).
+    pub fn set_tiled_prefill(&mut self, on: bool) {
+        if on != self.tiled_prefill {
+            self.tiled_prefill = on;
+            self.generation += 1;
+            self.captured.clear();
+            self.seen.clear();
+        }
     }
 
     /// Turns split decode attention on or off (from the next step begun).

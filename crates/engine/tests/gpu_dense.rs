@@ -316,9 +316,10 @@ fn gpu_sampling_follows_the_host_rule() {
 }
 
 #[test]
-fn split_decode_attention_matches_the_cpu_at_long_context() {
-    // a 1500-token context: decode attention runs as position ranges in many blocks plus a
-    // merge (attention_splits), against the CPU backend and against one block per head
+fn long_context_attention_matches_the_cpu() {
+    // a 1500-token prompt prefilled in one step (attention a tile of 16 rows per block), then
+    // decode attention as position ranges in many blocks plus a merge (attention_splits):
+    // against the CPU backend, against one block per head, and against a block per prefill row
     let Some((_dir, ckpt, mut g)) = mini_on_gpu(0) else {
         return;
     };
@@ -357,18 +358,33 @@ fn split_decode_attention_matches_the_cpu_at_long_context() {
     let (want, _) = run(&mut cpu, None);
     let (split, s) = run(&mut g, Some(true));
     let (one, s1) = run(&mut g, Some(false));
+    g.gpu.as_mut().unwrap().set_tiled_prefill(false);
+    let (rows, _) = run(&mut g, Some(true));
+    g.gpu.as_mut().unwrap().set_tiled_prefill(true);
+    let w_rows = cos(&rows[0], &split[0]);
+    let am = moelane_engine::sampling::argmax;
+    for (i, (a, b)) in rows.iter().zip(&split).enumerate() {
+        assert_eq!(
+            am(a),
+            am(b),
+            "step {i}: greedy token, tiled vs row-per-block prefill"
+        );
+    }
+    assert!(
+        w_rows >= 0.99999,
+        "prefill logits, tiled vs a block per row: {w_rows}"
+    );
     assert!(s >= 16, "decode at 1500 positions ran {s} ranges");
     assert_eq!(s1, 1);
     let (mut w_cpu, mut w_one) = (1f64, 1f64);
     for (i, ((a, b), c)) in want.iter().zip(&split).zip(&one).enumerate() {
         w_cpu = w_cpu.min(cos(a, b));
         w_one = w_one.min(cos(b, c));
-        let am = moelane_engine::sampling::argmax;
         assert_eq!(am(a), am(b), "step {i}: greedy token, CPU vs split");
         assert_eq!(am(b), am(c), "step {i}: greedy token, split vs one block");
     }
     eprintln!(
-        "split decode attention at 1500 positions ({s} ranges): logits cosine vs CPU {w_cpu:.7}, vs one block per head {w_one:.9}"
+        "1500 positions: logits cosine vs CPU {w_cpu:.7}; decode split in {s} ranges vs one block per head {w_one:.9}; tiled prefill vs a block per row {w_rows:.9}"
     );
     assert!(w_cpu >= 0.999, "vs CPU {w_cpu}");
     assert!(w_one >= 0.99999, "vs one block {w_one}");

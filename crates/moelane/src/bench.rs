@@ -167,6 +167,10 @@ pub enum BenchCmd {
         /// of split into position ranges, side by side.
         #[arg(long)]
         compare_split: bool,
+        /// Also run every size with prefill attention one block per row instead of a tile of
+        /// rows per block, side by side (with --context: the prefill rate is printed).
+        #[arg(long)]
+        compare_prefill: bool,
         /// Context length before the timed decode steps: each sequence's prompt repeated to
         /// this many tokens and prefilled (512 at a time) first; 0 = the prompt as it is.
         #[arg(long, default_value_t = 0)]
@@ -376,11 +380,13 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             json,
             compare_launches,
             compare_split,
+            compare_prefill,
             context,
             profile,
         } => crate::decode_bench::run(crate::decode_bench::DecodeArgs {
             compare_launches,
             compare_split,
+            compare_prefill,
             context,
             profile,
             model,

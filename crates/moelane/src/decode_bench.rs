@@ -21,6 +21,8 @@ pub struct DecodeArgs {
     pub compare_launches: bool,
     /// also run every size with decode attention unsplit
     pub compare_split: bool,
+    /// also run every size with prefill attention a block per row
+    pub compare_prefill: bool,
     /// context length before the timed steps (0: the prompts as they are)
     pub context: usize,
     /// after each size, a profile: kernels launched one by one, a timing event after each
@@ -183,15 +185,18 @@ pub fn run(a: DecodeArgs) -> Result<()> {
             }
             Ok(())
         };
-        // (CUDA graphs, split decode attention)
-        let mut modes = vec![(true, true)];
+        // (CUDA graphs, split decode attention, tiled prefill attention)
+        let mut modes = vec![(true, true, true)];
         if a.compare_launches {
-            modes.push((false, true));
+            modes.push((false, true, true));
         }
         if a.compare_split {
-            modes.push((true, false));
+            modes.push((true, false, true));
         }
-        for (&b, &(graphs, split)) in a
+        if a.compare_prefill {
+            modes.push((true, true, false));
+        }
+        for (&b, &(graphs, split, tiled)) in a
             .batch
             .iter()
             .flat_map(|b| modes.iter().map(move |m| (b, m)))
@@ -199,11 +204,13 @@ pub fn run(a: DecodeArgs) -> Result<()> {
             if let Some(g) = eng.gpu.as_mut() {
                 g.graphs = graphs;
                 g.set_split_attention(split);
+                g.set_tiled_prefill(tiled);
             }
-            let label = match (graphs, split) {
-                (true, true) => name.clone(),
-                (false, _) => format!("{name} -g"),
-                (true, false) => format!("{name} -1"),
+            let label = match (graphs, split, tiled) {
+                (false, _, _) => format!("{name} -g"),
+                (true, false, _) => format!("{name} -1"),
+                (true, true, false) => format!("{name} -t"),
+                (true, true, true) => name.clone(),
             };
             let mut reps = Vec::new();
             for _ in 0..a.reps.max(1) {
@@ -211,6 +218,8 @@ pub fn run(a: DecodeArgs) -> Result<()> {
                 let mut next: Vec<Vec<u32>> = (0..b)
                     .map(|i| context_prompt(&prompts[i % prompts.len()], a.context))
                     .collect();
+                let prompt_tokens: usize = next.iter().map(Vec::len).sum();
+                let tp = Instant::now();
                 if a.context > 512 {
                     // long prompts prefilled alone, 512 tokens at a time (bounded scratch);
                     // the last chunk goes with the batch's first step
@@ -223,6 +232,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
                     }
                 }
                 step(&mut eng, &mut seqs, &mut next)?; // prefill
+                let prefill_tps = prompt_tokens as f64 / tp.elapsed().as_secs_f64();
                 for _ in 0..4 {
                     step(&mut eng, &mut seqs, &mut next)?; // warm-up decode
                 }
@@ -252,10 +262,14 @@ pub fn run(a: DecodeArgs) -> Result<()> {
                     bytes / steps,
                     cold as f64 / (cold + hot).max(1) as f64,
                     wait as f64 / steps / 1e3,
+                    prefill_tps,
                 ));
             }
+            let mut pre: Vec<f64> = reps.iter().map(|r| r.5).collect();
+            pre.sort_by(f64::total_cmp);
+            let prefill_tps = pre[pre.len() / 2];
             reps.sort_by(|x, y| x.0.total_cmp(&y.0));
-            let (tps, step_s, step_bytes, cold, wait_us) = reps[reps.len() / 2];
+            let (tps, step_s, step_bytes, cold, wait_us, _) = reps[reps.len() / 2];
             let gbs = step_bytes / step_s;
             println!(
                 "{:>13} {:>6} {:>10.1} {:>9.3} {:>11.1} {:>10.0} {:>8.1}% {:>7.2}% {:>9.1} {:>13.2}",
@@ -270,7 +284,10 @@ pub fn run(a: DecodeArgs) -> Result<()> {
                 wait_us,
                 wait_us / moe_layers as f64
             );
-            if a.profile && graphs && split {
+            if a.context > 0 {
+                println!("{label:>13} {b:>6} prefill {prefill_tps:.0} tok/s (median)");
+            }
+            if a.profile && graphs && split && tiled {
                 if let Some(g) = eng.gpu.as_mut() {
                     g.set_profile(true);
                 }
@@ -309,7 +326,8 @@ pub fn run(a: DecodeArgs) -> Result<()> {
                 );
             }
             results.push(json!({
-                "placement": name, "graphs": graphs, "split_attention": split, "batch": b,
+                "placement": name, "graphs": graphs, "split_attention": split,
+                "tiled_prefill": tiled, "prefill_tokens_per_s": prefill_tps, "batch": b,
                 "context": a.context, "tokens_per_s": tps,
                 "ms_per_step": step_s * 1e3, "bytes_per_step": step_bytes,
                 "bytes_per_token": step_bytes / b as f64, "read_gbs": gbs / 1e9,
@@ -327,7 +345,8 @@ pub fn run(a: DecodeArgs) -> Result<()> {
         "bytes = dense weights once per step + each distinct hot expert once per step + the K/V \
          read; the cold tier's reads are not counted (another device); tok/s medians of {} reps of {} steps; \
          \"-g\": kernels launched one by one instead of replaying CUDA graphs; \"-1\": decode \
-         attention unsplit (one block per row and head)",
+         attention unsplit (one block per row and head); \"-t\": prefill attention a block per \
+         row instead of a tile of rows",
         a.reps.max(1),
         a.steps
     );
