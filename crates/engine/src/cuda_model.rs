@@ -424,6 +424,22 @@ type GraphKey = (usize, usize, bool, usize, usize, u64, Vec<Op>);
 /// Rows per block of prefill attention (ATT_TILE of kernels/dense.cu).
 const ATT_TILE: usize = 16;
 
+/// Prefill attention's tiles for a step whose rows belong to the sequences `seq_of_rows` (in
+/// row order): (first row, row count), each up to 16 consecutive rows of one sequence
+/// (a tile shares one block table), covering every row once, in order.
+pub fn prefill_tiles(seq_of_rows: impl IntoIterator<Item = usize>) -> Vec<(usize, usize)> {
+    let mut tiles: Vec<(usize, usize)> = Vec::new();
+    let mut last = None;
+    for (row, seq) in seq_of_rows.into_iter().enumerate() {
+        match tiles.last_mut() {
+            Some(t) if last == Some(seq) && t.1 < ATT_TILE => t.1 += 1,
+            _ => tiles.push((row, 1)),
+        }
+        last = Some(seq);
+    }
+    tiles
+}
+
 /// Position ranges of each decode row's attention for `rows` rows of `heads` heads, the
 /// longest context `len` positions, on a device that holds `wave` attention blocks at once:
 /// a power of two, each range at least 32 and (up to 64 ranges) at most 64 positions long,
@@ -948,20 +964,12 @@ impl GpuModel {
             }
             self.host_meta.push(r as i32);
         }
-        // prefill attention's tiles: up to ATT_TILE consecutive rows of one sequence
-        let mut tiles = 0;
-        let mut i = 0;
-        while i < n {
-            let mut j = i + 1;
-            while j < n && j - i < ATT_TILE && rows[j].seq == rows[i].seq {
-                j += 1;
-            }
+        let tiles = prefill_tiles(rows.iter().map(|r| r.seq));
+        self.tiles = tiles.len();
+        for (first, count) in tiles {
             self.host_meta
-                .extend_from_slice(&[i as i32, (j - i) as i32]);
-            tiles += 1;
-            i = j;
+                .extend_from_slice(&[first as i32, count as i32]);
         }
-        self.tiles = tiles;
         self.host_meta.extend_from_slice(&blocks);
         let st = self.st.clone();
         // sized for any block table, so the table's address is the same every step
@@ -971,7 +979,7 @@ impl GpuModel {
         self.o_tab = self.o_pos + 4 * n as u64;
         self.o_lrows = self.o_tab + 4 * n as u64;
         self.o_tiles = self.o_lrows + 4 * m as u64;
-        self.o_blocks = self.o_tiles + 8 * tiles as u64;
+        self.o_blocks = self.o_tiles + 8 * self.tiles as u64;
         let wide = (c.q_dim() + 2 * c.kv_dim()).max(2 * dense_i);
         moved |= self.x.grow(&st, n * hs)?;
         moved |= self.h.grow(&st, n * hs)?;

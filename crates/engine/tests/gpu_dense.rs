@@ -410,3 +410,26 @@ fn attention_splits_follow_the_context_and_the_wave() {
     // degenerate inputs do not panic
     assert_eq!(s(0, 0, 0, 0), 1);
 }
+
+#[test]
+fn prefill_tiles_never_mix_sequences() {
+    // no GPU needed: the host's tiling of a step's rows for attention_tiled
+    use moelane_engine::cuda_model::prefill_tiles as t;
+    assert!(t([]).is_empty());
+    assert_eq!(t([0]), vec![(0, 1)]);
+    // a 40-row prompt: 16 + 16 + 8
+    assert_eq!(t([3; 40]), vec![(0, 16), (16, 16), (32, 8)]);
+    // mixed decode and prefill rows: a tile per run of one sequence
+    assert_eq!(t([0, 1, 1, 1, 2, 0]), vec![(0, 1), (1, 3), (4, 1), (5, 1)]);
+    // every row covered once, in order, at most 16 per tile, one sequence per tile
+    let seqs: Vec<usize> = (0..500).map(|i| (i / 37) % 5).collect();
+    let tiles = t(seqs.iter().copied());
+    let mut next = 0;
+    for &(first, count) in &tiles {
+        assert_eq!(first, next);
+        assert!((1..=16).contains(&count));
+        assert!(seqs[first..first + count].iter().all(|&s| s == seqs[first]));
+        next += count;
+    }
+    assert_eq!(next, seqs.len());
+}
