@@ -85,6 +85,11 @@ unsafe fn launch_raw(
     .result()
 }
 
+/// A switch that is on unless the environment sets it to "0".
+fn env_on(name: &str) -> bool {
+    std::env::var(name).map_or(true, |v| v != "0")
+}
+
 fn gerr(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Gpu(format!("{what}: {e:?}"))
 }
@@ -534,9 +539,9 @@ impl GpuModel {
         }
         .result()
         .map_err(|e| gerr("setting the cuBLAS workspace", e))?;
-        let graphs = std::env::var("MOELANE_CUDA_GRAPHS").map_or(true, |v| v != "0");
-        let pdl = gpu.cc.0 >= 9 && std::env::var("MOELANE_CUDA_PDL").map_or(true, |v| v != "0");
-        let prefetch = std::env::var("MOELANE_CUDA_PREFETCH").map_or(true, |v| v != "0");
+        let graphs = env_on("MOELANE_CUDA_GRAPHS");
+        let pdl = gpu.cc.0 >= 9 && env_on("MOELANE_CUDA_PDL");
+        let prefetch = env_on("MOELANE_CUDA_PREFETCH");
         let att_wave = {
             use cudarc::driver::sys::CUdevice_attribute_enum as A;
             let sms = gpu
@@ -623,7 +628,7 @@ impl GpuModel {
             o_tiles: 0,
             o_blocks: 0,
             tiles: 0,
-            tiled_prefill: std::env::var("MOELANE_CUDA_TILED_PREFILL").map_or(true, |v| v != "0"),
+            tiled_prefill: env_on("MOELANE_CUDA_TILED_PREFILL"),
             _workspace: workspace,
             graphs,
             pdl,
@@ -633,7 +638,7 @@ impl GpuModel {
             profile: None,
             seen: HashMap::new(),
             splits: 1,
-            split_attention: std::env::var("MOELANE_CUDA_ATTN_SPLIT").map_or(true, |v| v != "0"),
+            split_attention: env_on("MOELANE_CUDA_ATTN_SPLIT"),
             att_part: Buf::zeros(&st, 1)?,
             att_wave,
             layers,
@@ -993,26 +998,21 @@ impl GpuModel {
         moved |= self.logits.grow(&st, m * c.vocab_size)?;
         moved |= self.amax.grow(&st, m)?;
         moved |= self.spec.grow(&st, 3 * m)?;
-        if moved {
-            self.generation += 1;
-            self.captured.clear();
-            self.seen.clear();
-        }
-        self.n = n;
-        self.m = m;
-        self.decode_only = n == seqs.len();
+        let decode_only = n == seqs.len();
         let longest = rows.iter().map(|r| r.pos + 1).max().unwrap_or(1);
-        self.splits = if self.decode_only && self.split_attention {
+        self.splits = if decode_only && self.split_attention {
             attention_splits(longest, n, c.num_attention_heads, self.att_wave)
         } else {
             1
         };
         let part = n * c.num_attention_heads * self.splits * (c.head_dim + 2);
-        if self.att_part.grow(&st, part)? {
-            self.generation += 1;
-            self.captured.clear();
-            self.seen.clear();
+        moved |= self.att_part.grow(&st, part)?;
+        if moved {
+            self.drop_graphs();
         }
+        self.n = n;
+        self.m = m;
+        self.decode_only = decode_only;
         Ok(())
     }
 
@@ -1462,10 +1462,15 @@ impl GpuModel {
     pub fn set_tiled_prefill(&mut self, on: bool) {
         if on != self.tiled_prefill {
             self.tiled_prefill = on;
-            self.generation += 1;
-            self.captured.clear();
-            self.seen.clear();
+            self.drop_graphs();
         }
+    }
+
+    /// Forgets every captured graph (a scratch buffer moved, or a kernel choice changed).
+    fn drop_graphs(&mut self) {
+        self.generation += 1;
+        self.captured.clear();
+        self.seen.clear();
     }
 
     /// Turns split decode attention on or off (from the next step begun).

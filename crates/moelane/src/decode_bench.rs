@@ -220,12 +220,12 @@ pub fn run(a: DecodeArgs) -> Result<()> {
                     .collect();
                 let prompt_tokens: usize = next.iter().map(Vec::len).sum();
                 let tp = Instant::now();
-                if a.context > 512 {
-                    // long prompts prefilled alone, 512 tokens at a time (bounded scratch);
-                    // the last chunk goes with the batch's first step
+                if a.context > PREFILL_CHUNK {
+                    // long prompts prefilled alone, a chunk at a time (bounded scratch); the
+                    // last chunk goes with the batch's first step
                     for (kv, t) in seqs.iter_mut().zip(next.iter_mut()) {
-                        while t.len() > 512 {
-                            let rest = t.split_off(512);
+                        while t.len() > PREFILL_CHUNK {
+                            let rest = t.split_off(PREFILL_CHUNK);
                             eng.step_argmax(&mut [SeqStep { kv, tokens: t }])?;
                             *t = rest;
                         }
@@ -363,6 +363,10 @@ pub fn run(a: DecodeArgs) -> Result<()> {
 /// The gpu+nccl:N placement: a sidecar process (`moelane bench nccl-sidecar`) generates the
 /// cold experts of the affinity map on cuda:N and serves them over NCCL; this process's
 /// engine holds the hot ones and sends its cold picks over the link.
+/// Tokens per prefill step of a long `--context` prompt.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+const PREFILL_CHUNK: usize = 512;
+
 /// `prompt` repeated (cut) to `len` tokens; the prompt itself when `len` is 0 or shorter.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn context_prompt(prompt: &[u32], len: usize) -> Vec<u32> {

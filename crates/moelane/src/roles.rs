@@ -141,21 +141,37 @@ impl Metered {
     }
 }
 
+impl Metered {
+    /// Times the round trip from here and counts `bytes` sent once `send` succeeds.
+    fn sending(
+        &mut self,
+        bytes: usize,
+        send: impl FnOnce(&mut dyn RemoteTier) -> moelane_engine::Result<()>,
+    ) -> moelane_engine::Result<()> {
+        self.sent_at = Some(std::time::Instant::now());
+        send(self.inner.as_mut())?;
+        self.sent.increment(bytes as u64);
+        Ok(())
+    }
+
+    /// Ends the round trip's timing and counts `floats` received.
+    fn count_reply(&mut self, floats: usize) {
+        if let Some(t) = self.sent_at.take() {
+            self.rtt.record(t.elapsed().as_secs_f64());
+        }
+        self.received.increment((floats * 4) as u64);
+    }
+}
+
 impl RemoteTier for Metered {
     fn send(&mut self, req: moelane_engine::tier::ColdRequest) -> moelane_engine::Result<()> {
         // the frame's payload: activations and picks
         let bytes = req.activations.len() * 4 + req.picks.len() * 8;
-        self.sent_at = Some(std::time::Instant::now());
-        self.inner.send(req)?;
-        self.sent.increment(bytes as u64);
-        Ok(())
+        self.sending(bytes, |t| t.send(req))
     }
     fn recv(&mut self) -> moelane_engine::Result<moelane_engine::tier::ColdReply> {
         let r = self.inner.recv()?;
-        if let Some(t) = self.sent_at.take() {
-            self.rtt.record(t.elapsed().as_secs_f64());
-        }
-        self.received.increment((r.outputs.len() * 4) as u64);
+        self.count_reply(r.outputs.len());
         Ok(r)
     }
     fn kind(&self) -> &'static str {
@@ -171,20 +187,14 @@ impl RemoteTier for Metered {
         acts_len: usize,
     ) -> moelane_engine::Result<()> {
         let bytes = acts_len * 4 + req.picks.len() * 8;
-        self.sent_at = Some(std::time::Instant::now());
         // SAFETY: the caller's guarantee, passed on
-        unsafe { self.inner.send_device(req, acts, acts_len) }?;
-        self.sent.increment(bytes as u64);
-        Ok(())
+        self.sending(bytes, |t| unsafe { t.send_device(req, acts, acts_len) })
     }
     fn recv_device(
         &mut self,
     ) -> moelane_engine::Result<(moelane_engine::tier::ColdReply, u64, usize)> {
         let r = self.inner.recv_device()?;
-        if let Some(t) = self.sent_at.take() {
-            self.rtt.record(t.elapsed().as_secs_f64());
-        }
-        self.received.increment((r.2 * 4) as u64);
+        self.count_reply(r.2);
         Ok(r)
     }
 }
