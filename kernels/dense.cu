@@ -115,6 +115,10 @@ extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, const int* 
     for (int i = threadIdx.x; i < h; i += blockDim.x) yr[i] = w[i] * (xr[i] * inv);
 }
 
+// A step kernel's slot with its work left out (`MOELANE_CUDA_HOLLOW`, a diagnostic: the
+// results are wrong): launched with the replaced kernel's grid, it only waits and releases.
+extern "C" __global__ void hollow_step() { PDL_ENTRY(); }
+
 // One head vector (hd floats, one warp): RMSNorm with weight nwt, then rotate-half RoPE for
 // position pos (tables [max_pos, hd/2]), into dst (may be v itself: each lane reads and
 // writes only its own pairs).
@@ -452,46 +456,98 @@ extern "C" __global__ void attention_merge(const float* __restrict__ part, float
     out[(size_t)r * nh * hd + hh * hd + i] = o / tot;
 }
 
+// (value, index) argmax over the warp, ties to the lower index; every lane gets it.
+__device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+    }
+}
+
 // Router: softmax of each row of logits [rows, E], then its top k (descending, ties to the
 // lower expert), renormalised when `norm`. One warp per row (no block barriers: the k
-// rounds of argmax are shuffles). grid: rows; block: 32; dynamic shared memory: E floats.
+// rounds of argmax are shuffles). With `regs` (E at most 32 * TOPK_REG) the row stays in
+// registers; else in dynamic shared memory (E floats): the same arithmetic and picks.
+// grid: rows; block: 32.
+#define TOPK_REG 16
 extern "C" __global__ void route_topk(const float* __restrict__ logits, int* __restrict__ idx,
-                                      float* __restrict__ wts, int E, int k, int norm) {
+                                      float* __restrict__ wts, int E, int k, int norm, int regs) {
     PDL_ENTRY();
     extern __shared__ float p[];
     const int r = blockIdx.x, lane = threadIdx.x;
     const float* row = logits + (size_t)r * E;
-    float mx = -INFINITY;
-    for (int i = lane; i < E; i += 32) mx = fmaxf(mx, row[i]);
-    mx = warp_max(mx);
-    float s = 0.f;
-    for (int i = lane; i < E; i += 32) {
-        const float e = expf(row[i] - mx);
-        p[i] = e;
-        s += e;
-    }
-    s = warp_sum(s);
-    const float inv = 1.f / s;
-    for (int i = lane; i < E; i += 32) p[i] *= inv;
-    __syncwarp();
     float tot = 0.f;
-    for (int j = 0; j < k; j++) {
-        float bv = -INFINITY;
-        int bi = 0x7fffffff;
-        for (int i = lane; i < E; i += 32)
-            if (p[i] > bv) { bv = p[i]; bi = i; }
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+    if (regs && E <= 32 * TOPK_REG) {
+        // the row in registers (lane holds entries lane, lane + 32, ...): one round of loads,
+        // then the same arithmetic and the same picks (ties to the lower id) as below
+        float v[TOPK_REG];
+#pragma unroll
+        for (int t = 0; t < TOPK_REG; t++) {
+            const int i = lane + 32 * t;
+            v[t] = i < E ? row[i] : -INFINITY;
         }
-        if (lane == 0) {
-            idx[r * k + j] = bi;
-            wts[r * k + j] = bv;
-            p[bi] = -1.f;
+        float mx = -INFINITY;
+#pragma unroll
+        for (int t = 0; t < TOPK_REG; t++) mx = fmaxf(mx, v[t]);
+        mx = warp_max(mx);
+        float s = 0.f;
+#pragma unroll
+        for (int t = 0; t < TOPK_REG; t++) {
+            if (lane + 32 * t < E) {
+                v[t] = expf(v[t] - mx);
+                s += v[t];
+            }
         }
-        tot += bv;
+        s = warp_sum(s);
+        const float inv = 1.f / s;
+#pragma unroll
+        for (int t = 0; t < TOPK_REG; t++)
+            if (lane + 32 * t < E) v[t] *= inv;
+        for (int j = 0; j < k; j++) {
+            float bv = -INFINITY;
+            int bi = 0x7fffffff;
+#pragma unroll
+            for (int t = 0; t < TOPK_REG; t++)
+                if (v[t] > bv) { bv = v[t]; bi = lane + 32 * t; }
+            warp_argmax(bv, bi);
+#pragma unroll
+            for (int t = 0; t < TOPK_REG; t++)
+                if (lane + 32 * t == bi) v[t] = -1.f;
+            if (lane == 0) {
+                idx[r * k + j] = bi;
+                wts[r * k + j] = bv;
+            }
+            tot += bv;
+        }
+    } else {
+        float mx = -INFINITY;
+        for (int i = lane; i < E; i += 32) mx = fmaxf(mx, row[i]);
+        mx = warp_max(mx);
+        float s = 0.f;
+        for (int i = lane; i < E; i += 32) {
+            const float e = expf(row[i] - mx);
+            p[i] = e;
+            s += e;
+        }
+        s = warp_sum(s);
+        const float inv = 1.f / s;
+        for (int i = lane; i < E; i += 32) p[i] *= inv;
         __syncwarp();
+        for (int j = 0; j < k; j++) {
+            float bv = -INFINITY;
+            int bi = 0x7fffffff;
+            for (int i = lane; i < E; i += 32)
+                if (p[i] > bv) { bv = p[i]; bi = i; }
+            warp_argmax(bv, bi);
+            if (lane == 0) {
+                idx[r * k + j] = bi;
+                wts[r * k + j] = bv;
+                p[bi] = -1.f;
+            }
+            tot += bv;
+            __syncwarp();
+        }
     }
     if (lane == 0 && norm)
         for (int j = 0; j < k; j++) wts[r * k + j] /= tot;
@@ -507,30 +563,74 @@ __device__ __forceinline__ void prefetch_block_rows(const float* w, int out, int
     }
 }
 
+// Float4s of its weight row a lane of a small-batch product loads into registers before the
+// kernel waits for its predecessor (the first 4 KiB of the row per warp): weights do not
+// depend on earlier kernels, so their latency overlaps the predecessor's run instead of
+// adding to the step's chain of dependent kernels.
+#define W_AHEAD 8
+
+__device__ __forceinline__ void load_ahead(float4 (&wa)[W_AHEAD], const float* __restrict__ wr,
+                                           int in, int lane) {
+#pragma unroll
+    for (int u = 0; u < W_AHEAD; u++) {
+        const int i = lane * 4 + u * 128;
+        wa[u] = i < in ? __ldg((const float4*)(wr + i)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+}
+
+// acc[r] += wv . x[r][i, i + 4) for r < n <= 4 (x rows of `in` floats).
+__device__ __forceinline__ void dot4_rows(float (&acc)[4], float4 wv, const float* __restrict__ x,
+                                          int in, int i, int n) {
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        if (r < n) {
+            const float4 xv = *(const float4*)(x + (size_t)r * in + i);
+            acc[r] = fmaf(wv.x, xv.x, fmaf(wv.y, xv.y, fmaf(wv.z, xv.z, fmaf(wv.w, xv.w, acc[r]))));
+        }
+    }
+}
+
+// As dot4_rows on RMSNorm'd rows: acc[r] += wv . (gv * (x[r][i, i + 4) * inv[r])).
+__device__ __forceinline__ void dot4_normed_rows(float (&acc)[4], float4 wv, float4 gv,
+                                                 const float* __restrict__ x, int in, int i, int n,
+                                                 const float (&inv)[4]) {
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        if (r < n) {
+            const float4 xv = *(const float4*)(x + (size_t)r * in + i);
+            const float a = gv.x * (xv.x * inv[r]), b = gv.y * (xv.y * inv[r]);
+            const float c = gv.z * (xv.z * inv[r]), d = gv.w * (xv.w * inv[r]);
+            acc[r] = fmaf(wv.x, a, fmaf(wv.y, b, fmaf(wv.z, c, fmaf(wv.w, d, acc[r]))));
+        }
+    }
+}
+
 // y[r, j] = beta * y[r, j] + w[j] . x[r] for r < n <= 4 (beta 0 or 1): the dense products
 // of small decode batches, one warp per output row, each weight row read once for all n
-// rows (cuBLAS takes n > 4). grid: ceil(out/8); block: 256.
+// rows (cuBLAS takes n > 4). With `preload` (and vec4) the row's first W_AHEAD float4s per
+// lane are loaded before the wait (same products, same order). grid: ceil(out/8); block: 256.
 extern "C" __global__ void gemv_rows(const float* __restrict__ w, const float* __restrict__ x,
                                      float* __restrict__ y, int out, int in, int n, float beta,
-                                     int vec4, int prefetch) {
-    if (prefetch) prefetch_block_rows(w, out, in);
-    PDL_ENTRY();
+                                     int vec4, int prefetch, int preload) {
     const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    const bool pre = preload && vec4 && j < out;
+    float4 wa[W_AHEAD];
+    if (pre) load_ahead(wa, w + (size_t)j * in, in, lane);
+    if (prefetch && !(preload && vec4 && in <= 128 * W_AHEAD)) prefetch_block_rows(w, out, in);
+    PDL_ENTRY();
     if (j >= out) return;
     const float* wr = w + (size_t)j * in;
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     if (vec4) {
-#pragma unroll 4
-        for (int i = lane * 4; i < in; i += 128) {
-            const float4 wv = *(const float4*)(wr + i);
+        int i0 = lane * 4;
+        if (pre) {
 #pragma unroll
-            for (int r = 0; r < 4; r++) {
-                if (r < n) {
-                    const float4 xv = *(const float4*)(x + (size_t)r * in + i);
-                    acc[r] = fmaf(wv.x, xv.x, fmaf(wv.y, xv.y, fmaf(wv.z, xv.z, fmaf(wv.w, xv.w, acc[r]))));
-                }
+            for (int u = 0; u < W_AHEAD; u++, i0 += 128) {
+                if (i0 < in) dot4_rows(acc, wa[u], x, in, i0, n);
             }
         }
+#pragma unroll 4
+        for (int i = i0; i < in; i += 128) dot4_rows(acc, *(const float4*)(wr + i), x, in, i, n);
     } else {
         for (int i = lane; i < in; i += 32) {
             const float wv = wr[i];
@@ -554,13 +654,20 @@ extern "C" __global__ void gemv_rows(const float* __restrict__ w, const float* _
 // As gemv_rows, on RMSNorm'd rows: y[r] = w . (nw * (x[r] * rsqrt(mean(x[r]^2) + eps))), each
 // warp computing the norms itself (the rows are a few KiB, read from L2), so no separate
 // norm kernel runs; block 0 also writes the normed rows to h when h is not null. n <= 4.
+// `preload` as gemv_rows, the norm weights' matching float4s too.
 extern "C" __global__ void norm_gemv_rows(const float* __restrict__ w, const float* __restrict__ x,
                                           const float* __restrict__ nw, float* __restrict__ h,
                                           float* __restrict__ y, int out, int in, int n, float eps,
-                                          int vec4, int prefetch) {
-    if (prefetch) prefetch_block_rows(w, out, in);
-    PDL_ENTRY();
+                                          int vec4, int prefetch, int preload) {
     const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    const bool pre = preload && vec4 && j < out;
+    float4 wa[W_AHEAD], ga[W_AHEAD];
+    if (pre) {
+        load_ahead(wa, w + (size_t)j * in, in, lane);
+        load_ahead(ga, nw, in, lane);
+    }
+    if (prefetch && !(preload && vec4 && in <= 128 * W_AHEAD)) prefetch_block_rows(w, out, in);
+    PDL_ENTRY();
     float inv[4];
 #pragma unroll
     for (int r = 0; r < 4; r++) {
@@ -579,28 +686,26 @@ extern "C" __global__ void norm_gemv_rows(const float* __restrict__ w, const flo
         inv[r] = 1.f / sqrtf(s / (float)in + eps);
     }
     if (h != 0 && blockIdx.x == 0) {
-        for (int r = 0; r < n; r++)
-            for (int i = threadIdx.x; i < in; i += blockDim.x)
-                h[(size_t)r * in + i] = nw[i] * (x[(size_t)r * in + i] * inv[r]);
+#pragma unroll
+        for (int r = 0; r < 4; r++)
+            if (r < n)
+                for (int i = threadIdx.x; i < in; i += blockDim.x)
+                    h[(size_t)r * in + i] = nw[i] * (x[(size_t)r * in + i] * inv[r]);
     }
     if (j >= out) return;
     const float* wr = w + (size_t)j * in;
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     if (vec4) {
-#pragma unroll 4
-        for (int i = lane * 4; i < in; i += 128) {
-            const float4 wv = *(const float4*)(wr + i);
-            const float4 gv = *(const float4*)(nw + i);
+        int i0 = lane * 4;
+        if (pre) {
 #pragma unroll
-            for (int r = 0; r < 4; r++) {
-                if (r < n) {
-                    const float4 xv = *(const float4*)(x + (size_t)r * in + i);
-                    const float a = gv.x * (xv.x * inv[r]), b = gv.y * (xv.y * inv[r]);
-                    const float c = gv.z * (xv.z * inv[r]), d = gv.w * (xv.w * inv[r]);
-                    acc[r] = fmaf(wv.x, a, fmaf(wv.y, b, fmaf(wv.z, c, fmaf(wv.w, d, acc[r]))));
-                }
+            for (int u = 0; u < W_AHEAD; u++, i0 += 128) {
+                if (i0 < in) dot4_normed_rows(acc, wa[u], ga[u], x, in, i0, n, inv);
             }
         }
+#pragma unroll 4
+        for (int i = i0; i < in; i += 128)
+            dot4_normed_rows(acc, *(const float4*)(wr + i), *(const float4*)(nw + i), x, in, i, n, inv);
     } else {
         for (int i = lane; i < in; i += 32) {
             const float wv = wr[i];
@@ -636,23 +741,25 @@ __device__ __forceinline__ bool leads_expert(const int* idx, int s, int e, int* 
 // MoE up-projection for all picks of this layer whose expert this GPU holds (table entry
 // non-zero): act[s, j] = silu(gate_e[j] . h[row]) * (up_e[j] . h[row]), row = s/k, or rows[s]
 // when given (a sidecar's picks name their activation rows). One warp per row j,
-// 8 rows per block. grid: (nk, ceil(I/8)).
+// 8 rows per block. grid: (nk, ceil(I/8)). `distinct`: the caller knows every slot's expert
+// differs (the picks of one row), so each block leads its slot without checking.
 extern "C" __global__ void moe_up(const int* __restrict__ idx, const unsigned long long* __restrict__ gu_tab,
                                   const float* __restrict__ h, float* __restrict__ act,
                                   int nk, int k, int H, int I, int vec4,
-                                  const int* __restrict__ rows) {
+                                  const int* __restrict__ rows, int distinct) {
     PDL_ENTRY();
     __shared__ int flag;
     const int s = blockIdx.x;
     const int e = idx[s];
     const float* gu = (const float*)gu_tab[e];
-    if (gu == 0 || !leads_expert(idx, s, e, &flag)) return;
+    if (gu == 0 || !(distinct || leads_expert(idx, s, e, &flag))) return;
     const int j = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (j >= I) return;
     const float* g = gu + (size_t)j * H;
     const float* u = gu + (size_t)(j + I) * H;
-    for (int t0 = s; t0 < nk; t0 += 32) {
-        unsigned mask = __ballot_sync(0xffffffffu, t0 + lane < nk && idx[t0 + lane] == e);
+    const int end = distinct ? s + 1 : nk;
+    for (int t0 = s; t0 < end; t0 += 32) {
+        unsigned mask = distinct ? 1u : __ballot_sync(0xffffffffu, t0 + lane < nk && idx[t0 + lane] == e);
         while (mask) {
             const int t = t0 + __ffs(mask) - 1;
             mask &= mask - 1;
@@ -696,29 +803,54 @@ __device__ __forceinline__ void prefetch_down_rows(const int* __restrict__ idx,
     }
 }
 
-extern "C" __global__ void moe_down(const int* __restrict__ idx, const unsigned long long* __restrict__ dn_tab,
-                                    const float* __restrict__ act, float* __restrict__ y,
-                                    int nk, int H, int I, int vec4) {
-    prefetch_down_rows(idx, dn_tab, H, I);
+// PRE (moe_down_pre, with vec4): each warp loads the first W_AHEAD float4s per lane of its
+// down row into registers before the wait, as gemv_rows (same products, same order); the
+// registers this takes cost occupancy, so large batches take moe_down.
+template <bool PRE>
+__device__ __forceinline__ void moe_down_body(const int* __restrict__ idx,
+                                              const unsigned long long* __restrict__ dn_tab,
+                                              const float* __restrict__ act, float* __restrict__ y,
+                                              int nk, int H, int I, int vec4, int distinct) {
+    const int s = blockIdx.x;
+    const int j = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    float4 wa[W_AHEAD];
+    bool pre = false;
+    if (PRE) {
+        // the picks are final before the wait (see prefetch_down_rows)
+        const float* dn = (const float*)dn_tab[idx[s]];
+        pre = vec4 && dn != 0 && j < H;
+        if (pre) load_ahead(wa, dn + (size_t)j * I, I, lane);
+    }
+    if (!(PRE && vec4 && I <= 128 * W_AHEAD)) prefetch_down_rows(idx, dn_tab, H, I);
     PDL_ENTRY();
     __shared__ int flag;
-    const int s = blockIdx.x;
     const int e = idx[s];
     const float* dn = (const float*)dn_tab[e];
-    if (dn == 0 || !leads_expert(idx, s, e, &flag)) return;
-    const int j = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (dn == 0 || !(distinct || leads_expert(idx, s, e, &flag))) return;
     if (j >= H) return;
     const float* d = dn + (size_t)j * I;
-    for (int t0 = s; t0 < nk; t0 += 32) {
-        unsigned mask = __ballot_sync(0xffffffffu, t0 + lane < nk && idx[t0 + lane] == e);
+    const int end = distinct ? s + 1 : nk;
+    for (int t0 = s; t0 < end; t0 += 32) {
+        unsigned mask = distinct ? 1u : __ballot_sync(0xffffffffu, t0 + lane < nk && idx[t0 + lane] == e);
         while (mask) {
             const int t = t0 + __ffs(mask) - 1;
             mask &= mask - 1;
             const float* a = act + (size_t)t * I;
             float sum = 0.f;
             if (vec4) {
+                int i0 = lane * 4;
+                if (PRE && pre) {
+#pragma unroll
+                    for (int u = 0; u < W_AHEAD; u++, i0 += 128) {
+                        if (i0 < I) {
+                            const float4 dv = wa[u];
+                            const float4 av = *(const float4*)(a + i0);
+                            sum = fmaf(dv.x, av.x, fmaf(dv.y, av.y, fmaf(dv.z, av.z, fmaf(dv.w, av.w, sum))));
+                        }
+                    }
+                }
 #pragma unroll 4
-                for (int i = lane * 4; i < I; i += 128) {
+                for (int i = i0; i < I; i += 128) {
                     const float4 dv = *(const float4*)(d + i);
                     const float4 av = *(const float4*)(a + i);
                     sum = fmaf(dv.x, av.x, fmaf(dv.y, av.y, fmaf(dv.z, av.z, fmaf(dv.w, av.w, sum))));
@@ -730,6 +862,18 @@ extern "C" __global__ void moe_down(const int* __restrict__ idx, const unsigned 
             if (lane == 0) y[(size_t)t * H + j] = sum;
         }
     }
+}
+
+extern "C" __global__ void moe_down(const int* __restrict__ idx, const unsigned long long* __restrict__ dn_tab,
+                                    const float* __restrict__ act, float* __restrict__ y,
+                                    int nk, int H, int I, int vec4, int distinct) {
+    moe_down_body<false>(idx, dn_tab, act, y, nk, H, I, vec4, distinct);
+}
+
+extern "C" __global__ void moe_down_pre(const int* __restrict__ idx, const unsigned long long* __restrict__ dn_tab,
+                                        const float* __restrict__ act, float* __restrict__ y,
+                                        int nk, int H, int I, int vec4, int distinct) {
+    moe_down_body<true>(idx, dn_tab, act, y, nk, H, I, vec4, distinct);
 }
 
 // y[slots[i]] = src[i] (the cold tier's outputs into their pick slots). grid: count.

@@ -390,6 +390,8 @@ impl GpuExperts {
         out: u64,
     ) -> Result<()> {
         let (hi, ii, ni, one) = (self.hidden as i32, self.inter as i32, n as i32, 1i32);
+        // the picks of several rows may share an expert: each block checks that it leads
+        let zero = 0i32;
         let (v_up, v_dn) = ((self.hidden % 4 == 0) as i32, (self.inter % 4 == 0) as i32);
         let (acts, rows, ids, layer) = (ptrs[0], ptrs[1], ptrs[2], ptrs[3] as usize);
         let Some((gt, dt)) = self.tables.get(&layer) else {
@@ -409,7 +411,8 @@ impl GpuExperts {
             .arg(&hi)
             .arg(&ii)
             .arg(&v_up)
-            .arg(&rows);
+            .arg(&rows)
+            .arg(&zero);
         let cfg = |rows_out: usize| LaunchConfig {
             grid_dim: (n as u32, rows_out.div_ceil(8) as u32, 1),
             block_dim: (256, 1, 1),
@@ -427,7 +430,8 @@ impl GpuExperts {
             .arg(&ni)
             .arg(&hi)
             .arg(&ii)
-            .arg(&v_dn);
+            .arg(&v_dn)
+            .arg(&zero);
         // SAFETY: as above.
         unsafe { b.launch(cfg(self.hidden)) }.map_err(|e| gpu_err("launching moe_down", e))?;
         Ok(())

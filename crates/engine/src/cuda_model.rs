@@ -171,6 +171,7 @@ struct Funcs {
     route_topk: CudaFunction,
     moe_up: CudaFunction,
     moe_down: CudaFunction,
+    moe_down_pre: CudaFunction,
     scatter: CudaFunction,
     combine: CudaFunction,
     silu_mul: CudaFunction,
@@ -180,6 +181,7 @@ struct Funcs {
     read_probe: CudaFunction,
     gemv: CudaFunction,
     norm_gemv: CudaFunction,
+    hollow: CudaFunction,
 }
 
 fn funcs(gpu: &Gpu) -> Result<Funcs> {
@@ -199,6 +201,7 @@ fn funcs(gpu: &Gpu) -> Result<Funcs> {
         route_topk: f("route_topk")?,
         moe_up: f("moe_up")?,
         moe_down: f("moe_down")?,
+        moe_down_pre: f("moe_down_pre")?,
         scatter: f("scatter_rows")?,
         combine: f("moe_combine")?,
         silu_mul: f("silu_mul")?,
@@ -208,6 +211,7 @@ fn funcs(gpu: &Gpu) -> Result<Funcs> {
         read_probe: f("read_probe")?,
         gemv: f("gemv_rows")?,
         norm_gemv: f("norm_gemv_rows")?,
+        hollow: f("hollow_step")?,
     })
 }
 
@@ -417,10 +421,23 @@ pub struct GpuModel {
     att_part: Buf<f32>,
     /// blocks of decode attention the device holds at once (SMs times blocks per SM)
     att_wave: usize,
+    /// up to 4 rows, the dense products (with their norm weights) and the down-projection
+    /// load the first 4 KiB of each weight row into registers before waiting for the
+    /// previous kernel (`MOELANE_CUDA_PRELOAD=0` or `set_preload` turns it off)
+    preload: bool,
+    /// the router's top-k keeps a row in registers when it has at most 32 * TOPK_REG
+    /// experts (`set_register_topk(false)`: in shared memory, the same picks; for tests)
+    register_topk: bool,
+    /// step kernels launched hollow (`MOELANE_CUDA_HOLLOW`: names or "all"; a diagnostic,
+    /// the results are wrong), to time what each one costs in the chain
+    hollow: Vec<String>,
 }
 
 /// Warps of a decode attention block.
 const ATT_WARPS: usize = 16;
+
+/// Router logits per lane the top-k keeps in registers (TOPK_REG of kernels/dense.cu).
+const TOPK_REG: usize = 16;
 
 /// A captured run: (rows, logit rows, decode only, attention splits, prefill tiles, scratch
 /// generation, the ops).
@@ -457,6 +474,15 @@ pub fn attention_splits(len: usize, rows: usize, heads: usize, wave: usize) -> u
     // the largest power of two <= fit
     let by_wave = 1usize << (usize::BITS - 1 - fit.leading_zeros());
     by_len.min(by_wave)
+}
+
+/// The kernel names of a `MOELANE_CUDA_HOLLOW` value ("all" or a list split by ',' or '+').
+pub fn hollow_list(v: &str) -> Vec<String> {
+    v.split([',', '+'])
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+        .collect()
 }
 
 struct Profile {
@@ -641,6 +667,11 @@ impl GpuModel {
             split_attention: env_on("MOELANE_CUDA_ATTN_SPLIT"),
             att_part: Buf::zeros(&st, 1)?,
             att_wave,
+            preload: env_on("MOELANE_CUDA_PRELOAD"),
+            register_topk: true,
+            hollow: std::env::var("MOELANE_CUDA_HOLLOW")
+                .map(|v| hollow_list(&v))
+                .unwrap_or_default(),
             layers,
             cfg: cfg.clone(),
             f,
@@ -747,6 +778,7 @@ impl GpuModel {
     #[allow(clippy::too_many_arguments)]
     fn gemm(
         &self,
+        what: &'static str,
         w: u64,
         out_dim: usize,
         in_dim: usize,
@@ -758,13 +790,13 @@ impl GpuModel {
         if n <= 4 {
             let (o, i, ni) = (out_dim as i32, in_dim as i32, n as i32);
             let v4 = (in_dim % 4 == 0) as i32;
-            let pf = self.prefetch as i32;
-            let mut b = kargs![&w, &x, &y, &o, &i, &ni, &beta, &v4, &pf];
+            let (pf, pre) = (self.prefetch as i32, self.preload as i32);
+            let mut b = kargs![&w, &x, &y, &o, &i, &ni, &beta, &v4, &pf, &pre];
             // SAFETY: as below; n <= 4 rows.
             return unsafe {
                 self.launch(
                     &self.f.gemv,
-                    "gemv_rows",
+                    what,
                     &mut b,
                     grid(out_dim.div_ceil(8), 1, 256, 0),
                 )
@@ -809,8 +841,22 @@ impl GpuModel {
         params: &mut [*mut std::ffi::c_void],
         cfg: LaunchConfig,
     ) -> Result<()> {
-        launch_raw(&self.st, f, params, self.pdl, cfg)
-            .map_err(|e| gerr(&format!("launching {name}"), e))?;
+        let names = |h: &str| h == "all" || h == name || name.split(':').next() == Some(h);
+        let hollow = self.hollow.iter().any(|h| !h.starts_with('!') && names(h))
+            && !self
+                .hollow
+                .iter()
+                .any(|h| h.strip_prefix('!').is_some_and(names));
+        if hollow {
+            let cfg = LaunchConfig {
+                shared_mem_bytes: 0,
+                ..cfg
+            };
+            launch_raw(&self.st, &self.f.hollow, &mut [], self.pdl, cfg)
+        } else {
+            launch_raw(&self.st, f, params, self.pdl, cfg)
+        }
+        .map_err(|e| gerr(&format!("launching {name}"), e))?;
         self.mark(name)
     }
 
@@ -819,6 +865,7 @@ impl GpuModel {
     #[allow(clippy::too_many_arguments)]
     fn normed_product(
         &self,
+        what: &'static str,
         w: u64,
         out_dim: usize,
         x: u64,
@@ -830,18 +877,18 @@ impl GpuModel {
         let in_dim = self.cfg.hidden_size;
         if n > 4 {
             self.rmsnorm(x, 0, nw, self.h.p, n)?;
-            return self.gemm(w, out_dim, in_dim, self.h.p, n, y, 0.0);
+            return self.gemm(what, w, out_dim, in_dim, self.h.p, n, y, 0.0);
         }
         let (o, i, ni) = (out_dim as i32, in_dim as i32, n as i32);
         let eps = self.cfg.rms_norm_eps;
         let v4 = (in_dim % 4 == 0) as i32;
-        let pf = self.prefetch as i32;
-        let mut b = kargs![&w, &x, &nw, &h, &y, &o, &i, &ni, &eps, &v4, &pf];
+        let (pf, pre) = (self.prefetch as i32, self.preload as i32);
+        let mut b = kargs![&w, &x, &nw, &h, &y, &o, &i, &ni, &eps, &v4, &pf, &pre];
         // SAFETY: w holds out*in floats, x and h n rows of in, nw in, y n rows of out.
         unsafe {
             self.launch(
                 &self.f.norm_gemv,
-                "norm_gemv_rows",
+                what,
                 &mut b,
                 grid(out_dim.div_ceil(8), 1, 256, 0),
             )
@@ -1135,7 +1182,16 @@ impl GpuModel {
         }
         self.rmsnorm(self.x.p, self.o_lrows, self.norm.p, self.h.p, m)?;
         let head = self.head.as_ref().unwrap_or(&self.embed).p;
-        self.gemm(head, v, hs, self.h.p, m, self.logits.p, 0.0)?;
+        self.gemm(
+            "gemv_rows:head",
+            head,
+            v,
+            hs,
+            self.h.p,
+            m,
+            self.logits.p,
+            0.0,
+        )?;
         let vi = v as i32;
         match out {
             HeadOut::Logits => {}
@@ -1170,6 +1226,7 @@ impl GpuModel {
         let (qd, kvd, hs) = (c.q_dim(), c.kv_dim(), c.hidden_size);
         let lw = &self.layers[l];
         self.normed_product(
+            "norm_gemv_rows:qkv",
             lw.qkv.p,
             qd + 2 * kvd,
             self.x.p,
@@ -1228,7 +1285,7 @@ impl GpuModel {
                     )
                 }?;
             }
-            return self.gemm(lw.o.p, hs, qd, self.att.p, n, self.x.p, 1.0);
+            return self.gemm("gemv_rows:o", lw.o.p, hs, qd, self.att.p, n, self.x.p, 1.0);
         }
         let mut b = kargs![
             &self.qkv.p,
@@ -1284,7 +1341,7 @@ impl GpuModel {
         // SAFETY: as above; the tiles (first row, count <= ATT_TILE, rows of one sequence)
         // were built in `begin` from these rows; att holds n rows of q_dim.
         unsafe { self.launch(f, name, &mut b, cfg) }?;
-        self.gemm(lw.o.p, hs, qd, self.att.p, n, self.x.p, 1.0)
+        self.gemm("gemv_rows:o", lw.o.p, hs, qd, self.att.p, n, self.x.p, 1.0)
     }
 
     /// Router of MoE layer `l` (`ml`-th MoE layer): h = post_norm(x), top-k ids and weights.
@@ -1301,6 +1358,7 @@ impl GpuModel {
         let (e, ki, norm) = (ne as i32, k as i32, c.norm_topk_prob as i32);
         // h (the normed rows) feeds the experts: written by the fused kernel or the norm
         self.normed_product(
+            "norm_gemv_rows:router",
             router.p,
             ne,
             self.x.p,
@@ -1309,14 +1367,17 @@ impl GpuModel {
             n,
             self.rlog.p,
         )?;
-        let mut b = kargs![&self.rlog.p, &idx, &self.wts.p, &e, &ki, &norm];
-        // SAFETY: rlog holds n rows of E; idx has room for the ml-th layer's n*k ids.
+        let regs = (self.register_topk && ne <= TOPK_REG * 32) as i32;
+        let mut b = kargs![&self.rlog.p, &idx, &self.wts.p, &e, &ki, &norm, &regs];
+        let smem = if regs != 0 { 0 } else { ne * 4 };
+        // SAFETY: rlog holds n rows of E; idx has room for the ml-th layer's n*k ids; E
+        // floats of shared memory unless the row stays in registers (E <= 32 * TOPK_REG).
         unsafe {
             self.launch(
                 &self.f.route_topk,
                 "route_topk",
                 &mut b,
-                grid(n, 1, 32, ne * 4),
+                grid(n, 1, 32, smem),
             )
         }?;
         Ok(())
@@ -1346,6 +1407,8 @@ impl GpuModel {
         let (nki, ki, hi, ii) = (nk as i32, k as i32, hs as i32, i as i32);
         let v_up = (hs % 4 == 0) as i32;
         let v_dn = (i % 4 == 0) as i32;
+        // one row's picks are distinct experts: every block leads its slot
+        let distinct = (n == 1) as i32;
         let mut b = kargs![
             &idx,
             &gu,
@@ -1356,7 +1419,8 @@ impl GpuModel {
             &hi,
             &ii,
             &v_up,
-            &0u64
+            &0u64,
+            &distinct
         ];
         // SAFETY: ids < E (the router's top-k), table entries are null or resident experts of
         // [2I, H]; h holds n rows, act n*k rows of I; float4 reads only when H % 4 == 0.
@@ -1368,16 +1432,26 @@ impl GpuModel {
                 grid(nk, i.div_ceil(8), 256, 0),
             )
         }?;
-        let mut b = kargs![&idx, &dn, &self.act.p, &self.y.p, &nki, &hi, &ii, &v_dn];
+        let mut b = kargs![
+            &idx,
+            &dn,
+            &self.act.p,
+            &self.y.p,
+            &nki,
+            &hi,
+            &ii,
+            &v_dn,
+            &distinct
+        ];
+        // the preloading kernel takes more registers: fewer blocks resident, which costs
+        // the bandwidth-bound large batches more than the early loads gain (measured)
+        let (down, name) = if self.preload && n <= 4 {
+            (&self.f.moe_down_pre, "moe_down:pre")
+        } else {
+            (&self.f.moe_down, "moe_down")
+        };
         // SAFETY: as above, down [H, I]; y holds n*k rows of H.
-        unsafe {
-            self.launch(
-                &self.f.moe_down,
-                "moe_down",
-                &mut b,
-                grid(nk, hs.div_ceil(8), 256, 0),
-            )
-        }?;
+        unsafe { self.launch(down, name, &mut b, grid(nk, hs.div_ceil(8), 256, 0)) }?;
         Ok(())
     }
 
@@ -1478,6 +1552,33 @@ impl GpuModel {
         self.split_attention = on;
     }
 
+    /// Turns loading weight rows into registers before the previous kernel's end on or off.
+    pub fn set_preload(&mut self, on: bool) {
+        if on != self.preload {
+            self.preload = on;
+            self.drop_graphs();
+        }
+    }
+
+    /// Keeps the router's top-k rows in registers (the default, up to 512 experts) or in
+    /// shared memory (the path of larger routers): the same picks either way.
+    pub fn set_register_topk(&mut self, on: bool) {
+        if on != self.register_topk {
+            self.register_topk = on;
+            self.drop_graphs();
+        }
+    }
+
+    /// Step kernels to launch hollow (names as in the profile, a name before ':' for all
+    /// its uses, or "all"; a name after '!' is kept whole: "all+!moe_up" hollows every
+    /// kernel but that; empty: none). A diagnostic: the results are wrong while set.
+    pub fn set_hollow(&mut self, names: Vec<String>) {
+        if names != self.hollow {
+            self.hollow = names;
+            self.drop_graphs();
+        }
+    }
+
     /// x += the picks' outputs weighted by the router, in rank order.
     pub fn combine(&mut self) -> Result<()> {
         let c = &self.cfg;
@@ -1505,12 +1606,30 @@ impl GpuModel {
             .as_ref()
             .ok_or_else(|| Error::Tier(format!("layer {l} has no dense MLP")))?;
         self.rmsnorm(self.x.p, 0, lw.post_norm.p, self.h.p, n)?;
-        self.gemm(gu.p, 2 * i, hs, self.h.p, n, self.qkv.p, 0.0)?;
+        self.gemm(
+            "gemv_rows:mlp_up",
+            gu.p,
+            2 * i,
+            hs,
+            self.h.p,
+            n,
+            self.qkv.p,
+            0.0,
+        )?;
         let ii = i as i32;
         let mut b = kargs![&self.qkv.p, &self.att.p, &ii];
         // SAFETY: qkv holds n rows of 2I (sized in `begin`), att n rows of I.
         unsafe { self.launch(&self.f.silu_mul, "silu_mul", &mut b, grid(n, 1, 256, 0)) }?;
-        self.gemm(dn.p, hs, i, self.att.p, n, self.x.p, 1.0)
+        self.gemm(
+            "gemv_rows:mlp_down",
+            dn.p,
+            hs,
+            i,
+            self.att.p,
+            n,
+            self.x.p,
+            1.0,
+        )
     }
 
     /// The hidden state `[n, H]` (waits).

@@ -171,6 +171,16 @@ pub enum BenchCmd {
         /// rows per block, side by side (with --context: the prefill rate is printed).
         #[arg(long)]
         compare_prefill: bool,
+        /// Also run every size without loading weight rows into registers before the
+        /// previous kernel ends (small-batch products, down-projection), side by side.
+        #[arg(long)]
+        compare_preload: bool,
+        /// A diagnostic: also run every size with each of these step kernels launched hollow
+        /// (its grid, no work: the results are wrong), one at a time, to time what each costs
+        /// in the chain; names as in --profile, a name before ':' for all its uses, or "all";
+        /// joined by '+' for one run, a name after '!' kept whole ("all+!moe_up").
+        #[arg(long, value_delimiter = ',')]
+        hollow: Vec<String>,
         /// Context length before the timed decode steps: each sequence's prompt repeated to
         /// this many tokens and prefilled (512 at a time) first; 0 = the prompt as it is.
         #[arg(long, default_value_t = 0)]
@@ -381,12 +391,16 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             compare_launches,
             compare_split,
             compare_prefill,
+            compare_preload,
+            hollow,
             context,
             profile,
         } => crate::decode_bench::run(crate::decode_bench::DecodeArgs {
             compare_launches,
             compare_split,
             compare_prefill,
+            compare_preload,
+            hollow,
             context,
             profile,
             model,

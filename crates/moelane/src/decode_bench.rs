@@ -23,6 +23,10 @@ pub struct DecodeArgs {
     pub compare_split: bool,
     /// also run every size with prefill attention a block per row
     pub compare_prefill: bool,
+    /// also run every size without the weight preload
+    pub compare_preload: bool,
+    /// also run every size with each of these kernels hollow (a diagnostic)
+    pub hollow: Vec<String>,
     /// context length before the timed steps (0: the prompts as they are)
     pub context: usize,
     /// after each size, a profile: kernels launched one by one, a timing event after each
@@ -185,33 +189,48 @@ pub fn run(a: DecodeArgs) -> Result<()> {
             }
             Ok(())
         };
-        // (CUDA graphs, split decode attention, tiled prefill attention)
-        let mut modes = vec![(true, true, true)];
+        let mut modes = vec![Mode::default()];
+        let one = |suffix: &'static str, f: fn(&mut Mode)| {
+            let mut m = Mode {
+                suffix: suffix.to_string(),
+                ..Mode::default()
+            };
+            f(&mut m);
+            m
+        };
         if a.compare_launches {
-            modes.push((false, true, true));
+            modes.push(one(" -g", |m| m.graphs = false));
         }
         if a.compare_split {
-            modes.push((true, false, true));
+            modes.push(one(" -1", |m| m.split = false));
         }
         if a.compare_prefill {
-            modes.push((true, true, false));
+            modes.push(one(" -t", |m| m.tiled = false));
         }
-        for (&b, &(graphs, split, tiled)) in a
+        if a.compare_preload {
+            modes.push(one(" -p", |m| m.preload = false));
+        }
+        for h in &a.hollow {
+            modes.push(Mode {
+                suffix: format!(" -h {h}"),
+                hollow: cuda_model::hollow_list(h),
+                ..Mode::default()
+            });
+        }
+        for (&b, mode) in a
             .batch
             .iter()
             .flat_map(|b| modes.iter().map(move |m| (b, m)))
         {
             if let Some(g) = eng.gpu.as_mut() {
-                g.graphs = graphs;
-                g.set_split_attention(split);
-                g.set_tiled_prefill(tiled);
+                g.graphs = mode.graphs;
+                g.set_split_attention(mode.split);
+                g.set_tiled_prefill(mode.tiled);
+                g.set_preload(mode.preload);
+                g.set_hollow(mode.hollow.clone());
             }
-            let label = match (graphs, split, tiled) {
-                (false, _, _) => format!("{name} -g"),
-                (true, false, _) => format!("{name} -1"),
-                (true, true, false) => format!("{name} -t"),
-                (true, true, true) => name.clone(),
-            };
+            let (graphs, split, tiled) = (mode.graphs, mode.split, mode.tiled);
+            let label = format!("{name}{}", mode.suffix);
             let mut reps = Vec::new();
             for _ in 0..a.reps.max(1) {
                 let mut seqs: Vec<_> = (0..b).map(|_| eng.kv.new_seq()).collect();
@@ -287,7 +306,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
             if a.context > 0 {
                 println!("{label:>13} {b:>6} prefill {prefill_tps:.0} tok/s (median)");
             }
-            if a.profile && graphs && split && tiled {
+            if a.profile && mode.suffix.is_empty() {
                 if let Some(g) = eng.gpu.as_mut() {
                     g.set_profile(true);
                 }
@@ -327,7 +346,8 @@ pub fn run(a: DecodeArgs) -> Result<()> {
             }
             results.push(json!({
                 "placement": name, "graphs": graphs, "split_attention": split,
-                "tiled_prefill": tiled, "prefill_tokens_per_s": prefill_tps, "batch": b,
+                "tiled_prefill": tiled, "preload": mode.preload,
+                "hollow": mode.hollow, "prefill_tokens_per_s": prefill_tps, "batch": b,
                 "context": a.context, "tokens_per_s": tps,
                 "ms_per_step": step_s * 1e3, "bytes_per_step": step_bytes,
                 "bytes_per_token": step_bytes / b as f64, "read_gbs": gbs / 1e9,
@@ -346,7 +366,8 @@ pub fn run(a: DecodeArgs) -> Result<()> {
          read; the cold tier's reads are not counted (another device); tok/s medians of {} reps of {} steps; \
          \"-g\": kernels launched one by one instead of replaying CUDA graphs; \"-1\": decode \
          attention unsplit (one block per row and head); \"-t\": prefill attention a block per \
-         row instead of a tile of rows",
+         row instead of a tile of rows; \"-p\": weights not loaded before the previous kernel \
+         ends; \"-h K\": kernel K launched hollow (no work: a diagnostic)",
         a.reps.max(1),
         a.steps
     );
@@ -360,9 +381,31 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     Ok(())
 }
 
-/// The gpu+nccl:N placement: a sidecar process (`moelane bench nccl-sidecar`) generates the
-/// cold experts of the affinity map on cuda:N and serves them over NCCL; this process's
-/// engine holds the hot ones and sends its cold picks over the link.
+/// One side-by-side variant of the step: the engine's switches and the row label's suffix.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+#[derive(Clone, Debug)]
+struct Mode {
+    suffix: String,
+    graphs: bool,
+    split: bool,
+    tiled: bool,
+    preload: bool,
+    hollow: Vec<String>,
+}
+
+impl Default for Mode {
+    fn default() -> Self {
+        Mode {
+            suffix: String::new(),
+            graphs: true,
+            split: true,
+            tiled: true,
+            preload: true,
+            hollow: Vec::new(),
+        }
+    }
+}
+
 /// Tokens per prefill step of a long `--context` prompt.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 const PREFILL_CHUNK: usize = 512;
@@ -376,6 +419,9 @@ fn context_prompt(prompt: &[u32], len: usize) -> Vec<u32> {
     prompt.iter().copied().cycle().take(len).collect()
 }
 
+/// The gpu+nccl:N placement: a sidecar process (`moelane bench nccl-sidecar`) generates the
+/// cold experts of the affinity map on cuda:N and serves them over NCCL; this process's
+/// engine holds the hot ones and sends its cold picks over the link.
 #[cfg(feature = "cuda")]
 fn nccl_engine(
     m: &moelane_engine::synth::InMemory,
