@@ -578,30 +578,25 @@ __device__ __forceinline__ void load_ahead(float4 (&wa)[W_AHEAD], const float* _
     }
 }
 
-// acc[r] += wv . x[r][i, i + 4) for r < n <= 4 (x rows of `in` floats).
-__device__ __forceinline__ void dot4_rows(float (&acc)[4], float4 wv, const float* __restrict__ x,
-                                          int in, int i, int n) {
-#pragma unroll
-    for (int r = 0; r < 4; r++) {
-        if (r < n) {
-            const float4 xv = *(const float4*)(x + (size_t)r * in + i);
-            acc[r] = fmaf(wv.x, xv.x, fmaf(wv.y, xv.y, fmaf(wv.z, xv.z, fmaf(wv.w, xv.w, acc[r]))));
-        }
-    }
+// acc + wv . xv, the products summed last lane first (every product of this file's small-batch
+// paths sums this way, so their results agree bit for bit).
+__device__ __forceinline__ float fma4(float4 wv, float4 xv, float acc) {
+    return fmaf(wv.x, xv.x, fmaf(wv.y, xv.y, fmaf(wv.z, xv.z, fmaf(wv.w, xv.w, acc))));
 }
 
-// As dot4_rows on RMSNorm'd rows: acc[r] += wv . (gv * (x[r][i, i + 4) * inv[r])).
-__device__ __forceinline__ void dot4_normed_rows(float (&acc)[4], float4 wv, float4 gv,
-                                                 const float* __restrict__ x, int in, int i, int n,
-                                                 const float (&inv)[4]) {
+// gv * (xv * inv), element by element: an RMSNorm'd float4.
+__device__ __forceinline__ float4 normed4(float4 gv, float4 xv, float inv) {
+    return make_float4(gv.x * (xv.x * inv), gv.y * (xv.y * inv), gv.z * (xv.z * inv), gv.w * (xv.w * inv));
+}
+
+// One row's float4s lane * 4 + 128 u (u < W_AHEAD; zero past `in`), every load issued before
+// any is used: the row arrives in one round trip, not one per float4.
+__device__ __forceinline__ void load_row(float4 (&xr)[W_AHEAD], const float* __restrict__ x,
+                                         int in, int lane) {
 #pragma unroll
-    for (int r = 0; r < 4; r++) {
-        if (r < n) {
-            const float4 xv = *(const float4*)(x + (size_t)r * in + i);
-            const float a = gv.x * (xv.x * inv[r]), b = gv.y * (xv.y * inv[r]);
-            const float c = gv.z * (xv.z * inv[r]), d = gv.w * (xv.w * inv[r]);
-            acc[r] = fmaf(wv.x, a, fmaf(wv.y, b, fmaf(wv.z, c, fmaf(wv.w, d, acc[r]))));
-        }
+    for (int u = 0; u < W_AHEAD; u++) {
+        const int i = lane * 4 + u * 128;
+        xr[u] = i < in ? *(const float4*)(x + i) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 }
 
@@ -613,7 +608,8 @@ extern "C" __global__ void gemv_rows(const float* __restrict__ w, const float* _
                                      float* __restrict__ y, int out, int in, int n, float beta,
                                      int vec4, int prefetch, int preload) {
     const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    const bool pre = preload && vec4 && j < out;
+    // rows longer than one round keep their registers for the rounds after the wait
+    const bool pre = preload && vec4 && j < out && in <= 128 * W_AHEAD;
     float4 wa[W_AHEAD];
     if (pre) load_ahead(wa, w + (size_t)j * in, in, lane);
     if (prefetch && !(preload && vec4 && in <= 128 * W_AHEAD)) prefetch_block_rows(w, out, in);
@@ -621,16 +617,37 @@ extern "C" __global__ void gemv_rows(const float* __restrict__ w, const float* _
     if (j >= out) return;
     const float* wr = w + (size_t)j * in;
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    if (vec4) {
-        int i0 = lane * 4;
-        if (pre) {
+    if (pre) {
+        // the whole row is in wa: each input row in one round of loads, then its products
 #pragma unroll
-            for (int u = 0; u < W_AHEAD; u++, i0 += 128) {
-                if (i0 < in) dot4_rows(acc, wa[u], x, in, i0, n);
+        for (int r = 0; r < 4; r++) {
+            if (r < n) {
+                float4 xr[W_AHEAD];
+                load_row(xr, x + (size_t)r * in, in, lane);
+#pragma unroll
+                for (int u = 0; u < W_AHEAD; u++)
+                    if (lane * 4 + u * 128 < in) acc[r] = fma4(wa[u], xr[u], acc[r]);
             }
         }
-#pragma unroll 4
-        for (int i = i0; i < in; i += 128) dot4_rows(acc, *(const float4*)(wr + i), x, in, i, n);
+    } else if (vec4) {
+        // chunks of W_AHEAD float4s per lane (4 KiB of the row per warp): the chunk's weights,
+        // then each input row's matching floats, each in one round of loads before their
+        // products (a load next to each product would wait out one round trip per float4);
+        // the sums run in the order of one float4 at a time
+        for (int c = 0; c < in; c += 128 * W_AHEAD) {
+            float4 wc[W_AHEAD];
+            load_row(wc, wr + c, in - c, lane);
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                if (r < n) {
+                    float4 xc[W_AHEAD];
+                    load_row(xc, x + (size_t)r * in + c, in - c, lane);
+#pragma unroll
+                    for (int u = 0; u < W_AHEAD; u++)
+                        if (lane * 4 + u * 128 < in - c) acc[r] = fma4(wc[u], xc[u], acc[r]);
+                }
+            }
+        }
     } else {
         for (int i = lane; i < in; i += 32) {
             const float wv = wr[i];
@@ -655,12 +672,12 @@ extern "C" __global__ void gemv_rows(const float* __restrict__ w, const float* _
 // warp computing the norms itself (the rows are a few KiB, read from L2), so no separate
 // norm kernel runs; block 0 also writes the normed rows to h when h is not null. n <= 4.
 // `preload` as gemv_rows, the norm weights' matching float4s too.
-extern "C" __global__ void norm_gemv_rows(const float* __restrict__ w, const float* __restrict__ x,
+extern "C" __global__ void __launch_bounds__(256, 2) norm_gemv_rows(const float* __restrict__ w, const float* __restrict__ x,
                                           const float* __restrict__ nw, float* __restrict__ h,
                                           float* __restrict__ y, int out, int in, int n, float eps,
                                           int vec4, int prefetch, int preload) {
     const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    const bool pre = preload && vec4 && j < out;
+    const bool pre = preload && vec4 && j < out && in <= 128 * W_AHEAD;
     float4 wa[W_AHEAD], ga[W_AHEAD];
     if (pre) {
         load_ahead(wa, w + (size_t)j * in, in, lane);
@@ -669,14 +686,37 @@ extern "C" __global__ void norm_gemv_rows(const float* __restrict__ w, const flo
     if (prefetch && !(preload && vec4 && in <= 128 * W_AHEAD)) prefetch_block_rows(w, out, in);
     PDL_ENTRY();
     float inv[4];
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    // loads in rounds of W_AHEAD float4s per lane, as gemv_rows; with `pre` the whole rows fit
+    // one round (wa, ga preloaded), so each input row stays in registers from its norm to
+    // its products
+    const bool fast = pre;
 #pragma unroll
     for (int r = 0; r < 4; r++) {
         float s = 0.f;
+        if (fast) {
+            if (r < n) {
+                float4 xr[W_AHEAD];
+                load_row(xr, x + (size_t)r * in, in, lane);
+#pragma unroll
+                for (int u = 0; u < W_AHEAD; u++)
+                    if (lane * 4 + u * 128 < in) s = fma4(xr[u], xr[u], s);
+                s = warp_sum(s);
+                inv[r] = 1.f / sqrtf(s / (float)in + eps);
+#pragma unroll
+                for (int u = 0; u < W_AHEAD; u++)
+                    if (lane * 4 + u * 128 < in) acc[r] = fma4(wa[u], normed4(ga[u], xr[u], inv[r]), acc[r]);
+            }
+            continue;
+        }
         if (r < n) {
             if (vec4) {
-                for (int i = lane * 4; i < in; i += 128) {
-                    const float4 v = *(const float4*)(x + (size_t)r * in + i);
-                    s = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, s))));
+                for (int c = 0; c < in; c += 128 * W_AHEAD) {
+                    float4 xc[W_AHEAD];
+                    load_row(xc, x + (size_t)r * in + c, in - c, lane);
+#pragma unroll
+                    for (int u = 0; u < W_AHEAD; u++)
+                        if (lane * 4 + u * 128 < in - c) s = fma4(xc[u], xc[u], s);
                 }
             } else {
                 for (int i = lane; i < in; i += 32) s = fmaf(x[(size_t)r * in + i], x[(size_t)r * in + i], s);
@@ -694,18 +734,24 @@ extern "C" __global__ void norm_gemv_rows(const float* __restrict__ w, const flo
     }
     if (j >= out) return;
     const float* wr = w + (size_t)j * in;
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    if (vec4) {
-        int i0 = lane * 4;
-        if (pre) {
+    if (fast) {
+        // products taken above
+    } else if (vec4) {
+        for (int c = 0; c < in; c += 128 * W_AHEAD) {
+            float4 wc[W_AHEAD], gc[W_AHEAD];
+            load_row(wc, wr + c, in - c, lane);
+            load_row(gc, nw + c, in - c, lane);
 #pragma unroll
-            for (int u = 0; u < W_AHEAD; u++, i0 += 128) {
-                if (i0 < in) dot4_normed_rows(acc, wa[u], ga[u], x, in, i0, n, inv);
+            for (int r = 0; r < 4; r++) {
+                if (r < n) {
+                    float4 xc[W_AHEAD];
+                    load_row(xc, x + (size_t)r * in + c, in - c, lane);
+#pragma unroll
+                    for (int u = 0; u < W_AHEAD; u++)
+                        if (lane * 4 + u * 128 < in - c) acc[r] = fma4(wc[u], normed4(gc[u], xc[u], inv[r]), acc[r]);
+                }
             }
         }
-#pragma unroll 4
-        for (int i = i0; i < in; i += 128)
-            dot4_normed_rows(acc, *(const float4*)(wr + i), *(const float4*)(nw + i), x, in, i, n, inv);
     } else {
         for (int i = lane; i < in; i += 32) {
             const float wv = wr[i];
@@ -840,14 +886,12 @@ __device__ __forceinline__ void moe_down_body(const int* __restrict__ idx,
             if (vec4) {
                 int i0 = lane * 4;
                 if (PRE && pre) {
+                    // the activation row in one round of loads, then the products
+                    float4 ar[W_AHEAD];
+                    load_row(ar, a, I, lane);
 #pragma unroll
-                    for (int u = 0; u < W_AHEAD; u++, i0 += 128) {
-                        if (i0 < I) {
-                            const float4 dv = wa[u];
-                            const float4 av = *(const float4*)(a + i0);
-                            sum = fmaf(dv.x, av.x, fmaf(dv.y, av.y, fmaf(dv.z, av.z, fmaf(dv.w, av.w, sum))));
-                        }
-                    }
+                    for (int u = 0; u < W_AHEAD; u++, i0 += 128)
+                        if (i0 < I) sum = fma4(wa[u], ar[u], sum);
                 }
 #pragma unroll 4
                 for (int i = i0; i < I; i += 128) {

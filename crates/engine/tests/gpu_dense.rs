@@ -390,6 +390,85 @@ fn long_context_attention_matches_the_cpu() {
     assert!(w_one >= 0.99999, "vs one block {w_one}");
 }
 
+/// For each batch size b: the first b prompts prefilled together, then greedy decode steps
+/// (`steps` in all); every step's logits, in order.
+fn greedy_batches(e: &mut Engine, ps: &[Vec<u32>], sizes: &[usize], steps: usize) -> Vec<Vec<f32>> {
+    let v = e.cfg.vocab_size;
+    let mut out = Vec::new();
+    for &b in sizes {
+        let mut seqs: Vec<_> = (0..b).map(|_| e.kv.new_seq()).collect();
+        let mut next: Vec<Vec<u32>> = ps[..b].to_vec();
+        for _ in 0..steps {
+            let mut st: Vec<SeqStep> = seqs
+                .iter_mut()
+                .zip(&next)
+                .map(|(kv, t)| SeqStep { kv, tokens: t })
+                .collect();
+            let l = e.step(&mut st).unwrap();
+            next = l
+                .chunks_exact(v)
+                .map(|r| vec![moelane_engine::sampling::argmax(r) as u32])
+                .collect();
+            out.push(l);
+        }
+    }
+    out
+}
+
+#[test]
+fn rows_longer_than_one_round_of_loads_match_the_cpu() {
+    // a model 1280 wide: every small-batch product's rows are longer than the 1024 floats a
+    // warp loads in one round, so they run in rounds with a remainder (and without the
+    // preload into registers); logits against the CPU backend at 1 and 3 rows, greedy tokens
+    // equal, and the same bit for bit with the preload switch off
+    let Some(gpu) = gpu() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let p = moelane_engine::synth::Preset {
+        name: "wide",
+        hidden: 1280,
+        layers: 2,
+        heads: 20,
+        kv_heads: 4,
+        head_dim: 64,
+        inter: 96,
+        experts: 16,
+        topk: 2,
+        hot: 12,
+        vocab_target: 640,
+        core: 6,
+        max_pos: 512,
+    };
+    moelane_engine::synth::generate(&p, 1, dir.path()).unwrap();
+    let ckpt = Checkpoint::open(dir.path()).unwrap();
+    let opts = EngineOptions {
+        kv_tokens: 1024,
+        progress: false,
+    };
+    let (_, map) = maps(&ckpt, p.hot).remove(0);
+    let mut cpu = engine_from(&ckpt, map.clone(), &opts).unwrap();
+    let mut g = load_on_gpu(&ckpt, map, &opts, gpu).unwrap();
+    let ps = prompts(ckpt.config.vocab_size, 3);
+    let want = greedy_batches(&mut cpu, &ps, &[1, 3], 5);
+    let got = greedy_batches(&mut g, &ps, &[1, 3], 5);
+    let am = moelane_engine::sampling::argmax;
+    let v = ckpt.config.vocab_size;
+    let mut worst = 1f64;
+    for (i, (a, b)) in want.iter().zip(&got).enumerate() {
+        for (ra, rb) in a.chunks_exact(v).zip(b.chunks_exact(v)) {
+            worst = worst.min(cos(ra, rb));
+            assert_eq!(am(ra), am(rb), "step {i}: greedy token, CPU vs GPU");
+        }
+    }
+    g.gpu.as_mut().unwrap().set_preload(false);
+    let off = greedy_batches(&mut g, &ps, &[1, 3], 5);
+    eprintln!(
+        "1280 wide: logits cosine vs CPU {worst:.7}; preload off identical: {}",
+        off == got
+    );
+    assert!(worst >= 0.999, "vs CPU {worst}");
+    assert!(off == got, "the preload switch changed the logits");
+}
+
 #[test]
 fn preloaded_weights_leave_the_logits_unchanged() {
     // weight rows loaded into registers before the previous kernel ends (the small-batch
@@ -409,26 +488,7 @@ fn preloaded_weights_leave_the_logits_unchanged() {
             g.set_preload(preload);
             g.set_register_topk(preload);
             g.set_hollow(hollow.iter().map(|s| s.to_string()).collect());
-            let mut out = Vec::new();
-            for b in [1usize, 3, 8] {
-                let mut seqs: Vec<_> = (0..b).map(|_| e.kv.new_seq()).collect();
-                let mut next: Vec<Vec<u32>> = ps[..b].to_vec();
-                for _ in 0..5 {
-                    let mut steps: Vec<SeqStep> = seqs
-                        .iter_mut()
-                        .zip(&next)
-                        .map(|(kv, t)| SeqStep { kv, tokens: t })
-                        .collect();
-                    let l = e.step(&mut steps).unwrap();
-                    let v = ckpt.config.vocab_size;
-                    next = l
-                        .chunks_exact(v)
-                        .map(|r| vec![moelane_engine::sampling::argmax(r) as u32])
-                        .collect();
-                    out.push(l);
-                }
-            }
-            out
+            greedy_batches(e, &ps, &[1, 3, 8], 5)
         };
         let base = run(&mut e, false, &[]);
         let pre = run(&mut e, true, &[]);
