@@ -120,22 +120,44 @@ extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, const int* 
 extern "C" __global__ void hollow_step() { PDL_ENTRY(); }
 
 // One head vector (hd floats, one warp): RMSNorm with weight nwt, then rotate-half RoPE for
-// position pos (tables [max_pos, hd/2]), into dst (may be v itself: each lane reads and
-// writes only its own pairs).
+// position pos (tables [max_pos, hd/2]), into dst (may be v itself: every read comes before
+// the warp's barrier, every write after).
 __device__ __forceinline__ void norm_rope(const float* v, const float* __restrict__ nwt,
                                           float* dst, const float* __restrict__ cos_t,
                                           const float* __restrict__ sin_t, int pos, int hd,
                                           float eps) {
     const int lane = threadIdx.x & 31, half = hd / 2;
+    // every value this lane needs (hd <= 128) in one round of loads, then the arithmetic
+    float sq[4], lo[2], hi[2], glo[2], ghi[2], c[2], sn[2];
+#pragma unroll
+    for (int t = 0; t < 4; t++) sq[t] = lane + 32 * t < hd ? v[lane + 32 * t] : 0.f;
+#pragma unroll
+    for (int t = 0; t < 2; t++) {
+        const int i = lane + 32 * t;
+        const bool ok = i < half;
+        lo[t] = ok ? v[i] : 0.f;
+        hi[t] = ok ? v[i + half] : 0.f;
+        glo[t] = ok ? nwt[i] : 0.f;
+        ghi[t] = ok ? nwt[i + half] : 0.f;
+        c[t] = ok ? cos_t[(size_t)pos * half + i] : 0.f;
+        sn[t] = ok ? sin_t[(size_t)pos * half + i] : 0.f;
+    }
     float s = 0.f;
-    for (int i = lane; i < hd; i += 32) s = fmaf(v[i], v[i], s);
+#pragma unroll
+    for (int t = 0; t < 4; t++)
+        if (lane + 32 * t < hd) s = fmaf(sq[t], sq[t], s);
     s = warp_sum(s);
+    // in place (dst == v) with half not a multiple of 32, a lane writes what another read
+    __syncwarp();
     const float inv = 1.f / sqrtf(s / (float)hd + eps);
-    for (int i = lane; i < half; i += 32) {
-        const float a = nwt[i] * (v[i] * inv), b = nwt[i + half] * (v[i + half] * inv);
-        const float c = cos_t[(size_t)pos * half + i], sn = sin_t[(size_t)pos * half + i];
-        dst[i] = a * c - b * sn;
-        dst[i + half] = b * c + a * sn;
+#pragma unroll
+    for (int t = 0; t < 2; t++) {
+        const int i = lane + 32 * t;
+        if (i < half) {
+            const float a = glo[t] * (lo[t] * inv), b = ghi[t] * (hi[t] * inv);
+            dst[i] = a * c[t] - b * sn[t];
+            dst[i + half] = b * c[t] + a * sn[t];
+        }
     }
 }
 
@@ -456,6 +478,22 @@ extern "C" __global__ void attention_merge(const float* __restrict__ part, float
     out[(size_t)r * nh * hd + hh * hd + i] = o / tot;
 }
 
+// Pick j of a row's top k: lane j keeps it (written at the end, normalised there, with no
+// read-back of what was stored), or with k > 32 lane 0 stores it now.
+__device__ __forceinline__ void keep_pick(int j, int k, float bv, int bi, float& mine, int& mi,
+                                          int* __restrict__ idx, float* __restrict__ wts) {
+    const int lane = threadIdx.x & 31;
+    if (k <= 32) {
+        if (lane == j) {
+            mine = bv;
+            mi = bi;
+        }
+    } else if (lane == 0) {
+        idx[j] = bi;
+        wts[j] = bv;
+    }
+}
+
 // (value, index) argmax over the warp, ties to the lower index; every lane gets it.
 __device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
     for (int o = 16; o > 0; o >>= 1) {
@@ -478,6 +516,8 @@ extern "C" __global__ void route_topk(const float* __restrict__ logits, int* __r
     const int r = blockIdx.x, lane = threadIdx.x;
     const float* row = logits + (size_t)r * E;
     float tot = 0.f;
+    float mine = 0.f;  // pick `lane` (k <= 32), written once at the end
+    int mi = 0;
     if (regs && E <= 32 * TOPK_REG) {
         // the row in registers (lane holds entries lane, lane + 32, ...): one round of loads,
         // then the same arithmetic and the same picks (ties to the lower id) as below
@@ -514,10 +554,7 @@ extern "C" __global__ void route_topk(const float* __restrict__ logits, int* __r
 #pragma unroll
             for (int t = 0; t < TOPK_REG; t++)
                 if (lane + 32 * t == bi) v[t] = -1.f;
-            if (lane == 0) {
-                idx[r * k + j] = bi;
-                wts[r * k + j] = bv;
-            }
+            keep_pick(j, k, bv, bi, mine, mi, idx + r * k, wts + r * k);
             tot += bv;
         }
     } else {
@@ -540,17 +577,20 @@ extern "C" __global__ void route_topk(const float* __restrict__ logits, int* __r
             for (int i = lane; i < E; i += 32)
                 if (p[i] > bv) { bv = p[i]; bi = i; }
             warp_argmax(bv, bi);
-            if (lane == 0) {
-                idx[r * k + j] = bi;
-                wts[r * k + j] = bv;
-                p[bi] = -1.f;
-            }
+            keep_pick(j, k, bv, bi, mine, mi, idx + r * k, wts + r * k);
+            if (lane == 0) p[bi] = -1.f;
             tot += bv;
             __syncwarp();
         }
     }
-    if (lane == 0 && norm)
+    if (k <= 32) {
+        if (lane < k) {
+            idx[r * k + lane] = mi;
+            wts[r * k + lane] = norm ? mine / tot : mine;
+        }
+    } else if (lane == 0 && norm) {
         for (int j = 0; j < k; j++) wts[r * k + j] /= tot;
+    }
 }
 
 // Thread 0 asks the L2 for the weight rows this block's warps will read (one warp per row):
@@ -600,6 +640,34 @@ __device__ __forceinline__ void load_row(float4 (&xr)[W_AHEAD], const float* __r
     }
 }
 
+// acc[r] += wr . x[r] for r < n <= 4, or with `nw` not null wr . (nw * (x[r] * inv[r])) (an
+// RMSNorm'd row), in rounds of W_AHEAD float4s per lane (4 KiB of a row per warp): the round's
+// weights (and norm weights), then each input row's matching floats, each in one round of
+// loads before their products (a load next to each product would wait out one round trip per
+// float4); the sums run in the order of one float4 at a time.
+__device__ __forceinline__ void products_in_rounds(float (&acc)[4], const float* __restrict__ wr,
+                                                   const float* __restrict__ nw,
+                                                   const float (&inv)[4],
+                                                   const float* __restrict__ x, int in, int n,
+                                                   int lane) {
+    for (int c = 0; c < in; c += 128 * W_AHEAD) {
+        float4 wc[W_AHEAD], gc[W_AHEAD];
+        load_row(wc, wr + c, in - c, lane);
+        if (nw != 0) load_row(gc, nw + c, in - c, lane);
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            if (r < n) {
+                float4 xc[W_AHEAD];
+                load_row(xc, x + (size_t)r * in + c, in - c, lane);
+#pragma unroll
+                for (int u = 0; u < W_AHEAD; u++)
+                    if (lane * 4 + u * 128 < in - c)
+                        acc[r] = fma4(wc[u], nw != 0 ? normed4(gc[u], xc[u], inv[r]) : xc[u], acc[r]);
+            }
+        }
+    }
+}
+
 // y[r, j] = beta * y[r, j] + w[j] . x[r] for r < n <= 4 (beta 0 or 1): the dense products
 // of small decode batches, one warp per output row, each weight row read once for all n
 // rows (cuBLAS takes n > 4). With `preload` (and vec4) the row's first W_AHEAD float4s per
@@ -630,24 +698,8 @@ extern "C" __global__ void gemv_rows(const float* __restrict__ w, const float* _
             }
         }
     } else if (vec4) {
-        // chunks of W_AHEAD float4s per lane (4 KiB of the row per warp): the chunk's weights,
-        // then each input row's matching floats, each in one round of loads before their
-        // products (a load next to each product would wait out one round trip per float4);
-        // the sums run in the order of one float4 at a time
-        for (int c = 0; c < in; c += 128 * W_AHEAD) {
-            float4 wc[W_AHEAD];
-            load_row(wc, wr + c, in - c, lane);
-#pragma unroll
-            for (int r = 0; r < 4; r++) {
-                if (r < n) {
-                    float4 xc[W_AHEAD];
-                    load_row(xc, x + (size_t)r * in + c, in - c, lane);
-#pragma unroll
-                    for (int u = 0; u < W_AHEAD; u++)
-                        if (lane * 4 + u * 128 < in - c) acc[r] = fma4(wc[u], xc[u], acc[r]);
-                }
-            }
-        }
+        const float one[4] = {1.f, 1.f, 1.f, 1.f};
+        products_in_rounds(acc, wr, 0, one, x, in, n, lane);
     } else {
         for (int i = lane; i < in; i += 32) {
             const float wv = wr[i];
@@ -737,21 +789,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) norm_gemv_rows(const float*
     if (fast) {
         // products taken above
     } else if (vec4) {
-        for (int c = 0; c < in; c += 128 * W_AHEAD) {
-            float4 wc[W_AHEAD], gc[W_AHEAD];
-            load_row(wc, wr + c, in - c, lane);
-            load_row(gc, nw + c, in - c, lane);
-#pragma unroll
-            for (int r = 0; r < 4; r++) {
-                if (r < n) {
-                    float4 xc[W_AHEAD];
-                    load_row(xc, x + (size_t)r * in + c, in - c, lane);
-#pragma unroll
-                    for (int u = 0; u < W_AHEAD; u++)
-                        if (lane * 4 + u * 128 < in - c) acc[r] = fma4(wc[u], normed4(gc[u], xc[u], inv[r]), acc[r]);
-                }
-            }
-        }
+        products_in_rounds(acc, wr, nw, inv, x, in, n, lane);
     } else {
         for (int i = lane; i < in; i += 32) {
             const float wv = wr[i];
