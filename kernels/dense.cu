@@ -68,14 +68,19 @@ __device__ float block_max(float v, float* red) {
     return red[32];
 }
 
+// (value, index) argmax over the warp, ties to the lower index; every lane gets it.
+__device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+    }
+}
+
 // (value, index) argmax over the block, ties to the lower index; every thread gets it.
 __device__ void block_argmax(float& v, int& i, float* redv, int* redi) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        int oi = __shfl_xor_sync(0xffffffffu, i, o);
-        if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
-    }
+    warp_argmax(v, i);
     __syncthreads();
     if (lane == 0) { redv[w] = v; redi[w] = i; }
     __syncthreads();
@@ -494,15 +499,6 @@ __device__ __forceinline__ void keep_pick(int j, int k, float bv, int bi, float&
     }
 }
 
-// (value, index) argmax over the warp, ties to the lower index; every lane gets it.
-__device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
-    }
-}
-
 // Router: softmax of each row of logits [rows, E], then its top k (descending, ties to the
 // lower expert), renormalised when `norm`. One warp per row (no block barriers: the k
 // rounds of argmax are shuffles). With `regs` (E at most 32 * TOPK_REG) the row stays in
@@ -609,12 +605,24 @@ __device__ __forceinline__ void prefetch_block_rows(const float* w, int out, int
 // adding to the step's chain of dependent kernels.
 #define W_AHEAD 8
 
+// As load_row, through the read-only data path (__ldg): the weight rows loaded before the wait.
 __device__ __forceinline__ void load_ahead(float4 (&wa)[W_AHEAD], const float* __restrict__ wr,
                                            int in, int lane) {
 #pragma unroll
     for (int u = 0; u < W_AHEAD; u++) {
         const int i = lane * 4 + u * 128;
         wa[u] = i < in ? __ldg((const float4*)(wr + i)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+}
+
+// One row's float4s lane * 4 + 128 u (u < W_AHEAD; zero past `in`), every load issued before
+// any is used: the row arrives in one round trip, not one per float4.
+__device__ __forceinline__ void load_row(float4 (&xr)[W_AHEAD], const float* __restrict__ x,
+                                         int in, int lane) {
+#pragma unroll
+    for (int u = 0; u < W_AHEAD; u++) {
+        const int i = lane * 4 + u * 128;
+        xr[u] = i < in ? *(const float4*)(x + i) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 }
 
@@ -627,17 +635,6 @@ __device__ __forceinline__ float fma4(float4 wv, float4 xv, float acc) {
 // gv * (xv * inv), element by element: an RMSNorm'd float4.
 __device__ __forceinline__ float4 normed4(float4 gv, float4 xv, float inv) {
     return make_float4(gv.x * (xv.x * inv), gv.y * (xv.y * inv), gv.z * (xv.z * inv), gv.w * (xv.w * inv));
-}
-
-// One row's float4s lane * 4 + 128 u (u < W_AHEAD; zero past `in`), every load issued before
-// any is used: the row arrives in one round trip, not one per float4.
-__device__ __forceinline__ void load_row(float4 (&xr)[W_AHEAD], const float* __restrict__ x,
-                                         int in, int lane) {
-#pragma unroll
-    for (int u = 0; u < W_AHEAD; u++) {
-        const int i = lane * 4 + u * 128;
-        xr[u] = i < in ? *(const float4*)(x + i) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
 }
 
 // acc[r] += wr . x[r] for r < n <= 4, or with `nw` not null wr . (nw * (x[r] * inv[r])) (an
@@ -742,11 +739,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) norm_gemv_rows(const float*
     // loads in rounds of W_AHEAD float4s per lane, as gemv_rows; with `pre` the whole rows fit
     // one round (wa, ga preloaded), so each input row stays in registers from its norm to
     // its products
-    const bool fast = pre;
 #pragma unroll
     for (int r = 0; r < 4; r++) {
         float s = 0.f;
-        if (fast) {
+        if (pre) {
             if (r < n) {
                 float4 xr[W_AHEAD];
                 load_row(xr, x + (size_t)r * in, in, lane);
@@ -786,7 +782,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) norm_gemv_rows(const float*
     }
     if (j >= out) return;
     const float* wr = w + (size_t)j * in;
-    if (fast) {
+    if (pre) {
         // products taken above
     } else if (vec4) {
         products_in_rounds(acc, wr, nw, inv, x, in, n, lane);
@@ -855,8 +851,8 @@ extern "C" __global__ void moe_up(const int* __restrict__ idx, const unsigned lo
                     const float4 gv = *(const float4*)(g + i);
                     const float4 uv = *(const float4*)(u + i);
                     const float4 xv = *(const float4*)(x + i);
-                    sg = fmaf(gv.x, xv.x, fmaf(gv.y, xv.y, fmaf(gv.z, xv.z, fmaf(gv.w, xv.w, sg))));
-                    su = fmaf(uv.x, xv.x, fmaf(uv.y, xv.y, fmaf(uv.z, xv.z, fmaf(uv.w, xv.w, su))));
+                    sg = fma4(gv, xv, sg);
+                    su = fma4(uv, xv, su);
                 }
             } else {
                 for (int i = lane; i < H; i += 32) {
@@ -935,7 +931,7 @@ __device__ __forceinline__ void moe_down_body(const int* __restrict__ idx,
                 for (int i = i0; i < I; i += 128) {
                     const float4 dv = *(const float4*)(d + i);
                     const float4 av = *(const float4*)(a + i);
-                    sum = fmaf(dv.x, av.x, fmaf(dv.y, av.y, fmaf(dv.z, av.z, fmaf(dv.w, av.w, sum))));
+                    sum = fma4(dv, av, sum);
                 }
             } else {
                 for (int i = lane; i < I; i += 32) sum = fmaf(d[i], a[i], sum);

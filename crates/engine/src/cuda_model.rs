@@ -423,7 +423,8 @@ pub struct GpuModel {
     att_wave: usize,
     /// up to 4 rows, the dense products (with their norm weights) and the down-projection
     /// load the first 4 KiB of each weight row into registers before waiting for the
-    /// previous kernel (`MOELANE_CUDA_PRELOAD=0` or `set_preload` turns it off)
+    /// previous kernel, and rows that fit there stay in registers through the product
+    /// (`MOELANE_CUDA_PRELOAD=0` or `set_preload` turns it off)
     preload: bool,
     /// the router's top-k keeps a row in registers when it has at most 32 * TOPK_REG
     /// experts (`set_register_topk(false)`: in shared memory, the same picks; for tests)

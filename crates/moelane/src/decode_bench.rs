@@ -229,7 +229,6 @@ pub fn run(a: DecodeArgs) -> Result<()> {
                 g.set_preload(mode.preload);
                 g.set_hollow(mode.hollow.clone());
             }
-            let (graphs, split, tiled) = (mode.graphs, mode.split, mode.tiled);
             let label = format!("{name}{}", mode.suffix);
             let mut reps = Vec::new();
             for _ in 0..a.reps.max(1) {
@@ -345,8 +344,8 @@ pub fn run(a: DecodeArgs) -> Result<()> {
                 );
             }
             results.push(json!({
-                "placement": name, "graphs": graphs, "split_attention": split,
-                "tiled_prefill": tiled, "preload": mode.preload,
+                "placement": name, "graphs": mode.graphs, "split_attention": mode.split,
+                "tiled_prefill": mode.tiled, "preload": mode.preload,
                 "hollow": mode.hollow, "prefill_tokens_per_s": prefill_tps, "batch": b,
                 "context": a.context, "tokens_per_s": tps,
                 "ms_per_step": step_s * 1e3, "bytes_per_step": step_bytes,
