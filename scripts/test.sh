@@ -1,22 +1,50 @@
 #!/usr/bin/env bash
 # The test command: installs what the tests need (nothing beyond cargo for the engine;
-# the Python openai client for the gateway tests; promtool for the metrics page), then runs
-# the whole suite.
+# the Python openai client for the gateway tests, into a virtual environment it makes;
+# promtool for the metrics page), then runs the whole suite. A client that cannot be
+# installed fails the run: the tests it serves must run, not skip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if command -v python3 >/dev/null 2>&1; then
-  if ! python3 -c "import openai" >/dev/null 2>&1; then
-    python3 -m pip install --quiet --disable-pip-version-check openai >/dev/null 2>&1 \
-      || echo "note: could not install the Python openai client; client tests will skip"
+
+fail() { echo "scripts/test.sh: $*" >&2; exit 1; }
+
+SUDO=""
+if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null 2>&1; then SUDO="sudo -n"; fi
+# apt-get install, refreshing the package lists once if the first attempt fails
+apt_install() {
+  command -v apt-get >/dev/null 2>&1 || return 1
+  $SUDO apt-get install -y --no-install-recommends "$@" >/dev/null 2>&1 \
+    || { $SUDO apt-get update >/dev/null 2>&1 \
+         && $SUDO apt-get install -y --no-install-recommends "$@" >/dev/null 2>&1; }
+}
+
+# The Python openai client, in a virtual environment under target/ (ignored, kept between
+# runs): Debian's system Python refuses a plain `pip install` (PEP 668).
+command -v python3 >/dev/null 2>&1 || fail "python3 is needed (for the openai client tests)"
+VENV=target/pyenv
+if [ ! -x "$VENV/bin/python" ]; then
+  rm -rf "$VENV"
+  if ! python3 -m venv "$VENV" >/dev/null 2>&1; then
+    rm -rf "$VENV"
+    # Debian and Ubuntu ship venv (and ensurepip) in a separate package
+    apt_install python3-venv || fail "python3 -m venv failed and python3-venv could not be installed"
+    python3 -m venv "$VENV" || fail "python3 -m venv $VENV failed"
   fi
 fi
-# Prometheus's promtool validates the /metrics page (the test skips, saying so, without it)
-if ! command -v promtool >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
-  SUDO=""
-  if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null 2>&1; then SUDO="sudo -n"; fi
-  { $SUDO apt-get install -y --no-install-recommends prometheus >/dev/null 2>&1 \
-    || { $SUDO apt-get update >/dev/null 2>&1 \
-         && $SUDO apt-get install -y --no-install-recommends prometheus >/dev/null 2>&1; }; } \
-    || echo "note: could not install prometheus (promtool); the metrics page check will skip"
+if ! "$VENV/bin/python" -c "import openai" >/dev/null 2>&1; then
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check openai \
+    || fail "could not install the Python openai client into $VENV"
+  "$VENV/bin/python" -c "import openai" || fail "the openai client in $VENV does not import"
 fi
+MOELANE_PYTHON="$(pwd)/$VENV/bin/python"
+export MOELANE_PYTHON
+
+# Prometheus's promtool validates the /metrics page
+if ! command -v promtool >/dev/null 2>&1; then
+  apt_install prometheus || fail "could not install prometheus (promtool) through apt-get"
+  command -v promtool >/dev/null 2>&1 || fail "prometheus is installed but promtool is not on PATH"
+fi
+MOELANE_PROMTOOL="$(command -v promtool)"
+export MOELANE_PROMTOOL
+
 cargo test --workspace --profile test "$@"

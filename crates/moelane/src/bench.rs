@@ -30,9 +30,12 @@ pub enum BenchCmd {
         /// Tokens per answer.
         #[arg(long, default_value_t = 400)]
         max_tokens: usize,
-        /// Requests per user per run (after one warm-up request per user).
+        /// Requests per user per run, at least (after one warm-up request per user).
         #[arg(long, default_value_t = 3)]
         requests: usize,
+        /// Seconds per run, at least: each user goes on sending requests until then.
+        #[arg(long, default_value = "5", value_parser = crate::loadgen::seconds)]
+        duration: std::time::Duration,
         #[arg(long, default_value_t = 0.0)]
         temperature: f32,
         /// Also report the lane's per-layer exchange cost from moelane's /v1/stats.
@@ -306,6 +309,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             users,
             max_tokens,
             requests,
+            duration,
             temperature,
             lane_stats,
             json,
@@ -317,6 +321,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
                 users,
                 max_tokens,
                 requests,
+                duration,
                 temperature,
                 lane_stats,
                 json,

@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -62,7 +62,29 @@ impl Chunked {
     }
 }
 
-/// One streamed request: every `data:` payload with the instant it arrived.
+/// A request answered with a status other than 200 (the body as far as it was read), so
+/// callers can tell it from a connection that failed (an `std::io::Error` in the chain).
+#[derive(Debug)]
+pub struct HttpStatus {
+    pub status: u16,
+    pub body: String,
+}
+
+impl std::fmt::Display for HttpStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HTTP {}: {}", self.status, self.body)
+    }
+}
+
+impl std::error::Error for HttpStatus {}
+
+fn closed(what: &str) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::UnexpectedEof, what.to_string())
+}
+
+/// One streamed request: every `data:` payload with the instant it arrived. A status other
+/// than 200 is an [`HttpStatus`] error; a connection that closes before the response's head,
+/// or inside a chunked body, is an `UnexpectedEof` I/O error.
 pub async fn stream_post(host: &str, path: &str, body: &str) -> Result<Vec<(Instant, String)>> {
     let mut s = TcpStream::connect(host)
         .await
@@ -79,7 +101,11 @@ pub async fn stream_post(host: &str, path: &str, body: &str) -> Result<Vec<(Inst
     loop {
         let n = s.read(&mut buf).await?;
         if n == 0 {
-            break;
+            match header {
+                None => return Err(closed("connection closed before a response").into()),
+                Some((_, true)) => return Err(closed("connection closed inside the stream").into()),
+                Some((_, false)) => break,
+            }
         }
         let now = Instant::now();
         let mut data = &buf[..n];
@@ -103,7 +129,11 @@ pub async fn stream_post(host: &str, path: &str, body: &str) -> Result<Vec<(Inst
                 let mut more = Vec::new();
                 let _ = s.read_to_end(&mut more).await;
                 rest.extend(more);
-                bail!("HTTP {status}: {}", String::from_utf8_lossy(&rest));
+                return Err(HttpStatus {
+                    status,
+                    body: String::from_utf8_lossy(&rest).into_owned(),
+                }
+                .into());
             }
         }
         let chunked = header.map(|h| h.1).unwrap_or(false);

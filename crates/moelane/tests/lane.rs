@@ -179,20 +179,39 @@ fn bad_requests_get_openai_errors_with_the_right_status() {
     assert!(!complete(&addr, "hello", 4).is_empty());
 }
 
-#[test]
-fn openai_python_client() {
-    let ok = std::process::Command::new("python3")
+/// The interpreter with the `openai` client: `MOELANE_PYTHON` (scripts/test.sh sets it to the
+/// virtual environment it makes), else `python3`. With the variable set, a missing client fails
+/// the test; without it the test skips, saying why.
+fn openai_python() -> Option<String> {
+    let set = std::env::var("MOELANE_PYTHON")
+        .ok()
+        .filter(|p| !p.is_empty());
+    let python = set.clone().unwrap_or_else(|| "python3".into());
+    let ok = std::process::Command::new(&python)
         .args(["-c", "import openai"])
         .status()
         .map(|s| s.success())
         .unwrap_or(false);
-    if !ok {
-        eprintln!("SKIP openai_python_client: python3 with the `openai` package is not installed (scripts/test.sh installs it)");
-        return;
+    match (ok, set) {
+        (true, _) => Some(python),
+        (false, Some(p)) => {
+            panic!("MOELANE_PYTHON={p} cannot import the `openai` package (scripts/test.sh installs it)")
+        }
+        (false, None) => {
+            eprintln!("SKIP openai_python_client: python3 with the `openai` package is not installed and MOELANE_PYTHON is not set (scripts/test.sh sets both up)");
+            None
+        }
     }
+}
+
+#[test]
+fn openai_python_client() {
+    let Some(python) = openai_python() else {
+        return;
+    };
     let (_p, addr) = serve_tiny(&[]);
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py");
-    let out = std::process::Command::new("python3")
+    let out = std::process::Command::new(&python)
         .arg(script)
         .arg(format!("http://{addr}/v1"))
         .output()

@@ -64,17 +64,26 @@ fn config_value(key: &str) -> u64 {
     c[key].as_u64().unwrap()
 }
 
-/// Prometheus's own validator on a page (skips, saying why, without promtool).
+/// Prometheus's own validator on a page: `MOELANE_PROMTOOL` (scripts/test.sh sets it, and
+/// then a promtool that cannot run fails the test), else `promtool` from PATH (skips, saying
+/// why, without it).
 fn promtool_check(page: &str) {
-    match std::process::Command::new("promtool")
+    let set = std::env::var("MOELANE_PROMTOOL")
+        .ok()
+        .filter(|p| !p.is_empty());
+    match std::process::Command::new(set.as_deref().unwrap_or("promtool"))
         .args(["check", "metrics"])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
     {
+        Err(e) if set.is_some() => panic!(
+            "MOELANE_PROMTOOL={} is not runnable ({e})",
+            set.unwrap_or_default()
+        ),
         Err(e) => eprintln!(
-            "SKIP promtool check: promtool not runnable here ({e}); ./scripts/test.sh installs it"
+            "SKIP promtool check: promtool not runnable here ({e}) and MOELANE_PROMTOOL is not set; ./scripts/test.sh installs it"
         ),
         Ok(mut child) => {
             use std::io::Write;

@@ -57,7 +57,7 @@ fn status_counts_refit_and_serve_the_new_map() {
         .flat_map(|l| l.as_array().unwrap().iter().map(|x| x.as_u64().unwrap()))
         .sum();
     // every pick counted: tokens through the lane x layers x k
-    assert!(total > 0 && total % 4 == 0, "{total}");
+    assert!(total > 0 && total.is_multiple_of(4), "{total}");
 
     let new_map = tmp.join("map.json");
     let out = std::process::Command::new(bin())
