@@ -22,7 +22,7 @@ pub struct Pick {
 /// Refuses an output buffer too small for one row of `hidden` per pick.
 pub fn check_out(out_len: usize, picks: usize, hidden: usize) -> Result<()> {
     if out_len < picks * hidden {
-        return Err(Error::Tier(format!(
+        return Err(Error::Internal(format!(
             "output buffer holds {out_len} floats, {picks} picks need {}",
             picks * hidden
         )));
@@ -224,7 +224,7 @@ impl ExpertBank {
             }
         }
         if let Some(bad) = picks.iter().find(|p| p.row as usize >= rows) {
-            return Err(Error::Tier(format!(
+            return Err(Error::Invalid(format!(
                 "pick refers to row {} of {} activation rows",
                 bad.row, rows
             )));

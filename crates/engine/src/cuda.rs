@@ -244,6 +244,11 @@ impl GpuExperts {
         self.hidden
     }
 
+    /// An expert's intermediate size.
+    pub fn inter(&self) -> usize {
+        self.inter
+    }
+
     /// Generates the given experts of a hashed model (the `station` preset) on this GPU,
     /// bit-identical to [`crate::synth::hashed_expert`]; `sync` would drop them (no bank
     /// holds them), so a tier built this way serves a fixed map.
@@ -446,7 +451,7 @@ impl GpuExperts {
         rows: usize,
     ) -> Result<&'a ExpertPair> {
         if p.row as usize >= rows {
-            return Err(Error::Tier(format!(
+            return Err(Error::Invalid(format!(
                 "pick row {} but {rows} activation rows",
                 p.row
             )));

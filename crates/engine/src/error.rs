@@ -69,15 +69,124 @@ pub enum Error {
         found: u64,
         expected: u64,
     },
-    #[error("expert tier failed: {0}")]
-    Tier(String),
+    /// A link to the other tier failed; the link, nearest the failure, says how.
+    #[error("{link} link: {what}")]
+    Link {
+        link: &'static str,
+        fault: Fault,
+        what: String,
+    },
+    /// The cold tier answered, but not what was asked (a mismatched tag or length).
+    #[error("cold tier: {0}")]
+    ColdReply(String),
+    /// A request was tagged with a map epoch the tier does not hold.
+    #[error("request tagged epoch {got}, this tier serves {serves}")]
+    EpochMismatch { got: u64, serves: String },
+    /// The map puts picks in the cold tier but no cold tier is attached.
+    #[error("layer {layer}: {picks} cold picks but no cold tier is attached")]
+    NoColdTier { layer: usize, picks: usize },
+    /// A request the engine or a tier cannot take as it stands (wrong counts, rows, sizes).
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    /// An invariant of the engine broke: a bug, never the caller's input.
+    #[error("internal error: {0}")]
+    Internal(String),
     #[error("moelane was built without the `cuda` feature")]
     NotCompiledWithCuda,
 }
 
+/// What kind of failure an [`Error`] is, decided where it happened: the workers map it once
+/// onto the gRPC and HTTP categories, and retries and re-routing match on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Fault {
+    /// A peer is gone or cannot be reached: worth retrying elsewhere.
+    Unavailable,
+    /// A peer did not answer within its deadline.
+    Timeout,
+    /// A message was tagged with a map epoch the receiver does not hold.
+    EpochMismatch,
+    /// An expert is not resident where the map says.
+    NotResident,
+    /// No room (KV blocks, slots) for the work now.
+    Overloaded,
+    /// The caller's input was wrong.
+    BadRequest,
+    /// The sequence is longer than the model's context.
+    ContextOverflow,
+    /// A bug or a broken file: retrying will not help.
+    Internal,
+}
+
 pub type Result<T> = std::result::Result<T, Error>;
 
+impl Fault {
+    /// The fault as one byte on the wire (a link's error reply carries it).
+    pub fn code(self) -> u8 {
+        match self {
+            Fault::Unavailable => 1,
+            Fault::Timeout => 2,
+            Fault::EpochMismatch => 3,
+            Fault::NotResident => 4,
+            Fault::Overloaded => 5,
+            Fault::BadRequest => 6,
+            Fault::ContextOverflow => 7,
+            Fault::Internal => 8,
+        }
+    }
+
+    /// The fault of a wire byte; an unknown byte (a newer peer) reads as Unavailable.
+    pub fn from_code(c: u8) -> Fault {
+        match c {
+            2 => Fault::Timeout,
+            3 => Fault::EpochMismatch,
+            4 => Fault::NotResident,
+            5 => Fault::Overloaded,
+            6 => Fault::BadRequest,
+            7 => Fault::ContextOverflow,
+            8 => Fault::Internal,
+            _ => Fault::Unavailable,
+        }
+    }
+}
+
 impl Error {
+    /// The kind of failure, set where it happened.
+    pub fn fault(&self) -> Fault {
+        match self {
+            Error::Link { fault, .. } => *fault,
+            Error::ColdReply(_) | Error::NoColdTier { .. } => Fault::Unavailable,
+            Error::EpochMismatch { .. } => Fault::EpochMismatch,
+            Error::NotResident { .. } => Fault::NotResident,
+            Error::KvFull { .. } => Fault::Overloaded,
+            Error::ContextOverflow { .. } => Fault::ContextOverflow,
+            Error::BadToken { .. } | Error::Invalid(_) => Fault::BadRequest,
+            Error::Gpu(_)
+            | Error::Io { .. }
+            | Error::Json { .. }
+            | Error::UnsupportedArchitecture { .. }
+            | Error::Config { .. }
+            | Error::BadSafetensors { .. }
+            | Error::MissingTensor { .. }
+            | Error::WrongShape { .. }
+            | Error::WrongDtype { .. }
+            | Error::Tokenizer { .. }
+            | Error::Text(_)
+            | Error::Rowmap(_)
+            | Error::Checksum { .. }
+            | Error::Internal(_)
+            | Error::NotCompiledWithCuda => Fault::Internal,
+        }
+    }
+
+    /// A link failure of `fault`'s kind on the `link` link.
+    pub fn link(link: &'static str, fault: Fault, what: impl Into<String>) -> Self {
+        Error::Link {
+            link,
+            fault,
+            what: what.into(),
+        }
+    }
+
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Error::Io {
             path: path.into(),

@@ -10,8 +10,8 @@ use serde::Serialize;
 use crate::checkpoint::Checkpoint;
 use crate::error::Result;
 use crate::load::{engine_from, EngineOptions};
-use crate::model::{Engine, SeqStep};
 use crate::rowmap::Rowmap;
+use crate::step::{Engine, SeqStep};
 use crate::synth::{fit_map, prompts, LANGS};
 use crate::tokenizer::Tokenizer;
 

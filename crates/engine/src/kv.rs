@@ -33,11 +33,17 @@ pub struct SeqKv {
     free: Arc<Mutex<FreeList>>,
 }
 
+/// The free list, poisoned or not: its operations (push, pop, append of block ids) leave it
+/// whole whatever panicked while it was held.
+fn lock_free(m: &Mutex<FreeList>) -> std::sync::MutexGuard<'_, FreeList> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 impl Drop for SeqKv {
     fn drop(&mut self) {
-        if let Ok(mut f) = self.free.lock() {
-            f.free.append(&mut self.blocks);
-        }
+        // the free list is a plain list of ids, whole after any panic: a poisoned lock is
+        // taken as it is, so no block is ever leaked
+        lock_free(&self.free).free.append(&mut self.blocks);
     }
 }
 
@@ -93,7 +99,7 @@ impl KvCache {
     }
 
     pub fn free_blocks(&self) -> usize {
-        self.free.lock().map(|f| f.free.len()).unwrap_or(0)
+        lock_free(&self.free).free.len()
     }
 
     pub fn used_blocks(&self) -> usize {
@@ -106,10 +112,7 @@ impl KvCache {
         if need == 0 {
             return Ok(());
         }
-        let mut f = self
-            .free
-            .lock()
-            .map_err(|_| Error::Tier("KV free list poisoned".into()))?;
+        let mut f = lock_free(&self.free);
         if f.free.len() < need {
             return Err(Error::KvFull {
                 needed: need,

@@ -9,10 +9,12 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::bank::ExpertBank;
 use crate::checkpoint::Checkpoint;
+use crate::cpu::CpuBackend;
 use crate::error::Result;
 use crate::kv::{KvCache, BLOCK};
-use crate::model::{CpuDense, DenseWeights, Engine};
+use crate::model::DenseWeights;
 use crate::rowmap::{Rowmap, Tier, ValidMap};
+use crate::step::Engine;
 use crate::tier::{FixedBank, InProcessTier};
 
 /// Options of an embedded engine.
@@ -83,7 +85,7 @@ pub fn engine_with_tier(
     cold: Option<Box<dyn crate::tier::RemoteTier>>,
 ) -> Result<Engine> {
     if cold.is_none() && map.map.layers.iter().any(|l| !l.cold.is_empty()) {
-        return Err(crate::Error::Tier(
+        return Err(crate::Error::Invalid(
             "the map has cold experts but no cold tier is attached".into(),
         ));
     }
@@ -110,7 +112,7 @@ pub fn engine_with_tier(
     let blocks = KvCache::blocks_for(opts.kv_tokens.max(BLOCK));
     Ok(Engine::new(
         c.clone(),
-        Box::new(CpuDense::new(c, dense)),
+        Box::new(CpuBackend::new(c, dense)),
         hot,
         cold,
         map,

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::{JoinHandle, Thread};
 
 use crate::bank::{ExpertBank, Pick};
-use crate::error::{Error, Result};
+use crate::error::{Error, Fault, Result};
 
 /// The cold request of one layer of one step.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -56,7 +56,7 @@ pub trait RemoteTier: Send {
     /// written until the reply has been received.
     unsafe fn send_device(&mut self, req: ColdRequest, acts: u64, acts_len: usize) -> Result<()> {
         let _ = (req, acts, acts_len);
-        Err(Error::Tier(format!(
+        Err(Error::Internal(format!(
             "the {} link sends from host memory",
             self.kind()
         )))
@@ -66,7 +66,7 @@ pub trait RemoteTier: Send {
     /// empty) and the device address of its outputs (one row per pick) on the link's GPU,
     /// valid until the next send.
     fn recv_device(&mut self) -> Result<(ColdReply, u64, usize)> {
-        Err(Error::Tier(format!(
+        Err(Error::Internal(format!(
             "the {} link receives into host memory",
             self.kind()
         )))
@@ -87,10 +87,10 @@ pub struct FixedBank {
 impl ColdServer for FixedBank {
     fn serve(&mut self, req: &ColdRequest, out: &mut Vec<f32>) -> Result<()> {
         if req.epoch != self.epoch {
-            return Err(Error::Tier(format!(
-                "request tagged epoch {} but this tier serves epoch {}",
-                req.epoch, self.epoch
-            )));
+            return Err(Error::EpochMismatch {
+                got: req.epoch,
+                serves: self.epoch.to_string(),
+            });
         }
         out.clear();
         out.resize(req.picks.len() * self.bank.hidden, 0.0);
@@ -207,13 +207,17 @@ impl RemoteTier for InProcessTier {
         if self.req.put(req) {
             Ok(())
         } else {
-            Err(Error::Tier("in-process sidecar stopped".into()))
+            Err(Error::link(
+                "inproc",
+                Fault::Unavailable,
+                "the sidecar stopped",
+            ))
         }
     }
     fn recv(&mut self) -> Result<ColdReply> {
         self.rep
             .take()
-            .ok_or_else(|| Error::Tier("in-process sidecar stopped".into()))?
+            .ok_or_else(|| Error::link("inproc", Fault::Unavailable, "the sidecar stopped"))?
     }
     fn kind(&self) -> &'static str {
         "inproc"

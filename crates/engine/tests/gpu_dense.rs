@@ -14,9 +14,9 @@ use moelane_engine::checkpoint::Checkpoint;
 use moelane_engine::cuda::Gpu;
 use moelane_engine::cuda_model::load_on_gpu;
 use moelane_engine::load::{engine_from, EngineOptions};
-use moelane_engine::model::{Engine, SeqStep};
 use moelane_engine::rng::Rng;
 use moelane_engine::rowmap::{Rowmap, ValidMap};
+use moelane_engine::step::{Engine, SeqStep};
 
 fn gpu() -> Option<std::sync::Arc<Gpu>> {
     match Gpu::open(0) {
@@ -334,7 +334,7 @@ fn long_context_attention_matches_the_cpu() {
     let prompt: Vec<u32> = base.iter().copied().cycle().take(1500).collect();
     let run = |e: &mut Engine, split: Option<bool>| -> (Vec<Vec<f32>>, usize) {
         if let Some(on) = split {
-            e.gpu.as_mut().unwrap().set_split_attention(on);
+            e.gpu_mut().unwrap().set_split_attention(on);
         }
         let mut seq = e.kv.new_seq();
         let mut out = Vec::new();
@@ -347,7 +347,7 @@ fn long_context_attention_matches_the_cpu() {
                     tokens: &next,
                 }])
                 .unwrap();
-            if let Some(gm) = e.gpu.as_ref() {
+            if let Some(gm) = e.gpu_mut() {
                 splits = splits.max(gm.splits());
             }
             next = vec![moelane_engine::sampling::argmax(&l) as u32];
@@ -358,9 +358,9 @@ fn long_context_attention_matches_the_cpu() {
     let (want, _) = run(&mut cpu, None);
     let (split, s) = run(&mut g, Some(true));
     let (one, s1) = run(&mut g, Some(false));
-    g.gpu.as_mut().unwrap().set_tiled_prefill(false);
+    g.gpu_mut().unwrap().set_tiled_prefill(false);
     let (rows, _) = run(&mut g, Some(true));
-    g.gpu.as_mut().unwrap().set_tiled_prefill(true);
+    g.gpu_mut().unwrap().set_tiled_prefill(true);
     let w_rows = cos(&rows[0], &split[0]);
     let am = moelane_engine::sampling::argmax;
     for (i, (a, b)) in rows.iter().zip(&split).enumerate() {
@@ -459,7 +459,7 @@ fn rows_longer_than_one_round_of_loads_match_the_cpu() {
             assert_eq!(am(ra), am(rb), "step {i}: greedy token, CPU vs GPU");
         }
     }
-    g.gpu.as_mut().unwrap().set_preload(false);
+    g.gpu_mut().unwrap().set_preload(false);
     let off = greedy_batches(&mut g, &ps, &[1, 3], 5);
     eprintln!(
         "1280 wide: logits cosine vs CPU {worst:.7}; preload off identical: {}",
@@ -484,7 +484,7 @@ fn preloaded_weights_leave_the_logits_unchanged() {
         };
         let ps = prompts(ckpt.config.vocab_size, 8);
         let run = |e: &mut Engine, preload: bool, hollow: &[&str]| -> Vec<Vec<f32>> {
-            let g = e.gpu.as_mut().unwrap();
+            let g = e.gpu_mut().unwrap();
             g.set_preload(preload);
             g.set_register_topk(preload);
             g.set_hollow(hollow.iter().map(|s| s.to_string()).collect());

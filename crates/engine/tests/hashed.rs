@@ -7,9 +7,10 @@
 use std::sync::Arc;
 
 use moelane_engine::bank::ExpertBank;
+use moelane_engine::cpu::CpuBackend;
 use moelane_engine::kv::KvCache;
-use moelane_engine::model::{CpuDense, Engine};
 use moelane_engine::rowmap::{Rowmap, Tier};
+use moelane_engine::step::Engine;
 use moelane_engine::synth::{self, hashed_expert, hashed_fill, Preset, HASHED_ZERO};
 
 #[test]
@@ -88,7 +89,7 @@ fn in_memory_model_builds_and_decodes() {
         let dense = synth::in_memory(&p, 3).unwrap().dense;
         let mut e = Engine::new(
             c.clone(),
-            Box::new(CpuDense::new(c.clone(), dense)),
+            Box::new(CpuBackend::new(c.clone(), dense)),
             bank,
             None,
             map,

@@ -4,7 +4,7 @@
 
 mod common;
 
-use moelane_engine::model::SeqStep;
+use moelane_engine::step::SeqStep;
 use moelane_engine::tokenizer::Tokenizer;
 use serde_json::Value;
 use sha2::{Digest, Sha256};

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use moelane_engine::checkpoint::Checkpoint;
-use moelane_engine::model::SeqStep;
+use moelane_engine::step::SeqStep;
 use moelane_engine::synth::{write_safetensors_as, StoreAs};
 use moelane_engine::Error;
 use serde_json::json;

@@ -5,10 +5,10 @@
 mod common;
 
 use moelane_engine::checkpoint::Checkpoint;
-use moelane_engine::model::{Engine, SeqStep};
 use moelane_engine::rng::Rng;
 use moelane_engine::rowmap::{LayerMap, Rowmap};
 use moelane_engine::sampling::argmax;
+use moelane_engine::step::{Engine, SeqStep};
 use moelane_engine::synth::{prompts, LANGS};
 use moelane_engine::tokenizer::Tokenizer;
 

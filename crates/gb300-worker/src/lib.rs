@@ -11,7 +11,8 @@ use std::thread::JoinHandle;
 use kameo::actor::{ActorRef, Spawn};
 use kameo::message::{Context, Message};
 use kameo::Actor;
-use moelane_engine::model::Engine;
+use moelane_engine::step::Engine;
+
 use moelane_engine::sampling::SamplingParams;
 use moelane_proto::lane::primary_server::{Primary, PrimaryServer};
 use moelane_proto::lane::*;
@@ -20,6 +21,22 @@ use scheduler::{Command, Event, Scheduler, SchedulerConfig, Snapshot, ValidGen};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio_stream::StreamExt;
 use tonic::{Request, Response, Status};
+
+/// The one mapping from an engine failure to the category that crosses gRPC (and from there
+/// to an HTTP status at the gateway): the fault was set where the failure happened.
+pub fn category(e: &moelane_engine::Error) -> Category {
+    use moelane_engine::error::Fault;
+    match e.fault() {
+        Fault::Unavailable => Category::Unavailable,
+        Fault::Timeout => Category::Timeout,
+        Fault::EpochMismatch => Category::EpochMismatch,
+        Fault::NotResident => Category::NotResident,
+        Fault::Overloaded => Category::Overloaded,
+        Fault::BadRequest => Category::BadRequest,
+        Fault::ContextOverflow => Category::ContextOverflow,
+        Fault::Internal => Category::Internal,
+    }
+}
 
 /// The primary actor: validates requests and forwards them to the scheduler thread.
 #[derive(Actor)]

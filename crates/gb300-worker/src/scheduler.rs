@@ -10,8 +10,8 @@ use std::sync::mpsc;
 use std::time::Instant;
 
 use moelane_engine::kv::{KvCache, SeqKv};
-use moelane_engine::model::{Engine, SeqStep};
 use moelane_engine::sampling::{Sampler, SamplingParams, TokenPick};
+use moelane_engine::step::{Engine, SeqStep};
 use moelane_proto::Category;
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -343,14 +343,7 @@ impl Scheduler {
         let ids = match result {
             Ok(l) => l,
             Err(e) => {
-                let category = match &e {
-                    moelane_engine::Error::Tier(_) => Category::Unavailable,
-                    moelane_engine::Error::ContextOverflow { .. }
-                    | moelane_engine::Error::KvFull { .. } => Category::ContextOverflow,
-                    moelane_engine::Error::BadToken { .. } => Category::BadRequest,
-                    moelane_engine::Error::NotResident { .. } => Category::NotResident,
-                    _ => Category::Internal,
-                };
+                let category = crate::category(&e);
                 for r in self.running.drain(..) {
                     let _ = r.tx.send(Event::Error {
                         category,

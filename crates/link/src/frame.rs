@@ -1,10 +1,12 @@
 //! The frame format (little-endian), shared by every byte link:
 //! request: `MLRQ step:u64 layer:u32 epoch:u64 npicks:u32 nacts:u32 [row:u32 expert:u32]* [f32]*`;
-//! reply: `MLRP step:u64 layer:u32 epoch:u64 status:u8` then `n:u32 [f32]*` (ok) or
-//! `n:u32 utf8` (error). Decoding checks every length against the frame: a bad frame is an
+//! reply: `MLRP step:u64 layer:u32 epoch:u64 status:u8` then `n:u32 [f32]*` (status 0, ok)
+//! or `fault:u8 n:u32 utf8` (status 2, an error and its [`Fault`]; status 1, an error without
+//! one from an older sidecar, reads as Unavailable). Decoding checks every length against the frame: a bad frame is an
 //! error, never a panic or an oversized allocation.
 
 use moelane_engine::bank::Pick;
+use moelane_engine::error::Fault;
 use moelane_engine::tier::{ColdReply, ColdRequest};
 
 const REQ: u32 = u32::from_le_bytes(*b"MLRQ");
@@ -17,8 +19,8 @@ pub const MAX_FRAME: usize = 1 << 30;
 pub enum FrameError {
     #[error("bad frame: {0}")]
     Bad(String),
-    #[error("sidecar error: {0}")]
-    Remote(String),
+    #[error("sidecar error ({0:?}): {1}")]
+    Remote(Fault, String),
 }
 
 pub fn encode_request(r: &ColdRequest, buf: &mut Vec<u8>) {
@@ -40,7 +42,7 @@ pub fn encode_request(r: &ColdRequest, buf: &mut Vec<u8>) {
 }
 
 pub fn encode_reply(
-    r: &Result<ColdReply, String>,
+    r: &Result<ColdReply, moelane_engine::Error>,
     step: u64,
     layer: u32,
     epoch: u64,
@@ -60,9 +62,11 @@ pub fn encode_reply(
             }
         }
         Err(e) => {
-            buf.push(1);
-            buf.extend_from_slice(&(e.len() as u32).to_le_bytes());
-            buf.extend_from_slice(e.as_bytes());
+            let text = e.to_string();
+            buf.push(2);
+            buf.push(e.fault().code());
+            buf.extend_from_slice(&(text.len() as u32).to_le_bytes());
+            buf.extend_from_slice(text.as_bytes());
         }
     }
 }
@@ -153,11 +157,16 @@ pub fn decode_reply(b: &[u8], r: &mut ColdReply) -> Result<(), FrameError> {
     r.layer = rd.u32()?;
     r.epoch = rd.u64()?;
     let status = rd.take(1)?[0];
+    let fault = match status {
+        2 => Fault::from_code(rd.take(1)?[0]),
+        _ => Fault::Unavailable,
+    };
     let n = rd.u32()? as usize;
     match status {
         0 => rd.f32s(n, &mut r.outputs)?,
-        1 => {
+        1 | 2 => {
             return Err(FrameError::Remote(
+                fault,
                 String::from_utf8_lossy(rd.take(n)?).into_owned(),
             ))
         }
@@ -221,10 +230,25 @@ mod tests {
         let mut r = ColdReply::default();
         decode_reply(&buf, &mut r).unwrap();
         assert_eq!(r, rep);
-        encode_reply(&Err("expert 7 not resident".into()), 9, 3, 2, &mut buf);
-        assert_eq!(
-            decode_reply(&buf, &mut r),
-            Err(FrameError::Remote("expert 7 not resident".into()))
-        );
+        let e = moelane_engine::Error::NotResident {
+            layer: 3,
+            expert: 7,
+            tier: "cold",
+        };
+        encode_reply(&Err(e), 9, 3, 2, &mut buf);
+        // the fault travels with the text: the primary matches on it, not on the words
+        match decode_reply(&buf, &mut r) {
+            Err(FrameError::Remote(Fault::NotResident, t)) => assert!(t.contains("expert 7")),
+            other => panic!("{other:?}"),
+        }
+        // an older sidecar's error (status 1, no fault byte) reads as Unavailable
+        let mut old = buf[..28].to_vec();
+        old[24] = 1;
+        old.extend_from_slice(&3u32.to_le_bytes());
+        old.extend_from_slice(b"old");
+        match decode_reply(&old, &mut r) {
+            Err(FrameError::Remote(Fault::Unavailable, t)) => assert_eq!(t, "old"),
+            other => panic!("{other:?}"),
+        }
     }
 }

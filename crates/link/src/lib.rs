@@ -12,12 +12,13 @@ pub mod tcp;
 
 use std::sync::Arc;
 
+use moelane_engine::error::{Error, Fault, Result};
 use moelane_engine::tier::{ColdReply, ColdRequest};
 
 /// What a sidecar does with a request: shared by every link that serves it.
 pub trait ColdService: Send + Sync {
-    /// Fills `out` with one row per pick, or fails with a message.
-    fn serve(&self, req: &ColdRequest, out: &mut Vec<f32>) -> Result<(), String>;
+    /// Fills `out` with one row per pick, or fails saying how (the fault travels back).
+    fn serve(&self, req: &ColdRequest, out: &mut Vec<f32>) -> Result<()>;
 
     /// The NCCL link's device path: the request's activations (`acts_len` floats at device
     /// address `acts`; `req.activations` is empty) are read and its outputs (one row per
@@ -36,7 +37,7 @@ pub trait ColdService: Send + Sync {
         _acts_len: usize,
         _out: u64,
         _out_len: usize,
-    ) -> Option<Result<usize, String>> {
+    ) -> Option<Result<usize>> {
         None
     }
 }
@@ -46,7 +47,7 @@ pub fn answer(
     svc: &Arc<dyn ColdService>,
     req: &ColdRequest,
     out: &mut Vec<f32>,
-) -> Result<ColdReply, String> {
+) -> Result<ColdReply> {
     svc.serve(req, out).map(|()| ColdReply {
         step: req.step,
         layer: req.layer,
@@ -65,7 +66,7 @@ pub fn handle_frame(
 ) {
     let rep = match frame::decode_request(buf, req) {
         Ok(()) => answer(svc, req, out),
-        Err(e) => Err(e.to_string()),
+        Err(e) => Err(Error::Invalid(format!("request frame: {e}"))),
     };
     frame::encode_reply(&rep, req.step, req.layer, req.epoch, buf);
     if let Ok(r) = rep {
@@ -73,9 +74,23 @@ pub fn handle_frame(
     }
 }
 
-/// The primary's side: decodes a reply frame.
-pub fn reply_from(buf: &[u8]) -> moelane_engine::Result<ColdReply> {
+/// The primary's side: decodes a reply frame from the `link` link. A sidecar's error keeps
+/// the fault the sidecar gave it; a frame that does not decode is the link's own failure.
+pub fn reply_from(link: &'static str, buf: &[u8]) -> Result<ColdReply> {
     let mut rep = ColdReply::default();
-    frame::decode_reply(buf, &mut rep).map_err(|e| moelane_engine::Error::Tier(e.to_string()))?;
+    frame::decode_reply(buf, &mut rep).map_err(|e| match e {
+        frame::FrameError::Remote(fault, text) => {
+            Error::link(link, fault, format!("the sidecar answered: {text}"))
+        }
+        frame::FrameError::Bad(text) => Error::link(link, Fault::Internal, text),
+    })?;
     Ok(rep)
+}
+
+/// The fault of an I/O error on a link: a deadline passed, or the peer is gone.
+pub fn io_fault(e: &std::io::Error) -> Fault {
+    match e.kind() {
+        std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => Fault::Timeout,
+        _ => Fault::Unavailable,
+    }
 }

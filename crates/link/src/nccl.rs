@@ -41,6 +41,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr};
 use cudarc::nccl::sys;
+use moelane_engine::error::Fault;
 use moelane_engine::tier::{ColdReply, ColdRequest, RemoteTier};
 use moelane_engine::{Error, Result};
 
@@ -61,7 +62,7 @@ const ERR_ROOM: usize = 512;
 const HANDSHAKE: usize = 4 << 20;
 
 fn err(what: impl std::fmt::Display) -> Error {
-    Error::Tier(format!("NCCL link: {what}"))
+    Error::link("nccl", Fault::Unavailable, what.to_string())
 }
 
 /// Whether libnccl can be loaded (cudarc would panic on first use where it cannot).
@@ -634,10 +635,23 @@ pub fn parse_preamble(b: &[u8]) -> Result<(usize, usize, usize)> {
 }
 
 /// A reply's head: status 0 with `len` bytes of outputs after it, or 1 with an error text.
+/// An error's [`Fault`] travels in byte 40 (0 from an older sidecar: Unavailable).
 fn reply_head(ok: bool, step: u64, layer: u32, epoch: u64, len: usize) -> [u8; REPLY_HEAD] {
+    reply_head_fault(ok, None, step, layer, epoch, len)
+}
+
+fn reply_head_fault(
+    ok: bool,
+    fault: Option<Fault>,
+    step: u64,
+    layer: u32,
+    epoch: u64,
+    len: usize,
+) -> [u8; REPLY_HEAD] {
     let mut h = [0u8; REPLY_HEAD];
     h[..4].copy_from_slice(&REPLY_MAGIC.to_le_bytes());
     h[4..8].copy_from_slice(&(!ok as u32).to_le_bytes());
+    h[40] = fault.map_or(0, Fault::code);
     h[8..16].copy_from_slice(&step.to_le_bytes());
     h[16..20].copy_from_slice(&layer.to_le_bytes());
     h[24..32].copy_from_slice(&epoch.to_le_bytes());
@@ -649,7 +663,7 @@ fn reply_head(ok: bool, step: u64, layer: u32, epoch: u64, len: usize) -> [u8; R
 /// outputs (or the error's text, cut to fit), zeros. Outputs that do not fit become an
 /// error that does.
 pub fn pack_reply(
-    rep: &std::result::Result<&[f32], String>,
+    rep: &Result<&[f32]>,
     reply_len: usize,
     step: u64,
     layer: u32,
@@ -666,17 +680,21 @@ pub fn pack_reply(
             }
         }
         r => {
-            let mut text = match r {
-                Ok(v) => format!(
-                    "reply of {} bytes exceeds the {room} the primary expects",
-                    4 * v.len()
+            let (mut text, fault) = match r {
+                Ok(v) => (
+                    format!(
+                        "reply of {} bytes exceeds the {room} the primary expects",
+                        4 * v.len()
+                    ),
+                    Fault::Internal,
                 ),
-                Err(e) => e.clone(),
+                Err(e) => (e.to_string(), e.fault()),
             };
             while text.len() > room {
                 text.pop();
             }
-            out.extend_from_slice(&reply_head(false, step, layer, epoch, text.len()));
+            let head = reply_head_fault(false, Some(fault), step, layer, epoch, text.len());
+            out.extend_from_slice(&head);
             out.extend_from_slice(text.as_bytes());
         }
     }
@@ -685,7 +703,7 @@ pub fn pack_reply(
 
 /// A reply's head: (ok, its tags with no outputs, payload bytes), checked against a message
 /// of `msg_len` bytes.
-fn parse_head(b: &[u8], msg_len: usize) -> Result<(bool, ColdReply, usize)> {
+fn parse_head(b: &[u8], msg_len: usize) -> Result<(Option<Fault>, ColdReply, usize)> {
     if b.len() < REPLY_HEAD || msg_len < REPLY_HEAD {
         return Err(err(format!(
             "reply of {} bytes, shorter than its head",
@@ -707,10 +725,10 @@ fn parse_head(b: &[u8], msg_len: usize) -> Result<(bool, ColdReply, usize)> {
             "reply payload of {len} bytes in a {msg_len}-byte message"
         )));
     }
-    let ok = match u32_at(4) {
-        0 if len % 4 == 0 => true,
+    let failed = match u32_at(4) {
+        0 if len % 4 == 0 => None,
         0 => return Err(err(format!("reply payload of {len} bytes is not floats"))),
-        1 => false,
+        1 => Some(Fault::from_code(b[40])),
         s => return Err(err(format!("reply status {s}"))),
     };
     let tags = ColdReply {
@@ -719,19 +737,23 @@ fn parse_head(b: &[u8], msg_len: usize) -> Result<(bool, ColdReply, usize)> {
         epoch: u64_at(24),
         outputs: Vec::new(),
     };
-    Ok((ok, tags, len as usize))
+    Ok((failed, tags, len as usize))
 }
 
-fn sidecar_error(text: &[u8]) -> Error {
-    Error::Tier(format!("sidecar error: {}", String::from_utf8_lossy(text)))
+fn sidecar_error(fault: Fault, text: &[u8]) -> Error {
+    Error::link(
+        "nccl",
+        fault,
+        format!("the sidecar answered: {}", String::from_utf8_lossy(text)),
+    )
 }
 
 /// Reads a reply message (see [`pack_reply`]).
 pub fn unpack_reply(b: &[u8]) -> Result<ColdReply> {
-    let (ok, mut rep, len) = parse_head(b, b.len())?;
+    let (failed, mut rep, len) = parse_head(b, b.len())?;
     let payload = &b[REPLY_HEAD..REPLY_HEAD + len];
-    if !ok {
-        return Err(sidecar_error(payload));
+    if let Some(fault) = failed {
+        return Err(sidecar_error(fault, payload));
     }
     rep.outputs = payload
         .chunks_exact(4)
@@ -877,13 +899,10 @@ impl RemoteTier for NcclTier {
 
     fn recv_device(&mut self) -> Result<(ColdReply, u64, usize)> {
         let rl = self.reply_in()?;
-        let (ok, tags, len) = parse_head(self.end.download(Inbox::Recv, REPLY_HEAD)?, rl)?;
-        if !ok {
-            return Err(sidecar_error(self.end.download_at(
-                Inbox::Recv,
-                REPLY_HEAD,
-                len,
-            )?));
+        let (failed, tags, len) = parse_head(self.end.download(Inbox::Recv, REPLY_HEAD)?, rl)?;
+        if let Some(fault) = failed {
+            let text = self.end.download_at(Inbox::Recv, REPLY_HEAD, len)?;
+            return Err(sidecar_error(fault, text));
         }
         let out = self.end.recv.device_ptr(&self.end.stream).0 + REPLY_HEAD as u64;
         Ok((tags, out, len / 4))
@@ -968,7 +987,8 @@ pub fn serve_blocking(
                 (Inbox::Acts, 0)
             }
         };
-        let decoded = frame::decode_request(&first, &mut req).map_err(|e| e.to_string());
+        let decoded = frame::decode_request(&first, &mut req)
+            .map_err(|e| Error::Invalid(format!("request frame: {e}")));
         // the reply buffer holds the head and the outputs (written on the GPU or uploaded)
         End::grow(&mut end.send, &end.stream, rl)?;
         let room = (rl - REPLY_HEAD) / 4;
@@ -999,10 +1019,10 @@ pub fn serve_blocking(
                 end.upload(&msg)?;
             }
             None => {
-                let rep: std::result::Result<&[f32], String> = match decoded {
+                let rep: Result<&[f32]> = match decoded {
                     Err(e) => Err(e),
                     Ok(()) => match end.download_at(acts_in, acts_off, 4 * na) {
-                        Err(e) => Err(e.to_string()),
+                        Err(e) => Err(e),
                         Ok(a) => {
                             req.activations.clear();
                             req.activations.extend(
@@ -1083,10 +1103,16 @@ mod tests {
         assert_eq!((r.step, r.layer, r.epoch), (4, 1, 2));
         assert_eq!(r.outputs, outs);
         // an error reply is padded to the same length and comes back as the error
-        pack_reply(&Err("epoch mismatch".into()), rl, 4, 1, 2, &mut m);
+        let mismatch = Error::EpochMismatch {
+            got: 2,
+            serves: "1".into(),
+        };
+        pack_reply(&Err(mismatch), rl, 4, 1, 2, &mut m);
         assert_eq!(m.len(), rl);
-        let e = unpack_reply(&m).unwrap_err().to_string();
-        assert!(e.contains("epoch mismatch"), "{e}");
+        let e = unpack_reply(&m).unwrap_err();
+        // the sidecar's fault comes back with its text
+        assert_eq!(e.fault(), Fault::EpochMismatch, "{e}");
+        assert!(e.to_string().contains("epoch 2"), "{e}");
         // outputs larger than expected become an error that fits
         let big = vec![1.0f32; 10 * 64];
         pack_reply(&Ok(&big[..]), rl, 4, 1, 2, &mut m);
@@ -1095,7 +1121,7 @@ mod tests {
         assert!(e.contains("exceeds"), "{e}");
         // a long error is cut to fit, never past the message
         let long = "x".repeat(10 * rl);
-        pack_reply(&Err(long), rl, 4, 1, 2, &mut m);
+        pack_reply(&Err(Error::Internal(long)), rl, 4, 1, 2, &mut m);
         assert_eq!(m.len(), rl);
         assert!(unpack_reply(&m).is_err());
         // a length past the message, a bad magic or status, a short message: errors

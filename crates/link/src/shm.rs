@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use memmap2::MmapMut;
+use moelane_engine::error::Fault;
 use moelane_engine::tier::{ColdReply, ColdRequest, RemoteTier};
 use moelane_engine::{Error, Result};
 
@@ -102,30 +103,32 @@ impl Mapping {
     }
 
     /// Writes one frame into ring r, waiting (with a deadline) for room.
-    fn write(
-        &self,
-        r: usize,
-        frame: &[u8],
-        timeout: Duration,
-        peer: Option<u32>,
-    ) -> std::result::Result<(), String> {
+    fn write(&self, r: usize, frame: &[u8], timeout: Duration, peer: Option<u32>) -> Result<()> {
         let need = 4 + frame.len() as u64;
         if need > self.cap {
-            return Err(format!(
-                "frame of {} bytes exceeds the ring of {} bytes",
-                frame.len(),
-                self.cap
+            return Err(Error::link(
+                "shm",
+                Fault::Internal,
+                format!(
+                    "frame of {} bytes exceeds the ring of {} bytes",
+                    frame.len(),
+                    self.cap
+                ),
             ));
         }
         let head = self.head(r).load(Ordering::Relaxed);
         let start = Instant::now();
         while self.cap - (head - self.tail(r).load(Ordering::Acquire)) < need {
             if self.closed() {
-                return Err("link closed".into());
+                return Err(Error::link("shm", Fault::Unavailable, "link closed"));
             }
             check_peer(peer)?;
             if start.elapsed() > timeout {
-                return Err(format!("no room in the ring for {timeout:?}"));
+                return Err(Error::link(
+                    "shm",
+                    Fault::Timeout,
+                    format!("no room in the ring for {timeout:?}"),
+                ));
             }
             std::thread::sleep(Duration::from_micros(50));
         }
@@ -144,7 +147,7 @@ impl Mapping {
         buf: &mut Vec<u8>,
         timeout: Option<Duration>,
         peer: &dyn Fn() -> Option<u32>,
-    ) -> std::result::Result<(), String> {
+    ) -> Result<()> {
         let tail = self.tail(r).load(Ordering::Relaxed);
         let start = Instant::now();
         let mut spins = 0u32;
@@ -154,7 +157,11 @@ impl Mapping {
                 break;
             }
             if self.closed() {
-                return Err("link closed by the peer".into());
+                return Err(Error::link(
+                    "shm",
+                    Fault::Unavailable,
+                    "link closed by the peer",
+                ));
             }
             if spins < 2000 {
                 spins += 1;
@@ -164,7 +171,11 @@ impl Mapping {
             check_peer(peer())?;
             if let Some(t) = timeout {
                 if start.elapsed() > t {
-                    return Err(format!("no reply within {t:?}"));
+                    return Err(Error::link(
+                        "shm",
+                        Fault::Timeout,
+                        format!("no reply within {t:?}"),
+                    ));
                 }
             }
             futex_wait(self.seq(r), seq, Duration::from_millis(50));
@@ -173,7 +184,11 @@ impl Mapping {
         self.copy_out(r, tail, &mut len);
         let n = u32::from_le_bytes(len) as usize;
         if n > MAX_FRAME || n as u64 + 4 > self.cap {
-            return Err(format!("corrupt ring: frame length {n}"));
+            return Err(Error::link(
+                "shm",
+                Fault::Internal,
+                format!("corrupt ring: frame length {n}"),
+            ));
         }
         buf.resize(n, 0);
         self.copy_out(r, tail + 4, buf);
@@ -182,10 +197,14 @@ impl Mapping {
     }
 }
 
-fn check_peer(pid: Option<u32>) -> std::result::Result<(), String> {
+fn check_peer(pid: Option<u32>) -> Result<()> {
     if let Some(pid) = pid {
         if pid != 0 && !pid_alive(pid) {
-            return Err(format!("peer process {pid} exited"));
+            return Err(Error::link(
+                "shm",
+                Fault::Unavailable,
+                format!("peer process {pid} exited"),
+            ));
         }
     }
     Ok(())
@@ -243,7 +262,13 @@ fn futex_wait(_: &AtomicU32, _: u32, timeout: Duration) {
 fn futex_wake(_: &AtomicU32) {}
 
 fn map_file(path: &Path, create: Option<u64>) -> Result<Mapping> {
-    let io = |e: std::io::Error| Error::Tier(format!("shm link {}: {e}", path.display()));
+    let io = |e: std::io::Error| {
+        Error::link(
+            "shm",
+            crate::io_fault(&e),
+            format!("{}: {e}", path.display()),
+        )
+    };
     let f = OpenOptions::new()
         .read(true)
         .write(true)
@@ -256,10 +281,11 @@ fn map_file(path: &Path, create: Option<u64>) -> Result<Mapping> {
     }
     let len = f.metadata().map_err(io)?.len() as usize;
     if len < DATA {
-        return Err(Error::Tier(format!(
-            "shm link {}: mapping of {len} bytes is too small",
-            path.display()
-        )));
+        return Err(Error::link(
+            "shm",
+            Fault::Unavailable,
+            format!("{}: mapping of {len} bytes is too small", path.display()),
+        ));
     }
     // SAFETY: the file is shared only between the two ends of this link, which access the
     // header words atomically and the ring data under the ring protocol.
@@ -277,18 +303,23 @@ fn map_file(path: &Path, create: Option<u64>) -> Result<Mapping> {
         m.u64_at(O_MAGIC).store(MAGIC, Ordering::Release);
     } else {
         if m.u64_at(O_MAGIC).load(Ordering::Acquire) != MAGIC {
-            return Err(Error::Tier(format!(
-                "shm link {}: not a moelane link",
-                path.display()
-            )));
+            return Err(Error::link(
+                "shm",
+                Fault::Unavailable,
+                format!("{}: not a moelane link", path.display()),
+            ));
         }
         m.cap = m.u64_at(O_CAP).load(Ordering::Relaxed);
         if DATA as u64 + 2 * m.cap > len as u64 {
-            return Err(Error::Tier(format!(
-                "shm link {}: header says {} byte rings, file is {len}",
-                path.display(),
-                m.cap
-            )));
+            return Err(Error::link(
+                "shm",
+                Fault::Unavailable,
+                format!(
+                    "{}: header says {} byte rings, file is {len}",
+                    path.display(),
+                    m.cap
+                ),
+            ));
         }
     }
     Ok(m)
@@ -321,17 +352,14 @@ impl ShmTier {
 impl RemoteTier for ShmTier {
     fn send(&mut self, req: ColdRequest) -> Result<()> {
         frame::encode_request(&req, &mut self.buf);
-        self.m
-            .write(0, &self.buf, self.timeout, Some(self.sidecar))
-            .map_err(|e| Error::Tier(format!("shm link send: {e}")))
+        self.m.write(0, &self.buf, self.timeout, Some(self.sidecar))
     }
 
     fn recv(&mut self) -> Result<ColdReply> {
         let sidecar = self.sidecar;
         self.m
-            .read(1, &mut self.buf, Some(self.timeout), &|| Some(sidecar))
-            .map_err(|e| Error::Tier(format!("shm link recv: {e}")))?;
-        crate::reply_from(&self.buf)
+            .read(1, &mut self.buf, Some(self.timeout), &|| Some(sidecar))?;
+        crate::reply_from("shm", &self.buf)
     }
 
     fn kind(&self) -> &'static str {
@@ -378,7 +406,13 @@ pub fn serve(path: &Path, cap: u64, svc: Arc<dyn ColdService>) -> Result<()> {
             }
             let _ = std::fs::remove_file(&m.path);
         })
-        .map_err(|e| Error::Tier(format!("shm link thread: {e}")))?;
+        .map_err(|e| {
+            Error::link(
+                "shm",
+                Fault::Unavailable,
+                format!("starting its thread: {e}"),
+            )
+        })?;
     Ok(())
 }
 
@@ -389,9 +423,13 @@ mod tests {
 
     struct Echo;
     impl ColdService for Echo {
-        fn serve(&self, req: &ColdRequest, out: &mut Vec<f32>) -> std::result::Result<(), String> {
+        fn serve(&self, req: &ColdRequest, out: &mut Vec<f32>) -> Result<()> {
             if req.layer == 99 {
-                return Err("layer 99 refused".into());
+                return Err(Error::NotResident {
+                    layer: 99,
+                    expert: 0,
+                    tier: "cold",
+                });
             }
             out.clear();
             out.extend(
@@ -441,11 +479,10 @@ mod tests {
             activations: vec![],
         })
         .unwrap();
-        assert!(t
-            .recv()
-            .unwrap_err()
-            .to_string()
-            .contains("layer 99 refused"));
+        // the sidecar's fault crosses the link with its error
+        let e = t.recv().unwrap_err();
+        assert_eq!(e.fault(), Fault::NotResident, "{e}");
+        assert!(e.to_string().contains("layer 99"), "{e}");
         assert!(
             !path.exists(),
             "the mapping file is removed once both ends hold it"

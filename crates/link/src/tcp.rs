@@ -6,6 +6,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::Duration;
 
+use moelane_engine::error::Fault;
 use moelane_engine::tier::{ColdReply, ColdRequest, RemoteTier};
 use moelane_engine::{Error, Result};
 
@@ -40,11 +41,18 @@ pub struct TcpTier {
 
 impl TcpTier {
     pub fn connect(addr: &str, timeout: Duration) -> Result<Self> {
-        let to_err = |e: std::io::Error| Error::Tier(format!("tcp link to {addr}: {e}"));
+        let to_err =
+            |e: std::io::Error| Error::link("tcp", crate::io_fault(&e), format!("{addr}: {e}"));
         let sa: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(addr)
             .map_err(to_err)?
             .next()
-            .ok_or_else(|| Error::Tier(format!("tcp link: {addr} resolves to nothing")))?;
+            .ok_or_else(|| {
+                Error::link(
+                    "tcp",
+                    Fault::Unavailable,
+                    format!("{addr} resolves to nothing"),
+                )
+            })?;
         let stream = TcpStream::connect_timeout(&sa, timeout).map_err(to_err)?;
         stream.set_nodelay(true).map_err(to_err)?;
         stream.set_read_timeout(Some(timeout)).map_err(to_err)?;
@@ -62,18 +70,18 @@ impl RemoteTier for TcpTier {
         frame::encode_request(&req, &mut self.buf);
         self.pending = Some((req.step, req.layer, req.epoch));
         write_frame(&mut self.stream, &self.buf)
-            .map_err(|e| Error::Tier(format!("tcp link send: {e}")))
+            .map_err(|e| Error::link("tcp", crate::io_fault(&e), format!("send: {e}")))
     }
 
     fn recv(&mut self) -> Result<ColdReply> {
         if self.pending.take().is_none() {
-            return Err(Error::Tier(
+            return Err(Error::Internal(
                 "tcp link: recv without a request in flight".into(),
             ));
         }
         read_frame(&mut self.stream, &mut self.buf)
-            .map_err(|e| Error::Tier(format!("tcp link recv: {e}")))?;
-        crate::reply_from(&self.buf)
+            .map_err(|e| Error::link("tcp", crate::io_fault(&e), format!("receive: {e}")))?;
+        crate::reply_from("tcp", &self.buf)
     }
 
     fn kind(&self) -> &'static str {

@@ -7,8 +7,8 @@ use anyhow::{Context, Result};
 use clap::Subcommand;
 
 use moelane_engine::load::{load_engine, EngineOptions};
-use moelane_engine::model::SeqStep;
 use moelane_engine::sampling::argmax;
+use moelane_engine::step::SeqStep;
 use moelane_engine::synth;
 use moelane_engine::tokenizer::Tokenizer;
 
@@ -284,7 +284,7 @@ pub fn default_model(preset: &str) -> Result<PathBuf> {
 
 /// One batched greedy step: each sequence's `toks` in, its next token out.
 fn greedy_step(
-    eng: &mut moelane_engine::model::Engine,
+    eng: &mut moelane_engine::step::Engine,
     seqs: &mut [moelane_engine::kv::SeqKv],
     toks: &mut [Vec<u32>],
 ) -> Result<()> {
@@ -449,7 +449,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             let tok = Tokenizer::from_file(&dir.join("tokenizer.json"))?;
             let c = eng.cfg.clone();
             let bw = measure_bandwidth();
-            let dense_bytes = eng.dense.bytes_per_token();
+            let dense_bytes = eng.dense_bytes_per_token();
             let expert_bytes = c.expert_params() * 4;
             println!(
                 "model {} | {} layers, {} experts, {} picked | hidden {} | threads {}",

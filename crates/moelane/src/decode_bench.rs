@@ -42,7 +42,7 @@ pub fn run(_a: DecodeArgs) -> Result<()> {
 pub fn run(a: DecodeArgs) -> Result<()> {
     use moelane_engine::cuda::Gpu;
     use moelane_engine::cuda_model::{self, Placement};
-    use moelane_engine::model::{Engine, SeqStep};
+    use moelane_engine::step::{Engine, SeqStep};
     use serde_json::json;
     use std::time::Instant;
 
@@ -164,9 +164,9 @@ pub fn run(a: DecodeArgs) -> Result<()> {
         };
         let c = eng.cfg.clone();
         let expert_bytes = (3 * c.hidden_size * c.moe_intermediate_size * 4) as f64;
-        let dense_bytes = eng.dense.bytes_per_token() as f64;
+        let dense_bytes = eng.dense_bytes_per_token() as f64;
         let moe_layers = c.moe_layers().len();
-        let resident = eng.gpu.as_ref().map(|g| g.expert_bytes()).unwrap_or(0);
+        let resident = eng.gpu_mut().map(|g| g.expert_bytes()).unwrap_or(0);
         println!(
             "-- {}: built in {:.1} s, {:.1} GB of experts on {}",
             name,
@@ -222,7 +222,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
             .iter()
             .flat_map(|b| modes.iter().map(move |m| (b, m)))
         {
-            if let Some(g) = eng.gpu.as_mut() {
+            if let Some(g) = eng.gpu_mut() {
                 g.graphs = mode.graphs;
                 g.set_split_attention(mode.split);
                 g.set_tiled_prefill(mode.tiled);
@@ -306,22 +306,21 @@ pub fn run(a: DecodeArgs) -> Result<()> {
                 println!("{label:>13} {b:>6} prefill {prefill_tps:.0} tok/s (median)");
             }
             if a.profile && mode.suffix.is_empty() {
-                if let Some(g) = eng.gpu.as_mut() {
+                if let Some(g) = eng.gpu_mut() {
                     g.set_profile(true);
                 }
                 let mut seqs: Vec<_> = (0..b).map(|_| eng.kv.new_seq()).collect();
                 let mut next: Vec<Vec<u32>> =
                     (0..b).map(|i| prompts[i % prompts.len()].clone()).collect();
                 step(&mut eng, &mut seqs, &mut next)?;
-                if let Some(g) = eng.gpu.as_mut() {
+                if let Some(g) = eng.gpu_mut() {
                     g.set_profile(true); // drop the prefill's share
                 }
                 for _ in 0..a.steps {
                     step(&mut eng, &mut seqs, &mut next)?;
                 }
                 let prof = eng
-                    .gpu
-                    .as_mut()
+                    .gpu_mut()
                     .map(|g| g.set_profile(false))
                     .unwrap_or_default();
                 let total: u64 = prof.iter().map(|p| p.1).sum();
@@ -429,7 +428,7 @@ fn nccl_engine(
     ordinal: usize,
     gpu: std::sync::Arc<moelane_engine::cuda::Gpu>,
     kv_tokens: usize,
-) -> Result<(moelane_engine::model::Engine, std::process::Child)> {
+) -> Result<(moelane_engine::step::Engine, std::process::Child)> {
     use moelane_link::nccl::{NcclId, NcclTier};
     if sidecar_gpu == ordinal {
         anyhow::bail!("gpu+nccl:{sidecar_gpu}: the sidecar needs another GPU than the primary's");
@@ -476,9 +475,8 @@ fn nccl_engine(
 /// `moelane bench nccl-sidecar`: the sidecar process of the gpu+nccl:N placement.
 #[cfg(feature = "cuda")]
 pub fn nccl_sidecar(model: &str, seed: u64, device: &str, id: &str) -> Result<()> {
-    use moelane_engine::cuda_model::{affinity_map, tier_experts, GpuColdServer};
+    use moelane_engine::cuda_model::{affinity_map, tier_experts};
     use moelane_engine::rowmap::Tier;
-    use moelane_engine::tier::ColdServer;
     let ordinal: usize = device
         .strip_prefix("cuda:")
         .and_then(|n| n.parse().ok())
@@ -493,44 +491,10 @@ pub fn nccl_sidecar(model: &str, seed: u64, device: &str, id: &str) -> Result<()
     let mut ge =
         moelane_engine::cuda::GpuExperts::new(gpu, c.hidden_size, c.moe_intermediate_size)?;
     ge.generate(seed, &tier_experts(&map, Tier::Cold))?;
-    struct Serve(std::sync::Mutex<GpuColdServer>);
-    impl moelane_link::ColdService for Serve {
-        fn serve(
-            &self,
-            req: &moelane_engine::tier::ColdRequest,
-            out: &mut Vec<f32>,
-        ) -> std::result::Result<(), String> {
-            self.0
-                .lock()
-                .map_err(|_| "sidecar poisoned".to_string())?
-                .serve(req, out)
-                .map_err(|e| e.to_string())
-        }
-        unsafe fn serve_device(
-            &self,
-            req: &moelane_engine::tier::ColdRequest,
-            ordinal: usize,
-            acts: u64,
-            acts_len: usize,
-            out: u64,
-            out_len: usize,
-        ) -> Option<std::result::Result<usize, String>> {
-            let mut g = self.0.lock().ok()?;
-            if g.experts.ordinal() != ordinal {
-                return None;
-            }
-            // SAFETY: the link's guarantee (see the trait)
-            Some(
-                unsafe { g.serve_device(req, acts, acts_len, out, out_len) }
-                    .map_err(|e| e.to_string()),
-            )
-        }
-    }
-    let svc: std::sync::Arc<dyn moelane_link::ColdService> =
-        std::sync::Arc::new(Serve(std::sync::Mutex::new(GpuColdServer {
-            experts: ge,
-            epoch: map.epoch(),
-        })));
+    // the production sidecar's service (epoch check, counters), its experts on the GPU
+    let svc: std::sync::Arc<dyn moelane_link::ColdService> = std::sync::Arc::new(
+        moelane_rtx_worker::SidecarCore::generated(&m.id, &map, ge),
+    );
     let stop = std::sync::atomic::AtomicBool::new(false);
     // ends when the primary aborts the link (its engine dropped) or dies
     let r = moelane_link::nccl::serve_blocking(

@@ -367,7 +367,7 @@ async fn measure(o: &LoadOptions) -> Result<Vec<Value>> {
 struct Echo(usize);
 
 impl ColdService for Echo {
-    fn serve(&self, req: &ColdRequest, out: &mut Vec<f32>) -> std::result::Result<(), String> {
+    fn serve(&self, req: &ColdRequest, out: &mut Vec<f32>) -> moelane_engine::Result<()> {
         out.clear();
         out.resize(req.picks.len() * self.0, 1.0);
         Ok(())
@@ -393,7 +393,7 @@ pub fn link_floor(hidden: usize, picks: usize, iters: usize) -> Result<()> {
     struct InProc(Arc<dyn ColdService>);
     impl moelane_engine::tier::ColdServer for InProc {
         fn serve(&mut self, req: &ColdRequest, out: &mut Vec<f32>) -> moelane_engine::Result<()> {
-            self.0.serve(req, out).map_err(moelane_engine::Error::Tier)
+            self.0.serve(req, out)
         }
     }
     tiers.push((

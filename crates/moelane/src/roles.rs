@@ -71,13 +71,19 @@ impl Relink {
         &mut self,
         f: impl FnOnce(&mut Box<dyn RemoteTier>) -> moelane_engine::Result<T>,
     ) -> moelane_engine::Result<T> {
-        let mut g = self
-            .slot
-            .lock()
-            .map_err(|_| moelane_engine::Error::Tier("sidecar link poisoned".into()))?;
+        // a panic mid-exchange leaves the link in an unknown state: drop it, as any failure
+        let broken = &self.broken;
+        let mut g = self.slot.lock().unwrap_or_else(|p| {
+            let mut g = p.into_inner();
+            *g = None;
+            broken.notify_one();
+            g
+        });
         let Some(t) = g.as_mut() else {
-            return Err(moelane_engine::Error::Tier(
-                "sidecar link down; reconnecting".into(),
+            return Err(moelane_engine::Error::link(
+                self.kind,
+                moelane_engine::error::Fault::Unavailable,
+                "the sidecar link is down; reconnecting",
             ));
         };
         let r = f(t);
@@ -393,7 +399,7 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
                 engine.kv.blocks,
             )?;
             let desc = g.describe();
-            engine.attach_gpu(g)?;
+            moelane_engine::cuda_model::attach_gpu(&mut engine, g, &dense)?;
             println!("moelane: primary computes on {desc}");
         }
         #[cfg(not(feature = "cuda"))]

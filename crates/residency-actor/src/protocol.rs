@@ -75,6 +75,14 @@ impl TierEpochs {
         tag == self.epoch || self.next == Some(tag)
     }
 
+    /// The epochs a request may be tagged with, for an error: "3" or "3 and 4 (staged)".
+    pub fn describe(&self) -> String {
+        match self.next {
+            Some(n) => format!("{} and {n} (staged)", self.epoch),
+            None => self.epoch.to_string(),
+        }
+    }
+
     /// The highest epoch this tier has heard of: a restarted coordinator proposes above it.
     pub fn highest(&self) -> u64 {
         self.epoch.max(self.floor).max(self.next.unwrap_or(0))

@@ -120,7 +120,7 @@ impl Device {
             #[cfg(feature = "cuda")]
             Device::Gpu(g) => g
                 .lock()
-                .map_err(|_| moelane_engine::Error::Gpu("GPU state poisoned".into()))?
+                .map_err(|_| poisoned("the GPU experts"))?
                 .compute(layer, picks, acts, out),
         }
     }
@@ -142,6 +142,14 @@ impl Device {
     }
 }
 
+/// A lock whose holder panicked: the state behind it may be half-changed, so the sidecar
+/// refuses to serve from it (loudly, as an internal error) rather than guess.
+fn poisoned(what: &str) -> moelane_engine::Error {
+    moelane_engine::Error::Internal(format!(
+        "{what}: a thread panicked while changing it; restart the sidecar"
+    ))
+}
+
 /// The sidecar's compute, shared by every link.
 pub struct SidecarCore {
     pub model: String,
@@ -156,6 +164,11 @@ pub struct SidecarCore {
 }
 
 impl SidecarCore {
+    /// The cold state, for reading.
+    fn read_state(&self) -> moelane_engine::Result<std::sync::RwLockReadGuard<'_, ColdState>> {
+        self.state.read().map_err(|_| poisoned("the sidecar state"))
+    }
+
     /// One request under the state lock: the epoch check, `compute` (given the bank), the
     /// counters (`acts` floats in, one row per pick out).
     fn serve_with(
@@ -163,19 +176,16 @@ impl SidecarCore {
         req: &ColdRequest,
         acts: usize,
         compute: impl FnOnce(&ColdState) -> moelane_engine::Result<()>,
-    ) -> Result<(), String> {
+    ) -> moelane_engine::Result<()> {
         let t0 = Instant::now();
-        let st = self
-            .state
-            .read()
-            .map_err(|_| "sidecar state poisoned".to_string())?;
+        let st = self.read_state()?;
         if !st.epochs.serves(req.epoch) {
-            return Err(format!(
-                "epoch mismatch: request tagged {} but this sidecar holds epoch {}",
-                req.epoch, st.epochs.epoch
-            ));
+            return Err(moelane_engine::Error::EpochMismatch {
+                got: req.epoch,
+                serves: st.epochs.describe(),
+            });
         }
-        compute(&st).map_err(|e| e.to_string())?;
+        compute(&st)?;
         self.requests.fetch_add(1, Ordering::Relaxed);
         self.picks
             .fetch_add(req.picks.len() as u64, Ordering::Relaxed);
@@ -192,7 +202,7 @@ impl SidecarCore {
 }
 
 impl ColdService for SidecarCore {
-    fn serve(&self, req: &ColdRequest, out: &mut Vec<f32>) -> Result<(), String> {
+    fn serve(&self, req: &ColdRequest, out: &mut Vec<f32>) -> moelane_engine::Result<()> {
         self.serve_with(req, req.activations.len(), |st| {
             out.clear();
             out.resize(req.picks.len() * st.bank.hidden, 0.0);
@@ -215,24 +225,22 @@ impl ColdService for SidecarCore {
         acts_len: usize,
         out: u64,
         out_len: usize,
-    ) -> Option<Result<usize, String>> {
+    ) -> Option<moelane_engine::Result<usize>> {
         let g = self.device.gpu()?;
         let h = g.lock().ok()?.hidden();
         if self.device.ordinal() != Some(ordinal) {
             return None;
         }
         if h == 0 || acts_len % h != 0 || req.picks.len() * h > out_len {
-            return Some(Err(format!(
+            return Some(Err(moelane_engine::Error::Invalid(format!(
                 "{acts_len} activation floats and {} picks do not fit rows of {h} ({out_len} floats of room)",
                 req.picks.len()
-            )));
+            ))));
         }
         let floats = req.picks.len() * h;
         Some(
             self.serve_with(req, acts_len, |_| {
-                let mut g = g
-                    .lock()
-                    .map_err(|_| moelane_engine::Error::Gpu("GPU state poisoned".into()))?;
+                let mut g = g.lock().map_err(|_| poisoned("the GPU experts"))?;
                 // SAFETY: the link's guarantee (see the trait): acts and out on this GPU
                 unsafe { g.compute_device(req.layer as usize, &req.picks, acts, acts_len / h, out) }
             })
@@ -246,7 +254,7 @@ pub struct InProcessCore(pub Arc<SidecarCore>);
 
 impl ColdServer for InProcessCore {
     fn serve(&mut self, req: &ColdRequest, out: &mut Vec<f32>) -> moelane_engine::Result<()> {
-        ColdService::serve(&*self.0, req, out).map_err(moelane_engine::Error::Tier)
+        ColdService::serve(&*self.0, req, out)
     }
 }
 
@@ -271,6 +279,36 @@ impl SidecarCore {
             bytes_in: AtomicU64::new(0),
             bytes_out: AtomicU64::new(0),
         })
+    }
+
+    /// A sidecar whose cold experts were generated on a GPU (the `station` preset of the
+    /// benches, no file): served through the same epoch check, counters and links as a
+    /// checkpoint's, with no host copy of the experts (swaps cannot move them).
+    #[cfg(feature = "cuda")]
+    pub fn generated(model: &str, map: &ValidMap, experts: moelane_engine::cuda::GpuExperts) -> Self {
+        let bank = ExpertBank::empty(
+            Tier::Cold,
+            map.layers(),
+            map.experts(),
+            experts.hidden(),
+            experts.inter(),
+        );
+        SidecarCore {
+            model: model.to_string(),
+            ckpt_dir: PathBuf::new(),
+            state: RwLock::new(ColdState {
+                bank,
+                epochs: TierEpochs::new(map.epoch()),
+                map: map.clone(),
+                next: None,
+            }),
+            device: Device::Gpu(Box::new(std::sync::Mutex::new(experts))),
+            requests: AtomicU64::new(0),
+            picks: AtomicU64::new(0),
+            compute_ns: AtomicU64::new(0),
+            bytes_in: AtomicU64::new(0),
+            bytes_out: AtomicU64::new(0),
+        }
     }
 
     /// Computes on `spec` ("cpu" or "cuda:N") instead of the CPU.
@@ -935,11 +973,15 @@ pub fn start(opts: &SidecarOptions) -> moelane_engine::Result<Sidecar0> {
     );
     let data_addr = match &opts.data {
         Some(a) => {
-            let l = std::net::TcpListener::bind(a)
-                .map_err(|e| moelane_engine::Error::Tier(format!("data listener {a}: {e}")))?;
-            let addr = l
-                .local_addr()
-                .map_err(|e| moelane_engine::Error::Tier(e.to_string()))?;
+            let listen = |e: std::io::Error| {
+                moelane_engine::Error::link(
+                    "tcp",
+                    moelane_engine::error::Fault::Unavailable,
+                    format!("data listener {a}: {e}"),
+                )
+            };
+            let l = std::net::TcpListener::bind(a).map_err(listen)?;
+            let addr = l.local_addr().map_err(listen)?;
             moelane_link::tcp::serve(l, core.clone());
             Some(addr)
         }

@@ -6,8 +6,8 @@ use std::sync::OnceLock;
 
 use moelane_engine::checkpoint::Checkpoint;
 use moelane_engine::load::{engine_from, EngineOptions};
-use moelane_engine::model::Engine;
 use moelane_engine::rowmap::Rowmap;
+use moelane_engine::step::Engine;
 use moelane_engine::synth::{generate, Preset};
 
 /// A fresh directory under the system temp dir (removed by the OS, not by us: tests share it).

@@ -28,13 +28,19 @@ use crate::config::ModelConfig;
 use crate::cuda::Gpu;
 use crate::error::{Error, Result};
 use crate::kv::{SeqKv, BLOCK};
-use crate::model::{DenseWeights, RowPos};
+use crate::model::DenseWeights;
 use crate::ops::Rope;
 use crate::rowmap::{Tier, ValidMap};
 use crate::sampling::TokenPick;
+use crate::step::RowPos;
+
+mod station;
+mod step;
+pub use station::*;
+pub use step::{attach_gpu, GpuStep};
 
 /// The dense kernels' source, compiled at run time.
-pub const DENSE_CU: &str = include_str!("../../../kernels/dense.cu");
+pub const DENSE_CU: &str = include_str!("../../../../kernels/dense.cu");
 
 /// Kernel parameters for [`launch_raw`]: a pointer to each argument's value, in order.
 macro_rules! kargs {
@@ -515,14 +521,7 @@ pub enum Op {
     Head(HeadOut),
 }
 
-/// What a step's head leaves for the host: the logits, or one token per logit row (the
-/// argmax, or drawn as [`GpuModel::set_picks`] says).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum HeadOut {
-    Logits,
-    Argmax,
-    Sample,
-}
+pub use crate::step::HeadOut;
 
 impl GpuModel {
     /// Uploads the dense weights of `cfg` and makes a KV cache of `kv_blocks` blocks on `gpu`.
@@ -690,6 +689,16 @@ impl GpuModel {
             "cuda:{} ({}, sm_{}{})",
             self.gpu.ordinal, self.gpu.name, self.gpu.cc.0, self.gpu.cc.1
         )
+    }
+
+    /// Rows whose logits the step begun last computes.
+    pub fn logit_rows(&self) -> usize {
+        self.m
+    }
+
+    /// The vocabulary size.
+    pub fn vocab(&self) -> usize {
+        self.cfg.vocab_size
     }
 
     pub fn kv_blocks(&self) -> usize {
@@ -1354,7 +1363,7 @@ impl GpuModel {
         let router = lw
             .router
             .as_ref()
-            .ok_or_else(|| Error::Tier(format!("layer {l} is not a MoE layer")))?;
+            .ok_or_else(|| Error::Internal(format!("layer {l} is not a MoE layer")))?;
         let idx = self.idx.p + (4 * ml * n * k) as u64;
         let (e, ki, norm) = (ne as i32, k as i32, c.norm_topk_prob as i32);
         // h (the normed rows) feeds the experts: written by the fused kernel or the norm
@@ -1490,7 +1499,7 @@ impl GpuModel {
             return Ok(());
         }
         if len != slots.len() * hs || slots.iter().any(|&s| s < 0 || s as usize >= nk) {
-            return Err(Error::Tier(format!(
+            return Err(Error::Internal(format!(
                 "cold outputs: {len} floats for {} slots (of {nk})",
                 slots.len()
             )));
@@ -1516,7 +1525,7 @@ impl GpuModel {
             return Ok(());
         }
         if src.len() != slots.len() * self.cfg.hidden_size {
-            return Err(Error::Tier(format!(
+            return Err(Error::Internal(format!(
                 "cold outputs: {} floats for {} slots",
                 src.len(),
                 slots.len()
@@ -1605,7 +1614,7 @@ impl GpuModel {
         let (gu, dn) = lw
             .mlp
             .as_ref()
-            .ok_or_else(|| Error::Tier(format!("layer {l} has no dense MLP")))?;
+            .ok_or_else(|| Error::Internal(format!("layer {l} has no dense MLP")))?;
         self.rmsnorm(self.x.p, 0, lw.post_norm.p, self.h.p, n)?;
         self.gemm(
             "gemv_rows:mlp_up",
@@ -1671,251 +1680,4 @@ impl GpuModel {
         }
         self.sync()
     }
-}
-
-/// A cold tier on a GPU in this process (the `gpu+gpu` placement of `moelane bench decode`):
-/// its experts generated on that GPU, activations crossing through host memory.
-pub struct GpuColdServer {
-    pub experts: crate::cuda::GpuExperts,
-    pub epoch: u64,
-}
-
-impl GpuColdServer {
-    fn check_epoch(&self, req: &crate::tier::ColdRequest) -> Result<()> {
-        if req.epoch != self.epoch {
-            return Err(Error::Tier(format!(
-                "request tagged epoch {} but this tier serves epoch {}",
-                req.epoch, self.epoch
-            )));
-        }
-        Ok(())
-    }
-
-    /// As `serve`, activations and outputs in this GPU's memory (the NCCL link's sidecar).
-    ///
-    /// # Safety
-    /// As [`crate::cuda::GpuExperts::compute_device`], with `acts_len` floats at `acts`.
-    /// Returns the floats written (one row per pick), at most `out_len`.
-    pub unsafe fn serve_device(
-        &mut self,
-        req: &crate::tier::ColdRequest,
-        acts: u64,
-        acts_len: usize,
-        out: u64,
-        out_len: usize,
-    ) -> Result<usize> {
-        self.check_epoch(req)?;
-        let h = self.experts.hidden().max(1);
-        if acts_len % h != 0 || req.picks.len() * h > out_len {
-            return Err(Error::Tier(format!(
-                "{acts_len} activation floats and {} picks do not fit rows of {h} ({out_len} floats of room)",
-                req.picks.len()
-            )));
-        }
-        // SAFETY: the caller's guarantee
-        unsafe {
-            self.experts
-                .compute_device(req.layer as usize, &req.picks, acts, acts_len / h, out)
-        }?;
-        Ok(req.picks.len() * h)
-    }
-}
-
-impl crate::tier::ColdServer for GpuColdServer {
-    fn serve(&mut self, req: &crate::tier::ColdRequest, out: &mut Vec<f32>) -> Result<()> {
-        self.check_epoch(req)?;
-        out.clear();
-        out.resize(req.picks.len() * self.experts.hidden(), 0.0);
-        self.experts
-            .compute(req.layer as usize, &req.picks, &req.activations, out)
-    }
-}
-
-/// An embedded engine of `ckpt` whose steps run on `gpu`: dense weights, KV cache and the
-/// hot experts there; the cold experts (if the map has any) on an in-process CPU tier.
-pub fn load_on_gpu(
-    ckpt: &crate::checkpoint::Checkpoint,
-    map: ValidMap,
-    opts: &crate::load::EngineOptions,
-    gpu: Arc<Gpu>,
-) -> Result<crate::model::Engine> {
-    let mut eng = crate::load::engine_from(ckpt, map, opts)?;
-    let dense = DenseWeights::load(ckpt)?;
-    let g = GpuModel::new(gpu, &ckpt.config, &dense, eng.kv.blocks)?;
-    eng.attach_gpu(g)?;
-    Ok(eng)
-}
-
-/// Where a hashed model's cold experts are computed (`moelane bench decode --placement`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Placement {
-    /// every expert hot, on the primary's GPU (primary-only)
-    OneGpu,
-    /// hot experts on the primary's GPU, cold ones on an in-process CPU tier
-    GpuCpu,
-    /// hot experts on the primary's GPU, cold ones on a second GPU in this process
-    GpuGpu(usize),
-    /// hot experts on the primary's GPU (the affinity map), cold ones behind a link the
-    /// caller attaches ([`hashed_engine_with_tier`])
-    Remote,
-}
-
-impl Placement {
-    pub fn parse(s: &str) -> Result<Self> {
-        match s {
-            "one-gpu" => Ok(Placement::OneGpu),
-            "gpu+cpu" => Ok(Placement::GpuCpu),
-            _ => match s.strip_prefix("gpu+cuda:").map(str::parse::<usize>) {
-                Some(Ok(n)) => Ok(Placement::GpuGpu(n)),
-                _ => Err(Error::Gpu(format!(
-                    "unknown placement {s:?}: expected one-gpu, gpu+cpu or gpu+cuda:N"
-                ))),
-            },
-        }
-    }
-
-    pub fn name(&self) -> String {
-        match self {
-            Placement::OneGpu => "one-gpu".into(),
-            Placement::GpuCpu => "gpu+cpu".into(),
-            Placement::GpuGpu(n) => format!("gpu+cuda:{n}"),
-            Placement::Remote => "remote".into(),
-        }
-    }
-}
-
-/// The map of a hashed model: per MoE layer the `hot` experts with the largest router
-/// affinity to the five languages (the sum over languages of exp(gate weight on that
-/// language's dimension)) hot, the rest cold; ties to the lower id.
-pub fn affinity_map(mem: &crate::synth::InMemory, hot: usize) -> Result<ValidMap> {
-    let c = &mem.config;
-    let moe = c.moe_layers();
-    let mut m = crate::rowmap::Rowmap::all_hot(&mem.id, moe.len(), c.num_experts);
-    for (ml, &l) in moe.iter().enumerate() {
-        let r = mem.dense.layers[l]
-            .router
-            .as_ref()
-            .ok_or_else(|| Error::Tier(format!("layer {l} has no router")))?;
-        let mut score: Vec<(usize, f32)> = (0..c.num_experts)
-            .map(|e| (e, r.row(e)[..5].iter().map(|v| v.exp()).sum::<f32>()))
-            .collect();
-        score.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        let mut hot_ids: Vec<u16> = score[..hot.min(score.len())]
-            .iter()
-            .map(|x| x.0 as u16)
-            .collect();
-        let mut cold_ids: Vec<u16> = score[hot.min(score.len())..]
-            .iter()
-            .map(|x| x.0 as u16)
-            .collect();
-        hot_ids.sort_unstable();
-        cold_ids.sort_unstable();
-        m.layers[ml].hot = hot_ids;
-        m.layers[ml].cold = cold_ids;
-    }
-    m.validate(&mem.id, moe.len(), c.num_experts, None)
-}
-
-/// An engine of a hashed model (the `station` preset) on `gpu`, its experts generated on
-/// the device(s) of `placement` (the CPU tier's on the CPU, bit-identical).
-pub fn hashed_engine(
-    mem: &crate::synth::InMemory,
-    placement: Placement,
-    gpu: Arc<Gpu>,
-    kv_tokens: usize,
-) -> Result<crate::model::Engine> {
-    let c = &mem.config;
-    let moe = c.moe_layers();
-    let (h, i, ne) = (c.hidden_size, c.moe_intermediate_size, c.num_experts);
-    let map = match placement {
-        Placement::OneGpu => crate::rowmap::Rowmap::all_hot(&mem.id, moe.len(), ne).validate(
-            &mem.id,
-            moe.len(),
-            ne,
-            None,
-        )?,
-        _ => affinity_map(mem, mem.hot)?,
-    };
-    let cold = tier_experts(&map, Tier::Cold);
-    let cold_tier: Option<Box<dyn crate::tier::RemoteTier>> = match placement {
-        Placement::OneGpu => None,
-        Placement::Remote => {
-            return Err(Error::Tier(
-                "a remote cold tier is attached by hashed_engine_with_tier".into(),
-            ))
-        }
-        Placement::GpuCpu => {
-            use rayon::prelude::*;
-            let ws: Vec<((usize, usize), ExpertWeights)> = cold
-                .par_iter()
-                .map(|&(l, e)| ((l, e), crate::synth::hashed_expert(mem.seed, l, e, h, i)))
-                .collect();
-            let mut bank = ExpertBank::empty(Tier::Cold, moe.len(), ne, h, i);
-            for ((l, e), w) in ws {
-                bank.insert(l, e, Arc::new(w));
-            }
-            Some(Box::new(crate::tier::InProcessTier::spawn(Box::new(
-                crate::tier::FixedBank {
-                    bank,
-                    epoch: map.epoch(),
-                },
-            ))))
-        }
-        Placement::GpuGpu(n) => {
-            let g2 = Gpu::open(n)?;
-            let mut ge = crate::cuda::GpuExperts::new(g2, h, i)?;
-            ge.generate(mem.seed, &cold)?;
-            Some(Box::new(crate::tier::InProcessTier::spawn(Box::new(
-                GpuColdServer {
-                    experts: ge,
-                    epoch: map.epoch(),
-                },
-            ))))
-        }
-    };
-    hashed_engine_with_tier(mem, map, gpu, kv_tokens, cold_tier)
-}
-
-/// The experts of `map`'s `tier`, as (MoE layer, expert) pairs in order.
-pub fn tier_experts(map: &ValidMap, tier: Tier) -> Vec<(usize, usize)> {
-    let mut v = Vec::new();
-    for ml in 0..map.layers() {
-        for e in 0..map.experts() {
-            if map.tier(ml, e) == tier {
-                v.push((ml, e));
-            }
-        }
-    }
-    v
-}
-
-/// An engine of a hashed model on `gpu` under `map`, its hot experts generated there and its
-/// cold picks sent to `cold_tier` (a link to another process, say).
-pub fn hashed_engine_with_tier(
-    mem: &crate::synth::InMemory,
-    map: ValidMap,
-    gpu: Arc<Gpu>,
-    kv_tokens: usize,
-    cold_tier: Option<Box<dyn crate::tier::RemoteTier>>,
-) -> Result<crate::model::Engine> {
-    let c = &mem.config;
-    let moe = c.moe_layers();
-    let (h, i, ne) = (c.hidden_size, c.moe_intermediate_size, c.num_experts);
-    let hot = tier_experts(&map, Tier::Hot);
-    let blocks = crate::kv::KvCache::blocks_for(kv_tokens.max(BLOCK));
-    let mut g = GpuModel::new(gpu, c, &mem.dense, blocks)?;
-    g.generate(mem.seed, &hot)?;
-    // the engine's host-side dense backend is never stepped (the GPU is); it holds a copy
-    // of the dense weights' shapes for bytes_per_token
-    let dense = crate::model::CpuDense::new(c.clone(), mem.dense.clone());
-    let mut eng = crate::model::Engine::new(
-        c.clone(),
-        Box::new(dense),
-        ExpertBank::empty(Tier::Hot, moe.len(), ne, h, i),
-        cold_tier,
-        map,
-        1,
-    );
-    eng.attach_gpu(g)?;
-    Ok(eng)
 }

@@ -1,0 +1,437 @@
+//! The CPU step backend: the primary's math on the host (rayon across rows and heads), the
+//! hot experts from the bank, and the combine in router-rank order. Every sum runs in a
+//! fixed order, so a step's output does not depend on the map or the thread count.
+
+use std::any::Any;
+
+use rayon::prelude::*;
+
+use crate::bank::{ExpertBank, Pick};
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::kv::{KvCache, SeqKv};
+use crate::model::DenseWeights;
+use crate::ops::{self, matmul, rmsnorm, Rope};
+use crate::sampling::TokenPick;
+use crate::step::{HeadOut, RowPos, Split, StepBackend, StepOut};
+
+/// The CPU backend: dense weights, and the step's state between calls.
+pub struct CpuBackend {
+    cfg: ModelConfig,
+    w: DenseWeights,
+    rope: Rope,
+    rows: Vec<RowPos>,
+    tokens: Vec<u32>,
+    logit_rows: Vec<usize>,
+    /// hidden state `[n, H]`
+    x: Vec<f32>,
+    /// normed rows `[n, H]` (the router's and the experts' input)
+    h: Vec<f32>,
+    qkv: Vec<f32>,
+    att: Vec<f32>,
+    tmp: Vec<f32>,
+    probs: Vec<f32>,
+    top: Vec<(usize, f32)>,
+    /// the current MoE layer's router weights `[n, k]`, rank order
+    weights: Vec<f32>,
+    /// the step's picks `[moe layers, n, k]`
+    picks: Vec<i32>,
+    /// the current MoE layer's pick outputs `[n * k, H]`, by slot
+    outs: Vec<f32>,
+    hot_out: Vec<f32>,
+    all_hot: Vec<Pick>,
+    all_slots: Vec<u32>,
+    acc: Vec<f32>,
+}
+
+impl CpuBackend {
+    pub fn new(cfg: ModelConfig, w: DenseWeights) -> Self {
+        let rope = Rope::new(
+            cfg.head_dim,
+            cfg.rope_theta,
+            cfg.max_position_embeddings.min(1 << 16),
+        );
+        CpuBackend {
+            cfg,
+            w,
+            rope,
+            rows: Vec::new(),
+            tokens: Vec::new(),
+            logit_rows: Vec::new(),
+            x: Vec::new(),
+            h: Vec::new(),
+            qkv: Vec::new(),
+            att: Vec::new(),
+            tmp: Vec::new(),
+            probs: Vec::new(),
+            top: Vec::new(),
+            weights: Vec::new(),
+            picks: Vec::new(),
+            outs: Vec::new(),
+            hot_out: Vec::new(),
+            all_hot: Vec::new(),
+            all_slots: Vec::new(),
+            acc: Vec::new(),
+        }
+    }
+
+    fn n(&self) -> usize {
+        self.rows.len()
+    }
+
+    /// The picks of MoE layer `ml` in this step, `[n, k]`.
+    fn layer_picks(&self, ml: usize) -> &[i32] {
+        let nk = self.n() * self.cfg.num_experts_per_tok;
+        &self.picks[ml * nk..(ml + 1) * nk]
+    }
+}
+
+/// Places `out` rows (one per entry of `slots`) into a layer's pick outputs `outs`.
+fn place(outs: &mut [f32], hs: usize, slots: &[u32], out: &[f32]) -> Result<()> {
+    let nk = outs.len() / hs.max(1);
+    if out.len() != slots.len() * hs {
+        return Err(Error::Internal(format!(
+            "{} output floats for {} pick slots",
+            out.len(),
+            slots.len()
+        )));
+    }
+    for (i, &s) in slots.iter().enumerate() {
+        let s = s as usize;
+        if s >= nk {
+            return Err(Error::Internal(format!("pick slot {s} of {nk}")));
+        }
+        outs[s * hs..(s + 1) * hs].copy_from_slice(&out[i * hs..(i + 1) * hs]);
+    }
+    Ok(())
+}
+
+impl StepBackend for CpuBackend {
+    fn describe(&self) -> String {
+        "cpu".into()
+    }
+
+    fn begin(
+        &mut self,
+        tokens: &[u32],
+        rows: &[RowPos],
+        seqs: &[&SeqKv],
+        logit_rows: &[usize],
+    ) -> Result<()> {
+        let c = &self.cfg;
+        if tokens.len() != rows.len() || rows.iter().any(|r| r.seq >= seqs.len()) {
+            return Err(Error::Internal(format!(
+                "a step of {} tokens over {} rows of {} sequences",
+                tokens.len(),
+                rows.len(),
+                seqs.len()
+            )));
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return Err(Error::BadToken {
+                id: t,
+                vocab: c.vocab_size,
+            });
+        }
+        if let Some(r) = rows.iter().find(|r| r.pos >= self.rope.max_pos) {
+            return Err(Error::ContextOverflow {
+                len: r.pos + 1,
+                max: self.rope.max_pos,
+            });
+        }
+        if let Some(&r) = logit_rows.iter().find(|&&r| r >= rows.len()) {
+            return Err(Error::Internal(format!(
+                "logits of row {r} of {}",
+                rows.len()
+            )));
+        }
+        let (n, hs, k) = (rows.len(), c.hidden_size, c.num_experts_per_tok);
+        self.rows.clear();
+        self.rows.extend_from_slice(rows);
+        self.tokens.clear();
+        self.tokens.extend_from_slice(tokens);
+        self.logit_rows.clear();
+        self.logit_rows.extend_from_slice(logit_rows);
+        self.x.resize(n * hs, 0.0);
+        self.h.resize(n * hs, 0.0);
+        self.picks.clear();
+        self.picks.resize(c.moe_layers().len() * n * k, 0);
+        Ok(())
+    }
+
+    fn embed(&mut self) -> Result<()> {
+        let h = self.cfg.hidden_size;
+        for (i, &t) in self.tokens.iter().enumerate() {
+            self.x[i * h..(i + 1) * h].copy_from_slice(self.w.embed.row(t as usize));
+        }
+        Ok(())
+    }
+
+    fn attention(&mut self, layer: usize, seqs: &[&SeqKv], kv: &mut KvCache) -> Result<()> {
+        let c = &self.cfg;
+        let (hd, nh, nkv, hs) = (
+            c.head_dim,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.hidden_size,
+        );
+        let (qd, kvd) = (c.q_dim(), c.kv_dim());
+        let n = self.rows.len();
+        let lw = &self.w.layers[layer];
+        if kv.k.len() <= layer || kv.kv_dim != kvd {
+            return Err(Error::Internal(format!(
+                "the KV cache holds {} layers of {} floats, layer {layer} needs {kvd}",
+                kv.k.len(),
+                kv.kv_dim
+            )));
+        }
+        self.qkv.resize(n * (qd + 2 * kvd), 0.0);
+        self.att.resize(n * qd, 0.0);
+        self.tmp.resize(n * hs, 0.0);
+        rmsnorm(
+            &self.x[..n * hs],
+            &lw.input_norm,
+            c.rms_norm_eps,
+            &mut self.h,
+        );
+        matmul(&self.h, n, &lw.qkv, &mut self.qkv);
+        let stride = qd + 2 * kvd;
+        // q/k norm, RoPE, and K/V into the cache
+        for (i, rp) in self.rows.iter().enumerate() {
+            let row = &mut self.qkv[i * stride..(i + 1) * stride];
+            let (q, rest) = row.split_at_mut(qd);
+            let (k, v) = rest.split_at_mut(kvd);
+            ops::rmsnorm_inplace(q, &lw.q_norm, c.rms_norm_eps);
+            ops::rmsnorm_inplace(k, &lw.k_norm, c.rms_norm_eps);
+            for hh in 0..nh {
+                self.rope.apply(&mut q[hh * hd..(hh + 1) * hd], rp.pos);
+            }
+            for hh in 0..nkv {
+                self.rope.apply(&mut k[hh * hd..(hh + 1) * hd], rp.pos);
+            }
+            let off = seqs[rp.seq].offset(rp.pos, kvd);
+            kv.k[layer][off..off + kvd].copy_from_slice(k);
+            kv.v[layer][off..off + kvd].copy_from_slice(v);
+        }
+        // attention per (row, head), in parallel; each output written once
+        let scale = 1.0 / (hd as f32).sqrt();
+        let group = nh / nkv;
+        let (kc, vc) = (&kv.k[layer], &kv.v[layer]);
+        let (qkv, rows) = (&self.qkv, &self.rows);
+        self.att
+            .par_chunks_mut(qd)
+            .enumerate()
+            .for_each(|(i, out)| {
+                let rp = rows[i];
+                let seq = seqs[rp.seq];
+                let mut scores = vec![0f32; rp.pos + 1];
+                for hh in 0..nh {
+                    let g = hh / group;
+                    let q = &qkv[i * stride + hh * hd..i * stride + (hh + 1) * hd];
+                    for (j, s) in scores.iter_mut().enumerate() {
+                        let off = seq.offset(j, kvd) + g * hd;
+                        *s = ops::dot(q, &kc[off..off + hd]) * scale;
+                    }
+                    ops::softmax(&mut scores);
+                    let o = &mut out[hh * hd..(hh + 1) * hd];
+                    o.fill(0.0);
+                    for (j, &p) in scores.iter().enumerate() {
+                        let off = seq.offset(j, kvd) + g * hd;
+                        for (od, &vd) in o.iter_mut().zip(&vc[off..off + hd]) {
+                            *od += p * vd;
+                        }
+                    }
+                }
+            });
+        matmul(&self.att, n, &lw.o, &mut self.tmp);
+        for (xv, t) in self.x[..n * hs].iter_mut().zip(&self.tmp) {
+            *xv += t;
+        }
+        Ok(())
+    }
+
+    fn route(&mut self, layer: usize, ml: usize) -> Result<()> {
+        let c = &self.cfg;
+        let (n, hs, ne, k) = (
+            self.rows.len(),
+            c.hidden_size,
+            c.num_experts,
+            c.num_experts_per_tok,
+        );
+        let lw = &self.w.layers[layer];
+        let router = lw
+            .router
+            .as_ref()
+            .ok_or_else(|| Error::Internal(format!("layer {layer} is not a MoE layer")))?;
+        self.probs.resize(n * ne, 0.0);
+        rmsnorm(
+            &self.x[..n * hs],
+            &lw.post_norm,
+            c.rms_norm_eps,
+            &mut self.h,
+        );
+        matmul(&self.h, n, router, &mut self.probs);
+        self.weights.clear();
+        self.weights.resize(n * k, 0.0);
+        let picks = &mut self.picks[ml * n * k..(ml + 1) * n * k];
+        // softmax, then the top-k per row in rank order
+        for (r, p) in self.probs[..n * ne].chunks_exact_mut(ne).enumerate() {
+            ops::softmax(p);
+            ops::topk(p, k, &mut self.top);
+            let mut sum = 0f32;
+            for (j, &(e, w)) in self.top.iter().enumerate() {
+                picks[r * k + j] = e as i32;
+                self.weights[r * k + j] = w;
+                sum += w;
+            }
+            if c.norm_topk_prob {
+                for w in &mut self.weights[r * k..(r + 1) * k] {
+                    *w /= sum;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn host_routes(&self) -> bool {
+        true
+    }
+
+    fn picks(&mut self, ml: usize, _rows: bool, out: &mut Vec<i32>) -> Result<()> {
+        out.clear();
+        out.extend_from_slice(self.layer_picks(ml));
+        Ok(())
+    }
+
+    fn normed_rows(&self) -> &[f32] {
+        &self.h[..self.rows.len() * self.cfg.hidden_size]
+    }
+
+    fn experts(&mut self, ml: usize, bank: &ExpertBank, split: Option<&Split>) -> Result<()> {
+        let (hs, k) = (self.cfg.hidden_size, self.cfg.num_experts_per_tok);
+        let n = self.n();
+        self.outs.resize(n * k * hs, 0.0);
+        if split.is_none() {
+            // every pick of the layer is hot, in slot order
+            let picks = &self.picks[ml * n * k..(ml + 1) * n * k];
+            self.all_hot.clear();
+            self.all_hot
+                .extend(picks.iter().enumerate().map(|(s, &e)| Pick {
+                    row: (s / k) as u32,
+                    expert: e as u16,
+                }));
+            self.all_slots.clear();
+            self.all_slots.extend(0..(n * k) as u32);
+        }
+        let (hot, slots) = match split {
+            Some(s) => (&s.hot[..], &s.hot_slots[..]),
+            None => (&self.all_hot[..], &self.all_slots[..]),
+        };
+        self.hot_out.resize(hot.len() * hs, 0.0);
+        bank.compute(ml, hot, &self.h, &mut self.hot_out)?;
+        place(&mut self.outs, hs, slots, &self.hot_out)
+    }
+
+    fn scatter(&mut self, slots: &[u32], outputs: &[f32]) -> Result<()> {
+        place(&mut self.outs, self.cfg.hidden_size, slots, outputs)
+    }
+
+    fn combine(&mut self) -> Result<()> {
+        let (hs, k) = (self.cfg.hidden_size, self.cfg.num_experts_per_tok);
+        self.acc.resize(hs, 0.0);
+        for r in 0..self.n() {
+            let acc = &mut self.acc;
+            acc.fill(0.0);
+            for j in 0..k {
+                let w = self.weights[r * k + j];
+                let y = &self.outs[(r * k + j) * hs..(r * k + j + 1) * hs];
+                for (a, &yv) in acc.iter_mut().zip(y) {
+                    *a += w * yv;
+                }
+            }
+            for (xv, a) in self.x[r * hs..(r + 1) * hs].iter_mut().zip(acc.iter()) {
+                *xv += a;
+            }
+        }
+        Ok(())
+    }
+
+    fn dense_mlp(&mut self, layer: usize) -> Result<()> {
+        let c = &self.cfg;
+        let hs = c.hidden_size;
+        let n = self.n();
+        let lw = &self.w.layers[layer];
+        let mlp = lw
+            .dense_mlp
+            .as_ref()
+            .ok_or_else(|| Error::Internal(format!("layer {layer} has no dense MLP")))?;
+        self.tmp.resize(n * hs, 0.0);
+        rmsnorm(
+            &self.x[..n * hs],
+            &lw.post_norm,
+            c.rms_norm_eps,
+            &mut self.h,
+        );
+        let (mut gu, mut act) = (Vec::new(), Vec::new());
+        crate::bank::expert_forward(mlp, &self.h, n, &mut gu, &mut act, &mut self.tmp);
+        for (xv, t) in self.x[..n * hs].iter_mut().zip(&self.tmp) {
+            *xv += t;
+        }
+        Ok(())
+    }
+
+    fn hidden(&mut self, out: &mut Vec<f32>) -> Result<()> {
+        out.clear();
+        out.extend_from_slice(&self.x[..self.n() * self.cfg.hidden_size]);
+        Ok(())
+    }
+
+    fn head(&mut self, out: HeadOut, picks: &[TokenPick]) -> Result<StepOut> {
+        let (hs, v) = (self.cfg.hidden_size, self.cfg.vocab_size);
+        let m = self.logit_rows.len();
+        self.h.resize(m.max(self.n()) * hs, 0.0);
+        for (i, &r) in self.logit_rows.iter().enumerate() {
+            rmsnorm(
+                &self.x[r * hs..(r + 1) * hs],
+                &self.w.norm,
+                self.cfg.rms_norm_eps,
+                &mut self.h[i * hs..(i + 1) * hs],
+            );
+        }
+        let head = self.w.lm_head.as_ref().unwrap_or(&self.w.embed);
+        let mut logits = vec![0f32; m * v];
+        matmul(&self.h[..m * hs], m, head, &mut logits);
+        if out == HeadOut::Logits {
+            return Ok(StepOut::Logits(logits));
+        }
+        if out == HeadOut::Sample && picks.len() != m {
+            return Err(Error::Invalid(format!(
+                "{} token picks for {m} logit rows",
+                picks.len()
+            )));
+        }
+        let mut scratch = Vec::new();
+        Ok(StepOut::Ids(
+            logits
+                .chunks_exact(v)
+                .enumerate()
+                .map(|(i, row)| {
+                    let p = picks.get(i).copied().unwrap_or(TokenPick::Greedy);
+                    crate::sampling::pick_token(row, p, &mut scratch)
+                })
+                .collect(),
+        ))
+    }
+
+    fn step_picks(&self) -> &[i32] {
+        &self.picks
+    }
+
+    fn bytes_per_token(&self) -> usize {
+        self.w.bytes_per_token()
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+}
