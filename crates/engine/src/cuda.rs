@@ -148,7 +148,7 @@ pub enum Upload {
 /// A tier's experts on the GPU: `gate_up [2I, H]` and `down [H, I]` per resident expert.
 pub struct GpuExperts {
     pub upload: Upload,
-    /// grouped kernels (`kernels/dense.cu`): one block per (expert, 8 weight rows)
+    /// grouped kernels (`kernels/moe.cu`): one block per (expert, 8 weight rows)
     k_up: CudaFunction,
     k_down: CudaFunction,
     /// per layer, the device addresses of each resident expert's gate_up and down, indexed

@@ -37,7 +37,7 @@ impl Default for SamplingParams {
 
 /// How one row of a step picks its token: greedy, or a draw with a temperature, a nucleus
 /// and the request's next uniform number `u` in [0, 1). The same rule runs on the host
-/// ([`pick_token`]) and on the GPU (`sample_rows` in kernels/dense.cu).
+/// ([`pick_token`]) and on the GPU (`sample_rows` in kernels/sampling.cu).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum TokenPick {
     Greedy,

@@ -5,7 +5,7 @@
 //! step: scratch buffers only grow.
 //!
 //! Dense products go through cuBLAS (f32, no TF32, so the GPU agrees with the CPU backend to
-//! rounding); everything else is `kernels/dense.cu`, compiled by NVRTC at start. The MoE
+//! rounding); everything else is the step kernels of `kernels/` ([`DENSE_CU`]), compiled by NVRTC at start. The MoE
 //! layer reads each picked expert's weights once per step however many rows picked it
 //! (one block per (expert, chunk of rows)). Where the map puts experts on a cold tier, the
 //! primary downloads the router's picks and the normed activations of that layer (the only
@@ -18,8 +18,7 @@ use std::sync::Arc;
 
 use cudarc::cublas::{sys as blas, CudaBlas};
 use cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
-    ValidAsZeroBits,
+    CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, ValidAsZeroBits,
 };
 
 use crate::bank::ExpertBank;
@@ -34,13 +33,18 @@ use crate::rowmap::{Tier, ValidMap};
 use crate::sampling::TokenPick;
 use crate::step::RowPos;
 
-mod station;
-mod step;
-pub use station::*;
-pub use step::{attach_gpu, GpuStep};
-
-/// The dense kernels' source, compiled at run time.
-pub const DENSE_CU: &str = include_str!("../../../../kernels/dense.cu");
+/// The step kernels' source, compiled at run time as one NVRTC module: the files of
+/// `kernels/` by family, in this order (later files use the common reductions and PDL macros).
+pub const DENSE_CU: &str = concat!(
+    include_str!("../../../../kernels/common.cu"),
+    include_str!("../../../../kernels/norm.cu"),
+    include_str!("../../../../kernels/attention.cu"),
+    include_str!("../../../../kernels/routing.cu"),
+    include_str!("../../../../kernels/gemv.cu"),
+    include_str!("../../../../kernels/moe.cu"),
+    include_str!("../../../../kernels/sampling.cu"),
+    include_str!("../../../../kernels/generator.cu"),
+);
 
 /// Kernel parameters for [`launch_raw`]: a pointer to each argument's value, in order.
 macro_rules! kargs {
@@ -49,10 +53,19 @@ macro_rules! kargs {
     };
 }
 
+mod generate;
+mod launch;
+mod station;
+mod step;
+mod step_ops;
+pub use generate::*;
+pub use station::*;
+pub use step::{attach_gpu, GpuStep};
+
 /// Launches `f` on `st` with `params` (pointers to the arguments' values, which must match
 /// the kernel's parameters). With `pdl`, as a programmatic dependent launch (Hopper and
 /// later): the kernel may be scheduled while its predecessor drains; every kernel of
-/// dense.cu waits for its predecessor (`griddepcontrol.wait`) before touching memory, so the
+/// every step kernel waits for its predecessor (`griddepcontrol.wait`) before touching memory, so the
 /// order of effects is the stream's.
 ///
 /// # Safety
@@ -94,6 +107,62 @@ unsafe fn launch_raw(
 /// A switch that is on unless the environment sets it to "0".
 fn env_on(name: &str) -> bool {
     std::env::var(name).map_or(true, |v| v != "0")
+}
+
+/// How a [`GpuModel`] runs its steps: every switch on by default. The `MOELANE_CUDA_*`
+/// environment variables override them, read once, here ([`GpuOptions::from_env`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuOptions {
+    /// Replay runs of kernels as CUDA graphs (`MOELANE_CUDA_GRAPHS=0`: launch each kernel).
+    pub graphs: bool,
+    /// Programmatic dependent launches on compute capability 9.0 and later
+    /// (`MOELANE_CUDA_PDL=0`).
+    pub pdl: bool,
+    /// Small-batch products ask the L2 for their weights before their wait
+    /// (`MOELANE_CUDA_PREFETCH=0`).
+    pub prefetch: bool,
+    /// Prefill attention a tile of rows per block (`MOELANE_CUDA_TILED_PREFILL=0`).
+    pub tiled_prefill: bool,
+    /// Decode attention split into position ranges on long contexts
+    /// (`MOELANE_CUDA_ATTN_SPLIT=0`).
+    pub split_attention: bool,
+    /// Weight rows loaded into registers before the wait, up to 4 rows
+    /// (`MOELANE_CUDA_PRELOAD=0`).
+    pub preload: bool,
+    /// Step kernels launched hollow, a diagnostic (`MOELANE_CUDA_HOLLOW`, see
+    /// [`GpuModel::set_hollow`]); empty in serving.
+    pub hollow: Vec<String>,
+}
+
+impl Default for GpuOptions {
+    fn default() -> Self {
+        GpuOptions {
+            graphs: true,
+            pdl: true,
+            prefetch: true,
+            tiled_prefill: true,
+            split_attention: true,
+            preload: true,
+            hollow: Vec::new(),
+        }
+    }
+}
+
+impl GpuOptions {
+    /// The defaults with the environment's overrides.
+    pub fn from_env() -> Self {
+        GpuOptions {
+            graphs: env_on("MOELANE_CUDA_GRAPHS"),
+            pdl: env_on("MOELANE_CUDA_PDL"),
+            prefetch: env_on("MOELANE_CUDA_PREFETCH"),
+            tiled_prefill: env_on("MOELANE_CUDA_TILED_PREFILL"),
+            split_attention: env_on("MOELANE_CUDA_ATTN_SPLIT"),
+            preload: env_on("MOELANE_CUDA_PRELOAD"),
+            hollow: std::env::var("MOELANE_CUDA_HOLLOW")
+                .map(|v| hollow_list(&v))
+                .unwrap_or_default(),
+        }
+    }
 }
 
 fn gerr(what: &str, e: impl std::fmt::Debug) -> Error {
@@ -240,109 +309,6 @@ fn grid(x: usize, y: usize, threads: usize, shared: usize) -> LaunchConfig {
     }
 }
 
-/// Generates expert `e` of MoE layer `layer` of a hashed model on `gpu` (bit-identical to
-/// [`crate::synth::hashed_expert`]): `(gate_up [2I, H], down [H, I])`.
-#[allow(clippy::too_many_arguments)]
-pub fn gen_expert(
-    st: &Arc<CudaStream>,
-    f: &CudaFunction,
-    seed: u64,
-    layer: usize,
-    e: usize,
-    hidden: usize,
-    inter: usize,
-) -> Result<(Buf<f32>, Buf<f32>)> {
-    let (gs, ds) = crate::synth::hashed_scales(hidden, inter);
-    let gu = Buf::<f32>::zeros(st, 2 * inter * hidden)?;
-    let dn = Buf::<f32>::zeros(st, hidden * inter)?;
-    let z = crate::synth::HASHED_ZERO as i32;
-    for (b, cols, zc, zr, key, scale) in [
-        (
-            &gu,
-            hidden,
-            z,
-            0,
-            crate::synth::hashed_key(seed, layer, e, 0),
-            gs,
-        ),
-        (
-            &dn,
-            inter,
-            0,
-            z,
-            crate::synth::hashed_key(seed, layer, e, 1),
-            ds,
-        ),
-    ] {
-        let n = (b.len) as u64;
-        let cols = cols as i32;
-        let mut l = st.launch_builder(f);
-        l.arg(&b.p)
-            .arg(&n)
-            .arg(&cols)
-            .arg(&zc)
-            .arg(&zr)
-            .arg(&key)
-            .arg(&scale);
-        // SAFETY: `b` holds exactly n floats; the kernel writes w[0..n).
-        unsafe { l.launch(grid(1024, 1, 256, 0)) }.map_err(|e| gerr("launching gen_weights", e))?;
-    }
-    Ok((gu, dn))
-}
-
-/// Memory bandwidth of `gpu` measured two ways over `bytes`-sized buffers, medians of
-/// `reps`: (device-to-device copy, bytes read + written per second; a read-only kernel,
-/// bytes read per second). The second is the roofline of a decode step, which reads weights.
-pub fn bandwidth(gpu: &Gpu, bytes: usize, reps: usize) -> Result<(f64, f64)> {
-    let st = &gpu.stream;
-    let n = (bytes / 16).max(1) * 4;
-    let a = Buf::<f32>::zeros(st, n)?;
-    let mut b = st
-        .alloc_zeros::<f32>(n)
-        .map_err(|e| gerr("allocating the bandwidth probe", e))?;
-    let out = Buf::<f32>::zeros(st, 132 * 8)?;
-    let f = funcs(gpu)?.read_probe;
-    let sync = || st.synchronize().map_err(|e| gerr("synchronising", e));
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let (mut copy, mut read) = (Vec::new(), Vec::new());
-    for r in 0..reps.max(1) + 1 {
-        let t0 = std::time::Instant::now();
-        st.memcpy_dtod(&a.s, &mut b)
-            .map_err(|e| gerr("copying on the GPU", e))?;
-        sync()?;
-        let tc = t0.elapsed().as_secs_f64();
-        let n4 = (n / 4) as u64;
-        let t0 = std::time::Instant::now();
-        let mut l = kargs![&a.p, &n4, &out.p];
-        // SAFETY: a holds n4 float4s; out 132*8 floats, one per block.
-        unsafe { launch_raw(st, &f, &mut l, false, grid(132 * 8, 1, 256, 0)) }
-            .map_err(|e| gerr("launching read_probe", e))?;
-        sync()?;
-        let tr = t0.elapsed().as_secs_f64();
-        if r > 0 {
-            copy.push(2.0 * (n * 4) as f64 / tc);
-            read.push((n * 4) as f64 / tr);
-        }
-    }
-    Ok((median(copy), median(read)))
-}
-
-/// The grouped MoE kernels (`moe_up`, `moe_down`) of the dense module on `gpu`, for a
-/// sidecar's [`crate::cuda::GpuExperts`].
-pub fn moe_kernels(gpu: &Gpu) -> Result<(CudaFunction, CudaFunction)> {
-    let f = funcs(gpu)?;
-    Ok((f.moe_up, f.moe_down))
-}
-
-/// Loads the dense kernels' module on `gpu` and returns the generator kernel (for a sidecar
-/// that generates its experts).
-pub fn gen_kernel(gpu: &Gpu) -> Result<CudaFunction> {
-    Ok(funcs(gpu)?.gen)
-}
-
 /// The model on one GPU. See the module comment.
 pub struct GpuModel {
     pub gpu: Arc<Gpu>,
@@ -443,14 +409,14 @@ pub struct GpuModel {
 /// Warps of a decode attention block.
 const ATT_WARPS: usize = 16;
 
-/// Router logits per lane the top-k keeps in registers (TOPK_REG of kernels/dense.cu).
+/// Router logits per lane the top-k keeps in registers (TOPK_REG of kernels/routing.cu).
 const TOPK_REG: usize = 16;
 
 /// A captured run: (rows, logit rows, decode only, attention splits, prefill tiles, scratch
 /// generation, the ops).
 type GraphKey = (usize, usize, bool, usize, usize, u64, Vec<Op>);
 
-/// Rows per block of prefill attention (ATT_TILE of kernels/dense.cu).
+/// Rows per block of prefill attention (ATT_TILE of kernels/attention.cu).
 const ATT_TILE: usize = 16;
 
 /// Prefill attention's tiles for a step whose rows belong to the sequences `seq_of_rows` (in
@@ -523,13 +489,65 @@ pub enum Op {
 
 pub use crate::step::HeadOut;
 
+/// Blocks of decode attention the device holds at once (SMs times resident blocks).
+fn decode_wave(gpu: &Gpu, f: &Funcs, head_dim: usize) -> Result<usize> {
+    use cudarc::driver::sys::CUdevice_attribute_enum as A;
+    let sms = gpu
+        .ctx
+        .attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(|e| gerr("reading the SM count", e))? as usize;
+    let per = f
+        .attention_decode
+        .occupancy_max_active_blocks_per_multiprocessor(
+            32 * ATT_WARPS as u32,
+            (ATT_WARPS + 3) * head_dim * 4,
+            None,
+        )
+        .map_err(|e| gerr("reading decode attention's occupancy", e))? as usize;
+    Ok(sms * per.max(1))
+}
+
+/// Every decoder layer's dense weights on the device.
+fn upload_layers(st: &Arc<CudaStream>, w: &DenseWeights) -> Result<Vec<Layer>> {
+    let up = |v: &[f32]| Buf::from_host(st, v);
+    let mut layers = Vec::with_capacity(w.layers.len());
+    for l in &w.layers {
+        layers.push(Layer {
+            input_norm: up(&l.input_norm)?,
+            post_norm: up(&l.post_norm)?,
+            qkv: up(&l.qkv.data)?,
+            o: up(&l.o.data)?,
+            q_norm: up(&l.q_norm)?,
+            k_norm: up(&l.k_norm)?,
+            router: l.router.as_ref().map(|r| up(&r.data)).transpose()?,
+            mlp: match &l.dense_mlp {
+                Some(m) => Some((up(&m.gate_up.data)?, up(&m.down.data)?)),
+                None => None,
+            },
+        });
+    }
+    Ok(layers)
+}
+
 impl GpuModel {
-    /// Uploads the dense weights of `cfg` and makes a KV cache of `kv_blocks` blocks on `gpu`.
+    /// Uploads the dense weights of `cfg` and makes a KV cache of `kv_blocks` blocks on `gpu`,
+    /// with the default options and the environment's overrides.
     pub fn new(
         gpu: Arc<Gpu>,
         cfg: &ModelConfig,
         w: &DenseWeights,
         kv_blocks: usize,
+    ) -> Result<Self> {
+        Self::with_options(gpu, cfg, w, kv_blocks, GpuOptions::from_env())
+    }
+
+    /// As [`GpuModel::new`], with `opts`.
+    pub fn with_options(
+        gpu: Arc<Gpu>,
+        cfg: &ModelConfig,
+        w: &DenseWeights,
+        kv_blocks: usize,
+        opts: GpuOptions,
     ) -> Result<Self> {
         if cfg.head_dim > 128 || cfg.head_dim % 2 != 0 {
             return Err(Error::Gpu(format!(
@@ -565,43 +583,10 @@ impl GpuModel {
         }
         .result()
         .map_err(|e| gerr("setting the cuBLAS workspace", e))?;
-        let graphs = env_on("MOELANE_CUDA_GRAPHS");
-        let pdl = gpu.cc.0 >= 9 && env_on("MOELANE_CUDA_PDL");
-        let prefetch = env_on("MOELANE_CUDA_PREFETCH");
-        let att_wave = {
-            use cudarc::driver::sys::CUdevice_attribute_enum as A;
-            let sms = gpu
-                .ctx
-                .attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-                .map_err(|e| gerr("reading the SM count", e))? as usize;
-            let per = f
-                .attention_decode
-                .occupancy_max_active_blocks_per_multiprocessor(
-                    32 * ATT_WARPS as u32,
-                    (ATT_WARPS + 3) * cfg.head_dim * 4,
-                    None,
-                )
-                .map_err(|e| gerr("reading decode attention's occupancy", e))?
-                as usize;
-            sms * per.max(1)
-        };
+        let pdl = gpu.cc.0 >= 9 && opts.pdl;
+        let att_wave = decode_wave(&gpu, &f, cfg.head_dim)?;
         let up = |v: &[f32]| Buf::from_host(&st, v);
-        let mut layers = Vec::with_capacity(w.layers.len());
-        for l in &w.layers {
-            layers.push(Layer {
-                input_norm: up(&l.input_norm)?,
-                post_norm: up(&l.post_norm)?,
-                qkv: up(&l.qkv.data)?,
-                o: up(&l.o.data)?,
-                q_norm: up(&l.q_norm)?,
-                k_norm: up(&l.k_norm)?,
-                router: l.router.as_ref().map(|r| up(&r.data)).transpose()?,
-                mlp: match &l.dense_mlp {
-                    Some(m) => Some((up(&m.gate_up.data)?, up(&m.down.data)?)),
-                    None => None,
-                },
-            });
-        }
+        let layers = upload_layers(&st, w)?;
         let max_pos = cfg.max_position_embeddings.min(1 << 16);
         let rope = Rope::new(cfg.head_dim, cfg.rope_theta, max_pos);
         let per_layer = kv_blocks * BLOCK * cfg.kv_dim();
@@ -654,24 +639,22 @@ impl GpuModel {
             o_tiles: 0,
             o_blocks: 0,
             tiles: 0,
-            tiled_prefill: env_on("MOELANE_CUDA_TILED_PREFILL"),
+            tiled_prefill: opts.tiled_prefill,
             _workspace: workspace,
-            graphs,
+            graphs: opts.graphs,
             pdl,
-            prefetch,
+            prefetch: opts.prefetch,
             generation: 0,
             captured: HashMap::new(),
             profile: None,
             seen: HashMap::new(),
             splits: 1,
-            split_attention: env_on("MOELANE_CUDA_ATTN_SPLIT"),
+            split_attention: opts.split_attention,
             att_part: Buf::zeros(&st, 1)?,
             att_wave,
-            preload: env_on("MOELANE_CUDA_PRELOAD"),
+            preload: opts.preload,
             register_topk: true,
-            hollow: std::env::var("MOELANE_CUDA_HOLLOW")
-                .map(|v| hollow_list(&v))
-                .unwrap_or_default(),
+            hollow: opts.hollow,
             layers,
             cfg: cfg.clone(),
             f,
@@ -783,185 +766,6 @@ impl GpuModel {
         self.tab_gu.write(&self.st, &gu)?;
         self.tab_dn.write(&self.st, &dn)?;
         self.sync()
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn gemm(
-        &self,
-        what: &'static str,
-        w: u64,
-        out_dim: usize,
-        in_dim: usize,
-        x: u64,
-        n: usize,
-        y: u64,
-        beta: f32,
-    ) -> Result<()> {
-        if n <= 4 {
-            let (o, i, ni) = (out_dim as i32, in_dim as i32, n as i32);
-            let v4 = (in_dim % 4 == 0) as i32;
-            let (pf, pre) = (self.prefetch as i32, self.preload as i32);
-            let mut b = kargs![&w, &x, &y, &o, &i, &ni, &beta, &v4, &pf, &pre];
-            // SAFETY: as below; n <= 4 rows.
-            return unsafe {
-                self.launch(
-                    &self.f.gemv,
-                    what,
-                    &mut b,
-                    grid(out_dim.div_ceil(8), 1, 256, 0),
-                )
-            };
-        }
-        let alpha = 1f32;
-        // y[n, out] (row-major) = x[n, in] . w[out, in]^T, i.e. column-major
-        // y^T[out, n] = w^T' [out, in] x^T [in, n] with w read transposed.
-        // SAFETY: w holds out*in floats, x n*in, y n*out (the callers size them), all on the
-        // handle's stream.
-        unsafe {
-            cudarc::cublas::result::sgemm(
-                *self.blas.handle(),
-                blas::cublasOperation_t::CUBLAS_OP_T,
-                blas::cublasOperation_t::CUBLAS_OP_N,
-                out_dim as i32,
-                n as i32,
-                in_dim as i32,
-                &alpha,
-                w as *const f32,
-                in_dim as i32,
-                x as *const f32,
-                in_dim as i32,
-                &beta,
-                y as *mut f32,
-                out_dim as i32,
-            )
-        }
-        .map_err(|e| gerr("cuBLAS sgemm", e))?;
-        self.mark("cublas sgemm")
-    }
-
-    /// Launches a step kernel on this model's stream (a programmatic dependent launch when
-    /// `pdl`), naming it in errors and in the profile.
-    ///
-    /// # Safety
-    /// As [`launch_raw`]: `params` match `f`'s signature and every pointer is valid for it.
-    unsafe fn launch(
-        &self,
-        f: &CudaFunction,
-        name: &'static str,
-        params: &mut [*mut std::ffi::c_void],
-        cfg: LaunchConfig,
-    ) -> Result<()> {
-        let names = |h: &str| h == "all" || h == name || name.split(':').next() == Some(h);
-        let hollow = self.hollow.iter().any(|h| !h.starts_with('!') && names(h))
-            && !self
-                .hollow
-                .iter()
-                .any(|h| h.strip_prefix('!').is_some_and(names));
-        if hollow {
-            let cfg = LaunchConfig {
-                shared_mem_bytes: 0,
-                ..cfg
-            };
-            launch_raw(&self.st, &self.f.hollow, &mut [], self.pdl, cfg)
-        } else {
-            launch_raw(&self.st, f, params, self.pdl, cfg)
-        }
-        .map_err(|e| gerr(&format!("launching {name}"), e))?;
-        self.mark(name)
-    }
-
-    /// y[n, out] = w . norm(x) with RMSNorm weight `nw`, writing the normed rows to `h`
-    /// when `h` is non-zero: one fused kernel for n <= 4, else the norm then cuBLAS.
-    #[allow(clippy::too_many_arguments)]
-    fn normed_product(
-        &self,
-        what: &'static str,
-        w: u64,
-        out_dim: usize,
-        x: u64,
-        nw: u64,
-        h: u64,
-        n: usize,
-        y: u64,
-    ) -> Result<()> {
-        let in_dim = self.cfg.hidden_size;
-        if n > 4 {
-            self.rmsnorm(x, 0, nw, self.h.p, n)?;
-            return self.gemm(what, w, out_dim, in_dim, self.h.p, n, y, 0.0);
-        }
-        let (o, i, ni) = (out_dim as i32, in_dim as i32, n as i32);
-        let eps = self.cfg.rms_norm_eps;
-        let v4 = (in_dim % 4 == 0) as i32;
-        let (pf, pre) = (self.prefetch as i32, self.preload as i32);
-        let mut b = kargs![&w, &x, &nw, &h, &y, &o, &i, &ni, &eps, &v4, &pf, &pre];
-        // SAFETY: w holds out*in floats, x and h n rows of in, nw in, y n rows of out.
-        unsafe {
-            self.launch(
-                &self.f.norm_gemv,
-                what,
-                &mut b,
-                grid(out_dim.div_ceil(8), 1, 256, 0),
-            )
-        }
-    }
-
-    /// With profiling on: records a timing event after the work launched since the last
-    /// mark, charged to `what` (the GPU's own clock: no host wait between kernels).
-    fn mark(&self, what: &'static str) -> Result<()> {
-        if let Some(p) = &self.profile {
-            use cudarc::driver::sys::CUevent_flags;
-            let ev = self
-                .st
-                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(|e| gerr("recording a CUDA event", e))?;
-            p.lock()
-                .map_err(|_| Error::Gpu("profile poisoned".into()))?
-                .events
-                .push((what, ev));
-        }
-        Ok(())
-    }
-
-    /// Turns the per-kernel profile on (kernels launched one by one, each followed by a
-    /// timing event) or off; returns what was gathered: (kernel, total ns, launches),
-    /// largest first. A kernel's time runs from the previous kernel's end to its own end.
-    pub fn set_profile(&mut self, on: bool) -> Vec<(&'static str, u64, u64)> {
-        use cudarc::driver::sys::CUevent_flags;
-        let old = self.profile.take();
-        if on {
-            if let Ok(start) = self.st.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)) {
-                self.profile = Some(std::sync::Mutex::new(Profile {
-                    start,
-                    events: Vec::new(),
-                }));
-            }
-        }
-        let mut by: HashMap<&'static str, (u64, u64)> = HashMap::new();
-        if let Some(p) = old.and_then(|p| p.into_inner().ok()) {
-            let _ = self.sync();
-            let mut prev = &p.start;
-            for (what, ev) in &p.events {
-                let ms = prev.elapsed_ms(ev).unwrap_or(0.0);
-                let e = by.entry(what).or_insert((0, 0));
-                e.0 += (ms as f64 * 1e6) as u64;
-                e.1 += 1;
-                prev = ev;
-            }
-        }
-        let mut v: Vec<(&'static str, u64, u64)> =
-            by.into_iter().map(|(k, (a, b))| (k, a, b)).collect();
-        v.sort_by_key(|x| std::cmp::Reverse(x.1));
-        v
-    }
-
-    fn rmsnorm(&self, x: u64, rows: u64, w: u64, y: u64, n: usize) -> Result<()> {
-        let h = self.cfg.hidden_size as i32;
-        let eps = self.cfg.rms_norm_eps;
-        let mut b = kargs![&x, &rows, &w, &y, &h, &eps];
-        // SAFETY: x holds the source rows (rows[i] < its row count when given), y n rows,
-        // w h floats.
-        unsafe { self.launch(&self.f.rmsnorm, "rmsnorm_rows", &mut b, grid(n, 1, 256, 0)) }?;
-        Ok(())
     }
 
     /// Starts a step: checks and uploads the tokens, positions, block tables and logit rows
@@ -1152,532 +956,5 @@ impl GpuModel {
             Op::DenseMlp(l) => self.dense_mlp(l),
             Op::Head(out) => self.head(out),
         }
-    }
-
-    /// How this step's head samples: one pick per logit row (set after `begin`, before
-    /// the run that ends in `Op::Head(HeadOut::Sample)`). Grows the probabilities' scratch.
-    pub fn set_picks(&mut self, picks: &[TokenPick]) -> Result<()> {
-        if picks.len() != self.m {
-            return Err(Error::Gpu(format!(
-                "{} token picks for {} logit rows",
-                picks.len(),
-                self.m
-            )));
-        }
-        let st = self.st.clone();
-        if self.probs.grow(&st, self.m * self.cfg.vocab_size)? {
-            self.generation += 1;
-            self.captured.clear();
-            self.seen.clear();
-        }
-        let spec: Vec<f64> = picks
-            .iter()
-            .flat_map(|p| match *p {
-                TokenPick::Greedy => [0.0, 1.0, 0.0],
-                TokenPick::Sample {
-                    temperature,
-                    top_p,
-                    u,
-                } => [temperature as f64, top_p as f64, u],
-            })
-            .collect();
-        self.spec.write(&st, &spec)
-    }
-
-    fn head(&mut self, out: HeadOut) -> Result<()> {
-        let c = &self.cfg;
-        let (hs, v, m) = (c.hidden_size, c.vocab_size, self.m);
-        if m == 0 {
-            return Ok(());
-        }
-        self.rmsnorm(self.x.p, self.o_lrows, self.norm.p, self.h.p, m)?;
-        let head = self.head.as_ref().unwrap_or(&self.embed).p;
-        self.gemm(
-            "gemv_rows:head",
-            head,
-            v,
-            hs,
-            self.h.p,
-            m,
-            self.logits.p,
-            0.0,
-        )?;
-        let vi = v as i32;
-        match out {
-            HeadOut::Logits => {}
-            HeadOut::Argmax => {
-                let mut b = kargs![&self.logits.p, &self.amax.p, &vi];
-                // SAFETY: logits holds m rows of V; amax m ints (sized in `begin`).
-                unsafe { self.launch(&self.f.argmax, "argmax_rows", &mut b, grid(m, 1, 256, 0)) }?;
-            }
-            HeadOut::Sample => {
-                if self.probs.len < m * v {
-                    return Err(Error::Gpu("a sampling head without set_picks".into()));
-                }
-                let mut b = kargs![
-                    &self.logits.p,
-                    &self.spec.p,
-                    &self.probs.p,
-                    &self.amax.p,
-                    &vi
-                ];
-                // SAFETY: logits and probs hold m rows of V, spec 3m doubles (written by
-                // set_picks), amax m ints.
-                unsafe { self.launch(&self.f.sample, "sample_rows", &mut b, grid(m, 1, 1024, 0)) }?;
-            }
-        }
-        Ok(())
-    }
-
-    /// x += attention(input_norm(x)) of decoder layer `l`, writing K/V of every row.
-    pub fn attention(&mut self, l: usize) -> Result<()> {
-        let c = &self.cfg;
-        let n = self.n;
-        let (qd, kvd, hs) = (c.q_dim(), c.kv_dim(), c.hidden_size);
-        let lw = &self.layers[l];
-        self.normed_product(
-            "norm_gemv_rows:qkv",
-            lw.qkv.p,
-            qd + 2 * kvd,
-            self.x.p,
-            lw.input_norm.p,
-            0,
-            n,
-            self.qkv.p,
-        )?;
-        let (nh, nkv, hd) = (
-            c.num_attention_heads as i32,
-            c.num_key_value_heads as i32,
-            c.head_dim as i32,
-        );
-        let eps = c.rms_norm_eps;
-        let scale = 1.0 / (c.head_dim as f32).sqrt();
-        // 16 warps take the positions in turn: a decode row's chain of dependent loads is
-        // 1/16 of its context (or of its range of it) long
-        let nw = ATT_WARPS;
-        if self.decode_only {
-            let mut b = kargs![
-                &self.qkv.p,
-                &lw.q_norm.p,
-                &lw.k_norm.p,
-                &self.cos.p,
-                &self.sin.p,
-                &self.kc[l].p,
-                &self.vc[l].p,
-                &self.o_pos,
-                &self.o_tab,
-                &self.o_blocks,
-                &self.att.p,
-                &nh,
-                &nkv,
-                &hd,
-                &eps,
-                &scale,
-                &self.att_part.p
-            ];
-            let mut cfg = grid(n, c.num_attention_heads, 32 * nw, (nw + 3) * c.head_dim * 4);
-            cfg.grid_dim.2 = self.splits as u32;
-            // SAFETY: positions < max_pos and their blocks < kv_blocks were checked in
-            // `begin`; qkv holds n rows of q_dim + 2 kv_dim, att n rows of q_dim, att_part
-            // n * heads * splits partials (`begin`); every row is its own sequence's
-            // (decode_only), so no two rows write one cache slot.
-            unsafe { self.launch(&self.f.attention_decode, "attention_decode", &mut b, cfg) }?;
-            if self.splits > 1 {
-                let sp = self.splits as i32;
-                let mut b = kargs![&self.att_part.p, &self.att.p, &nh, &hd, &sp];
-                // SAFETY: att_part holds the partials the kernel above wrote, att n rows.
-                unsafe {
-                    self.launch(
-                        &self.f.attention_merge,
-                        "attention_merge",
-                        &mut b,
-                        grid(n, c.num_attention_heads, c.head_dim.next_multiple_of(32), 0),
-                    )
-                }?;
-            }
-            return self.gemm("gemv_rows:o", lw.o.p, hs, qd, self.att.p, n, self.x.p, 1.0);
-        }
-        let mut b = kargs![
-            &self.qkv.p,
-            &lw.q_norm.p,
-            &lw.k_norm.p,
-            &self.cos.p,
-            &self.sin.p,
-            &self.o_pos,
-            &self.o_tab,
-            &self.o_blocks,
-            &self.kc[l].p,
-            &self.vc[l].p,
-            &nh,
-            &nkv,
-            &hd,
-            &eps
-        ];
-        let heads = c.num_attention_heads + c.num_key_value_heads;
-        // SAFETY: positions < max_pos and their blocks < kv_blocks were checked in `begin`;
-        // qkv holds n rows of q_dim + 2 kv_dim.
-        unsafe {
-            self.launch(
-                &self.f.qk_rope_kv,
-                "qk_rope_kv",
-                &mut b,
-                grid(n, 1, 32 * heads, 0),
-            )
-        }?;
-        // a tile of rows per block, or (tiles ignored) a block per row
-        let (f, name, cfg) = if self.tiled_prefill {
-            let hd = c.head_dim;
-            let smem = 4 * (ATT_TILE * hd + 32 * (2 * hd + 1) + 8 * 32);
-            let cfg = grid(self.tiles, c.num_attention_heads, 256, smem);
-            (&self.f.attention_tiled, "attention_tiled", cfg)
-        } else {
-            let cfg = grid(n, c.num_attention_heads, 32 * nw, nw * c.head_dim * 4);
-            (&self.f.attention, "attention", cfg)
-        };
-        let mut b = kargs![
-            &self.qkv.p,
-            &self.kc[l].p,
-            &self.vc[l].p,
-            &self.o_pos,
-            &self.o_tab,
-            &self.o_blocks,
-            &self.o_tiles,
-            &self.att.p,
-            &nh,
-            &nkv,
-            &hd,
-            &scale
-        ];
-        // SAFETY: as above; the tiles (first row, count <= ATT_TILE, rows of one sequence)
-        // were built in `begin` from these rows; att holds n rows of q_dim.
-        unsafe { self.launch(f, name, &mut b, cfg) }?;
-        self.gemm("gemv_rows:o", lw.o.p, hs, qd, self.att.p, n, self.x.p, 1.0)
-    }
-
-    /// Router of MoE layer `l` (`ml`-th MoE layer): h = post_norm(x), top-k ids and weights.
-    pub fn route(&mut self, l: usize, ml: usize) -> Result<()> {
-        let c = &self.cfg;
-        let n = self.n;
-        let (ne, k) = (c.num_experts, c.num_experts_per_tok);
-        let lw = &self.layers[l];
-        let router = lw
-            .router
-            .as_ref()
-            .ok_or_else(|| Error::Internal(format!("layer {l} is not a MoE layer")))?;
-        let idx = self.idx.p + (4 * ml * n * k) as u64;
-        let (e, ki, norm) = (ne as i32, k as i32, c.norm_topk_prob as i32);
-        // h (the normed rows) feeds the experts: written by the fused kernel or the norm
-        self.normed_product(
-            "norm_gemv_rows:router",
-            router.p,
-            ne,
-            self.x.p,
-            lw.post_norm.p,
-            self.h.p,
-            n,
-            self.rlog.p,
-        )?;
-        let regs = (self.register_topk && ne <= TOPK_REG * 32) as i32;
-        let mut b = kargs![&self.rlog.p, &idx, &self.wts.p, &e, &ki, &norm, &regs];
-        let smem = if regs != 0 { 0 } else { ne * 4 };
-        // SAFETY: rlog holds n rows of E; idx has room for the ml-th layer's n*k ids; E
-        // floats of shared memory unless the row stays in registers (E <= 32 * TOPK_REG).
-        unsafe {
-            self.launch(
-                &self.f.route_topk,
-                "route_topk",
-                &mut b,
-                grid(n, 1, 32, smem),
-            )
-        }?;
-        Ok(())
-    }
-
-    /// Downloads MoE layer `ml`'s picks `[n, k]` and normed activations `[n, H]` (waits).
-    pub fn fetch_route(&mut self, ml: usize, idx: &mut Vec<i32>, h: &mut Vec<f32>) -> Result<()> {
-        h.resize(self.n * self.cfg.hidden_size, 0.0);
-        self.h.read(&self.st, &mut h[..])?;
-        self.fetch_picks(ml, idx)
-    }
-
-    /// The hot experts' outputs of MoE layer `ml` into their pick slots.
-    pub fn moe(&mut self, ml: usize) -> Result<()> {
-        let c = &self.cfg;
-        let (n, k, hs, i, ne) = (
-            self.n,
-            c.num_experts_per_tok,
-            c.hidden_size,
-            c.moe_intermediate_size,
-            c.num_experts,
-        );
-        let nk = n * k;
-        let idx = self.idx.p + (4 * ml * nk) as u64;
-        let gu = self.tab_gu.p + (8 * ml * ne) as u64;
-        let dn = self.tab_dn.p + (8 * ml * ne) as u64;
-        let (nki, ki, hi, ii) = (nk as i32, k as i32, hs as i32, i as i32);
-        let v_up = (hs % 4 == 0) as i32;
-        let v_dn = (i % 4 == 0) as i32;
-        // one row's picks are distinct experts: every block leads its slot
-        let distinct = (n == 1) as i32;
-        let mut b = kargs![
-            &idx,
-            &gu,
-            &self.h.p,
-            &self.act.p,
-            &nki,
-            &ki,
-            &hi,
-            &ii,
-            &v_up,
-            &0u64,
-            &distinct
-        ];
-        // SAFETY: ids < E (the router's top-k), table entries are null or resident experts of
-        // [2I, H]; h holds n rows, act n*k rows of I; float4 reads only when H % 4 == 0.
-        unsafe {
-            self.launch(
-                &self.f.moe_up,
-                "moe_up",
-                &mut b,
-                grid(nk, i.div_ceil(8), 256, 0),
-            )
-        }?;
-        let mut b = kargs![
-            &idx,
-            &dn,
-            &self.act.p,
-            &self.y.p,
-            &nki,
-            &hi,
-            &ii,
-            &v_dn,
-            &distinct
-        ];
-        // the preloading kernel takes more registers: fewer blocks resident, which costs
-        // the bandwidth-bound large batches more than the early loads gain (measured)
-        let (down, name) = if self.preload && n <= 4 {
-            (&self.f.moe_down_pre, "moe_down:pre")
-        } else {
-            (&self.f.moe_down, "moe_down")
-        };
-        // SAFETY: as above, down [H, I]; y holds n*k rows of H.
-        unsafe { self.launch(down, name, &mut b, grid(nk, hs.div_ceil(8), 256, 0)) }?;
-        Ok(())
-    }
-
-    /// Downloads MoE layer `ml`'s picks `[n, k]` only (waits): the activations stay here,
-    /// for a link that sends from device memory ([`Self::normed_rows`]).
-    pub fn fetch_picks(&mut self, ml: usize, idx: &mut Vec<i32>) -> Result<()> {
-        let (n, k) = (self.n, self.cfg.num_experts_per_tok);
-        idx.resize(n * k, 0);
-        self.st
-            .memcpy_dtoh(
-                &self.idx.s.slice(ml * n * k..(ml + 1) * n * k),
-                &mut idx[..],
-            )
-            .map_err(|e| gerr("copying picks from the GPU", e))?;
-        self.sync()
-    }
-
-    /// This GPU's ordinal and the device address and length (floats) of the step's normed
-    /// rows `[n, H]` (the MoE input): complete after [`Self::fetch_picks`], unchanged until
-    /// the next layer's router runs.
-    pub fn normed_rows(&self) -> (usize, u64, usize) {
-        (self.gpu.ordinal, self.h.p, self.n * self.cfg.hidden_size)
-    }
-
-    /// As [`Self::scatter`], from `len` floats at device address `src` on this GPU (a link's
-    /// receive buffer).
-    ///
-    /// # Safety
-    /// `src` addresses `len` floats of this GPU's memory, complete (the host waited for
-    /// them) and unchanged until this model's stream is next synchronised.
-    pub unsafe fn scatter_from(&mut self, slots: &[i32], src: u64, len: usize) -> Result<()> {
-        let hs = self.cfg.hidden_size;
-        let nk = self.n * self.cfg.num_experts_per_tok;
-        if slots.is_empty() {
-            return Ok(());
-        }
-        if len != slots.len() * hs || slots.iter().any(|&s| s < 0 || s as usize >= nk) {
-            return Err(Error::Internal(format!(
-                "cold outputs: {len} floats for {} slots (of {nk})",
-                slots.len()
-            )));
-        }
-        let st = self.st.clone();
-        self.cold_slots.write(&st, slots)?;
-        let h = hs as i32;
-        let mut b = kargs![&src, &self.cold_slots.p, &self.y.p, &h];
-        // SAFETY: slots were checked < n*k; src holds slots.len() rows (the caller's word).
-        unsafe {
-            self.launch(
-                &self.f.scatter,
-                "scatter_rows",
-                &mut b,
-                grid(slots.len(), 1, 256, 0),
-            )
-        }
-    }
-
-    /// The cold tier's outputs (`src [slots.len(), H]`) into pick slots.
-    pub fn scatter(&mut self, slots: &[i32], src: &[f32]) -> Result<()> {
-        if slots.is_empty() {
-            return Ok(());
-        }
-        if src.len() != slots.len() * self.cfg.hidden_size {
-            return Err(Error::Internal(format!(
-                "cold outputs: {} floats for {} slots",
-                src.len(),
-                slots.len()
-            )));
-        }
-        let st = self.st.clone();
-        self.cold_src.write(&st, src)?;
-        // SAFETY: cold_src now holds src (stream-ordered before the kernel)
-        unsafe { self.scatter_from(slots, self.cold_src.p, src.len()) }
-    }
-
-    /// Decode attention's position ranges per row and head in the last step begun.
-    pub fn splits(&self) -> usize {
-        self.splits
-    }
-
-    /// Turns tiled prefill attention on or off (from the next step run).
-    pub fn set_tiled_prefill(&mut self, on: bool) {
-        if on != self.tiled_prefill {
-            self.tiled_prefill = on;
-            self.drop_graphs();
-        }
-    }
-
-    /// Forgets every captured graph (a scratch buffer moved, or a kernel choice changed).
-    fn drop_graphs(&mut self) {
-        self.generation += 1;
-        self.captured.clear();
-        self.seen.clear();
-    }
-
-    /// Turns split decode attention on or off (from the next step begun).
-    pub fn set_split_attention(&mut self, on: bool) {
-        self.split_attention = on;
-    }
-
-    /// Turns loading weight rows into registers before the previous kernel's end on or off.
-    pub fn set_preload(&mut self, on: bool) {
-        if on != self.preload {
-            self.preload = on;
-            self.drop_graphs();
-        }
-    }
-
-    /// Keeps the router's top-k rows in registers (the default, up to 512 experts) or in
-    /// shared memory (the path of larger routers): the same picks either way.
-    pub fn set_register_topk(&mut self, on: bool) {
-        if on != self.register_topk {
-            self.register_topk = on;
-            self.drop_graphs();
-        }
-    }
-
-    /// Step kernels to launch hollow (names as in the profile, a name before ':' for all
-    /// its uses, or "all"; a name after '!' is kept whole: "all+!moe_up" hollows every
-    /// kernel but that; empty: none). A diagnostic: the results are wrong while set.
-    pub fn set_hollow(&mut self, names: Vec<String>) {
-        if names != self.hollow {
-            self.hollow = names;
-            self.drop_graphs();
-        }
-    }
-
-    /// x += the picks' outputs weighted by the router, in rank order.
-    pub fn combine(&mut self) -> Result<()> {
-        let c = &self.cfg;
-        let (k, h) = (c.num_experts_per_tok as i32, c.hidden_size as i32);
-        let mut b = kargs![&self.x.p, &self.y.p, &self.wts.p, &k, &h];
-        // SAFETY: x holds n rows, y n*k rows, wts n*k.
-        unsafe {
-            self.launch(
-                &self.f.combine,
-                "moe_combine",
-                &mut b,
-                grid(self.n, self.cfg.hidden_size.div_ceil(128), 128, 0),
-            )
-        }?;
-        Ok(())
-    }
-
-    /// x += dense MLP(post_norm(x)) of a non-MoE layer.
-    pub fn dense_mlp(&mut self, l: usize) -> Result<()> {
-        let c = &self.cfg;
-        let (n, hs, i) = (self.n, c.hidden_size, c.intermediate_size);
-        let lw = &self.layers[l];
-        let (gu, dn) = lw
-            .mlp
-            .as_ref()
-            .ok_or_else(|| Error::Internal(format!("layer {l} has no dense MLP")))?;
-        self.rmsnorm(self.x.p, 0, lw.post_norm.p, self.h.p, n)?;
-        self.gemm(
-            "gemv_rows:mlp_up",
-            gu.p,
-            2 * i,
-            hs,
-            self.h.p,
-            n,
-            self.qkv.p,
-            0.0,
-        )?;
-        let ii = i as i32;
-        let mut b = kargs![&self.qkv.p, &self.att.p, &ii];
-        // SAFETY: qkv holds n rows of 2I (sized in `begin`), att n rows of I.
-        unsafe { self.launch(&self.f.silu_mul, "silu_mul", &mut b, grid(n, 1, 256, 0)) }?;
-        self.gemm(
-            "gemv_rows:mlp_down",
-            dn.p,
-            hs,
-            i,
-            self.att.p,
-            n,
-            self.x.p,
-            1.0,
-        )
-    }
-
-    /// The hidden state `[n, H]` (waits).
-    pub fn read_x(&self, out: &mut Vec<f32>) -> Result<()> {
-        out.resize(self.n * self.cfg.hidden_size, 0.0);
-        self.x.read(&self.st, &mut out[..])?;
-        self.sync()
-    }
-
-    /// After a run that ended in [`Op::Head`]: the logits (`[m, vocab]`) or their argmax
-    /// ids, and the step's picks `[moe layers, n, k]`. Waits for the step to finish.
-    pub fn download(
-        &mut self,
-        logits: Option<&mut [f32]>,
-        ids: Option<&mut Vec<u32>>,
-        picks: &mut Vec<i32>,
-    ) -> Result<()> {
-        let c = &self.cfg;
-        let (v, m) = (c.vocab_size, self.m);
-        let st = self.st.clone();
-        if let Some(out) = logits {
-            if m > 0 {
-                self.logits.read(&st, &mut out[..m * v])?;
-            }
-        }
-        if let Some(ids) = ids {
-            let mut tmp = vec![0i32; m];
-            if m > 0 {
-                self.amax.read(&st, &mut tmp)?;
-            }
-            ids.clear();
-            ids.extend(tmp.iter().map(|&t| t.max(0) as u32));
-        }
-        let nk = self.moe * self.n * c.num_experts_per_tok;
-        picks.resize(nk, 0);
-        if nk > 0 {
-            self.idx.read(&st, &mut picks[..])?;
-        }
-        self.sync()
     }
 }

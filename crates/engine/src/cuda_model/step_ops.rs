@@ -1,0 +1,535 @@
+//! The ops of a step on the GPU ([`Op`]): attention, the router, the MoE layer and the
+//! exchange with a cold tier (picks down, outputs scattered into their slots), the combine,
+//! the dense MLP and the head; the switches the benches and tests turn; and what a step
+//! leaves for the host.
+
+use super::*;
+
+impl GpuModel {
+    /// How this step's head samples: one pick per logit row (set after `begin`, before
+    /// the run that ends in `Op::Head(HeadOut::Sample)`). Grows the probabilities' scratch.
+    pub fn set_picks(&mut self, picks: &[TokenPick]) -> Result<()> {
+        if picks.len() != self.m {
+            return Err(Error::Gpu(format!(
+                "{} token picks for {} logit rows",
+                picks.len(),
+                self.m
+            )));
+        }
+        let st = self.st.clone();
+        if self.probs.grow(&st, self.m * self.cfg.vocab_size)? {
+            self.generation += 1;
+            self.captured.clear();
+            self.seen.clear();
+        }
+        let spec: Vec<f64> = picks
+            .iter()
+            .flat_map(|p| match *p {
+                TokenPick::Greedy => [0.0, 1.0, 0.0],
+                TokenPick::Sample {
+                    temperature,
+                    top_p,
+                    u,
+                } => [temperature as f64, top_p as f64, u],
+            })
+            .collect();
+        self.spec.write(&st, &spec)
+    }
+
+    pub(super) fn head(&mut self, out: HeadOut) -> Result<()> {
+        let c = &self.cfg;
+        let (hs, v, m) = (c.hidden_size, c.vocab_size, self.m);
+        if m == 0 {
+            return Ok(());
+        }
+        self.rmsnorm(self.x.p, self.o_lrows, self.norm.p, self.h.p, m)?;
+        let head = self.head.as_ref().unwrap_or(&self.embed).p;
+        self.gemm(
+            "gemv_rows:head",
+            head,
+            v,
+            hs,
+            self.h.p,
+            m,
+            self.logits.p,
+            0.0,
+        )?;
+        let vi = v as i32;
+        match out {
+            HeadOut::Logits => {}
+            HeadOut::Argmax => {
+                let mut b = kargs![&self.logits.p, &self.amax.p, &vi];
+                // SAFETY: logits holds m rows of V; amax m ints (sized in `begin`).
+                unsafe { self.launch(&self.f.argmax, "argmax_rows", &mut b, grid(m, 1, 256, 0)) }?;
+            }
+            HeadOut::Sample => {
+                if self.probs.len < m * v {
+                    return Err(Error::Gpu("a sampling head without set_picks".into()));
+                }
+                let mut b = kargs![
+                    &self.logits.p,
+                    &self.spec.p,
+                    &self.probs.p,
+                    &self.amax.p,
+                    &vi
+                ];
+                // SAFETY: logits and probs hold m rows of V, spec 3m doubles (written by
+                // set_picks), amax m ints.
+                unsafe { self.launch(&self.f.sample, "sample_rows", &mut b, grid(m, 1, 1024, 0)) }?;
+            }
+        }
+        Ok(())
+    }
+
+    /// x += attention(input_norm(x)) of decoder layer `l`, writing K/V of every row.
+    pub fn attention(&mut self, l: usize) -> Result<()> {
+        let c = &self.cfg;
+        let n = self.n;
+        let (qd, kvd, hs) = (c.q_dim(), c.kv_dim(), c.hidden_size);
+        let lw = &self.layers[l];
+        self.normed_product(
+            "norm_gemv_rows:qkv",
+            lw.qkv.p,
+            qd + 2 * kvd,
+            self.x.p,
+            lw.input_norm.p,
+            0,
+            n,
+            self.qkv.p,
+        )?;
+        let (nh, nkv, hd) = (
+            c.num_attention_heads as i32,
+            c.num_key_value_heads as i32,
+            c.head_dim as i32,
+        );
+        let eps = c.rms_norm_eps;
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        // 16 warps take the positions in turn: a decode row's chain of dependent loads is
+        // 1/16 of its context (or of its range of it) long
+        let nw = ATT_WARPS;
+        if self.decode_only {
+            let mut b = kargs![
+                &self.qkv.p,
+                &lw.q_norm.p,
+                &lw.k_norm.p,
+                &self.cos.p,
+                &self.sin.p,
+                &self.kc[l].p,
+                &self.vc[l].p,
+                &self.o_pos,
+                &self.o_tab,
+                &self.o_blocks,
+                &self.att.p,
+                &nh,
+                &nkv,
+                &hd,
+                &eps,
+                &scale,
+                &self.att_part.p
+            ];
+            let mut cfg = grid(n, c.num_attention_heads, 32 * nw, (nw + 3) * c.head_dim * 4);
+            cfg.grid_dim.2 = self.splits as u32;
+            // SAFETY: positions < max_pos and their blocks < kv_blocks were checked in
+            // `begin`; qkv holds n rows of q_dim + 2 kv_dim, att n rows of q_dim, att_part
+            // n * heads * splits partials (`begin`); every row is its own sequence's
+            // (decode_only), so no two rows write one cache slot.
+            unsafe { self.launch(&self.f.attention_decode, "attention_decode", &mut b, cfg) }?;
+            if self.splits > 1 {
+                let sp = self.splits as i32;
+                let mut b = kargs![&self.att_part.p, &self.att.p, &nh, &hd, &sp];
+                // SAFETY: att_part holds the partials the kernel above wrote, att n rows.
+                unsafe {
+                    self.launch(
+                        &self.f.attention_merge,
+                        "attention_merge",
+                        &mut b,
+                        grid(n, c.num_attention_heads, c.head_dim.next_multiple_of(32), 0),
+                    )
+                }?;
+            }
+            return self.gemm("gemv_rows:o", lw.o.p, hs, qd, self.att.p, n, self.x.p, 1.0);
+        }
+        let mut b = kargs![
+            &self.qkv.p,
+            &lw.q_norm.p,
+            &lw.k_norm.p,
+            &self.cos.p,
+            &self.sin.p,
+            &self.o_pos,
+            &self.o_tab,
+            &self.o_blocks,
+            &self.kc[l].p,
+            &self.vc[l].p,
+            &nh,
+            &nkv,
+            &hd,
+            &eps
+        ];
+        let heads = c.num_attention_heads + c.num_key_value_heads;
+        // SAFETY: positions < max_pos and their blocks < kv_blocks were checked in `begin`;
+        // qkv holds n rows of q_dim + 2 kv_dim.
+        unsafe {
+            self.launch(
+                &self.f.qk_rope_kv,
+                "qk_rope_kv",
+                &mut b,
+                grid(n, 1, 32 * heads, 0),
+            )
+        }?;
+        // a tile of rows per block, or (tiles ignored) a block per row
+        let (f, name, cfg) = if self.tiled_prefill {
+            let hd = c.head_dim;
+            let smem = 4 * (ATT_TILE * hd + 32 * (2 * hd + 1) + 8 * 32);
+            let cfg = grid(self.tiles, c.num_attention_heads, 256, smem);
+            (&self.f.attention_tiled, "attention_tiled", cfg)
+        } else {
+            let cfg = grid(n, c.num_attention_heads, 32 * nw, nw * c.head_dim * 4);
+            (&self.f.attention, "attention", cfg)
+        };
+        let mut b = kargs![
+            &self.qkv.p,
+            &self.kc[l].p,
+            &self.vc[l].p,
+            &self.o_pos,
+            &self.o_tab,
+            &self.o_blocks,
+            &self.o_tiles,
+            &self.att.p,
+            &nh,
+            &nkv,
+            &hd,
+            &scale
+        ];
+        // SAFETY: as above; the tiles (first row, count <= ATT_TILE, rows of one sequence)
+        // were built in `begin` from these rows; att holds n rows of q_dim.
+        unsafe { self.launch(f, name, &mut b, cfg) }?;
+        self.gemm("gemv_rows:o", lw.o.p, hs, qd, self.att.p, n, self.x.p, 1.0)
+    }
+
+    /// Router of MoE layer `l` (`ml`-th MoE layer): h = post_norm(x), top-k ids and weights.
+    pub fn route(&mut self, l: usize, ml: usize) -> Result<()> {
+        let c = &self.cfg;
+        let n = self.n;
+        let (ne, k) = (c.num_experts, c.num_experts_per_tok);
+        let lw = &self.layers[l];
+        let router = lw
+            .router
+            .as_ref()
+            .ok_or_else(|| Error::Internal(format!("layer {l} is not a MoE layer")))?;
+        let idx = self.idx.p + (4 * ml * n * k) as u64;
+        let (e, ki, norm) = (ne as i32, k as i32, c.norm_topk_prob as i32);
+        // h (the normed rows) feeds the experts: written by the fused kernel or the norm
+        self.normed_product(
+            "norm_gemv_rows:router",
+            router.p,
+            ne,
+            self.x.p,
+            lw.post_norm.p,
+            self.h.p,
+            n,
+            self.rlog.p,
+        )?;
+        let regs = (self.register_topk && ne <= TOPK_REG * 32) as i32;
+        let mut b = kargs![&self.rlog.p, &idx, &self.wts.p, &e, &ki, &norm, &regs];
+        let smem = if regs != 0 { 0 } else { ne * 4 };
+        // SAFETY: rlog holds n rows of E; idx has room for the ml-th layer's n*k ids; E
+        // floats of shared memory unless the row stays in registers (E <= 32 * TOPK_REG).
+        unsafe {
+            self.launch(
+                &self.f.route_topk,
+                "route_topk",
+                &mut b,
+                grid(n, 1, 32, smem),
+            )
+        }?;
+        Ok(())
+    }
+
+    /// Downloads MoE layer `ml`'s picks `[n, k]` and normed activations `[n, H]` (waits).
+    pub fn fetch_route(&mut self, ml: usize, idx: &mut Vec<i32>, h: &mut Vec<f32>) -> Result<()> {
+        h.resize(self.n * self.cfg.hidden_size, 0.0);
+        self.h.read(&self.st, &mut h[..])?;
+        self.fetch_picks(ml, idx)
+    }
+
+    /// The hot experts' outputs of MoE layer `ml` into their pick slots.
+    pub fn moe(&mut self, ml: usize) -> Result<()> {
+        let c = &self.cfg;
+        let (n, k, hs, i, ne) = (
+            self.n,
+            c.num_experts_per_tok,
+            c.hidden_size,
+            c.moe_intermediate_size,
+            c.num_experts,
+        );
+        let nk = n * k;
+        let idx = self.idx.p + (4 * ml * nk) as u64;
+        let gu = self.tab_gu.p + (8 * ml * ne) as u64;
+        let dn = self.tab_dn.p + (8 * ml * ne) as u64;
+        let (nki, ki, hi, ii) = (nk as i32, k as i32, hs as i32, i as i32);
+        let v_up = (hs % 4 == 0) as i32;
+        let v_dn = (i % 4 == 0) as i32;
+        // one row's picks are distinct experts: every block leads its slot
+        let distinct = (n == 1) as i32;
+        let mut b = kargs![
+            &idx,
+            &gu,
+            &self.h.p,
+            &self.act.p,
+            &nki,
+            &ki,
+            &hi,
+            &ii,
+            &v_up,
+            &0u64,
+            &distinct
+        ];
+        // SAFETY: ids < E (the router's top-k), table entries are null or resident experts of
+        // [2I, H]; h holds n rows, act n*k rows of I; float4 reads only when H % 4 == 0.
+        unsafe {
+            self.launch(
+                &self.f.moe_up,
+                "moe_up",
+                &mut b,
+                grid(nk, i.div_ceil(8), 256, 0),
+            )
+        }?;
+        let mut b = kargs![
+            &idx,
+            &dn,
+            &self.act.p,
+            &self.y.p,
+            &nki,
+            &hi,
+            &ii,
+            &v_dn,
+            &distinct
+        ];
+        // the preloading kernel takes more registers: fewer blocks resident, which costs
+        // the bandwidth-bound large batches more than the early loads gain (measured)
+        let (down, name) = if self.preload && n <= 4 {
+            (&self.f.moe_down_pre, "moe_down:pre")
+        } else {
+            (&self.f.moe_down, "moe_down")
+        };
+        // SAFETY: as above, down [H, I]; y holds n*k rows of H.
+        unsafe { self.launch(down, name, &mut b, grid(nk, hs.div_ceil(8), 256, 0)) }?;
+        Ok(())
+    }
+
+    /// Downloads MoE layer `ml`'s picks `[n, k]` only (waits): the activations stay here,
+    /// for a link that sends from device memory ([`Self::normed_rows`]).
+    pub fn fetch_picks(&mut self, ml: usize, idx: &mut Vec<i32>) -> Result<()> {
+        let (n, k) = (self.n, self.cfg.num_experts_per_tok);
+        idx.resize(n * k, 0);
+        self.st
+            .memcpy_dtoh(
+                &self.idx.s.slice(ml * n * k..(ml + 1) * n * k),
+                &mut idx[..],
+            )
+            .map_err(|e| gerr("copying picks from the GPU", e))?;
+        self.sync()
+    }
+
+    /// This GPU's ordinal and the device address and length (floats) of the step's normed
+    /// rows `[n, H]` (the MoE input): complete after [`Self::fetch_picks`], unchanged until
+    /// the next layer's router runs.
+    pub fn normed_rows(&self) -> (usize, u64, usize) {
+        (self.gpu.ordinal, self.h.p, self.n * self.cfg.hidden_size)
+    }
+
+    /// As [`Self::scatter`], from `len` floats at device address `src` on this GPU (a link's
+    /// receive buffer).
+    ///
+    /// # Safety
+    /// `src` addresses `len` floats of this GPU's memory, complete (the host waited for
+    /// them) and unchanged until this model's stream is next synchronised.
+    pub unsafe fn scatter_from(&mut self, slots: &[i32], src: u64, len: usize) -> Result<()> {
+        let hs = self.cfg.hidden_size;
+        let nk = self.n * self.cfg.num_experts_per_tok;
+        if slots.is_empty() {
+            return Ok(());
+        }
+        if len != slots.len() * hs || slots.iter().any(|&s| s < 0 || s as usize >= nk) {
+            return Err(Error::Internal(format!(
+                "cold outputs: {len} floats for {} slots (of {nk})",
+                slots.len()
+            )));
+        }
+        let st = self.st.clone();
+        self.cold_slots.write(&st, slots)?;
+        let h = hs as i32;
+        let mut b = kargs![&src, &self.cold_slots.p, &self.y.p, &h];
+        // SAFETY: slots were checked < n*k; src holds slots.len() rows (the caller's word).
+        unsafe {
+            self.launch(
+                &self.f.scatter,
+                "scatter_rows",
+                &mut b,
+                grid(slots.len(), 1, 256, 0),
+            )
+        }
+    }
+
+    /// The cold tier's outputs (`src [slots.len(), H]`) into pick slots.
+    pub fn scatter(&mut self, slots: &[i32], src: &[f32]) -> Result<()> {
+        if slots.is_empty() {
+            return Ok(());
+        }
+        if src.len() != slots.len() * self.cfg.hidden_size {
+            return Err(Error::Internal(format!(
+                "cold outputs: {} floats for {} slots",
+                src.len(),
+                slots.len()
+            )));
+        }
+        let st = self.st.clone();
+        self.cold_src.write(&st, src)?;
+        // SAFETY: cold_src now holds src (stream-ordered before the kernel)
+        unsafe { self.scatter_from(slots, self.cold_src.p, src.len()) }
+    }
+
+    /// Decode attention's position ranges per row and head in the last step begun.
+    pub fn splits(&self) -> usize {
+        self.splits
+    }
+
+    /// Turns tiled prefill attention on or off (from the next step run).
+    pub fn set_tiled_prefill(&mut self, on: bool) {
+        if on != self.tiled_prefill {
+            self.tiled_prefill = on;
+            self.drop_graphs();
+        }
+    }
+
+    /// Forgets every captured graph (a scratch buffer moved, or a kernel choice changed).
+    pub(super) fn drop_graphs(&mut self) {
+        self.generation += 1;
+        self.captured.clear();
+        self.seen.clear();
+    }
+
+    /// Turns split decode attention on or off (from the next step begun).
+    pub fn set_split_attention(&mut self, on: bool) {
+        self.split_attention = on;
+    }
+
+    /// Turns loading weight rows into registers before the previous kernel's end on or off.
+    pub fn set_preload(&mut self, on: bool) {
+        if on != self.preload {
+            self.preload = on;
+            self.drop_graphs();
+        }
+    }
+
+    /// Keeps the router's top-k rows in registers (the default, up to 512 experts) or in
+    /// shared memory (the path of larger routers): the same picks either way.
+    pub fn set_register_topk(&mut self, on: bool) {
+        if on != self.register_topk {
+            self.register_topk = on;
+            self.drop_graphs();
+        }
+    }
+
+    /// Step kernels to launch hollow (names as in the profile, a name before ':' for all
+    /// its uses, or "all"; a name after '!' is kept whole: "all+!moe_up" hollows every
+    /// kernel but that; empty: none). A diagnostic: the results are wrong while set.
+    pub fn set_hollow(&mut self, names: Vec<String>) {
+        if names != self.hollow {
+            self.hollow = names;
+            self.drop_graphs();
+        }
+    }
+
+    /// x += the picks' outputs weighted by the router, in rank order.
+    pub fn combine(&mut self) -> Result<()> {
+        let c = &self.cfg;
+        let (k, h) = (c.num_experts_per_tok as i32, c.hidden_size as i32);
+        let mut b = kargs![&self.x.p, &self.y.p, &self.wts.p, &k, &h];
+        // SAFETY: x holds n rows, y n*k rows, wts n*k.
+        unsafe {
+            self.launch(
+                &self.f.combine,
+                "moe_combine",
+                &mut b,
+                grid(self.n, self.cfg.hidden_size.div_ceil(128), 128, 0),
+            )
+        }?;
+        Ok(())
+    }
+
+    /// x += dense MLP(post_norm(x)) of a non-MoE layer.
+    pub fn dense_mlp(&mut self, l: usize) -> Result<()> {
+        let c = &self.cfg;
+        let (n, hs, i) = (self.n, c.hidden_size, c.intermediate_size);
+        let lw = &self.layers[l];
+        let (gu, dn) = lw
+            .mlp
+            .as_ref()
+            .ok_or_else(|| Error::Internal(format!("layer {l} has no dense MLP")))?;
+        self.rmsnorm(self.x.p, 0, lw.post_norm.p, self.h.p, n)?;
+        self.gemm(
+            "gemv_rows:mlp_up",
+            gu.p,
+            2 * i,
+            hs,
+            self.h.p,
+            n,
+            self.qkv.p,
+            0.0,
+        )?;
+        let ii = i as i32;
+        let mut b = kargs![&self.qkv.p, &self.att.p, &ii];
+        // SAFETY: qkv holds n rows of 2I (sized in `begin`), att n rows of I.
+        unsafe { self.launch(&self.f.silu_mul, "silu_mul", &mut b, grid(n, 1, 256, 0)) }?;
+        self.gemm(
+            "gemv_rows:mlp_down",
+            dn.p,
+            hs,
+            i,
+            self.att.p,
+            n,
+            self.x.p,
+            1.0,
+        )
+    }
+
+    /// The hidden state `[n, H]` (waits).
+    pub fn read_x(&self, out: &mut Vec<f32>) -> Result<()> {
+        out.resize(self.n * self.cfg.hidden_size, 0.0);
+        self.x.read(&self.st, &mut out[..])?;
+        self.sync()
+    }
+
+    /// After a run that ended in [`Op::Head`]: the logits (`[m, vocab]`) or their argmax
+    /// ids, and the step's picks `[moe layers, n, k]`. Waits for the step to finish.
+    pub fn download(
+        &mut self,
+        logits: Option<&mut [f32]>,
+        ids: Option<&mut Vec<u32>>,
+        picks: &mut Vec<i32>,
+    ) -> Result<()> {
+        let c = &self.cfg;
+        let (v, m) = (c.vocab_size, self.m);
+        let st = self.st.clone();
+        if let Some(out) = logits {
+            if m > 0 {
+                self.logits.read(&st, &mut out[..m * v])?;
+            }
+        }
+        if let Some(ids) = ids {
+            let mut tmp = vec![0i32; m];
+            if m > 0 {
+                self.amax.read(&st, &mut tmp)?;
+            }
+            ids.clear();
+            ids.extend(tmp.iter().map(|&t| t.max(0) as u32));
+        }
+        let nk = self.moe * self.n * c.num_experts_per_tok;
+        picks.resize(nk, 0);
+        if nk > 0 {
+            self.idx.read(&st, &mut picks[..])?;
+        }
+        self.sync()
+    }
+}

@@ -1,0 +1,359 @@
+// One head vector (hd floats, one warp): RMSNorm with weight nwt, then rotate-half RoPE for
+// position pos (tables [max_pos, hd/2]), into dst (may be v itself: every read comes before
+// the warp's barrier, every write after).
+__device__ __forceinline__ void norm_rope(const float* v, const float* __restrict__ nwt,
+                                          float* dst, const float* __restrict__ cos_t,
+                                          const float* __restrict__ sin_t, int pos, int hd,
+                                          float eps) {
+    const int lane = threadIdx.x & 31, half = hd / 2;
+    // every value this lane needs (hd <= 128) in one round of loads, then the arithmetic
+    float sq[4], lo[2], hi[2], glo[2], ghi[2], c[2], sn[2];
+#pragma unroll
+    for (int t = 0; t < 4; t++) sq[t] = lane + 32 * t < hd ? v[lane + 32 * t] : 0.f;
+#pragma unroll
+    for (int t = 0; t < 2; t++) {
+        const int i = lane + 32 * t;
+        const bool ok = i < half;
+        lo[t] = ok ? v[i] : 0.f;
+        hi[t] = ok ? v[i + half] : 0.f;
+        glo[t] = ok ? nwt[i] : 0.f;
+        ghi[t] = ok ? nwt[i + half] : 0.f;
+        c[t] = ok ? cos_t[(size_t)pos * half + i] : 0.f;
+        sn[t] = ok ? sin_t[(size_t)pos * half + i] : 0.f;
+    }
+    float s = 0.f;
+#pragma unroll
+    for (int t = 0; t < 4; t++)
+        if (lane + 32 * t < hd) s = fmaf(sq[t], sq[t], s);
+    s = warp_sum(s);
+    // in place (dst == v) with half not a multiple of 32, a lane writes what another read
+    __syncwarp();
+    const float inv = 1.f / sqrtf(s / (float)hd + eps);
+#pragma unroll
+    for (int t = 0; t < 2; t++) {
+        const int i = lane + 32 * t;
+        if (i < half) {
+            const float a = glo[t] * (lo[t] * inv), b = ghi[t] * (hi[t] * inv);
+            dst[i] = a * c[t] - b * sn[t];
+            dst[i + half] = b * c[t] + a * sn[t];
+        }
+    }
+}
+
+// Per row of qkv [rows, q_dim + 2 kv_dim]: RMSNorm of each q and k head, RoPE (rotate-half,
+// tables [max_pos, hd/2]), then K and V into the cache. grid: rows; block: 32 * (nh + nkv).
+extern "C" __global__ void qk_rope_kv(float* __restrict__ qkv, const float* __restrict__ qn,
+                                      const float* __restrict__ kn, const float* __restrict__ cos_t,
+                                      const float* __restrict__ sin_t, const int* __restrict__ row_pos,
+                                      const int* __restrict__ row_tab, const int* __restrict__ blocks,
+                                      float* __restrict__ kc, float* __restrict__ vc,
+                                      int nh, int nkv, int hd, float eps) {
+    PDL_ENTRY();
+    const int r = blockIdx.x, w = threadIdx.x >> 5;
+    const int qd = nh * hd, kvd = nkv * hd;
+    float* row = qkv + (size_t)r * (qd + 2 * kvd);
+    const int pos = row_pos[r];
+    if (w < nh + nkv) {
+        float* v = w < nh ? row + w * hd : row + qd + (w - nh) * hd;
+        norm_rope(v, w < nh ? qn : kn, v, cos_t, sin_t, pos, hd, eps);
+    }
+    __syncthreads();
+    const size_t off = ((size_t)blocks[row_tab[r] + pos / KV_BLOCK] * KV_BLOCK + pos % KV_BLOCK) * kvd;
+    for (int i = threadIdx.x; i < kvd; i += blockDim.x) {
+        kc[off + i] = row[qd + i];
+        vc[off + i] = row[qd + kvd + i];
+    }
+}
+
+#define ATT_AHEAD 4  // positions whose K/V rows a warp has in flight at once
+
+// One (row, head) of attention over positions [lo, hi): warps take them in turn with an
+// online softmax (q in registers, lane + 32 d), merged by warp 0 into out[0..hd), or, when
+// `part` is not null, into the unnormalised partial part = (max score, sum of weights,
+// weighted values [hd]) that attention_merge combines with the other ranges' (a range
+// without positions gives (-inf, 0, 0)). cur_k / cur_v, when not null, stand in for the
+// cache's entries at pos. sacc holds nw * hd floats.
+__device__ void attend(const float (&qv)[4], const float* __restrict__ kc,
+                       const float* __restrict__ vc, const int* __restrict__ tab, int pos,
+                       int lo, int hi, int kvd, int goff, int hd, float scale,
+                       const float* cur_k, const float* cur_v, float* sacc, float* sm,
+                       float* sl, float* __restrict__ out, float* __restrict__ part) {
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    float m = -INFINITY, l = 0.f;
+    // a warp's positions are w, w + nw, ... in order; it loads ATT_AHEAD of them at once
+    // (their K and V rows in registers), then folds them in one by one: the chain of
+    // dependent loads is ATT_AHEAD times shorter, the arithmetic and its order unchanged
+    for (int j0 = lo + w; j0 < hi; j0 += ATT_AHEAD * nw) {
+        float kk[ATT_AHEAD][4], vv[ATT_AHEAD][4];
+#pragma unroll
+        for (int u = 0; u < ATT_AHEAD; u++) {
+            const int j = j0 + u * nw;
+            const float* kr = cur_k;
+            const float* vr = cur_v;
+            if (j < hi && !(j == pos && cur_k != 0)) {
+                const size_t off = ((size_t)tab[j / KV_BLOCK] * KV_BLOCK + j % KV_BLOCK) * kvd + goff;
+                kr = kc + off;
+                vr = vc + off;
+            }
+#pragma unroll
+            for (int d = 0; d < 4; d++) {
+                const int i = lane + 32 * d;
+                const bool ok = j < hi && i < hd;
+                kk[u][d] = ok ? kr[i] : 0.f;
+                vv[u][d] = ok ? vr[i] : 0.f;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < ATT_AHEAD; u++) {
+            if (j0 + u * nw >= hi) break;
+            float s = 0.f;
+            for (int d = 0; d < 4; d++) {
+                const int i = lane + 32 * d;
+                if (i < hd) s = fmaf(qv[d], kk[u][d], s);
+            }
+            s = warp_sum(s) * scale;
+            const float mn = fmaxf(m, s);
+            const float corr = expf(m - mn);
+            const float p = expf(s - mn);
+            l = l * corr + p;
+            for (int d = 0; d < 4; d++) {
+                const int i = lane + 32 * d;
+                if (i < hd) acc[d] = acc[d] * corr + p * vv[u][d];
+            }
+            m = mn;
+        }
+    }
+    if (lane == 0) { sm[w] = m; sl[w] = l; }
+    for (int d = 0; d < 4; d++) {
+        const int i = lane + 32 * d;
+        if (i < hd) sacc[w * hd + i] = acc[d];
+    }
+    __syncthreads();
+    if (w == 0) {
+        float mx = -INFINITY;
+        for (int k = 0; k < nw; k++) mx = fmaxf(mx, sm[k]);
+        const bool none = mx == -INFINITY;
+        float tot = 0.f;
+        if (!none)
+            for (int k = 0; k < nw; k++) tot += sl[k] * expf(sm[k] - mx);
+        if (part != 0 && lane == 0) {
+            part[0] = mx;
+            part[1] = tot;
+        }
+        for (int d = 0; d < 4; d++) {
+            const int i = lane + 32 * d;
+            if (i >= hd) continue;
+            float o = 0.f;
+            if (!none)
+                for (int k = 0; k < nw; k++) o += sacc[k * hd + i] * expf(sm[k] - mx);
+            if (part != 0)
+                part[2 + i] = o;
+            else
+                out[i] = o / tot;
+        }
+    }
+}
+
+// Causal attention of each row over its sequence's positions 0..=pos, one block per
+// (row, head), warps taking positions in turn with an online softmax, merged at the end.
+// `tiles` is unused (the parameters are attention_tiled's). grid: (rows, nh); block:
+// 32 * nw; dynamic shared memory: nw * hd floats. hd <= 128.
+extern "C" __global__ void attention(const float* __restrict__ qkv, const float* __restrict__ kc,
+                                     const float* __restrict__ vc, const int* __restrict__ row_pos,
+                                     const int* __restrict__ row_tab, const int* __restrict__ blocks,
+                                     const int* __restrict__ tiles, float* __restrict__ out,
+                                     int nh, int nkv, int hd, float scale) {
+    PDL_ENTRY();
+    extern __shared__ float sacc[];
+    __shared__ float sm[32], sl[32];
+    const int r = blockIdx.x, hh = blockIdx.y;
+    const int qd = nh * hd, kvd = nkv * hd;
+    const int g = hh / (nh / nkv);
+    const float* q = qkv + (size_t)r * (qd + 2 * kvd) + hh * hd;
+    const int pos = row_pos[r];
+    const int* tab = blocks + row_tab[r];
+    const int lane = threadIdx.x & 31;
+    float qv[4];
+    for (int d = 0; d < 4; d++) {
+        const int i = lane + 32 * d;
+        qv[d] = i < hd ? q[i] : 0.f;
+    }
+    attend(qv, kc, vc, tab, pos, 0, pos + 1, kvd, g * hd, hd, scale, 0, 0, sacc, sm, sl,
+           out + (size_t)r * qd + hh * hd, 0);
+}
+
+// Causal attention for prefill, a tile of up to ATT_TILE rows of one sequence per block (the
+// host lists the tiles: first row, row count): each block reads the K/V rows of positions
+// 0..=the tile's last position once, ATT_CHUNK at a time, into shared memory, for all its
+// rows (one block per row read them once per row). A warp takes ATT_TILE / nw rows; lane j
+// scores position j0 + j of the chunk (masked past the row's position), the online softmax
+// moves by the chunk, and lanes then own output dimensions lane + 32 i. Rows' q, K and V were
+// written by qk_rope_kv. grid: (tiles, nh); block: 256; dynamic shared memory:
+// (ATT_TILE hd + ATT_CHUNK (2 hd + 1) + 8 ATT_CHUNK) floats. hd <= 128.
+#define ATT_TILE 16
+#define ATT_TPW 2  // rows per warp: ATT_TILE / 8 warps
+#define ATT_CHUNK 32
+extern "C" __global__ void __launch_bounds__(256) attention_tiled(
+    const float* __restrict__ qkv, const float* __restrict__ kc, const float* __restrict__ vc,
+    const int* __restrict__ row_pos, const int* __restrict__ row_tab, const int* __restrict__ blocks,
+    const int* __restrict__ tiles, float* __restrict__ out, int nh, int nkv, int hd, float scale) {
+    PDL_ENTRY();
+    extern __shared__ float sh[];
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    const int r0 = tiles[2 * blockIdx.x], cnt = tiles[2 * blockIdx.x + 1], hh = blockIdx.y;
+    const int qd = nh * hd, kvd = nkv * hd, g = hh / (nh / nkv);
+    const int* tab = blocks + row_tab[r0];
+    float* qs = sh;                              // [ATT_TILE][hd]
+    float* ks = qs + ATT_TILE * hd;              // [ATT_CHUNK][hd + 1] (padded: no bank conflicts)
+    float* vs = ks + ATT_CHUNK * (hd + 1);       // [ATT_CHUNK][hd]
+    float* ps = vs + ATT_CHUNK * hd;             // [nw][ATT_CHUNK]
+    int last = 0;
+    for (int t = 0; t < cnt; t++) last = max(last, row_pos[r0 + t]);
+    for (int e = threadIdx.x; e < ATT_TILE * hd; e += blockDim.x) {
+        const int t = e / hd, d = e % hd;
+        qs[e] = t < cnt ? qkv[(size_t)(r0 + t) * (qd + 2 * kvd) + hh * hd + d] : 0.f;
+    }
+    const int per = ATT_TPW;
+    float m[ATT_TPW], l[ATT_TPW], acc[ATT_TPW][4];
+#pragma unroll
+    for (int u = 0; u < ATT_TPW; u++) {
+        m[u] = -INFINITY;
+        l[u] = 0.f;
+        for (int i = 0; i < 4; i++) acc[u][i] = 0.f;
+    }
+    for (int j0 = 0; j0 <= last; j0 += ATT_CHUNK) {
+        __syncthreads();
+        for (int e = threadIdx.x; e < ATT_CHUNK * hd; e += blockDim.x) {
+            const int jj = e / hd, d = e % hd, j = j0 + jj;
+            float kv = 0.f, vv = 0.f;
+            if (j <= last) {
+                const size_t off = ((size_t)tab[j / KV_BLOCK] * KV_BLOCK + j % KV_BLOCK) * kvd + g * hd + d;
+                kv = kc[off];
+                vv = vc[off];
+            }
+            ks[jj * (hd + 1) + d] = kv;
+            vs[jj * hd + d] = vv;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int u = 0; u < ATT_TPW; u++) {
+            const int t = w * per + u;
+            if (t >= cnt) break;
+            const int pos = row_pos[r0 + t], j = j0 + lane;
+            const bool ok = j <= pos;
+            float sc = -INFINITY;
+            if (ok) {
+                float a = 0.f;
+                for (int d = 0; d < hd; d++) a = fmaf(qs[t * hd + d], ks[lane * (hd + 1) + d], a);
+                sc = a * scale;
+            }
+            const float cm = warp_max(sc);
+            if (cm == -INFINITY) continue;  // no position of this chunk is visible to the row
+            const float mn = fmaxf(m[u], cm);
+            const float corr = expf(m[u] - mn);
+            const float p = ok ? expf(sc - mn) : 0.f;
+            l[u] = l[u] * corr + warp_sum(p);
+            ps[w * ATT_CHUNK + lane] = p;
+            __syncwarp();
+            for (int i = 0; i < 4; i++) {
+                const int d = lane + 32 * i;
+                if (d >= hd) continue;
+                float a = acc[u][i] * corr;
+                for (int jj = 0; jj < ATT_CHUNK; jj++) a = fmaf(ps[w * ATT_CHUNK + jj], vs[jj * hd + d], a);
+                acc[u][i] = a;
+            }
+            __syncwarp();
+            m[u] = mn;
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < ATT_TPW; u++) {
+        const int t = w * per + u;
+        if (t >= cnt) break;
+        for (int i = 0; i < 4; i++) {
+            const int d = lane + 32 * i;
+            if (d < hd) out[(size_t)(r0 + t) * qd + hh * hd + d] = acc[u][i] / l[u];
+        }
+    }
+}
+
+// Decode attention with the q/k norm, RoPE and KV write folded in (one kernel instead of
+// two), for steps where every row is its sequence's only new token: the block of (row, head)
+// norms and rotates its q head and its group's k head itself, the first head of each group
+// writes K/V to the cache, and the current position is read from shared memory (another
+// block's cache write may not be visible yet); earlier positions come from the cache.
+// With S = gridDim.z > 1 (long contexts), block z takes the z-th of S equal ranges of the
+// row's positions and writes its partial to part [rows, nh, S, hd + 2] (attention_merge
+// then writes out), so a long context is read by S blocks at once, not one.
+// grid: (rows, nh, S); block: 32 * nw; dynamic shared memory: (nw + 3) * hd floats. hd <= 128.
+extern "C" __global__ void __launch_bounds__(512, 2) attention_decode(const float* __restrict__ qkv, const float* __restrict__ qn,
+                                            const float* __restrict__ kn, const float* __restrict__ cos_t,
+                                            const float* __restrict__ sin_t, float* __restrict__ kc,
+                                            float* __restrict__ vc, const int* __restrict__ row_pos,
+                                            const int* __restrict__ row_tab, const int* __restrict__ blocks,
+                                            float* __restrict__ out, int nh, int nkv, int hd,
+                                            float eps, float scale, float* __restrict__ part) {
+    PDL_ENTRY();
+    extern __shared__ float sh[];
+    __shared__ float sm[32], sl[32];
+    const int r = blockIdx.x, hh = blockIdx.y;
+    const int qd = nh * hd, kvd = nkv * hd, group = nh / nkv;
+    const int g = hh / group;
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    float* sq = sh + nw * hd;
+    float* sk = sq + hd;
+    float* sv = sk + hd;
+    const float* row = qkv + (size_t)r * (qd + 2 * kvd);
+    const int pos = row_pos[r];
+    const int* tab = blocks + row_tab[r];
+    if (w < 2) {
+        // warp 0: q head hh; warp 1: k head g (RMSNorm, then rotate-half RoPE)
+        const float* v = w == 0 ? row + hh * hd : row + qd + g * hd;
+        norm_rope(v, w == 0 ? qn : kn, w == 0 ? sq : sk, cos_t, sin_t, pos, hd, eps);
+    } else if (w == 2) {
+        for (int i = lane; i < hd; i += 32) sv[i] = row[qd + kvd + g * hd + i];
+    }
+    __syncthreads();
+    if (hh % group == 0 && blockIdx.z == 0) {
+        const size_t off = ((size_t)tab[pos / KV_BLOCK] * KV_BLOCK + pos % KV_BLOCK) * kvd + g * hd;
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+            kc[off + i] = sk[i];
+            vc[off + i] = sv[i];
+        }
+    }
+    float qv[4];
+    for (int d = 0; d < 4; d++) {
+        const int i = lane + 32 * d;
+        qv[d] = i < hd ? sq[i] : 0.f;
+    }
+    const int S = gridDim.z, per = (pos + 1 + S - 1) / S;
+    const int lo = min(pos + 1, (int)blockIdx.z * per), hi = min(pos + 1, lo + per);
+    attend(qv, kc, vc, tab, pos, lo, hi, kvd, g * hd, hd, scale, sk, sv, sh, sm, sl,
+           out + (size_t)r * qd + hh * hd,
+           S > 1 ? part + (((size_t)r * nh + hh) * S + blockIdx.z) * (hd + 2) : 0);
+}
+
+// out[r, head hh] from the S partials of attention_decode: the softmax-weighted values of
+// every range rescaled to the largest score. grid: (rows, nh); block: >= hd threads.
+extern "C" __global__ void attention_merge(const float* __restrict__ part, float* __restrict__ out,
+                                           int nh, int hd, int S) {
+    PDL_ENTRY();
+    const int r = blockIdx.x, hh = blockIdx.y, i = threadIdx.x;
+    if (i >= hd) return;
+    const float* p = part + ((size_t)r * nh + hh) * S * (hd + 2);
+    float mx = -INFINITY;
+    for (int z = 0; z < S; z++)
+        if (p[(size_t)z * (hd + 2) + 1] > 0.f) mx = fmaxf(mx, p[(size_t)z * (hd + 2)]);
+    float tot = 0.f, o = 0.f;
+    for (int z = 0; z < S; z++) {
+        const float* q = p + (size_t)z * (hd + 2);
+        if (q[1] > 0.f) {
+            const float f = expf(q[0] - mx);
+            tot += q[1] * f;
+            o += q[2 + i] * f;
+        }
+    }
+    out[(size_t)r * nh * hd + hh * hd + i] = o / tot;
+}
+

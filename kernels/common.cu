@@ -1,0 +1,96 @@
+// The primary's decode step on the GPU: everything between the embedding and the logits
+// except the dense matrix products (cuBLAS). f32 throughout, as the CPU backend, so the two
+// agree to rounding. Row-major [rows, cols] everywhere; a "row" is one token of the batch.
+//
+// KV cache: per layer K and V of [blocks * 16, kv_dim]; row r of the batch sits at
+// position row_pos[r] of a sequence whose block table starts at blocks[row_tab[r]].
+
+#define KV_BLOCK 16
+
+// Programmatic dependent launch (sm_90+): every step kernel first waits for its predecessor
+// grid (its results visible), then lets its own successor be scheduled, so the successor's
+// launch overlaps this kernel's run. Launched without the attribute, both are no-ops.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PDL_ENTRY()                                          \
+    do {                                                     \
+        asm volatile("griddepcontrol.wait;" ::: "memory");   \
+        asm volatile("griddepcontrol.launch_dependents;" :::); \
+    } while (0)
+// Hints the L2 to fetch [p, p + bytes) (p 16-byte aligned, bytes below 2^32; rounded down
+// to 16): issued before PDL_ENTRY by kernels whose weights do not depend on the previous
+// kernel, so their weight reads overlap its tail.
+__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
+    if (bytes >= 16 && ((unsigned long long)p & 15) == 0)
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes & ~15u) : "memory");
+}
+#else
+#define PDL_ENTRY() do {} while (0)
+__device__ __forceinline__ void prefetch_l2(const void*, unsigned) {}
+#endif
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32); every thread gets the result.
+__device__ float block_sum(float v, float* red) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) red[w] = v;
+    __syncthreads();
+    float t = (int)threadIdx.x < nw ? red[threadIdx.x] : 0.f;
+    if (w == 0) t = warp_sum(t);
+    if (threadIdx.x == 0) red[32] = t;
+    __syncthreads();
+    return red[32];
+}
+
+__device__ float block_max(float v, float* red) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) red[w] = v;
+    __syncthreads();
+    float t = (int)threadIdx.x < nw ? red[threadIdx.x] : -INFINITY;
+    if (w == 0) t = warp_max(t);
+    if (threadIdx.x == 0) red[32] = t;
+    __syncthreads();
+    return red[32];
+}
+
+// (value, index) argmax over the warp, ties to the lower index; every lane gets it.
+__device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+    }
+}
+
+// (value, index) argmax over the block, ties to the lower index; every thread gets it.
+__device__ void block_argmax(float& v, int& i, float* redv, int* redi) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    warp_argmax(v, i);
+    __syncthreads();
+    if (lane == 0) { redv[w] = v; redi[w] = i; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float bv = redv[0]; int bi = redi[0];
+        for (int k = 1; k < nw; k++)
+            if (redv[k] > bv || (redv[k] == bv && redi[k] < bi)) { bv = redv[k]; bi = redi[k]; }
+        redv[32] = bv; redi[32] = bi;
+    }
+    __syncthreads();
+    v = redv[32]; i = redi[32];
+}
+

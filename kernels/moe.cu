@@ -1,0 +1,184 @@
+// The picks [0, nk) of one layer are grouped by expert without a separate pass: the block
+// of slot s works only when s is the first slot on its expert (checked by one warp with a
+// ballot), and then walks the later slots on that expert with ballots, so every weight row
+// is fetched from memory once per step however many rows picked the expert.
+__device__ __forceinline__ bool leads_expert(const int* idx, int s, int e, int* flag) {
+    if (threadIdx.x < 32) {
+        bool dup = false;
+        for (int t = threadIdx.x; t < s; t += 32) dup |= idx[t] == e;
+        dup = __any_sync(0xffffffffu, dup);
+        if (threadIdx.x == 0) *flag = !dup;
+    }
+    __syncthreads();
+    return *flag != 0;
+}
+
+// MoE up-projection for all picks of this layer whose expert this GPU holds (table entry
+// non-zero): act[s, j] = silu(gate_e[j] . h[row]) * (up_e[j] . h[row]), row = s/k, or rows[s]
+// when given (a sidecar's picks name their activation rows). One warp per row j,
+// 8 rows per block. grid: (nk, ceil(I/8)). `distinct`: the caller knows every slot's expert
+// differs (the picks of one row), so each block leads its slot without checking.
+extern "C" __global__ void moe_up(const int* __restrict__ idx, const unsigned long long* __restrict__ gu_tab,
+                                  const float* __restrict__ h, float* __restrict__ act,
+                                  int nk, int k, int H, int I, int vec4,
+                                  const int* __restrict__ rows, int distinct) {
+    PDL_ENTRY();
+    __shared__ int flag;
+    const int s = blockIdx.x;
+    const int e = idx[s];
+    const float* gu = (const float*)gu_tab[e];
+    if (gu == 0 || !(distinct || leads_expert(idx, s, e, &flag))) return;
+    const int j = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (j >= I) return;
+    const float* g = gu + (size_t)j * H;
+    const float* u = gu + (size_t)(j + I) * H;
+    const int end = distinct ? s + 1 : nk;
+    for (int t0 = s; t0 < end; t0 += 32) {
+        unsigned mask = distinct ? 1u : __ballot_sync(0xffffffffu, t0 + lane < nk && idx[t0 + lane] == e);
+        while (mask) {
+            const int t = t0 + __ffs(mask) - 1;
+            mask &= mask - 1;
+            const float* x = h + (size_t)(rows ? rows[t] : t / k) * H;
+            float sg = 0.f, su = 0.f;
+            if (vec4) {
+#pragma unroll 4
+                for (int i = lane * 4; i < H; i += 128) {
+                    const float4 gv = *(const float4*)(g + i);
+                    const float4 uv = *(const float4*)(u + i);
+                    const float4 xv = *(const float4*)(x + i);
+                    sg = fma4(gv, xv, sg);
+                    su = fma4(uv, xv, su);
+                }
+            } else {
+                for (int i = lane; i < H; i += 32) {
+                    sg = fmaf(g[i], x[i], sg);
+                    su = fmaf(u[i], x[i], su);
+                }
+            }
+            sg = warp_sum(sg);
+            su = warp_sum(su);
+            if (lane == 0) act[(size_t)t * I + j] = sg / (1.f + expf(-sg)) * su;
+        }
+    }
+}
+
+// MoE down-projection: y[s, j] = down_e[j] . act[s], as moe_up. grid: (nk, ceil(H/8)).
+// Thread 0 asks the L2 for the 8 down-projection rows of this block's expert before the
+// wait: the picks were written two kernels back (the router), whose completion the
+// up-projection waited for before it let this kernel launch, so they are final here (a
+// sidecar's picks are copied before its up-projection).
+__device__ __forceinline__ void prefetch_down_rows(const int* __restrict__ idx,
+                                                   const unsigned long long* __restrict__ dn_tab,
+                                                   int H, int I) {
+    if (threadIdx.x == 0) {
+        const float* dn = (const float*)dn_tab[idx[blockIdx.x]];
+        const int j0 = blockIdx.y * (blockDim.x >> 5);
+        const int rows = min((int)(blockDim.x >> 5), H - j0);
+        if (dn != 0 && rows > 0) prefetch_l2(dn + (size_t)j0 * I, (unsigned)((size_t)rows * I * 4));
+    }
+}
+
+// PRE (moe_down_pre, with vec4): each warp loads the first W_AHEAD float4s per lane of its
+// down row into registers before the wait, as gemv_rows (same products, same order); the
+// registers this takes cost occupancy, so large batches take moe_down.
+template <bool PRE>
+__device__ __forceinline__ void moe_down_body(const int* __restrict__ idx,
+                                              const unsigned long long* __restrict__ dn_tab,
+                                              const float* __restrict__ act, float* __restrict__ y,
+                                              int nk, int H, int I, int vec4, int distinct) {
+    const int s = blockIdx.x;
+    const int j = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    float4 wa[W_AHEAD];
+    bool pre = false;
+    if (PRE) {
+        // the picks are final before the wait (see prefetch_down_rows)
+        const float* dn = (const float*)dn_tab[idx[s]];
+        pre = vec4 && dn != 0 && j < H;
+        if (pre) load_ahead(wa, dn + (size_t)j * I, I, lane);
+    }
+    if (!(PRE && vec4 && I <= 128 * W_AHEAD)) prefetch_down_rows(idx, dn_tab, H, I);
+    PDL_ENTRY();
+    __shared__ int flag;
+    const int e = idx[s];
+    const float* dn = (const float*)dn_tab[e];
+    if (dn == 0 || !(distinct || leads_expert(idx, s, e, &flag))) return;
+    if (j >= H) return;
+    const float* d = dn + (size_t)j * I;
+    const int end = distinct ? s + 1 : nk;
+    for (int t0 = s; t0 < end; t0 += 32) {
+        unsigned mask = distinct ? 1u : __ballot_sync(0xffffffffu, t0 + lane < nk && idx[t0 + lane] == e);
+        while (mask) {
+            const int t = t0 + __ffs(mask) - 1;
+            mask &= mask - 1;
+            const float* a = act + (size_t)t * I;
+            float sum = 0.f;
+            if (vec4) {
+                int i0 = lane * 4;
+                if (PRE && pre) {
+                    // the activation row in one round of loads, then the products
+                    float4 ar[W_AHEAD];
+                    load_row(ar, a, I, lane);
+#pragma unroll
+                    for (int u = 0; u < W_AHEAD; u++, i0 += 128)
+                        if (i0 < I) sum = fma4(wa[u], ar[u], sum);
+                }
+#pragma unroll 4
+                for (int i = i0; i < I; i += 128) {
+                    const float4 dv = *(const float4*)(d + i);
+                    const float4 av = *(const float4*)(a + i);
+                    sum = fma4(dv, av, sum);
+                }
+            } else {
+                for (int i = lane; i < I; i += 32) sum = fmaf(d[i], a[i], sum);
+            }
+            sum = warp_sum(sum);
+            if (lane == 0) y[(size_t)t * H + j] = sum;
+        }
+    }
+}
+
+extern "C" __global__ void moe_down(const int* __restrict__ idx, const unsigned long long* __restrict__ dn_tab,
+                                    const float* __restrict__ act, float* __restrict__ y,
+                                    int nk, int H, int I, int vec4, int distinct) {
+    moe_down_body<false>(idx, dn_tab, act, y, nk, H, I, vec4, distinct);
+}
+
+extern "C" __global__ void moe_down_pre(const int* __restrict__ idx, const unsigned long long* __restrict__ dn_tab,
+                                        const float* __restrict__ act, float* __restrict__ y,
+                                        int nk, int H, int I, int vec4, int distinct) {
+    moe_down_body<true>(idx, dn_tab, act, y, nk, H, I, vec4, distinct);
+}
+
+// y[slots[i]] = src[i] (the cold tier's outputs into their pick slots). grid: count.
+extern "C" __global__ void scatter_rows(const float* __restrict__ src, const int* __restrict__ slots,
+                                        float* __restrict__ y, int H) {
+    PDL_ENTRY();
+    const int i = blockIdx.x;
+    const float* a = src + (size_t)i * H;
+    float* b = y + (size_t)slots[i] * H;
+    for (int c = threadIdx.x; c < H; c += blockDim.x) b[c] = a[c];
+}
+
+// x[r] += sum_j w[r, j] * y[r*k + j], the k picks in router-rank order. grid: (rows,
+// ceil(H / blockDim)): several blocks per row, so a single decode row is not one SM's work.
+extern "C" __global__ void moe_combine(float* __restrict__ x, const float* __restrict__ y,
+                                       const float* __restrict__ wts, int k, int H) {
+    PDL_ENTRY();
+    const int r = blockIdx.x;
+    const int c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= H) return;
+    float acc = 0.f;
+    for (int j = 0; j < k; j++) acc += wts[r * k + j] * y[((size_t)r * k + j) * H + c];
+    x[(size_t)r * H + c] += acc;
+}
+
+// a[r, j] = silu(gu[r, j]) * gu[r, I + j] (the dense MLP between its two products).
+extern "C" __global__ void silu_mul(const float* __restrict__ gu, float* __restrict__ a, int I) {
+    PDL_ENTRY();
+    const int r = blockIdx.x;
+    for (int j = threadIdx.x; j < I; j += blockDim.x) {
+        const float g = gu[(size_t)r * 2 * I + j];
+        a[(size_t)r * I + j] = g / (1.f + expf(-g)) * gu[(size_t)r * 2 * I + I + j];
+    }
+}
+

@@ -1,0 +1,106 @@
+// Pick j of a row's top k: lane j keeps it (written at the end, normalised there, with no
+// read-back of what was stored), or with k > 32 lane 0 stores it now.
+__device__ __forceinline__ void keep_pick(int j, int k, float bv, int bi, float& mine, int& mi,
+                                          int* __restrict__ idx, float* __restrict__ wts) {
+    const int lane = threadIdx.x & 31;
+    if (k <= 32) {
+        if (lane == j) {
+            mine = bv;
+            mi = bi;
+        }
+    } else if (lane == 0) {
+        idx[j] = bi;
+        wts[j] = bv;
+    }
+}
+
+// Router: softmax of each row of logits [rows, E], then its top k (descending, ties to the
+// lower expert), renormalised when `norm`. One warp per row (no block barriers: the k
+// rounds of argmax are shuffles). With `regs` (E at most 32 * TOPK_REG) the row stays in
+// registers; else in dynamic shared memory (E floats): the same arithmetic and picks.
+// grid: rows; block: 32.
+#define TOPK_REG 16
+extern "C" __global__ void route_topk(const float* __restrict__ logits, int* __restrict__ idx,
+                                      float* __restrict__ wts, int E, int k, int norm, int regs) {
+    PDL_ENTRY();
+    extern __shared__ float p[];
+    const int r = blockIdx.x, lane = threadIdx.x;
+    const float* row = logits + (size_t)r * E;
+    float tot = 0.f;
+    float mine = 0.f;  // pick `lane` (k <= 32), written once at the end
+    int mi = 0;
+    if (regs && E <= 32 * TOPK_REG) {
+        // the row in registers (lane holds entries lane, lane + 32, ...): one round of loads,
+        // then the same arithmetic and the same picks (ties to the lower id) as below
+        float v[TOPK_REG];
+#pragma unroll
+        for (int t = 0; t < TOPK_REG; t++) {
+            const int i = lane + 32 * t;
+            v[t] = i < E ? row[i] : -INFINITY;
+        }
+        float mx = -INFINITY;
+#pragma unroll
+        for (int t = 0; t < TOPK_REG; t++) mx = fmaxf(mx, v[t]);
+        mx = warp_max(mx);
+        float s = 0.f;
+#pragma unroll
+        for (int t = 0; t < TOPK_REG; t++) {
+            if (lane + 32 * t < E) {
+                v[t] = expf(v[t] - mx);
+                s += v[t];
+            }
+        }
+        s = warp_sum(s);
+        const float inv = 1.f / s;
+#pragma unroll
+        for (int t = 0; t < TOPK_REG; t++)
+            if (lane + 32 * t < E) v[t] *= inv;
+        for (int j = 0; j < k; j++) {
+            float bv = -INFINITY;
+            int bi = 0x7fffffff;
+#pragma unroll
+            for (int t = 0; t < TOPK_REG; t++)
+                if (v[t] > bv) { bv = v[t]; bi = lane + 32 * t; }
+            warp_argmax(bv, bi);
+#pragma unroll
+            for (int t = 0; t < TOPK_REG; t++)
+                if (lane + 32 * t == bi) v[t] = -1.f;
+            keep_pick(j, k, bv, bi, mine, mi, idx + r * k, wts + r * k);
+            tot += bv;
+        }
+    } else {
+        float mx = -INFINITY;
+        for (int i = lane; i < E; i += 32) mx = fmaxf(mx, row[i]);
+        mx = warp_max(mx);
+        float s = 0.f;
+        for (int i = lane; i < E; i += 32) {
+            const float e = expf(row[i] - mx);
+            p[i] = e;
+            s += e;
+        }
+        s = warp_sum(s);
+        const float inv = 1.f / s;
+        for (int i = lane; i < E; i += 32) p[i] *= inv;
+        __syncwarp();
+        for (int j = 0; j < k; j++) {
+            float bv = -INFINITY;
+            int bi = 0x7fffffff;
+            for (int i = lane; i < E; i += 32)
+                if (p[i] > bv) { bv = p[i]; bi = i; }
+            warp_argmax(bv, bi);
+            keep_pick(j, k, bv, bi, mine, mi, idx + r * k, wts + r * k);
+            if (lane == 0) p[bi] = -1.f;
+            tot += bv;
+            __syncwarp();
+        }
+    }
+    if (k <= 32) {
+        if (lane < k) {
+            idx[r * k + lane] = mi;
+            wts[r * k + lane] = norm ? mine / tot : mine;
+        }
+    } else if (lane == 0 && norm) {
+        for (int j = 0; j < k; j++) wts[r * k + j] /= tot;
+    }
+}
+
