@@ -91,7 +91,7 @@ pub enum Error {
     /// An invariant of the engine broke: a bug, never the caller's input.
     #[error("internal error: {0}")]
     Internal(String),
-    #[error("moelane was built without the `cuda` feature")]
+    #[error("this moelane was built without CUDA: build it with `cargo build --release --features cuda`")]
     NotCompiledWithCuda,
 }
 
@@ -120,6 +120,42 @@ pub enum Fault {
 pub type Result<T> = std::result::Result<T, Error>;
 
 impl Fault {
+    /// Every fault, for tests and tables.
+    pub const ALL: [Fault; 8] = [
+        Fault::Unavailable,
+        Fault::Timeout,
+        Fault::EpochMismatch,
+        Fault::NotResident,
+        Fault::Overloaded,
+        Fault::BadRequest,
+        Fault::ContextOverflow,
+        Fault::Internal,
+    ];
+
+    /// The fault's name in the control protocol's error vocabulary (the `moelane-error`
+    /// metadata of a gRPC status, the gateway's error types): the workers map a fault onto
+    /// a gRPC category by this name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Fault::Unavailable => "unavailable",
+            Fault::Timeout => "timeout",
+            Fault::EpochMismatch => "epoch_mismatch",
+            Fault::NotResident => "not_resident",
+            Fault::Overloaded => "overloaded",
+            Fault::BadRequest => "bad_request",
+            Fault::ContextOverflow => "context_overflow",
+            Fault::Internal => "internal",
+        }
+    }
+
+    /// The fault of a protocol name ([`Fault::name`]); an unknown name reads as Internal.
+    pub fn from_name(name: &str) -> Fault {
+        Fault::ALL
+            .into_iter()
+            .find(|f| f.name() == name)
+            .unwrap_or(Fault::Internal)
+    }
+
     /// The fault as one byte on the wire (a link's error reply carries it).
     pub fn code(self) -> u8 {
         match self {

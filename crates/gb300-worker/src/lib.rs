@@ -17,24 +17,31 @@ use moelane_engine::sampling::SamplingParams;
 use moelane_proto::lane::primary_server::{Primary, PrimaryServer};
 use moelane_proto::lane::*;
 use moelane_proto::Category;
+use moelane_residency_actor::SwapError;
 use scheduler::{Command, Event, Scheduler, SchedulerConfig, Snapshot, ValidGen};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio_stream::StreamExt;
 use tonic::{Request, Response, Status};
 
-/// The one mapping from an engine failure to the category that crosses gRPC (and from there
-/// to an HTTP status at the gateway): the fault was set where the failure happened.
+/// The category that crosses gRPC (and from there an HTTP status at the gateway) of an
+/// engine failure: its fault, set where it happened, under the protocol's shared name.
 pub fn category(e: &moelane_engine::Error) -> Category {
+    Category::parse(e.fault().name())
+}
+
+#[cfg(test)]
+mod fault_tests {
     use moelane_engine::error::Fault;
-    match e.fault() {
-        Fault::Unavailable => Category::Unavailable,
-        Fault::Timeout => Category::Timeout,
-        Fault::EpochMismatch => Category::EpochMismatch,
-        Fault::NotResident => Category::NotResident,
-        Fault::Overloaded => Category::Overloaded,
-        Fault::BadRequest => Category::BadRequest,
-        Fault::ContextOverflow => Category::ContextOverflow,
-        Fault::Internal => Category::Internal,
+    use moelane_proto::Category;
+
+    #[test]
+    fn every_fault_has_the_category_of_its_name() {
+        for f in Fault::ALL {
+            let c = Category::parse(f.name());
+            assert_eq!(c.as_str(), f.name(), "{f:?}");
+            // and the category survives a gRPC status
+            assert_eq!(Category::of(&c.status("x")), c);
+        }
     }
 }
 
@@ -203,13 +210,13 @@ pub struct PrimaryParticipant {
 async fn call<T: Send + 'static>(
     tx: &mpsc::Sender<Command>,
     make: impl FnOnce(mpsc::Sender<T>) -> Command,
-) -> Result<T, String> {
+) -> Result<T, SwapError> {
+    let stopped = || SwapError::unavailable("the primary's scheduler stopped");
     let (rtx, rrx) = mpsc::channel();
-    tx.send(make(rtx))
-        .map_err(|_| "scheduler stopped".to_string())?;
-    tokio::task::spawn_blocking(move || rrx.recv().map_err(|_| "scheduler stopped".to_string()))
+    tx.send(make(rtx)).map_err(|_| stopped())?;
+    tokio::task::spawn_blocking(move || rrx.recv().map_err(|_| stopped()))
         .await
-        .map_err(|e| e.to_string())?
+        .map_err(|e| SwapError::internal(format!("waiting for the scheduler: {e}")))?
 }
 
 impl moelane_residency_actor::Participant for PrimaryParticipant {
@@ -221,36 +228,38 @@ impl moelane_residency_actor::Participant for PrimaryParticipant {
         _base: u64,
         _next: &'a moelane_engine::rowmap::Rowmap,
         incoming: Vec<moelane_engine::swap::Incoming>,
-    ) -> futures::future::BoxFuture<'a, Result<(), String>> {
+    ) -> futures::future::BoxFuture<'a, Result<(), SwapError>> {
         let dir = self.ckpt_dir.clone();
         Box::pin(async move {
             let loaded = tokio::task::spawn_blocking(move || {
-                moelane_residency_actor::failpoint::load_point("primary.load")?;
-                let ckpt = moelane_engine::checkpoint::Checkpoint::open(&dir)
-                    .map_err(|e| e.to_string())?;
-                moelane_engine::swap::load_verified(&ckpt, &incoming).map_err(|e| e.to_string())
+                moelane_residency_actor::failpoint::load_point("primary.load")
+                    .map_err(SwapError::unavailable)?;
+                let ckpt = moelane_engine::checkpoint::Checkpoint::open(&dir)?;
+                Ok::<_, SwapError>(moelane_engine::swap::load_verified(&ckpt, &incoming)?)
             })
             .await
-            .map_err(|e| e.to_string())??;
+            .map_err(|e| SwapError::internal(format!("the PREPARE load: {e}")))??;
             call(&self.tx, |r| Command::Stage(loaded, r)).await
         })
     }
     fn commit<'a>(
         &'a self,
         next: &'a moelane_engine::rowmap::Rowmap,
-    ) -> futures::future::BoxFuture<'a, Result<(), String>> {
+    ) -> futures::future::BoxFuture<'a, Result<(), SwapError>> {
         Box::pin(async move {
             let valid = next
                 .clone()
                 .validate(&self.model, self.layers, self.experts, None)
-                .map_err(|e| e.to_string())?;
-            call(&self.tx, |r| Command::Commit(Box::new(valid), r)).await?
+                .map_err(|e| SwapError::invalid(e.to_string()))?;
+            call(&self.tx, |r| Command::Commit(Box::new(valid), r))
+                .await?
+                .map_err(SwapError::from)
         })
     }
-    fn release(&self, _epoch: u64) -> futures::future::BoxFuture<'_, Result<(), String>> {
+    fn release(&self, _epoch: u64) -> futures::future::BoxFuture<'_, Result<(), SwapError>> {
         Box::pin(async move { call(&self.tx, Command::ReleaseUnused).await.map(|_| ()) })
     }
-    fn abort(&self, _epoch: u64) -> futures::future::BoxFuture<'_, Result<(), String>> {
+    fn abort(&self, _epoch: u64) -> futures::future::BoxFuture<'_, Result<(), SwapError>> {
         Box::pin(async move { call(&self.tx, Command::ReleaseUnused).await.map(|_| ()) })
     }
 }
@@ -258,7 +267,7 @@ impl moelane_residency_actor::Participant for PrimaryParticipant {
 impl moelane_residency_actor::CounterSource for PrimaryParticipant {
     fn sample(
         &self,
-    ) -> futures::future::BoxFuture<'_, Result<moelane_residency_actor::policy::Sample, String>>
+    ) -> futures::future::BoxFuture<'_, Result<moelane_residency_actor::policy::Sample, SwapError>>
     {
         Box::pin(async move {
             let s = call(&self.tx, Command::Snapshot).await?;

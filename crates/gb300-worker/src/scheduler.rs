@@ -88,7 +88,7 @@ pub enum Command {
     /// Swap COMMIT: route with this map from the next step on.
     Commit(
         Box<moelane_engine::rowmap::ValidMap>,
-        std::sync::mpsc::Sender<Result<(), String>>,
+        std::sync::mpsc::Sender<moelane_engine::Result<()>>,
     ),
     /// Swap RELEASE or ABORT: free hot slots the current map does not use.
     ReleaseUnused(std::sync::mpsc::Sender<usize>),
@@ -443,7 +443,7 @@ impl Scheduler {
                         let _ = reply.send(());
                     }
                     Command::Commit(map, reply) => {
-                        let _ = reply.send(self.engine.commit(*map).map_err(|e| e.to_string()));
+                        let _ = reply.send(self.engine.commit(*map));
                     }
                     Command::ReleaseUnused(reply) => {
                         let _ = reply.send(self.engine.release_unused());

@@ -492,9 +492,8 @@ pub fn nccl_sidecar(model: &str, seed: u64, device: &str, id: &str) -> Result<()
         moelane_engine::cuda::GpuExperts::new(gpu, c.hidden_size, c.moe_intermediate_size)?;
     ge.generate(seed, &tier_experts(&map, Tier::Cold))?;
     // the production sidecar's service (epoch check, counters), its experts on the GPU
-    let svc: std::sync::Arc<dyn moelane_link::ColdService> = std::sync::Arc::new(
-        moelane_rtx_worker::SidecarCore::generated(&m.id, &map, ge),
-    );
+    let svc: std::sync::Arc<dyn moelane_link::ColdService> =
+        std::sync::Arc::new(moelane_rtx_worker::SidecarCore::generated(&m.id, &map, ge));
     let stop = std::sync::atomic::AtomicBool::new(false);
     // ends when the primary aborts the link (its engine dropped) or dies
     let r = moelane_link::nccl::serve_blocking(

@@ -218,28 +218,33 @@ fn open_link(
     endpoint: &str,
     timeout: Duration,
     nccl: Option<NcclEnd>,
-) -> Result<Box<dyn RemoteTier>, String> {
+) -> moelane_engine::Result<Box<dyn RemoteTier>> {
     Ok(match kind {
         #[cfg(feature = "cuda")]
         "nccl" => {
-            let end =
-                nccl.ok_or("the nccl link needs the primary on a GPU (--primary-device cuda:N)")?;
-            let id = moelane_link::nccl::NcclId::from_hex(endpoint).map_err(|e| e.to_string())?;
-            Box::new(
-                moelane_link::nccl::NcclTier::connect(end.ordinal, &id, end.hidden, timeout)
-                    .map_err(|e| e.to_string())?,
-            )
+            let end = nccl.ok_or_else(|| {
+                moelane_engine::Error::Invalid(
+                    "the nccl link needs the primary on a GPU (--primary-device cuda:N)".into(),
+                )
+            })?;
+            let id = moelane_link::nccl::NcclId::from_hex(endpoint)?;
+            Box::new(moelane_link::nccl::NcclTier::connect(
+                end.ordinal,
+                &id,
+                end.hidden,
+                timeout,
+            )?)
         }
-        "tcp" => Box::new(
-            moelane_link::tcp::TcpTier::connect(endpoint, timeout).map_err(|e| e.to_string())?,
-        ),
-        "shm" => Box::new(
-            moelane_link::shm::ShmTier::open(Path::new(endpoint), timeout)
-                .map_err(|e| e.to_string())?,
-        ),
+        "tcp" => Box::new(moelane_link::tcp::TcpTier::connect(endpoint, timeout)?),
+        "shm" => Box::new(moelane_link::shm::ShmTier::open(
+            Path::new(endpoint),
+            timeout,
+        )?),
         other => {
             let _ = nccl;
-            return Err(format!("--link {other:?}: choose tcp, shm or nccl"));
+            return Err(moelane_engine::Error::Invalid(format!(
+                "--link {other:?}: choose tcp, shm or nccl"
+            )));
         }
     })
 }
@@ -323,9 +328,8 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
             let (slot2, timeout) = (slot.clone(), o.link_timeout);
             let on_link: moelane_rtx_worker::OnLink = Arc::new(move |rep| {
                 let t = open_link(kind, &rep.endpoint, timeout, nccl)?;
-                *slot2
-                    .lock()
-                    .map_err(|_| "sidecar link poisoned".to_string())? = Some(t);
+                // a poisoned slot held a link in an unknown state: it is replaced either way
+                *slot2.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
                 Ok(())
             });
             let inc = Arc::new(std::sync::atomic::AtomicU64::new(incarnation()));

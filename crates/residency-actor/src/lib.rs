@@ -14,6 +14,7 @@
 //! Every attempt gets a fresh epoch; what that buys against lost, duplicated and late
 //! messages is in [`protocol`], the transitions the sidecar runs.
 
+pub mod error;
 pub mod failpoint;
 pub mod policy;
 pub mod protocol;
@@ -27,6 +28,8 @@ use kameo::Actor;
 use moelane_engine::rowmap::{Rowmap, Tier, ValidMap};
 use moelane_engine::swap::Incoming;
 
+pub use error::SwapError;
+
 /// One tier as the coordinator drives it. Errors are messages (they end in a ledger and a reply).
 pub trait Participant: Send + Sync {
     fn name(&self) -> &'static str;
@@ -36,19 +39,19 @@ pub trait Participant: Send + Sync {
         base: u64,
         next: &'a Rowmap,
         incoming: Vec<Incoming>,
-    ) -> BoxFuture<'a, Result<(), String>>;
+    ) -> BoxFuture<'a, Result<(), SwapError>>;
     /// Switch to `next` at a step boundary. Only the primary commits (the protocol sends
     /// COMMIT to it alone; a sidecar already serves both epochs once prepared).
-    fn commit<'a>(&'a self, _next: &'a Rowmap) -> BoxFuture<'a, Result<(), String>> {
+    fn commit<'a>(&'a self, _next: &'a Rowmap) -> BoxFuture<'a, Result<(), SwapError>> {
         Box::pin(async { Ok(()) })
     }
     /// `epoch` is committed: free what only the epoch before it used.
-    fn release(&self, epoch: u64) -> BoxFuture<'_, Result<(), String>>;
+    fn release(&self, epoch: u64) -> BoxFuture<'_, Result<(), SwapError>>;
     /// Drop what was staged for `epoch`; it is never staged afterwards.
-    fn abort(&self, epoch: u64) -> BoxFuture<'_, Result<(), String>>;
+    fn abort(&self, epoch: u64) -> BoxFuture<'_, Result<(), SwapError>>;
     /// Bring the tier onto `map` (the committed one) after it or the coordinator restarted;
     /// returns the highest epoch the tier has seen, so that new attempts go above it.
-    fn resync<'a>(&'a self, map: &'a Rowmap) -> BoxFuture<'a, Result<u64, String>> {
+    fn resync<'a>(&'a self, map: &'a Rowmap) -> BoxFuture<'a, Result<u64, SwapError>> {
         Box::pin(async move { Ok(map.epoch) })
     }
 }
@@ -63,20 +66,24 @@ impl Faulty {
     fn around<'a>(
         &'a self,
         point: &'static str,
-        deliver: impl Fn(std::sync::Arc<dyn Participant>) -> BoxFuture<'static, Result<(), String>>
+        deliver: impl Fn(std::sync::Arc<dyn Participant>) -> BoxFuture<'static, Result<(), SwapError>>
             + Send
             + Sync
             + 'a,
-    ) -> BoxFuture<'a, Result<(), String>> {
+    ) -> BoxFuture<'a, Result<(), SwapError>> {
         Box::pin(async move {
             let p = self.0.clone();
             match failpoint::hit(point) {
-                Some(failpoint::Action::LoseRequest) => {
-                    Err(format!("{point}: no answer (request lost)"))
-                }
+                Some(failpoint::Action::LoseRequest) => Err(SwapError::new(
+                    moelane_engine::error::Fault::Timeout,
+                    format!("{point}: no answer (request lost)"),
+                )),
                 Some(failpoint::Action::LoseReply) => {
                     let _ = deliver(p).await;
-                    Err(format!("{point}: no answer (reply lost)"))
+                    Err(SwapError::new(
+                        moelane_engine::error::Fault::Timeout,
+                        format!("{point}: no answer (reply lost)"),
+                    ))
                 }
                 Some(failpoint::Action::Duplicate) => {
                     let r = deliver(p.clone()).await;
@@ -93,7 +100,9 @@ impl Faulty {
                     tokio::time::sleep(d).await;
                     deliver(p).await
                 }
-                Some(failpoint::Action::Fail) => Err(format!("{point}: injected failure")),
+                Some(failpoint::Action::Fail) => {
+                    Err(SwapError::unavailable(format!("{point}: injected failure")))
+                }
                 _ => deliver(p).await,
             }
         })
@@ -109,34 +118,34 @@ impl Participant for Faulty {
         base: u64,
         next: &'a Rowmap,
         incoming: Vec<Incoming>,
-    ) -> BoxFuture<'a, Result<(), String>> {
+    ) -> BoxFuture<'a, Result<(), SwapError>> {
         let next = next.clone();
         self.around("sidecar.prepare", move |p| {
             let (next, incoming) = (next.clone(), incoming.clone());
             Box::pin(async move { p.prepare(base, &next, incoming).await })
         })
     }
-    fn commit<'a>(&'a self, next: &'a Rowmap) -> BoxFuture<'a, Result<(), String>> {
+    fn commit<'a>(&'a self, next: &'a Rowmap) -> BoxFuture<'a, Result<(), SwapError>> {
         self.0.commit(next)
     }
-    fn release(&self, epoch: u64) -> BoxFuture<'_, Result<(), String>> {
+    fn release(&self, epoch: u64) -> BoxFuture<'_, Result<(), SwapError>> {
         self.around("sidecar.release", move |p| {
             Box::pin(async move { p.release(epoch).await })
         })
     }
-    fn abort(&self, epoch: u64) -> BoxFuture<'_, Result<(), String>> {
+    fn abort(&self, epoch: u64) -> BoxFuture<'_, Result<(), SwapError>> {
         self.around("sidecar.abort", move |p| {
             Box::pin(async move { p.abort(epoch).await })
         })
     }
-    fn resync<'a>(&'a self, map: &'a Rowmap) -> BoxFuture<'a, Result<u64, String>> {
+    fn resync<'a>(&'a self, map: &'a Rowmap) -> BoxFuture<'a, Result<u64, SwapError>> {
         self.0.resync(map)
     }
 }
 
 /// Where the coordinator reads the lane's counters.
 pub trait CounterSource: Send + Sync {
-    fn sample(&self) -> BoxFuture<'_, Result<policy::Sample, String>>;
+    fn sample(&self) -> BoxFuture<'_, Result<policy::Sample, SwapError>>;
 }
 
 /// One adaptive swap batch: what was predicted, and what the next tick measured.
@@ -260,7 +269,7 @@ impl Residency {
 
     /// The next map: `moves` applied to the current one (promoted experts take new hot slots at
     /// the end, demoted ones new cold slots at the end), a fresh epoch, validated whole.
-    fn next_map(&self, moves: &[Move]) -> Result<ValidMap, String> {
+    fn next_map(&self, moves: &[Move]) -> Result<ValidMap, SwapError> {
         let (layers, experts) = (self.map.layers(), self.map.experts());
         let mut next = self.map.map.clone();
         next.epoch = self.attempted.max(next.epoch) + 1;
@@ -268,20 +277,20 @@ impl Residency {
         let mut incoming = vec![[0usize; 2]; layers];
         for m in moves {
             if m.layer >= layers || m.expert >= experts {
-                return Err(format!(
+                return Err(SwapError::invalid(format!(
                     "layer {} expert {}: out of range ({layers} layers, {experts} experts)",
                     m.layer, m.expert
-                ));
+                )));
             }
             let n = &mut incoming[m.layer][(m.to == Tier::Cold) as usize];
             *n += 1;
             if *n > self.spare_slots {
-                return Err(format!(
+                return Err(SwapError::invalid(format!(
                     "layer {}: more than {} experts moved {} in one batch (spare slots)",
                     m.layer,
                     self.spare_slots,
                     m.to.name()
-                ));
+                )));
             }
             let lm = &mut next.layers[m.layer];
             let e = m.expert as u16;
@@ -290,21 +299,21 @@ impl Residency {
                 Tier::Cold => (&mut lm.hot, &mut lm.cold),
             };
             let Some(i) = from.iter().position(|&x| x == e) else {
-                return Err(format!(
+                return Err(SwapError::invalid(format!(
                     "layer {} expert {} is already {}",
                     m.layer,
                     m.expert,
                     m.to.name()
-                ));
+                )));
             };
             from.remove(i);
             to.push(e);
         }
         if moves.iter().any(|m| m.to == Tier::Cold) && self.sidecar.is_none() {
-            return Err("no sidecar: nothing can be made cold".into());
+            return Err(SwapError::invalid("no sidecar: nothing can be made cold"));
         }
         next.validate(&self.model, layers, experts, None)
-            .map_err(|e| e.to_string())
+            .map_err(|e| SwapError::internal(format!("the moved map does not validate: {e}")))
     }
 
     /// One swap batch, traced (span "swap" with a child per phase) and counted.
@@ -363,7 +372,7 @@ impl Residency {
             Ok(n) => n,
             Err(e) => {
                 self.swaps_aborted += 1;
-                return abort(e, Duration::ZERO);
+                return abort(e.to_string(), Duration::ZERO);
             }
         };
         let incoming = |tier: Tier| -> Vec<Incoming> {
@@ -382,7 +391,7 @@ impl Residency {
         let p = self.primary.prepare(old, &next.map, hot_in).instrument(
             tracing::info_span!(parent: &prepare_span, "primary.prepare", moelane.experts_in = hot_n),
         );
-        let s: BoxFuture<'_, Result<(), String>> = match &self.sidecar {
+        let s: BoxFuture<'_, Result<(), SwapError>> = match &self.sidecar {
             Some(sc) => Box::pin(sc.prepare(old, &next.map, cold_in).instrument(
                 tracing::info_span!(parent: &prepare_span, "sidecar.prepare", moelane.experts_in = cold_n),
             )),
@@ -497,7 +506,7 @@ impl Message<Swap> for Residency {
 pub struct Resync;
 
 impl Message<Resync> for Residency {
-    type Reply = Result<u64, String>;
+    type Reply = Result<u64, SwapError>;
     async fn handle(&mut self, _: Resync, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
         let Some(sc) = &self.sidecar else {
             return Ok(self.map.epoch());

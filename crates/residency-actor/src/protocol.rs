@@ -13,6 +13,8 @@
 //!   fences off everything its dead predecessor may still have in flight;
 //! - RELEASE and ABORT are idempotent, and a repeated PREPARE of the staged epoch is a no-op.
 
+use crate::error::SwapError;
+
 /// What a tier knows about epochs.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct TierEpochs {
@@ -88,12 +90,12 @@ impl TierEpochs {
         self.epoch.max(self.floor).max(self.next.unwrap_or(0))
     }
 
-    fn fenced(&self, incarnation: u64) -> Result<(), String> {
+    fn fenced(&self, incarnation: u64) -> Result<(), SwapError> {
         if incarnation != self.incarnation {
-            return Err(format!(
+            return Err(SwapError::epoch(format!(
                 "message from coordinator incarnation {incarnation}, but this tier obeys {}",
                 self.incarnation
-            ));
+            )));
         }
         Ok(())
     }
@@ -106,33 +108,33 @@ impl TierEpochs {
         incarnation: u64,
         base: u64,
         epoch: u64,
-    ) -> Result<PrepareStep, String> {
+    ) -> Result<PrepareStep, SwapError> {
         self.fenced(incarnation)?;
         if self.next == Some(epoch) {
             return Ok(PrepareStep::AlreadyStaged);
         }
         if epoch <= base {
-            return Err(format!(
+            return Err(SwapError::epoch(format!(
                 "PREPARE of epoch {epoch} on base {base}: not newer"
-            ));
+            )));
         }
         if epoch <= self.floor || self.next.is_some_and(|n| epoch < n) {
-            return Err(format!(
+            return Err(SwapError::epoch(format!(
                 "PREPARE of epoch {epoch}: aborted or superseded (this tier is past {})",
                 self.floor
-            ));
+            )));
         }
         match self.next {
             None if base == self.epoch => Ok(PrepareStep::Stage),
             Some(n) if base == n => Ok(PrepareStep::PromoteThenStage),
             Some(_) if base == self.epoch => Ok(PrepareStep::DropThenStage),
-            _ => Err(format!(
+            _ => Err(SwapError::epoch(format!(
                 "PREPARE builds on epoch {base}, but this tier holds {}{}",
                 self.epoch,
                 self.next
                     .map(|n| format!(" (and {n} staged)"))
                     .unwrap_or_default()
-            )),
+            ))),
         }
     }
 
@@ -154,7 +156,7 @@ impl TierEpochs {
     }
 
     /// RELEASE: `epoch` (the staged one) is committed; it becomes the only map.
-    pub fn release(&mut self, incarnation: u64, epoch: u64) -> Result<ReleaseStep, String> {
+    pub fn release(&mut self, incarnation: u64, epoch: u64) -> Result<ReleaseStep, SwapError> {
         self.fenced(incarnation)?;
         if self.next == Some(epoch) {
             self.epoch = epoch;
@@ -165,18 +167,18 @@ impl TierEpochs {
         if self.epoch == epoch {
             return Ok(ReleaseStep::Already);
         }
-        Err(format!(
+        Err(SwapError::epoch(format!(
             "RELEASE into epoch {epoch}, but this tier holds {}{}",
             self.epoch,
             self.next
                 .map(|n| format!(" (and {n} staged)"))
                 .unwrap_or_default()
-        ))
+        )))
     }
 
     /// ABORT(epoch): drops it if staged, and it is never staged afterwards. Returns whether
     /// something was dropped.
-    pub fn abort(&mut self, incarnation: u64, epoch: u64) -> Result<bool, String> {
+    pub fn abort(&mut self, incarnation: u64, epoch: u64) -> Result<bool, SwapError> {
         self.fenced(incarnation)?;
         if epoch <= self.epoch {
             return Ok(false);
@@ -195,12 +197,12 @@ impl TierEpochs {
     /// Tokens only grow, and each REGISTER carries a fresh one: a REGISTER with a token not
     /// above the current one (a late copy, or from a coordinator that has since restarted or
     /// registered again) is refused.
-    pub fn check_register(&self, incarnation: u64) -> Result<(), String> {
+    pub fn check_register(&self, incarnation: u64) -> Result<(), SwapError> {
         if incarnation <= self.incarnation {
-            return Err(format!(
+            return Err(SwapError::epoch(format!(
                 "REGISTER with token {incarnation}, not newer than {}: late or duplicated",
                 self.incarnation
-            ));
+            )));
         }
         Ok(())
     }

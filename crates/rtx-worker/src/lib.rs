@@ -22,6 +22,7 @@ use moelane_proto::control::sidecar_server::{Sidecar, SidecarServer};
 use moelane_proto::control::*;
 use moelane_proto::Category;
 use moelane_residency_actor::protocol::{PrepareStep, RegisterStep, ReleaseStep, TierEpochs};
+use moelane_residency_actor::SwapError;
 use tokio_stream::StreamExt as _;
 use tonic::{Request, Response, Status};
 
@@ -45,7 +46,7 @@ pub enum Device {
 
 impl Device {
     /// "cpu" or "cuda:N".
-    pub fn open(spec: &str, bank: &ExpertBank) -> Result<Device, String> {
+    pub fn open(spec: &str, bank: &ExpertBank) -> moelane_engine::Result<Device> {
         if spec == "cpu" {
             return Ok(Device::Cpu);
         }
@@ -53,28 +54,30 @@ impl Device {
             .strip_prefix("cuda:")
             .or((spec == "cuda").then_some("0"))
         else {
-            return Err(format!("--device {spec:?}: choose cpu or cuda:N"));
+            return Err(moelane_engine::Error::Invalid(format!(
+                "--device {spec:?}: choose cpu or cuda:N"
+            )));
         };
-        let ordinal: usize = n
-            .parse()
-            .map_err(|_| format!("--device {spec:?}: N in cuda:N must be a number"))?;
+        let ordinal: usize = n.parse().map_err(|_| {
+            moelane_engine::Error::Invalid(format!(
+                "--device {spec:?}: N in cuda:N must be a number"
+            ))
+        })?;
         Self::open_gpu(ordinal, bank)
     }
 
     #[cfg(feature = "cuda")]
-    fn open_gpu(ordinal: usize, bank: &ExpertBank) -> Result<Device, String> {
-        let gpu = moelane_engine::cuda::Gpu::open(ordinal).map_err(|e| e.to_string())?;
-        let mut g = moelane_engine::cuda::GpuExperts::new(gpu, bank.hidden, bank.inter)
-            .map_err(|e| e.to_string())?;
-        g.sync(bank).map_err(|e| e.to_string())?;
+    fn open_gpu(ordinal: usize, bank: &ExpertBank) -> moelane_engine::Result<Device> {
+        let gpu = moelane_engine::cuda::Gpu::open(ordinal)?;
+        let mut g = moelane_engine::cuda::GpuExperts::new(gpu, bank.hidden, bank.inter)?;
+        g.sync(bank)?;
         Ok(Device::Gpu(Box::new(std::sync::Mutex::new(g))))
     }
 
     #[cfg(not(feature = "cuda"))]
-    fn open_gpu(ordinal: usize, _: &ExpertBank) -> Result<Device, String> {
-        Err(format!(
-            "--device cuda:{ordinal}: this moelane was built without CUDA (cargo build --release --features cuda)"
-        ))
+    fn open_gpu(ordinal: usize, _: &ExpertBank) -> moelane_engine::Result<Device> {
+        let _ = ordinal;
+        Err(moelane_engine::Error::NotCompiledWithCuda)
     }
 
     /// The GPU expert bank, when computing on a GPU.
@@ -126,7 +129,7 @@ impl Device {
     }
 
     /// Makes the GPU mirror hold what `bank` holds (after any change to the bank).
-    fn mirror(&self, bank: &ExpertBank) -> Result<(), String> {
+    fn mirror(&self, bank: &ExpertBank) -> moelane_engine::Result<()> {
         match self {
             Device::Cpu => {
                 let _ = bank;
@@ -135,11 +138,26 @@ impl Device {
             #[cfg(feature = "cuda")]
             Device::Gpu(g) => g
                 .lock()
-                .map_err(|_| "GPU state poisoned".to_string())?
-                .sync(bank)
-                .map_err(|e| e.to_string()),
+                .map_err(|_| poisoned("the GPU experts"))?
+                .sync(bank),
         }
     }
+}
+
+/// A swap step's failure as a gRPC status: its fault, under the protocol's shared name.
+pub fn swap_status(e: SwapError) -> Status {
+    Category::parse(e.fault.name()).status(e.what)
+}
+
+/// A gRPC status from the sidecar as a swap step's failure, keeping its category.
+pub fn swap_error(s: &Status, at: &str) -> SwapError {
+    let fault = moelane_engine::error::Fault::from_name(Category::of(s).as_str());
+    SwapError::new(fault, format!("{at}: {}", s.message()))
+}
+
+/// An engine failure as a gRPC status, keeping its fault.
+pub fn engine_status(e: moelane_engine::Error) -> Status {
+    Category::parse(e.fault().name()).status(e.to_string())
 }
 
 /// A lock whose holder panicked: the state behind it may be half-changed, so the sidecar
@@ -167,6 +185,13 @@ impl SidecarCore {
     /// The cold state, for reading.
     fn read_state(&self) -> moelane_engine::Result<std::sync::RwLockReadGuard<'_, ColdState>> {
         self.state.read().map_err(|_| poisoned("the sidecar state"))
+    }
+
+    /// The cold state, for a swap step.
+    fn write_state(&self) -> moelane_engine::Result<std::sync::RwLockWriteGuard<'_, ColdState>> {
+        self.state
+            .write()
+            .map_err(|_| poisoned("the sidecar state"))
     }
 
     /// One request under the state lock: the epoch check, `compute` (given the bank), the
@@ -261,8 +286,7 @@ impl ColdServer for InProcessCore {
 impl SidecarCore {
     /// Loads the cold experts the map assigns, from the checkpoint.
     pub fn load(ckpt: &Checkpoint, map: &ValidMap) -> moelane_engine::Result<Self> {
-        let moe = ckpt.config.moe_layers();
-        let bank = ExpertBank::load(ckpt, map, Tier::Cold, &moe, None)?;
+        let bank = moelane_engine::load::load_tier(ckpt, map, Tier::Cold, true)?;
         Ok(SidecarCore {
             model: ckpt.id.clone(),
             ckpt_dir: ckpt.dir.clone(),
@@ -285,7 +309,11 @@ impl SidecarCore {
     /// benches, no file): served through the same epoch check, counters and links as a
     /// checkpoint's, with no host copy of the experts (swaps cannot move them).
     #[cfg(feature = "cuda")]
-    pub fn generated(model: &str, map: &ValidMap, experts: moelane_engine::cuda::GpuExperts) -> Self {
+    pub fn generated(
+        model: &str,
+        map: &ValidMap,
+        experts: moelane_engine::cuda::GpuExperts,
+    ) -> Self {
         let bank = ExpertBank::empty(
             Tier::Cold,
             map.layers(),
@@ -312,8 +340,8 @@ impl SidecarCore {
     }
 
     /// Computes on `spec` ("cpu" or "cuda:N") instead of the CPU.
-    pub fn with_device(mut self, spec: &str) -> Result<Self, String> {
-        let st = self.state.read().map_err(|_| "state poisoned")?;
+    pub fn with_device(mut self, spec: &str) -> moelane_engine::Result<Self> {
+        let st = self.read_state()?;
         let d = Device::open(spec, &st.bank)?;
         drop(st);
         self.device = d;
@@ -338,10 +366,10 @@ impl SidecarCore {
         base: u64,
         next: Rowmap,
         incoming: &[moelane_engine::swap::Incoming],
-    ) -> Result<u64, String> {
+    ) -> Result<u64, SwapError> {
         let epoch = next.epoch;
         let (layers, experts) = {
-            let st = self.state.read().map_err(|_| "state poisoned")?;
+            let st = self.read_state()?;
             if st.epochs.check_prepare(incarnation, base, epoch)? == PrepareStep::AlreadyStaged {
                 return Ok(epoch);
             }
@@ -349,15 +377,16 @@ impl SidecarCore {
         };
         let next = next
             .validate(&self.model, layers, experts, None)
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| SwapError::invalid(e.to_string()))?;
         let loaded = {
             let _g = tracing::info_span!("load", moelane.experts = incoming.len()).entered();
-            moelane_residency_actor::failpoint::load_point("sidecar.load")?;
-            let ckpt = Checkpoint::open(&self.ckpt_dir).map_err(|e| e.to_string())?;
-            moelane_engine::swap::load_verified(&ckpt, incoming).map_err(|e| e.to_string())?
+            moelane_residency_actor::failpoint::load_point("sidecar.load")
+                .map_err(SwapError::unavailable)?;
+            let ckpt = Checkpoint::open(&self.ckpt_dir)?;
+            moelane_engine::swap::load_verified(&ckpt, incoming)?
         };
         let _g = tracing::info_span!("stage").entered();
-        let mut st = self.state.write().map_err(|_| "state poisoned")?;
+        let mut st = self.write_state()?;
         let step = st.epochs.check_prepare(incarnation, base, epoch)?;
         match step {
             PrepareStep::AlreadyStaged => return Ok(epoch),
@@ -375,8 +404,7 @@ impl SidecarCore {
             moelane_engine::swap::release(bank, map, Tier::Cold);
         }
         moelane_engine::swap::stage(&mut st.bank, loaded);
-        moelane_engine::swap::check_resident(&st.bank, &next, Tier::Cold)
-            .map_err(|e| e.to_string())?;
+        moelane_engine::swap::check_resident(&st.bank, &next, Tier::Cold)?;
         self.device.mirror(&st.bank)?;
         st.epochs.apply_prepare(step, epoch);
         st.next = Some(next);
@@ -385,8 +413,8 @@ impl SidecarCore {
 
     /// RELEASE: `epoch` (staged) is committed and becomes the only map; slots only the old one
     /// used are freed. A repeated RELEASE is a no-op.
-    pub fn release(&self, incarnation: u64, epoch: u64) -> Result<u64, String> {
-        let mut st = self.state.write().map_err(|_| "state poisoned")?;
+    pub fn release(&self, incarnation: u64, epoch: u64) -> Result<u64, SwapError> {
+        let mut st = self.write_state()?;
         if st.epochs.release(incarnation, epoch)? == ReleaseStep::Promote {
             if let Some(n) = st.next.take() {
                 st.map = n;
@@ -400,8 +428,8 @@ impl SidecarCore {
 
     /// ABORT(epoch): drops what was staged for it (nothing else changes); it is never staged
     /// afterwards, even by a PREPARE still loading.
-    pub fn abort(&self, incarnation: u64, epoch: u64) -> Result<(), String> {
-        let mut st = self.state.write().map_err(|_| "state poisoned")?;
+    pub fn abort(&self, incarnation: u64, epoch: u64) -> Result<(), SwapError> {
+        let mut st = self.write_state()?;
         if st.epochs.abort(incarnation, epoch)? {
             st.next = None;
             let ColdState { bank, map, .. } = &mut *st;
@@ -414,9 +442,9 @@ impl SidecarCore {
     /// REGISTER from coordinator `incarnation` committed on `map`: the bank is made to match it
     /// (kept, promoted from the staged map, or reloaded from the checkpoint) and everything of
     /// other incarnations is fenced off. Returns the highest epoch heard of before.
-    pub fn register(&self, incarnation: u64, map: Option<ValidMap>) -> Result<u64, String> {
+    pub fn register(&self, incarnation: u64, map: Option<ValidMap>) -> Result<u64, SwapError> {
         let (step, highest) = {
-            let st = self.state.read().map_err(|_| "state poisoned")?;
+            let st = self.read_state()?;
             st.epochs.check_register(incarnation)?;
             let step = match &map {
                 None => RegisterStep::KeepCommitted,
@@ -430,16 +458,13 @@ impl SidecarCore {
         };
         let bank = match (&map, step) {
             (Some(m), RegisterStep::Reload) => {
-                let ckpt = Checkpoint::open(&self.ckpt_dir).map_err(|e| e.to_string())?;
+                let ckpt = Checkpoint::open(&self.ckpt_dir)?;
                 let moe = ckpt.config.moe_layers();
-                Some(
-                    ExpertBank::load(&ckpt, m, Tier::Cold, &moe, None)
-                        .map_err(|e| e.to_string())?,
-                )
+                Some(ExpertBank::load(&ckpt, m, Tier::Cold, &moe, None)?)
             }
             _ => None,
         };
-        let mut st = self.state.write().map_err(|_| "state poisoned")?;
+        let mut st = self.write_state()?;
         if let Some(m) = map {
             st.map = m;
         } else if step == RegisterStep::PromoteStaged {
@@ -456,7 +481,7 @@ impl SidecarCore {
         st.epochs.register(incarnation, epoch);
         let ColdState { bank, map, .. } = &mut *st;
         moelane_engine::swap::release(bank, map, Tier::Cold);
-        moelane_engine::swap::check_resident(bank, map, Tier::Cold).map_err(|e| e.to_string())?;
+        moelane_engine::swap::check_resident(bank, map, Tier::Cold)?;
         self.device.mirror(bank)?;
         Ok(highest)
     }
@@ -474,25 +499,25 @@ impl moelane_residency_actor::Participant for LocalSidecar {
         base: u64,
         next: &'a Rowmap,
         incoming: Vec<moelane_engine::swap::Incoming>,
-    ) -> futures::future::BoxFuture<'a, Result<(), String>> {
+    ) -> futures::future::BoxFuture<'a, Result<(), SwapError>> {
         let core = self.0.clone();
         let next = next.clone();
         Box::pin(async move {
             tokio::task::spawn_blocking(move || core.prepare(0, base, next, &incoming).map(|_| ()))
                 .await
-                .map_err(|e| e.to_string())?
+                .map_err(|e| SwapError::internal(format!("the PREPARE task: {e}")))?
         })
     }
-    fn release(&self, epoch: u64) -> futures::future::BoxFuture<'_, Result<(), String>> {
+    fn release(&self, epoch: u64) -> futures::future::BoxFuture<'_, Result<(), SwapError>> {
         Box::pin(async move { self.0.release(0, epoch).map(|_| ()) })
     }
-    fn abort(&self, epoch: u64) -> futures::future::BoxFuture<'_, Result<(), String>> {
+    fn abort(&self, epoch: u64) -> futures::future::BoxFuture<'_, Result<(), SwapError>> {
         Box::pin(async move { self.0.abort(0, epoch) })
     }
 }
 
 /// Installs a data link that REGISTER answered with (the primary opens it).
-pub type OnLink = Arc<dyn Fn(&RegisterReply) -> Result<(), String> + Send + Sync>;
+pub type OnLink = Arc<dyn Fn(&RegisterReply) -> Result<(), SwapError> + Send + Sync>;
 
 /// A sidecar process, driven over its control API.
 pub struct RemoteSidecar {
@@ -549,10 +574,12 @@ impl moelane_residency_actor::Participant for RemoteSidecar {
         base: u64,
         next: &'a Rowmap,
         incoming: Vec<moelane_engine::swap::Incoming>,
-    ) -> futures::future::BoxFuture<'a, Result<(), String>> {
+    ) -> futures::future::BoxFuture<'a, Result<(), SwapError>> {
         let mut c = self.client.clone();
         Box::pin(async move {
-            let rowmap_json = next.to_json().map_err(|e| e.to_string())?;
+            let rowmap_json = next
+                .to_json()
+                .map_err(|e| SwapError::internal(e.to_string()))?;
             let incoming = incoming
                 .into_iter()
                 .map(|(l, e, checksum)| Staged {
@@ -570,10 +597,10 @@ impl moelane_residency_actor::Participant for RemoteSidecar {
             }))
             .await
             .map(|_| ())
-            .map_err(|s| s.message().to_string())
+            .map_err(|s| swap_error(&s, "sidecar PREPARE"))
         })
     }
-    fn release(&self, epoch: u64) -> futures::future::BoxFuture<'_, Result<(), String>> {
+    fn release(&self, epoch: u64) -> futures::future::BoxFuture<'_, Result<(), SwapError>> {
         let mut c = self.client.clone();
         Box::pin(async move {
             c.release(moelane_telemetry::request(ReleaseRequest {
@@ -582,10 +609,10 @@ impl moelane_residency_actor::Participant for RemoteSidecar {
             }))
             .await
             .map(|_| ())
-            .map_err(|s| s.message().to_string())
+            .map_err(|s| swap_error(&s, "sidecar RELEASE"))
         })
     }
-    fn abort(&self, epoch: u64) -> futures::future::BoxFuture<'_, Result<(), String>> {
+    fn abort(&self, epoch: u64) -> futures::future::BoxFuture<'_, Result<(), SwapError>> {
         let mut c = self.client.clone();
         Box::pin(async move {
             c.abort(moelane_telemetry::request(AbortRequest {
@@ -594,20 +621,20 @@ impl moelane_residency_actor::Participant for RemoteSidecar {
             }))
             .await
             .map(|_| ())
-            .map_err(|s| s.message().to_string())
+            .map_err(|s| swap_error(&s, "sidecar ABORT"))
         })
     }
     fn resync<'a>(
         &'a self,
         map: &'a Rowmap,
-    ) -> futures::future::BoxFuture<'a, Result<u64, String>> {
+    ) -> futures::future::BoxFuture<'a, Result<u64, SwapError>> {
         Box::pin(async move {
             let rep = self
                 .register(map)
                 .await
-                .map_err(|s| format!("sidecar refused registration: {}", s.message()))?;
+                .map_err(|s| swap_error(&s, "the sidecar refused registration"))?;
             if let Some(f) = &self.on_link {
-                f(&rep)?;
+                f(&rep).map_err(|e| e.context("opening the data link"))?;
             }
             Ok(rep.highest_epoch)
         })
@@ -676,7 +703,7 @@ impl Message<RegisterMsg> for SidecarActor {
         let highest_epoch = tokio::task::spawn_blocking(move || core.register(inc, map))
             .await
             .map_err(|e| Category::Internal.status(e.to_string()))?
-            .map_err(|e| Category::Internal.status(e))?;
+            .map_err(swap_status)?;
         let epoch = self.core.epoch();
         let cold = {
             let st = self
@@ -819,10 +846,7 @@ impl Message<LoadMapMsg> for SidecarActor {
             map: valid.clone(),
             next: None,
         };
-        self.core
-            .device
-            .mirror(&st.bank)
-            .map_err(|e| Category::Internal.status(e))?;
+        self.core.device.mirror(&st.bank).map_err(engine_status)?;
         Ok(LoadMapReply {
             map_epoch: valid.epoch(),
         })
@@ -901,7 +925,7 @@ impl Sidecar for SidecarService {
         })
         .await
         .map_err(|e| Category::Internal.status(e.to_string()))?
-        .map_err(|e| Category::EpochMismatch.status(e))?;
+        .map_err(swap_status)?;
         moelane_residency_actor::failpoint::hit("sidecar.on-prepare");
         Ok(Response::new(PrepareReply { epoch }))
     }
@@ -918,7 +942,7 @@ impl Sidecar for SidecarService {
         let epoch = self
             .core
             .release(r.incarnation, r.epoch)
-            .map_err(|e| Category::EpochMismatch.status(e))?;
+            .map_err(swap_status)?;
         Ok(Response::new(ReleaseReply { epoch }))
     }
     async fn abort(&self, r: Request<AbortRequest>) -> Result<Response<AbortReply>, Status> {
@@ -932,7 +956,7 @@ impl Sidecar for SidecarService {
         let r = r.into_inner();
         self.core
             .abort(r.incarnation, r.epoch)
-            .map_err(|e| Category::EpochMismatch.status(e))?;
+            .map_err(swap_status)?;
         Ok(Response::new(AbortReply {}))
     }
 }
@@ -966,11 +990,7 @@ pub fn start(opts: &SidecarOptions) -> moelane_engine::Result<Sidecar0> {
         None => None,
     };
     let map = moelane_engine::load::resolve_map(&ckpt, map)?;
-    let core = Arc::new(
-        SidecarCore::load(&ckpt, &map)?
-            .with_device(&opts.device)
-            .map_err(moelane_engine::Error::Gpu)?,
-    );
+    let core = Arc::new(SidecarCore::load(&ckpt, &map)?.with_device(&opts.device)?);
     let data_addr = match &opts.data {
         Some(a) => {
             let listen = |e: std::io::Error| {
