@@ -120,8 +120,36 @@ pub fn to_f32(dtype: Dtype, bytes: &[u8], out: &mut [f32]) {
 pub struct ExpertWeights {
     pub gate_up: Matrix,
     pub down: Matrix,
-    /// sha256 (first 8 bytes, little-endian) of the expert's bytes as stored in the checkpoint.
+    /// [`ExpertBytes::checksum`] of the expert's bytes as stored in the checkpoint.
     pub checksum: u64,
+}
+
+/// One expert's tensors as stored in the checkpoint (views into the mapped files): the gate
+/// and up projections (`[I, H]` each), then the down projection (`[H, I]`), with their dtypes.
+pub struct ExpertBytes<'a> {
+    pub gate_up: [(Dtype, &'a [u8]); 2],
+    pub down: (Dtype, &'a [u8]),
+}
+
+impl ExpertBytes<'_> {
+    /// The expert's checksum: [`checksum`] over gate, up and down in that order. The same
+    /// bytes give the same checksum in either tensor layout.
+    pub fn checksum(&self) -> u64 {
+        checksum(&[self.gate_up[0].1, self.gate_up[1].1, self.down.1])
+    }
+}
+
+/// The checksum of a sequence of byte slices, as if concatenated: rapidhash V3 (a fast
+/// non-cryptographic hash, several GB/s per core, whose output is fixed across crate versions
+/// and platforms) with its default secrets. It guards against a checkpoint that changed or
+/// was damaged under a running lane (the swap protocol's PREPARE verifies every expert it
+/// loads against the manifest taken at start), not against tampering.
+pub fn checksum(parts: &[&[u8]]) -> u64 {
+    let mut h = rapidhash::v3::RapidStreamHasherV3::new(&rapidhash::v3::DEFAULT_RAPID_SECRETS);
+    for p in parts {
+        h.write(p);
+    }
+    h.finish()
 }
 
 impl ExpertWeights {
@@ -302,57 +330,74 @@ impl Checkpoint {
         Ok(Matrix::new(rows, cols, self.tensor(name, &[rows, cols])?))
     }
 
-    /// Loads expert `e` of decoder layer `layer`, from either tensor layout; the checksum
-    /// covers the bytes exactly as stored.
-    pub fn expert(&self, layer: usize, e: usize) -> Result<ExpertWeights> {
+    /// The stored bytes of expert `e` of decoder layer `layer`, from either tensor layout,
+    /// shapes checked: `gate_up` the gate rows then the up rows (`[2I, H]`), `down` `[H, I]`.
+    pub fn expert_bytes(&self, layer: usize, e: usize) -> Result<ExpertBytes<'_>> {
         let c = &self.config;
         let (h, i) = (c.hidden_size, c.moe_intermediate_size);
         let p = format!("model.layers.{layer}.mlp.experts");
-        let mut hasher = Sha256::new();
-        let mut gate_up = vec![0f32; 2 * i * h];
-        let mut down = vec![0f32; h * i];
         let per_expert = format!("{p}.{e}.gate_proj.weight");
         if self.has(&per_expert) || !self.has(&format!("{p}.gate_up_proj")) {
-            for (k, name) in ["gate_proj", "up_proj"].iter().enumerate() {
+            let part = |name: &str, shape: &[usize]| -> Result<(Dtype, &[u8])> {
                 let t = format!("{p}.{e}.{name}.weight");
                 let raw = self.raw(&t)?;
-                self.check_shape(&raw, &t, &[i, h])?;
-                hasher.update(raw.bytes);
-                to_f32(
-                    raw.dtype,
-                    raw.bytes,
-                    &mut gate_up[k * i * h..(k + 1) * i * h],
-                );
-            }
-            let t = format!("{p}.{e}.down_proj.weight");
-            let raw = self.raw(&t)?;
-            self.check_shape(&raw, &t, &[h, i])?;
-            hasher.update(raw.bytes);
-            to_f32(raw.dtype, raw.bytes, &mut down);
+                self.check_shape(&raw, &t, shape)?;
+                Ok((raw.dtype, raw.bytes))
+            };
+            let gate = part("gate_proj", &[i, h])?;
+            let up = part("up_proj", &[i, h])?;
+            let down = part("down_proj", &[h, i])?;
+            Ok(ExpertBytes {
+                gate_up: [gate, up],
+                down,
+            })
         } else {
             let ne = c.num_experts;
-            let t = format!("{p}.gate_up_proj");
-            let raw = self.raw(&t)?;
-            self.check_shape(&raw, &t, &[ne, 2 * i, h])?;
-            let sz = raw.bytes.len() / ne;
-            let b = &raw.bytes[e * sz..(e + 1) * sz];
-            hasher.update(b);
-            to_f32(raw.dtype, b, &mut gate_up);
-            let t = format!("{p}.down_proj");
-            let raw = self.raw(&t)?;
-            self.check_shape(&raw, &t, &[ne, h, i])?;
-            let sz = raw.bytes.len() / ne;
-            let b = &raw.bytes[e * sz..(e + 1) * sz];
-            hasher.update(b);
-            to_f32(raw.dtype, b, &mut down);
+            let slice = |name: &str, shape: &[usize]| -> Result<(Dtype, &[u8])> {
+                let t = format!("{p}.{name}");
+                let raw = self.raw(&t)?;
+                self.check_shape(&raw, &t, shape)?;
+                if e >= ne {
+                    return Err(Error::MissingTensor {
+                        tensor: format!("{t}[{e}]"),
+                        looked_in: raw.file.display().to_string(),
+                    });
+                }
+                let sz = raw.bytes.len() / ne;
+                Ok((raw.dtype, &raw.bytes[e * sz..(e + 1) * sz]))
+            };
+            let (dt, gu) = slice("gate_up_proj", &[ne, 2 * i, h])?;
+            let down = slice("down_proj", &[ne, h, i])?;
+            let half = gu.len() / 2;
+            Ok(ExpertBytes {
+                gate_up: [(dt, &gu[..half]), (dt, &gu[half..])],
+                down,
+            })
         }
-        let d = hasher.finalize();
-        let mut c8 = [0u8; 8];
-        c8.copy_from_slice(&d[..8]);
+    }
+
+    /// The checksum of expert `e` of decoder layer `layer` ([`ExpertBytes::checksum`]): reads
+    /// the stored bytes once, converts nothing.
+    pub fn expert_checksum(&self, layer: usize, e: usize) -> Result<u64> {
+        Ok(self.expert_bytes(layer, e)?.checksum())
+    }
+
+    /// Loads expert `e` of decoder layer `layer`, from either tensor layout, widened to f32;
+    /// its checksum is [`Checkpoint::expert_checksum`]'s, over the bytes exactly as stored.
+    pub fn expert(&self, layer: usize, e: usize) -> Result<ExpertWeights> {
+        let c = &self.config;
+        let (h, i) = (c.hidden_size, c.moe_intermediate_size);
+        let b = self.expert_bytes(layer, e)?;
+        let mut gate_up = vec![0f32; 2 * i * h];
+        for (k, (dt, bytes)) in b.gate_up.iter().enumerate() {
+            to_f32(*dt, bytes, &mut gate_up[k * i * h..(k + 1) * i * h]);
+        }
+        let mut down = vec![0f32; h * i];
+        to_f32(b.down.0, b.down.1, &mut down);
         Ok(ExpertWeights {
             gate_up: Matrix::new(2 * i, h, gate_up),
             down: Matrix::new(h, i, down),
-            checksum: u64::from_le_bytes(c8),
+            checksum: b.checksum(),
         })
     }
 

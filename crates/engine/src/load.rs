@@ -1,11 +1,11 @@
 //! Assembles an embedded engine from a checkpoint directory: dense weights on the CPU
 //! backend, hot experts in this process's bank, cold experts on an in-process sidecar
-//! thread, as the rowmap says. Shows a progress bar on loads that take more than a moment.
+//! thread, as the rowmap says. Shows a progress bar on loads that take more than a second.
 
 use std::path::Path;
 use std::time::Duration;
 
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressFinish, ProgressStyle};
 
 use crate::bank::ExpertBank;
 use crate::checkpoint::Checkpoint;
@@ -22,7 +22,7 @@ use crate::tier::{FixedBank, InProcessTier};
 pub struct EngineOptions {
     /// KV cache capacity in tokens (rounded up to whole blocks).
     pub kv_tokens: usize,
-    /// Show a progress bar (only drawn on a terminal, and only for large loads).
+    /// Show a progress bar ([`progress`]: only on a terminal, only past a second).
     pub progress: bool,
 }
 
@@ -33,6 +33,61 @@ impl Default for EngineOptions {
             progress: false,
         }
     }
+}
+
+/// A progress bar on stderr for work that may take more than a second: drawn only when stderr
+/// is a terminal, and only once the work has gone on for a second, so quick loads and logs
+/// show nothing. `template` is indicatif's (`{msg}`, `{bar:30}`, `{pos}`, `{len}`,
+/// `{bytes}`, `{elapsed}`, ...). Dropping the bar clears it.
+pub fn progress(len: u64, template: &str, msg: String) -> ProgressBar {
+    use std::io::IsTerminal;
+    if !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let pb = ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::hidden())
+        .with_finish(ProgressFinish::AndClear)
+        .with_style(
+            ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar()),
+        )
+        .with_message(msg);
+    let weak = pb.downgrade();
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(1));
+        if let Some(pb) = weak.upgrade().filter(|pb| !pb.is_finished()) {
+            pb.set_draw_target(ProgressDrawTarget::stderr());
+            pb.enable_steady_tick(Duration::from_millis(200));
+        }
+    });
+    pb
+}
+
+/// Loads the experts `map` puts in `tier` ([`ExpertBank::load`]) with a progress bar
+/// ([`progress`]; when `shown`).
+pub fn load_tier(ckpt: &Checkpoint, map: &ValidMap, tier: Tier, shown: bool) -> Result<ExpertBank> {
+    let total: usize = map
+        .map
+        .layers
+        .iter()
+        .map(|l| match tier {
+            Tier::Hot => l.hot.len(),
+            Tier::Cold => l.cold.len(),
+        })
+        .sum();
+    let pb = shown.then(|| {
+        progress(
+            total as u64,
+            &format!(
+                "loading {{msg}} [{{bar:30}}] {{pos}}/{{len}} {} experts ({{elapsed}})",
+                tier.name()
+            ),
+            ckpt.dir.display().to_string(),
+        )
+    });
+    let bank = ExpertBank::load(ckpt, map, tier, &ckpt.config.moe_layers(), pb.as_ref())?;
+    if let Some(pb) = pb {
+        pb.finish_and_clear();
+    }
+    Ok(bank)
 }
 
 /// The map to use: the given one, else `rowmap.json` in the checkpoint, else all hot.
@@ -63,8 +118,7 @@ pub fn load_engine(dir: &Path, map: Option<Rowmap>, opts: &EngineOptions) -> Res
 pub fn engine_from(ckpt: &Checkpoint, map: ValidMap, opts: &EngineOptions) -> Result<Engine> {
     let any_cold = map.map.layers.iter().any(|l| !l.cold.is_empty());
     let cold: Option<Box<dyn crate::tier::RemoteTier>> = if any_cold {
-        let moe = ckpt.config.moe_layers();
-        let bank = ExpertBank::load(ckpt, &map, Tier::Cold, &moe, None)?;
+        let bank = load_tier(ckpt, &map, Tier::Cold, opts.progress)?;
         Some(Box::new(InProcessTier::spawn(Box::new(FixedBank {
             bank,
             epoch: map.epoch(),
@@ -77,7 +131,7 @@ pub fn engine_from(ckpt: &Checkpoint, map: ValidMap, opts: &EngineOptions) -> Re
 
 /// Loads the dense weights and the hot experts only; the cold tier is the given link
 /// (a sidecar in another thread or process). `None` when the map has no cold experts.
-/// Shows a progress bar (on a terminal) when asked and the checkpoint is large.
+/// Shows a progress bar when asked ([`progress`]).
 pub fn engine_with_tier(
     ckpt: &Checkpoint,
     map: ValidMap,
@@ -90,25 +144,8 @@ pub fn engine_with_tier(
         ));
     }
     let c = ckpt.config.clone();
-    let moe = c.moe_layers();
-    let pb = (opts.progress && ckpt.total_bytes() > (64 << 20)).then(|| {
-        let total: usize = map.map.layers.iter().map(|l| l.hot.len()).sum();
-        let pb = ProgressBar::new(total as u64);
-        pb.set_style(
-            ProgressStyle::with_template(
-                "loading {msg} [{bar:30}] {pos}/{len} hot experts ({elapsed})",
-            )
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-        );
-        pb.set_message(ckpt.dir.display().to_string());
-        pb.enable_steady_tick(Duration::from_millis(200));
-        pb
-    });
     let dense = DenseWeights::load(ckpt)?;
-    let hot = ExpertBank::load(ckpt, &map, Tier::Hot, &moe, pb.as_ref())?;
-    if let Some(pb) = pb {
-        pb.finish_and_clear();
-    }
+    let hot = load_tier(ckpt, &map, Tier::Hot, opts.progress)?;
     let blocks = KvCache::blocks_for(opts.kv_tokens.max(BLOCK));
     Ok(Engine::new(
         c.clone(),

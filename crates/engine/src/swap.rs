@@ -27,6 +27,7 @@ pub fn load_verified(
             let dl = *moe.get(l).ok_or_else(|| {
                 Error::Rowmap(format!("layer {l} is not a MoE layer of the checkpoint"))
             })?;
+            // the checksum of the stored bytes, as the manifest's (Checkpoint::expert_checksum)
             let w = ckpt.expert(dl, e)?;
             if w.checksum != want {
                 return Err(Error::Checksum {
@@ -41,18 +42,30 @@ pub fn load_verified(
         .collect()
 }
 
-/// Checksums of every expert of every MoE layer, as stored (the manifest a coordinator checks against).
+/// Checksums of every expert of every MoE layer ([`Checkpoint::expert_checksum`], the
+/// function [`load_verified`] checks with): the manifest a coordinator checks against. Reads
+/// the stored bytes once, with a progress bar past a second on a terminal.
 pub fn manifest(ckpt: &Checkpoint) -> Result<Vec<Vec<u64>>> {
     use rayon::prelude::*;
     let moe = ckpt.config.moe_layers();
-    moe.iter()
+    let pb = crate::load::progress(
+        (moe.len() * ckpt.config.num_experts) as u64,
+        "checksumming {msg} [{bar:30}] {pos}/{len} experts ({elapsed})",
+        ckpt.dir.display().to_string(),
+    );
+    let sums = moe
+        .iter()
         .map(|&dl| {
-            (0..ckpt.config.num_experts)
+            let layer = (0..ckpt.config.num_experts)
                 .into_par_iter()
-                .map(|e| ckpt.expert(dl, e).map(|w| w.checksum))
-                .collect()
+                .map(|e| ckpt.expert_checksum(dl, e))
+                .collect();
+            pb.inc(ckpt.config.num_experts as u64);
+            layer
         })
-        .collect()
+        .collect();
+    pb.finish_and_clear();
+    sums
 }
 
 /// Puts staged experts into the bank (a free slot each).
@@ -96,4 +109,81 @@ pub fn release(bank: &mut ExpertBank, map: &ValidMap, tier: Tier) -> usize {
         }
     }
     freed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::checksum;
+    use crate::synth::{generate, Preset};
+
+    /// Offset in the file of the first data byte of tensor `name`.
+    fn data_offset(file: &std::path::Path, name: &str) -> usize {
+        let b = std::fs::read(file).unwrap();
+        let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+        let h: serde_json::Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
+        8 + n + h[name]["data_offsets"][0].as_u64().unwrap() as usize
+    }
+
+    #[test]
+    fn the_checksum_is_over_the_stored_bytes_and_catches_a_flipped_byte() {
+        let dir = tempfile::tempdir().unwrap();
+        generate(&Preset::by_name("tiny").unwrap(), 1, dir.path()).unwrap();
+        let ckpt = Checkpoint::open(dir.path()).unwrap();
+        let moe = ckpt.config.moe_layers();
+        let (l, e) = (moe.len() - 1, 5);
+        let dl = moe[l];
+        let sums = manifest(&ckpt).unwrap();
+        assert_eq!(sums.len(), moe.len());
+        // the manifest and a loaded expert checksum the same bytes: the file's, as stored
+        let p = format!("model.layers.{dl}.mlp.experts.{e}");
+        let raw = |n: &str| ckpt.raw(&format!("{p}.{n}.weight")).unwrap().bytes;
+        let stored = checksum(&[raw("gate_proj"), raw("up_proj"), raw("down_proj")]);
+        assert_eq!(sums[l][e], stored);
+        assert_eq!(ckpt.expert(dl, e).unwrap().checksum, stored);
+        assert_eq!(load_verified(&ckpt, &[(l, e, stored)]).unwrap().len(), 1);
+        let distinct: std::collections::BTreeSet<u64> = sums.iter().flatten().copied().collect();
+        assert_eq!(distinct.len(), moe.len() * ckpt.config.num_experts);
+        drop(ckpt);
+
+        // one byte of that expert's down projection changes on disk
+        let file = dir.path().join("model.safetensors");
+        let at = data_offset(&file, &format!("{p}.down_proj.weight")) + 17;
+        let mut bytes = std::fs::read(&file).unwrap();
+        bytes[at] ^= 0x10;
+        std::fs::write(&file, &bytes).unwrap();
+        let ckpt = Checkpoint::open(dir.path()).unwrap();
+        let after = manifest(&ckpt).unwrap();
+        for (li, (a, b)) in sums.iter().zip(&after).enumerate() {
+            for (ei, (x, y)) in a.iter().zip(b).enumerate() {
+                assert_eq!(x == y, (li, ei) != (l, e), "layer {li} expert {ei}");
+            }
+        }
+        // PREPARE's load refuses it against the manifest taken before, and loads the others
+        match load_verified(&ckpt, &[(l, e, sums[l][e])]) {
+            Err(Error::Checksum {
+                layer,
+                expert,
+                expected,
+                ..
+            }) => assert_eq!((layer, expert, expected), (l, e, sums[l][e])),
+            Err(other) => panic!("{other}"),
+            Ok(_) => panic!("a changed expert was loaded"),
+        }
+        assert!(load_verified(&ckpt, &[(l, e + 1, sums[l][e + 1])]).is_ok());
+    }
+
+    #[test]
+    fn the_checksum_does_not_depend_on_how_the_bytes_are_split() {
+        let data: Vec<u8> = (0..1000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let whole = checksum(&[&data]);
+        for cut in [0, 1, 111, 112, 113, 500, 999, 1000] {
+            assert_eq!(
+                checksum(&[&data[..cut], &data[cut..]]),
+                whole,
+                "cut at {cut}"
+            );
+        }
+        assert_ne!(checksum(&[&data[1..]]), whole);
+    }
 }

@@ -242,7 +242,7 @@ fn rope_gap_scale(p: &Preset, theta: f32) -> f32 {
     ((12.0 / gap_unit).sqrt() as f32).min(60.0)
 }
 
-/// Builds all tensors of the checkpoint.
+/// Builds all tensors of the checkpoint, one step of `pb` per layer.
 fn build_tensors(
     p: &Preset,
     seed: u64,
@@ -250,6 +250,7 @@ fn build_tensors(
     lang: &[TokenLang],
     theta: f32,
     with_experts: bool,
+    pb: &indicatif::ProgressBar,
 ) -> BTreeMap<String, Tensor> {
     let k = &KNOBS;
     let h = p.hidden;
@@ -438,6 +439,7 @@ fn build_tensors(
                 v.push((format!("{ep}.up_proj.weight"), t(vec![p.inter, h], u)));
                 v.push((format!("{ep}.down_proj.weight"), t(vec![h, p.inter], d)));
             }
+            pb.inc(1);
             v
         })
         .collect();
@@ -486,6 +488,16 @@ pub fn write_safetensors_as(
     tensors: &BTreeMap<String, (Vec<usize>, Vec<f32>)>,
     dtype: StoreAs,
 ) -> Result<()> {
+    write_safetensors_shown(path, tensors, dtype, &indicatif::ProgressBar::hidden())
+}
+
+/// [`write_safetensors_as`], advancing `pb` by the bytes of each tensor written.
+fn write_safetensors_shown(
+    path: &Path,
+    tensors: &BTreeMap<String, (Vec<usize>, Vec<f32>)>,
+    dtype: StoreAs,
+    pb: &indicatif::ProgressBar,
+) -> Result<()> {
     let mut header = serde_json::Map::new();
     header.insert("__metadata__".into(), json!({"format": "pt"}));
     let mut off = 0usize;
@@ -526,6 +538,7 @@ pub fn write_safetensors_as(
             }
         }
         w.write_all(&buf).map_err(io)?;
+        pb.inc(buf.len() as u64);
     }
     w.flush().map_err(io)?;
     Ok(())
@@ -587,8 +600,15 @@ pub fn generate(preset: &Preset, seed: u64, out: &Path) -> Result<()> {
         });
     }
     std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+    // a bar past a second on a terminal: the tokenizer, then one step per layer built
+    let pb = crate::load::progress(
+        preset.layers as u64 + 1,
+        "making {msg} [{bar:30}] {pos}/{len} (tokenizer, then layers; {elapsed})",
+        format!("the {} checkpoint", preset.name),
+    );
     let texts: Vec<&str> = LANGS.iter().map(|l| l.1).collect();
     let bpe = bpe::train(&texts, preset.vocab_target);
+    pb.inc(1);
     let tok_json = bpe.to_json();
     let tok_path = out.join("tokenizer.json");
     std::fs::write(
@@ -628,14 +648,22 @@ pub fn generate(preset: &Preset, seed: u64, out: &Path) -> Result<()> {
     std::fs::write(&gc_path, serde_json::to_vec_pretty(&gc).unwrap_or_default())
         .map_err(|e| Error::io(&gc_path, e))?;
 
-    let tensors = build_tensors(preset, seed, vocab, &lang, theta, true);
+    let tensors = build_tensors(preset, seed, vocab, &lang, theta, true, &pb);
+    pb.finish_and_clear();
     let tensors: BTreeMap<String, (Vec<usize>, Vec<f32>)> = tensors
         .into_iter()
         .map(|(k, t)| (k, (t.shape, t.data)))
         .collect();
     let st = out.join("model.safetensors");
     let tmp = out.join("model.safetensors.partial");
-    write_safetensors(&tmp, &tensors)?;
+    let bytes: usize = tensors.values().map(|(_, d)| d.len() * 2).sum();
+    let pb = crate::load::progress(
+        bytes as u64,
+        "writing {msg} [{bar:30}] {bytes}/{total_bytes} ({elapsed})",
+        st.display().to_string(),
+    );
+    write_safetensors_shown(&tmp, &tensors, StoreAs::Bf16, &pb)?;
+    pb.finish_and_clear();
     std::fs::rename(&tmp, &st).map_err(|e| Error::io(&st, e))?;
     let labels: Vec<Vec<&str>> = lang
         .iter()
@@ -731,7 +759,15 @@ pub fn in_memory(preset: &Preset, seed: u64) -> Result<InMemory> {
         &cj.to_string(),
         Path::new(&format!("<{} config>", preset.name)),
     )?;
-    let t = build_tensors(preset, seed, vocab, &lang, 10000.0, false);
+    let t = build_tensors(
+        preset,
+        seed,
+        vocab,
+        &lang,
+        10000.0,
+        false,
+        &indicatif::ProgressBar::hidden(),
+    );
     let dense = crate::model::DenseWeights::load(&MemTensors {
         config: config.clone(),
         t,

@@ -166,6 +166,9 @@ fn other_layouts_load_to_identical_logits() {
     }
     write_safetensors_as(&d.join("model.safetensors"), &fused, StoreAs::Bf16).unwrap();
     assert_eq!(logits_of(&d), want, "fused experts");
+    // expert checksums cover the bytes as stored, in whichever layout they are
+    let sums = |d: &Path| moelane_engine::swap::manifest(&Checkpoint::open(d).unwrap()).unwrap();
+    assert_eq!(sums(&d), sums(tiny), "fused experts' checksums");
 }
 
 fn expect_err(dir: &Path) -> Error {
