@@ -277,7 +277,14 @@ pub fn default_model(preset: &str) -> Result<PathBuf> {
             dir.display()
         );
         synth::generate(&p, 1, &dir)?;
+        // a spinner past a second on a terminal (generate draws its own bars)
+        let pb = moelane_engine::load::progress(
+            1,
+            "{spinner} measuring the routing of {msg} and fitting its map ({elapsed})",
+            dir.display().to_string(),
+        );
         moelane_engine::figures::measure(&dir, p.hot, 64)?;
+        pb.finish_and_clear();
     }
     Ok(dir)
 }

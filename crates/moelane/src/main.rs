@@ -1,4 +1,10 @@
 //! `moelane`: the one CLI binary of the project.
+//!
+//! Every flag has one meaning in every command that takes it, and every flag can also be set
+//! from the environment (`MOELANE_<FLAG>`, e.g. `--kv-tokens` from `MOELANE_KV_TOKENS`; the
+//! one-shot tools `gen` and `refit` as `MOELANE_GEN_<FLAG>` / `MOELANE_REFIT_<FLAG>`, since
+//! their `--out` and `--map` mean their own files), for containers and Kubernetes; a flag on
+//! the command line wins over the environment, which wins over a `lane --config` file.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -31,8 +37,115 @@ struct Cli {
     cmd: Cmd,
     /// Log lines on stderr as text or json (filter with MOELANE_LOG, e.g. "info,moelane=debug").
     /// Traces go to OTEL_EXPORTER_OTLP_ENDPOINT (OTLP over gRPC) when it is set.
-    #[arg(long, global = true, default_value = "text")]
+    #[arg(
+        long,
+        global = true,
+        default_value = "text",
+        env = "MOELANE_LOG_FORMAT"
+    )]
     log_format: moelane_telemetry::LogFormat,
+}
+
+/// Where a tier computes: `cpu`, or `cuda:N`, the GPU of ordinal N (needs a build with
+/// `--features cuda`; a build without it refuses `cuda:N` when parsing the flag).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize)]
+#[serde(try_from = "String")]
+enum Device {
+    Cpu,
+    Cuda(usize),
+}
+
+impl std::str::FromStr for Device {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        if s == "cpu" {
+            return Ok(Device::Cpu);
+        }
+        match s.strip_prefix("cuda:") {
+            Some(n) if !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) => {
+                let n = n
+                    .parse()
+                    .map_err(|_| "GPU ordinal out of range".to_string())?;
+                if cfg!(feature = "cuda") {
+                    Ok(Device::Cuda(n))
+                } else {
+                    Err("this moelane was built without CUDA (build with --features cuda)".into())
+                }
+            }
+            _ => Err("expected cpu or cuda:N (N: a GPU ordinal, 0, 1, ...)".into()),
+        }
+    }
+}
+
+impl TryFrom<String> for Device {
+    type Error = String;
+    fn try_from(s: String) -> std::result::Result<Self, String> {
+        s.parse()
+    }
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+/// The role a `lane` process runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum Role {
+    /// The OpenAI-compatible HTTP API over one or many lanes (--lane).
+    Gateway,
+    /// Attention, dense weights, hot experts, KV cache, the scheduler and the residency
+    /// coordinator; its sidecar in this process or at --sidecar.
+    Primary,
+    /// The cold experts, served to a primary over a data-plane link.
+    Sidecar,
+}
+
+impl Role {
+    fn as_str(self) -> &'static str {
+        match self {
+            Role::Gateway => "gateway",
+            Role::Primary => "primary",
+            Role::Sidecar => "sidecar",
+        }
+    }
+}
+
+/// The data-plane link between a primary and its sidecar process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum Link {
+    /// TCP, between hosts or on one host.
+    Tcp,
+    /// Shared-memory rings, on one host.
+    Shm,
+    /// NCCL, GPU to GPU (the primary on one GPU, the sidecar on another).
+    Nccl,
+}
+
+impl Link {
+    fn as_str(self) -> &'static str {
+        match self {
+            Link::Tcp => "tcp",
+            Link::Shm => "shm",
+            Link::Nccl => "nccl",
+        }
+    }
+}
+
+/// `serve --device`, refused: it meant the primary's device there and the sidecar's in
+/// `lane`, so it now names one thing only (`lane`'s sidecar device).
+fn device_renamed(_: &str) -> std::result::Result<String, String> {
+    Err(
+        "serve's --device is now --primary-device (the primary's device); the sidecar's is \
+         --sidecar-device"
+            .into(),
+    )
 }
 
 #[derive(Subcommand)]
@@ -41,16 +154,16 @@ enum Cmd {
     /// model.safetensors, rowmap.json fitted on English) and print its routing figures.
     Gen {
         /// tiny (tests: seconds to make and load) or mini (serving default: 384 experts, 6 picked, 295 hot)
-        #[arg(long, default_value = "mini")]
+        #[arg(long, default_value = "mini", value_parser = ["tiny", "mini"], env = "MOELANE_GEN_PRESET")]
         preset: String,
         /// Seed: everything written is a deterministic function of it.
-        #[arg(long, default_value_t = 1)]
+        #[arg(long, default_value_t = 1, env = "MOELANE_GEN_SEED")]
         seed: u64,
         /// Output directory (created).
-        #[arg(long)]
+        #[arg(long, env = "MOELANE_GEN_OUT")]
         out: PathBuf,
         /// Length of the greedy answers used to check that generation does not collapse.
-        #[arg(long, default_value_t = 400)]
+        #[arg(long, default_value_t = 400, env = "MOELANE_GEN_ANSWER_LEN")]
         answer_len: usize,
     },
     /// Serve the embedded default: gateway, primary and sidecar in one process on 127.0.0.1.
@@ -66,22 +179,35 @@ enum Cmd {
         #[arg(long, env = "MOELANE_LISTEN", default_value = "127.0.0.1:8000")]
         listen: String,
         /// Model name clients use (default: the checkpoint directory's name).
-        #[arg(long)]
+        #[arg(long, env = "MOELANE_SERVED_MODEL_NAME")]
         served_model_name: Option<String>,
         /// KV cache capacity in tokens.
-        #[arg(long, default_value_t = 65536)]
+        #[arg(long, default_value_t = 65536, env = "MOELANE_KV_TOKENS")]
         kv_tokens: usize,
         /// Most sequences decoded together.
-        #[arg(long, default_value_t = 64)]
+        #[arg(long, default_value_t = 64, env = "MOELANE_MAX_RUNNING")]
         max_running: usize,
-        /// Where the sidecar computes the cold experts: cpu or cuda:N (needs a build with
-        /// --features cuda).
-        #[arg(long, default_value = "cpu")]
-        sidecar_device: String,
+        /// Where the sidecar computes the cold experts: cpu or cuda:N (cuda:N needs a build
+        /// with --features cuda).
+        #[arg(
+            long,
+            default_value = "cpu",
+            value_name = "cpu|cuda:N",
+            env = "MOELANE_SIDECAR_DEVICE"
+        )]
+        sidecar_device: Device,
         /// Where the primary computes (attention, router, hot experts, KV cache): cpu or
-        /// cuda:N (needs a build with --features cuda).
-        #[arg(long, default_value = "cpu")]
-        device: String,
+        /// cuda:N (cuda:N needs a build with --features cuda).
+        #[arg(
+            long,
+            default_value = "cpu",
+            value_name = "cpu|cuda:N",
+            env = "MOELANE_PRIMARY_DEVICE"
+        )]
+        primary_device: Device,
+        /// Refused with the new names (was the primary's device).
+        #[arg(long = "device", hide = true, value_name = "DEVICE", value_parser = device_renamed)]
+        old_device: Option<String>,
         #[command(flatten)]
         residency: ResidencyArgs,
     },
@@ -91,19 +217,33 @@ enum Cmd {
     /// swapper could reach (1 / (1 - wait share)); optionally dump the raw pick counts.
     Status {
         /// The primary's gRPC URL.
-        #[arg(long, default_value = "http://127.0.0.1:50051")]
+        #[arg(
+            long,
+            default_value = "http://127.0.0.1:50051",
+            env = "MOELANE_PRIMARY"
+        )]
         primary: String,
         /// Write per-layer, per-expert pick counts here (input of `moelane refit`).
-        #[arg(long)]
+        #[arg(long, env = "MOELANE_COUNTS_OUT")]
         counts_out: Option<PathBuf>,
     },
     /// Move experts between tiers on a running lane, through the two-phase epoch protocol.
     Swap {
         /// The primary's gRPC URL.
-        #[arg(long, default_value = "http://127.0.0.1:50051")]
+        #[arg(
+            long,
+            default_value = "http://127.0.0.1:50051",
+            env = "MOELANE_PRIMARY"
+        )]
         primary: String,
-        /// A move as LAYER:EXPERT:hot|cold (repeat for one batch of moves).
-        #[arg(long = "move", required = true)]
+        /// A move as LAYER:EXPERT:hot|cold (repeat for one batch of moves; in the environment,
+        /// comma-separated).
+        #[arg(
+            long = "move",
+            required = true,
+            env = "MOELANE_MOVE",
+            value_delimiter = ','
+        )]
         moves: Vec<String>,
     },
     /// Offline refit: per layer, the top --hot experts by count become hot; experts that stay
@@ -111,15 +251,16 @@ enum Cmd {
     /// before and after; writes the new map (epoch + 1) atomically.
     Refit {
         /// Counts file from `moelane status --counts-out`.
-        #[arg(long)]
+        #[arg(long, env = "MOELANE_REFIT_COUNTS")]
         counts: PathBuf,
         /// The map the counts were taken under.
-        #[arg(long)]
+        #[arg(long, env = "MOELANE_REFIT_MAP")]
         map: PathBuf,
         /// Hot experts per layer in the new map.
-        #[arg(long)]
+        #[arg(long, env = "MOELANE_REFIT_HOT")]
         hot: usize,
-        #[arg(long)]
+        /// Where the new map is written.
+        #[arg(long, env = "MOELANE_REFIT_OUT")]
         out: PathBuf,
     },
     /// Benchmarks.
@@ -133,42 +274,43 @@ enum Cmd {
 #[derive(clap::Args, serde::Deserialize, Default, Debug, Clone)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
 struct ResidencyArgs {
-    /// Move experts between tiers while serving, following the traffic.
-    #[arg(long)]
+    /// Move experts between tiers while serving, following the traffic (in the environment:
+    /// true/false, 1/0, yes/no or on/off, as for every switch).
+    #[arg(long, env = "MOELANE_ADAPTIVE", action = clap::ArgAction::SetTrue, value_parser = clap::builder::BoolishValueParser::new())]
     #[serde(default)]
     adaptive: bool,
     /// Log what adaptive residency would move, without moving.
-    #[arg(long)]
+    #[arg(long, env = "MOELANE_DRY_RUN", action = clap::ArgAction::SetTrue, value_parser = clap::builder::BoolishValueParser::new())]
     #[serde(default)]
     dry_run: bool,
     /// Milliseconds between decisions.
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = 1000, env = "MOELANE_RESIDENCY_INTERVAL_MS")]
     #[serde(default)]
     residency_interval_ms: u64,
     /// Half-life of the decayed pick rates, seconds.
-    #[arg(long, default_value_t = 10.0)]
+    #[arg(long, default_value_t = 10.0, env = "MOELANE_HALF_LIFE_S")]
     #[serde(default)]
     half_life_s: f64,
     /// Hysteresis: a cold expert must beat a hot one by this factor.
-    #[arg(long, default_value_t = 0.25)]
+    #[arg(long, default_value_t = 0.25, env = "MOELANE_MARGIN")]
     #[serde(default)]
     margin: f64,
     /// Skip decisions while the wait share of step time is under this fraction.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, env = "MOELANE_MIN_WAIT_SHARE")]
     #[serde(default)]
     min_wait_share: f64,
     /// Most experts moved to hot per layer per decision.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, env = "MOELANE_MOVES_PER_LAYER")]
     #[serde(default)]
     moves_per_layer: usize,
     /// Seconds both tiers have to PREPARE a swap (load and verify its experts) before it is
     /// aborted.
-    #[arg(long, default_value_t = 30.0)]
+    #[arg(long, default_value_t = 30.0, env = "MOELANE_PREPARE_TIMEOUT_S")]
     #[serde(default)]
     prepare_timeout_s: f64,
     /// Spare expert slots per layer on each tier: the most experts one swap batch moves into a
     /// tier's layer (manual swaps beyond it are refused; adaptive moves are capped by it).
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, env = "MOELANE_SPARE_SLOTS")]
     #[serde(default)]
     spare_slots: usize,
 }
@@ -199,69 +341,83 @@ struct LaneArgs {
     #[command(flatten)]
     #[serde(default)]
     residency: ResidencyArgs,
-    /// gateway, primary or sidecar
-    #[arg(long)]
-    role: Option<String>,
-    /// TOML file with any of these keys (role, model, map, listen, lane, sidecar, link, data, shm-dir, kv-tokens, ...; residency flags in a [residency] table); flags override it.
-    #[arg(long)]
+    /// The role this process runs.
+    #[arg(long, env = "MOELANE_ROLE")]
+    role: Option<Role>,
+    /// TOML file with any of these keys (role, model, map, listen, lane, sidecar, link, data, shm-dir, kv-tokens, max-running, primary-device, sidecar-device, ...; residency flags in a [residency] table); flags and environment variables override it.
+    #[arg(long, env = "MOELANE_CONFIG")]
     #[serde(skip)]
     config: Option<PathBuf>,
     /// Checkpoint directory (all roles: the gateway reads its tokenizer, template and config).
-    #[arg(long)]
+    #[arg(long, env = "MOELANE_MODEL")]
     model: Option<PathBuf>,
     /// Rowmap JSON (primary, sidecar).
-    #[arg(long)]
+    #[arg(long, env = "MOELANE_MAP")]
     map: Option<PathBuf>,
     /// Address to serve on: HTTP for the gateway (default 127.0.0.1:8000), gRPC for the primary
     /// (default 127.0.0.1:50051) and the sidecar's control API (default 127.0.0.1:50061).
-    #[arg(long)]
+    #[arg(long, env = "MOELANE_LISTEN")]
     listen: Option<String>,
-    /// Gateway: a primary's gRPC URL (repeat for several lanes).
-    #[arg(long)]
+    /// Gateway: a primary's gRPC URL (repeat for several lanes; in the environment,
+    /// comma-separated).
+    #[arg(long, env = "MOELANE_LANE", value_delimiter = ',')]
     #[serde(default)]
     lane: Vec<String>,
     /// Primary: the sidecar's control URL (none: the sidecar runs in this process).
-    #[arg(long)]
+    #[arg(long, env = "MOELANE_SIDECAR")]
     sidecar: Option<String>,
-    /// Primary: data-plane link to the sidecar: tcp, shm, or nccl (GPU to GPU; needs
-    /// --primary-device cuda:N here and the sidecar on another GPU, --device cuda:M; the
-    /// communicator's id travels over the control channel).
-    #[arg(long)]
-    link: Option<String>,
+    /// Primary: data-plane link to the sidecar process (default tcp). nccl carries activations
+    /// GPU to GPU: the primary on one (--primary-device cuda:N here), the sidecar on another
+    /// (--sidecar-device cuda:M there); the communicator's id travels over the control channel.
+    #[arg(long, env = "MOELANE_LINK")]
+    link: Option<Link>,
     /// Sidecar: TCP data-plane listener address (default 127.0.0.1:0).
-    #[arg(long)]
+    #[arg(long, env = "MOELANE_DATA")]
     data: Option<String>,
     /// Sidecar: directory of shared-memory mappings (default /dev/shm).
-    #[arg(long)]
+    #[arg(long, env = "MOELANE_SHM_DIR")]
     shm_dir: Option<PathBuf>,
     /// Sidecar: bytes per shared-memory ring (default 64 MiB).
-    #[arg(long)]
+    #[arg(long, env = "MOELANE_SHM_BYTES")]
     shm_bytes: Option<u64>,
     /// Primary: KV cache capacity in tokens (default 65536).
-    #[arg(long)]
+    #[arg(long, env = "MOELANE_KV_TOKENS")]
     kv_tokens: Option<usize>,
+    /// Primary: most sequences decoded together (default 64).
+    #[arg(long, env = "MOELANE_MAX_RUNNING")]
+    max_running: Option<usize>,
     /// Primary: seconds to wait for a sidecar reply before failing the step (default 30).
-    #[arg(long)]
+    #[arg(long, env = "MOELANE_LINK_TIMEOUT")]
     link_timeout: Option<f64>,
     /// Gateway: the model name clients use.
-    #[arg(long)]
+    #[arg(long, env = "MOELANE_SERVED_MODEL_NAME")]
     served_model_name: Option<String>,
     /// Primary, sidecar: address of the Prometheus page (GET /metrics; the gateway serves it on
     /// its own listener). Default 127.0.0.1:0 (printed at start): set a fixed one to scrape.
-    #[arg(long)]
+    #[arg(long, env = "MOELANE_METRICS_LISTEN")]
     metrics_listen: Option<String>,
-    /// Sidecar (and a primary's in-process sidecar): where cold experts are computed, cpu or
-    /// cuda:N (needs a build with --features cuda).
-    #[arg(long)]
-    device: Option<String>,
+    /// Sidecar (and a primary's in-process sidecar): where the cold experts are computed, cpu
+    /// or cuda:N (cuda:N needs a build with --features cuda; default cpu). Also spelled
+    /// --device (`device` in TOML).
+    #[arg(
+        long,
+        alias = "device",
+        value_name = "cpu|cuda:N",
+        env = "MOELANE_SIDECAR_DEVICE"
+    )]
+    #[serde(alias = "device")]
+    sidecar_device: Option<Device>,
     /// Primary: where it computes (attention, router, hot experts, KV cache), cpu or cuda:N
-    /// (needs a build with --features cuda).
-    #[arg(long)]
-    primary_device: Option<String>,
+    /// (cuda:N needs a build with --features cuda; default cpu).
+    #[arg(long, value_name = "cpu|cuda:N", env = "MOELANE_PRIMARY_DEVICE")]
+    primary_device: Option<Device>,
 }
 
 impl LaneArgs {
-    fn merged(mut self) -> Result<LaneArgs> {
+    /// Fills what neither a flag nor an environment variable gave from the `--config` file.
+    /// `matches`: the `lane` subcommand's parsed flags, to tell the residency flags given from
+    /// their defaults.
+    fn merged(mut self, matches: Option<&clap::ArgMatches>) -> Result<LaneArgs> {
         let Some(path) = self.config.clone() else {
             return Ok(self);
         };
@@ -273,14 +429,18 @@ impl LaneArgs {
         let table: toml::Table = toml::from_str(&text)
             .with_context(|| format!("{}: invalid lane config", path.display()))?;
         if let Some(res) = table.get("residency").and_then(|v| v.as_table()) {
-            let on_command_line = |id: &str| {
-                LANE_MATCHES.get().is_some_and(|m| {
-                    m.value_source(id) == Some(clap::parser::ValueSource::CommandLine)
+            use clap::parser::ValueSource;
+            let given = |id: &str| {
+                matches.is_some_and(|m| {
+                    matches!(
+                        m.value_source(id),
+                        Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+                    )
                 })
             };
             macro_rules! take { ($($k:ident),*) => { $(
                 let key = stringify!($k).replace('_', "-");
-                if res.contains_key(&key) && !on_command_line(stringify!($k)) {
+                if res.contains_key(&key) && !given(stringify!($k)) {
                     self.residency.$k = f.residency.$k.clone();
                 }
             )* } }
@@ -309,10 +469,11 @@ impl LaneArgs {
             shm_dir,
             shm_bytes,
             kv_tokens,
+            max_running,
             link_timeout,
             served_model_name,
             metrics_listen,
-            device
+            sidecar_device
         );
         if self.lane.is_empty() {
             self.lane = f.lane;
@@ -326,11 +487,32 @@ async fn wait_for_signal() {
     tracing::info!("shutting down");
 }
 
-/// The `lane` subcommand's parsed flags, to tell flags given from defaults when a TOML file
-/// fills in.
-static LANE_MATCHES: std::sync::OnceLock<clap::ArgMatches> = std::sync::OnceLock::new();
+/// Runs the command; a failure prints one line (the error and its causes, no backtrace).
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("moelane: error: {}", one_line(&e));
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
 
-fn main() -> Result<()> {
+/// An error and its causes on one line, each cause once (many errors already say their
+/// cause in their own message).
+fn one_line(e: &anyhow::Error) -> String {
+    let mut line = e.to_string();
+    for cause in e.chain().skip(1) {
+        let c = cause.to_string();
+        if !line.contains(&c) {
+            line.push_str(": ");
+            line.push_str(&c);
+        }
+    }
+    line.replace('\n', " ")
+}
+
+fn run() -> Result<()> {
     use clap::{CommandFactory, FromArgMatches};
     // NCCL's NVLink multicast (NVLS) is never needed by the point-to-point link, and on
     // shared hosts it can take the GPUs out of service: off unless set explicitly. Set before
@@ -340,9 +522,7 @@ fn main() -> Result<()> {
     }
     let matches = Cli::command().get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
-    if let Some(m) = matches.subcommand_matches("lane") {
-        let _ = LANE_MATCHES.set(m.clone());
-    }
+    let lane_matches = matches.subcommand_matches("lane").cloned();
     if matches!(
         cli.cmd,
         Cmd::Serve { .. } | Cmd::Lane(_) | Cmd::Status { .. } | Cmd::Swap { .. }
@@ -352,7 +532,7 @@ fn main() -> Result<()> {
             .enable_all()
             .build()?;
         let fmt = cli.log_format;
-        return rt.block_on(run_async(cli.cmd, fmt));
+        return rt.block_on(run_async(cli.cmd, fmt, lane_matches));
     }
     match cli.cmd {
         Cmd::Gen {
@@ -374,7 +554,13 @@ fn main() -> Result<()> {
                 t0.elapsed().as_secs_f64()
             );
             let t1 = Instant::now();
+            let pb = moelane_engine::load::progress(
+                1,
+                "{spinner} measuring the routing of {msg} ({elapsed})",
+                out.display().to_string(),
+            );
             let report = figures::measure(&out, p.hot, answer_len)?;
+            pb.finish_and_clear();
             print!("{}", report.table());
             let rp = out.join("moelane_gen_report.json");
             std::fs::write(&rp, serde_json::to_vec_pretty(&report)?)?;
@@ -417,19 +603,23 @@ async fn metrics_on(listen: Option<&str>) -> Result<()> {
     Ok(())
 }
 
-async fn run_async(cmd: Cmd, log_format: moelane_telemetry::LogFormat) -> Result<()> {
+async fn run_async(
+    cmd: Cmd,
+    log_format: moelane_telemetry::LogFormat,
+    lane_matches: Option<clap::ArgMatches>,
+) -> Result<()> {
     match &cmd {
         Cmd::Serve { .. } => moelane_telemetry::init("lane", log_format),
-        Cmd::Lane(a) => moelane_telemetry::init(a.role.as_deref().unwrap_or("lane"), log_format),
+        Cmd::Lane(a) => moelane_telemetry::init(a.role.map_or("lane", Role::as_str), log_format),
         _ => {}
     }
     moelane_residency_actor::failpoint::init();
-    let r = run_cmd(cmd).await;
+    let r = run_cmd(cmd, lane_matches.as_ref()).await;
     moelane_telemetry::shutdown();
     r
 }
 
-async fn run_cmd(cmd: Cmd) -> Result<()> {
+async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()> {
     match cmd {
         Cmd::Serve {
             model,
@@ -439,7 +629,8 @@ async fn run_cmd(cmd: Cmd) -> Result<()> {
             kv_tokens,
             max_running,
             sidecar_device,
-            device,
+            primary_device,
+            old_device: _,
             residency,
         } => {
             let model = match model {
@@ -455,8 +646,8 @@ async fn run_cmd(cmd: Cmd) -> Result<()> {
                 adaptive: residency.options(),
                 prepare_timeout: residency.prepare_timeout(),
                 spare_slots: residency.spare_slots.max(1),
-                sidecar_device: sidecar_device.clone(),
-                primary_device: device.clone(),
+                sidecar_device: sidecar_device.to_string(),
+                primary_device: primary_device.to_string(),
                 sched: moelane_gb300_worker::scheduler::SchedulerConfig {
                     max_running,
                     ..Default::default()
@@ -484,14 +675,14 @@ async fn run_cmd(cmd: Cmd) -> Result<()> {
             drop(primary);
         }
         Cmd::Lane(args) => {
-            let a = (*args).merged()?;
+            let a = (*args).merged(lane_matches)?;
             let role = a
                 .role
-                .clone()
                 .context("--role is required (gateway, primary or sidecar)")?;
             let model = a.model.clone().context("--model is required")?;
-            match role.as_str() {
-                "sidecar" => {
+            let sidecar_device = a.sidecar_device.unwrap_or(Device::Cpu).to_string();
+            match role {
+                Role::Sidecar => {
                     let o = moelane_rtx_worker::SidecarOptions {
                         model,
                         map: a.map.clone(),
@@ -501,7 +692,7 @@ async fn run_cmd(cmd: Cmd) -> Result<()> {
                             .clone()
                             .unwrap_or_else(moelane_rtx_worker::default_shm_dir),
                         shm_cap: a.shm_bytes.unwrap_or(64 << 20),
-                        device: a.device.clone().unwrap_or_else(|| "cpu".into()),
+                        device: sidecar_device,
                     };
                     let (c, d) =
                         roles::start_sidecar(&o, a.listen.as_deref().unwrap_or("127.0.0.1:50061"))
@@ -513,11 +704,11 @@ async fn run_cmd(cmd: Cmd) -> Result<()> {
                     }
                     wait_for_signal().await;
                 }
-                "primary" => {
+                Role::Primary => {
                     let cold = match &a.sidecar {
                         Some(url) => ColdLink::Remote {
                             control: url.clone(),
-                            link: a.link.clone().unwrap_or_else(|| "tcp".into()),
+                            link: a.link.unwrap_or(Link::Tcp).as_str().into(),
                         },
                         None => ColdLink::InProcess,
                     };
@@ -532,9 +723,12 @@ async fn run_cmd(cmd: Cmd) -> Result<()> {
                         adaptive: a.residency.options(),
                         prepare_timeout: a.residency.prepare_timeout(),
                         spare_slots: a.residency.spare_slots.max(1),
-                        sidecar_device: a.device.clone().unwrap_or_else(|| "cpu".into()),
-                        primary_device: a.primary_device.clone().unwrap_or_else(|| "cpu".into()),
-                        sched: Default::default(),
+                        sidecar_device,
+                        primary_device: a.primary_device.unwrap_or(Device::Cpu).to_string(),
+                        sched: moelane_gb300_worker::scheduler::SchedulerConfig {
+                            max_running: a.max_running.unwrap_or(64),
+                            ..Default::default()
+                        },
                     };
                     let primary = roles::start_primary(&opts).await?;
                     let link = primary.link.clone();
@@ -548,7 +742,7 @@ async fn run_cmd(cmd: Cmd) -> Result<()> {
                     wait_for_signal().await;
                     drop(primary);
                 }
-                "gateway" => {
+                Role::Gateway => {
                     let g = roles::start_gateway(&GatewayOptions {
                         model,
                         lanes: a.lane.clone(),
@@ -560,7 +754,6 @@ async fn run_cmd(cmd: Cmd) -> Result<()> {
                     println!("moelane: gateway listening on http://{g}/v1");
                     wait_for_signal().await;
                 }
-                other => bail!("--role {other:?}: choose gateway, primary or sidecar"),
             }
         }
         Cmd::Status {
@@ -571,4 +764,254 @@ async fn run_cmd(cmd: Cmd) -> Result<()> {
         _ => bail!("internal: synchronous command dispatched asynchronously"),
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+    use std::collections::{BTreeMap, BTreeSet};
+
+    /// Tests that read or set `MOELANE_*` variables hold this (the environment is the process's).
+    static ENV: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    /// (command path, long flag, env var) of every argument, `bench` left out.
+    fn args() -> Vec<(String, String, Option<String>, bool)> {
+        fn walk(
+            c: &clap::Command,
+            path: &str,
+            out: &mut Vec<(String, String, Option<String>, bool)>,
+        ) {
+            for a in c.get_arguments() {
+                let Some(long) = a.get_long() else { continue };
+                if matches!(long, "help" | "version") {
+                    continue;
+                }
+                let env = a.get_env().map(|e| e.to_string_lossy().to_string());
+                out.push((path.into(), long.into(), env, a.is_hide_set()));
+            }
+            for s in c.get_subcommands() {
+                if s.get_name() != "bench" {
+                    walk(s, &format!("{path} {}", s.get_name()), out);
+                }
+            }
+        }
+        let mut out = Vec::new();
+        let mut c = Cli::command();
+        c.build();
+        walk(&c, "moelane", &mut out);
+        out
+    }
+
+    #[test]
+    fn every_flag_has_one_moelane_env_var_and_one_meaning() {
+        let all = args();
+        assert!(
+            all.len() > 40,
+            "{} flags: the walk missed commands",
+            all.len()
+        );
+        let mut flags_of_env: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        for (cmd, long, env, hidden) in &all {
+            if *hidden {
+                continue; // refusals of old spellings: nothing to set
+            }
+            let env = env
+                .as_ref()
+                .unwrap_or_else(|| panic!("{cmd} --{long} has no environment variable"));
+            assert!(env.starts_with("MOELANE_"), "{cmd} --{long}: {env}");
+            flags_of_env
+                .entry(env.clone())
+                .or_default()
+                .insert(long.clone());
+        }
+        for (env, flags) in &flags_of_env {
+            assert_eq!(flags.len(), 1, "{env} sets several flags: {flags:?}");
+        }
+        // a flag that serve and lane both take reads the same variable in both
+        let of = |cmd: &str| -> BTreeMap<String, Option<String>> {
+            all.iter()
+                .filter(|a| a.0 == cmd && !a.3)
+                .map(|a| (a.1.clone(), a.2.clone()))
+                .collect()
+        };
+        let (serve, lane) = (of("moelane serve"), of("moelane lane"));
+        for (long, env) in &serve {
+            if let Some(e) = lane.get(long) {
+                assert_eq!(e, env, "--{long}");
+            }
+        }
+        // the device flags have one name each, in both commands; --max-running in both
+        for f in [
+            "primary-device",
+            "sidecar-device",
+            "max-running",
+            "kv-tokens",
+        ] {
+            assert!(serve.contains_key(f) && lane.contains_key(f), "--{f}");
+        }
+    }
+
+    fn parse(argv: &[&str]) -> std::result::Result<(Cli, clap::ArgMatches), clap::Error> {
+        use clap::FromArgMatches;
+        let m = Cli::command().try_get_matches_from(argv)?;
+        Ok((Cli::from_arg_matches(&m)?, m))
+    }
+
+    fn lane(argv: &[&str]) -> (LaneArgs, clap::ArgMatches) {
+        let mut v = vec!["moelane", "lane"];
+        v.extend(argv);
+        let (cli, m) = parse(&v).unwrap();
+        let Cmd::Lane(a) = cli.cmd else {
+            panic!("not lane")
+        };
+        (*a, m.subcommand_matches("lane").unwrap().clone())
+    }
+
+    #[test]
+    fn devices_are_cpu_or_cuda_n_only() {
+        assert_eq!("cpu".parse::<Device>(), Ok(Device::Cpu));
+        for bad in [
+            "gpu0", "cuda", "cuda:", "cuda:x", "cuda:+1", "CPU", "cuda:0 ", "",
+        ] {
+            assert!(bad.parse::<Device>().is_err(), "{bad:?}");
+        }
+        let c = "cuda:3".parse::<Device>();
+        if cfg!(feature = "cuda") {
+            assert_eq!(c, Ok(Device::Cuda(3)));
+            assert_eq!(Device::Cuda(3).to_string(), "cuda:3");
+        } else {
+            assert!(c.unwrap_err().contains("without CUDA"));
+        }
+        // the help lists what is accepted
+        let mut cmd = Cli::command();
+        let help = cmd
+            .find_subcommand_mut("serve")
+            .unwrap()
+            .render_long_help()
+            .to_string();
+        assert!(help.contains("--primary-device <cpu|cuda:N>"), "{help}");
+    }
+
+    #[test]
+    fn device_means_the_sidecar_in_lane_and_is_refused_by_serve() {
+        let _g = ENV.lock().unwrap_or_else(|p| p.into_inner());
+        let (a, _) = lane(&["--role", "primary", "--device", "cpu"]);
+        assert_eq!(
+            (a.sidecar_device, a.primary_device),
+            (Some(Device::Cpu), None)
+        );
+        let (a, _) = lane(&["--primary-device", "cpu", "--sidecar-device", "cpu"]);
+        assert_eq!(a.primary_device, Some(Device::Cpu));
+        let e = parse(&["moelane", "serve", "--device", "cpu"])
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("--primary-device"), "{e}");
+        let (cli, _) = parse(&["moelane", "serve", "--primary-device", "cpu"]).unwrap();
+        assert!(matches!(
+            cli.cmd,
+            Cmd::Serve {
+                primary_device: Device::Cpu,
+                sidecar_device: Device::Cpu,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn roles_and_links_are_enums() {
+        let _g = ENV.lock().unwrap_or_else(|p| p.into_inner());
+        let (a, _) = lane(&["--role", "sidecar", "--link", "shm"]);
+        assert_eq!((a.role, a.link), (Some(Role::Sidecar), Some(Link::Shm)));
+        for bad in [["--role", "primry"], ["--link", "udp"]] {
+            let mut v = vec!["moelane", "lane"];
+            v.extend(bad);
+            let e = parse(&v).err().unwrap();
+            assert_eq!(e.kind(), clap::error::ErrorKind::InvalidValue, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn environment_sets_flags_and_the_command_line_wins() {
+        let _g = ENV.lock().unwrap_or_else(|p| p.into_inner());
+        let vars = [
+            ("MOELANE_ROLE", "primary"),
+            ("MOELANE_MAX_RUNNING", "7"),
+            ("MOELANE_KV_TOKENS", "4096"),
+            ("MOELANE_LANE", "http://a:1,http://b:2"),
+            ("MOELANE_SIDECAR_DEVICE", "cpu"),
+            ("MOELANE_ADAPTIVE", "1"),
+            ("MOELANE_MARGIN", "0.5"),
+            ("MOELANE_LINK", "shm"),
+        ];
+        for (k, v) in vars {
+            std::env::set_var(k, v);
+        }
+        let got = std::panic::catch_unwind(|| {
+            let (a, m) = lane(&["--kv-tokens", "8192"]);
+            assert_eq!(a.role, Some(Role::Primary));
+            assert_eq!(a.max_running, Some(7));
+            assert_eq!(a.kv_tokens, Some(8192), "the flag wins");
+            assert_eq!(a.lane, ["http://a:1", "http://b:2"]);
+            assert_eq!(a.sidecar_device, Some(Device::Cpu));
+            assert_eq!(a.link, Some(Link::Shm));
+            assert!(a.residency.adaptive);
+            assert_eq!(a.residency.margin, 0.5);
+            // a config file fills only what neither gave
+            let dir = std::env::temp_dir().join(format!("moelane-cli-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            let f = dir.join("lane.toml");
+            std::fs::write(
+                &f,
+                "role = \"sidecar\"\nmax-running = 9\nshm-bytes = 4096\ndevice = \"cpu\"\n\
+                 [residency]\nmargin = 0.75\nspare-slots = 3\n",
+            )
+            .unwrap();
+            let (a, m2) = lane(&["--config", f.to_str().unwrap()]);
+            let a = a.merged(Some(&m2)).unwrap();
+            assert_eq!(
+                a.role,
+                Some(Role::Primary),
+                "the environment beats the file"
+            );
+            assert_eq!(a.max_running, Some(7));
+            assert_eq!(a.shm_bytes, Some(4096), "the file fills the rest");
+            assert_eq!(a.residency.margin, 0.5);
+            assert_eq!(a.residency.spare_slots, 3);
+            let _ = std::fs::remove_dir_all(&dir);
+            drop(m);
+            // serve reads the same variables
+            let (cli, _) = parse(&["moelane", "serve"]).unwrap();
+            let Cmd::Serve {
+                max_running,
+                kv_tokens,
+                residency,
+                ..
+            } = cli.cmd
+            else {
+                panic!("not serve")
+            };
+            assert_eq!((max_running, kv_tokens), (7, 4096));
+            assert!(residency.adaptive);
+            // a bad value names the flag
+            std::env::set_var("MOELANE_MAX_RUNNING", "many");
+            let e = parse(&["moelane", "serve"]).err().unwrap().to_string();
+            assert!(e.contains("--max-running"), "{e}");
+        });
+        for (k, _) in vars {
+            std::env::remove_var(k);
+        }
+        got.unwrap();
+    }
+
+    #[test]
+    fn an_error_is_one_line_with_each_cause_once() {
+        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "gone");
+        let e = anyhow::Error::new(io)
+            .context("reading x: gone")
+            .context("starting");
+        assert_eq!(one_line(&e), "starting: reading x: gone");
+        let e = anyhow::anyhow!("two\nlines");
+        assert_eq!(one_line(&e), "two lines");
+    }
 }

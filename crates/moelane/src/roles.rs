@@ -318,7 +318,7 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
             if kind == "nccl" && nccl.is_none() {
                 bail!(
                     "--link nccl carries activations between two GPUs: put the primary on one \
-                     (--primary-device cuda:N) and the sidecar on another (--device cuda:M)"
+                     (--primary-device cuda:N) and the sidecar on another (--sidecar-device cuda:M)"
                 );
             }
             let client = SidecarClient::connect(control.clone())

@@ -1,6 +1,6 @@
 //! The embedded lane on a GPU (feature `cuda`; skips, saying why, where there is no CUDA
 //! device): its sidecar on the GPU (`--sidecar-device cuda:0`) under the fitted map and an
-//! all-cold map; the primary on the GPU (`--device cuda:0`) with the sidecar on the CPU; both
+//! all-cold map; the primary on the GPU (`--primary-device cuda:0`) with the sidecar on the CPU; both
 //! tiers on one GPU. Greedy answers of 50 prompts (five languages), served through the
 //! gateway, against the CPU-only lane. The GPU sums in another order than the CPU, so a near-tie can
 //! flip a greedy pick: the test reports k/50 identical and requires nearly all.
@@ -39,15 +39,20 @@ fn gpu_sidecar_matches_the_cpu_lane() {
         ("fitted map", vec!["--sidecar-device", "cuda:0"]),
         (
             "primary on the GPU, sidecar on the CPU",
-            vec!["--device", "cuda:0"],
+            vec!["--primary-device", "cuda:0"],
         ),
         (
             "both tiers on one GPU",
-            vec!["--device", "cuda:0", "--sidecar-device", "cuda:0"],
+            vec!["--primary-device", "cuda:0", "--sidecar-device", "cuda:0"],
         ),
         (
             "primary on the GPU, all-cold map on the CPU",
-            vec!["--device", "cuda:0", "--map", cold_path.to_str().unwrap()],
+            vec![
+                "--primary-device",
+                "cuda:0",
+                "--map",
+                cold_path.to_str().unwrap(),
+            ],
         ),
         (
             "all-cold map",
@@ -103,7 +108,7 @@ fn nccl_lane_on_two_gpus_matches_the_cpu_lane_and_swaps_losslessly() {
     let want = answers(&[]);
     let (procs, gw, purl) = two_process_lane_with(
         "nccl",
-        &["--device", "cuda:1"],
+        &["--sidecar-device", "cuda:1"],
         &["--primary-device", "cuda:0"],
         &[],
     );

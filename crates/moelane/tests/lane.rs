@@ -306,9 +306,9 @@ fn toml_config_carries_residency_settings_and_flags_override_them() {
 fn bad_primary_device_is_refused_by_name() {
     // a device that is not cpu or cuda:N, and (in a build without CUDA) a GPU, are refused
     // at start with the flag's value in the error; nothing is served
-    let mut cases = vec![(vec!["--device", "gpu0"], "gpu0")];
+    let mut cases = vec![(vec!["--primary-device", "gpu0"], "gpu0")];
     if !cfg!(feature = "cuda") {
-        cases.push((vec!["--device", "cuda:0"], "without CUDA"));
+        cases.push((vec!["--primary-device", "cuda:0"], "without CUDA"));
     }
     for (args, want) in cases {
         let mut a = vec!["serve", "--model"];
