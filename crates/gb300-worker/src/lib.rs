@@ -4,6 +4,7 @@
 //! server exposes it to gateways (proto/lane.proto).
 
 pub mod scheduler;
+pub mod sidecar_client;
 
 use std::sync::mpsc;
 use std::thread::JoinHandle;

@@ -19,7 +19,8 @@ use moelane_gb300_worker::PrimaryHandle;
 use moelane_gb300_worker::PrimaryParticipant;
 use moelane_proto::control::sidecar_client::SidecarClient;
 use moelane_residency_actor::{Participant, Residency};
-use moelane_rtx_worker::{InProcessCore, LocalSidecar, RemoteSidecar, SidecarCore, SidecarOptions};
+use moelane_gb300_worker::sidecar_client::{OnLink, RemoteSidecar};
+use moelane_rtx_worker::{InProcessCore, LocalSidecar, SidecarCore, SidecarOptions};
 use moelane_text::chat::ChatTemplate;
 use moelane_text::tokenizer::Tokenizer;
 
@@ -326,7 +327,7 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
                 .with_context(|| format!("connecting to the sidecar at {control}"))?;
             let slot = Arc::new(std::sync::Mutex::new(None));
             let (slot2, timeout) = (slot.clone(), o.link_timeout);
-            let on_link: moelane_rtx_worker::OnLink = Arc::new(move |rep| {
+            let on_link: OnLink = Arc::new(move |rep| {
                 let t = open_link(kind, &rep.endpoint, timeout, nccl)?;
                 // a poisoned slot held a link in an unknown state: it is replaced either way
                 *slot2.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);

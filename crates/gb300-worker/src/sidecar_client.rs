@@ -1,0 +1,145 @@
+//! The primary's client of a sidecar process: REGISTER under a fencing token (and the data
+//! link that REGISTER answers with), and the swap protocol's messages as the coordinator's
+//! [`Participant`] for that tier. A status from the sidecar keeps its category as the
+//! swap step's fault.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use moelane_engine::rowmap::Rowmap;
+use moelane_proto::control::*;
+use moelane_proto::Category;
+use moelane_residency_actor::{Participant, SwapError};
+use tonic::Status;
+
+/// A gRPC status from the sidecar as a swap step's failure, keeping its category.
+pub fn swap_error(s: &Status, at: &str) -> SwapError {
+    let fault = moelane_engine::error::Fault::from_name(Category::of(s).as_str());
+    SwapError::new(fault, format!("{at}: {}", s.message()))
+}
+
+/// Installs a data link that REGISTER answered with (the primary opens it).
+pub type OnLink = Arc<dyn Fn(&RegisterReply) -> Result<(), SwapError> + Send + Sync>;
+
+/// A sidecar process, driven over its control API.
+pub struct RemoteSidecar {
+    pub client: moelane_proto::control::sidecar_client::SidecarClient<tonic::transport::Channel>,
+    pub model: String,
+    /// The fencing token of this coordinator's registration: fresh at every primary start,
+    /// and raised at every REGISTER, so that a late REGISTER (or anything sent under an older
+    /// one) is refused.
+    pub incarnation: Arc<AtomicU64>,
+    /// The data link to reopen on resync ("tcp"/"shm").
+    pub link: String,
+    pub on_link: Option<OnLink>,
+}
+
+impl RemoteSidecar {
+    fn inc(&self) -> u64 {
+        self.incarnation.load(Ordering::SeqCst)
+    }
+
+    /// REGISTER under a new token: the sidecar adopts `map` and opens a data link of
+    /// `self.link`.
+    pub async fn register(&self, map: &Rowmap) -> Result<RegisterReply, Status> {
+        // above our last token and above whatever the sidecar obeys now (a predecessor of
+        // this process, or a clock that stepped back)
+        let theirs = match self.client.clone().health(SidecarHealthRequest {}).await {
+            Ok(h) => h.into_inner().incarnation,
+            Err(_) => 0,
+        };
+        let token = self.inc().max(theirs) + 1;
+        self.incarnation.store(token, Ordering::SeqCst);
+        let rowmap_json = map
+            .to_json()
+            .map_err(|e| Category::Internal.status(e.to_string()))?;
+        self.client
+            .clone()
+            .register(RegisterRequest {
+                model: self.model.clone(),
+                link: self.link.clone(),
+                map_epoch: map.epoch,
+                rowmap_json,
+                incarnation: token,
+            })
+            .await
+            .map(|r| r.into_inner())
+    }
+}
+
+impl Participant for RemoteSidecar {
+    fn name(&self) -> &'static str {
+        "sidecar"
+    }
+    fn prepare<'a>(
+        &'a self,
+        base: u64,
+        next: &'a Rowmap,
+        incoming: Vec<moelane_engine::swap::Incoming>,
+    ) -> futures::future::BoxFuture<'a, Result<(), SwapError>> {
+        let mut c = self.client.clone();
+        Box::pin(async move {
+            let rowmap_json = next
+                .to_json()
+                .map_err(|e| SwapError::internal(e.to_string()))?;
+            let incoming = incoming
+                .into_iter()
+                .map(|(l, e, checksum)| Staged {
+                    layer: l as u32,
+                    expert: e as u32,
+                    checksum,
+                })
+                .collect();
+            c.prepare(moelane_telemetry::request(PrepareRequest {
+                epoch: next.epoch,
+                rowmap_json,
+                incoming,
+                base_epoch: base,
+                incarnation: self.inc(),
+            }))
+            .await
+            .map(|_| ())
+            .map_err(|s| swap_error(&s, "sidecar PREPARE"))
+        })
+    }
+    fn release(&self, epoch: u64) -> futures::future::BoxFuture<'_, Result<(), SwapError>> {
+        let mut c = self.client.clone();
+        Box::pin(async move {
+            c.release(moelane_telemetry::request(ReleaseRequest {
+                epoch,
+                incarnation: self.inc(),
+            }))
+            .await
+            .map(|_| ())
+            .map_err(|s| swap_error(&s, "sidecar RELEASE"))
+        })
+    }
+    fn abort(&self, epoch: u64) -> futures::future::BoxFuture<'_, Result<(), SwapError>> {
+        let mut c = self.client.clone();
+        Box::pin(async move {
+            c.abort(moelane_telemetry::request(AbortRequest {
+                epoch,
+                incarnation: self.inc(),
+            }))
+            .await
+            .map(|_| ())
+            .map_err(|s| swap_error(&s, "sidecar ABORT"))
+        })
+    }
+    fn resync<'a>(
+        &'a self,
+        map: &'a Rowmap,
+    ) -> futures::future::BoxFuture<'a, Result<u64, SwapError>> {
+        Box::pin(async move {
+            let rep = self
+                .register(map)
+                .await
+                .map_err(|s| swap_error(&s, "the sidecar refused registration"))?;
+            if let Some(f) = &self.on_link {
+                f(&rep).map_err(|e| e.context("opening the data link"))?;
+            }
+            Ok(rep.highest_epoch)
+        })
+    }
+}
+

@@ -1,0 +1,326 @@
+//! The sidecar's control plane: one kameo actor owns the control state (REGISTER, health,
+//! stats, map loads) and a tonic service answers the control API (proto/control.proto),
+//! PREPARE, RELEASE and ABORT included, with the failure's category in every status.
+
+use super::*;
+use moelane_proto::control::sidecar_server::Sidecar;
+
+/// The sidecar actor: owns the control state.
+#[derive(Actor)]
+pub struct SidecarActor {
+    pub(crate) core: Arc<SidecarCore>,
+    pub(crate) ckpt_dir: PathBuf,
+    /// Address of the TCP data listener, when one was started.
+    pub(crate) tcp_data: Option<SocketAddr>,
+    pub(crate) shm_dir: PathBuf,
+    pub(crate) shm_cap: u64,
+    pub(crate) shm_count: u64,
+    /// Stops the NCCL link's thread of the last registration (a new one replaces it).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) nccl_stop: Option<Arc<std::sync::atomic::AtomicBool>>,
+}
+
+pub struct RegisterMsg(pub RegisterRequest);
+pub struct HealthMsg;
+pub struct StatsMsg;
+pub struct LoadMapMsg(pub String);
+
+impl Message<RegisterMsg> for SidecarActor {
+    type Reply = Result<RegisterReply, Status>;
+    async fn handle(
+        &mut self,
+        RegisterMsg(r): RegisterMsg,
+        _: &mut Context<Self, Self::Reply>,
+    ) -> Self::Reply {
+        if r.model != self.core.model {
+            return Err(Category::BadRequest.status(format!(
+                "primary serves model {:?}, this sidecar holds {:?}",
+                r.model, self.core.model
+            )));
+        }
+        let map = if r.rowmap_json.is_empty() {
+            None
+        } else {
+            let m = Rowmap::from_json(&r.rowmap_json)
+                .map_err(|e| Category::BadRequest.status(e.to_string()))?;
+            let st = self
+                .core
+                .state
+                .read()
+                .map_err(|_| Category::Internal.status("state poisoned"))?;
+            let (layers, experts) = (st.map.layers(), st.map.experts());
+            drop(st);
+            Some(
+                m.validate(&self.core.model, layers, experts, None)
+                    .map_err(|e| Category::BadRequest.status(e.to_string()))?,
+            )
+        };
+        if map.is_none() && r.map_epoch != self.core.epoch() {
+            return Err(Category::EpochMismatch.status(format!(
+                "primary is on map epoch {}, this sidecar on {}",
+                r.map_epoch,
+                self.core.epoch()
+            )));
+        }
+        let core = self.core.clone();
+        let inc = r.incarnation;
+        let highest_epoch = tokio::task::spawn_blocking(move || core.register(inc, map))
+            .await
+            .map_err(|e| Category::Internal.status(e.to_string()))?
+            .map_err(swap_status)?;
+        let epoch = self.core.epoch();
+        let cold = {
+            let st = self
+                .core
+                .state
+                .read()
+                .map_err(|_| Category::Internal.status("state poisoned"))?;
+            (0..st.bank.layers())
+                .map(|l| st.bank.resident(l))
+                .sum::<usize>() as u32
+        };
+        let endpoint = match r.link.as_str() {
+            "tcp" => self.tcp_data.map(|a| a.to_string()).ok_or_else(|| {
+                Category::BadRequest
+                    .status("this sidecar has no TCP data listener (start it with --data ADDR)")
+            })?,
+            "shm" => {
+                self.shm_count += 1;
+                let path =
+                    self.shm_dir
+                        .join(format!("moelane-{}-{}", std::process::id(), self.shm_count));
+                moelane_link::shm::serve(&path, self.shm_cap, self.core.clone())
+                    .map_err(|e| Category::Unavailable.status(e.to_string()))?;
+                path.display().to_string()
+            }
+            "nccl" => self.open_nccl()?,
+            "" => String::new(),
+            other => {
+                return Err(Category::BadRequest
+                    .status(format!("unknown link kind {other:?} (tcp, shm or nccl)")))
+            }
+        };
+        Ok(RegisterReply {
+            link: r.link,
+            endpoint,
+            map_epoch: epoch,
+            cold_experts: cold,
+            highest_epoch,
+        })
+    }
+}
+
+impl SidecarActor {
+    /// A new NCCL communicator for a registering primary: its id (the REGISTER reply's
+    /// endpoint) and a thread that joins it as rank 1 and serves requests; the link of an
+    /// earlier registration is closed.
+    #[cfg(feature = "cuda")]
+    fn open_nccl(&mut self) -> Result<String, Status> {
+        let ordinal = self.core.device.ordinal().ok_or_else(|| {
+            Category::BadRequest
+                .status("the nccl link needs the sidecar on a GPU (start it with --device cuda:N)")
+        })?;
+        if let Some(s) = self.nccl_stop.take() {
+            s.store(true, Ordering::Release);
+        }
+        let id = moelane_link::nccl::NcclId::new()
+            .map_err(|e| Category::Unavailable.status(e.to_string()))?;
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        moelane_link::nccl::serve(
+            ordinal,
+            id,
+            self.core.clone(),
+            stop.clone(),
+            std::time::Duration::from_secs(60),
+        )
+        .map_err(|e| Category::Unavailable.status(e.to_string()))?;
+        self.nccl_stop = Some(stop);
+        Ok(id.to_hex())
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn open_nccl(&mut self) -> Result<String, Status> {
+        Err(Category::BadRequest
+            .status("this sidecar was built without CUDA: the nccl link needs --features cuda"))
+    }
+}
+
+impl Message<HealthMsg> for SidecarActor {
+    type Reply = Result<SidecarHealthReply, Status>;
+    async fn handle(&mut self, _: HealthMsg, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        let staged = self.core.staged();
+        Ok(SidecarHealthReply {
+            ok: true,
+            model: self.core.model.clone(),
+            map_epoch: self.core.epoch(),
+            staged: staged.is_some(),
+            staged_epoch: staged.unwrap_or(0),
+            incarnation: self
+                .core
+                .state
+                .read()
+                .map(|s| s.epochs.incarnation)
+                .unwrap_or(0),
+        })
+    }
+}
+
+impl Message<StatsMsg> for SidecarActor {
+    type Reply = Result<SidecarStatsReply, Status>;
+    async fn handle(&mut self, _: StatsMsg, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        let c = &self.core;
+        Ok(SidecarStatsReply {
+            requests: c.requests.load(Ordering::Relaxed),
+            picks: c.picks.load(Ordering::Relaxed),
+            compute_ns: c.compute_ns.load(Ordering::Relaxed),
+            bytes_in: c.bytes_in.load(Ordering::Relaxed),
+            bytes_out: c.bytes_out.load(Ordering::Relaxed),
+        })
+    }
+}
+
+impl Message<LoadMapMsg> for SidecarActor {
+    type Reply = Result<LoadMapReply, Status>;
+    async fn handle(
+        &mut self,
+        LoadMapMsg(json): LoadMapMsg,
+        _: &mut Context<Self, Self::Reply>,
+    ) -> Self::Reply {
+        let bad = |e: String| Category::BadRequest.status(e);
+        let map: Rowmap = serde_json_from(&json).map_err(bad)?;
+        let ckpt = Checkpoint::open(&self.ckpt_dir)
+            .map_err(|e| Category::Internal.status(e.to_string()))?;
+        let c = &ckpt.config;
+        let valid = map
+            .validate(&ckpt.id, c.moe_layers().len(), c.num_experts, None)
+            .map_err(|e| bad(e.to_string()))?;
+        let bank = ExpertBank::load(&ckpt, &valid, Tier::Cold, &c.moe_layers(), None)
+            .map_err(|e| Category::Internal.status(e.to_string()))?;
+        let mut st = self
+            .core
+            .state
+            .write()
+            .map_err(|_| Category::Internal.status("state poisoned"))?;
+        let mut epochs = TierEpochs::new(valid.epoch());
+        epochs.incarnation = st.epochs.incarnation;
+        epochs.floor = st.epochs.highest().max(valid.epoch());
+        *st = ColdState {
+            bank,
+            epochs,
+            map: valid.clone(),
+            next: None,
+        };
+        self.core.device.mirror(&st.bank).map_err(engine_status)?;
+        Ok(LoadMapReply {
+            map_epoch: valid.epoch(),
+        })
+    }
+}
+
+fn serde_json_from(s: &str) -> Result<Rowmap, String> {
+    moelane_engine::rowmap::Rowmap::from_json(s).map_err(|e| e.to_string())
+}
+
+/// The tonic face of the actor.
+pub struct SidecarService {
+    pub(crate) actor: ActorRef<SidecarActor>,
+    pub(crate) core: Arc<SidecarCore>,
+}
+
+/// Flattens an ask: the handler's own status, or the actor's failure as Unavailable.
+fn flat<T, M>(r: Result<T, kameo::error::SendError<M, Status>>) -> Result<Response<T>, Status> {
+    match r {
+        Ok(v) => Ok(Response::new(v)),
+        Err(kameo::error::SendError::HandlerError(s)) => Err(s),
+        Err(e) => Err(Category::Unavailable.status(format!("sidecar actor: {e}"))),
+    }
+}
+
+#[tonic::async_trait]
+impl Sidecar for SidecarService {
+    async fn register(
+        &self,
+        r: Request<RegisterRequest>,
+    ) -> Result<Response<RegisterReply>, Status> {
+        flat(self.actor.ask(RegisterMsg(r.into_inner())).await)
+    }
+    async fn health(
+        &self,
+        _: Request<SidecarHealthRequest>,
+    ) -> Result<Response<SidecarHealthReply>, Status> {
+        flat(self.actor.ask(HealthMsg).await)
+    }
+    async fn stats(
+        &self,
+        _: Request<SidecarStatsRequest>,
+    ) -> Result<Response<SidecarStatsReply>, Status> {
+        flat(self.actor.ask(StatsMsg).await)
+    }
+    async fn load_map(&self, r: Request<LoadMapRequest>) -> Result<Response<LoadMapReply>, Status> {
+        flat(self.actor.ask(LoadMapMsg(r.into_inner().rowmap_json)).await)
+    }
+    async fn prepare(&self, r: Request<PrepareRequest>) -> Result<Response<PrepareReply>, Status> {
+        let span = tracing::info_span!(
+            "sidecar PREPARE",
+            otel.kind = "server",
+            moelane.epoch = r.get_ref().epoch,
+            moelane.experts_in = r.get_ref().incoming.len()
+        );
+        moelane_telemetry::adopt(&span, r.metadata());
+        let r = r.into_inner();
+        let next = Rowmap::from_json(&r.rowmap_json)
+            .map_err(|e| Category::BadRequest.status(e.to_string()))?;
+        if next.epoch != r.epoch {
+            return Err(Category::BadRequest.status(format!(
+                "PREPARE epoch {} but the map says {}",
+                r.epoch, next.epoch
+            )));
+        }
+        let incoming: Vec<_> = r
+            .incoming
+            .iter()
+            .map(|s| (s.layer as usize, s.expert as usize, s.checksum))
+            .collect();
+        let core = self.core.clone();
+        let (inc, base) = (r.incarnation, r.base_epoch);
+        let epoch = tokio::task::spawn_blocking(move || {
+            let _g = span.entered();
+            core.prepare(inc, base, next, &incoming)
+        })
+        .await
+        .map_err(|e| Category::Internal.status(e.to_string()))?
+        .map_err(swap_status)?;
+        moelane_residency_actor::failpoint::hit("sidecar.on-prepare");
+        Ok(Response::new(PrepareReply { epoch }))
+    }
+    async fn release(&self, r: Request<ReleaseRequest>) -> Result<Response<ReleaseReply>, Status> {
+        moelane_residency_actor::failpoint::hit("sidecar.on-release");
+        let span = tracing::info_span!(
+            "sidecar RELEASE",
+            otel.kind = "server",
+            moelane.epoch = r.get_ref().epoch
+        );
+        moelane_telemetry::adopt(&span, r.metadata());
+        let _g = span.enter();
+        let r = r.into_inner();
+        let epoch = self
+            .core
+            .release(r.incarnation, r.epoch)
+            .map_err(swap_status)?;
+        Ok(Response::new(ReleaseReply { epoch }))
+    }
+    async fn abort(&self, r: Request<AbortRequest>) -> Result<Response<AbortReply>, Status> {
+        let span = tracing::info_span!(
+            "sidecar ABORT",
+            otel.kind = "server",
+            moelane.epoch = r.get_ref().epoch
+        );
+        moelane_telemetry::adopt(&span, r.metadata());
+        let _g = span.enter();
+        let r = r.into_inner();
+        self.core
+            .abort(r.incarnation, r.epoch)
+            .map_err(swap_status)?;
+        Ok(Response::new(AbortReply {}))
+    }
+}
