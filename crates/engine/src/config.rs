@@ -214,14 +214,14 @@ impl ModelConfig {
                 return bad(field, v, "must be positive");
             }
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
             return bad(
                 "num_key_value_heads",
                 self.num_key_value_heads,
                 "must divide num_attention_heads",
             );
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return bad("head_dim", self.head_dim, "must be even for RoPE");
         }
         if self.num_experts_per_tok > self.num_experts {
@@ -264,7 +264,7 @@ impl ModelConfig {
 
     /// Whether decoder layer `l` is a sparse MoE layer (as Hugging Face decides it).
     pub fn is_moe_layer(&self, l: usize) -> bool {
-        !self.mlp_only_layers.contains(&l) && (l + 1) % self.decoder_sparse_step == 0
+        !self.mlp_only_layers.contains(&l) && (l + 1).is_multiple_of(self.decoder_sparse_step)
     }
 
     /// Indices of the MoE layers, in order; the rowmap's layer `i` is `moe_layers()[i]`.

@@ -394,7 +394,7 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
         d if d.starts_with("cuda:") => {
             let n: usize = d[5..]
                 .parse()
-                .map_err(|_| anyhow::anyhow!("--device {d:?}: expected cpu or cuda:N"))?;
+                .map_err(|_| anyhow::anyhow!("--primary-device {d:?}: expected cpu or cuda:N"))?;
             let gpu = moelane_engine::cuda::Gpu::open(n)?;
             let dense = moelane_engine::model::DenseWeights::load(&ckpt)?;
             let g = moelane_engine::cuda_model::GpuModel::new(
@@ -409,9 +409,9 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
         }
         #[cfg(not(feature = "cuda"))]
         d if d.starts_with("cuda:") => anyhow::bail!(
-            "--device {d}: this moelane was built without CUDA (build with --features cuda)"
+            "--primary-device {d}: this moelane was built without CUDA (build with --features cuda)"
         ),
-        d => anyhow::bail!("--device {d:?}: expected cpu or cuda:N"),
+        d => anyhow::bail!("--primary-device {d:?}: expected cpu or cuda:N"),
     }
     let id = ckpt.id.clone();
     let handle = moelane_gb300_worker::start(engine, id.clone(), eos, o.sched.clone());

@@ -71,6 +71,49 @@ fn gpu_sidecar_matches_the_cpu_lane() {
     }
 }
 
+/// On one device the design promises bitwise identity whatever the map: every pick's output
+/// is computed by the same kernels in the same order whichever tier holds the expert, and the
+/// combine runs in router-rank order. So the lane with every expert hot on the GPU, the fitted
+/// map with the sidecar on the same GPU, and every expert cold there give the same 50 answers.
+/// (Across devices, GPU against CPU above, sums run in another order: the design promises
+/// agreement to rounding there, not bitwise.)
+#[test]
+fn one_gpu_answers_do_not_depend_on_the_map() {
+    if let Err(e) = moelane_engine::cuda::Gpu::open(0) {
+        eprintln!("SKIP one-GPU map parity: {e}");
+        return;
+    }
+    let map = moelane_engine::rowmap::Rowmap::read(&tiny().join("rowmap.json")).unwrap();
+    let (mut hot, mut cold) = (map.clone(), map.clone());
+    for l in &mut hot.layers {
+        let mut all = std::mem::take(&mut l.hot);
+        all.append(&mut l.cold);
+        l.hot = all;
+    }
+    for l in &mut cold.layers {
+        let mut all = std::mem::take(&mut l.hot);
+        all.append(&mut l.cold);
+        l.cold = all;
+    }
+    let dir = std::env::temp_dir().join(format!("moelane-gpu-maps-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (hot_path, cold_path) = (dir.join("all-hot.json"), dir.join("all-cold.json"));
+    hot.write_atomic(&hot_path).unwrap();
+    cold.write_atomic(&cold_path).unwrap();
+    let gpu = ["--primary-device", "cuda:0", "--sidecar-device", "cuda:0"];
+    let with_map = |p: &std::path::Path| {
+        let mut v = gpu.to_vec();
+        v.extend(["--map", p.to_str().unwrap()]);
+        answers(&v)
+    };
+    let want = with_map(&hot_path);
+    for (name, got) in [("fitted map", answers(&gpu)), ("all-cold map", with_map(&cold_path))] {
+        let same = got.iter().zip(&want).filter(|(a, b)| a == b).count();
+        eprintln!("one GPU, {name}: {same}/50 greedy answers identical to every expert hot");
+        assert_eq!(same, 50, "{name}: only {same}/50 identical on one GPU");
+    }
+}
+
 #[test]
 fn nccl_link_needs_the_primary_on_a_gpu() {
     // refused before anything connects, with the fix named (no GPU needed)

@@ -58,12 +58,12 @@ impl Device {
             .or((spec == "cuda").then_some("0"))
         else {
             return Err(moelane_engine::Error::Invalid(format!(
-                "--device {spec:?}: choose cpu or cuda:N"
+                "--sidecar-device {spec:?}: choose cpu or cuda:N"
             )));
         };
         let ordinal: usize = n.parse().map_err(|_| {
             moelane_engine::Error::Invalid(format!(
-                "--device {spec:?}: N in cuda:N must be a number"
+                "--sidecar-device {spec:?}: N in cuda:N must be a number"
             ))
         })?;
         Self::open_gpu(ordinal, bank)
@@ -253,7 +253,7 @@ impl ColdService for SidecarCore {
         if self.device.ordinal() != Some(ordinal) {
             return None;
         }
-        if h == 0 || acts_len % h != 0 || req.picks.len() * h > out_len {
+        if h == 0 || !acts_len.is_multiple_of(h) || req.picks.len() * h > out_len {
             return Some(Err(moelane_engine::Error::Invalid(format!(
                 "{acts_len} activation floats and {} picks do not fit rows of {h} ({out_len} floats of room)",
                 req.picks.len()

@@ -20,7 +20,7 @@ impl GpuModel {
     ) -> Result<()> {
         if n <= 4 {
             let (o, i, ni) = (out_dim as i32, in_dim as i32, n as i32);
-            let v4 = (in_dim % 4 == 0) as i32;
+            let v4 = in_dim.is_multiple_of(4) as i32;
             let (pf, pre) = (self.prefetch as i32, self.preload as i32);
             let mut b = kargs![&w, &x, &y, &o, &i, &ni, &beta, &v4, &pf, &pre];
             // SAFETY: as below; n <= 4 rows.
@@ -112,7 +112,7 @@ impl GpuModel {
         }
         let (o, i, ni) = (out_dim as i32, in_dim as i32, n as i32);
         let eps = self.cfg.rms_norm_eps;
-        let v4 = (in_dim % 4 == 0) as i32;
+        let v4 = in_dim.is_multiple_of(4) as i32;
         let (pf, pre) = (self.prefetch as i32, self.preload as i32);
         let mut b = kargs![&w, &x, &nw, &h, &y, &o, &i, &ni, &eps, &v4, &pf, &pre];
         // SAFETY: w holds out*in floats, x and h n rows of in, nw in, y n rows of out.

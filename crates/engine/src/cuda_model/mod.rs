@@ -549,7 +549,7 @@ impl GpuModel {
         kv_blocks: usize,
         opts: GpuOptions,
     ) -> Result<Self> {
-        if cfg.head_dim > 128 || cfg.head_dim % 2 != 0 {
+        if cfg.head_dim > 128 || !cfg.head_dim.is_multiple_of(2) {
             return Err(Error::Gpu(format!(
                 "head_dim {} is not supported on the GPU (even, at most 128)",
                 cfg.head_dim

@@ -49,7 +49,7 @@ impl GpuColdServer {
     ) -> Result<usize> {
         self.check_epoch(req)?;
         let h = self.experts.hidden().max(1);
-        if acts_len % h != 0 || req.picks.len() * h > out_len {
+        if !acts_len.is_multiple_of(h) || req.picks.len() * h > out_len {
             return Err(Error::Invalid(format!(
                 "{acts_len} activation floats and {} picks do not fit rows of {h} ({out_len} floats of room)",
                 req.picks.len()
