@@ -214,7 +214,10 @@ impl ModelConfig {
                 return bad(field, v, "must be positive");
             }
         }
-        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
+        if !self
+            .num_attention_heads
+            .is_multiple_of(self.num_key_value_heads)
+        {
             return bad(
                 "num_key_value_heads",
                 self.num_key_value_heads,

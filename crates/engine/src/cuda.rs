@@ -397,7 +397,10 @@ impl GpuExperts {
         let (hi, ii, ni, one) = (self.hidden as i32, self.inter as i32, n as i32, 1i32);
         // the picks of several rows may share an expert: each block checks that it leads
         let zero = 0i32;
-        let (v_up, v_dn) = (self.hidden.is_multiple_of(4) as i32, self.inter.is_multiple_of(4) as i32);
+        let (v_up, v_dn) = (
+            self.hidden.is_multiple_of(4) as i32,
+            self.inter.is_multiple_of(4) as i32,
+        );
         let (acts, rows, ids, layer) = (ptrs[0], ptrs[1], ptrs[2], ptrs[3] as usize);
         let Some((gt, dt)) = self.tables.get(&layer) else {
             return Err(Error::Gpu(format!(

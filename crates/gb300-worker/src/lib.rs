@@ -3,6 +3,7 @@
 //! sidecar. A kameo actor fronts the scheduler thread (which owns the engine); a tonic
 //! server exposes it to gateways (proto/lane.proto).
 
+pub mod links;
 pub mod scheduler;
 pub mod sidecar_client;
 

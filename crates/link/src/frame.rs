@@ -242,8 +242,8 @@ mod tests {
             other => panic!("{other:?}"),
         }
         // an older sidecar's error (status 1, no fault byte) reads as Unavailable
-        let mut old = buf[..28].to_vec();
-        old[24] = 1;
+        let mut old = buf[..24].to_vec();
+        old.push(1);
         old.extend_from_slice(&3u32.to_le_bytes());
         old.extend_from_slice(b"old");
         match decode_reply(&old, &mut r) {

@@ -107,7 +107,10 @@ fn one_gpu_answers_do_not_depend_on_the_map() {
         answers(&v)
     };
     let want = with_map(&hot_path);
-    for (name, got) in [("fitted map", answers(&gpu)), ("all-cold map", with_map(&cold_path))] {
+    for (name, got) in [
+        ("fitted map", answers(&gpu)),
+        ("all-cold map", with_map(&cold_path)),
+    ] {
         let same = got.iter().zip(&want).filter(|(a, b)| a == b).count();
         eprintln!("one GPU, {name}: {same}/50 greedy answers identical to every expert hot");
         assert_eq!(same, 50, "{name}: only {same}/50 identical on one GPU");

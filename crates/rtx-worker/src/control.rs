@@ -117,8 +117,9 @@ impl SidecarActor {
     #[cfg(feature = "cuda")]
     fn open_nccl(&mut self) -> Result<String, Status> {
         let ordinal = self.core.device.ordinal().ok_or_else(|| {
-            Category::BadRequest
-                .status("the nccl link needs the sidecar on a GPU (start it with --sidecar-device cuda:N)")
+            Category::BadRequest.status(
+                "the nccl link needs the sidecar on a GPU (start it with --sidecar-device cuda:N)",
+            )
         })?;
         if let Some(s) = self.nccl_stop.take() {
             s.store(true, Ordering::Release);
