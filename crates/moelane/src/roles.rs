@@ -86,7 +86,6 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
     let any_cold = map.map.layers.iter().any(|l| !l.cold.is_empty());
     let mut sidecar: Option<Box<dyn Participant>> = None;
     let mut seen_epoch = 0;
-    let broken = Arc::new(tokio::sync::Notify::new());
     let mut relink = None;
     let mut probe = None;
     let (tier, link_name): (Option<Box<dyn RemoteTier>>, String) = match &o.cold {
@@ -107,73 +106,12 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
             )
         }
         ColdLink::Remote { control, link } => {
-            let kind: &'static str = match link.as_str() {
-                "tcp" => "tcp",
-                "shm" => "shm",
-                "nccl" if cfg!(feature = "cuda") => "nccl",
-                "nccl" => bail!(
-                    "--link nccl: this moelane was built without CUDA (build with --features cuda)"
-                ),
-                other => bail!("--link {other:?}: choose tcp, shm or nccl"),
-            };
-            let nccl = o
-                .primary_device
-                .strip_prefix("cuda:")
-                .and_then(|n| n.parse().ok())
-                .map(|ordinal| NcclEnd {
-                    ordinal,
-                    hidden: ckpt.config.hidden_size,
-                });
-            if kind == "nccl" && nccl.is_none() {
-                bail!(
-                    "--link nccl carries activations between two GPUs: put the primary on one \
-                     (--primary-device cuda:N) and the sidecar on another (--sidecar-device cuda:M)"
-                );
-            }
-            let client = SidecarClient::connect(control.clone())
-                .await
-                .with_context(|| format!("connecting to the sidecar at {control}"))?;
-            let slot = Arc::new(std::sync::Mutex::new(None));
-            let (slot2, timeout) = (slot.clone(), o.link_timeout);
-            let on_link: OnLink = Arc::new(move |rep| {
-                let t = open_link(kind, &rep.endpoint, timeout, nccl)?;
-                // a poisoned slot held a link in an unknown state: it is replaced either way
-                *slot2.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
-                Ok(())
-            });
-            let inc = Arc::new(std::sync::atomic::AtomicU64::new(incarnation()));
-            probe = Some((client.clone(), inc.clone()));
-            let remote = RemoteSidecar {
-                client,
-                model: ckpt.id.clone(),
-                incarnation: inc,
-                link: link.clone(),
-                on_link: Some(on_link.clone()),
-            };
-            let rep = remote
-                .register(&map.map)
-                .await
-                .map_err(|s| anyhow::anyhow!("sidecar refused registration: {}", s.message()))?;
-            on_link(&rep).map_err(|e| anyhow::anyhow!("opening the data link: {e}"))?;
-            seen_epoch = rep.highest_epoch;
-            sidecar = Some(Box::new(moelane_residency_actor::Faulty(Arc::new(remote))));
-            relink = Some(broken.clone());
-            let t = Relink {
-                slot,
-                broken: broken.clone(),
-                kind,
-            };
-            (
-                Some(Metered::wrap(Box::new(t))),
-                if kind == "nccl" {
-                    format!(
-                        "nccl (communicator {}..)",
-                        rep.endpoint.get(..16).unwrap_or("")
-                    )
-                } else {
-                    format!("{link} {}", rep.endpoint)
-                },
-            )
+            let r = connect_sidecar(o, &ckpt, &map, control, link).await?;
+            sidecar = Some(r.sidecar);
+            seen_epoch = r.seen_epoch;
+            relink = Some(r.broken);
+            probe = Some(r.probe);
+            (Some(r.tier), r.name)
         }
     };
     let eos = ckpt.config.eos_token_ids.clone();
@@ -196,31 +134,7 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
         },
         tier,
     )?;
-    match o.primary_device.as_str() {
-        "cpu" => {}
-        #[cfg(feature = "cuda")]
-        d if d.starts_with("cuda:") => {
-            let n: usize = d[5..]
-                .parse()
-                .map_err(|_| anyhow::anyhow!("--primary-device {d:?}: expected cpu or cuda:N"))?;
-            let gpu = moelane_engine::cuda::Gpu::open(n)?;
-            let dense = moelane_engine::model::DenseWeights::load(&ckpt)?;
-            let g = moelane_engine::cuda_model::GpuModel::new(
-                gpu,
-                &ckpt.config,
-                &dense,
-                engine.kv.blocks,
-            )?;
-            let desc = g.describe();
-            moelane_engine::cuda_model::attach_gpu(&mut engine, g, &dense)?;
-            println!("moelane: primary computes on {desc}");
-        }
-        #[cfg(not(feature = "cuda"))]
-        d if d.starts_with("cuda:") => anyhow::bail!(
-            "--primary-device {d}: this moelane was built without CUDA (build with --features cuda)"
-        ),
-        d => anyhow::bail!("--primary-device {d:?}: expected cpu or cuda:N"),
-    }
+    attach_primary_device(&mut engine, &ckpt, &o.primary_device)?;
     let id = ckpt.id.clone();
     let handle = moelane_gb300_worker::start(engine, id.clone(), eos, o.sched.clone());
     moelane_gb300_worker::register_metrics(handle.commands());
@@ -257,7 +171,162 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
         ));
     }
     let residency = Residency::spawn(res);
-    if let (Some((mut client, inc)), Some(broken)) = (probe, relink.clone()) {
+    if let (Some(probe), Some(broken)) = (probe, relink) {
+        supervise_link(&residency, probe, broken);
+    }
+    if let Some(a) = &o.adaptive {
+        drive_adaptive(&residency, a);
+    }
+    Ok(Primary {
+        handle,
+        link: link_name,
+        residency,
+    })
+}
+
+/// A sidecar process reached: its data link (supervised), its participant in the swap
+/// protocol, the highest epoch it has seen, and what the supervisors watch.
+struct RemoteLink {
+    tier: Box<dyn RemoteTier>,
+    name: String,
+    sidecar: Box<dyn Participant>,
+    seen_epoch: u64,
+    broken: Arc<tokio::sync::Notify>,
+    probe: (
+        SidecarClient<tonic::transport::Channel>,
+        Arc<std::sync::atomic::AtomicU64>,
+    ),
+}
+
+/// Connects to the sidecar process at `control`, registers under a fresh fencing token and
+/// opens the data link of kind `link` that the REGISTER answers with.
+async fn connect_sidecar(
+    o: &PrimaryOptions,
+    ckpt: &Checkpoint,
+    map: &moelane_engine::rowmap::ValidMap,
+    control: &str,
+    link: &str,
+) -> Result<RemoteLink> {
+    let kind: &'static str = match link {
+        "tcp" => "tcp",
+        "shm" => "shm",
+        "nccl" if cfg!(feature = "cuda") => "nccl",
+        "nccl" => {
+            bail!("--link nccl: this moelane was built without CUDA (build with --features cuda)")
+        }
+        other => bail!("--link {other:?}: choose tcp, shm or nccl"),
+    };
+    let nccl = o
+        .primary_device
+        .strip_prefix("cuda:")
+        .and_then(|n| n.parse().ok())
+        .map(|ordinal| NcclEnd {
+            ordinal,
+            hidden: ckpt.config.hidden_size,
+        });
+    if kind == "nccl" && nccl.is_none() {
+        bail!(
+            "--link nccl carries activations between two GPUs: put the primary on one \
+             (--primary-device cuda:N) and the sidecar on another (--sidecar-device cuda:M)"
+        );
+    }
+    let client = SidecarClient::connect(control.to_string())
+        .await
+        .with_context(|| format!("connecting to the sidecar at {control}"))?;
+    let slot = Arc::new(std::sync::Mutex::new(None));
+    let (slot2, timeout) = (slot.clone(), o.link_timeout);
+    let on_link: OnLink = Arc::new(move |rep| {
+        let t = open_link(kind, &rep.endpoint, timeout, nccl)?;
+        // a poisoned slot held a link in an unknown state: it is replaced either way
+        *slot2.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
+        Ok(())
+    });
+    let inc = Arc::new(std::sync::atomic::AtomicU64::new(incarnation()));
+    let (probe_client, probe_inc) = (client.clone(), inc.clone());
+    let remote = RemoteSidecar {
+        client,
+        model: ckpt.id.clone(),
+        incarnation: inc,
+        link: link.to_string(),
+        on_link: Some(on_link.clone()),
+    };
+    let rep = remote
+        .register(&map.map)
+        .await
+        .map_err(|s| anyhow::anyhow!("sidecar refused registration: {}", s.message()))?;
+    on_link(&rep).map_err(|e| anyhow::anyhow!("opening the data link: {e}"))?;
+    let broken = Arc::new(tokio::sync::Notify::new());
+    let t = Relink {
+        slot,
+        broken: broken.clone(),
+        kind,
+    };
+    Ok(RemoteLink {
+        tier: Metered::wrap(Box::new(t)),
+        sidecar: Box::new(moelane_residency_actor::Faulty(Arc::new(remote))),
+        seen_epoch: rep.highest_epoch,
+        broken,
+        probe: (probe_client, probe_inc),
+        name: if kind == "nccl" {
+            format!(
+                "nccl (communicator {}..)",
+                rep.endpoint.get(..16).unwrap_or("")
+            )
+        } else {
+            format!("{link} {}", rep.endpoint)
+        },
+    })
+}
+
+/// Moves the engine's steps onto the primary's device (`cpu` leaves them on the host).
+#[allow(unused_variables)]
+fn attach_primary_device(
+    engine: &mut moelane_engine::step::Engine,
+    ckpt: &Checkpoint,
+    device: &str,
+) -> Result<()> {
+    match device {
+        "cpu" => {}
+        #[cfg(feature = "cuda")]
+        d if d.starts_with("cuda:") => {
+            let n: usize = d[5..]
+                .parse()
+                .map_err(|_| anyhow::anyhow!("--primary-device {d:?}: expected cpu or cuda:N"))?;
+            let gpu = moelane_engine::cuda::Gpu::open(n)?;
+            let dense = moelane_engine::model::DenseWeights::load(ckpt)?;
+            let g = moelane_engine::cuda_model::GpuModel::new(
+                gpu,
+                &ckpt.config,
+                &dense,
+                engine.kv.blocks,
+            )?;
+            let desc = g.describe();
+            moelane_engine::cuda_model::attach_gpu(engine, g, &dense)?;
+            println!("moelane: primary computes on {desc}");
+        }
+        #[cfg(not(feature = "cuda"))]
+        d if d.starts_with("cuda:") => anyhow::bail!(
+            "--primary-device {d}: this moelane was built without CUDA (build with --features cuda)"
+        ),
+        d => anyhow::bail!("--primary-device {d:?}: expected cpu or cuda:N"),
+    }
+    Ok(())
+}
+
+/// The data link's supervisors: a sidecar that restarted (health answers another
+/// incarnation) or a failed link call wakes a loop that re-registers through the residency
+/// coordinator, with a bounded backoff, until the link is back.
+fn supervise_link(
+    residency: &ActorRef<Residency>,
+    probe: (
+        SidecarClient<tonic::transport::Channel>,
+        Arc<std::sync::atomic::AtomicU64>,
+    ),
+    broken: Arc<tokio::sync::Notify>,
+) {
+    let (mut client, inc) = probe;
+    {
+        let broken = broken.clone();
         // a sidecar that restarted answers health with another incarnation: re-register
         // before any request has to fail on it
         tokio::spawn(async move {
@@ -275,7 +344,7 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
             }
         });
     }
-    if let Some(broken) = relink {
+    {
         let r = residency.clone();
         tokio::spawn(async move {
             loop {
@@ -299,7 +368,11 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
             }
         });
     }
-    if let Some(a) = &o.adaptive {
+}
+
+/// Asks the residency coordinator for a decision every `a.interval` and logs what it did.
+fn drive_adaptive(residency: &ActorRef<Residency>, a: &AdaptiveOptions) {
+    {
         let (r, iv, dry) = (residency.clone(), a.interval, a.dry_run);
         tokio::spawn(async move {
             let mut t = tokio::time::interval(iv);
@@ -333,11 +406,6 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
             }
         });
     }
-    Ok(Primary {
-        handle,
-        link: link_name,
-        residency,
-    })
 }
 
 pub async fn bind(addr: &str) -> Result<tokio::net::TcpListener> {
