@@ -469,3 +469,6 @@ impl Scheduler {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

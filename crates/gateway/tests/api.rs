@@ -1,0 +1,344 @@
+//! The gateway's HTTP API against an in-process lane: a real primary (the `tiny` synthetic
+//! checkpoint, the scheduler thread and its tonic server on 127.0.0.1:0) reached through
+//! the gateway's gRPC [`GrpcLane`], and the gateway's router served on 127.0.0.1:0. Every
+//! wait has a deadline; nothing sleeps.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use kameo::actor::Spawn;
+use moelane_engine::load::{load_engine, EngineOptions};
+use moelane_gateway::lane::GrpcLane;
+use moelane_gateway::registry::{AddLane, Registry};
+use moelane_gateway::{router, AppState, GatewayConfig};
+use moelane_gb300_worker::scheduler::SchedulerConfig;
+use moelane_gb300_worker::PrimaryHandle;
+use moelane_text::chat::ChatTemplate;
+use moelane_text::tokenizer::Tokenizer;
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// The most any one exchange with the gateway may take.
+const DEADLINE: Duration = Duration::from_secs(20);
+
+/// The tiny checkpoint (seed 1), generated once per test binary.
+fn tiny() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let d = std::env::temp_dir().join(format!("moelane-gateway-test-{}", std::process::id()));
+        let p = moelane_engine::synth::Preset::by_name("tiny").expect("tiny preset");
+        moelane_engine::synth::generate(&p, 1, &d).expect("generate tiny");
+        d
+    })
+}
+
+/// A running primary on the tiny checkpoint; its gRPC URL.
+async fn primary() -> (PrimaryHandle, String) {
+    let dir = tiny();
+    let engine = load_engine(
+        dir,
+        None,
+        &EngineOptions {
+            kv_tokens: 4096,
+            progress: false,
+        },
+    )
+    .expect("load tiny");
+    let eos = engine.cfg.eos_token_ids.clone();
+    let handle =
+        moelane_gb300_worker::start(engine, "tiny".into(), eos, SchedulerConfig::default());
+    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", l.local_addr().expect("addr"));
+    tokio::spawn(moelane_gb300_worker::serve(l, handle.actor.clone(), None));
+    (handle, url)
+}
+
+/// A gateway over `lanes` (gRPC URLs); its host:port.
+async fn gateway(lanes: &[&str]) -> String {
+    let dir = tiny();
+    let registry = Registry::spawn(Registry::default());
+    for url in lanes {
+        let lane = GrpcLane::new(url).expect("lane url");
+        registry
+            .ask(AddLane(Arc::new(lane)))
+            .await
+            .expect("add lane");
+    }
+    let state = Arc::new(AppState::new(
+        GatewayConfig {
+            model_name: "tiny".into(),
+            max_context: 2048,
+            max_body: 1 << 20,
+            default_completion_tokens: 16,
+        },
+        Tokenizer::from_file(&dir.join("tokenizer.json")).expect("tokenizer"),
+        ChatTemplate::from_dir(dir).expect("template"),
+        registry,
+    ));
+    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = l.local_addr().expect("addr").to_string();
+    tokio::spawn(async move { axum::serve(l, router(state)).await });
+    addr
+}
+
+/// One HTTP/1.0 exchange: status and body (an HTTP/1.0 answer is never chunked; the body,
+/// an event stream included, runs until the server closes the connection).
+async fn http(addr: &str, method: &str, path: &str, body: &[u8]) -> (u16, String) {
+    tokio::time::timeout(DEADLINE, async {
+        let mut s = TcpStream::connect(addr).await.expect("connect");
+        let head = format!(
+            "{method} {path} HTTP/1.0\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n",
+            body.len()
+        );
+        s.write_all(head.as_bytes()).await.expect("write head");
+        s.write_all(body).await.expect("write body");
+        let mut raw = Vec::new();
+        s.read_to_end(&mut raw).await.expect("read");
+        let raw = String::from_utf8_lossy(&raw).into_owned();
+        let (head, body) = raw.split_once("\r\n\r\n").expect("end of headers");
+        assert!(
+            !head.to_ascii_lowercase().contains("transfer-encoding"),
+            "{head}"
+        );
+        let status = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .expect("status");
+        (status, body.to_string())
+    })
+    .await
+    .unwrap_or_else(|_| panic!("{method} {path}: no answer within {DEADLINE:?}"))
+}
+
+async fn post(addr: &str, path: &str, v: &Value) -> (u16, Value) {
+    let (st, body) = http(addr, "POST", path, v.to_string().as_bytes()).await;
+    (
+        st,
+        serde_json::from_str(&body).unwrap_or(Value::String(body)),
+    )
+}
+
+/// The `data:` payloads of a server-sent event stream, in order.
+fn sse_data(body: &str) -> Vec<String> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data:"))
+        .map(|d| d.trim().to_string())
+        .collect()
+}
+
+/// Asserts an OpenAI error object: `status`, `type`, and a message containing `says`.
+fn assert_error(status: u16, v: &Value, want_status: u16, kind: &str, says: &str) {
+    assert_eq!(status, want_status, "{v}");
+    let e = &v["error"];
+    assert_eq!(e["type"], kind, "{v}");
+    let msg = e["message"].as_str().unwrap_or_default();
+    assert!(msg.contains(says), "message {msg:?} should name {says:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_completion_joins_to_the_whole_one() {
+    let (_p, url) = primary().await;
+    let gw = gateway(&[&url]).await;
+    let prompt: String = moelane_engine::synth::prompts(0)[0]
+        .chars()
+        .take(40)
+        .collect();
+    let ask = json!({"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0});
+    let (st, whole) = post(&gw, "/v1/completions", &ask).await;
+    assert_eq!(st, 200, "{whole}");
+    assert_eq!(whole["object"], "text_completion");
+    let text = whole["choices"][0]["text"]
+        .as_str()
+        .expect("text")
+        .to_string();
+    let finish = whole["choices"][0]["finish_reason"].clone();
+    let completion = whole["usage"]["completion_tokens"].as_u64().expect("usage");
+    assert!((1..=12).contains(&completion), "{whole}");
+    assert!(!text.is_empty(), "{whole}");
+
+    let mut s = ask.clone();
+    s["stream"] = json!(true);
+    let (st, body) = http(&gw, "POST", "/v1/completions", s.to_string().as_bytes()).await;
+    assert_eq!(st, 200, "{body}");
+    let data = sse_data(&body);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{body}");
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).expect("chunk JSON"))
+        .collect();
+    let joined: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(joined, text, "streamed text differs from the whole");
+    assert_eq!(
+        chunks
+            .last()
+            .map(|c| c["choices"][0]["finish_reason"].clone()),
+        Some(finish)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_chat_completion_joins_to_the_whole_one() {
+    let (_p, url) = primary().await;
+    let gw = gateway(&[&url]).await;
+    let ask = json!({"model": "tiny", "messages": [{"role": "user", "content": "hello there"}],
+                     "max_tokens": 10, "temperature": 0});
+    let (st, whole) = post(&gw, "/v1/chat/completions", &ask).await;
+    assert_eq!(st, 200, "{whole}");
+    assert_eq!(whole["choices"][0]["message"]["role"], "assistant");
+    let text = whole["choices"][0]["message"]["content"]
+        .as_str()
+        .expect("content")
+        .to_string();
+    let mut s = ask.clone();
+    s["stream"] = json!(true);
+    let (st, body) = http(
+        &gw,
+        "POST",
+        "/v1/chat/completions",
+        s.to_string().as_bytes(),
+    )
+    .await;
+    assert_eq!(st, 200, "{body}");
+    let data = sse_data(&body);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{body}");
+    let joined: String = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str::<Value>(d).expect("chunk JSON"))
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(String::from)
+        })
+        .collect();
+    assert_eq!(joined, text);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_bodies_are_400_with_an_openai_error_naming_the_fault() {
+    let (_p, url) = primary().await;
+    let gw = gateway(&[&url]).await;
+    let (st, body) = http(&gw, "POST", "/v1/completions", b"{\"model\": \"tiny\", ").await;
+    let v: Value = serde_json::from_str(&body).expect("error JSON");
+    assert_error(st, &v, 400, "invalid_request_error", "malformed JSON");
+
+    for (req, param) in [
+        (
+            json!({"model": "tiny", "prompt": "hi", "temperature": 5}),
+            "temperature",
+        ),
+        (
+            json!({"model": "tiny", "prompt": "hi", "top_p": 0}),
+            "top_p",
+        ),
+        (
+            json!({"model": "tiny", "prompt": "hi", "max_tokens": -3}),
+            "max_tokens",
+        ),
+        (json!({"model": "tiny"}), "prompt"),
+        (json!({"prompt": "hi"}), "model"),
+        (
+            json!({"model": "tiny", "prompt": "hi", "stream": "yes"}),
+            "stream",
+        ),
+    ] {
+        let (st, v) = post(&gw, "/v1/completions", &req).await;
+        assert_error(st, &v, 400, "invalid_request_error", param);
+        assert_eq!(v["error"]["param"], param, "{req} -> {v}");
+    }
+    let (st, v) = post(
+        &gw,
+        "/v1/chat/completions",
+        &json!({"model": "tiny", "messages": []}),
+    )
+    .await;
+    assert_error(st, &v, 400, "invalid_request_error", "messages");
+    // a model the gateway does not serve
+    let (st, v) = post(
+        &gw,
+        "/v1/completions",
+        &json!({"model": "gpt-9", "prompt": "hi"}),
+    )
+    .await;
+    assert_error(st, &v, 404, "invalid_request_error", "gpt-9");
+    assert_eq!(v["error"]["code"], "model_not_found");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_route_is_404() {
+    let gw = gateway(&[]).await;
+    let (st, body) = http(&gw, "GET", "/v2/nothing", b"").await;
+    let v: Value = serde_json::from_str(&body).expect("error JSON");
+    assert_error(st, &v, 404, "invalid_request_error", "/v2/nothing");
+    assert_eq!(v["error"]["code"], "not_found");
+    // a known path with the wrong method is not answered as a completion either
+    let (st, _) = http(&gw, "GET", "/v1/completions", b"").await;
+    assert_eq!(st, 405);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_no_lane_registered_requests_fail_at_once() {
+    let gw = gateway(&[]).await;
+    let (st, v) = post(
+        &gw,
+        "/v1/completions",
+        &json!({"model": "tiny", "prompt": "hi"}),
+    )
+    .await;
+    assert_error(st, &v, 503, "server_error", "no lane");
+    assert_eq!(v["error"]["code"], "unavailable");
+    let (st, body) = http(&gw, "GET", "/ready", b"").await;
+    assert_eq!(st, 503, "{body}");
+    let (st, _) = http(&gw, "GET", "/health", b"").await;
+    assert_eq!(st, 200, "the gateway itself is up");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lane_whose_primary_is_down_answers_503_without_hanging() {
+    // an address nothing listens on any more
+    let dead = {
+        let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        format!("http://{}", l.local_addr().expect("addr"))
+    };
+    let gw = gateway(&[&dead]).await;
+    let (st, body) = http(&gw, "GET", "/ready", b"").await;
+    assert_eq!(st, 503, "{body}");
+    for stream in [false, true] {
+        let (st, v) = post(
+            &gw,
+            "/v1/completions",
+            &json!({"model": "tiny", "prompt": "hi", "stream": stream}),
+        )
+        .await;
+        assert_error(st, &v, 503, "server_error", "");
+        assert_eq!(v["error"]["code"], "unavailable", "{v}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_lane_takes_no_requests_until_undrained() {
+    let (_p, url) = primary().await;
+    let gw = gateway(&[&url]).await;
+    let ask = json!({"model": "tiny", "prompt": "hi", "max_tokens": 2});
+    let (st, v) = post(&gw, "/admin/drain", &json!({"lane": url})).await;
+    assert_eq!(st, 200, "{v}");
+    let (st, v) = post(&gw, "/v1/completions", &ask).await;
+    assert_error(st, &v, 503, "server_error", "no lane");
+    let (st, _) = http(&gw, "GET", "/ready", b"").await;
+    assert_eq!(st, 503);
+    let (st, v) = post(&gw, "/admin/drain", &json!({"lane": url, "drain": false})).await;
+    assert_eq!(st, 200, "{v}");
+    let (st, v) = post(&gw, "/v1/completions", &ask).await;
+    assert_eq!(st, 200, "{v}");
+    let (st, _) = http(&gw, "GET", "/ready", b"").await;
+    assert_eq!(st, 200);
+    // draining a lane that does not exist is the caller's error
+    let (st, v) = post(&gw, "/admin/drain", &json!({"lane": "http://nowhere"})).await;
+    assert_error(st, &v, 400, "invalid_request_error", "nowhere");
+}
