@@ -14,6 +14,7 @@ pub mod kv;
 pub mod load;
 pub mod model;
 pub mod ops;
+pub mod progress;
 pub mod rng;
 pub mod rowmap;
 pub mod sampling;

@@ -3,9 +3,6 @@
 //! thread, as the rowmap says. Shows a progress bar on loads that take more than a second.
 
 use std::path::Path;
-use std::time::Duration;
-
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressFinish, ProgressStyle};
 
 use crate::bank::ExpertBank;
 use crate::checkpoint::Checkpoint;
@@ -35,32 +32,6 @@ impl Default for EngineOptions {
     }
 }
 
-/// A progress bar on stderr for work that may take more than a second: drawn only when stderr
-/// is a terminal, and only once the work has gone on for a second, so quick loads and logs
-/// show nothing. `template` is indicatif's (`{msg}`, `{bar:30}`, `{pos}`, `{len}`,
-/// `{bytes}`, `{elapsed}`, ...). Dropping the bar clears it.
-pub fn progress(len: u64, template: &str, msg: String) -> ProgressBar {
-    use std::io::IsTerminal;
-    if !std::io::stderr().is_terminal() {
-        return ProgressBar::hidden();
-    }
-    let pb = ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::hidden())
-        .with_finish(ProgressFinish::AndClear)
-        .with_style(
-            ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar()),
-        )
-        .with_message(msg);
-    let weak = pb.downgrade();
-    std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_secs(1));
-        if let Some(pb) = weak.upgrade().filter(|pb| !pb.is_finished()) {
-            pb.set_draw_target(ProgressDrawTarget::stderr());
-            pb.enable_steady_tick(Duration::from_millis(200));
-        }
-    });
-    pb
-}
-
 /// Loads the experts `map` puts in `tier` ([`ExpertBank::load`]) with a progress bar
 /// ([`progress`]; when `shown`).
 pub fn load_tier(ckpt: &Checkpoint, map: &ValidMap, tier: Tier, shown: bool) -> Result<ExpertBank> {
@@ -74,7 +45,7 @@ pub fn load_tier(ckpt: &Checkpoint, map: &ValidMap, tier: Tier, shown: bool) -> 
         })
         .sum();
     let pb = shown.then(|| {
-        progress(
+        crate::progress::bar(
             total as u64,
             &format!(
                 "loading {{msg}} [{{bar:30}}] {{pos}}/{{len}} {} experts ({{elapsed}})",

@@ -7,7 +7,7 @@
 //! taken here too, from the step's picks.
 //!
 //! The math sits behind [`StepBackend`] (candle's backend seam, cut at the ops of a step):
-//! [`crate::cpu::CpuBackend`] on the host, and the GPU model behind the `cuda` feature.
+//! the CPU backend (`cpu.rs`) on the host, and the GPU model behind the `cuda` feature.
 //! A backend may queue its ops and run them when the host must look (the GPU runs a step as
 //! a few CUDA graphs cut only at the layers whose map has cold experts); the order of the
 //! calls here is the order of the math.

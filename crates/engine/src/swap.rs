@@ -48,7 +48,7 @@ pub fn load_verified(
 pub fn manifest(ckpt: &Checkpoint) -> Result<Vec<Vec<u64>>> {
     use rayon::prelude::*;
     let moe = ckpt.config.moe_layers();
-    let pb = crate::load::progress(
+    let pb = crate::progress::bar(
         (moe.len() * ckpt.config.num_experts) as u64,
         "checksumming {msg} [{bar:30}] {pos}/{len} experts ({elapsed})",
         ckpt.dir.display().to_string(),

@@ -255,7 +255,7 @@ fn build_tensors(
     let k = &KNOBS;
     let h = p.hidden;
     let hc = h - C0;
-    let (hd, nh, nkv) = (p.head_dim, p.heads, p.kv_heads);
+    let hd = p.head_dim;
     let half = hd / 2;
     let mut out = BTreeMap::new();
     let t = |shape: Vec<usize>, data: Vec<f32>| Tensor { shape, data };
@@ -303,142 +303,8 @@ fn build_tensors(
     let layers: Vec<Vec<(String, Tensor)>> = (0..p.layers)
         .into_par_iter()
         .map(|l| {
-            let mut v: Vec<(String, Tensor)> = Vec::new();
-            let pre = format!("model.layers.{l}");
-            let mut r = Rng::derive(seed, &format!("layer{l}.attn"));
-            v.push((
-                format!("{pre}.input_layernorm.weight"),
-                t(vec![h], vec![1.0; h]),
-            ));
-            v.push((
-                format!("{pre}.post_attention_layernorm.weight"),
-                t(vec![h], vec![1.0; h]),
-            ));
-            v.push((
-                format!("{pre}.self_attn.q_norm.weight"),
-                t(vec![hd], vec![s_qk; hd]),
-            ));
-            v.push((
-                format!("{pre}.self_attn.k_norm.weight"),
-                t(vec![hd], vec![s_qk; hd]),
-            ));
-            let group = nh / nkv;
-            // kv head 0 is positional; in layer 0 the last kv head is the language head
-            let lang_kv = if l == 0 && nkv > 1 {
-                Some(nkv - 1)
-            } else {
-                None
-            };
-            let mut q = vec![0f32; nh * hd * h];
-            let mut kk = vec![0f32; nkv * hd * h];
-            let mut vv = vec![0f32; nkv * hd * h];
-            let mut o = vec![0f32; h * nh * hd];
-            for g in 0..nkv {
-                if Some(g) == lang_kv {
-                    // value = language dims; query/key zero -> uniform causal average
-                    for d in 0..NL.min(hd) {
-                        vv[(g * hd + d) * h + d] = 1.0;
-                    }
-                    continue;
-                }
-                for i in 0..half {
-                    kk[(g * hd + i) * h + CONST_DIM] = 1.0 / k.beta;
-                }
-                for d in 0..hd {
-                    for c in C0..h {
-                        vv[(g * hd + d) * h + c] = r.normal() / (hc as f32).sqrt();
-                    }
-                }
-            }
-            for hh in 0..nh {
-                let g = hh / group;
-                if Some(g) == lang_kv {
-                    let share = k.lang_mix / group as f32;
-                    for d in 0..NL.min(hd) {
-                        o[d * nh * hd + hh * hd + d] = share;
-                    }
-                    continue;
-                }
-                let delta = (hh % group + 1 + (g * group)) as f32;
-                for i in 0..half {
-                    let a = delta * th[i];
-                    q[(hh * hd + i) * h + CONST_DIM] = a.cos() / k.beta;
-                    q[(hh * hd + i + half) * h + CONST_DIM] = -a.sin() / k.beta;
-                }
-                let gain = k.pos_gain / ((hd * nh) as f32).sqrt();
-                for c in C0..h {
-                    for d in 0..hd {
-                        o[c * nh * hd + hh * hd + d] = r.normal() * gain;
-                    }
-                }
-            }
-            v.push((
-                format!("{pre}.self_attn.q_proj.weight"),
-                t(vec![nh * hd, h], q),
-            ));
-            v.push((
-                format!("{pre}.self_attn.k_proj.weight"),
-                t(vec![nkv * hd, h], kk),
-            ));
-            v.push((
-                format!("{pre}.self_attn.v_proj.weight"),
-                t(vec![nkv * hd, h], vv),
-            ));
-            v.push((
-                format!("{pre}.self_attn.o_proj.weight"),
-                t(vec![h, nh * hd], o),
-            ));
-
-            // router: per language a core set with skewed preference, plus content
-            let mut r = Rng::derive(seed, &format!("layer{l}.router"));
-            let mut gate = vec![0f32; p.experts * h];
-            for li in 0..NL {
-                let mut ids: Vec<usize> = (0..p.experts).collect();
-                r.shuffle(&mut ids);
-                for (rank, &e) in ids[..p.core].iter().enumerate() {
-                    // Zipf-like decay over the core plus noise
-                    let zipf = -(1.0 + rank as f32).ln() * k.router_skew;
-                    gate[e * h + li] = k.router_core + zipf * 0.5 + r.normal() * 0.1;
-                }
-                for &e in &ids[p.core..] {
-                    gate[e * h + li] = -k.router_core * k.router_tail + r.normal() * 0.1;
-                }
-            }
-            let rs = k.router_content / (hc as f32).sqrt();
-            for e in 0..p.experts {
-                for c in C0..h {
-                    gate[e * h + c] = r.normal() * rs;
-                }
-            }
-            v.push((
-                format!("{pre}.mlp.gate.weight"),
-                t(vec![p.experts, h], gate),
-            ));
-
-            // experts
-            for e in (0..p.experts).filter(|_| with_experts) {
-                let mut r = Rng::derive(seed, &format!("layer{l}.expert{e}"));
-                let gs = 1.0 / (h as f32).sqrt();
-                let mut g = normal_vec(&mut r, p.inter * h, gs);
-                let mut u = normal_vec(&mut r, p.inter * h, gs);
-                for row in 0..p.inter {
-                    for c in 0..C0 {
-                        g[row * h + c] = 0.0;
-                        u[row * h + c] = 0.0;
-                    }
-                }
-                let ds = k.expert_gain / (p.inter as f32).sqrt();
-                let mut d = vec![0f32; h * p.inter];
-                for row in C0..h {
-                    for c in 0..p.inter {
-                        d[row * p.inter + c] = r.normal() * ds;
-                    }
-                }
-                let ep = format!("{pre}.mlp.experts.{e}");
-                v.push((format!("{ep}.gate_proj.weight"), t(vec![p.inter, h], g)));
-                v.push((format!("{ep}.up_proj.weight"), t(vec![p.inter, h], u)));
-                v.push((format!("{ep}.down_proj.weight"), t(vec![h, p.inter], d)));
-            }
+            let mut v = attention_tensors(p, seed, l, s_qk, &th);
+            v.extend(router_and_experts(p, seed, l, with_experts));
             pb.inc(1);
             v
         })
@@ -447,6 +313,176 @@ fn build_tensors(
         out.extend(layer);
     }
     out
+}
+
+/// Decoder layer `l`'s norms and attention: positional heads whose RoPE phases attend a few
+/// tokens back, and in layer 0 a uniform "language" head.
+fn attention_tensors(
+    p: &Preset,
+    seed: u64,
+    l: usize,
+    s_qk: f32,
+    th: &[f32],
+) -> Vec<(String, Tensor)> {
+    let k = &KNOBS;
+    let h = p.hidden;
+    let hc = h - C0;
+    let (hd, nh, nkv) = (p.head_dim, p.heads, p.kv_heads);
+    let half = hd / 2;
+    let t = |shape: Vec<usize>, data: Vec<f32>| Tensor { shape, data };
+    let mut v: Vec<(String, Tensor)> = Vec::new();
+    let pre = format!("model.layers.{l}");
+    let mut r = Rng::derive(seed, &format!("layer{l}.attn"));
+    v.push((
+        format!("{pre}.input_layernorm.weight"),
+        t(vec![h], vec![1.0; h]),
+    ));
+    v.push((
+        format!("{pre}.post_attention_layernorm.weight"),
+        t(vec![h], vec![1.0; h]),
+    ));
+    v.push((
+        format!("{pre}.self_attn.q_norm.weight"),
+        t(vec![hd], vec![s_qk; hd]),
+    ));
+    v.push((
+        format!("{pre}.self_attn.k_norm.weight"),
+        t(vec![hd], vec![s_qk; hd]),
+    ));
+    let group = nh / nkv;
+    // kv head 0 is positional; in layer 0 the last kv head is the language head
+    let lang_kv = if l == 0 && nkv > 1 {
+        Some(nkv - 1)
+    } else {
+        None
+    };
+    let mut q = vec![0f32; nh * hd * h];
+    let mut kk = vec![0f32; nkv * hd * h];
+    let mut vv = vec![0f32; nkv * hd * h];
+    let mut o = vec![0f32; h * nh * hd];
+    for g in 0..nkv {
+        if Some(g) == lang_kv {
+            // value = language dims; query/key zero -> uniform causal average
+            for d in 0..NL.min(hd) {
+                vv[(g * hd + d) * h + d] = 1.0;
+            }
+            continue;
+        }
+        for i in 0..half {
+            kk[(g * hd + i) * h + CONST_DIM] = 1.0 / k.beta;
+        }
+        for d in 0..hd {
+            for c in C0..h {
+                vv[(g * hd + d) * h + c] = r.normal() / (hc as f32).sqrt();
+            }
+        }
+    }
+    for hh in 0..nh {
+        let g = hh / group;
+        if Some(g) == lang_kv {
+            let share = k.lang_mix / group as f32;
+            for d in 0..NL.min(hd) {
+                o[d * nh * hd + hh * hd + d] = share;
+            }
+            continue;
+        }
+        let delta = (hh % group + 1 + (g * group)) as f32;
+        for i in 0..half {
+            let a = delta * th[i];
+            q[(hh * hd + i) * h + CONST_DIM] = a.cos() / k.beta;
+            q[(hh * hd + i + half) * h + CONST_DIM] = -a.sin() / k.beta;
+        }
+        let gain = k.pos_gain / ((hd * nh) as f32).sqrt();
+        for c in C0..h {
+            for d in 0..hd {
+                o[c * nh * hd + hh * hd + d] = r.normal() * gain;
+            }
+        }
+    }
+    v.push((
+        format!("{pre}.self_attn.q_proj.weight"),
+        t(vec![nh * hd, h], q),
+    ));
+    v.push((
+        format!("{pre}.self_attn.k_proj.weight"),
+        t(vec![nkv * hd, h], kk),
+    ));
+    v.push((
+        format!("{pre}.self_attn.v_proj.weight"),
+        t(vec![nkv * hd, h], vv),
+    ));
+    v.push((
+        format!("{pre}.self_attn.o_proj.weight"),
+        t(vec![h, nh * hd], o),
+    ));
+    v
+}
+
+/// MoE layer `l`'s router (per language a skewed core set of experts, plus content) and,
+/// with `with_experts`, its experts.
+fn router_and_experts(
+    p: &Preset,
+    seed: u64,
+    l: usize,
+    with_experts: bool,
+) -> Vec<(String, Tensor)> {
+    let k = &KNOBS;
+    let h = p.hidden;
+    let hc = h - C0;
+    let t = |shape: Vec<usize>, data: Vec<f32>| Tensor { shape, data };
+    let pre = format!("model.layers.{l}");
+    let mut v: Vec<(String, Tensor)> = Vec::new();
+    // router: per language a core set with skewed preference, plus content
+    let mut r = Rng::derive(seed, &format!("layer{l}.router"));
+    let mut gate = vec![0f32; p.experts * h];
+    for li in 0..NL {
+        let mut ids: Vec<usize> = (0..p.experts).collect();
+        r.shuffle(&mut ids);
+        for (rank, &e) in ids[..p.core].iter().enumerate() {
+            // Zipf-like decay over the core plus noise
+            let zipf = -(1.0 + rank as f32).ln() * k.router_skew;
+            gate[e * h + li] = k.router_core + zipf * 0.5 + r.normal() * 0.1;
+        }
+        for &e in &ids[p.core..] {
+            gate[e * h + li] = -k.router_core * k.router_tail + r.normal() * 0.1;
+        }
+    }
+    let rs = k.router_content / (hc as f32).sqrt();
+    for e in 0..p.experts {
+        for c in C0..h {
+            gate[e * h + c] = r.normal() * rs;
+        }
+    }
+    v.push((
+        format!("{pre}.mlp.gate.weight"),
+        t(vec![p.experts, h], gate),
+    ));
+
+    // experts
+    for e in (0..p.experts).filter(|_| with_experts) {
+        let mut r = Rng::derive(seed, &format!("layer{l}.expert{e}"));
+        let gs = 1.0 / (h as f32).sqrt();
+        let mut g = normal_vec(&mut r, p.inter * h, gs);
+        let mut u = normal_vec(&mut r, p.inter * h, gs);
+        for row in 0..p.inter {
+            for c in 0..C0 {
+                g[row * h + c] = 0.0;
+                u[row * h + c] = 0.0;
+            }
+        }
+        let ds = k.expert_gain / (p.inter as f32).sqrt();
+        let mut d = vec![0f32; h * p.inter];
+        for row in C0..h {
+            for c in 0..p.inter {
+                d[row * p.inter + c] = r.normal() * ds;
+            }
+        }
+        let ep = format!("{pre}.mlp.experts.{e}");
+        v.push((format!("{ep}.gate_proj.weight"), t(vec![p.inter, h], g)));
+        v.push((format!("{ep}.up_proj.weight"), t(vec![p.inter, h], u)));
+        v.push((format!("{ep}.down_proj.weight"), t(vec![h, p.inter], d)));
+    }
+    v
 }
 
 /// Storage type of a written tensor.
@@ -587,7 +623,7 @@ fn config_json(preset: &Preset, seed: u64, vocab: usize, bos: u32, eos: u32) -> 
 }
 
 /// Generates the checkpoint of `preset` into `out` (created), with an all-hot rowmap
-/// placeholder; [`crate::figures`] then measures routing and writes the fitted map.
+/// placeholder; the figures module then measures routing and writes the fitted map.
 pub fn generate(preset: &Preset, seed: u64, out: &Path) -> Result<()> {
     if preset.name == "station" {
         return Err(Error::Config {
@@ -601,7 +637,7 @@ pub fn generate(preset: &Preset, seed: u64, out: &Path) -> Result<()> {
     }
     std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
     // a bar past a second on a terminal: the tokenizer, then one step per layer built
-    let pb = crate::load::progress(
+    let pb = crate::progress::bar(
         preset.layers as u64 + 1,
         "making {msg} [{bar:30}] {pos}/{len} (tokenizer, then layers; {elapsed})",
         format!("the {} checkpoint", preset.name),
@@ -657,7 +693,7 @@ pub fn generate(preset: &Preset, seed: u64, out: &Path) -> Result<()> {
     let st = out.join("model.safetensors");
     let tmp = out.join("model.safetensors.partial");
     let bytes: usize = tensors.values().map(|(_, d)| d.len() * 2).sum();
-    let pb = crate::load::progress(
+    let pb = crate::progress::bar(
         bytes as u64,
         "writing {msg} [{bar:30}] {bytes}/{total_bytes} ({elapsed})",
         st.display().to_string(),

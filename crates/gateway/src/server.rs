@@ -248,20 +248,10 @@ fn text_of(v: &Value) -> Option<String> {
     }
 }
 
-fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequest, ApiError> {
-    let model = v
-        .get("model")
-        .and_then(|m| m.as_str())
-        .ok_or_else(|| ApiError::bad("`model` is required", Some("model")))?;
-    if model != st.cfg.model_name {
-        return Err(ApiError::UnknownModel(model.to_string()));
-    }
-    if let Some(n) = num(v, "n")? {
-        if n != 1.0 {
-            return Err(ApiError::bad("only n = 1 is supported", Some("n")));
-        }
-    }
-    let prompt: Vec<u32> = if chat {
+/// The request's prompt as token ids: the chat messages rendered by the template, or the
+/// completion's `prompt` (a string, one string in a list, or token ids inside the vocabulary).
+fn prompt_tokens(st: &AppState, v: &Value, chat: bool) -> Result<Vec<u32>, ApiError> {
+    Ok(if chat {
         let msgs = v
             .get("messages")
             .and_then(|m| m.as_array())
@@ -327,7 +317,23 @@ fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequest, ApiErr
             }
             _ => return Err(ApiError::bad("`prompt` is required", Some("prompt"))),
         }
-    };
+    })
+}
+
+fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequest, ApiError> {
+    let model = v
+        .get("model")
+        .and_then(|m| m.as_str())
+        .ok_or_else(|| ApiError::bad("`model` is required", Some("model")))?;
+    if model != st.cfg.model_name {
+        return Err(ApiError::UnknownModel(model.to_string()));
+    }
+    if let Some(n) = num(v, "n")? {
+        if n != 1.0 {
+            return Err(ApiError::bad("only n = 1 is supported", Some("n")));
+        }
+    }
+    let prompt = prompt_tokens(st, v, chat)?;
     if prompt.is_empty() {
         return Err(ApiError::bad(
             "the prompt is empty",
@@ -485,6 +491,60 @@ fn usage(p: usize, c: usize) -> Value {
     json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c})
 }
 
+/// A non-streamed answer: the lane's tokens detokenised into one text (stop strings cut it,
+/// which cancels the request on the lane), in the completion or chat completion shape.
+async fn whole_response(
+    st: &AppState,
+    vr: &ValidRequest,
+    mut events: crate::lane::EventStream,
+    inflight: InFlight,
+    mut timing: Timing,
+    out: &Out,
+    chat: bool,
+) -> Result<Response, ApiError> {
+    let prompt_tokens = vr.prompt.len();
+    let mut det = Detokenizer::new(vr.stop.clone());
+    let mut text = String::new();
+    let mut completion = 0usize;
+    let mut finish = "length".to_string();
+    while let Some(ev) = events.next().await {
+        let ev = ev.map_err(|e| ApiError::from_lane(e.category, e.message))?;
+        if let Some(t) = ev.token {
+            timing.token();
+            completion += 1;
+            if !st.tokenizer.is_special(t) {
+                text.push_str(&det.push(st.tokenizer.token_bytes(t)));
+            }
+            if det.stopped() {
+                finish = "stop".into();
+                break; // dropping the stream cancels the request on the lane
+            }
+        }
+        if !ev.finish_reason.is_empty() {
+            finish = if ev.finish_reason == "cancelled" {
+                "stop".into()
+            } else {
+                ev.finish_reason.clone()
+            };
+            break;
+        }
+    }
+    drop(events);
+    text.push_str(&det.finish());
+    drop(inflight);
+    timing.done(prompt_tokens, completion, &finish);
+    let body = if chat {
+        json!({"id": out.id, "object": "chat.completion", "created": out.created, "model": st.cfg.model_name,
+               "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish}],
+               "usage": usage(prompt_tokens, completion)})
+    } else {
+        json!({"id": out.id, "object": "text_completion", "created": out.created, "model": st.cfg.model_name,
+               "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
+               "usage": usage(prompt_tokens, completion)})
+    };
+    Ok(Json(body).into_response())
+}
+
 async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response, ApiError> {
     let mut timing = Timing::new(chat);
     let v = read_json(&st, req.into_body()).await?;
@@ -520,46 +580,7 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
         .map_err(|e| ApiError::from_lane(e.category, e.message))?;
     let prompt_tokens = vr.prompt.len();
     if !vr.stream {
-        let mut det = Detokenizer::new(vr.stop.clone());
-        let mut text = String::new();
-        let mut completion = 0usize;
-        let mut finish = "length".to_string();
-        while let Some(ev) = events.next().await {
-            let ev = ev.map_err(|e| ApiError::from_lane(e.category, e.message))?;
-            if let Some(t) = ev.token {
-                timing.token();
-                completion += 1;
-                if !st.tokenizer.is_special(t) {
-                    text.push_str(&det.push(st.tokenizer.token_bytes(t)));
-                }
-                if det.stopped() {
-                    finish = "stop".into();
-                    break; // dropping the stream cancels the request on the lane
-                }
-            }
-            if !ev.finish_reason.is_empty() {
-                finish = if ev.finish_reason == "cancelled" {
-                    "stop".into()
-                } else {
-                    ev.finish_reason.clone()
-                };
-                break;
-            }
-        }
-        drop(events);
-        text.push_str(&det.finish());
-        drop(inflight);
-        timing.done(prompt_tokens, completion, &finish);
-        let body = if chat {
-            json!({"id": out.id, "object": "chat.completion", "created": out.created, "model": st.cfg.model_name,
-                   "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish}],
-                   "usage": usage(prompt_tokens, completion)})
-        } else {
-            json!({"id": out.id, "object": "text_completion", "created": out.created, "model": st.cfg.model_name,
-                   "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
-                   "usage": usage(prompt_tokens, completion)})
-        };
-        return Ok(Json(body).into_response());
+        return whole_response(&st, &vr, events, inflight, timing, &out, chat).await;
     }
     // Streaming: a task relays lane events into SSE chunks; when the client leaves, the
     // channel closes, the task ends and drops the lane stream, which cancels the request.

@@ -278,7 +278,7 @@ pub fn default_model(preset: &str) -> Result<PathBuf> {
         );
         synth::generate(&p, 1, &dir)?;
         // a spinner past a second on a terminal (generate draws its own bars)
-        let pb = moelane_engine::load::progress(
+        let pb = moelane_engine::progress::bar(
             1,
             "{spinner} measuring the routing of {msg} and fitting its map ({elapsed})",
             dir.display().to_string(),

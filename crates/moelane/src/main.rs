@@ -573,7 +573,7 @@ fn run() -> Result<()> {
                 t0.elapsed().as_secs_f64()
             );
             let t1 = Instant::now();
-            let pb = moelane_engine::load::progress(
+            let pb = moelane_engine::progress::bar(
                 1,
                 "{spinner} measuring the routing of {msg} ({elapsed})",
                 out.display().to_string(),
