@@ -30,4 +30,8 @@ pub use moelane_text::tokenizer;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 #[cfg(feature = "cuda")]
+pub mod cuda_experts;
+#[cfg(feature = "cuda")]
 pub mod cuda_model;
+#[cfg(feature = "cuda")]
+pub mod cuda_station;

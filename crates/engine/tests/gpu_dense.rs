@@ -12,7 +12,7 @@ use common::cos;
 
 use moelane_engine::checkpoint::Checkpoint;
 use moelane_engine::cuda::Gpu;
-use moelane_engine::cuda_model::load_on_gpu;
+use moelane_engine::cuda_station::load_on_gpu;
 use moelane_engine::load::{engine_from, EngineOptions};
 use moelane_engine::rng::Rng;
 use moelane_engine::rowmap::{Rowmap, ValidMap};
@@ -202,7 +202,7 @@ fn gpu_batched_steps_and_argmax_match_single() {
 fn station_generator_is_bit_identical_on_gpu_and_cpu() {
     let Some(gpu) = gpu() else { return };
     let (h, i) = (256usize, 64usize);
-    let mut ge = moelane_engine::cuda::GpuExperts::new(gpu, h, i).unwrap();
+    let mut ge = moelane_engine::cuda_experts::GpuExperts::new(gpu, h, i).unwrap();
     let which = [(0usize, 0usize), (3, 17), (39, 383)];
     ge.generate(42, &which).unwrap();
     let mut rng = Rng::new(3);

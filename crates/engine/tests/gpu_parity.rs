@@ -9,7 +9,8 @@ use common::cos;
 
 use moelane_engine::bank::{ExpertBank, Pick};
 use moelane_engine::checkpoint::Checkpoint;
-use moelane_engine::cuda::{Gpu, GpuExperts};
+use moelane_engine::cuda::Gpu;
+use moelane_engine::cuda_experts::GpuExperts;
 use moelane_engine::rng::Rng;
 use moelane_engine::rowmap::{Rowmap, Tier};
 

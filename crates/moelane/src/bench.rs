@@ -588,7 +588,7 @@ fn bench_experts(
         let (mut separate, mut kernel) = (f64::NAN, f64::NAN);
         #[cfg(feature = "cuda")]
         if let Some(g) = dev.gpu() {
-            use moelane_engine::cuda::Upload;
+            use moelane_engine::cuda_experts::Upload;
             let lock = || g.lock().map_err(|_| anyhow::anyhow!("GPU state poisoned"));
             lock()?.upload = Upload::Separate;
             separate = time(&mut |o| dev.compute(&bank, 0, &picks, &acts, o))?;

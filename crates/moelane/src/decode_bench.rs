@@ -41,7 +41,8 @@ pub fn run(_a: DecodeArgs) -> Result<()> {
 #[cfg(feature = "cuda")]
 pub fn run(a: DecodeArgs) -> Result<()> {
     use moelane_engine::cuda::Gpu;
-    use moelane_engine::cuda_model::{self, Placement};
+    use moelane_engine::cuda_model;
+    use moelane_engine::cuda_station::{self, Placement};
     use moelane_engine::step::{Engine, SeqStep};
     use serde_json::json;
     use std::time::Instant;
@@ -137,7 +138,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
             (None, Some(_)) => anyhow::bail!(
                 "gpu+nccl:N generates its experts: it takes a preset (station), not a checkpoint"
             ),
-            (Some(m), None) => cuda_model::hashed_engine(m, *pl, gpu.clone(), kv_tokens)?,
+            (Some(m), None) => cuda_station::hashed_engine(m, *pl, gpu.clone(), kv_tokens)?,
             (None, None) => {
                 let dir = PathBuf::from(&a.model);
                 let ckpt = moelane_engine::checkpoint::Checkpoint::open(&dir)?;
@@ -155,7 +156,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
                     kv_tokens,
                     progress: false,
                 };
-                cuda_model::load_on_gpu(&ckpt, map, &opts, gpu.clone())?
+                cuda_station::load_on_gpu(&ckpt, map, &opts, gpu.clone())?
             }
         };
         let name = match nccl {
@@ -449,7 +450,7 @@ fn nccl_engine(
             &id.to_hex(),
         ])
         .spawn()?;
-    let map = moelane_engine::cuda_model::affinity_map(m, m.hot)?;
+    let map = moelane_engine::cuda_station::affinity_map(m, m.hot)?;
     let tier = match NcclTier::connect(
         ordinal,
         &id,
@@ -462,7 +463,7 @@ fn nccl_engine(
             return Err(e.into());
         }
     };
-    let eng = moelane_engine::cuda_model::hashed_engine_with_tier(
+    let eng = moelane_engine::cuda_station::hashed_engine_with_tier(
         m,
         map,
         gpu,
@@ -475,7 +476,7 @@ fn nccl_engine(
 /// `moelane bench nccl-sidecar`: the sidecar process of the gpu+nccl:N placement.
 #[cfg(feature = "cuda")]
 pub fn nccl_sidecar(model: &str, seed: u64, device: &str, id: &str) -> Result<()> {
-    use moelane_engine::cuda_model::{affinity_map, tier_experts};
+    use moelane_engine::cuda_station::{affinity_map, tier_experts};
     use moelane_engine::rowmap::Tier;
     let ordinal: usize = device
         .strip_prefix("cuda:")
@@ -489,7 +490,7 @@ pub fn nccl_sidecar(model: &str, seed: u64, device: &str, id: &str) -> Result<()
     let c = &m.config;
     let gpu = moelane_engine::cuda::Gpu::open(ordinal)?;
     let mut ge =
-        moelane_engine::cuda::GpuExperts::new(gpu, c.hidden_size, c.moe_intermediate_size)?;
+        moelane_engine::cuda_experts::GpuExperts::new(gpu, c.hidden_size, c.moe_intermediate_size)?;
     ge.generate(seed, &tier_experts(&map, Tier::Cold))?;
     // the production sidecar's service (epoch check, counters), its experts on the GPU
     let svc: std::sync::Arc<dyn moelane_link::ColdService> =

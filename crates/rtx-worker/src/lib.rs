@@ -44,7 +44,7 @@ pub enum Device {
     Cpu,
     /// Experts mirrored on a GPU (the CPU bank stays the record of what is resident).
     #[cfg(feature = "cuda")]
-    Gpu(Box<std::sync::Mutex<moelane_engine::cuda::GpuExperts>>),
+    Gpu(Box<std::sync::Mutex<moelane_engine::cuda_experts::GpuExperts>>),
 }
 
 impl Device {
@@ -72,7 +72,7 @@ impl Device {
     #[cfg(feature = "cuda")]
     fn open_gpu(ordinal: usize, bank: &ExpertBank) -> moelane_engine::Result<Device> {
         let gpu = moelane_engine::cuda::Gpu::open(ordinal)?;
-        let mut g = moelane_engine::cuda::GpuExperts::new(gpu, bank.hidden, bank.inter)?;
+        let mut g = moelane_engine::cuda_experts::GpuExperts::new(gpu, bank.hidden, bank.inter)?;
         g.sync(bank)?;
         Ok(Device::Gpu(Box::new(std::sync::Mutex::new(g))))
     }
@@ -85,7 +85,7 @@ impl Device {
 
     /// The GPU expert bank, when computing on a GPU.
     #[cfg(feature = "cuda")]
-    pub fn gpu(&self) -> Option<&std::sync::Mutex<moelane_engine::cuda::GpuExperts>> {
+    pub fn gpu(&self) -> Option<&std::sync::Mutex<moelane_engine::cuda_experts::GpuExperts>> {
         match self {
             Device::Gpu(g) => Some(g),
             Device::Cpu => None,
@@ -309,7 +309,7 @@ impl SidecarCore {
     pub fn generated(
         model: &str,
         map: &ValidMap,
-        experts: moelane_engine::cuda::GpuExperts,
+        experts: moelane_engine::cuda_experts::GpuExperts,
     ) -> Self {
         let bank = ExpertBank::empty(
             Tier::Cold,

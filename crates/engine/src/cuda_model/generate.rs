@@ -1,7 +1,7 @@
 //! Generated weights and probes on the device: the `station` preset's experts made from
 //! their seed on the GPU (the same bits as the CPU's [`crate::synth::hashed_expert`]), the
 //! read-bandwidth probe that sets a decode step's roofline, and the kernels a sidecar's
-//! [`crate::cuda::GpuExperts`] borrows from the step module.
+//! [`crate::cuda_experts::GpuExperts`] borrows from the step module.
 
 use std::sync::Arc;
 
@@ -100,7 +100,7 @@ pub fn bandwidth(gpu: &Gpu, bytes: usize, reps: usize) -> Result<(f64, f64)> {
 }
 
 /// The grouped MoE kernels (`moe_up`, `moe_down`) of the dense module on `gpu`, for a
-/// sidecar's [`crate::cuda::GpuExperts`].
+/// sidecar's [`crate::cuda_experts::GpuExperts`].
 pub fn moe_kernels(gpu: &Gpu) -> Result<(CudaFunction, CudaFunction)> {
     let f = funcs(gpu)?;
     Ok((f.moe_up, f.moe_down))

@@ -55,11 +55,11 @@ macro_rules! kargs {
 
 mod generate;
 mod launch;
-mod station;
+
 mod step;
 mod step_ops;
 pub use generate::*;
-pub use station::*;
+
 pub use step::{attach_gpu, GpuStep};
 
 /// Launches `f` on `st` with `params` (pointers to the arguments' values, which must match

@@ -14,12 +14,12 @@ use crate::model::DenseWeights;
 use crate::rowmap::{Tier, ValidMap};
 use crate::step::Engine;
 
-use super::{attach_gpu, GpuModel};
+use crate::cuda_model::{attach_gpu, GpuModel};
 
 /// A cold tier on a GPU in this process (the `gpu+gpu` placement of `moelane bench decode`):
 /// its experts generated on that GPU, activations crossing through host memory.
 pub struct GpuColdServer {
-    pub experts: crate::cuda::GpuExperts,
+    pub experts: crate::cuda_experts::GpuExperts,
     pub epoch: u64,
 }
 
@@ -37,7 +37,7 @@ impl GpuColdServer {
     /// As `serve`, activations and outputs in this GPU's memory (the NCCL link's sidecar).
     ///
     /// # Safety
-    /// As [`crate::cuda::GpuExperts::compute_device`], with `acts_len` floats at `acts`.
+    /// As [`crate::cuda_experts::GpuExperts::compute_device`], with `acts_len` floats at `acts`.
     /// Returns the floats written (one row per pick), at most `out_len`.
     pub unsafe fn serve_device(
         &mut self,
@@ -206,7 +206,7 @@ pub fn hashed_engine(
         }
         Placement::GpuGpu(n) => {
             let g2 = Gpu::open(n)?;
-            let mut ge = crate::cuda::GpuExperts::new(g2, h, i)?;
+            let mut ge = crate::cuda_experts::GpuExperts::new(g2, h, i)?;
             ge.generate(mem.seed, &cold)?;
             Some(Box::new(crate::tier::InProcessTier::spawn(Box::new(
                 GpuColdServer {
@@ -251,7 +251,7 @@ pub fn hashed_engine_with_tier(
     let kv = crate::kv::KvCache::accounting(c.num_hidden_layers, c.kv_dim(), g.kv_blocks());
     let mut eng = Engine::with_kv(
         c.clone(),
-        Box::new(super::GpuStep::new(g, &mem.dense)),
+        Box::new(crate::cuda_model::GpuStep::new(g, &mem.dense)),
         ExpertBank::empty(Tier::Hot, moe.len(), ne, h, i),
         cold_tier,
         map,

@@ -1,0 +1,488 @@
+//! A tier's experts on a GPU (feature `cuda`): the sidecar's cold experts (or a bench's
+//! generated ones) resident in device memory, computed for a list of picks by the step
+//! module's grouped MoE kernels, one output row per pick.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+
+use crate::bank::{ExpertBank, Pick};
+use crate::cuda::{gpu_err, Gpu, EXPERTS_CU};
+use crate::error::{Error, Result};
+
+/// An expert resident on a GPU: its gate_up `[2I, H]` and down `[H, I]` weights.
+type ExpertPair = (CudaSlice<f32>, CudaSlice<f32>);
+
+/// How a call's inputs travel to the GPU. Both are kept so that `moelane bench experts` can
+/// measure the difference side by side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Upload {
+    /// activations, pick rows and weight pointers in one buffer, one copy (the default)
+    Packed,
+    /// one copy each
+    Separate,
+}
+
+/// A tier's experts on the GPU: `gate_up [2I, H]` and `down [H, I]` per resident expert.
+pub struct GpuExperts {
+    pub upload: Upload,
+    /// grouped kernels (`kernels/moe.cu`): one block per (expert, 8 weight rows)
+    k_up: CudaFunction,
+    k_down: CudaFunction,
+    /// per layer, the device addresses of each resident expert's gate_up and down, indexed
+    /// by expert id (0 where not resident); rebuilt after the resident set changes
+    tables: HashMap<usize, (CudaSlice<u64>, CudaSlice<u64>)>,
+    tables_dirty: bool,
+    act: CudaSlice<f32>,
+    packed: CudaSlice<u8>,
+    staging: Vec<u8>,
+    /// the last packed call's device pointers (acts, rows, ids, layer tables) and pick
+    /// count (for [`Self::relaunch`])
+    last: Option<([u64; 4], usize)>,
+    gpu: Arc<Gpu>,
+    f: CudaFunction,
+    hidden: usize,
+    inter: usize,
+    w: HashMap<(usize, usize), ExpertPair>,
+    acts: CudaSlice<f32>,
+    rows: CudaSlice<i32>,
+    gate_up: CudaSlice<u64>,
+    down: CudaSlice<u64>,
+    out: CudaSlice<f32>,
+    host_rows: Vec<i32>,
+    host_gu: Vec<u64>,
+    host_dn: Vec<u64>,
+}
+
+fn grow<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+    stream: &Arc<CudaStream>,
+    buf: &mut CudaSlice<T>,
+    n: usize,
+) -> Result<()> {
+    if buf.len() < n {
+        *buf = stream
+            .alloc_zeros::<T>(n.next_power_of_two())
+            .map_err(|e| gpu_err("allocating GPU scratch", e))?;
+    }
+    Ok(())
+}
+
+impl GpuExperts {
+    pub fn new(gpu: Arc<Gpu>, hidden: usize, inter: usize) -> Result<Self> {
+        let m = gpu.module("experts", EXPERTS_CU)?;
+        let f = m
+            .load_function("expert_swiglu")
+            .map_err(|e| gpu_err("loading expert_swiglu", e))?;
+        let (up, down) = crate::cuda_model::moe_kernels(&gpu)?;
+        let s = gpu.stream.clone();
+        let z = |n| {
+            s.alloc_zeros::<f32>(n)
+                .map_err(|e| gpu_err("allocating", e))
+        };
+        Ok(GpuExperts {
+            upload: Upload::Packed,
+            k_up: up,
+            k_down: down,
+            tables: HashMap::new(),
+            tables_dirty: true,
+            act: z(inter)?,
+            packed: s.alloc_zeros(1).map_err(|e| gpu_err("allocating", e))?,
+            staging: Vec::new(),
+            last: None,
+            f,
+            hidden,
+            inter,
+            w: HashMap::new(),
+            acts: z(hidden)?,
+            rows: s.alloc_zeros(1).map_err(|e| gpu_err("allocating", e))?,
+            gate_up: s.alloc_zeros(1).map_err(|e| gpu_err("allocating", e))?,
+            down: s.alloc_zeros(1).map_err(|e| gpu_err("allocating", e))?,
+            out: z(hidden)?,
+            host_rows: Vec::new(),
+            host_gu: Vec::new(),
+            host_dn: Vec::new(),
+            gpu,
+        })
+    }
+
+    /// "cuda:N (name, sm_XY)"
+    /// The device's ordinal (cuda:N).
+    pub fn ordinal(&self) -> usize {
+        self.gpu.ordinal
+    }
+
+    pub fn describe(&self) -> String {
+        format!(
+            "cuda:{} ({}, sm_{}{})",
+            self.gpu.ordinal, self.gpu.name, self.gpu.cc.0, self.gpu.cc.1
+        )
+    }
+
+    pub fn hidden(&self) -> usize {
+        self.hidden
+    }
+
+    /// An expert's intermediate size.
+    pub fn inter(&self) -> usize {
+        self.inter
+    }
+
+    /// Generates the given experts of a hashed model (the `station` preset) on this GPU,
+    /// bit-identical to [`crate::synth::hashed_expert`]; `sync` would drop them (no bank
+    /// holds them), so a tier built this way serves a fixed map.
+    pub fn generate(&mut self, seed: u64, which: &[(usize, usize)]) -> Result<()> {
+        let f = crate::cuda_model::gen_kernel(&self.gpu)?;
+        for &(l, e) in which {
+            let (gu, dn) = crate::cuda_model::gen_expert(
+                &self.gpu.stream,
+                &f,
+                seed,
+                l,
+                e,
+                self.hidden,
+                self.inter,
+            )?;
+            self.w.insert((l, e), (gu.into_slice(), dn.into_slice()));
+        }
+        self.last = None;
+        self.tables_dirty = true;
+        self.gpu
+            .stream
+            .synchronize()
+            .map_err(|e| gpu_err("synchronising generation", e))
+    }
+
+    /// A resident expert's weights copied back: (gate_up, down), or None.
+    pub fn download(&self, layer: usize, e: usize) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
+        let Some((gu, dn)) = self.w.get(&(layer, e)) else {
+            return Ok(None);
+        };
+        let s = &self.gpu.stream;
+        let a = s
+            .clone_dtoh(gu)
+            .map_err(|e| gpu_err("copying an expert back", e))?;
+        let b = s
+            .clone_dtoh(dn)
+            .map_err(|e| gpu_err("copying an expert back", e))?;
+        s.synchronize().map_err(|e| gpu_err("synchronising", e))?;
+        Ok(Some((a, b)))
+    }
+
+    /// Experts resident on the GPU.
+    pub fn resident(&self) -> usize {
+        self.w.len()
+    }
+
+    /// Bytes of expert weights on the GPU.
+    pub fn bytes(&self) -> usize {
+        self.w.len() * 3 * self.hidden * self.inter * 4
+    }
+
+    /// Makes the GPU hold exactly the experts `bank` holds: uploads the missing ones, frees
+    /// the ones it no longer has.
+    pub fn sync(&mut self, bank: &ExpertBank) -> Result<()> {
+        let mut want = Vec::new();
+        for l in 0..bank.layers() {
+            for (e, w) in bank.experts_of(l) {
+                want.push(((l, e), w));
+            }
+        }
+        let keep: std::collections::HashSet<(usize, usize)> =
+            want.iter().map(|(k, _)| *k).collect();
+        self.w.retain(|k, _| keep.contains(k));
+        self.last = None;
+        self.tables_dirty = true;
+        for (k, w) in want {
+            if self.w.contains_key(&k) {
+                continue;
+            }
+            let s = &self.gpu.stream;
+            let gu = s
+                .clone_htod(&w.gate_up.data)
+                .map_err(|e| gpu_err("uploading an expert", e))?;
+            let dn = s
+                .clone_htod(&w.down.data)
+                .map_err(|e| gpu_err("uploading an expert", e))?;
+            self.w.insert(k, (gu, dn));
+        }
+        self.gpu
+            .stream
+            .synchronize()
+            .map_err(|e| gpu_err("synchronising uploads", e))
+    }
+
+    fn cfg(&self, n: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: ((self.hidden + self.inter) * 4) as u32,
+        }
+    }
+
+    /// Launches the kernels again on the last packed call's inputs and waits: the kernels
+    /// and launches alone, without copies (for `moelane bench experts`).
+    pub fn relaunch(&mut self) -> Result<()> {
+        let Some((ptrs, n)) = self.last else {
+            return Err(Error::Gpu("relaunch before a packed call".into()));
+        };
+        // `packed` still holds that call's inputs (nothing was copied over them since) and
+        // its experts are still resident (`sync` and `generate` clear `last`)
+        let s = self.gpu.stream.clone();
+        let out = self.out.device_ptr(&s).0;
+        self.launch_grouped(&s, ptrs, n, out)?;
+        s.synchronize().map_err(|e| gpu_err("synchronising", e))
+    }
+
+    /// Rebuilds the per-layer expert tables after the resident set changed.
+    fn ensure_tables(&mut self) -> Result<()> {
+        if !self.tables_dirty {
+            return Ok(());
+        }
+        let s = self.gpu.stream.clone();
+        let width = self.w.keys().map(|k| k.1 + 1).max().unwrap_or(1);
+        let mut host: HashMap<usize, (Vec<u64>, Vec<u64>)> = HashMap::new();
+        for (&(l, e), (gu, dn)) in &self.w {
+            let t = host
+                .entry(l)
+                .or_insert_with(|| (vec![0; width], vec![0; width]));
+            t.0[e] = gu.device_ptr(&s).0;
+            t.1[e] = dn.device_ptr(&s).0;
+        }
+        self.tables.clear();
+        for (l, (g, d)) in host {
+            let g = s
+                .clone_htod(&g)
+                .map_err(|e| gpu_err("uploading tables", e))?;
+            let d = s
+                .clone_htod(&d)
+                .map_err(|e| gpu_err("uploading tables", e))?;
+            self.tables.insert(l, (g, d));
+        }
+        self.tables_dirty = false;
+        Ok(())
+    }
+
+    /// Launches the grouped up and down kernels on inputs at `ptrs` (acts, rows, expert ids,
+    /// the layer's table pair as [gu table, dn table] in `ptrs[3]`'s slot) for `n` picks,
+    /// writing `out`. The caller vouches for the pointers.
+    fn launch_grouped(
+        &mut self,
+        s: &Arc<CudaStream>,
+        ptrs: [u64; 4],
+        n: usize,
+        out: u64,
+    ) -> Result<()> {
+        let (hi, ii, ni, one) = (self.hidden as i32, self.inter as i32, n as i32, 1i32);
+        // the picks of several rows may share an expert: each block checks that it leads
+        let zero = 0i32;
+        let (v_up, v_dn) = (
+            self.hidden.is_multiple_of(4) as i32,
+            self.inter.is_multiple_of(4) as i32,
+        );
+        let (acts, rows, ids, layer) = (ptrs[0], ptrs[1], ptrs[2], ptrs[3] as usize);
+        let Some((gt, dt)) = self.tables.get(&layer) else {
+            return Err(Error::Gpu(format!(
+                "no experts of layer {layer} on the GPU"
+            )));
+        };
+        let (gt, dt) = (gt.device_ptr(s).0, dt.device_ptr(s).0);
+        let act = self.act.device_ptr(s).0;
+        let mut b = s.launch_builder(&self.k_up);
+        b.arg(&ids)
+            .arg(&gt)
+            .arg(&acts)
+            .arg(&act)
+            .arg(&ni)
+            .arg(&one)
+            .arg(&hi)
+            .arg(&ii)
+            .arg(&v_up)
+            .arg(&rows)
+            .arg(&zero);
+        let cfg = |rows_out: usize| LaunchConfig {
+            grid_dim: (n as u32, rows_out.div_ceil(8) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: ids are experts resident on this GPU (checked by the caller), so their
+        // table entries address [2I, H] and [H, I] weights; rows < activation rows; act
+        // holds n rows of I and `out` n rows of H (the caller's guarantee).
+        unsafe { b.launch(cfg(self.inter)) }.map_err(|e| gpu_err("launching moe_up", e))?;
+        let mut b = s.launch_builder(&self.k_down);
+        b.arg(&ids)
+            .arg(&dt)
+            .arg(&act)
+            .arg(&out)
+            .arg(&ni)
+            .arg(&hi)
+            .arg(&ii)
+            .arg(&v_dn)
+            .arg(&zero);
+        // SAFETY: as above.
+        unsafe { b.launch(cfg(self.hidden)) }.map_err(|e| gpu_err("launching moe_down", e))?;
+        Ok(())
+    }
+
+    /// The resident weights (gate_up, down) pick `p` of `layer` uses, checking its row is
+    /// one of `rows` activation rows.
+    fn weights_of<'a>(
+        w: &'a HashMap<(usize, usize), ExpertPair>,
+        layer: usize,
+        p: &Pick,
+        rows: usize,
+    ) -> Result<&'a ExpertPair> {
+        if p.row as usize >= rows {
+            return Err(Error::Invalid(format!(
+                "pick row {} but {rows} activation rows",
+                p.row
+            )));
+        }
+        w.get(&(layer, p.expert as usize))
+            .ok_or(Error::NotResident {
+                layer,
+                expert: p.expert as usize,
+                tier: "gpu",
+            })
+    }
+
+    /// As [`Self::compute`], with the activations (`rows` rows of H) and the outputs (one
+    /// row of H per pick) in device memory of this GPU: nothing but the picks crosses the
+    /// host (the NCCL link's sidecar computes from the received buffer into the reply).
+    ///
+    /// # Safety
+    /// `acts` addresses `rows * H` floats and `out` `picks.len() * H` floats of this GPU's
+    /// memory, 16-byte aligned, not written by other work until this returns.
+    pub unsafe fn compute_device(
+        &mut self,
+        layer: usize,
+        picks: &[Pick],
+        acts: u64,
+        rows: usize,
+        out: u64,
+    ) -> Result<()> {
+        if picks.is_empty() {
+            return Ok(());
+        }
+        self.ensure_tables()?;
+        let s = self.gpu.stream.clone();
+        let n = picks.len();
+        grow(&s, &mut self.act, n * self.inter)?;
+        self.staging.clear();
+        for p in picks {
+            Self::weights_of(&self.w, layer, p, rows)?;
+            self.staging
+                .extend_from_slice(&(p.row as i32).to_le_bytes());
+        }
+        for p in picks {
+            self.staging
+                .extend_from_slice(&(p.expert as i32).to_le_bytes());
+        }
+        let len = self.staging.len();
+        grow(&s, &mut self.packed, len)?;
+        s.memcpy_htod(&self.staging[..len], &mut self.packed.slice_mut(..len))
+            .map_err(|e| gpu_err("copying to the GPU", e))?;
+        let base = self.packed.device_ptr(&s).0;
+        let ptrs = [acts, base, base + 4 * n as u64, layer as u64];
+        self.launch_grouped(&s, ptrs, n, out)?;
+        s.synchronize().map_err(|e| gpu_err("synchronising", e))
+    }
+
+    /// One output row per pick, in pick order: the same contract as [`ExpertBank::compute`].
+    pub fn compute(
+        &mut self,
+        layer: usize,
+        picks: &[Pick],
+        acts: &[f32],
+        out: &mut [f32],
+    ) -> Result<()> {
+        let h = self.hidden;
+        if picks.is_empty() {
+            return Ok(());
+        }
+        crate::bank::check_out(out.len(), picks.len(), h)?;
+        let rows = acts.len() / h.max(1);
+        let s = self.gpu.stream.clone();
+        self.host_rows.clear();
+        self.host_gu.clear();
+        self.host_dn.clear();
+        for p in picks {
+            let (gu, dn) = Self::weights_of(&self.w, layer, p, rows)?;
+            let (gp, _g1) = gu.device_ptr(&s);
+            let (dp, _g2) = dn.device_ptr(&s);
+            self.host_rows.push(p.row as i32);
+            self.host_gu.push(gp);
+            self.host_dn.push(dp);
+        }
+        let n = picks.len();
+        grow(&s, &mut self.out, n * h)?;
+        let e = |x| gpu_err("copying to the GPU", x);
+        if self.upload == Upload::Packed {
+            self.ensure_tables()?;
+            grow(&s, &mut self.act, n * self.inter)?;
+            // one buffer: acts f32 | rows i32 | expert ids i32, 8-aligned
+            let al = |x: usize| x.div_ceil(8) * 8;
+            let oa = 0;
+            let or = al(oa + acts.len() * 4);
+            let oi = al(or + n * 4);
+            let len = oi + n * 4;
+            self.staging.clear();
+            self.staging.resize(len, 0);
+            for (i, x) in acts.iter().enumerate() {
+                self.staging[oa + 4 * i..oa + 4 * i + 4].copy_from_slice(&x.to_le_bytes());
+            }
+            for (i, p) in picks.iter().enumerate() {
+                let r = self.host_rows[i];
+                self.staging[or + 4 * i..or + 4 * i + 4].copy_from_slice(&r.to_le_bytes());
+                let e = p.expert as i32;
+                self.staging[oi + 4 * i..oi + 4 * i + 4].copy_from_slice(&e.to_le_bytes());
+            }
+            grow(&s, &mut self.packed, len)?;
+            s.memcpy_htod(&self.staging[..len], &mut self.packed.slice_mut(..len))
+                .map_err(e)?;
+            let (base, guard) = self.packed.device_ptr(&s);
+            drop(guard); // one stream: the launches below are ordered after the copy anyway
+            let ptrs = [
+                base + oa as u64,
+                base + or as u64,
+                base + oi as u64,
+                layer as u64,
+            ];
+            self.last = Some((ptrs, n));
+            // the pointers address the regions just copied into `packed`; every pick was
+            // checked above (row in range, expert resident); out holds n rows of H
+            let out = self.out.device_ptr(&s).0;
+            self.launch_grouped(&s, ptrs, n, out)?;
+        } else {
+            let (hi, ii) = (h as i32, self.inter as i32);
+            let cfg = self.cfg(n);
+            grow(&s, &mut self.acts, acts.len())?;
+            grow(&s, &mut self.rows, n)?;
+            grow(&s, &mut self.gate_up, n)?;
+            grow(&s, &mut self.down, n)?;
+            s.memcpy_htod(acts, &mut self.acts.slice_mut(..acts.len()))
+                .map_err(e)?;
+            s.memcpy_htod(&self.host_rows, &mut self.rows.slice_mut(..n))
+                .map_err(e)?;
+            s.memcpy_htod(&self.host_gu, &mut self.gate_up.slice_mut(..n))
+                .map_err(e)?;
+            s.memcpy_htod(&self.host_dn, &mut self.down.slice_mut(..n))
+                .map_err(e)?;
+            let mut b = s.launch_builder(&self.f);
+            b.arg(&self.acts)
+                .arg(&self.rows)
+                .arg(&self.gate_up)
+                .arg(&self.down)
+                .arg(&mut self.out)
+                .arg(&hi)
+                .arg(&ii);
+            // SAFETY: the arguments match the kernel's signature; every pointer the kernel
+            // follows (rows < activation rows, resident experts' weights of [2I,H] and [H,I])
+            // was checked above, and the scratch holds n picks.
+            unsafe { b.launch(cfg) }.map_err(|e| gpu_err("launching expert_swiglu", e))?;
+        }
+        s.memcpy_dtoh(&self.out.slice(..n * h), &mut out[..n * h])
+            .map_err(|e| gpu_err("copying from the GPU", e))?;
+        s.synchronize().map_err(|e| gpu_err("synchronising", e))
+    }
+}
