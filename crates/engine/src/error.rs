@@ -172,16 +172,10 @@ impl Fault {
 
     /// The fault of a wire byte; an unknown byte (a newer peer) reads as Unavailable.
     pub fn from_code(c: u8) -> Fault {
-        match c {
-            2 => Fault::Timeout,
-            3 => Fault::EpochMismatch,
-            4 => Fault::NotResident,
-            5 => Fault::Overloaded,
-            6 => Fault::BadRequest,
-            7 => Fault::ContextOverflow,
-            8 => Fault::Internal,
-            _ => Fault::Unavailable,
-        }
+        Fault::ALL
+            .into_iter()
+            .find(|f| f.code() == c)
+            .unwrap_or(Fault::Unavailable)
     }
 }
 

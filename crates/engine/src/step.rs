@@ -240,8 +240,15 @@ impl Counters {
         }
     }
 
-    /// Adds one step's picks (`[layers, rows, k]`) routed with `map`.
-    fn add_picks(&mut self, map: &ValidMap, picks: &[i32], rows: usize, k: usize) -> Result<()> {
+    /// Adds one step's picks (`[layers, rows, k]`) routed with `map` (`seen`: scratch).
+    fn add_picks(
+        &mut self,
+        map: &ValidMap,
+        picks: &[i32],
+        rows: usize,
+        k: usize,
+        seen: &mut Vec<bool>,
+    ) -> Result<()> {
         let experts = self.picks.first().map_or(0, Vec::len);
         let per_layer = rows * k;
         if picks.len() != per_layer * self.picks.len() {
@@ -252,9 +259,9 @@ impl Counters {
                 per_layer * self.picks.len()
             )));
         }
-        let mut seen = vec![false; experts];
         for (ml, layer) in picks.chunks(per_layer.max(1)).enumerate() {
-            seen.fill(false);
+            seen.clear();
+            seen.resize(experts, false);
             for &e in layer {
                 let e = checked_expert(e, experts, ml)? as usize;
                 self.picks[ml][e] += 1;
@@ -296,6 +303,7 @@ pub struct Engine {
     split: Split,
     picks: Vec<i32>,
     acts: Vec<f32>,
+    seen: Vec<bool>,
     /// When set, the hidden state `[rows, H]` after every decoder layer of each step is
     /// appended here (the GPU/CPU parity tests read it).
     pub trace: Option<Vec<Vec<f32>>>,
@@ -350,6 +358,7 @@ impl Engine {
             split: Split::default(),
             picks: Vec::new(),
             acts: Vec::new(),
+            seen: Vec::new(),
             trace: None,
         }
     }
@@ -376,19 +385,9 @@ impl Engine {
         self.backend.set_map(&self.map)
     }
 
-    /// The step backend (tests and benches tune a concrete one through `as_any_mut`).
-    pub fn backend_mut(&mut self) -> &mut dyn StepBackend {
-        self.backend.as_mut()
-    }
-
     /// The concrete step backend, when it is a `B`.
     pub fn backend_as<B: StepBackend + 'static>(&mut self) -> Option<&mut B> {
         self.backend.as_any_mut().downcast_mut::<B>()
-    }
-
-    /// "cpu", "cuda:0", ...
-    pub fn describe_backend(&self) -> String {
-        self.backend.describe()
     }
 
     /// Bytes of dense weights one decode token reads.
@@ -531,7 +530,7 @@ impl Engine {
         let out = self.backend.head(head, picks.unwrap_or(&[]))?;
         let k = self.cfg.num_experts_per_tok;
         self.counters
-            .add_picks(&self.map, self.backend.step_picks(), n, k)?;
+            .add_picks(&self.map, self.backend.step_picks(), n, k, &mut self.seen)?;
         self.step_no += 1;
         self.counters.steps += 1;
         self.counters.tokens += n as u64;
@@ -574,53 +573,46 @@ impl Engine {
         device: Option<DeviceRows>,
     ) -> Result<()> {
         let hs = self.cfg.hidden_size;
-        let sent = !split.cold.is_empty();
+        if split.cold.is_empty() {
+            return self.backend.experts(ml, &self.hot, Some(split));
+        }
         let (step, epoch) = (self.step_no, self.map.epoch());
-        if sent {
-            let cold = self.cold.as_mut().ok_or(Error::NoColdTier {
-                layer: ml,
-                picks: split.cold.len(),
-            })?;
-            let mut req = ColdRequest {
-                step,
-                layer: ml as u32,
-                epoch,
-                picks: split.cold.clone(),
-                activations: Vec::new(),
-            };
-            match device {
-                // SAFETY: the rows are the step's n normed rows, complete (`picks` waited
-                // for the device) and unchanged until the reply is in: their next writer is
-                // the next layer's router, queued after the scatter.
-                Some(d) => unsafe { cold.send_device(req, d.ptr, d.len) }?,
-                None => {
-                    let h = self.backend.normed_rows();
-                    if h.len() < n * hs {
-                        return Err(Error::Internal(format!(
-                            "the backend left {} normed floats for {n} rows",
-                            h.len()
-                        )));
-                    }
-                    self.acts.clear();
-                    for &r in &split.cold_rows {
-                        let r = r as usize;
-                        self.acts.extend_from_slice(&h[r * hs..(r + 1) * hs]);
-                    }
-                    req.activations = std::mem::take(&mut self.acts);
-                    cold.send(req)?;
-                }
-            }
-        }
-        // the hot experts run while the cold tier computes
-        self.backend.experts(ml, &self.hot, Some(split))?;
-        if !sent {
-            return Ok(());
-        }
-        let t0 = Instant::now();
         let cold = self.cold.as_mut().ok_or(Error::NoColdTier {
             layer: ml,
             picks: split.cold.len(),
         })?;
+        let mut req = ColdRequest {
+            step,
+            layer: ml as u32,
+            epoch,
+            picks: split.cold.clone(),
+            activations: Vec::new(),
+        };
+        match device {
+            // SAFETY: the rows are the step's n normed rows, complete (`picks` waited for the
+            // device) and unchanged until the reply is in: their next writer is the next
+            // layer's router, queued after the scatter.
+            Some(d) => unsafe { cold.send_device(req, d.ptr, d.len) }?,
+            None => {
+                let h = self.backend.normed_rows();
+                if h.len() < n * hs {
+                    return Err(Error::Internal(format!(
+                        "the backend left {} normed floats for {n} rows",
+                        h.len()
+                    )));
+                }
+                self.acts.clear();
+                for &r in &split.cold_rows {
+                    let r = r as usize;
+                    self.acts.extend_from_slice(&h[r * hs..(r + 1) * hs]);
+                }
+                req.activations = std::mem::take(&mut self.acts);
+                cold.send(req)?;
+            }
+        }
+        // the hot experts run while the cold tier computes
+        self.backend.experts(ml, &self.hot, Some(split))?;
+        let t0 = Instant::now();
         let want = split.cold.len() * hs;
         if device.is_some() {
             let (reply, out, len) = cold.recv_device()?;

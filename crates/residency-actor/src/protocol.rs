@@ -77,10 +77,10 @@ impl TierEpochs {
         tag == self.epoch || self.next == Some(tag)
     }
 
-    /// The epochs a request may be tagged with, for an error: "3" or "3 and 4 (staged)".
+    /// The epochs this tier holds, for an error: "3", or "3 (and 4 staged)".
     pub fn describe(&self) -> String {
         match self.next {
-            Some(n) => format!("{} and {n} (staged)", self.epoch),
+            Some(n) => format!("{} (and {n} staged)", self.epoch),
             None => self.epoch.to_string(),
         }
     }
@@ -129,11 +129,8 @@ impl TierEpochs {
             Some(n) if base == n => Ok(PrepareStep::PromoteThenStage),
             Some(_) if base == self.epoch => Ok(PrepareStep::DropThenStage),
             _ => Err(SwapError::epoch(format!(
-                "PREPARE builds on epoch {base}, but this tier holds {}{}",
-                self.epoch,
-                self.next
-                    .map(|n| format!(" (and {n} staged)"))
-                    .unwrap_or_default()
+                "PREPARE builds on epoch {base}, but this tier holds {}",
+                self.describe()
             ))),
         }
     }
@@ -168,11 +165,8 @@ impl TierEpochs {
             return Ok(ReleaseStep::Already);
         }
         Err(SwapError::epoch(format!(
-            "RELEASE into epoch {epoch}, but this tier holds {}{}",
-            self.epoch,
-            self.next
-                .map(|n| format!(" (and {n} staged)"))
-                .unwrap_or_default()
+            "RELEASE into epoch {epoch}, but this tier holds {}",
+            self.describe()
         )))
     }
 
