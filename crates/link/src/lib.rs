@@ -42,6 +42,15 @@ pub trait ColdService: Send + Sync {
     }
 }
 
+/// A service behind the engine's in-process link (the embedded lane, the link benches).
+pub struct InProcess(pub Arc<dyn ColdService>);
+
+impl moelane_engine::tier::ColdServer for InProcess {
+    fn serve(&mut self, req: &ColdRequest, out: &mut Vec<f32>) -> Result<()> {
+        self.0.serve(req, out)
+    }
+}
+
 /// Serves one request into a reply (the error text travels in the reply frame).
 pub fn answer(
     svc: &Arc<dyn ColdService>,

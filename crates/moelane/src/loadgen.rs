@@ -390,16 +390,10 @@ pub fn link_floor(hidden: usize, picks: usize, iters: usize) -> Result<()> {
         activations: vec![0.5; hidden],
     };
     let mut tiers: Vec<(&str, Box<dyn RemoteTier>)> = Vec::new();
-    struct InProc(Arc<dyn ColdService>);
-    impl moelane_engine::tier::ColdServer for InProc {
-        fn serve(&mut self, req: &ColdRequest, out: &mut Vec<f32>) -> moelane_engine::Result<()> {
-            self.0.serve(req, out)
-        }
-    }
     tiers.push((
         "inproc",
         Box::new(moelane_engine::tier::InProcessTier::spawn(Box::new(
-            InProc(svc.clone()),
+            moelane_link::InProcess(svc.clone()),
         ))),
     ));
     let shm = std::env::temp_dir().join(format!("moelane-bench-link-{}", std::process::id()));

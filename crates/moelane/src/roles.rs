@@ -21,7 +21,7 @@ use moelane_gb300_worker::PrimaryHandle;
 use moelane_gb300_worker::PrimaryParticipant;
 use moelane_proto::control::sidecar_client::SidecarClient;
 use moelane_residency_actor::{Participant, Residency};
-use moelane_rtx_worker::{InProcessCore, LocalSidecar, SidecarCore, SidecarOptions};
+use moelane_rtx_worker::{LocalSidecar, SidecarCore, SidecarOptions};
 use moelane_text::chat::ChatTemplate;
 use moelane_text::tokenizer::Tokenizer;
 
@@ -100,7 +100,7 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
             sidecar = Some(Box::new(LocalSidecar(core.clone())));
             (
                 Some(Metered::wrap(Box::new(InProcessTier::spawn(Box::new(
-                    InProcessCore(core),
+                    moelane_link::InProcess(core),
                 ))))),
                 "inproc".into(),
             )

@@ -16,7 +16,7 @@ use kameo::Actor;
 use moelane_engine::bank::ExpertBank;
 use moelane_engine::checkpoint::Checkpoint;
 use moelane_engine::rowmap::{Rowmap, Tier, ValidMap};
-use moelane_engine::tier::{ColdRequest, ColdServer};
+use moelane_engine::tier::ColdRequest;
 use moelane_link::ColdService;
 use moelane_proto::control::sidecar_server::SidecarServer;
 use moelane_proto::control::*;
@@ -268,15 +268,6 @@ impl ColdService for SidecarCore {
             })
             .map(|()| floats),
         )
-    }
-}
-
-/// Adapter for the engine's in-process link.
-pub struct InProcessCore(pub Arc<SidecarCore>);
-
-impl ColdServer for InProcessCore {
-    fn serve(&mut self, req: &ColdRequest, out: &mut Vec<f32>) -> moelane_engine::Result<()> {
-        ColdService::serve(&*self.0, req, out)
     }
 }
 

@@ -15,7 +15,7 @@ use moelane_engine::rowmap::{Rowmap, ValidMap};
 use moelane_engine::synth::{fit_map, generate, Preset};
 use moelane_engine::tier::{ColdRequest, ColdServer};
 use moelane_link::ColdService;
-use moelane_rtx_worker::{InProcessCore, SidecarCore};
+use moelane_rtx_worker::SidecarCore;
 
 /// Hot experts per layer in the fixture map: 0..HOT hot, HOT..64 cold.
 const HOT: usize = 48;
@@ -149,7 +149,7 @@ fn serves_one_row_per_pick_equal_to_the_expert_on_the_cpu() {
         check_rows(&f, &req, &out);
         // the engine's in-process link reaches the same compute
         let mut out2 = Vec::new();
-        InProcessCore(std::sync::Arc::new(fixture().core))
+        moelane_link::InProcess(std::sync::Arc::new(fixture().core))
             .serve(&req, &mut out2)
             .expect("serve in process");
         assert_eq!(out, out2);
