@@ -17,60 +17,28 @@ use crate::step::Engine;
 use crate::cuda_model::{attach_gpu, GpuModel};
 
 /// A cold tier on a GPU in this process (the `gpu+gpu` placement of `moelane bench decode`):
-/// its experts generated on that GPU, activations crossing through host memory.
+/// its experts generated on that GPU, activations crossing through host memory; its map
+/// never changes ([`crate::tier::fixed_epoch`]).
 pub struct GpuColdServer {
-    pub experts: crate::cuda_experts::GpuExperts,
+    pub experts: std::sync::Mutex<crate::cuda_experts::GpuExperts>,
     pub epoch: u64,
 }
 
 impl GpuColdServer {
-    fn check_epoch(&self, req: &crate::tier::ColdRequest) -> Result<()> {
-        if req.epoch != self.epoch {
-            return Err(Error::EpochMismatch {
-                got: req.epoch,
-                serves: self.epoch.to_string(),
-            });
-        }
-        Ok(())
-    }
-
-    /// As `serve`, activations and outputs in this GPU's memory (the NCCL link's sidecar).
-    ///
-    /// # Safety
-    /// As [`crate::cuda_experts::GpuExperts::compute_device`], with `acts_len` floats at `acts`.
-    /// Returns the floats written (one row per pick), at most `out_len`.
-    pub unsafe fn serve_device(
-        &mut self,
-        req: &crate::tier::ColdRequest,
-        acts: u64,
-        acts_len: usize,
-        out: u64,
-        out_len: usize,
-    ) -> Result<usize> {
-        self.check_epoch(req)?;
-        let h = self.experts.hidden().max(1);
-        if !acts_len.is_multiple_of(h) || req.picks.len() * h > out_len {
-            return Err(Error::Invalid(format!(
-                "{acts_len} activation floats and {} picks do not fit rows of {h} ({out_len} floats of room)",
-                req.picks.len()
-            )));
-        }
-        // SAFETY: the caller's guarantee
-        unsafe {
-            self.experts
-                .compute_device(req.layer as usize, &req.picks, acts, acts_len / h, out)
-        }?;
-        Ok(req.picks.len() * h)
+    fn experts(&self) -> Result<std::sync::MutexGuard<'_, crate::cuda_experts::GpuExperts>> {
+        self.experts
+            .lock()
+            .map_err(|_| Error::Internal("the GPU cold tier's experts are poisoned".into()))
     }
 }
 
-impl crate::tier::ColdServer for GpuColdServer {
-    fn serve(&mut self, req: &crate::tier::ColdRequest, out: &mut Vec<f32>) -> Result<()> {
-        self.check_epoch(req)?;
+impl crate::tier::ColdService for GpuColdServer {
+    fn serve(&self, req: &crate::tier::ColdRequest, out: &mut Vec<f32>) -> Result<()> {
+        crate::tier::fixed_epoch(req, self.epoch)?;
+        let mut g = self.experts()?;
         out.clear();
-        out.resize(req.picks.len() * self.experts.hidden(), 0.0);
-        self.experts
-            .compute(req.layer as usize, &req.picks, &req.activations, out)
+        out.resize(req.picks.len() * g.hidden(), 0.0);
+        g.compute(req.layer as usize, &req.picks, &req.activations, out)
     }
 }
 
@@ -197,7 +165,7 @@ pub fn hashed_engine(
             for ((l, e), w) in ws {
                 bank.insert(l, e, Arc::new(w));
             }
-            Some(Box::new(crate::tier::InProcessTier::spawn(Box::new(
+            Some(Box::new(crate::tier::InProcessTier::spawn(Arc::new(
                 crate::tier::FixedBank {
                     bank,
                     epoch: map.epoch(),
@@ -208,9 +176,9 @@ pub fn hashed_engine(
             let g2 = Gpu::open(n)?;
             let mut ge = crate::cuda_experts::GpuExperts::new(g2, h, i)?;
             ge.generate(mem.seed, &cold)?;
-            Some(Box::new(crate::tier::InProcessTier::spawn(Box::new(
+            Some(Box::new(crate::tier::InProcessTier::spawn(Arc::new(
                 GpuColdServer {
-                    experts: ge,
+                    experts: std::sync::Mutex::new(ge),
                     epoch: map.epoch(),
                 },
             ))))

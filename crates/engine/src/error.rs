@@ -203,8 +203,9 @@ impl Error {
             | Error::Text(_)
             | Error::Rowmap(_)
             | Error::Checksum { .. }
-            | Error::Internal(_)
-            | Error::NotCompiledWithCuda => Fault::Internal,
+            | Error::Internal(_) => Fault::Internal,
+            // a GPU asked of a build without one: the request, not the server, is at fault
+            Error::NotCompiledWithCuda => Fault::BadRequest,
         }
     }
 

@@ -35,3 +35,4 @@ pub mod cuda_experts;
 pub mod cuda_model;
 #[cfg(feature = "cuda")]
 pub mod cuda_station;
+pub mod gpu;

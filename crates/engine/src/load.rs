@@ -3,6 +3,7 @@
 //! thread, as the rowmap says. Shows a progress bar on loads that take more than a second.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use crate::bank::ExpertBank;
 use crate::checkpoint::Checkpoint;
@@ -90,7 +91,7 @@ pub fn engine_from(ckpt: &Checkpoint, map: ValidMap, opts: &EngineOptions) -> Re
     let any_cold = map.map.layers.iter().any(|l| !l.cold.is_empty());
     let cold: Option<Box<dyn crate::tier::RemoteTier>> = if any_cold {
         let bank = load_tier(ckpt, &map, Tier::Cold, opts.progress)?;
-        Some(Box::new(InProcessTier::spawn(Box::new(FixedBank {
+        Some(Box::new(InProcessTier::spawn(Arc::new(FixedBank {
             bank,
             epoch: map.epoch(),
         }))))

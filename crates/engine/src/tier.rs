@@ -73,25 +73,56 @@ pub trait RemoteTier: Send {
     }
 }
 
-/// Resolves a request against a bank: checks the epoch the server can serve.
-pub trait ColdServer: Send {
-    fn serve(&mut self, req: &ColdRequest, out: &mut Vec<f32>) -> Result<()>;
+/// What a cold tier does with a request: one trait for every server (the sidecar's
+/// `SidecarCore`, whose map can be swapped; [`FixedBank`] and the bench's GPU tier, whose map
+/// cannot) behind every link (in-process, shared memory, TCP, NCCL).
+pub trait ColdService: Send + Sync {
+    /// Fills `out` with one row per pick, or fails saying how (the fault travels back).
+    fn serve(&self, req: &ColdRequest, out: &mut Vec<f32>) -> Result<()>;
+
+    /// The NCCL link's device path: the request's activations (`acts_len` floats at device
+    /// address `acts`; `req.activations` is empty) are read and its outputs (one row per
+    /// pick, at most `out_len` floats at `out`) written in the memory of GPU `ordinal`,
+    /// without a host copy; returns the floats written. `None`: this service computes
+    /// elsewhere, and the link stages through host memory.
+    ///
+    /// # Safety
+    /// `acts` and `out` address that many floats of GPU `ordinal`, 16-byte aligned, and no
+    /// other work touches them until this returns.
+    unsafe fn serve_device(
+        &self,
+        _req: &ColdRequest,
+        _ordinal: usize,
+        _acts: u64,
+        _acts_len: usize,
+        _out: u64,
+        _out_len: usize,
+    ) -> Option<Result<usize>> {
+        None
+    }
 }
 
-/// A sidecar serving a single fixed bank (no swaps): epoch must match.
+/// The epoch check of a tier whose map never changes: a request routed with any other map
+/// is refused (the sidecar's swappable check is the residency protocol's `TierEpochs`).
+pub fn fixed_epoch(req: &ColdRequest, serves: u64) -> Result<()> {
+    if req.epoch != serves {
+        return Err(Error::EpochMismatch {
+            got: req.epoch,
+            serves: serves.to_string(),
+        });
+    }
+    Ok(())
+}
+
+/// A cold tier serving a single fixed bank on the CPU (no swaps).
 pub struct FixedBank {
     pub bank: ExpertBank,
     pub epoch: u64,
 }
 
-impl ColdServer for FixedBank {
-    fn serve(&mut self, req: &ColdRequest, out: &mut Vec<f32>) -> Result<()> {
-        if req.epoch != self.epoch {
-            return Err(Error::EpochMismatch {
-                got: req.epoch,
-                serves: self.epoch.to_string(),
-            });
-        }
+impl ColdService for FixedBank {
+    fn serve(&self, req: &ColdRequest, out: &mut Vec<f32>) -> Result<()> {
+        fixed_epoch(req, self.epoch)?;
         out.clear();
         out.resize(req.picks.len() * self.bank.hidden, 0.0);
         self.bank
@@ -176,7 +207,7 @@ pub struct InProcessTier {
 }
 
 impl InProcessTier {
-    pub fn spawn(mut server: Box<dyn ColdServer>) -> Self {
+    pub fn spawn(server: Arc<dyn ColdService>) -> Self {
         let req = Arc::new(Handoff::<ColdRequest>::new());
         let rep = Arc::new(Handoff::<Result<ColdReply>>::new());
         let (rq, rp) = (req.clone(), rep.clone());

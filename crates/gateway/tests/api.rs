@@ -48,10 +48,11 @@ async fn primary() -> (PrimaryHandle, String) {
     .expect("load tiny");
     let eos = engine.cfg.eos_token_ids.clone();
     let handle =
-        moelane_gb300_worker::start(engine, "tiny".into(), eos, SchedulerConfig::default());
+        moelane_gb300_worker::start(engine, "tiny".into(), eos, SchedulerConfig::default())
+            .expect("start the step loop");
     let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let url = format!("http://{}", l.local_addr().expect("addr"));
-    tokio::spawn(moelane_gb300_worker::serve(l, handle.actor.clone(), None));
+    tokio::spawn(moelane_gb300_worker::serve(l, handle.client.clone(), None));
     (handle, url)
 }
 

@@ -1,18 +1,16 @@
 //! The primary (the GB300 role of the reference deployment): attention, dense weights and
 //! hot experts, the step loop with continuous batching, and the per-layer exchange with the
-//! sidecar. A kameo actor fronts the scheduler thread (which owns the engine); a tonic
-//! server exposes it to gateways (proto/lane.proto).
+//! sidecar. The scheduler thread owns the engine; `PrimaryClient` validates requests and
+//! reaches it over a bounded command queue with oneshot replies; a tonic server exposes it
+//! to gateways (proto/lane.proto).
 
 pub mod links;
 pub mod scheduler;
 pub mod sidecar_client;
 
-use std::sync::mpsc;
 use std::thread::JoinHandle;
 
-use kameo::actor::{ActorRef, Spawn};
-use kameo::message::{Context, Message};
-use kameo::Actor;
+use kameo::actor::ActorRef;
 use moelane_engine::step::Engine;
 
 use moelane_engine::sampling::SamplingParams;
@@ -47,26 +45,46 @@ mod fault_tests {
     }
 }
 
-/// The primary actor: validates requests and forwards them to the scheduler thread.
-#[derive(Actor)]
-pub struct PrimaryActor {
-    tx: mpsc::Sender<Command>,
+/// The primary's front, shared by the gRPC service, the swap participant and the metrics
+/// collector: it validates requests and hands them to the step loop over a bounded command
+/// queue, each reply on a oneshot channel. Cloning it is cheap.
+#[derive(Clone)]
+pub struct PrimaryClient {
+    tx: tokio::sync::mpsc::Sender<Command>,
     vocab: usize,
-    eos: Vec<u32>,
+    eos: std::sync::Arc<[u32]>,
 }
 
-/// A request and its trace span.
-pub struct Generate(pub GenerateRequest, pub tracing::Span);
-pub struct Cancel(pub String);
-pub struct GetSnapshot;
+/// The command queue's depth: the waiting requests the scheduler may hold, and room for the
+/// control and stats commands of one step beside them.
+fn queue_depth(cfg: &SchedulerConfig) -> usize {
+    cfg.max_waiting.saturating_add(256).max(1)
+}
 
-impl Message<Generate> for PrimaryActor {
-    type Reply = Result<UnboundedReceiver<Event>, Status>;
-    async fn handle(
-        &mut self,
-        Generate(r, span): Generate,
-        _: &mut Context<Self, Self::Reply>,
-    ) -> Self::Reply {
+impl PrimaryClient {
+    /// Validates `r` and queues it; its events arrive on the returned stream. A full queue
+    /// answers Overloaded at once (the step loop is behind; the client may retry).
+    pub fn generate(
+        &self,
+        r: GenerateRequest,
+        span: tracing::Span,
+    ) -> Result<UnboundedReceiver<Event>, Status> {
+        let v = self.validate(r, span)?;
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        match self.tx.try_send(Command::Submit(v, tx)) {
+            Ok(()) => Ok(rx),
+            Err(tokio::sync::mpsc::error::TrySendError::Full(_)) => Err(Category::Overloaded
+                .status(format!(
+                    "the primary's command queue is full ({} commands)",
+                    self.tx.max_capacity()
+                ))),
+            Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) => {
+                Err(Category::Unavailable.status("the primary's scheduler stopped"))
+            }
+        }
+    }
+
+    fn validate(&self, r: GenerateRequest, span: tracing::Span) -> Result<ValidGen, Status> {
         let bad = |m: String| Err(Category::BadRequest.status(m));
         if r.prompt.is_empty() {
             return bad("prompt is empty".into());
@@ -89,11 +107,11 @@ impl Message<Generate> for PrimaryActor {
         if !(r.top_p > 0.0 && r.top_p <= 1.0) {
             return bad(format!("top_p {} must be in (0, 1]", r.top_p));
         }
-        let mut stop_ids = r.stop_token_ids.clone();
+        let mut stop_ids = r.stop_token_ids;
         if !r.ignore_eos {
-            stop_ids.extend(&self.eos);
+            stop_ids.extend(self.eos.iter());
         }
-        let v = ValidGen {
+        Ok(ValidGen {
             id: r.request_id,
             prompt: r.prompt,
             max_tokens: r.max_tokens as usize,
@@ -104,65 +122,51 @@ impl Message<Generate> for PrimaryActor {
             },
             stop_ids,
             span,
-        };
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        self.tx
-            .send(Command::Submit(v, tx))
-            .map_err(|_| Category::Unavailable.status("scheduler stopped"))?;
-        Ok(rx)
-    }
-}
-
-impl Message<Cancel> for PrimaryActor {
-    type Reply = Result<bool, Status>;
-    async fn handle(
-        &mut self,
-        Cancel(id): Cancel,
-        _: &mut Context<Self, Self::Reply>,
-    ) -> Self::Reply {
-        let (tx, rx) = mpsc::channel();
-        self.tx
-            .send(Command::Cancel(id, tx))
-            .map_err(|_| Category::Unavailable.status("scheduler stopped"))?;
-        tokio::task::spawn_blocking(move || rx.recv().unwrap_or(false))
-            .await
-            .map_err(|e| Category::Internal.status(e.to_string()))
-    }
-}
-
-impl Message<GetSnapshot> for PrimaryActor {
-    type Reply = Result<Snapshot, Status>;
-    async fn handle(&mut self, _: GetSnapshot, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
-        let (tx, rx) = mpsc::channel();
-        self.tx
-            .send(Command::Snapshot(tx))
-            .map_err(|_| Category::Unavailable.status("scheduler stopped"))?;
-        tokio::task::spawn_blocking(move || {
-            rx.recv()
-                .map_err(|_| Category::Unavailable.status("scheduler stopped"))
         })
-        .await
-        .map_err(|e| Category::Internal.status(e.to_string()))?
+    }
+
+    /// Sends the command `make` builds and waits for its reply (waiting for room in the
+    /// queue: control commands are not refused for load).
+    pub async fn call<T>(
+        &self,
+        make: impl FnOnce(tokio::sync::oneshot::Sender<T>) -> Command,
+    ) -> Result<T, SwapError> {
+        let stopped = || SwapError::unavailable("the primary's scheduler stopped");
+        let (rtx, rrx) = tokio::sync::oneshot::channel();
+        self.tx.send(make(rtx)).await.map_err(|_| stopped())?;
+        rrx.await.map_err(|_| stopped())
+    }
+
+    /// Cancels request `id`; whether it was running or waiting.
+    pub async fn cancel(&self, id: String) -> Result<bool, Status> {
+        self.call(|r| Command::Cancel(id, r)).await.map_err(status)
+    }
+
+    /// The scheduler's counters and load.
+    pub async fn snapshot(&self) -> Result<Snapshot, Status> {
+        self.call(Command::Snapshot).await.map_err(status)
     }
 }
 
-/// A running primary: the actor and the scheduler thread.
+fn status(e: SwapError) -> Status {
+    Category::parse(e.fault.name()).status(e.what)
+}
+
+/// A running primary: its front and the scheduler thread.
 pub struct PrimaryHandle {
-    pub actor: ActorRef<PrimaryActor>,
-    tx: mpsc::Sender<Command>,
+    pub client: PrimaryClient,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl PrimaryHandle {
-    /// The scheduler's command channel (for the swap participant).
-    pub fn commands(&self) -> mpsc::Sender<Command> {
-        self.tx.clone()
-    }
-
     /// Stops the scheduler (running requests end with an error event when their senders drop).
     pub fn shutdown(&mut self) {
-        let _ = self.tx.send(Command::Shutdown);
         if let Some(t) = self.thread.take() {
+            // the flag stops a busy loop (whose queue may be full); the command wakes an
+            // idle one (whose queue is empty, so it finds room)
+            self.stop.store(true, std::sync::atomic::Ordering::Release);
+            let _ = self.client.tx.try_send(Command::Shutdown);
             let _ = t.join();
         }
     }
@@ -174,51 +178,40 @@ impl Drop for PrimaryHandle {
     }
 }
 
-/// Starts the scheduler thread on `engine` and the actor in front of it.
-pub fn start(engine: Engine, model: String, eos: Vec<u32>, cfg: SchedulerConfig) -> PrimaryHandle {
-    let (tx, rx) = mpsc::channel();
+/// Starts the scheduler thread on `engine` and the front before it.
+pub fn start(
+    engine: Engine,
+    model: String,
+    eos: Vec<u32>,
+    cfg: SchedulerConfig,
+) -> std::io::Result<PrimaryHandle> {
+    let (tx, rx) = tokio::sync::mpsc::channel(queue_depth(&cfg));
     let vocab = engine.cfg.vocab_size;
     let sched = Scheduler::new(engine, model, cfg);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = stop.clone();
     let thread = std::thread::Builder::new()
         .name("moelane-step-loop".into())
-        .spawn(move || sched.run(rx))
-        .ok();
-    let actor = PrimaryActor::spawn(PrimaryActor {
-        tx: tx.clone(),
-        vocab,
-        eos,
-    });
-    PrimaryHandle { actor, tx, thread }
-}
-
-fn flat<T, M>(r: Result<T, kameo::error::SendError<M, Status>>) -> Result<T, Status> {
-    match r {
-        Ok(v) => Ok(v),
-        Err(kameo::error::SendError::HandlerError(s)) => Err(s),
-        Err(e) => Err(Category::Unavailable.status(format!("primary actor: {e}"))),
-    }
+        .spawn(move || sched.run(rx, &flag))?;
+    Ok(PrimaryHandle {
+        stop,
+        client: PrimaryClient {
+            tx,
+            vocab,
+            eos: eos.into(),
+        },
+        thread: Some(thread),
+    })
 }
 
 /// The primary as the residency coordinator drives it: loads off the step loop, stages,
 /// commits and releases between steps through the scheduler's command channel.
 pub struct PrimaryParticipant {
-    pub tx: mpsc::Sender<Command>,
+    pub client: PrimaryClient,
     pub ckpt_dir: std::path::PathBuf,
     pub model: String,
     pub layers: usize,
     pub experts: usize,
-}
-
-async fn call<T: Send + 'static>(
-    tx: &mpsc::Sender<Command>,
-    make: impl FnOnce(mpsc::Sender<T>) -> Command,
-) -> Result<T, SwapError> {
-    let stopped = || SwapError::unavailable("the primary's scheduler stopped");
-    let (rtx, rrx) = mpsc::channel();
-    tx.send(make(rtx)).map_err(|_| stopped())?;
-    tokio::task::spawn_blocking(move || rrx.recv().map_err(|_| stopped()))
-        .await
-        .map_err(|e| SwapError::internal(format!("waiting for the scheduler: {e}")))?
 }
 
 impl moelane_residency_actor::Participant for PrimaryParticipant {
@@ -241,7 +234,7 @@ impl moelane_residency_actor::Participant for PrimaryParticipant {
             })
             .await
             .map_err(|e| SwapError::internal(format!("the PREPARE load: {e}")))??;
-            call(&self.tx, |r| Command::Stage(loaded, r)).await
+            self.client.call(|r| Command::Stage(loaded, r)).await
         })
     }
     fn commit<'a>(
@@ -253,16 +246,17 @@ impl moelane_residency_actor::Participant for PrimaryParticipant {
                 .clone()
                 .validate(&self.model, self.layers, self.experts, None)
                 .map_err(|e| SwapError::invalid(e.to_string()))?;
-            call(&self.tx, |r| Command::Commit(Box::new(valid), r))
+            self.client
+                .call(|r| Command::Commit(Box::new(valid), r))
                 .await?
                 .map_err(SwapError::from)
         })
     }
     fn release(&self, _epoch: u64) -> futures::future::BoxFuture<'_, Result<(), SwapError>> {
-        Box::pin(async move { call(&self.tx, Command::ReleaseUnused).await.map(|_| ()) })
+        Box::pin(async move { self.client.call(Command::ReleaseUnused).await.map(|_| ()) })
     }
     fn abort(&self, _epoch: u64) -> futures::future::BoxFuture<'_, Result<(), SwapError>> {
-        Box::pin(async move { call(&self.tx, Command::ReleaseUnused).await.map(|_| ()) })
+        Box::pin(async move { self.client.call(Command::ReleaseUnused).await.map(|_| ()) })
     }
 }
 
@@ -272,7 +266,7 @@ impl moelane_residency_actor::CounterSource for PrimaryParticipant {
     ) -> futures::future::BoxFuture<'_, Result<moelane_residency_actor::policy::Sample, SwapError>>
     {
         Box::pin(async move {
-            let s = call(&self.tx, Command::Snapshot).await?;
+            let s = self.client.call(Command::Snapshot).await?;
             Ok(moelane_residency_actor::policy::Sample {
                 picks: s.picks,
                 wait_ns: s.wait_ns,
@@ -284,7 +278,7 @@ impl moelane_residency_actor::CounterSource for PrimaryParticipant {
 
 /// The tonic face of the primary.
 pub struct PrimaryService {
-    pub actor: ActorRef<PrimaryActor>,
+    pub client: PrimaryClient,
     pub residency: Option<ActorRef<moelane_residency_actor::Residency>>,
 }
 
@@ -318,7 +312,7 @@ impl Primary for PrimaryService {
         );
         moelane_telemetry::adopt(&span, r.metadata());
         span.record("moelane.request_id", r.get_ref().request_id.as_str());
-        let rx = flat(self.actor.ask(Generate(r.into_inner(), span)).await)?;
+        let rx = self.client.generate(r.into_inner(), span)?;
         let s = tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(|ev| match ev {
             Event::Token {
                 token,
@@ -349,12 +343,12 @@ impl Primary for PrimaryService {
     }
 
     async fn cancel(&self, r: Request<CancelRequest>) -> Result<Response<CancelReply>, Status> {
-        let found = flat(self.actor.ask(Cancel(r.into_inner().request_id)).await)?;
+        let found = self.client.cancel(r.into_inner().request_id).await?;
         Ok(Response::new(CancelReply { found }))
     }
 
     async fn health(&self, _: Request<HealthRequest>) -> Result<Response<HealthReply>, Status> {
-        let s = flat(self.actor.ask(GetSnapshot).await)?;
+        let s = self.client.snapshot().await?;
         Ok(Response::new(HealthReply {
             ok: true,
             model: s.model,
@@ -364,7 +358,7 @@ impl Primary for PrimaryService {
     }
 
     async fn load(&self, _: Request<LoadRequest>) -> Result<Response<LoadReply>, Status> {
-        let s = flat(self.actor.ask(GetSnapshot).await)?;
+        let s = self.client.snapshot().await?;
         Ok(Response::new(load_of(&s)))
     }
 
@@ -434,7 +428,7 @@ impl Primary for PrimaryService {
     }
 
     async fn stats(&self, _: Request<StatsRequest>) -> Result<Response<StatsReply>, Status> {
-        let s = flat(self.actor.ask(GetSnapshot).await)?;
+        let s = self.client.snapshot().await?;
         let layers = (0..s.hot_picks.len())
             .map(|l| LayerStats {
                 hot_picks: s.hot_picks[l],
@@ -465,11 +459,11 @@ impl Primary for PrimaryService {
 /// Serves the lane API on `listener` until the future is dropped.
 pub async fn serve(
     listener: tokio::net::TcpListener,
-    actor: ActorRef<PrimaryActor>,
+    client: PrimaryClient,
     residency: Option<ActorRef<moelane_residency_actor::Residency>>,
 ) -> Result<(), tonic::transport::Error> {
     tonic::transport::Server::builder()
-        .add_service(PrimaryServer::new(PrimaryService { actor, residency }))
+        .add_service(PrimaryServer::new(PrimaryService { client, residency }))
         .serve_with_incoming(
             tokio_stream::wrappers::TcpListenerStream::new(listener).map(|s| {
                 if let Ok(s) = &s {
@@ -484,16 +478,16 @@ pub async fn serve(
 /// Publishes the lane's counters (kept by the engine as plain integers) on each scrape of the
 /// Prometheus page: per-layer hot and cold picks, wait on the sidecar, the cold share since
 /// the previous scrape, step time, tokens, request outcomes, and the map epoch.
-pub fn register_metrics(tx: mpsc::Sender<Command>) {
+pub fn register_metrics(client: PrimaryClient) {
     use moelane_telemetry::names as n;
     let prev = std::sync::Arc::new(std::sync::Mutex::new((
         Vec::<u64>::new(),
         Vec::<u64>::new(),
     )));
     moelane_telemetry::add_collector(Box::new(move || {
-        let (tx, prev) = (tx.clone(), prev.clone());
+        let (client, prev) = (client.clone(), prev.clone());
         Box::pin(async move {
-            let Ok(s) = call(&tx, Command::Snapshot).await else {
+            let Ok(s) = client.call(Command::Snapshot).await else {
                 return;
             };
             let Ok(mut p) = prev.lock() else {

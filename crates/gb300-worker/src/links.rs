@@ -160,7 +160,6 @@ impl RemoteTier for Metered {
 
 /// Where the primary's end of an NCCL link lives: its GPU and the model's hidden size.
 #[derive(Clone, Copy)]
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub struct NcclEnd {
     pub ordinal: usize,
     pub hidden: usize,
@@ -174,8 +173,8 @@ pub fn open_link(
     nccl: Option<NcclEnd>,
 ) -> moelane_engine::Result<Box<dyn RemoteTier>> {
     Ok(match kind {
-        #[cfg(feature = "cuda")]
         "nccl" => {
+            moelane_link::nccl::available()?;
             let end = nccl.ok_or_else(|| {
                 moelane_engine::Error::Invalid(
                     "the nccl link needs the primary on a GPU (--primary-device cuda:N)".into(),
@@ -195,7 +194,6 @@ pub fn open_link(
             timeout,
         )?),
         other => {
-            let _ = nccl;
             return Err(moelane_engine::Error::Invalid(format!(
                 "--link {other:?}: choose tcp, shm or nccl"
             )));

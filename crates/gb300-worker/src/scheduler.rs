@@ -6,14 +6,15 @@
 //! receiver is gone (the client left) is cancelled and its KV blocks are freed at once.
 
 use std::collections::VecDeque;
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use moelane_engine::kv::{KvCache, SeqKv};
 use moelane_engine::sampling::{Sampler, SamplingParams, TokenPick};
 use moelane_engine::step::{Engine, SeqStep};
 use moelane_proto::Category;
-use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::mpsc::{Receiver, UnboundedSender};
+use tokio::sync::oneshot;
 
 /// A validated generation request.
 #[derive(Clone, Debug)]
@@ -72,10 +73,13 @@ pub struct Snapshot {
     pub link: String,
 }
 
+/// What the step loop is asked, over its bounded command queue; every reply goes back on a
+/// oneshot channel. A request's events use an unbounded channel: the loop must never block
+/// on a slow reader, and a request's events are bounded by its `max_tokens` anyway.
 pub enum Command {
     Submit(ValidGen, UnboundedSender<Event>),
-    Cancel(String, std::sync::mpsc::Sender<bool>),
-    Snapshot(std::sync::mpsc::Sender<Snapshot>),
+    Cancel(String, oneshot::Sender<bool>),
+    Snapshot(oneshot::Sender<Snapshot>),
     /// Swap PREPARE: put loaded, verified experts into free hot slots.
     Stage(
         Vec<(
@@ -83,15 +87,15 @@ pub enum Command {
             usize,
             std::sync::Arc<moelane_engine::checkpoint::ExpertWeights>,
         )>,
-        std::sync::mpsc::Sender<()>,
+        oneshot::Sender<()>,
     ),
     /// Swap COMMIT: route with this map from the next step on.
     Commit(
         Box<moelane_engine::rowmap::ValidMap>,
-        std::sync::mpsc::Sender<moelane_engine::Result<()>>,
+        oneshot::Sender<moelane_engine::Result<()>>,
     ),
     /// Swap RELEASE or ABORT: free hot slots the current map does not use.
-    ReleaseUnused(std::sync::mpsc::Sender<usize>),
+    ReleaseUnused(oneshot::Sender<usize>),
     Shutdown,
 }
 
@@ -414,13 +418,18 @@ impl Scheduler {
     }
 
     /// The loop: blocks on the command channel when idle, steps while there is work.
-    pub fn run(mut self, rx: mpsc::Receiver<Command>) {
+    /// Runs on its own thread (not a runtime's): it blocks on the queue only when idle, and
+    /// ends on `Shutdown`, when every sender is gone, or when `stop` is set.
+    pub fn run(mut self, mut rx: Receiver<Command>, stop: &AtomicBool) {
         loop {
+            if stop.load(Ordering::Acquire) {
+                return;
+            }
             let idle = self.running.is_empty() && self.waiting.is_empty();
             let first = if idle {
-                match rx.recv() {
-                    Ok(c) => Some(c),
-                    Err(_) => return,
+                match rx.blocking_recv() {
+                    Some(c) => Some(c),
+                    None => return,
                 }
             } else {
                 None

@@ -2,10 +2,14 @@
 //! [`RemoteTier`] trait: one frame format (every message tagged with step, layer and map
 //! epoch), carried over TCP between hosts or over a shared-memory ring between two
 //! processes on one host (the analogue of a pinned PCIe buffer), or, with the `cuda` feature,
-//! over NCCL between two GPUs. The in-process link is the engine's own. A broken link surfaces as an error on the step, never as a hang.
+//! over NCCL between two GPUs (without it, `nccl` is a stub whose every opening answers
+//! `NotCompiledWithCuda`). The in-process link is the engine's own. A broken link surfaces as an error on the step, never as a hang.
 
 pub mod frame;
 #[cfg(feature = "cuda")]
+pub mod nccl;
+#[cfg(not(feature = "cuda"))]
+#[path = "nccl_stub.rs"]
 pub mod nccl;
 pub mod shm;
 pub mod tcp;
@@ -15,41 +19,9 @@ use std::sync::Arc;
 use moelane_engine::error::{Error, Fault, Result};
 use moelane_engine::tier::{ColdReply, ColdRequest};
 
-/// What a sidecar does with a request: shared by every link that serves it.
-pub trait ColdService: Send + Sync {
-    /// Fills `out` with one row per pick, or fails saying how (the fault travels back).
-    fn serve(&self, req: &ColdRequest, out: &mut Vec<f32>) -> Result<()>;
-
-    /// The NCCL link's device path: the request's activations (`acts_len` floats at device
-    /// address `acts`; `req.activations` is empty) are read and its outputs (one row per
-    /// pick, at most `out_len` floats at `out`) written in the memory of GPU `ordinal`,
-    /// without a host copy; returns the floats written. `None`: this service computes
-    /// elsewhere, and the link stages through host memory.
-    ///
-    /// # Safety
-    /// `acts` and `out` address that many floats of GPU `ordinal`, 16-byte aligned, and no
-    /// other work touches them until this returns.
-    unsafe fn serve_device(
-        &self,
-        _req: &ColdRequest,
-        _ordinal: usize,
-        _acts: u64,
-        _acts_len: usize,
-        _out: u64,
-        _out_len: usize,
-    ) -> Option<Result<usize>> {
-        None
-    }
-}
-
-/// A service behind the engine's in-process link (the embedded lane, the link benches).
-pub struct InProcess(pub Arc<dyn ColdService>);
-
-impl moelane_engine::tier::ColdServer for InProcess {
-    fn serve(&mut self, req: &ColdRequest, out: &mut Vec<f32>) -> Result<()> {
-        self.0.serve(req, out)
-    }
-}
+/// What a sidecar does with a request (the engine's one cold-expert service trait, shared by
+/// every link that serves it, the in-process one included).
+pub use moelane_engine::tier::ColdService;
 
 /// Serves one request into a reply (the error text travels in the reply frame).
 pub fn answer(

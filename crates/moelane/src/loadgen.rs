@@ -392,9 +392,7 @@ pub fn link_floor(hidden: usize, picks: usize, iters: usize) -> Result<()> {
     let mut tiers: Vec<(&str, Box<dyn RemoteTier>)> = Vec::new();
     tiers.push((
         "inproc",
-        Box::new(moelane_engine::tier::InProcessTier::spawn(Box::new(
-            moelane_link::InProcess(svc.clone()),
-        ))),
+        Box::new(moelane_engine::tier::InProcessTier::spawn(svc.clone())),
     ));
     let shm = std::env::temp_dir().join(format!("moelane-bench-link-{}", std::process::id()));
     moelane_link::shm::serve(&shm, 1 << 22, svc.clone())?;

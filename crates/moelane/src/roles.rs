@@ -99,9 +99,7 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
             moelane_rtx_worker::register_metrics(core.clone());
             sidecar = Some(Box::new(LocalSidecar(core.clone())));
             (
-                Some(Metered::wrap(Box::new(InProcessTier::spawn(Box::new(
-                    moelane_link::InProcess(core),
-                ))))),
+                Some(Metered::wrap(Box::new(InProcessTier::spawn(core)))),
                 "inproc".into(),
             )
         }
@@ -136,10 +134,11 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
     )?;
     attach_primary_device(&mut engine, &ckpt, &o.primary_device)?;
     let id = ckpt.id.clone();
-    let handle = moelane_gb300_worker::start(engine, id.clone(), eos, o.sched.clone());
-    moelane_gb300_worker::register_metrics(handle.commands());
+    let handle = moelane_gb300_worker::start(engine, id.clone(), eos, o.sched.clone())
+        .context("cannot start the step loop's thread")?;
+    moelane_gb300_worker::register_metrics(handle.client.clone());
     let participant = PrimaryParticipant {
-        tx: handle.commands(),
+        client: handle.client.clone(),
         ckpt_dir: o.model.clone(),
         model: id.clone(),
         layers,
@@ -156,7 +155,7 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
     .with_seen_epoch(seen_epoch);
     if let Some(a) = &o.adaptive {
         let source = PrimaryParticipant {
-            tx: handle.commands(),
+            client: handle.client.clone(),
             ckpt_dir: o.model.clone(),
             model: id,
             layers,
@@ -279,7 +278,6 @@ async fn connect_sidecar(
 }
 
 /// Moves the engine's steps onto the primary's device (`cpu` leaves them on the host).
-#[allow(unused_variables)]
 fn attach_primary_device(
     engine: &mut moelane_engine::step::Engine,
     ckpt: &Checkpoint,
@@ -287,27 +285,14 @@ fn attach_primary_device(
 ) -> Result<()> {
     match device {
         "cpu" => {}
-        #[cfg(feature = "cuda")]
         d if d.starts_with("cuda:") => {
             let n: usize = d[5..]
                 .parse()
                 .map_err(|_| anyhow::anyhow!("--primary-device {d:?}: expected cpu or cuda:N"))?;
-            let gpu = moelane_engine::cuda::Gpu::open(n)?;
-            let dense = moelane_engine::model::DenseWeights::load(ckpt)?;
-            let g = moelane_engine::cuda_model::GpuModel::new(
-                gpu,
-                &ckpt.config,
-                &dense,
-                engine.kv.blocks,
-            )?;
-            let desc = g.describe();
-            moelane_engine::cuda_model::attach_gpu(engine, g, &dense)?;
+            let desc = moelane_engine::gpu::attach_primary(engine, ckpt, n)
+                .with_context(|| format!("--primary-device {d}"))?;
             println!("moelane: primary computes on {desc}");
         }
-        #[cfg(not(feature = "cuda"))]
-        d if d.starts_with("cuda:") => anyhow::bail!(
-            "--primary-device {d}: this moelane was built without CUDA (build with --features cuda)"
-        ),
         d => anyhow::bail!("--primary-device {d:?}: expected cpu or cuda:N"),
     }
     Ok(())
@@ -418,10 +403,10 @@ pub async fn bind(addr: &str) -> Result<tokio::net::TcpListener> {
 pub async fn serve_primary(p: &Primary, addr: &str) -> Result<SocketAddr> {
     let l = bind(addr).await?;
     let a = l.local_addr()?;
-    let actor = p.handle.actor.clone();
+    let client = p.handle.client.clone();
     let residency = Some(p.residency.clone());
     tokio::spawn(async move {
-        if let Err(e) = moelane_gb300_worker::serve(l, actor, residency).await {
+        if let Err(e) = moelane_gb300_worker::serve(l, client, residency).await {
             tracing::error!(error = %e, "primary gRPC server stopped");
         }
     });

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use moelane_engine::rowmap::Rowmap;
 use moelane_proto::control::sidecar_client::SidecarClient;
-use moelane_proto::control::SidecarHealthRequest;
+use moelane_proto::control::{SidecarHealthRequest, SidecarStatsRequest};
 use moelane_proto::lane::primary_client::PrimaryClient;
 use moelane_proto::lane::{GenerateRequest, Move, StatsRequest, SwapReply, SwapRequest};
 
@@ -238,6 +238,34 @@ impl Lane {
         })
     }
 
+    /// Waits until the sidecar has answered at least this many (PREPARE, RELEASE, ABORT)
+    /// messages, late and duplicated copies included: the condition that a message still in
+    /// flight has been dealt with.
+    fn answered(&self, want: (u64, u64, u64)) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut last = None;
+        loop {
+            let su = self.side_url();
+            last = rt()
+                .block_on(async move {
+                    let mut s = SidecarClient::connect(su).await.ok()?;
+                    let r = s.stats(SidecarStatsRequest {}).await.ok()?.into_inner();
+                    Some((r.prepares_answered, r.releases_answered, r.aborts_answered))
+                })
+                .or(last);
+            if let Some(got) = last {
+                if got.0 >= want.0 && got.1 >= want.1 && got.2 >= want.2 {
+                    return;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the sidecar answered {last:?} (PREPARE, RELEASE, ABORT), {want:?} expected"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Waits until both tiers are on one committed epoch with nothing staged; checks the
     /// persisted map agrees; returns the epoch.
     fn converged(&self) -> u64 {
@@ -313,8 +341,8 @@ fn slow_sidecar_load_times_out_and_its_late_staging_is_refused() {
     let before = lane.outputs();
     let e0 = lane.converged();
     assert!(lane.aborted(0).contains("timed out"));
-    // the load finishes after its ABORT: it must stage nothing
-    std::thread::sleep(Duration::from_millis(2500));
+    // the load finishes after its ABORT (its PREPARE is then answered): it must stage nothing
+    lane.answered((1, 0, 1));
     assert_eq!(
         lane.epochs().unwrap().2,
         None,
@@ -398,14 +426,15 @@ fn duplicated_and_late_control_messages_are_harmless() {
         &[],
     );
     let before = lane.outputs();
+    // each duplicated message reaches the sidecar three times (twice at once, once late)
     let e1 = lane.committed(0);
-    std::thread::sleep(Duration::from_millis(400));
+    lane.answered((3, 3, 0));
     assert_eq!(lane.converged(), e1);
     let e2 = lane.committed(1);
-    std::thread::sleep(Duration::from_millis(400));
+    lane.answered((6, 6, 0));
     assert_eq!(lane.converged(), e2);
     lane.aborted(2);
-    std::thread::sleep(Duration::from_millis(400));
+    lane.answered((9, 6, 3));
     assert_eq!(lane.converged(), e2);
     let e3 = lane.committed(3);
     assert_eq!(lane.converged(), e3);

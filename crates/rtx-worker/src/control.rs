@@ -16,7 +16,6 @@ pub struct SidecarActor {
     pub(crate) shm_cap: u64,
     pub(crate) shm_count: u64,
     /// Stops the NCCL link's thread of the last registration (a new one replaces it).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) nccl_stop: Option<Arc<std::sync::atomic::AtomicBool>>,
 }
 
@@ -114,8 +113,10 @@ impl SidecarActor {
     /// A new NCCL communicator for a registering primary: its id (the REGISTER reply's
     /// endpoint) and a thread that joins it as rank 1 and serves requests; the link of an
     /// earlier registration is closed.
-    #[cfg(feature = "cuda")]
     fn open_nccl(&mut self) -> Result<String, Status> {
+        if !moelane_engine::gpu::COMPILED {
+            return Err(engine_status(moelane_engine::Error::NotCompiledWithCuda));
+        }
         let ordinal = self.core.device.ordinal().ok_or_else(|| {
             Category::BadRequest.status(
                 "the nccl link needs the sidecar on a GPU (start it with --sidecar-device cuda:N)",
@@ -124,8 +125,7 @@ impl SidecarActor {
         if let Some(s) = self.nccl_stop.take() {
             s.store(true, Ordering::Release);
         }
-        let id = moelane_link::nccl::NcclId::new()
-            .map_err(|e| Category::Unavailable.status(e.to_string()))?;
+        let id = moelane_link::nccl::NcclId::new().map_err(engine_status)?;
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         moelane_link::nccl::serve(
             ordinal,
@@ -137,12 +137,6 @@ impl SidecarActor {
         .map_err(|e| Category::Unavailable.status(e.to_string()))?;
         self.nccl_stop = Some(stop);
         Ok(id.to_hex())
-    }
-
-    #[cfg(not(feature = "cuda"))]
-    fn open_nccl(&mut self) -> Result<String, Status> {
-        Err(Category::BadRequest
-            .status("this sidecar was built without CUDA: the nccl link needs --features cuda"))
     }
 }
 
@@ -176,6 +170,9 @@ impl Message<StatsMsg> for SidecarActor {
             compute_ns: c.compute_ns.load(Ordering::Relaxed),
             bytes_in: c.bytes_in.load(Ordering::Relaxed),
             bytes_out: c.bytes_out.load(Ordering::Relaxed),
+            prepares_answered: c.answered.prepare.load(Ordering::Relaxed),
+            releases_answered: c.answered.release.load(Ordering::Relaxed),
+            aborts_answered: c.answered.abort.load(Ordering::Relaxed),
         })
     }
 }

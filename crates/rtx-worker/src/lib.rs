@@ -15,6 +15,7 @@ use kameo::message::{Context, Message};
 use kameo::Actor;
 use moelane_engine::bank::ExpertBank;
 use moelane_engine::checkpoint::Checkpoint;
+use moelane_engine::gpu::GpuExperts;
 use moelane_engine::rowmap::{Rowmap, Tier, ValidMap};
 use moelane_engine::tier::ColdRequest;
 use moelane_link::ColdService;
@@ -43,8 +44,7 @@ pub struct ColdState {
 pub enum Device {
     Cpu,
     /// Experts mirrored on a GPU (the CPU bank stays the record of what is resident).
-    #[cfg(feature = "cuda")]
-    Gpu(Box<std::sync::Mutex<moelane_engine::cuda_experts::GpuExperts>>),
+    Gpu(Box<std::sync::Mutex<GpuExperts>>),
 }
 
 impl Device {
@@ -69,23 +69,15 @@ impl Device {
         Self::open_gpu(ordinal, bank)
     }
 
-    #[cfg(feature = "cuda")]
     fn open_gpu(ordinal: usize, bank: &ExpertBank) -> moelane_engine::Result<Device> {
-        let gpu = moelane_engine::cuda::Gpu::open(ordinal)?;
-        let mut g = moelane_engine::cuda_experts::GpuExperts::new(gpu, bank.hidden, bank.inter)?;
+        let gpu = moelane_engine::gpu::Gpu::open(ordinal)?;
+        let mut g = GpuExperts::new(gpu, bank.hidden, bank.inter)?;
         g.sync(bank)?;
         Ok(Device::Gpu(Box::new(std::sync::Mutex::new(g))))
     }
 
-    #[cfg(not(feature = "cuda"))]
-    fn open_gpu(ordinal: usize, _: &ExpertBank) -> moelane_engine::Result<Device> {
-        let _ = ordinal;
-        Err(moelane_engine::Error::NotCompiledWithCuda)
-    }
-
     /// The GPU expert bank, when computing on a GPU.
-    #[cfg(feature = "cuda")]
-    pub fn gpu(&self) -> Option<&std::sync::Mutex<moelane_engine::cuda_experts::GpuExperts>> {
+    pub fn gpu(&self) -> Option<&std::sync::Mutex<GpuExperts>> {
         match self {
             Device::Gpu(g) => Some(g),
             Device::Cpu => None,
@@ -96,7 +88,6 @@ impl Device {
     pub fn ordinal(&self) -> Option<usize> {
         match self {
             Device::Cpu => None,
-            #[cfg(feature = "cuda")]
             Device::Gpu(g) => g.lock().ok().map(|g| g.ordinal()),
         }
     }
@@ -104,7 +95,6 @@ impl Device {
     pub fn name(&self) -> String {
         match self {
             Device::Cpu => "cpu".into(),
-            #[cfg(feature = "cuda")]
             Device::Gpu(g) => g
                 .lock()
                 .map(|g| g.describe())
@@ -123,7 +113,6 @@ impl Device {
     ) -> moelane_engine::Result<()> {
         match self {
             Device::Cpu => bank.compute(layer, picks, acts, out),
-            #[cfg(feature = "cuda")]
             Device::Gpu(g) => g
                 .lock()
                 .map_err(|_| poisoned("the GPU experts"))?
@@ -134,11 +123,7 @@ impl Device {
     /// Makes the GPU mirror hold what `bank` holds (after any change to the bank).
     fn mirror(&self, bank: &ExpertBank) -> moelane_engine::Result<()> {
         match self {
-            Device::Cpu => {
-                let _ = bank;
-                Ok(())
-            }
-            #[cfg(feature = "cuda")]
+            Device::Cpu => Ok(()),
             Device::Gpu(g) => g
                 .lock()
                 .map_err(|_| poisoned("the GPU experts"))?
@@ -176,6 +161,23 @@ pub struct SidecarCore {
     pub compute_ns: AtomicU64,
     pub bytes_in: AtomicU64,
     pub bytes_out: AtomicU64,
+    /// Control messages answered, whatever the answer (a refused late or duplicated message
+    /// counts): what a test or an operator waits on to know a message has been dealt with.
+    pub answered: Answered,
+}
+
+/// Counts of the swap protocol's messages a sidecar has answered, by kind.
+#[derive(Debug, Default)]
+pub struct Answered {
+    pub prepare: AtomicU64,
+    pub release: AtomicU64,
+    pub abort: AtomicU64,
+}
+
+/// Counts `r` as answered on `counter`, then passes it on.
+fn answered<T>(counter: &AtomicU64, r: T) -> T {
+    counter.fetch_add(1, Ordering::Relaxed);
+    r
 }
 
 impl SidecarCore {
@@ -238,7 +240,6 @@ impl ColdService for SidecarCore {
         })
     }
 
-    #[cfg(feature = "cuda")]
     unsafe fn serve_device(
         &self,
         req: &ColdRequest,
@@ -290,18 +291,14 @@ impl SidecarCore {
             compute_ns: AtomicU64::new(0),
             bytes_in: AtomicU64::new(0),
             bytes_out: AtomicU64::new(0),
+            answered: Answered::default(),
         })
     }
 
     /// A sidecar whose cold experts were generated on a GPU (the `station` preset of the
     /// benches, no file): served through the same epoch check, counters and links as a
     /// checkpoint's, with no host copy of the experts (swaps cannot move them).
-    #[cfg(feature = "cuda")]
-    pub fn generated(
-        model: &str,
-        map: &ValidMap,
-        experts: moelane_engine::cuda_experts::GpuExperts,
-    ) -> Self {
+    pub fn generated(model: &str, map: &ValidMap, experts: GpuExperts) -> Self {
         let bank = ExpertBank::empty(
             Tier::Cold,
             map.layers(),
@@ -324,6 +321,7 @@ impl SidecarCore {
             compute_ns: AtomicU64::new(0),
             bytes_in: AtomicU64::new(0),
             bytes_out: AtomicU64::new(0),
+            answered: Answered::default(),
         }
     }
 
@@ -349,6 +347,17 @@ impl SidecarCore {
     /// experts (without holding the lock, so serving goes on), then, checking the epochs again
     /// under the lock (an ABORT may have come meanwhile), stages them.
     pub fn prepare(
+        &self,
+        incarnation: u64,
+        base: u64,
+        next: Rowmap,
+        incoming: &[moelane_engine::swap::Incoming],
+    ) -> Result<u64, SwapError> {
+        let r = self.prepare_inner(incarnation, base, next, incoming);
+        answered(&self.answered.prepare, r)
+    }
+
+    fn prepare_inner(
         &self,
         incarnation: u64,
         base: u64,
@@ -402,6 +411,11 @@ impl SidecarCore {
     /// RELEASE: `epoch` (staged) is committed and becomes the only map; slots only the old one
     /// used are freed. A repeated RELEASE is a no-op.
     pub fn release(&self, incarnation: u64, epoch: u64) -> Result<u64, SwapError> {
+        let r = self.release_inner(incarnation, epoch);
+        answered(&self.answered.release, r)
+    }
+
+    fn release_inner(&self, incarnation: u64, epoch: u64) -> Result<u64, SwapError> {
         let mut st = self.write_state()?;
         if st.epochs.release(incarnation, epoch)? == ReleaseStep::Promote {
             if let Some(n) = st.next.take() {
@@ -417,6 +431,11 @@ impl SidecarCore {
     /// ABORT(epoch): drops what was staged for it (nothing else changes); it is never staged
     /// afterwards, even by a PREPARE still loading.
     pub fn abort(&self, incarnation: u64, epoch: u64) -> Result<(), SwapError> {
+        let r = self.abort_inner(incarnation, epoch);
+        answered(&self.answered.abort, r)
+    }
+
+    fn abort_inner(&self, incarnation: u64, epoch: u64) -> Result<(), SwapError> {
         let mut st = self.write_state()?;
         if st.epochs.abort(incarnation, epoch)? {
             st.next = None;

@@ -13,7 +13,7 @@ use moelane_engine::error::Fault;
 use moelane_engine::rng::Rng;
 use moelane_engine::rowmap::{Rowmap, ValidMap};
 use moelane_engine::synth::{fit_map, generate, Preset};
-use moelane_engine::tier::{ColdRequest, ColdServer};
+use moelane_engine::tier::{ColdRequest, InProcessTier, RemoteTier};
 use moelane_link::ColdService;
 use moelane_rtx_worker::SidecarCore;
 
@@ -148,11 +148,14 @@ fn serves_one_row_per_pick_equal_to_the_expert_on_the_cpu() {
         let out = serve(&f, &req).expect("serve");
         check_rows(&f, &req, &out);
         // the engine's in-process link reaches the same compute
-        let mut out2 = Vec::new();
-        moelane_link::InProcess(std::sync::Arc::new(fixture().core))
-            .serve(&req, &mut out2)
-            .expect("serve in process");
-        assert_eq!(out, out2);
+        let mut link = InProcessTier::spawn(std::sync::Arc::new(fixture().core));
+        link.send(req.clone()).expect("send in process");
+        let rep = link.recv().expect("serve in process");
+        assert_eq!(
+            (rep.step, rep.layer, rep.epoch),
+            (req.step, req.layer, req.epoch)
+        );
+        assert_eq!(out, rep.outputs);
     }
     assert_eq!(f.core.requests.load(Ordering::Relaxed), 2);
     assert_eq!(f.core.picks.load(Ordering::Relaxed), 24);

@@ -441,39 +441,40 @@ fn greedy_output_is_the_same_alone_and_in_a_batch() {
 async fn the_loop_serves_submit_cancel_and_snapshot_over_its_channel() {
     let s = sched(4096, cfg(4, 4));
     let total = s.engine.kv.blocks;
-    let (tx, rx) = std::sync::mpsc::channel();
-    let thread = std::thread::spawn(move || s.run(rx));
+    let (tx, rx) = tokio::sync::mpsc::channel(8);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = stop.clone();
+    let thread = std::thread::spawn(move || s.run(rx, &flag));
     let deadline = std::time::Duration::from_secs(20);
-    let snapshot = |tx: &std::sync::mpsc::Sender<Command>| {
-        let (rtx, rrx) = std::sync::mpsc::channel();
-        tx.send(Command::Snapshot(rtx)).expect("send");
-        rrx.recv_timeout(deadline).expect("snapshot reply")
-    };
     let mut rng = Rng::new(19);
     let (etx, mut short) = unbounded_channel();
     tx.send(Command::Submit(req("short", prompt(&mut rng, 6), 5), etx))
+        .await
         .expect("send");
     let (etx, mut long) = unbounded_channel();
     tx.send(Command::Submit(req("long", prompt(&mut rng, 6), 1500), etx))
+        .await
         .expect("send");
     // the short one ends on its own
     let mut v = Seen::default();
-    tokio::time::timeout(deadline, async {
-        while !v.ended() {
-            v.push(short.recv().await.expect("stream open"));
-        }
-    })
-    .await
-    .expect("short request finished in time");
+    within(
+        "short request finished",
+        tokio::time::timeout(deadline, async {
+            while !v.ended() {
+                v.push(short.recv().await.expect("stream open"));
+            }
+        })
+        .await,
+    );
     assert_eq!(v.finish, Some("length"));
     // the long one is cancelled once it has produced a token
-    let first = tokio::time::timeout(deadline, long.recv())
-        .await
-        .expect("a token in time");
+    let first = within("a token", tokio::time::timeout(deadline, long.recv()).await);
     assert!(matches!(first, Some(Event::Token { .. })), "{first:?}");
-    let (ctx, crx) = std::sync::mpsc::channel();
-    tx.send(Command::Cancel("long".into(), ctx)).expect("send");
-    assert!(crx.recv_timeout(deadline).expect("cancel reply"));
+    let (ctx, crx) = tokio::sync::oneshot::channel();
+    tx.send(Command::Cancel("long".into(), ctx))
+        .await
+        .expect("send");
+    assert!(within("cancel reply", tokio::time::timeout(deadline, crx).await).expect("reply"));
     let last = tokio::time::timeout(deadline, async {
         let mut last = None;
         while let Some(ev) = long.recv().await {
@@ -481,12 +482,14 @@ async fn the_loop_serves_submit_cancel_and_snapshot_over_its_channel() {
         }
         last
     });
-    let snap = snapshot(&tx);
+    let (rtx, rrx) = tokio::sync::oneshot::channel();
+    tx.send(Command::Snapshot(rtx)).await.expect("send");
+    let snap = within("snapshot", tokio::time::timeout(deadline, rrx).await).expect("reply");
     assert_eq!((snap.running, snap.waiting), (0, 0));
     assert_eq!(snap.kv_used, 0, "cancelled request's KV freed");
     assert_eq!(snap.kv_total, total);
     assert_eq!((snap.finished, snap.cancelled), (1, 1));
-    tx.send(Command::Shutdown).expect("send");
+    tx.send(Command::Shutdown).await.expect("send");
     // the loop ends and drops the stream's sender: the stream closes
     assert!(matches!(
         last.await.expect("stream closed in time"),
@@ -496,4 +499,41 @@ async fn the_loop_serves_submit_cancel_and_snapshot_over_its_channel() {
         })
     ));
     thread.join().expect("loop thread");
+    assert!(!stop.load(std::sync::atomic::Ordering::Acquire));
+}
+
+/// A busy loop (a long request decoding) stops on the flag alone, and a queued request then
+/// gets an Unavailable when the queue is closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stop_flag_ends_a_busy_loop() {
+    let s = sched(4096, cfg(4, 4));
+    let (tx, rx) = tokio::sync::mpsc::channel(8);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = stop.clone();
+    let thread = std::thread::spawn(move || s.run(rx, &flag));
+    let mut rng = Rng::new(23);
+    let (etx, mut long) = unbounded_channel();
+    tx.send(Command::Submit(req("long", prompt(&mut rng, 6), 1500), etx))
+        .await
+        .expect("send");
+    let first = tokio::time::timeout(std::time::Duration::from_secs(20), long.recv())
+        .await
+        .expect("a token in time");
+    assert!(matches!(first, Some(Event::Token { .. })), "{first:?}");
+    stop.store(true, std::sync::atomic::Ordering::Release);
+    let joined = tokio::task::spawn_blocking(move || thread.join().expect("loop thread"));
+    tokio::time::timeout(std::time::Duration::from_secs(20), joined)
+        .await
+        .expect("the loop stopped in time")
+        .expect("join");
+    // the loop is gone: its queue is closed
+    let (etx, _rx) = unbounded_channel();
+    assert!(tx
+        .send(Command::Submit(req("late", prompt(&mut rng, 6), 4), etx))
+        .await
+        .is_err());
+}
+
+fn within<T>(what: &str, r: Result<T, tokio::time::error::Elapsed>) -> T {
+    r.unwrap_or_else(|_| panic!("{what} in time"))
 }
