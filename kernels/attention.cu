@@ -1,11 +1,12 @@
-// One head vector (hd floats, one warp): RMSNorm with weight nwt, then rotate-half RoPE for
-// position pos (tables [max_pos, hd/2]), into dst (may be v itself: every read comes before
-// the warp's barrier, every write after).
+// One head vector (hd floats, one warp): RMSNorm with weight nwt (none when nwt is null: a
+// family without q/k norm), then rotate-half RoPE for position pos (tables [max_pos, hd/2]),
+// into dst (may be v itself: every read comes before the warp's barrier, every write after).
 __device__ __forceinline__ void norm_rope(const float* v, const float* __restrict__ nwt,
                                           float* dst, const float* __restrict__ cos_t,
                                           const float* __restrict__ sin_t, int pos, int hd,
                                           float eps) {
     const int lane = threadIdx.x & 31, half = hd / 2;
+    const bool nrm = nwt != nullptr;
     // every value this lane needs (hd <= 128) in one round of loads, then the arithmetic
     float sq[4], lo[2], hi[2], glo[2], ghi[2], c[2], sn[2];
 #pragma unroll
@@ -16,8 +17,8 @@ __device__ __forceinline__ void norm_rope(const float* v, const float* __restric
         const bool ok = i < half;
         lo[t] = ok ? v[i] : 0.f;
         hi[t] = ok ? v[i + half] : 0.f;
-        glo[t] = ok ? nwt[i] : 0.f;
-        ghi[t] = ok ? nwt[i + half] : 0.f;
+        glo[t] = ok ? (nrm ? nwt[i] : 1.f) : 0.f;
+        ghi[t] = ok ? (nrm ? nwt[i + half] : 1.f) : 0.f;
         c[t] = ok ? cos_t[(size_t)pos * half + i] : 0.f;
         sn[t] = ok ? sin_t[(size_t)pos * half + i] : 0.f;
     }
@@ -28,7 +29,7 @@ __device__ __forceinline__ void norm_rope(const float* v, const float* __restric
     s = warp_sum(s);
     // in place (dst == v) with half not a multiple of 32, a lane writes what another read
     __syncwarp();
-    const float inv = 1.f / sqrtf(s / (float)hd + eps);
+    const float inv = nrm ? 1.f / sqrtf(s / (float)hd + eps) : 1.f;
 #pragma unroll
     for (int t = 0; t < 2; t++) {
         const int i = lane + 32 * t;

@@ -1,10 +1,12 @@
 //! Hugging Face checkpoints on disk: `config.json`, one or many `*.safetensors` files
-//! (with `model.safetensors.index.json`), memory-mapped; bf16, f16 and f32 tensors.
+//! (with `model.safetensors.index.json`), memory-mapped; bf16, f16 and f32 tensors, kept in
+//! their own dtype in memory ([`crate::ops::Elems`]).
 //!
-//! Expert tensors are accepted in both layouts: one tensor per expert
-//! (`mlp.experts.{e}.gate_proj.weight`, the hub's format) and the fused per-layer tensors
-//! that recent `transformers` writes (`mlp.experts.gate_up_proj` `[E, 2I, H]`,
-//! `mlp.experts.down_proj` `[E, H, I]`).
+//! Expert tensors are accepted in every layout checkpoints use: one tensor per expert
+//! (`mlp.experts.{e}.gate_proj.weight`, qwen3_moe on the hub; `block_sparse_moe.experts.{e}.w1`
+//! / `w3` / `w2`, mixtral as released) and the fused per-layer tensors that recent
+//! `transformers` writes (`mlp.experts.gate_up_proj` `[E, 2I, H]`, `mlp.experts.down_proj`
+//! `[E, H, I]`).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -15,7 +17,7 @@ use sha2::{Digest, Sha256};
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
-use crate::ops::Matrix;
+use crate::ops::{Bf16, Elems, Matrix, F16};
 
 struct ShardFile {
     path: PathBuf,
@@ -115,6 +117,25 @@ pub fn to_f32(dtype: Dtype, bytes: &[u8], out: &mut [f32]) {
     }
 }
 
+/// Raw little-endian bf16/f16/f32 bytes as elements of their own dtype (no widening).
+pub fn elems(dtype: Dtype, bytes: &[u8]) -> Elems {
+    let u16s = || {
+        bytes
+            .chunks_exact(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1]]))
+    };
+    match dtype {
+        Dtype::BF16 => Elems::Bf16(u16s().map(Bf16).collect()),
+        Dtype::F16 => Elems::F16(u16s().map(F16).collect()),
+        _ => Elems::F32(
+            bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        ),
+    }
+}
+
 /// One expert's weights: `gate_up` is `[2I, H]` (gate rows, then up rows), `down` is `[H, I]`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ExpertWeights {
@@ -163,10 +184,18 @@ impl Checkpoint {
     pub fn open(dir: &Path) -> Result<Self> {
         let cfg_path = dir.join("config.json");
         let cfg_text = std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?;
-        let config = ModelConfig::from_json_str(&cfg_text, &cfg_path)?;
+        let mut config = ModelConfig::from_json_str(&cfg_text, &cfg_path)?;
+        // generation_config.json's end-of-sequence ids count too (some models list more there)
+        let generation = crate::config::Generation::read(dir)?;
+        for t in &generation.eos_token_ids {
+            if !config.eos_token_ids.contains(t) {
+                config.eos_token_ids.push(*t);
+            }
+        }
         let digest = Sha256::digest(cfg_text.as_bytes());
         let id = format!(
-            "qwen3_moe-{}",
+            "{}-{}",
+            config.family.name(),
             digest[..8]
                 .iter()
                 .map(|b| format!("{b:02x}"))
@@ -326,27 +355,53 @@ impl Checkpoint {
         Ok(out)
     }
 
+    /// Reads a 2-D tensor, shape checked, its elements kept in their stored dtype.
     pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
-        Ok(Matrix::new(rows, cols, self.tensor(name, &[rows, cols])?))
+        let raw = self.raw(name)?;
+        self.check_shape(&raw, name, &[rows, cols])?;
+        Ok(Matrix::of(rows, cols, elems(raw.dtype, raw.bytes)))
     }
 
-    /// The stored bytes of expert `e` of decoder layer `layer`, from either tensor layout,
-    /// shapes checked: `gate_up` the gate rows then the up rows (`[2I, H]`), `down` `[H, I]`.
+    /// Where decoder layer `layer` keeps its sparse block: `model.layers.L.mlp` (qwen3_moe,
+    /// and transformers 5's mixtral) or `model.layers.L.block_sparse_moe` (mixtral as
+    /// released).
+    pub fn moe_prefix(&self, layer: usize) -> String {
+        let mixtral = format!("model.layers.{layer}.block_sparse_moe");
+        if self.has(&format!("{mixtral}.gate.weight")) {
+            mixtral
+        } else {
+            format!("model.layers.{layer}.mlp")
+        }
+    }
+
+    /// The router of decoder layer `layer` (`[E, H]`).
+    pub fn router_name(&self, layer: usize) -> String {
+        format!("{}.gate.weight", self.moe_prefix(layer))
+    }
+
+    /// The stored bytes of expert `e` of decoder layer `layer`, shapes checked, from any of
+    /// the layouts checkpoints use: one tensor per projection and expert (qwen3_moe's
+    /// `gate_proj`/`up_proj`/`down_proj`, mixtral's `w1`/`w3`/`w2`), or the experts fused
+    /// (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`). `gate_up` is the gate rows then the
+    /// up rows (`[2I, H]`), `down` `[H, I]`.
     pub fn expert_bytes(&self, layer: usize, e: usize) -> Result<ExpertBytes<'_>> {
         let c = &self.config;
         let (h, i) = (c.hidden_size, c.moe_intermediate_size);
-        let p = format!("model.layers.{layer}.mlp.experts");
-        let per_expert = format!("{p}.{e}.gate_proj.weight");
-        if self.has(&per_expert) || !self.has(&format!("{p}.gate_up_proj")) {
+        let p = format!("{}.experts", self.moe_prefix(layer));
+        let per_expert = [("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")]
+            .into_iter()
+            .find(|(g, _, _)| self.has(&format!("{p}.{e}.{g}.weight")));
+        if per_expert.is_some() || !self.has(&format!("{p}.gate_up_proj")) {
+            let (g, u, d) = per_expert.unwrap_or(("gate_proj", "up_proj", "down_proj"));
             let part = |name: &str, shape: &[usize]| -> Result<(Dtype, &[u8])> {
                 let t = format!("{p}.{e}.{name}.weight");
                 let raw = self.raw(&t)?;
                 self.check_shape(&raw, &t, shape)?;
                 Ok((raw.dtype, raw.bytes))
             };
-            let gate = part("gate_proj", &[i, h])?;
-            let up = part("up_proj", &[i, h])?;
-            let down = part("down_proj", &[h, i])?;
+            let gate = part(g, &[i, h])?;
+            let up = part(u, &[i, h])?;
+            let down = part(d, &[h, i])?;
             Ok(ExpertBytes {
                 gate_up: [gate, up],
                 down,
@@ -382,21 +437,19 @@ impl Checkpoint {
         Ok(self.expert_bytes(layer, e)?.checksum())
     }
 
-    /// Loads expert `e` of decoder layer `layer`, from either tensor layout, widened to f32;
-    /// its checksum is [`Checkpoint::expert_checksum`]'s, over the bytes exactly as stored.
+    /// Loads expert `e` of decoder layer `layer`, from either tensor layout, in its stored
+    /// dtype; its checksum is [`Checkpoint::expert_checksum`]'s, over the bytes as stored.
     pub fn expert(&self, layer: usize, e: usize) -> Result<ExpertWeights> {
         let c = &self.config;
         let (h, i) = (c.hidden_size, c.moe_intermediate_size);
         let b = self.expert_bytes(layer, e)?;
-        let mut gate_up = vec![0f32; 2 * i * h];
-        for (k, (dt, bytes)) in b.gate_up.iter().enumerate() {
-            to_f32(*dt, bytes, &mut gate_up[k * i * h..(k + 1) * i * h]);
-        }
-        let mut down = vec![0f32; h * i];
-        to_f32(b.down.0, b.down.1, &mut down);
+        let [(gd, gb), (ud, ub)] = b.gate_up;
         Ok(ExpertWeights {
-            gate_up: Matrix::new(2 * i, h, gate_up),
-            down: Matrix::new(h, i, down),
+            gate_up: Matrix::stack(&[
+                Matrix::of(i, h, elems(gd, gb)),
+                Matrix::of(i, h, elems(ud, ub)),
+            ]),
+            down: Matrix::of(h, i, elems(b.down.0, b.down.1)),
             checksum: b.checksum(),
         })
     }

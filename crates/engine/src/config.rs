@@ -13,6 +13,10 @@ use crate::error::{Error, Result};
 /// The model shape, as the engine uses it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelConfig {
+    /// The model family (config.json `model_type` / `architectures`).
+    pub family: Family,
+    /// RMSNorm of each q and k head before RoPE (qwen3_moe); none in mixtral.
+    pub qk_norm: bool,
     pub vocab_size: usize,
     pub hidden_size: usize,
     pub num_hidden_layers: usize,
@@ -34,6 +38,41 @@ pub struct ModelConfig {
     pub mlp_only_layers: Vec<usize>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+}
+
+/// The MoE families this engine computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// Qwen3MoeForCausalLM: q/k norm, softmax top-k (renormalised when norm_topk_prob).
+    Qwen3Moe,
+    /// MixtralForCausalLM: no q/k norm, softmax top-k always renormalised, no dense layers.
+    Mixtral,
+}
+
+impl Family {
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Qwen3Moe => "qwen3_moe",
+            Family::Mixtral => "mixtral",
+        }
+    }
+
+    /// The family a config.json names (`model_type`, else its `architectures`).
+    fn of(model_type: Option<&str>, architectures: Option<&[String]>) -> Option<Family> {
+        let by_type = |t: &str| match t {
+            "qwen3_moe" => Some(Family::Qwen3Moe),
+            "mixtral" => Some(Family::Mixtral),
+            _ => None,
+        };
+        let by_arch = |a: &str| match a {
+            "Qwen3MoeForCausalLM" => Some(Family::Qwen3Moe),
+            "MixtralForCausalLM" => Some(Family::Mixtral),
+            _ => None,
+        };
+        model_type
+            .and_then(by_type)
+            .or_else(|| architectures?.iter().find_map(|a| by_arch(a)))
+    }
 }
 
 #[derive(Deserialize)]
@@ -63,15 +102,16 @@ struct Raw {
     attention_bias: Option<bool>,
     hidden_act: Option<String>,
     use_sliding_window: Option<bool>,
+    sliding_window: Option<Value>,
     bos_token_id: Option<Value>,
     eos_token_id: Option<Value>,
 }
 
-fn need(field: &'static str, v: Option<usize>) -> Result<usize> {
+fn need(family: Family, field: &'static str, v: Option<usize>) -> Result<usize> {
     v.ok_or(Error::Config {
         field,
         value: "missing".into(),
-        reason: "required by qwen3_moe".into(),
+        reason: format!("required by {}", family.name()),
     })
 }
 
@@ -83,6 +123,63 @@ fn token_ids(v: &Option<Value>) -> Vec<u32> {
             .filter_map(|x| x.as_u64().map(|x| x as u32))
             .collect(),
         _ => Vec::new(),
+    }
+}
+
+/// What `generation_config.json` says a request that does not say otherwise gets: the
+/// end-of-sequence ids, and the sampling defaults (`do_sample: false` is greedy).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Generation {
+    pub eos_token_ids: Vec<u32>,
+    /// `Some(0.0)` when the file asks for greedy decoding; None when it says nothing.
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+}
+
+#[derive(Deserialize)]
+struct RawGeneration {
+    eos_token_id: Option<Value>,
+    do_sample: Option<bool>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+}
+
+impl Generation {
+    /// Reads `dir/generation_config.json`; a checkpoint without one has the defaults.
+    pub fn read(dir: &Path) -> Result<Generation> {
+        let path = dir.join("generation_config.json");
+        let text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Generation::default()),
+            Err(e) => return Err(Error::io(&path, e)),
+        };
+        let raw: RawGeneration = serde_json::from_str(&text).map_err(|e| Error::Json {
+            path: path.clone(),
+            reason: e.to_string(),
+        })?;
+        let finite = |field: &'static str, v: Option<f64>, ok: fn(f64) -> bool| match v {
+            Some(x) if !x.is_finite() || !ok(x) => Err(Error::Config {
+                field,
+                value: x.to_string(),
+                reason: format!("out of range in {}", path.display()),
+            }),
+            v => Ok(v.map(|x| x as f32)),
+        };
+        let temperature = finite("temperature", raw.temperature, |t| t >= 0.0)?;
+        let top_p = finite("top_p", raw.top_p, |p| p > 0.0 && p <= 1.0)?;
+        Ok(Generation {
+            eos_token_ids: token_ids(&raw.eos_token_id),
+            temperature: if raw.do_sample == Some(false) {
+                Some(0.0)
+            } else {
+                temperature
+            },
+            top_p: if raw.do_sample == Some(false) {
+                None
+            } else {
+                top_p
+            },
+        })
     }
 }
 
@@ -98,12 +195,8 @@ impl ModelConfig {
             path: path.into(),
             reason: e.to_string(),
         })?;
-        let arch_ok = raw.model_type.as_deref() == Some("qwen3_moe")
-            || raw
-                .architectures
-                .as_ref()
-                .is_some_and(|a| a.iter().any(|s| s == "Qwen3MoeForCausalLM"));
-        if !arch_ok {
+        let Some(family) = Family::of(raw.model_type.as_deref(), raw.architectures.as_deref())
+        else {
             let found = raw
                 .model_type
                 .clone()
@@ -113,7 +206,7 @@ impl ModelConfig {
                 path: path.into(),
                 found,
             });
-        }
+        };
         let bad = |field: &'static str, value: String, reason: &str| Error::Config {
             field,
             value,
@@ -123,7 +216,7 @@ impl ModelConfig {
             return Err(bad(
                 "attention_bias",
                 "true".into(),
-                "qwen3_moe has no attention bias; not supported",
+                "attention biases are not supported",
             ));
         }
         if let Some(act) = &raw.hidden_act {
@@ -159,9 +252,30 @@ impl ModelConfig {
                 rope_theta = p.get("rope_theta").and_then(|t| t.as_f64());
             }
         }
+        let need = |field, v| need(family, field, v);
         let hidden_size = need("hidden_size", raw.hidden_size)?;
         let num_attention_heads = need("num_attention_heads", raw.num_attention_heads)?;
+        // Mixtral: every layer sparse, the experts' width is `intermediate_size`, the top-k
+        // weights always renormalised; a sliding window wider than the context never slides
+        // (the context is capped at the window, so attention stays exact)
+        let mixtral = family == Family::Mixtral;
+        let moe_intermediate_size = if mixtral {
+            need("intermediate_size", raw.intermediate_size)?
+        } else {
+            need("moe_intermediate_size", raw.moe_intermediate_size)?
+        };
+        let window = match &raw.sliding_window {
+            Some(Value::Number(n)) => n.as_u64().map(|w| w as usize),
+            _ => None,
+        };
+        let max_pos = raw.max_position_embeddings.unwrap_or(32768);
+        let max_position_embeddings = match window {
+            Some(w) if mixtral && w > 0 => max_pos.min(w),
+            _ => max_pos,
+        };
         let cfg = ModelConfig {
+            family,
+            qk_norm: !mixtral,
             vocab_size: need("vocab_size", raw.vocab_size)?,
             hidden_size,
             num_hidden_layers: need("num_hidden_layers", raw.num_hidden_layers)?,
@@ -170,17 +284,31 @@ impl ModelConfig {
             head_dim: raw
                 .head_dim
                 .unwrap_or(hidden_size / num_attention_heads.max(1)),
-            moe_intermediate_size: need("moe_intermediate_size", raw.moe_intermediate_size)?,
-            intermediate_size: raw.intermediate_size.unwrap_or(0),
+            moe_intermediate_size,
+            intermediate_size: if mixtral {
+                0
+            } else {
+                raw.intermediate_size.unwrap_or(0)
+            },
             num_experts: need("num_experts", raw.num_experts.or(raw.num_local_experts))?,
             num_experts_per_tok: need("num_experts_per_tok", raw.num_experts_per_tok)?,
-            norm_topk_prob: raw.norm_topk_prob.unwrap_or(false),
-            rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6) as f32,
-            rope_theta: rope_theta.unwrap_or(10000.0) as f32,
-            max_position_embeddings: raw.max_position_embeddings.unwrap_or(32768),
+            norm_topk_prob: mixtral || raw.norm_topk_prob.unwrap_or(false),
+            rms_norm_eps: raw
+                .rms_norm_eps
+                .unwrap_or(if mixtral { 1e-5 } else { 1e-6 }) as f32,
+            rope_theta: rope_theta.unwrap_or(if mixtral { 1e6 } else { 10000.0 }) as f32,
+            max_position_embeddings,
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
-            decoder_sparse_step: raw.decoder_sparse_step.unwrap_or(1),
-            mlp_only_layers: raw.mlp_only_layers.unwrap_or_default(),
+            decoder_sparse_step: if mixtral {
+                1
+            } else {
+                raw.decoder_sparse_step.unwrap_or(1)
+            },
+            mlp_only_layers: if mixtral {
+                Vec::new()
+            } else {
+                raw.mlp_only_layers.unwrap_or_default()
+            },
             bos_token_id: token_ids(&raw.bos_token_id).first().copied(),
             eos_token_ids: token_ids(&raw.eos_token_id),
         };
@@ -353,5 +481,58 @@ mod tests {
             ModelConfig::from_json_str("{not json", p),
             Err(Error::Json { .. })
         ));
+    }
+
+    #[test]
+    fn generation_config_sets_eos_and_sampling_defaults() {
+        let d = tempfile::tempdir().unwrap();
+        assert_eq!(Generation::read(d.path()).unwrap(), Generation::default());
+        let w = |text: &str| std::fs::write(d.path().join("generation_config.json"), text).unwrap();
+        w(r#"{"eos_token_id": [7, 9], "do_sample": true, "temperature": 0.6, "top_p": 0.95}"#);
+        let g = Generation::read(d.path()).unwrap();
+        assert_eq!(g.eos_token_ids, vec![7, 9]);
+        assert_eq!((g.temperature, g.top_p), (Some(0.6), Some(0.95)));
+        w(r#"{"eos_token_id": 4, "do_sample": false, "temperature": 0.6}"#);
+        let g = Generation::read(d.path()).unwrap();
+        assert_eq!(
+            (g.eos_token_ids, g.temperature, g.top_p),
+            (vec![4], Some(0.0), None)
+        );
+        w(r#"{"temperature": -1}"#);
+        assert!(matches!(
+            Generation::read(d.path()),
+            Err(Error::Config {
+                field: "temperature",
+                ..
+            })
+        ));
+        w("{oops");
+        let e = Generation::read(d.path()).unwrap_err();
+        assert!(e.to_string().contains("generation_config.json"), "{e}");
+    }
+
+    #[test]
+    fn mixtral_configs_are_read_with_their_own_defaults() {
+        let p = Path::new("config.json");
+        let v = serde_json::json!({
+            "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            "vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2,
+            "intermediate_size": 96, "num_local_experts": 8, "num_experts_per_tok": 2,
+            "max_position_embeddings": 32768, "sliding_window": 4096
+        });
+        let c = ModelConfig::from_json_str(&v.to_string(), p).unwrap();
+        assert_eq!(c.family, Family::Mixtral);
+        assert!(!c.qk_norm && c.norm_topk_prob);
+        assert_eq!((c.moe_intermediate_size, c.intermediate_size), (96, 0));
+        assert_eq!((c.head_dim, c.num_experts), (16, 8));
+        assert_eq!(c.rope_theta, 1e6);
+        // a window narrower than the context caps the context: attention never slides
+        assert_eq!(c.max_position_embeddings, 4096);
+        assert_eq!(c.moe_layers(), vec![0, 1]);
+        let mut v = v;
+        v["sliding_window"] = serde_json::Value::Null;
+        let c = ModelConfig::from_json_str(&v.to_string(), p).unwrap();
+        assert_eq!(c.max_position_embeddings, 32768);
     }
 }

@@ -162,7 +162,9 @@ impl StepBackend for CpuBackend {
     fn embed(&mut self) -> Result<()> {
         let h = self.cfg.hidden_size;
         for (i, &t) in self.tokens.iter().enumerate() {
-            self.x[i * h..(i + 1) * h].copy_from_slice(self.w.embed.row(t as usize));
+            self.w
+                .embed
+                .row_into(t as usize, &mut self.x[i * h..(i + 1) * h]);
         }
         Ok(())
     }
@@ -201,8 +203,10 @@ impl StepBackend for CpuBackend {
             let row = &mut self.qkv[i * stride..(i + 1) * stride];
             let (q, rest) = row.split_at_mut(qd);
             let (k, v) = rest.split_at_mut(kvd);
-            ops::rmsnorm_inplace(q, &lw.q_norm, c.rms_norm_eps);
-            ops::rmsnorm_inplace(k, &lw.k_norm, c.rms_norm_eps);
+            if c.qk_norm {
+                ops::rmsnorm_inplace(q, &lw.q_norm, c.rms_norm_eps);
+                ops::rmsnorm_inplace(k, &lw.k_norm, c.rms_norm_eps);
+            }
             for hh in 0..nh {
                 self.rope.apply(&mut q[hh * hd..(hh + 1) * hd], rp.pos);
             }

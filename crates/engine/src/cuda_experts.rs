@@ -5,10 +5,12 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig};
 
 use crate::bank::{ExpertBank, Pick};
 use crate::cuda::{gpu_err, Gpu, EXPERTS_CU};
+use crate::cuda_model::args::{ExpertSwiglu, MoeDown, MoeUp};
+use crate::cuda_model::launch_raw;
 use crate::error::{Error, Result};
 
 /// An expert resident on a GPU: its gate_up `[2I, H]` and down `[H, I]` weights.
@@ -199,10 +201,10 @@ impl GpuExperts {
             }
             let s = &self.gpu.stream;
             let gu = s
-                .clone_htod(&w.gate_up.data)
+                .clone_htod(&w.gate_up.to_f32()[..])
                 .map_err(|e| gpu_err("uploading an expert", e))?;
             let dn = s
-                .clone_htod(&w.down.data)
+                .clone_htod(&w.down.to_f32()[..])
                 .map_err(|e| gpu_err("uploading an expert", e))?;
             self.w.insert(k, (gu, dn));
         }
@@ -288,18 +290,19 @@ impl GpuExperts {
         };
         let (gt, dt) = (gt.device_ptr(s).0, dt.device_ptr(s).0);
         let act = self.act.device_ptr(s).0;
-        let mut b = s.launch_builder(&self.k_up);
-        b.arg(&ids)
-            .arg(&gt)
-            .arg(&acts)
-            .arg(&act)
-            .arg(&ni)
-            .arg(&one)
-            .arg(&hi)
-            .arg(&ii)
-            .arg(&v_up)
-            .arg(&rows)
-            .arg(&zero);
+        let mut up = MoeUp {
+            idx: ids,
+            gu_tab: gt,
+            h: acts,
+            act,
+            nk: ni,
+            k: one,
+            hidden: hi,
+            inter: ii,
+            vec4: v_up,
+            rows,
+            distinct: zero,
+        };
         let cfg = |rows_out: usize| LaunchConfig {
             grid_dim: (n as u32, rows_out.div_ceil(8) as u32, 1),
             block_dim: (256, 1, 1),
@@ -308,19 +311,22 @@ impl GpuExperts {
         // SAFETY: ids are experts resident on this GPU (checked by the caller), so their
         // table entries address [2I, H] and [H, I] weights; rows < activation rows; act
         // holds n rows of I and `out` n rows of H (the caller's guarantee).
-        unsafe { b.launch(cfg(self.inter)) }.map_err(|e| gpu_err("launching moe_up", e))?;
-        let mut b = s.launch_builder(&self.k_down);
-        b.arg(&ids)
-            .arg(&dt)
-            .arg(&act)
-            .arg(&out)
-            .arg(&ni)
-            .arg(&hi)
-            .arg(&ii)
-            .arg(&v_dn)
-            .arg(&zero);
+        unsafe { launch_raw(s, &self.k_up, &mut up.params(), false, cfg(self.inter)) }
+            .map_err(|e| gpu_err("launching moe_up", e))?;
+        let mut down = MoeDown {
+            idx: ids,
+            dn_tab: dt,
+            act,
+            y: out,
+            nk: ni,
+            hidden: hi,
+            inter: ii,
+            vec4: v_dn,
+            distinct: zero,
+        };
         // SAFETY: as above.
-        unsafe { b.launch(cfg(self.hidden)) }.map_err(|e| gpu_err("launching moe_down", e))?;
+        unsafe { launch_raw(s, &self.k_down, &mut down.params(), false, cfg(self.hidden)) }
+            .map_err(|e| gpu_err("launching moe_down", e))?;
         Ok(())
     }
 
@@ -468,18 +474,20 @@ impl GpuExperts {
                 .map_err(e)?;
             s.memcpy_htod(&self.host_dn, &mut self.down.slice_mut(..n))
                 .map_err(e)?;
-            let mut b = s.launch_builder(&self.f);
-            b.arg(&self.acts)
-                .arg(&self.rows)
-                .arg(&self.gate_up)
-                .arg(&self.down)
-                .arg(&mut self.out)
-                .arg(&hi)
-                .arg(&ii);
+            let mut a = ExpertSwiglu {
+                acts: self.acts.device_ptr(&s).0,
+                rows: self.rows.device_ptr(&s).0,
+                gate_up: self.gate_up.device_ptr(&s).0,
+                down: self.down.device_ptr(&s).0,
+                out: self.out.device_ptr(&s).0,
+                hidden: hi,
+                inter: ii,
+            };
             // SAFETY: the arguments match the kernel's signature; every pointer the kernel
             // follows (rows < activation rows, resident experts' weights of [2I,H] and [H,I])
             // was checked above, and the scratch holds n picks.
-            unsafe { b.launch(cfg) }.map_err(|e| gpu_err("launching expert_swiglu", e))?;
+            unsafe { launch_raw(&s, &self.f, &mut a.params(), false, cfg) }
+                .map_err(|e| gpu_err("launching expert_swiglu", e))?;
         }
         s.memcpy_dtoh(&self.out.slice(..n * h), &mut out[..n * h])
             .map_err(|e| gpu_err("copying from the GPU", e))?;

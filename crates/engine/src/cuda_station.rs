@@ -108,7 +108,7 @@ pub fn affinity_map(mem: &crate::synth::InMemory, hot: usize) -> Result<ValidMap
             .as_ref()
             .ok_or_else(|| Error::Internal(format!("layer {l} has no router")))?;
         let mut score: Vec<(usize, f32)> = (0..c.num_experts)
-            .map(|e| (e, r.row(e)[..5].iter().map(|v| v.exp()).sum::<f32>()))
+            .map(|e| (e, (0..5).map(|c| r.at(e, c).exp()).sum::<f32>()))
             .collect();
         score.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         let mut hot_ids: Vec<u16> = score[..hot.min(score.len())]

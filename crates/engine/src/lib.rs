@@ -1,4 +1,5 @@
-//! moelane-engine: the model math of a lane. Loads Hugging Face `qwen3_moe` checkpoints,
+//! moelane-engine: the model math of a lane. Loads Hugging Face `qwen3_moe` and `mixtral`
+//! checkpoints (weights in their stored dtype),
 //! runs them on the CPU backend with a paged KV cache, splits experts between a hot and a
 //! cold tier by a rowmap, and makes synthetic checkpoints whose routing is structured by
 //! language. Knows nothing of gRPC or HTTP.
@@ -15,6 +16,7 @@ pub mod load;
 pub mod model;
 pub mod ops;
 pub mod progress;
+pub mod random_ckpt;
 pub mod rng;
 pub mod rowmap;
 pub mod sampling;

@@ -38,6 +38,11 @@ pub trait TensorSource {
     /// A tensor as f32, checking its shape.
     fn tensor(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>>;
     fn has(&self, name: &str) -> bool;
+    /// The router of decoder layer `layer`.
+    fn router_name(&self, layer: usize) -> String {
+        format!("model.layers.{layer}.mlp.gate.weight")
+    }
+    /// A 2-D tensor, shape checked, in the dtype the source keeps it in.
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
         Ok(Matrix::new(rows, cols, self.tensor(name, &[rows, cols])?))
     }
@@ -53,6 +58,12 @@ impl TensorSource for Checkpoint {
     fn has(&self, name: &str) -> bool {
         Checkpoint::has(self, name)
     }
+    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
+        Checkpoint::matrix(self, name, rows, cols)
+    }
+    fn router_name(&self, layer: usize) -> String {
+        Checkpoint::router_name(self, layer)
+    }
 }
 
 impl DenseWeights {
@@ -63,26 +74,35 @@ impl DenseWeights {
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for l in 0..c.num_hidden_layers {
             let p = format!("model.layers.{l}");
-            let q = ckpt.tensor(&format!("{p}.self_attn.q_proj.weight"), &[c.q_dim(), h])?;
-            let k = ckpt.tensor(&format!("{p}.self_attn.k_proj.weight"), &[c.kv_dim(), h])?;
-            let v = ckpt.tensor(&format!("{p}.self_attn.v_proj.weight"), &[c.kv_dim(), h])?;
-            let mut qkv = q;
-            qkv.extend_from_slice(&k);
-            qkv.extend_from_slice(&v);
+            let qkv = Matrix::stack(&[
+                ckpt.matrix(&format!("{p}.self_attn.q_proj.weight"), c.q_dim(), h)?,
+                ckpt.matrix(&format!("{p}.self_attn.k_proj.weight"), c.kv_dim(), h)?,
+                ckpt.matrix(&format!("{p}.self_attn.v_proj.weight"), c.kv_dim(), h)?,
+            ]);
+            // empty where the family has no q/k norm
+            let qk_norm = |n: &str| -> Result<Vec<f32>> {
+                if c.qk_norm {
+                    ckpt.tensor(&format!("{p}.self_attn.{n}.weight"), &[c.head_dim])
+                } else {
+                    Ok(Vec::new())
+                }
+            };
             let (router, dense_mlp) = if c.is_moe_layer(l) {
                 (
-                    Some(ckpt.matrix(&format!("{p}.mlp.gate.weight"), c.num_experts, h)?),
+                    Some(ckpt.matrix(&ckpt.router_name(l), c.num_experts, h)?),
                     None,
                 )
             } else {
                 let i = c.intermediate_size;
-                let mut gu = ckpt.tensor(&format!("{p}.mlp.gate_proj.weight"), &[i, h])?;
-                gu.extend(ckpt.tensor(&format!("{p}.mlp.up_proj.weight"), &[i, h])?);
+                let gate_up = Matrix::stack(&[
+                    ckpt.matrix(&format!("{p}.mlp.gate_proj.weight"), i, h)?,
+                    ckpt.matrix(&format!("{p}.mlp.up_proj.weight"), i, h)?,
+                ]);
                 let down = ckpt.matrix(&format!("{p}.mlp.down_proj.weight"), h, i)?;
                 (
                     None,
                     Some(ExpertWeights {
-                        gate_up: Matrix::new(2 * i, h, gu),
+                        gate_up,
                         down,
                         checksum: 0,
                     }),
@@ -91,10 +111,10 @@ impl DenseWeights {
             layers.push(LayerWeights {
                 input_norm: ckpt.tensor(&format!("{p}.input_layernorm.weight"), &[h])?,
                 post_norm: ckpt.tensor(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
-                qkv: Matrix::new(c.q_dim() + 2 * c.kv_dim(), h, qkv),
+                qkv,
                 o: ckpt.matrix(&format!("{p}.self_attn.o_proj.weight"), h, c.q_dim())?,
-                q_norm: ckpt.tensor(&format!("{p}.self_attn.q_norm.weight"), &[c.head_dim])?,
-                k_norm: ckpt.tensor(&format!("{p}.self_attn.k_norm.weight"), &[c.head_dim])?,
+                q_norm: qk_norm("q_norm")?,
+                k_norm: qk_norm("k_norm")?,
                 router,
                 dense_mlp,
             });
@@ -113,9 +133,10 @@ impl DenseWeights {
         })
     }
 
-    /// Bytes of dense weights one decode token reads (all but the embedding table: one row).
+    /// Bytes of dense weights one decode token reads (all but the embedding table: one row),
+    /// in their stored dtypes.
     pub fn bytes_per_token(&self) -> usize {
-        let mut b = self.embed.cols * 4 + self.norm.len() * 4;
+        let mut b = self.embed.cols * self.embed.data.size() + self.norm.len() * 4;
         for l in &self.layers {
             b += l.qkv.bytes() + l.o.bytes() + (l.input_norm.len() + l.post_norm.len()) * 4;
             b += l.router.as_ref().map_or(0, |r| r.bytes());

@@ -7,34 +7,198 @@
 use rayon::prelude::*;
 use std::sync::OnceLock;
 
-/// A row-major matrix `[rows, cols]` (Hugging Face's `[out_features, in_features]`).
+/// A weight element as stored: f32, or a 16-bit float widened to f32 where it is read (exactly:
+/// every bf16 and f16 value is an f32 value, so a product over 16-bit weights equals the one
+/// over their widened copy, bit for bit).
+pub trait Elem: Copy + Send + Sync + 'static {
+    fn f32(self) -> f32;
+}
+
+impl Elem for f32 {
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        self
+    }
+}
+
+/// A bfloat16 as stored (its bits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[repr(transparent)]
+pub struct Bf16(pub u16);
+
+impl Elem for Bf16 {
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        f32::from_bits((self.0 as u32) << 16)
+    }
+}
+
+/// An IEEE half as stored (its bits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[repr(transparent)]
+pub struct F16(pub u16);
+
+impl Elem for F16 {
+    /// Branch-free (so it vectorises): the exponent and mantissa moved into an f32 and
+    /// rescaled by 2^112, which is exact for normal and subnormal halves alike; infinities
+    /// and NaNs keep an all-ones exponent.
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        let h = self.0 as u32;
+        let sign = (h & 0x8000) << 16;
+        let em = h & 0x7fff;
+        let finite = f32::from_bits(em << 13) * f32::from_bits(0x7780_0000);
+        let special = f32::from_bits((em << 13) | 0x7f80_0000);
+        let v = if em >= 0x7c00 { special } else { finite };
+        f32::from_bits(v.to_bits() | sign)
+    }
+}
+
+/// A weight matrix's elements in their stored dtype.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Elems {
+    F32(Vec<f32>),
+    Bf16(Vec<Bf16>),
+    F16(Vec<F16>),
+}
+
+impl Elems {
+    pub fn len(&self) -> usize {
+        match self {
+            Elems::F32(v) => v.len(),
+            Elems::Bf16(v) => v.len(),
+            Elems::F16(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes per element.
+    pub fn size(&self) -> usize {
+        match self {
+            Elems::F32(_) => 4,
+            Elems::Bf16(_) | Elems::F16(_) => 2,
+        }
+    }
+
+    /// The dtype's name as safetensors spells it.
+    pub fn dtype(&self) -> &'static str {
+        match self {
+            Elems::F32(_) => "F32",
+            Elems::Bf16(_) => "BF16",
+            Elems::F16(_) => "F16",
+        }
+    }
+
+    /// Elements `a..b`, widened into `out` (`b - a` long).
+    pub fn widen_into(&self, a: usize, b: usize, out: &mut [f32]) {
+        fn go<E: Elem>(v: &[E], out: &mut [f32]) {
+            for (o, x) in out.iter_mut().zip(v) {
+                *o = x.f32();
+            }
+        }
+        match self {
+            Elems::F32(v) => out[..b - a].copy_from_slice(&v[a..b]),
+            Elems::Bf16(v) => go(&v[a..b], out),
+            Elems::F16(v) => go(&v[a..b], out),
+        }
+    }
+}
+
+/// A row-major matrix `[rows, cols]` (Hugging Face's `[out_features, in_features]`), its
+/// elements kept in the dtype they were stored in (f32, bf16 or f16).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Matrix {
     pub rows: usize,
     pub cols: usize,
-    pub data: Vec<f32>,
+    pub data: Elems,
 }
 
 impl Matrix {
     pub fn new(rows: usize, cols: usize, data: Vec<f32>) -> Self {
+        Self::of(rows, cols, Elems::F32(data))
+    }
+    /// A matrix of stored elements (`rows * cols` of them).
+    pub fn of(rows: usize, cols: usize, data: Elems) -> Self {
         assert_eq!(rows * cols, data.len(), "matrix data length");
         Matrix { rows, cols, data }
     }
     pub fn zeros(rows: usize, cols: usize) -> Self {
         Matrix::new(rows, cols, vec![0.0; rows * cols])
     }
-    pub fn row(&self, r: usize) -> &[f32] {
-        &self.data[r * self.cols..(r + 1) * self.cols]
+    /// Row `r`, widened into `out` (`cols` long).
+    pub fn row_into(&self, r: usize, out: &mut [f32]) {
+        self.data
+            .widen_into(r * self.cols, (r + 1) * self.cols, &mut out[..self.cols]);
     }
+    /// Element (r, c), widened.
+    pub fn at(&self, r: usize, c: usize) -> f32 {
+        let mut v = [0f32];
+        let i = r * self.cols + c;
+        self.data.widen_into(i, i + 1, &mut v);
+        v[0]
+    }
+    /// Every element widened to f32 (a borrow when they are f32 already): what a consumer
+    /// that reads only f32 (the GPU model today) uploads.
+    pub fn to_f32(&self) -> std::borrow::Cow<'_, [f32]> {
+        match &self.data {
+            Elems::F32(v) => std::borrow::Cow::Borrowed(v),
+            d => {
+                let mut out = vec![0f32; d.len()];
+                d.widen_into(0, d.len(), &mut out);
+                std::borrow::Cow::Owned(out)
+            }
+        }
+    }
+    /// Bytes held (the stored dtype's).
     pub fn bytes(&self) -> usize {
-        self.data.len() * 4
+        self.data.len() * self.data.size()
+    }
+    /// These matrices' rows stacked (same columns); one dtype if all share it, else f32.
+    pub fn stack(parts: &[Matrix]) -> Matrix {
+        let cols = parts.first().map_or(0, |m| m.cols);
+        assert!(
+            parts.iter().all(|m| m.cols == cols),
+            "stacked matrices' columns"
+        );
+        let rows = parts.iter().map(|m| m.rows).sum();
+        fn cat<E: Clone>(
+            parts: &[Matrix],
+            get: impl Fn(&Elems) -> Option<&Vec<E>>,
+        ) -> Option<Vec<E>> {
+            let mut out = Vec::new();
+            for m in parts {
+                out.extend_from_slice(get(&m.data)?);
+            }
+            Some(out)
+        }
+        let data = if let Some(v) = cat(parts, |d| match d {
+            Elems::Bf16(v) => Some(v),
+            _ => None,
+        }) {
+            Elems::Bf16(v)
+        } else if let Some(v) = cat(parts, |d| match d {
+            Elems::F16(v) => Some(v),
+            _ => None,
+        }) {
+            Elems::F16(v)
+        } else {
+            let mut out = Vec::new();
+            for m in parts {
+                out.extend_from_slice(&m.to_f32());
+            }
+            Elems::F32(out)
+        };
+        Matrix::of(rows, cols, data)
     }
 }
 
 const LANES: usize = 16;
 
 #[inline(always)]
-fn dot_body<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
+fn dot_body<const FMA: bool, E: Elem>(a: &[f32], b: &[E]) -> f32 {
     let n = a.len().min(b.len());
     let mut acc = [0f32; LANES];
     let chunks = n / LANES;
@@ -42,19 +206,21 @@ fn dot_body<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
         let pa = &a[c * LANES..c * LANES + LANES];
         let pb = &b[c * LANES..c * LANES + LANES];
         for j in 0..LANES {
+            let w = pb[j].f32();
             acc[j] = if FMA {
-                pa[j].mul_add(pb[j], acc[j])
+                pa[j].mul_add(w, acc[j])
             } else {
-                pa[j] * pb[j] + acc[j]
+                pa[j] * w + acc[j]
             };
         }
     }
     let mut tail = 0f32;
     for i in chunks * LANES..n {
+        let w = b[i].f32();
         tail = if FMA {
-            a[i].mul_add(b[i], tail)
+            a[i].mul_add(w, tail)
         } else {
-            a[i] * b[i] + tail
+            a[i] * w + tail
         };
     }
     // fixed pairwise reduction: 16 -> 8 -> 4 -> 2 -> 1
@@ -70,20 +236,20 @@ fn dot_body<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
 
 /// y[i, o] = dot(x[i], w[o]) for rows `o in o0..o1`, written at `y[i * ldy + o]`.
 #[inline(always)]
-fn block_body<const FMA: bool>(
+fn block_body<const FMA: bool, E: Elem>(
     x: &[f32],
     n: usize,
-    w: &Matrix,
+    w: &[E],
+    k: usize,
     o0: usize,
     o1: usize,
     y: SyncPtr,
     ldy: usize,
 ) {
-    let k = w.cols;
     for o in o0..o1 {
-        let wr = &w.data[o * k..(o + 1) * k];
+        let wr = &w[o * k..(o + 1) * k];
         for i in 0..n {
-            let v = dot_body::<FMA>(&x[i * k..(i + 1) * k], wr);
+            let v = dot_body::<FMA, E>(&x[i * k..(i + 1) * k], wr);
             // SAFETY: i < n and o < w.rows <= ldy, so the index is inside y (checked by
             // the caller: y.len() >= n * ldy); each (i, o) is written by exactly one task.
             unsafe { *y.0.add(i * ldy + o) = v };
@@ -93,18 +259,38 @@ fn block_body<const FMA: bool>(
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn block_fma(x: &[f32], n: usize, w: &Matrix, o0: usize, o1: usize, y: SyncPtr, ldy: usize) {
-    block_body::<true>(x, n, w, o0, o1, y, ldy)
+#[allow(clippy::too_many_arguments)]
+unsafe fn block_fma<E: Elem>(
+    x: &[f32],
+    n: usize,
+    w: &[E],
+    k: usize,
+    o0: usize,
+    o1: usize,
+    y: SyncPtr,
+    ldy: usize,
+) {
+    block_body::<true, E>(x, n, w, k, o0, o1, y, ldy)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dot_fma(a: &[f32], b: &[f32]) -> f32 {
-    dot_body::<true>(a, b)
+    dot_body::<true, f32>(a, b)
 }
 
-fn block_plain(x: &[f32], n: usize, w: &Matrix, o0: usize, o1: usize, y: SyncPtr, ldy: usize) {
-    block_body::<false>(x, n, w, o0, o1, y, ldy)
+#[allow(clippy::too_many_arguments)]
+fn block_plain<E: Elem>(
+    x: &[f32],
+    n: usize,
+    w: &[E],
+    k: usize,
+    o0: usize,
+    o1: usize,
+    y: SyncPtr,
+    ldy: usize,
+) {
+    block_body::<false, E>(x, n, w, k, o0, o1, y, ldy)
 }
 
 fn has_fma() -> bool {
@@ -130,7 +316,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
         // SAFETY: the CPU supports avx2 and fma (checked at run time).
         return unsafe { dot_fma(a, b) };
     }
-    dot_body::<false>(a, b)
+    dot_body::<false, f32>(a, b)
 }
 
 #[derive(Clone, Copy)]
@@ -140,13 +326,31 @@ unsafe impl Send for SyncPtr {}
 unsafe impl Sync for SyncPtr {}
 
 fn run_block(x: &[f32], n: usize, w: &Matrix, o0: usize, o1: usize, y: SyncPtr, ldy: usize) {
-    #[cfg(target_arch = "x86_64")]
-    if has_fma() {
-        // SAFETY: the CPU supports avx2 and fma (checked at run time).
-        unsafe { block_fma(x, n, w, o0, o1, y, ldy) };
-        return;
+    #[allow(clippy::too_many_arguments)]
+    fn go<E: Elem>(
+        x: &[f32],
+        n: usize,
+        w: &[E],
+        k: usize,
+        o0: usize,
+        o1: usize,
+        y: SyncPtr,
+        ldy: usize,
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if has_fma() {
+            // SAFETY: the CPU supports avx2 and fma (checked at run time).
+            unsafe { block_fma(x, n, w, k, o0, o1, y, ldy) };
+            return;
+        }
+        block_plain(x, n, w, k, o0, o1, y, ldy)
     }
-    block_plain(x, n, w, o0, o1, y, ldy)
+    let k = w.cols;
+    match &w.data {
+        Elems::F32(v) => go(x, n, v, k, o0, o1, y, ldy),
+        Elems::Bf16(v) => go(x, n, v, k, o0, o1, y, ldy),
+        Elems::F16(v) => go(x, n, v, k, o0, o1, y, ldy),
+    }
 }
 
 /// Work (multiply-adds) under which a matmul runs on the calling thread.
@@ -294,7 +498,7 @@ mod tests {
             for o in 0..w.rows {
                 let mut s = 0f64;
                 for k in 0..w.cols {
-                    s += x[i * w.cols + k] as f64 * w.data[o * w.cols + k] as f64;
+                    s += x[i * w.cols + k] as f64 * w.at(o, k) as f64;
                 }
                 y[i * w.rows + o] = s as f32;
             }
@@ -321,6 +525,78 @@ mod tests {
                 assert_eq!(&yi[..], &y[i * rows..(i + 1) * rows]);
             }
         }
+    }
+
+    #[test]
+    fn every_half_widens_as_the_half_crate_does() {
+        for bits in 0..=u16::MAX {
+            let want = half::f16::from_bits(bits).to_f32();
+            let got = F16(bits).f32();
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "{bits:#06x}: {got} vs {want}"
+            );
+            let want = half::bf16::from_bits(bits).to_f32();
+            let got = Bf16(bits).f32();
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "bf16 {bits:#06x}"
+            );
+        }
+    }
+
+    #[test]
+    fn sixteen_bit_weights_give_the_products_of_their_widened_copy() {
+        let mut r = Rng::new(3);
+        for &(n, rows, cols) in &[(1, 7, 5), (3, 33, 17), (16, 300, 256), (5, 1000, 64)] {
+            let x: Vec<f32> = (0..n * cols).map(|_| r.normal()).collect();
+            let vals: Vec<f32> = (0..rows * cols).map(|_| r.normal()).collect();
+            let bf = Matrix::of(
+                rows,
+                cols,
+                Elems::Bf16(
+                    vals.iter()
+                        .map(|&v| Bf16(half::bf16::from_f32(v).to_bits()))
+                        .collect(),
+                ),
+            );
+            let hf = Matrix::of(
+                rows,
+                cols,
+                Elems::F16(
+                    vals.iter()
+                        .map(|&v| F16(half::f16::from_f32(v).to_bits()))
+                        .collect(),
+                ),
+            );
+            for m in [bf, hf] {
+                let wide = Matrix::new(rows, cols, m.to_f32().into_owned());
+                assert_eq!(m.bytes() * 2, wide.bytes());
+                let (mut a, mut b) = (vec![0.0; n * rows], vec![0.0; n * rows]);
+                matmul(&x, n, &m, &mut a);
+                matmul(&x, n, &wide, &mut b);
+                assert_eq!(a, b, "{} {n}x{rows}x{cols}", m.data.dtype());
+                let mut row = vec![0.0; cols];
+                m.row_into(rows - 1, &mut row);
+                assert_eq!(&row[..], &wide.to_f32()[(rows - 1) * cols..]);
+            }
+        }
+    }
+
+    #[test]
+    fn stacking_keeps_a_shared_dtype_and_widens_a_mixed_one() {
+        let b = |v: &[u16]| {
+            Matrix::of(
+                1,
+                v.len(),
+                Elems::Bf16(v.iter().map(|&x| Bf16(x)).collect()),
+            )
+        };
+        let s = Matrix::stack(&[b(&[0x3f80, 0x4000]), b(&[0x4040, 0x4080])]);
+        assert_eq!((s.rows, s.cols, s.data.dtype()), (2, 2, "BF16"));
+        assert_eq!(s.at(1, 1), 4.0);
+        let m = Matrix::stack(&[b(&[0x3f80, 0x4000]), Matrix::new(1, 2, vec![5.0, 6.0])]);
+        assert_eq!(m.data, Elems::F32(vec![1.0, 2.0, 5.0, 6.0]));
     }
 
     #[test]

@@ -281,12 +281,12 @@ fn failures_name_file_and_tensor() {
     .unwrap();
     let mut cfg: serde_json::Value =
         serde_json::from_slice(&std::fs::read(d4.join("config.json")).unwrap()).unwrap();
-    cfg["model_type"] = json!("mixtral");
-    cfg["architectures"] = json!(["MixtralForCausalLM"]);
+    cfg["model_type"] = json!("llama");
+    cfg["architectures"] = json!(["LlamaForCausalLM"]);
     std::fs::write(d4.join("config.json"), serde_json::to_vec(&cfg).unwrap()).unwrap();
     let e = expect_err(&d4);
     assert!(
-        matches!(&e, Error::UnsupportedArchitecture { found, .. } if found == "mixtral"),
+        matches!(&e, Error::UnsupportedArchitecture { found, .. } if found == "llama"),
         "{e}"
     );
 

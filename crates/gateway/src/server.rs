@@ -38,6 +38,10 @@ pub struct GatewayConfig {
     pub max_body: usize,
     /// Default `max_tokens` of /v1/completions (OpenAI's is 16).
     pub default_completion_tokens: usize,
+    /// `temperature` and `top_p` of a request that does not set them: the model's
+    /// generation_config.json (`do_sample: false` is 0, greedy), else OpenAI's 1 and 1.
+    pub default_temperature: f32,
+    pub default_top_p: f32,
 }
 
 pub struct AppState {
@@ -366,14 +370,14 @@ fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequest, ApiErr
         None if chat => room,
         None => st.cfg.default_completion_tokens.min(room),
     };
-    let temperature = num(v, "temperature")?.unwrap_or(1.0);
+    let temperature = num(v, "temperature")?.unwrap_or(st.cfg.default_temperature as f64);
     if !(0.0..=2.0).contains(&temperature) {
         return Err(ApiError::bad(
             format!("temperature {temperature} is outside [0, 2]"),
             Some("temperature"),
         ));
     }
-    let top_p = num(v, "top_p")?.unwrap_or(1.0);
+    let top_p = num(v, "top_p")?.unwrap_or(st.cfg.default_top_p as f64);
     if !(top_p > 0.0 && top_p <= 1.0) {
         return Err(ApiError::bad(
             format!("top_p {top_p} is outside (0, 1]"),

@@ -67,12 +67,16 @@ async fn gateway(lanes: &[&str]) -> String {
             .await
             .expect("add lane");
     }
+    let generation = moelane_engine::config::Generation::read(dir).expect("generation config");
     let state = Arc::new(AppState::new(
         GatewayConfig {
             model_name: "tiny".into(),
             max_context: 2048,
             max_body: 1 << 20,
             default_completion_tokens: 16,
+            // the model's generation_config.json: tiny's says do_sample false (greedy)
+            default_temperature: generation.temperature.unwrap_or(1.0),
+            default_top_p: generation.top_p.unwrap_or(1.0),
         },
         Tokenizer::from_file(&dir.join("tokenizer.json")).expect("tokenizer"),
         ChatTemplate::from_dir(dir).expect("template"),
@@ -182,6 +186,35 @@ async fn a_streamed_completion_joins_to_the_whole_one() {
             .map(|c| c["choices"][0]["finish_reason"].clone()),
         Some(finish)
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_without_sampling_fields_gets_the_models_generation_defaults() {
+    // tiny's generation_config.json says do_sample false: no temperature is greedy
+    assert_eq!(
+        moelane_engine::config::Generation::read(tiny())
+            .expect("read")
+            .temperature,
+        Some(0.0)
+    );
+    let (_p, url) = primary().await;
+    let gw = gateway(&[&url]).await;
+    let prompt: String = moelane_engine::synth::prompts(1)[0]
+        .chars()
+        .take(40)
+        .collect();
+    let mut texts = Vec::new();
+    for ask in [
+        json!({"model": "tiny", "prompt": prompt, "max_tokens": 10}),
+        json!({"model": "tiny", "prompt": prompt, "max_tokens": 10, "temperature": 0}),
+        json!({"model": "tiny", "prompt": prompt, "max_tokens": 10, "seed": 3}),
+    ] {
+        let (st, v) = post(&gw, "/v1/completions", &ask).await;
+        assert_eq!(st, 200, "{v}");
+        texts.push(v["choices"][0]["text"].as_str().expect("text").to_string());
+    }
+    assert_eq!(texts[0], texts[1], "the default is not greedy");
+    assert_eq!(texts[2], texts[1], "the default is not greedy");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -454,6 +454,7 @@ pub async fn start_gateway(o: &GatewayOptions) -> Result<SocketAddr> {
     let tokenizer = Tokenizer::from_file(&o.model.join("tokenizer.json"))?;
     let template = ChatTemplate::from_dir(&o.model)?;
     let cfg = moelane_engine::config::ModelConfig::from_file(&o.model.join("config.json"))?;
+    let generation = moelane_engine::config::Generation::read(&o.model)?;
     let registry = Registry::spawn(Registry::default());
     if o.lanes.is_empty() {
         bail!("the gateway needs at least one --lane URL");
@@ -472,6 +473,8 @@ pub async fn start_gateway(o: &GatewayOptions) -> Result<SocketAddr> {
             max_context: cfg.max_position_embeddings,
             max_body: o.max_body,
             default_completion_tokens: 16,
+            default_temperature: generation.temperature.unwrap_or(1.0),
+            default_top_p: generation.top_p.unwrap_or(1.0),
         },
         tokenizer,
         template,

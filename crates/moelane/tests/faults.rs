@@ -426,15 +426,16 @@ fn duplicated_and_late_control_messages_are_harmless() {
         &[],
     );
     let before = lane.outputs();
-    // each duplicated message reaches the sidecar three times (twice at once, once late)
+    // the first message of each duplicated kind reaches the sidecar three times (twice at
+    // once, once late), later ones once
     let e1 = lane.committed(0);
     lane.answered((3, 3, 0));
     assert_eq!(lane.converged(), e1);
     let e2 = lane.committed(1);
-    lane.answered((6, 6, 0));
+    lane.answered((4, 4, 0));
     assert_eq!(lane.converged(), e2);
     lane.aborted(2);
-    lane.answered((9, 6, 3));
+    lane.answered((5, 4, 3));
     assert_eq!(lane.converged(), e2);
     let e3 = lane.committed(3);
     assert_eq!(lane.converged(), e3);

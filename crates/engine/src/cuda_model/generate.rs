@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaFunction, CudaStream, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaStream};
 
 use super::*;
 
@@ -45,16 +45,18 @@ pub fn gen_expert(
     ] {
         let n = (b.len) as u64;
         let cols = cols as i32;
-        let mut l = st.launch_builder(f);
-        l.arg(&b.p)
-            .arg(&n)
-            .arg(&cols)
-            .arg(&zc)
-            .arg(&zr)
-            .arg(&key)
-            .arg(&scale);
+        let mut a = args::GenWeights {
+            w: b.p,
+            n,
+            cols,
+            zero_cols: zc,
+            zero_rows: zr,
+            key,
+            scale,
+        };
         // SAFETY: `b` holds exactly n floats; the kernel writes w[0..n).
-        unsafe { l.launch(grid(1024, 1, 256, 0)) }.map_err(|e| gerr("launching gen_weights", e))?;
+        unsafe { launch_raw(st, f, &mut a.params(), false, grid(1024, 1, 256, 0)) }
+            .map_err(|e| gerr("launching gen_weights", e))?;
     }
     Ok((gu, dn))
 }
@@ -85,9 +87,13 @@ pub fn bandwidth(gpu: &Gpu, bytes: usize, reps: usize) -> Result<(f64, f64)> {
         let tc = t0.elapsed().as_secs_f64();
         let n4 = (n / 4) as u64;
         let t0 = std::time::Instant::now();
-        let mut l = kargs![&a.p, &n4, &out.p];
+        let mut probe = args::ReadProbe {
+            a: a.p,
+            n4,
+            out: out.p,
+        };
         // SAFETY: a holds n4 float4s; out 132*8 floats, one per block.
-        unsafe { launch_raw(st, &f, &mut l, false, grid(132 * 8, 1, 256, 0)) }
+        unsafe { launch_raw(st, &f, &mut probe.params(), false, grid(132 * 8, 1, 256, 0)) }
             .map_err(|e| gerr("launching read_probe", e))?;
         sync()?;
         let tr = t0.elapsed().as_secs_f64();

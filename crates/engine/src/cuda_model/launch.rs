@@ -22,13 +22,24 @@ impl GpuModel {
             let (o, i, ni) = (out_dim as i32, in_dim as i32, n as i32);
             let v4 = in_dim.is_multiple_of(4) as i32;
             let (pf, pre) = (self.prefetch as i32, self.preload as i32);
-            let mut b = kargs![&w, &x, &y, &o, &i, &ni, &beta, &v4, &pf, &pre];
+            let mut a = args::Gemv {
+                w,
+                x,
+                y,
+                out: o,
+                inp: i,
+                n: ni,
+                beta,
+                vec4: v4,
+                prefetch: pf,
+                preload: pre,
+            };
             // SAFETY: as below; n <= 4 rows.
             return unsafe {
                 self.launch(
                     &self.f.gemv,
                     what,
-                    &mut b,
+                    &mut a.params(),
                     grid(out_dim.div_ceil(8), 1, 256, 0),
                 )
             };
@@ -83,7 +94,13 @@ impl GpuModel {
                 shared_mem_bytes: 0,
                 ..cfg
             };
-            launch_raw(&self.st, &self.f.hollow, &mut [], self.pdl, cfg)
+            launch_raw(
+                &self.st,
+                &self.f.hollow,
+                &mut args::Hollow {}.params(),
+                self.pdl,
+                cfg,
+            )
         } else {
             launch_raw(&self.st, f, params, self.pdl, cfg)
         }
@@ -114,13 +131,26 @@ impl GpuModel {
         let eps = self.cfg.rms_norm_eps;
         let v4 = in_dim.is_multiple_of(4) as i32;
         let (pf, pre) = (self.prefetch as i32, self.preload as i32);
-        let mut b = kargs![&w, &x, &nw, &h, &y, &o, &i, &ni, &eps, &v4, &pf, &pre];
+        let mut a = args::NormGemv {
+            w,
+            x,
+            nw,
+            h,
+            y,
+            out: o,
+            inp: i,
+            n: ni,
+            eps,
+            vec4: v4,
+            prefetch: pf,
+            preload: pre,
+        };
         // SAFETY: w holds out*in floats, x and h n rows of in, nw in, y n rows of out.
         unsafe {
             self.launch(
                 &self.f.norm_gemv,
                 what,
-                &mut b,
+                &mut a.params(),
                 grid(out_dim.div_ceil(8), 1, 256, 0),
             )
         }
@@ -178,10 +208,24 @@ impl GpuModel {
     pub(super) fn rmsnorm(&self, x: u64, rows: u64, w: u64, y: u64, n: usize) -> Result<()> {
         let h = self.cfg.hidden_size as i32;
         let eps = self.cfg.rms_norm_eps;
-        let mut b = kargs![&x, &rows, &w, &y, &h, &eps];
+        let mut a = args::RmsnormRows {
+            x,
+            rows,
+            w,
+            y,
+            h,
+            eps,
+        };
         // SAFETY: x holds the source rows (rows[i] < its row count when given), y n rows,
         // w h floats.
-        unsafe { self.launch(&self.f.rmsnorm, "rmsnorm_rows", &mut b, grid(n, 1, 256, 0)) }?;
+        unsafe {
+            self.launch(
+                &self.f.rmsnorm,
+                "rmsnorm_rows",
+                &mut a.params(),
+                grid(n, 1, 256, 0),
+            )
+        }?;
         Ok(())
     }
 }

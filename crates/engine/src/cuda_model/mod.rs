@@ -46,13 +46,7 @@ pub const DENSE_CU: &str = concat!(
     include_str!("../../../../kernels/generator.cu"),
 );
 
-/// Kernel parameters for [`launch_raw`]: a pointer to each argument's value, in order.
-macro_rules! kargs {
-    ($($a:expr),* $(,)?) => {
-        [$($a as *const _ as *mut std::ffi::c_void),*]
-    };
-}
-
+pub(crate) mod args;
 mod generate;
 mod launch;
 
@@ -71,7 +65,7 @@ pub use step::{attach_gpu, GpuStep};
 /// # Safety
 /// The parameters must match the kernel's signature and every pointer they carry must be
 /// valid for what the kernel reads and writes.
-unsafe fn launch_raw(
+pub(crate) unsafe fn launch_raw(
     st: &Arc<CudaStream>,
     f: &CudaFunction,
     params: &mut [*mut std::ffi::c_void],
@@ -515,13 +509,22 @@ fn upload_layers(st: &Arc<CudaStream>, w: &DenseWeights) -> Result<Vec<Layer>> {
         layers.push(Layer {
             input_norm: up(&l.input_norm)?,
             post_norm: up(&l.post_norm)?,
-            qkv: up(&l.qkv.data)?,
-            o: up(&l.o.data)?,
-            q_norm: up(&l.q_norm)?,
-            k_norm: up(&l.k_norm)?,
-            router: l.router.as_ref().map(|r| up(&r.data)).transpose()?,
+            qkv: up(&l.qkv.to_f32())?,
+            o: up(&l.o.to_f32())?,
+            // a family without q/k norm keeps a placeholder (the kernels get a null pointer)
+            q_norm: up(if l.q_norm.is_empty() {
+                &[0.0]
+            } else {
+                &l.q_norm
+            })?,
+            k_norm: up(if l.k_norm.is_empty() {
+                &[0.0]
+            } else {
+                &l.k_norm
+            })?,
+            router: l.router.as_ref().map(|r| up(&r.to_f32())).transpose()?,
             mlp: match &l.dense_mlp {
-                Some(m) => Some((up(&m.gate_up.data)?, up(&m.down.data)?)),
+                Some(m) => Some((up(&m.gate_up.to_f32())?, up(&m.down.to_f32())?)),
                 None => None,
             },
         });
@@ -599,9 +602,9 @@ impl GpuModel {
         let moe = cfg.moe_layers().len();
         let e = cfg.num_experts;
         let m = GpuModel {
-            embed: up(&w.embed.data)?,
+            embed: up(&w.embed.to_f32())?,
             norm: up(&w.norm)?,
-            head: w.lm_head.as_ref().map(|h| up(&h.data)).transpose()?,
+            head: w.lm_head.as_ref().map(|h| up(&h.to_f32())).transpose()?,
             cos: up(&rope.cos)?,
             sin: up(&rope.sin)?,
             max_pos,
@@ -724,8 +727,8 @@ impl GpuModel {
     }
 
     fn put_expert(&mut self, l: usize, e: usize, w: &ExpertWeights) -> Result<()> {
-        let gu = Buf::from_host(&self.st, &w.gate_up.data)?;
-        let dn = Buf::from_host(&self.st, &w.down.data)?;
+        let gu = Buf::from_host(&self.st, &w.gate_up.to_f32())?;
+        let dn = Buf::from_host(&self.st, &w.down.to_f32())?;
         self.experts.insert((l, e), (gu, dn));
         Ok(())
     }
@@ -942,10 +945,20 @@ impl GpuModel {
         match *op {
             Op::Embed => {
                 let h = self.cfg.hidden_size as i32;
-                let mut b = kargs![&self.embed.p, &self.meta.p, &self.x.p, &h];
+                let mut a = args::EmbedRows {
+                    emb: self.embed.p,
+                    tok: self.meta.p,
+                    x: self.x.p,
+                    h,
+                };
                 // SAFETY: every token id was checked < vocab in `begin`; x holds n rows.
                 unsafe {
-                    self.launch(&self.f.embed, "embed_rows", &mut b, grid(self.n, 1, 256, 0))
+                    self.launch(
+                        &self.f.embed,
+                        "embed_rows",
+                        &mut a.params(),
+                        grid(self.n, 1, 256, 0),
+                    )
                 }?;
                 Ok(())
             }

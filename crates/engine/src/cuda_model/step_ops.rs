@@ -58,24 +58,42 @@ impl GpuModel {
         match out {
             HeadOut::Logits => {}
             HeadOut::Argmax => {
-                let mut b = kargs![&self.logits.p, &self.amax.p, &vi];
+                let mut a = args::ArgmaxRows {
+                    logits: self.logits.p,
+                    out: self.amax.p,
+                    vocab: vi,
+                };
                 // SAFETY: logits holds m rows of V; amax m ints (sized in `begin`).
-                unsafe { self.launch(&self.f.argmax, "argmax_rows", &mut b, grid(m, 1, 256, 0)) }?;
+                unsafe {
+                    self.launch(
+                        &self.f.argmax,
+                        "argmax_rows",
+                        &mut a.params(),
+                        grid(m, 1, 256, 0),
+                    )
+                }?;
             }
             HeadOut::Sample => {
                 if self.probs.len < m * v {
                     return Err(Error::Gpu("a sampling head without set_picks".into()));
                 }
-                let mut b = kargs![
-                    &self.logits.p,
-                    &self.spec.p,
-                    &self.probs.p,
-                    &self.amax.p,
-                    &vi
-                ];
+                let mut a = args::SampleRows {
+                    logits: self.logits.p,
+                    spec: self.spec.p,
+                    probs: self.probs.p,
+                    out: self.amax.p,
+                    vocab: vi,
+                };
                 // SAFETY: logits and probs hold m rows of V, spec 3m doubles (written by
                 // set_picks), amax m ints.
-                unsafe { self.launch(&self.f.sample, "sample_rows", &mut b, grid(m, 1, 1024, 0)) }?;
+                unsafe {
+                    self.launch(
+                        &self.f.sample,
+                        "sample_rows",
+                        &mut a.params(),
+                        grid(m, 1, 1024, 0),
+                    )
+                }?;
             }
         }
         Ok(())
@@ -108,63 +126,76 @@ impl GpuModel {
         // 1/16 of its context (or of its range of it) long
         let nw = ATT_WARPS;
         if self.decode_only {
-            let mut b = kargs![
-                &self.qkv.p,
-                &lw.q_norm.p,
-                &lw.k_norm.p,
-                &self.cos.p,
-                &self.sin.p,
-                &self.kc[l].p,
-                &self.vc[l].p,
-                &self.o_pos,
-                &self.o_tab,
-                &self.o_blocks,
-                &self.att.p,
-                &nh,
-                &nkv,
-                &hd,
-                &eps,
-                &scale,
-                &self.att_part.p
-            ];
+            let mut a = args::AttentionDecode {
+                qkv: self.qkv.p,
+                qn: if c.qk_norm { lw.q_norm.p } else { 0 },
+                kn: if c.qk_norm { lw.k_norm.p } else { 0 },
+                cos_t: self.cos.p,
+                sin_t: self.sin.p,
+                kc: self.kc[l].p,
+                vc: self.vc[l].p,
+                row_pos: self.o_pos,
+                row_tab: self.o_tab,
+                blocks: self.o_blocks,
+                out: self.att.p,
+                nh,
+                nkv,
+                hd,
+                eps,
+                scale,
+                part: self.att_part.p,
+            };
             let mut cfg = grid(n, c.num_attention_heads, 32 * nw, (nw + 3) * c.head_dim * 4);
             cfg.grid_dim.2 = self.splits as u32;
             // SAFETY: positions < max_pos and their blocks < kv_blocks were checked in
             // `begin`; qkv holds n rows of q_dim + 2 kv_dim, att n rows of q_dim, att_part
             // n * heads * splits partials (`begin`); every row is its own sequence's
             // (decode_only), so no two rows write one cache slot.
-            unsafe { self.launch(&self.f.attention_decode, "attention_decode", &mut b, cfg) }?;
+            unsafe {
+                self.launch(
+                    &self.f.attention_decode,
+                    "attention_decode",
+                    &mut a.params(),
+                    cfg,
+                )
+            }?;
             if self.splits > 1 {
                 let sp = self.splits as i32;
-                let mut b = kargs![&self.att_part.p, &self.att.p, &nh, &hd, &sp];
+                let mut a = args::AttentionMerge {
+                    part: self.att_part.p,
+                    out: self.att.p,
+                    nh,
+                    hd,
+                    splits: sp,
+                };
                 // SAFETY: att_part holds the partials the kernel above wrote, att n rows.
                 unsafe {
                     self.launch(
                         &self.f.attention_merge,
                         "attention_merge",
-                        &mut b,
+                        &mut a.params(),
                         grid(n, c.num_attention_heads, c.head_dim.next_multiple_of(32), 0),
                     )
                 }?;
             }
             return self.gemm("gemv_rows:o", lw.o.p, hs, qd, self.att.p, n, self.x.p, 1.0);
         }
-        let mut b = kargs![
-            &self.qkv.p,
-            &lw.q_norm.p,
-            &lw.k_norm.p,
-            &self.cos.p,
-            &self.sin.p,
-            &self.o_pos,
-            &self.o_tab,
-            &self.o_blocks,
-            &self.kc[l].p,
-            &self.vc[l].p,
-            &nh,
-            &nkv,
-            &hd,
-            &eps
-        ];
+        let mut a = args::QkRopeKv {
+            qkv: self.qkv.p,
+            qn: if c.qk_norm { lw.q_norm.p } else { 0 },
+            kn: if c.qk_norm { lw.k_norm.p } else { 0 },
+            cos_t: self.cos.p,
+            sin_t: self.sin.p,
+            row_pos: self.o_pos,
+            row_tab: self.o_tab,
+            blocks: self.o_blocks,
+            kc: self.kc[l].p,
+            vc: self.vc[l].p,
+            nh,
+            nkv,
+            hd,
+            eps,
+        };
         let heads = c.num_attention_heads + c.num_key_value_heads;
         // SAFETY: positions < max_pos and their blocks < kv_blocks were checked in `begin`;
         // qkv holds n rows of q_dim + 2 kv_dim.
@@ -172,7 +203,7 @@ impl GpuModel {
             self.launch(
                 &self.f.qk_rope_kv,
                 "qk_rope_kv",
-                &mut b,
+                &mut a.params(),
                 grid(n, 1, 32 * heads, 0),
             )
         }?;
@@ -186,23 +217,23 @@ impl GpuModel {
             let cfg = grid(n, c.num_attention_heads, 32 * nw, nw * c.head_dim * 4);
             (&self.f.attention, "attention", cfg)
         };
-        let mut b = kargs![
-            &self.qkv.p,
-            &self.kc[l].p,
-            &self.vc[l].p,
-            &self.o_pos,
-            &self.o_tab,
-            &self.o_blocks,
-            &self.o_tiles,
-            &self.att.p,
-            &nh,
-            &nkv,
-            &hd,
-            &scale
-        ];
+        let mut a = args::Attention {
+            qkv: self.qkv.p,
+            kc: self.kc[l].p,
+            vc: self.vc[l].p,
+            row_pos: self.o_pos,
+            row_tab: self.o_tab,
+            blocks: self.o_blocks,
+            tiles: self.o_tiles,
+            out: self.att.p,
+            nh,
+            nkv,
+            hd,
+            scale,
+        };
         // SAFETY: as above; the tiles (first row, count <= ATT_TILE, rows of one sequence)
         // were built in `begin` from these rows; att holds n rows of q_dim.
-        unsafe { self.launch(f, name, &mut b, cfg) }?;
+        unsafe { self.launch(f, name, &mut a.params(), cfg) }?;
         self.gemm("gemv_rows:o", lw.o.p, hs, qd, self.att.p, n, self.x.p, 1.0)
     }
 
@@ -230,7 +261,15 @@ impl GpuModel {
             self.rlog.p,
         )?;
         let regs = (self.register_topk && ne <= TOPK_REG * 32) as i32;
-        let mut b = kargs![&self.rlog.p, &idx, &self.wts.p, &e, &ki, &norm, &regs];
+        let mut a = args::RouteTopk {
+            logits: self.rlog.p,
+            idx,
+            wts: self.wts.p,
+            experts: e,
+            k: ki,
+            norm,
+            regs,
+        };
         let smem = if regs != 0 { 0 } else { ne * 4 };
         // SAFETY: rlog holds n rows of E; idx has room for the ml-th layer's n*k ids; E
         // floats of shared memory unless the row stays in registers (E <= 32 * TOPK_REG).
@@ -238,7 +277,7 @@ impl GpuModel {
             self.launch(
                 &self.f.route_topk,
                 "route_topk",
-                &mut b,
+                &mut a.params(),
                 grid(n, 1, 32, smem),
             )
         }?;
@@ -271,40 +310,40 @@ impl GpuModel {
         let v_dn = (i % 4 == 0) as i32;
         // one row's picks are distinct experts: every block leads its slot
         let distinct = (n == 1) as i32;
-        let mut b = kargs![
-            &idx,
-            &gu,
-            &self.h.p,
-            &self.act.p,
-            &nki,
-            &ki,
-            &hi,
-            &ii,
-            &v_up,
-            &0u64,
-            &distinct
-        ];
+        let mut a = args::MoeUp {
+            idx,
+            gu_tab: gu,
+            h: self.h.p,
+            act: self.act.p,
+            nk: nki,
+            k: ki,
+            hidden: hi,
+            inter: ii,
+            vec4: v_up,
+            rows: 0,
+            distinct,
+        };
         // SAFETY: ids < E (the router's top-k), table entries are null or resident experts of
         // [2I, H]; h holds n rows, act n*k rows of I; float4 reads only when H % 4 == 0.
         unsafe {
             self.launch(
                 &self.f.moe_up,
                 "moe_up",
-                &mut b,
+                &mut a.params(),
                 grid(nk, i.div_ceil(8), 256, 0),
             )
         }?;
-        let mut b = kargs![
-            &idx,
-            &dn,
-            &self.act.p,
-            &self.y.p,
-            &nki,
-            &hi,
-            &ii,
-            &v_dn,
-            &distinct
-        ];
+        let mut a = args::MoeDown {
+            idx,
+            dn_tab: dn,
+            act: self.act.p,
+            y: self.y.p,
+            nk: nki,
+            hidden: hi,
+            inter: ii,
+            vec4: v_dn,
+            distinct,
+        };
         // the preloading kernel takes more registers: fewer blocks resident, which costs
         // the bandwidth-bound large batches more than the early loads gain (measured)
         let (down, name) = if self.preload && n <= 4 {
@@ -313,7 +352,14 @@ impl GpuModel {
             (&self.f.moe_down, "moe_down")
         };
         // SAFETY: as above, down [H, I]; y holds n*k rows of H.
-        unsafe { self.launch(down, name, &mut b, grid(nk, hs.div_ceil(8), 256, 0)) }?;
+        unsafe {
+            self.launch(
+                down,
+                name,
+                &mut a.params(),
+                grid(nk, hs.div_ceil(8), 256, 0),
+            )
+        }?;
         Ok(())
     }
 
@@ -359,13 +405,18 @@ impl GpuModel {
         let st = self.st.clone();
         self.cold_slots.write(&st, slots)?;
         let h = hs as i32;
-        let mut b = kargs![&src, &self.cold_slots.p, &self.y.p, &h];
+        let mut a = args::ScatterRows {
+            src,
+            slots: self.cold_slots.p,
+            y: self.y.p,
+            h,
+        };
         // SAFETY: slots were checked < n*k; src holds slots.len() rows (the caller's word).
         unsafe {
             self.launch(
                 &self.f.scatter,
                 "scatter_rows",
-                &mut b,
+                &mut a.params(),
                 grid(slots.len(), 1, 256, 0),
             )
         }
@@ -445,13 +496,19 @@ impl GpuModel {
     pub fn combine(&mut self) -> Result<()> {
         let c = &self.cfg;
         let (k, h) = (c.num_experts_per_tok as i32, c.hidden_size as i32);
-        let mut b = kargs![&self.x.p, &self.y.p, &self.wts.p, &k, &h];
+        let mut a = args::MoeCombine {
+            x: self.x.p,
+            y: self.y.p,
+            wts: self.wts.p,
+            k,
+            h,
+        };
         // SAFETY: x holds n rows, y n*k rows, wts n*k.
         unsafe {
             self.launch(
                 &self.f.combine,
                 "moe_combine",
-                &mut b,
+                &mut a.params(),
                 grid(self.n, self.cfg.hidden_size.div_ceil(128), 128, 0),
             )
         }?;
@@ -479,9 +536,20 @@ impl GpuModel {
             0.0,
         )?;
         let ii = i as i32;
-        let mut b = kargs![&self.qkv.p, &self.att.p, &ii];
+        let mut a = args::SiluMul {
+            gu: self.qkv.p,
+            a: self.att.p,
+            inter: ii,
+        };
         // SAFETY: qkv holds n rows of 2I (sized in `begin`), att n rows of I.
-        unsafe { self.launch(&self.f.silu_mul, "silu_mul", &mut b, grid(n, 1, 256, 0)) }?;
+        unsafe {
+            self.launch(
+                &self.f.silu_mul,
+                "silu_mul",
+                &mut a.params(),
+                grid(n, 1, 256, 0),
+            )
+        }?;
         self.gemm(
             "gemv_rows:mlp_down",
             dn.p,

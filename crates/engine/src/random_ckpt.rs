@@ -1,0 +1,214 @@
+//! Small random checkpoints of each family, written in the layout the family's released
+//! checkpoints use (config.json and one bf16 safetensors file): the fixtures of the parity
+//! tests against Hugging Face transformers (`scripts/hf_family_golden.py` computes the
+//! reference logits from the same files). Deterministic: one seed, the same bytes.
+//!
+//! Their shapes differ on purpose from the synthetic `tiny` (odd vocabulary, more KV groups,
+//! other widths), so a test cannot pass by fitting one shape.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde_json::json;
+
+use crate::config::Family;
+use crate::error::{Error, Result};
+use crate::rng::Rng;
+use crate::synth::{write_safetensors_as, StoreAs};
+
+/// The dimensions of a random checkpoint.
+#[derive(Clone, Debug)]
+pub struct Dims {
+    pub vocab: usize,
+    pub hidden: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// each expert's SwiGLU width
+    pub inter: usize,
+    pub experts: usize,
+    pub top_k: usize,
+    pub max_pos: usize,
+}
+
+impl Dims {
+    /// The shapes the parity test of `family` uses.
+    pub fn for_family(family: Family) -> Dims {
+        match family {
+            Family::Mixtral => Dims {
+                vocab: 397,
+                hidden: 96,
+                layers: 3,
+                heads: 6,
+                kv_heads: 2,
+                head_dim: 16,
+                inter: 80,
+                experts: 8,
+                top_k: 2,
+                max_pos: 512,
+            },
+            Family::Qwen3Moe => Dims {
+                vocab: 389,
+                hidden: 64,
+                layers: 3,
+                heads: 4,
+                kv_heads: 2,
+                head_dim: 24,
+                inter: 40,
+                experts: 12,
+                top_k: 3,
+                max_pos: 512,
+            },
+        }
+    }
+}
+
+fn config_json(family: Family, d: &Dims) -> serde_json::Value {
+    let mut c = json!({
+        "vocab_size": d.vocab,
+        "hidden_size": d.hidden,
+        "num_hidden_layers": d.layers,
+        "num_attention_heads": d.heads,
+        "num_key_value_heads": d.kv_heads,
+        "head_dim": d.head_dim,
+        "num_experts_per_tok": d.top_k,
+        "hidden_act": "silu",
+        "max_position_embeddings": d.max_pos,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": false,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+    });
+    let o = c.as_object_mut().expect("an object");
+    match family {
+        Family::Mixtral => {
+            o.insert("architectures".into(), json!(["MixtralForCausalLM"]));
+            o.insert("model_type".into(), json!("mixtral"));
+            o.insert("intermediate_size".into(), json!(d.inter));
+            o.insert("num_local_experts".into(), json!(d.experts));
+            o.insert("rope_theta".into(), json!(1_000_000.0));
+            o.insert("sliding_window".into(), serde_json::Value::Null);
+            o.insert("router_aux_loss_coef".into(), json!(0.0));
+        }
+        Family::Qwen3Moe => {
+            o.insert("architectures".into(), json!(["Qwen3MoeForCausalLM"]));
+            o.insert("model_type".into(), json!("qwen3_moe"));
+            o.insert("moe_intermediate_size".into(), json!(d.inter));
+            o.insert("intermediate_size".into(), json!(d.inter * 2));
+            o.insert("num_experts".into(), json!(d.experts));
+            o.insert("norm_topk_prob".into(), json!(true));
+            o.insert("rope_theta".into(), json!(10_000.0));
+            o.insert("decoder_sparse_step".into(), json!(1));
+            o.insert("mlp_only_layers".into(), json!([]));
+            o.insert("attention_bias".into(), json!(false));
+        }
+    }
+    c
+}
+
+/// Writes a random `family` checkpoint of dimensions `d` into `out` (created if missing).
+pub fn write(family: Family, d: &Dims, seed: u64, out: &Path) -> Result<()> {
+    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+    let mut t: BTreeMap<String, (Vec<usize>, Vec<f32>)> = BTreeMap::new();
+    let mut put = |name: String, shape: Vec<usize>, scale: f32, offset: f32| {
+        let mut r = Rng::derive(seed, &name);
+        let n = shape.iter().product();
+        let v = (0..n).map(|_| offset + scale * r.normal()).collect();
+        t.insert(name, (shape, v));
+    };
+    let (h, hd) = (d.hidden, d.head_dim);
+    let (qd, kvd) = (d.heads * hd, d.kv_heads * hd);
+    let lin = |fan_in: usize| 1.0 / (fan_in as f32).sqrt();
+    put(
+        "model.embed_tokens.weight".into(),
+        vec![d.vocab, h],
+        1.0,
+        0.0,
+    );
+    put("lm_head.weight".into(), vec![d.vocab, h], lin(h), 0.0);
+    put("model.norm.weight".into(), vec![h], 0.1, 1.0);
+    for l in 0..d.layers {
+        let p = format!("model.layers.{l}");
+        put(format!("{p}.input_layernorm.weight"), vec![h], 0.1, 1.0);
+        put(
+            format!("{p}.post_attention_layernorm.weight"),
+            vec![h],
+            0.1,
+            1.0,
+        );
+        for (n, rows) in [("q_proj", qd), ("k_proj", kvd), ("v_proj", kvd)] {
+            put(
+                format!("{p}.self_attn.{n}.weight"),
+                vec![rows, h],
+                lin(h),
+                0.0,
+            );
+        }
+        put(
+            format!("{p}.self_attn.o_proj.weight"),
+            vec![h, qd],
+            lin(qd),
+            0.0,
+        );
+        let (moe, names) = match family {
+            Family::Mixtral => (format!("{p}.block_sparse_moe"), ["w1", "w3", "w2"]),
+            Family::Qwen3Moe => {
+                put(format!("{p}.self_attn.q_norm.weight"), vec![hd], 0.1, 1.0);
+                put(format!("{p}.self_attn.k_norm.weight"), vec![hd], 0.1, 1.0);
+                (format!("{p}.mlp"), ["gate_proj", "up_proj", "down_proj"])
+            }
+        };
+        // a router with some spread, so the top-k is not a coin toss between near-equal logits
+        put(
+            format!("{moe}.gate.weight"),
+            vec![d.experts, h],
+            2.0 * lin(h),
+            0.0,
+        );
+        for e in 0..d.experts {
+            let x = format!("{moe}.experts.{e}");
+            put(
+                format!("{x}.{}.weight", names[0]),
+                vec![d.inter, h],
+                lin(h),
+                0.0,
+            );
+            put(
+                format!("{x}.{}.weight", names[1]),
+                vec![d.inter, h],
+                lin(h),
+                0.0,
+            );
+            put(
+                format!("{x}.{}.weight", names[2]),
+                vec![h, d.inter],
+                lin(d.inter),
+                0.0,
+            );
+        }
+    }
+    let cfg = config_json(family, d);
+    let path = out.join("config.json");
+    std::fs::write(&path, serde_json::to_vec_pretty(&cfg).unwrap_or_default())
+        .map_err(|e| Error::io(&path, e))?;
+    let gc = json!({"bos_token_id": 1, "eos_token_id": 2, "do_sample": false});
+    let path = out.join("generation_config.json");
+    std::fs::write(&path, serde_json::to_vec_pretty(&gc).unwrap_or_default())
+        .map_err(|e| Error::io(&path, e))?;
+    write_safetensors_as(&out.join("model.safetensors"), &t, StoreAs::Bf16)
+}
+
+/// Prompts of the parity tests: `count` prompts of random token ids (below `vocab`, 3 and
+/// up: no special ids), of lengths 5, 9, 13, ...
+pub fn prompts(vocab: usize, count: usize, seed: u64) -> Vec<Vec<u32>> {
+    let mut r = Rng::derive(seed, "prompts");
+    (0..count)
+        .map(|i| {
+            (0..5 + 4 * i)
+                .map(|_| 3 + (r.next_u64() % (vocab as u64 - 3)) as u32)
+                .collect()
+        })
+        .collect()
+}

@@ -1,0 +1,200 @@
+//! Every family against Hugging Face transformers: a random checkpoint of each
+//! (`random_ckpt`, bf16, the family's released layout), transformers' logits at every position
+//! of several prompts, prefill and decode (golden files made by scripts/hf_family_golden.py),
+//! cosine >= 0.9999 at every row; transformers' greedy picks reproduced; and the greedy
+//! continuation bitwise the same under all-hot, split, random and all-cold maps.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use moelane_engine::config::Family;
+use moelane_engine::random_ckpt::{self, Dims};
+use moelane_engine::rowmap::Rowmap;
+use moelane_engine::step::SeqStep;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+const FAMILIES: [Family; 2] = [Family::Mixtral, Family::Qwen3Moe];
+const SEED: u64 = 11;
+const PROMPTS: usize = 4;
+
+fn checkpoint(family: Family, root: &Path) -> PathBuf {
+    let dir = root.join(family.name());
+    let d = Dims::for_family(family);
+    random_ckpt::write(family, &d, SEED, &dir).unwrap();
+    let prompts = random_ckpt::prompts(d.vocab, PROMPTS, SEED);
+    std::fs::write(
+        dir.join("prompts.json"),
+        serde_json::to_vec(&prompts).unwrap(),
+    )
+    .unwrap();
+    dir
+}
+
+/// Writes the checkpoints for the golden script (into $MOELANE_FAMILY_CKPTS; a no-op without it).
+#[test]
+fn write_checkpoints() {
+    if let Some(root) = std::env::var_os("MOELANE_FAMILY_CKPTS") {
+        for f in FAMILIES {
+            eprintln!("wrote {}", checkpoint(f, Path::new(&root)).display());
+        }
+    }
+}
+
+fn f16s(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(2)
+        .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+        .collect()
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+/// Our logits for `prompt` then each of `feed` (one decode step each): rows * vocab.
+fn logits(dir: &Path, map: Option<Rowmap>, prompt: &[u32], feed: &[u32]) -> Vec<f32> {
+    let mut eng = common::engine(dir, map);
+    let mut seq = eng.kv.new_seq();
+    let mut out = eng
+        .step_with(
+            &mut [SeqStep {
+                kv: &mut seq,
+                tokens: prompt,
+            }],
+            true,
+        )
+        .unwrap();
+    for &t in feed {
+        out.extend(
+            eng.step(&mut [SeqStep {
+                kv: &mut seq,
+                tokens: &[t],
+            }])
+            .unwrap(),
+        );
+    }
+    out
+}
+
+/// Greedy continuation of `prompt`, `n` tokens.
+fn greedy(dir: &Path, map: Option<Rowmap>, prompt: &[u32], n: usize, vocab: usize) -> Vec<u32> {
+    let mut eng = common::engine(dir, map);
+    let mut seq = eng.kv.new_seq();
+    let mut l = eng
+        .step(&mut [SeqStep {
+            kv: &mut seq,
+            tokens: prompt,
+        }])
+        .unwrap();
+    let mut got = Vec::new();
+    for _ in 0..n {
+        let t = moelane_engine::sampling::argmax(&l[l.len() - vocab..]) as u32;
+        got.push(t);
+        l = eng
+            .step(&mut [SeqStep {
+                kv: &mut seq,
+                tokens: &[t],
+            }])
+            .unwrap();
+    }
+    got
+}
+
+#[test]
+fn every_family_matches_transformers_and_does_not_depend_on_the_map() {
+    let root = common::scratch("families");
+    let golden = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden");
+    for family in FAMILIES {
+        let name = family.name();
+        let dir = checkpoint(family, &root);
+        let meta: Value = serde_json::from_slice(
+            &std::fs::read(golden.join(format!("hf_{name}.json"))).unwrap_or_else(|e| {
+                panic!("golden file of {name}: {e} (scripts/hf_family_golden.py)")
+            }),
+        )
+        .unwrap();
+        let want = f16s(&std::fs::read(golden.join(format!("hf_{name}.f16"))).unwrap());
+        let sha: String = Sha256::digest(std::fs::read(dir.join("model.safetensors")).unwrap())
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        assert_eq!(
+            sha,
+            meta["checkpoint_sha256"].as_str().unwrap(),
+            "{name}: the random checkpoint changed: regenerate its golden file"
+        );
+        let vocab = meta["vocab"].as_u64().unwrap() as usize;
+        let d = Dims::for_family(family);
+        let prompts = random_ckpt::prompts(d.vocab, PROMPTS, SEED);
+        let (mut row0, mut worst, mut greedy_ok, mut greedy_all) = (0usize, 1f64, 0, 0);
+        for (p, pm) in prompts.iter().zip(meta["prompts"].as_array().unwrap()) {
+            assert_eq!(&ids(&pm["ids"]), p, "{name}: the golden file's prompt");
+            let gen = ids(&pm["generated"]);
+            let ours = logits(&dir, None, p, &gen);
+            let rows = pm["rows"].as_u64().unwrap() as usize;
+            assert_eq!(ours.len(), rows * vocab, "{name}: rows of logits");
+            for r in 0..rows {
+                let a = &ours[r * vocab..(r + 1) * vocab];
+                let b = &want[(row0 + r) * vocab..(row0 + r + 1) * vocab];
+                let c = common::cos(a, b);
+                assert!(
+                    c >= 0.9999,
+                    "{name}: prompt of {} row {r}: cosine {c}",
+                    p.len()
+                );
+                worst = worst.min(c);
+            }
+            for (i, &t) in gen.iter().enumerate() {
+                let r = p.len() - 1 + i;
+                greedy_all += 1;
+                greedy_ok += (moelane_engine::sampling::argmax(&ours[r * vocab..(r + 1) * vocab])
+                    as u32
+                    == t) as usize;
+            }
+            row0 += rows;
+        }
+        eprintln!(
+            "{name}: worst cosine {worst:.7}, greedy {greedy_ok}/{greedy_all} as transformers"
+        );
+        assert_eq!(
+            greedy_ok, greedy_all,
+            "{name}: greedy picks differ from transformers'"
+        );
+
+        // the map changes nothing: all hot, every other expert cold, a random half, all cold
+        let ckpt = moelane_engine::checkpoint::Checkpoint::open(&dir).unwrap();
+        let (layers, ne) = (ckpt.config.moe_layers().len(), ckpt.config.num_experts);
+        let mut maps = vec![("all-hot", Rowmap::all_hot(&ckpt.id, layers, ne))];
+        let mut split = Rowmap::all_hot(&ckpt.id, layers, ne);
+        let mut random = Rowmap::all_hot(&ckpt.id, layers, ne);
+        let mut cold = Rowmap::all_hot(&ckpt.id, layers, ne);
+        let mut rng = moelane_engine::rng::Rng::new(5);
+        for l in 0..layers {
+            let all: Vec<u16> = (0..ne as u16).collect();
+            split.layers[l].hot = all.iter().copied().filter(|e| e % 2 == 0).collect();
+            split.layers[l].cold = all.iter().copied().filter(|e| e % 2 == 1).collect();
+            let (h, c): (Vec<u16>, Vec<u16>) = all.iter().partition(|_| rng.uniform() < 0.5);
+            random.layers[l].hot = h;
+            random.layers[l].cold = c;
+            cold.layers[l].hot = Vec::new();
+            cold.layers[l].cold = all;
+        }
+        maps.extend([("split", split), ("random", random), ("all-cold", cold)]);
+        for p in &prompts {
+            let base = greedy(&dir, Some(maps[0].1.clone()), p, 12, vocab);
+            for (mname, m) in &maps[1..] {
+                assert_eq!(
+                    greedy(&dir, Some(m.clone()), p, 12, vocab),
+                    base,
+                    "{name}: greedy continuation under the {mname} map"
+                );
+            }
+        }
+    }
+}
