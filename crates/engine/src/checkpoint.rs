@@ -158,6 +158,11 @@ impl ExpertBytes<'_> {
     pub fn checksum(&self) -> u64 {
         checksum(&[self.gate_up[0].1, self.gate_up[1].1, self.down.1])
     }
+
+    /// The expert's bytes as stored (what it takes in memory once loaded).
+    pub fn stored(&self) -> usize {
+        self.gate_up[0].1.len() + self.gate_up[1].1.len() + self.down.1.len()
+    }
 }
 
 /// The checksum of a sequence of byte slices, as if concatenated: rapidhash V3 (a fast
@@ -429,6 +434,13 @@ impl Checkpoint {
                 down,
             })
         }
+    }
+
+    /// The stored bytes of one expert (the first of the first MoE layer; a checkpoint keeps
+    /// every expert in one dtype).
+    pub fn expert_stored_bytes(&self) -> Result<usize> {
+        let l = self.config.moe_layers().first().copied().unwrap_or(0);
+        Ok(self.expert_bytes(l, 0)?.stored())
     }
 
     /// The checksum of expert `e` of decoder layer `layer` ([`ExpertBytes::checksum`]): reads

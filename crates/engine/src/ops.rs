@@ -241,12 +241,11 @@ fn block_body<const FMA: bool, E: Elem>(
     n: usize,
     w: &[E],
     k: usize,
-    o0: usize,
-    o1: usize,
+    outs: std::ops::Range<usize>,
     y: SyncPtr,
     ldy: usize,
 ) {
-    for o in o0..o1 {
+    for o in outs {
         let wr = &w[o * k..(o + 1) * k];
         for i in 0..n {
             let v = dot_body::<FMA, E>(&x[i * k..(i + 1) * k], wr);
@@ -259,18 +258,16 @@ fn block_body<const FMA: bool, E: Elem>(
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
 unsafe fn block_fma<E: Elem>(
     x: &[f32],
     n: usize,
     w: &[E],
     k: usize,
-    o0: usize,
-    o1: usize,
+    outs: std::ops::Range<usize>,
     y: SyncPtr,
     ldy: usize,
 ) {
-    block_body::<true, E>(x, n, w, k, o0, o1, y, ldy)
+    block_body::<true, E>(x, n, w, k, outs, y, ldy)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -279,18 +276,16 @@ unsafe fn dot_fma(a: &[f32], b: &[f32]) -> f32 {
     dot_body::<true, f32>(a, b)
 }
 
-#[allow(clippy::too_many_arguments)]
 fn block_plain<E: Elem>(
     x: &[f32],
     n: usize,
     w: &[E],
     k: usize,
-    o0: usize,
-    o1: usize,
+    outs: std::ops::Range<usize>,
     y: SyncPtr,
     ldy: usize,
 ) {
-    block_body::<false, E>(x, n, w, k, o0, o1, y, ldy)
+    block_body::<false, E>(x, n, w, k, outs, y, ldy)
 }
 
 fn has_fma() -> bool {
@@ -326,30 +321,28 @@ unsafe impl Send for SyncPtr {}
 unsafe impl Sync for SyncPtr {}
 
 fn run_block(x: &[f32], n: usize, w: &Matrix, o0: usize, o1: usize, y: SyncPtr, ldy: usize) {
-    #[allow(clippy::too_many_arguments)]
     fn go<E: Elem>(
         x: &[f32],
         n: usize,
         w: &[E],
         k: usize,
-        o0: usize,
-        o1: usize,
+        outs: std::ops::Range<usize>,
         y: SyncPtr,
         ldy: usize,
     ) {
         #[cfg(target_arch = "x86_64")]
         if has_fma() {
             // SAFETY: the CPU supports avx2 and fma (checked at run time).
-            unsafe { block_fma(x, n, w, k, o0, o1, y, ldy) };
+            unsafe { block_fma(x, n, w, k, outs, y, ldy) };
             return;
         }
-        block_plain(x, n, w, k, o0, o1, y, ldy)
+        block_plain(x, n, w, k, outs, y, ldy)
     }
     let k = w.cols;
     match &w.data {
-        Elems::F32(v) => go(x, n, v, k, o0, o1, y, ldy),
-        Elems::Bf16(v) => go(x, n, v, k, o0, o1, y, ldy),
-        Elems::F16(v) => go(x, n, v, k, o0, o1, y, ldy),
+        Elems::F32(v) => go(x, n, v, k, o0..o1, y, ldy),
+        Elems::Bf16(v) => go(x, n, v, k, o0..o1, y, ldy),
+        Elems::F16(v) => go(x, n, v, k, o0..o1, y, ldy),
     }
 }
 

@@ -457,7 +457,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             let c = eng.cfg.clone();
             let bw = measure_bandwidth();
             let dense_bytes = eng.dense_bytes_per_token();
-            let expert_bytes = c.expert_params() * 4;
+            let expert_bytes = moelane_engine::checkpoint::Checkpoint::open(&dir)?.expert_stored_bytes()?;
             println!(
                 "model {} | {} layers, {} experts, {} picked | hidden {} | threads {}",
                 dir.display(),
@@ -541,16 +541,23 @@ fn bench_experts(
     let vm = m.validate(&ckpt.id, layers, experts, None)?;
     let bank = ExpertBank::load(&ckpt, &vm, Tier::Cold, &moe, None)?;
     let h = bank.hidden;
-    let expert_bytes = 3 * bank.hidden * bank.inter * 4;
+    // the CPU bank keeps the stored dtype; a GPU's copy is f32 (it widens at upload)
+    let cpu_bytes = ckpt.expert_stored_bytes()?;
     let dev = moelane_rtx_worker::Device::open(device, &bank).map_err(|e| anyhow::anyhow!(e))?;
+    let dev_bytes = if dev.ordinal().is_some() {
+        3 * bank.hidden * bank.inter * 4
+    } else {
+        cpu_bytes
+    };
     println!(
-        "{}: {} layers x {} experts, hidden {}, expert width {}, {:.0} KiB per expert (f32); device {}",
+        "{}: {} layers x {} experts, hidden {}, expert width {}, {:.0} KiB per expert as stored, {:.0} on the device; device {}",
         model.display(),
         layers,
         experts,
         h,
         bank.inter,
-        expert_bytes as f64 / 1024.0,
+        cpu_bytes as f64 / 1024.0,
+        dev_bytes as f64 / 1024.0,
         dev.name()
     );
     println!(
@@ -582,7 +589,7 @@ fn bench_experts(
             };
         let cpu = time(&mut |o| bank.compute(0, &picks, &acts, o))?;
         let devt = time(&mut |o| dev.compute(&bank, 0, &picks, &acts, o))?;
-        let bytes = (n * expert_bytes) as f64;
+        let (bytes, dbytes) = ((n * cpu_bytes) as f64, (n * dev_bytes) as f64);
         // on a GPU, in the same run: the call with one copy per input, and the kernel alone
         #[allow(unused_mut)]
         let (mut separate, mut kernel) = (f64::NAN, f64::NAN);
@@ -606,7 +613,7 @@ fn bench_experts(
             cpu * 1e6,
             bytes / cpu / 1e9,
             devt * 1e6,
-            bytes / devt / 1e9,
+            dbytes / devt / 1e9,
             separate * 1e6,
             kernel * 1e6
         );

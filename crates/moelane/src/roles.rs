@@ -162,7 +162,7 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
             experts,
         };
         let mut policy = a.policy.clone();
-        policy.expert_bytes = (ckpt.config.expert_params() * 4) as f64;
+        policy.expert_bytes = ckpt.expert_stored_bytes()? as f64;
         res = res.with_adaptive(moelane_residency_actor::Adaptive::new(
             Box::new(source),
             policy,
