@@ -457,7 +457,8 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             let c = eng.cfg.clone();
             let bw = measure_bandwidth();
             let dense_bytes = eng.dense_bytes_per_token();
-            let expert_bytes = moelane_engine::checkpoint::Checkpoint::open(&dir)?.expert_stored_bytes()?;
+            let expert_bytes =
+                moelane_engine::checkpoint::Checkpoint::open(&dir)?.expert_stored_bytes()?;
             println!(
                 "model {} | {} layers, {} experts, {} picked | hidden {} | threads {}",
                 dir.display(),

@@ -321,3 +321,43 @@ fn bad_primary_device_is_refused_by_name() {
         assert!(!out.status.success() && err.contains(want), "{a:?}: {err}");
     }
 }
+
+#[test]
+fn a_mixtral_checkpoint_is_served_through_the_openai_api() {
+    // a random mixtral checkpoint in the released layout (bf16, block_sparse_moe.experts.E.w1),
+    // with tiny's tokenizer and chat template: served by the embedded lane, completions and
+    // chat completions answer, greedy twice the same
+    use moelane_engine::config::Family;
+    use moelane_engine::random_ckpt::{self, Dims};
+    let dir =
+        std::env::temp_dir().join(format!("moelane-test-mixtral-serve-{}", std::process::id()));
+    let tiny_cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(tiny().join("config.json")).unwrap()).unwrap();
+    let d = Dims {
+        vocab: tiny_cfg["vocab_size"].as_u64().unwrap() as usize,
+        ..Dims::for_family(Family::Mixtral)
+    };
+    random_ckpt::write(Family::Mixtral, &d, 3, &dir).unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(tiny().join(f), dir.join(f)).unwrap();
+    }
+    let (_p, _purl, addr) = serve_lane(&dir, &[]);
+    let (st, models) = get(&addr, "/v1/models");
+    assert_eq!(st, 200, "{models}");
+    let name = models["data"][0]["id"].as_str().unwrap().to_string();
+    let ask =
+        json!({"model": name, "prompt": "The agent called", "max_tokens": 8, "temperature": 0});
+    let (st, a) = post(&addr, "/v1/completions", &ask);
+    assert_eq!(st, 200, "{a}");
+    let (_, b) = post(&addr, "/v1/completions", &ask);
+    assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
+    let n = a["usage"]["completion_tokens"].as_u64().unwrap();
+    assert!(n <= 8, "{a}");
+    assert!(a["choices"][0]["finish_reason"].is_string(), "{a}");
+    let chat = json!({"model": name, "messages": [{"role": "user", "content": "Guten Morgen"}],
+                      "max_tokens": 6, "temperature": 0});
+    let (st, c) = post(&addr, "/v1/chat/completions", &chat);
+    assert_eq!(st, 200, "{c}");
+    assert_eq!(c["object"], "chat.completion", "{c}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
