@@ -182,3 +182,18 @@ extern "C" __global__ void silu_mul(const float* __restrict__ gu, float* __restr
     }
 }
 
+
+// y[r, :dim] += b[:dim] for each row r (q/k/v biases). grid: rows.
+extern "C" __global__ void bias_rows(float* __restrict__ y, const float* __restrict__ b, int dim) {
+    PDL_ENTRY();
+    const int r = blockIdx.x;
+    for (int j = threadIdx.x; j < dim; j += blockDim.x) y[(size_t)r * dim + j] += b[j];
+}
+
+// a[r, :I] *= sigmoid(g[r]) (the shared expert's gate, applied to its activation). grid: rows.
+extern "C" __global__ void sigmoid_scale_rows(float* __restrict__ a, const float* __restrict__ g, int I) {
+    PDL_ENTRY();
+    const int r = blockIdx.x;
+    const float s = 1.f / (1.f + expf(-g[r]));
+    for (int j = threadIdx.x; j < I; j += blockDim.x) a[(size_t)r * I + j] *= s;
+}

@@ -4,7 +4,7 @@
 
 Usage (torch + transformers installed; the CI never runs this):
     MOELANE_FAMILY_CKPTS=/tmp/fam cargo test -p moelane-engine --test families -- write_checkpoints
-    python3 scripts/hf_family_golden.py /tmp/fam/mixtral /tmp/fam/qwen3_moe crates/engine/tests/golden
+    python3 scripts/hf_family_golden.py /tmp/fam/mixtral /tmp/fam/qwen3_moe /tmp/fam/qwen2_moe crates/engine/tests/golden
 
 Each checkpoint directory holds prompts.json (token ids). For each, writes hf_<family>.json
 (prompt ids, transformers' greedy continuation, checkpoint sha256, versions) and

@@ -15,8 +15,13 @@ use crate::error::{Error, Result};
 pub struct ModelConfig {
     /// The model family (config.json `model_type` / `architectures`).
     pub family: Family,
-    /// RMSNorm of each q and k head before RoPE (qwen3_moe); none in mixtral.
+    /// RMSNorm of each q and k head before RoPE (qwen3_moe); none in mixtral and qwen2_moe.
     pub qk_norm: bool,
+    /// Biases on the q, k and v projections (qwen2_moe).
+    pub qkv_bias: bool,
+    /// Width of the shared expert every token of a MoE layer also goes through, scaled by a
+    /// sigmoid gate (qwen2_moe's `shared_expert`); 0: none.
+    pub shared_expert_intermediate_size: usize,
     pub vocab_size: usize,
     pub hidden_size: usize,
     pub num_hidden_layers: usize,
@@ -47,6 +52,9 @@ pub enum Family {
     Qwen3Moe,
     /// MixtralForCausalLM: no q/k norm, softmax top-k always renormalised, no dense layers.
     Mixtral,
+    /// Qwen2MoeForCausalLM: q/k/v biases, no q/k norm, a gated shared expert beside the
+    /// routed ones, softmax top-k (renormalised when norm_topk_prob).
+    Qwen2Moe,
 }
 
 impl Family {
@@ -54,6 +62,7 @@ impl Family {
         match self {
             Family::Qwen3Moe => "qwen3_moe",
             Family::Mixtral => "mixtral",
+            Family::Qwen2Moe => "qwen2_moe",
         }
     }
 
@@ -62,11 +71,13 @@ impl Family {
         let by_type = |t: &str| match t {
             "qwen3_moe" => Some(Family::Qwen3Moe),
             "mixtral" => Some(Family::Mixtral),
+            "qwen2_moe" => Some(Family::Qwen2Moe),
             _ => None,
         };
         let by_arch = |a: &str| match a {
             "Qwen3MoeForCausalLM" => Some(Family::Qwen3Moe),
             "MixtralForCausalLM" => Some(Family::Mixtral),
+            "Qwen2MoeForCausalLM" => Some(Family::Qwen2Moe),
             _ => None,
         };
         model_type
@@ -100,6 +111,7 @@ struct Raw {
     decoder_sparse_step: Option<usize>,
     mlp_only_layers: Option<Vec<usize>>,
     attention_bias: Option<bool>,
+    shared_expert_intermediate_size: Option<usize>,
     hidden_act: Option<String>,
     use_sliding_window: Option<bool>,
     sliding_window: Option<Value>,
@@ -212,7 +224,7 @@ impl ModelConfig {
             value,
             reason: reason.into(),
         };
-        if raw.attention_bias == Some(true) {
+        if raw.attention_bias == Some(true) && family != Family::Qwen2Moe {
             return Err(bad(
                 "attention_bias",
                 "true".into(),
@@ -273,9 +285,16 @@ impl ModelConfig {
             Some(w) if mixtral && w > 0 => max_pos.min(w),
             _ => max_pos,
         };
+        let qwen2 = family == Family::Qwen2Moe;
         let cfg = ModelConfig {
             family,
-            qk_norm: !mixtral,
+            qk_norm: family == Family::Qwen3Moe,
+            qkv_bias: qwen2,
+            shared_expert_intermediate_size: if qwen2 {
+                raw.shared_expert_intermediate_size.unwrap_or(0)
+            } else {
+                0
+            },
             vocab_size: need("vocab_size", raw.vocab_size)?,
             hidden_size,
             num_hidden_layers: need("num_hidden_layers", raw.num_hidden_layers)?,

@@ -198,6 +198,13 @@ impl StepBackend for CpuBackend {
         );
         matmul(&self.h, n, &lw.qkv, &mut self.qkv);
         let stride = qd + 2 * kvd;
+        if !lw.qkv_bias.is_empty() {
+            for row in self.qkv[..n * stride].chunks_exact_mut(stride) {
+                for (v, b) in row.iter_mut().zip(&lw.qkv_bias) {
+                    *v += b;
+                }
+            }
+        }
         // q/k norm, RoPE, and K/V into the cache
         for (i, rp) in self.rows.iter().enumerate() {
             let row = &mut self.qkv[i * stride..(i + 1) * stride];
@@ -355,6 +362,28 @@ impl StepBackend for CpuBackend {
             }
             for (xv, a) in self.x[r * hs..(r + 1) * hs].iter_mut().zip(acc.iter()) {
                 *xv += a;
+            }
+        }
+        Ok(())
+    }
+
+    fn shared_expert(&mut self, layer: usize) -> Result<()> {
+        let hs = self.cfg.hidden_size;
+        let n = self.n();
+        let Some((mlp, gate)) = self.w.layers[layer].shared.as_ref() else {
+            return Ok(());
+        };
+        self.tmp.resize(n * hs, 0.0);
+        let (mut gu, mut act) = (Vec::new(), Vec::new());
+        crate::bank::expert_forward(mlp, &self.h, n, &mut gu, &mut act, &mut self.tmp);
+        for r in 0..n {
+            let g = ops::dot(gate, &self.h[r * hs..(r + 1) * hs]);
+            let s = 1.0 / (1.0 + (-g).exp());
+            for (xv, t) in self.x[r * hs..(r + 1) * hs]
+                .iter_mut()
+                .zip(&self.tmp[r * hs..(r + 1) * hs])
+            {
+                *xv += s * t;
             }
         }
         Ok(())

@@ -16,6 +16,11 @@ pub struct LayerWeights {
     pub o: Matrix,
     pub q_norm: Vec<f32>,
     pub k_norm: Vec<f32>,
+    /// q, k, v biases stacked (`q_dim + 2 kv_dim`); empty where the family has none.
+    pub qkv_bias: Vec<f32>,
+    /// The gated shared expert of a MoE layer (qwen2_moe): its weights and the gate's row
+    /// (`[H]`); every token goes through it beside its routed experts, always on the primary.
+    pub shared: Option<(ExpertWeights, Vec<f32>)>,
     /// `Some(router [E, H])` on MoE layers, else the dense MLP.
     pub router: Option<Matrix>,
     pub dense_mlp: Option<ExpertWeights>,
@@ -87,6 +92,31 @@ impl DenseWeights {
                     Ok(Vec::new())
                 }
             };
+            let qkv_bias = if c.qkv_bias {
+                let mut b = ckpt.tensor(&format!("{p}.self_attn.q_proj.bias"), &[c.q_dim()])?;
+                b.extend(ckpt.tensor(&format!("{p}.self_attn.k_proj.bias"), &[c.kv_dim()])?);
+                b.extend(ckpt.tensor(&format!("{p}.self_attn.v_proj.bias"), &[c.kv_dim()])?);
+                b
+            } else {
+                Vec::new()
+            };
+            let si = c.shared_expert_intermediate_size;
+            let shared = if c.is_moe_layer(l) && si > 0 {
+                let s = format!("{p}.mlp.shared_expert");
+                Some((
+                    ExpertWeights {
+                        gate_up: Matrix::stack(&[
+                            ckpt.matrix(&format!("{s}.gate_proj.weight"), si, h)?,
+                            ckpt.matrix(&format!("{s}.up_proj.weight"), si, h)?,
+                        ]),
+                        down: ckpt.matrix(&format!("{s}.down_proj.weight"), h, si)?,
+                        checksum: 0,
+                    },
+                    ckpt.tensor(&format!("{p}.mlp.shared_expert_gate.weight"), &[1, h])?,
+                ))
+            } else {
+                None
+            };
             let (router, dense_mlp) = if c.is_moe_layer(l) {
                 (
                     Some(ckpt.matrix(&ckpt.router_name(l), c.num_experts, h)?),
@@ -117,6 +147,8 @@ impl DenseWeights {
                 k_norm: qk_norm("k_norm")?,
                 router,
                 dense_mlp,
+                qkv_bias,
+                shared,
             });
         }
         let norm = ckpt.tensor("model.norm.weight", &[h])?;
@@ -141,6 +173,11 @@ impl DenseWeights {
             b += l.qkv.bytes() + l.o.bytes() + (l.input_norm.len() + l.post_norm.len()) * 4;
             b += l.router.as_ref().map_or(0, |r| r.bytes());
             b += l.dense_mlp.as_ref().map_or(0, |m| m.bytes());
+            b += l
+                .shared
+                .as_ref()
+                .map_or(0, |(m, g)| m.bytes() + g.len() * 4);
+            b += l.qkv_bias.len() * 4;
         }
         b + self.lm_head.as_ref().unwrap_or(&self.embed).bytes()
     }

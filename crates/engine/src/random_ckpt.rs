@@ -48,6 +48,18 @@ impl Dims {
                 top_k: 2,
                 max_pos: 512,
             },
+            Family::Qwen2Moe => Dims {
+                vocab: 401,
+                hidden: 80,
+                layers: 3,
+                heads: 5,
+                kv_heads: 1,
+                head_dim: 16,
+                inter: 24,
+                experts: 10,
+                top_k: 4,
+                max_pos: 512,
+            },
             Family::Qwen3Moe => Dims {
                 vocab: 389,
                 hidden: 64,
@@ -62,6 +74,11 @@ impl Dims {
             },
         }
     }
+}
+
+/// The shared expert's width in a random qwen2_moe (three routed experts' worth).
+fn shared_width(d: &Dims) -> usize {
+    3 * d.inter
 }
 
 fn config_json(family: Family, d: &Dims) -> serde_json::Value {
@@ -91,6 +108,23 @@ fn config_json(family: Family, d: &Dims) -> serde_json::Value {
             o.insert("rope_theta".into(), json!(1_000_000.0));
             o.insert("sliding_window".into(), serde_json::Value::Null);
             o.insert("router_aux_loss_coef".into(), json!(0.0));
+        }
+        Family::Qwen2Moe => {
+            o.insert("architectures".into(), json!(["Qwen2MoeForCausalLM"]));
+            o.insert("model_type".into(), json!("qwen2_moe"));
+            o.insert("moe_intermediate_size".into(), json!(d.inter));
+            o.insert(
+                "shared_expert_intermediate_size".into(),
+                json!(shared_width(d)),
+            );
+            o.insert("intermediate_size".into(), json!(d.inter * 2));
+            o.insert("num_experts".into(), json!(d.experts));
+            o.insert("norm_topk_prob".into(), json!(false));
+            o.insert("rope_theta".into(), json!(10_000.0));
+            o.insert("decoder_sparse_step".into(), json!(1));
+            o.insert("mlp_only_layers".into(), json!([]));
+            o.insert("use_sliding_window".into(), json!(false));
+            o.insert("qkv_bias".into(), json!(true));
         }
         Family::Qwen3Moe => {
             o.insert("architectures".into(), json!(["Qwen3MoeForCausalLM"]));
@@ -154,6 +188,22 @@ pub fn write(family: Family, d: &Dims, seed: u64, out: &Path) -> Result<()> {
         );
         let (moe, names) = match family {
             Family::Mixtral => (format!("{p}.block_sparse_moe"), ["w1", "w3", "w2"]),
+            Family::Qwen2Moe => {
+                for (n, rows) in [("q_proj", qd), ("k_proj", kvd), ("v_proj", kvd)] {
+                    put(format!("{p}.self_attn.{n}.bias"), vec![rows], 0.5, 0.0);
+                }
+                let (x, si) = (format!("{p}.mlp.shared_expert"), shared_width(d));
+                put(format!("{x}.gate_proj.weight"), vec![si, h], lin(h), 0.0);
+                put(format!("{x}.up_proj.weight"), vec![si, h], lin(h), 0.0);
+                put(format!("{x}.down_proj.weight"), vec![h, si], lin(si), 0.0);
+                put(
+                    format!("{p}.mlp.shared_expert_gate.weight"),
+                    vec![1, h],
+                    lin(h),
+                    0.0,
+                );
+                (format!("{p}.mlp"), ["gate_proj", "up_proj", "down_proj"])
+            }
             Family::Qwen3Moe => {
                 put(format!("{p}.self_attn.q_norm.weight"), vec![hd], 0.1, 1.0);
                 put(format!("{p}.self_attn.k_norm.weight"), vec![hd], 0.1, 1.0);

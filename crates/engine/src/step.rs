@@ -179,6 +179,9 @@ pub trait StepBackend: Send {
     }
     /// x += the layer's pick outputs weighted by the router, in rank order.
     fn combine(&mut self) -> Result<()>;
+    /// x += sigmoid(gate . h) * shared_expert(h) on a MoE layer that has a shared expert
+    /// (qwen2_moe; `h` the route's normed rows); nothing elsewhere. Always on the primary.
+    fn shared_expert(&mut self, layer: usize) -> Result<()>;
     /// x += dense MLP(post_norm(x)) of non-MoE layer `layer`.
     fn dense_mlp(&mut self, layer: usize) -> Result<()>;
     /// The hidden state `[rows, H]` (the parity tests' trace).
@@ -546,6 +549,7 @@ impl Engine {
         if !has_cold && !self.backend.host_routes() {
             // every pick is hot: the backend's own map decides, the host need not look
             self.backend.experts(ml, &self.hot, None)?;
+            self.backend.shared_expert(layer)?;
             return self.backend.combine();
         }
         // a link on the backend's device sends the rows from there: only picks come here
@@ -560,6 +564,7 @@ impl Engine {
             .and_then(|()| self.exchange(ml, n, &split, device));
         self.split = split;
         r?;
+        self.backend.shared_expert(layer)?;
         self.backend.combine()
     }
 

@@ -15,7 +15,7 @@ use moelane_engine::step::SeqStep;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-const FAMILIES: [Family; 2] = [Family::Mixtral, Family::Qwen3Moe];
+const FAMILIES: [Family; 3] = [Family::Mixtral, Family::Qwen3Moe, Family::Qwen2Moe];
 const SEED: u64 = 11;
 const PROMPTS: usize = 4;
 

@@ -118,6 +118,16 @@ kernel_args! {
 }
 
 kernel_args! {
+    /// `bias_rows` (moe.cu): y[r] += b.
+    BiasRows { y: u64, b: u64, dim: i32 }
+}
+
+kernel_args! {
+    /// `sigmoid_scale_rows` (moe.cu): a[r] *= sigmoid(g[r]).
+    SigmoidScaleRows { a: u64, g: u64, inter: i32 }
+}
+
+kernel_args! {
     /// `argmax_rows` (sampling.cu): the greedy token of each row.
     ArgmaxRows { logits: u64, out: u64, vocab: i32 }
 }

@@ -244,6 +244,8 @@ struct Funcs {
     scatter: CudaFunction,
     combine: CudaFunction,
     silu_mul: CudaFunction,
+    bias_rows: CudaFunction,
+    sigmoid_scale: CudaFunction,
     argmax: CudaFunction,
     sample: CudaFunction,
     gen: CudaFunction,
@@ -274,6 +276,8 @@ fn funcs(gpu: &Gpu) -> Result<Funcs> {
         scatter: f("scatter_rows")?,
         combine: f("moe_combine")?,
         silu_mul: f("silu_mul")?,
+        bias_rows: f("bias_rows")?,
+        sigmoid_scale: f("sigmoid_scale_rows")?,
         argmax: f("argmax_rows")?,
         sample: f("sample_rows")?,
         gen: f("gen_weights")?,
@@ -293,6 +297,9 @@ struct Layer {
     k_norm: Buf<f32>,
     router: Option<Buf<f32>>,
     mlp: Option<(Buf<f32>, Buf<f32>)>,
+    qkv_bias: Option<Buf<f32>>,
+    /// the shared expert's gate_up, down and gate row (qwen2_moe)
+    shared: Option<(Buf<f32>, Buf<f32>, Buf<f32>)>,
 }
 
 fn grid(x: usize, y: usize, threads: usize, shared: usize) -> LaunchConfig {
@@ -477,6 +484,8 @@ pub enum Op {
     Moe(usize),
     Combine,
     DenseMlp(usize),
+    /// the gated shared expert of decoder layer l (qwen2_moe)
+    Shared(usize),
     /// final norm and the LM head for the step's logit rows, then what the step returns
     Head(HeadOut),
 }
@@ -525,6 +534,13 @@ fn upload_layers(st: &Arc<CudaStream>, w: &DenseWeights) -> Result<Vec<Layer>> {
             router: l.router.as_ref().map(|r| up(&r.to_f32())).transpose()?,
             mlp: match &l.dense_mlp {
                 Some(m) => Some((up(&m.gate_up.to_f32())?, up(&m.down.to_f32())?)),
+                None => None,
+            },
+            qkv_bias: (!l.qkv_bias.is_empty())
+                .then(|| up(&l.qkv_bias))
+                .transpose()?,
+            shared: match &l.shared {
+                Some((m, g)) => Some((up(&m.gate_up.to_f32())?, up(&m.down.to_f32())?, up(g)?)),
                 None => None,
             },
         });
@@ -784,7 +800,7 @@ impl GpuModel {
         let n = rows.len();
         let m = logit_rows.len();
         let (hs, ne, k) = (c.hidden_size, c.num_experts, c.num_experts_per_tok);
-        let dense_i = c.intermediate_size;
+        let dense_i = c.intermediate_size.max(c.shared_expert_intermediate_size);
         self.host_meta.clear();
         for &t in tokens {
             if t as usize >= c.vocab_size {
@@ -967,6 +983,7 @@ impl GpuModel {
             Op::Moe(ml) => self.moe(ml),
             Op::Combine => self.combine(),
             Op::DenseMlp(l) => self.dense_mlp(l),
+            Op::Shared(l) => self.shared_expert(l),
             Op::Head(out) => self.head(out),
         }
     }

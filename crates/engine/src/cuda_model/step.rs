@@ -143,6 +143,13 @@ impl StepBackend for GpuStep {
         unsafe { self.model.scatter_from(&self.slots, src, len) }
     }
 
+    fn shared_expert(&mut self, layer: usize) -> Result<()> {
+        if self.model.has_shared(layer) {
+            self.ops.push(Op::Shared(layer));
+        }
+        Ok(())
+    }
+
     fn combine(&mut self) -> Result<()> {
         self.ops.push(Op::Combine);
         Ok(())

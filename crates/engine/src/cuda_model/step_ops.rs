@@ -115,6 +115,23 @@ impl GpuModel {
             n,
             self.qkv.p,
         )?;
+        if let Some(b) = &lw.qkv_bias {
+            let width = qd + 2 * kvd;
+            let mut a = args::BiasRows {
+                y: self.qkv.p,
+                b: b.p,
+                dim: width as i32,
+            };
+            // SAFETY: qkv holds n rows of q_dim + 2 kv_dim, the bias that many floats.
+            unsafe {
+                self.launch(
+                    &self.f.bias_rows,
+                    "bias_rows",
+                    &mut a.params(),
+                    grid(n, 1, 256, 0),
+                )
+            }?;
+        }
         let (nh, nkv, hd) = (
             c.num_attention_heads as i32,
             c.num_key_value_heads as i32,
@@ -513,6 +530,82 @@ impl GpuModel {
             )
         }?;
         Ok(())
+    }
+
+    /// Whether decoder layer `l` has a shared expert.
+    pub fn has_shared(&self, l: usize) -> bool {
+        self.layers.get(l).is_some_and(|x| x.shared.is_some())
+    }
+
+    /// x += sigmoid(gate . h) * shared_expert(h) of MoE layer `l` (h: the route's normed
+    /// rows), when it has one: the products, the gate's scale applied to the activation, the
+    /// down projection added into x.
+    pub fn shared_expert(&mut self, l: usize) -> Result<()> {
+        let c = &self.cfg;
+        let (n, hs, si) = (self.n, c.hidden_size, c.shared_expert_intermediate_size);
+        let Some((gu, dn, gate)) = self.layers[l].shared.as_ref() else {
+            return Ok(());
+        };
+        let (gu, dn, gate) = (gu.p, dn.p, gate.p);
+        // the gate's logit per row into rlog (the router's top-k has consumed it)
+        self.gemm(
+            "gemv_rows:shared_gate",
+            gate,
+            1,
+            hs,
+            self.h.p,
+            n,
+            self.rlog.p,
+            0.0,
+        )?;
+        self.gemm(
+            "gemv_rows:shared_up",
+            gu,
+            2 * si,
+            hs,
+            self.h.p,
+            n,
+            self.qkv.p,
+            0.0,
+        )?;
+        let mut a = args::SiluMul {
+            gu: self.qkv.p,
+            a: self.att.p,
+            inter: si as i32,
+        };
+        // SAFETY: qkv holds n rows of 2 Is (sized in `begin`), att n rows of Is.
+        unsafe {
+            self.launch(
+                &self.f.silu_mul,
+                "silu_mul:shared",
+                &mut a.params(),
+                grid(n, 1, 256, 0),
+            )
+        }?;
+        let mut s = args::SigmoidScaleRows {
+            a: self.att.p,
+            g: self.rlog.p,
+            inter: si as i32,
+        };
+        // SAFETY: att holds n rows of Is, rlog n logits.
+        unsafe {
+            self.launch(
+                &self.f.sigmoid_scale,
+                "sigmoid_scale_rows",
+                &mut s.params(),
+                grid(n, 1, 256, 0),
+            )
+        }?;
+        self.gemm(
+            "gemv_rows:shared_down",
+            dn,
+            hs,
+            si,
+            self.att.p,
+            n,
+            self.x.p,
+            1.0,
+        )
     }
 
     /// x += dense MLP(post_norm(x)) of a non-MoE layer.
