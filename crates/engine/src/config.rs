@@ -139,7 +139,9 @@ fn token_ids(v: &Option<Value>) -> Vec<u32> {
 }
 
 /// What `generation_config.json` says a request that does not say otherwise gets: the
-/// end-of-sequence ids, and the sampling defaults (`do_sample: false` is greedy).
+/// end-of-sequence ids, and the sampling defaults. `do_sample: false` is greedy (the model's
+/// authors said so); otherwise its `temperature` and `top_p` where it gives them (as vLLM
+/// reads them), and nothing where it does not (the server's own defaults apply).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Generation {
     pub eos_token_ids: Vec<u32>,
@@ -290,8 +292,12 @@ impl ModelConfig {
             family,
             qk_norm: family == Family::Qwen3Moe,
             qkv_bias: qwen2,
+            // required: without it the shared expert's weights would be skipped unseen
             shared_expert_intermediate_size: if qwen2 {
-                raw.shared_expert_intermediate_size.unwrap_or(0)
+                need(
+                    "shared_expert_intermediate_size",
+                    raw.shared_expert_intermediate_size,
+                )?
             } else {
                 0
             },
@@ -553,5 +559,30 @@ mod tests {
         v["sliding_window"] = serde_json::Value::Null;
         let c = ModelConfig::from_json_str(&v.to_string(), p).unwrap();
         assert_eq!(c.max_position_embeddings, 32768);
+    }
+
+    #[test]
+    fn qwen2_moe_needs_its_shared_expert_width() {
+        let p = Path::new("config.json");
+        let mut v = serde_json::json!({
+            "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+            "vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 48, "num_experts": 8, "num_experts_per_tok": 2
+        });
+        let c = ModelConfig::from_json_str(&v.to_string(), p).unwrap();
+        assert_eq!(c.family, Family::Qwen2Moe);
+        assert!(c.qkv_bias && !c.qk_norm && !c.norm_topk_prob);
+        assert_eq!(c.shared_expert_intermediate_size, 48);
+        v.as_object_mut()
+            .unwrap()
+            .remove("shared_expert_intermediate_size");
+        assert!(matches!(
+            ModelConfig::from_json_str(&v.to_string(), p),
+            Err(Error::Config {
+                field: "shared_expert_intermediate_size",
+                ..
+            })
+        ));
     }
 }

@@ -92,15 +92,17 @@ impl Elems {
         }
     }
 
-    /// Elements `a..b`, widened into `out` (`b - a` long).
+    /// Elements `a..b`, widened into `out[..b - a]` (panics, as slicing does, when either is
+    /// out of range).
     pub fn widen_into(&self, a: usize, b: usize, out: &mut [f32]) {
         fn go<E: Elem>(v: &[E], out: &mut [f32]) {
             for (o, x) in out.iter_mut().zip(v) {
                 *o = x.f32();
             }
         }
+        let out = &mut out[..b - a];
         match self {
-            Elems::F32(v) => out[..b - a].copy_from_slice(&v[a..b]),
+            Elems::F32(v) => out.copy_from_slice(&v[a..b]),
             Elems::Bf16(v) => go(&v[a..b], out),
             Elems::F16(v) => go(&v[a..b], out),
         }
@@ -133,8 +135,9 @@ impl Matrix {
         self.data
             .widen_into(r * self.cols, (r + 1) * self.cols, &mut out[..self.cols]);
     }
-    /// Element (r, c), widened.
+    /// Element (r, c), widened (`c < cols`).
     pub fn at(&self, r: usize, c: usize) -> f32 {
+        assert!(c < self.cols, "column {c} of {}", self.cols);
         let mut v = [0f32];
         let i = r * self.cols + c;
         self.data.widen_into(i, i + 1, &mut v);

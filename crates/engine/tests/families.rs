@@ -198,3 +198,63 @@ fn every_family_matches_transformers_and_does_not_depend_on_the_map() {
         }
     }
 }
+
+#[test]
+fn mixtral_in_the_fused_layout_loads_to_the_same_logits() {
+    // the random mixtral rewritten the way a fused-expert writer lays it out: the sparse block
+    // under `mlp` (`mlp.gate`, `mlp.experts.gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`)
+    use moelane_engine::checkpoint::Checkpoint;
+    use moelane_engine::synth::{write_safetensors_as, StoreAs};
+    use std::collections::BTreeMap;
+    let root = common::scratch("mixtral-fused");
+    let released = checkpoint(Family::Mixtral, &root);
+    let ck = Checkpoint::open(&released).unwrap();
+    let c = ck.config.clone();
+    let (e, h, i) = (c.num_experts, c.hidden_size, c.moe_intermediate_size);
+    let mut t: BTreeMap<String, (Vec<usize>, Vec<f32>)> = BTreeMap::new();
+    for name in ck.tensor_names() {
+        if name.contains(".block_sparse_moe.") {
+            continue;
+        }
+        let shape = ck.raw(&name).unwrap().shape.to_vec();
+        t.insert(
+            name.clone(),
+            (shape.clone(), ck.tensor(&name, &shape).unwrap()),
+        );
+    }
+    for l in 0..c.num_hidden_layers {
+        let p = format!("model.layers.{l}.block_sparse_moe");
+        let (mut gu, mut dn) = (Vec::new(), Vec::new());
+        for x in 0..e {
+            let w = |n: &str, s: &[usize]| {
+                ck.tensor(&format!("{p}.experts.{x}.{n}.weight"), s)
+                    .unwrap()
+            };
+            gu.extend(w("w1", &[i, h]));
+            gu.extend(w("w3", &[i, h]));
+            dn.extend(w("w2", &[h, i]));
+        }
+        let q = format!("model.layers.{l}.mlp");
+        t.insert(format!("{q}.experts.gate_up_proj"), (vec![e, 2 * i, h], gu));
+        t.insert(format!("{q}.experts.down_proj"), (vec![e, h, i], dn));
+        t.insert(
+            format!("{q}.gate.weight"),
+            (
+                vec![e, h],
+                ck.tensor(&format!("{p}.gate.weight"), &[e, h]).unwrap(),
+            ),
+        );
+    }
+    let fused = root.join("fused");
+    std::fs::create_dir_all(&fused).unwrap();
+    std::fs::copy(released.join("config.json"), fused.join("config.json")).unwrap();
+    write_safetensors_as(&fused.join("model.safetensors"), &t, StoreAs::Bf16).unwrap();
+    let p = &random_ckpt::prompts(c.vocab_size, 1, SEED)[0];
+    assert_eq!(
+        logits(&fused, None, p, &[5, 6]),
+        logits(&released, None, p, &[5, 6])
+    );
+    // the experts' checksums are over the stored bytes, whichever the layout
+    let sums = |d: &Path| moelane_engine::swap::manifest(&Checkpoint::open(d).unwrap()).unwrap();
+    assert_eq!(sums(&fused), sums(&released));
+}

@@ -58,7 +58,7 @@ pub struct PrimaryClient {
 /// The command queue's depth: the waiting requests the scheduler may hold, and room for the
 /// control and stats commands of one step beside them.
 fn queue_depth(cfg: &SchedulerConfig) -> usize {
-    cfg.max_waiting.saturating_add(256).max(1)
+    cfg.max_waiting.min(1 << 20).saturating_add(256)
 }
 
 impl PrimaryClient {

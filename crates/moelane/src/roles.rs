@@ -473,7 +473,8 @@ pub async fn start_gateway(o: &GatewayOptions) -> Result<SocketAddr> {
             max_context: cfg.max_position_embeddings,
             max_body: o.max_body,
             default_completion_tokens: 16,
-            default_temperature: generation.temperature.unwrap_or(1.0),
+            // the API takes temperatures in [0, 2]: a file's larger value is capped there
+            default_temperature: generation.temperature.unwrap_or(1.0).min(2.0),
             default_top_p: generation.top_p.unwrap_or(1.0),
         },
         tokenizer,
