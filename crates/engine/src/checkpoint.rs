@@ -478,6 +478,15 @@ impl Checkpoint {
         Ok(())
     }
 
+    /// Bytes of every tensor's data as stored (the shards less their headers).
+    pub fn tensor_bytes(&self) -> usize {
+        self.index
+            .keys()
+            .filter_map(|n| self.raw(n).ok())
+            .map(|r| r.bytes.len())
+            .sum()
+    }
+
     /// Total bytes of all mapped shards.
     pub fn total_bytes(&self) -> usize {
         self.files.iter().map(|f| f.map.len()).sum()

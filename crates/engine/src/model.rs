@@ -165,6 +165,33 @@ impl DenseWeights {
         })
     }
 
+    /// Bytes of every dense weight held (norm vectors and biases as f32, matrices in their
+    /// stored dtype).
+    pub fn bytes(&self) -> usize {
+        let v = |x: &Vec<f32>| x.len() * 4;
+        let mut b = self.embed.bytes() + v(&self.norm);
+        b += self.lm_head.as_ref().map_or(0, |m| m.bytes());
+        for l in &self.layers {
+            b += l.qkv.bytes() + l.o.bytes() + v(&l.input_norm) + v(&l.post_norm);
+            b += v(&l.q_norm) + v(&l.k_norm) + v(&l.qkv_bias);
+            b += l.router.as_ref().map_or(0, |r| r.bytes());
+            b += l.dense_mlp.as_ref().map_or(0, |m| m.bytes());
+            b += l.shared.as_ref().map_or(0, |(m, g)| m.bytes() + v(g));
+        }
+        b
+    }
+
+    /// The elements held as f32 vectors (norms, biases, the shared expert's gate): the only
+    /// weights widened from the checkpoint's dtype.
+    pub fn vector_elements(&self) -> usize {
+        let mut n = self.norm.len();
+        for l in &self.layers {
+            n += l.input_norm.len() + l.post_norm.len() + l.q_norm.len() + l.k_norm.len();
+            n += l.qkv_bias.len() + l.shared.as_ref().map_or(0, |(_, g)| g.len());
+        }
+        n
+    }
+
     /// Bytes of dense weights one decode token reads (all but the embedding table: one row),
     /// in their stored dtypes.
     pub fn bytes_per_token(&self) -> usize {

@@ -258,3 +258,36 @@ fn mixtral_in_the_fused_layout_loads_to_the_same_logits() {
     let sums = |d: &Path| moelane_engine::swap::manifest(&Checkpoint::open(d).unwrap()).unwrap();
     assert_eq!(sums(&fused), sums(&released));
 }
+
+#[test]
+fn weights_in_memory_are_the_checkpoints_own_bytes() {
+    // every family's random checkpoint (bf16): the dense weights and every expert as loaded
+    // take the bytes the checkpoint stores, plus 2 bytes for each element of the few vectors
+    // (norms, biases, gates) held as f32; nothing else is widened
+    use moelane_engine::checkpoint::Checkpoint;
+    use moelane_engine::model::DenseWeights;
+    let root = common::scratch("resident");
+    for family in FAMILIES {
+        let dir = checkpoint(family, &root);
+        let ck = Checkpoint::open(&dir).unwrap();
+        let dense = DenseWeights::load(&ck).unwrap();
+        let mut experts = 0;
+        for l in ck.config.moe_layers() {
+            for e in 0..ck.config.num_experts {
+                experts += ck.expert(l, e).unwrap().bytes();
+            }
+        }
+        let (held, stored) = (dense.bytes() + experts, ck.tensor_bytes());
+        eprintln!(
+            "{}: {held} bytes held, {stored} stored ({:.4}x)",
+            family.name(),
+            held as f64 / stored as f64
+        );
+        assert_eq!(
+            held,
+            stored + 2 * dense.vector_elements(),
+            "{}",
+            family.name()
+        );
+    }
+}
