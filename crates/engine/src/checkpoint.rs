@@ -96,27 +96,6 @@ fn dtype_size(d: Dtype) -> Option<usize> {
     }
 }
 
-/// Converts raw little-endian bf16/f16/f32 bytes into `out`.
-pub fn to_f32(dtype: Dtype, bytes: &[u8], out: &mut [f32]) {
-    match dtype {
-        Dtype::BF16 => {
-            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
-            }
-        }
-        Dtype::F16 => {
-            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32();
-            }
-        }
-        _ => {
-            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
-                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-            }
-        }
-    }
-}
-
 /// Raw little-endian bf16/f16/f32 bytes as elements of their own dtype (no widening).
 pub fn elems(dtype: Dtype, bytes: &[u8]) -> Elems {
     let u16s = || {
@@ -355,9 +334,7 @@ impl Checkpoint {
                 expected: shape.to_vec(),
             });
         }
-        let mut out = vec![0f32; shape.iter().product()];
-        to_f32(raw.dtype, raw.bytes, &mut out);
-        Ok(out)
+        Ok(elems(raw.dtype, raw.bytes).into_f32())
     }
 
     /// Reads a 2-D tensor, shape checked, its elements kept in their stored dtype.

@@ -92,6 +92,21 @@ impl Elems {
         }
     }
 
+    /// Every element widened to f32, into a new vector.
+    pub fn widened(&self) -> Vec<f32> {
+        let mut out = vec![0f32; self.len()];
+        self.widen_into(0, self.len(), &mut out);
+        out
+    }
+
+    /// Every element widened to f32 (no copy when they are f32 already).
+    pub fn into_f32(self) -> Vec<f32> {
+        match self {
+            Elems::F32(v) => v,
+            d => d.widened(),
+        }
+    }
+
     /// Elements `a..b`, widened into `out[..b - a]` (panics, as slicing does, when either is
     /// out of range).
     pub fn widen_into(&self, a: usize, b: usize, out: &mut [f32]) {
@@ -148,11 +163,7 @@ impl Matrix {
     pub fn to_f32(&self) -> std::borrow::Cow<'_, [f32]> {
         match &self.data {
             Elems::F32(v) => std::borrow::Cow::Borrowed(v),
-            d => {
-                let mut out = vec![0f32; d.len()];
-                d.widen_into(0, d.len(), &mut out);
-                std::borrow::Cow::Owned(out)
-            }
+            d => std::borrow::Cow::Owned(d.widened()),
         }
     }
     /// Bytes held (the stored dtype's).
@@ -279,18 +290,6 @@ unsafe fn dot_fma(a: &[f32], b: &[f32]) -> f32 {
     dot_body::<true, f32>(a, b)
 }
 
-fn block_plain<E: Elem>(
-    x: &[f32],
-    n: usize,
-    w: &[E],
-    k: usize,
-    outs: std::ops::Range<usize>,
-    y: SyncPtr,
-    ldy: usize,
-) {
-    block_body::<false, E>(x, n, w, k, outs, y, ldy)
-}
-
 fn has_fma() -> bool {
     static FMA: OnceLock<bool> = OnceLock::new();
     *FMA.get_or_init(|| {
@@ -323,7 +322,14 @@ struct SyncPtr(*mut f32);
 unsafe impl Send for SyncPtr {}
 unsafe impl Sync for SyncPtr {}
 
-fn run_block(x: &[f32], n: usize, w: &Matrix, o0: usize, o1: usize, y: SyncPtr, ldy: usize) {
+fn run_block(
+    x: &[f32],
+    n: usize,
+    w: &Matrix,
+    outs: std::ops::Range<usize>,
+    y: SyncPtr,
+    ldy: usize,
+) {
     fn go<E: Elem>(
         x: &[f32],
         n: usize,
@@ -339,13 +345,13 @@ fn run_block(x: &[f32], n: usize, w: &Matrix, o0: usize, o1: usize, y: SyncPtr, 
             unsafe { block_fma(x, n, w, k, outs, y, ldy) };
             return;
         }
-        block_plain(x, n, w, k, outs, y, ldy)
+        block_body::<false, E>(x, n, w, k, outs, y, ldy)
     }
     let k = w.cols;
     match &w.data {
-        Elems::F32(v) => go(x, n, v, k, o0..o1, y, ldy),
-        Elems::Bf16(v) => go(x, n, v, k, o0..o1, y, ldy),
-        Elems::F16(v) => go(x, n, v, k, o0..o1, y, ldy),
+        Elems::F32(v) => go(x, n, v, k, outs, y, ldy),
+        Elems::Bf16(v) => go(x, n, v, k, outs, y, ldy),
+        Elems::F16(v) => go(x, n, v, k, outs, y, ldy),
     }
 }
 
@@ -359,7 +365,7 @@ pub fn matmul(x: &[f32], n: usize, w: &Matrix, y: &mut [f32]) {
     let ptr = SyncPtr(y.as_mut_ptr());
     let work = n * w.rows * w.cols;
     if work < PAR_MIN_WORK || rayon::current_num_threads() == 1 {
-        run_block(x, n, w, 0, w.rows, ptr, w.rows);
+        run_block(x, n, w, 0..w.rows, ptr, w.rows);
         return;
     }
     // Split the output rows into chunks of at least 16 rows and ~PAR_MIN_WORK work.
@@ -369,7 +375,7 @@ pub fn matmul(x: &[f32], n: usize, w: &Matrix, y: &mut [f32]) {
     (0..chunks).into_par_iter().for_each(|c| {
         let o0 = c * chunk;
         let o1 = (o0 + chunk).min(w.rows);
-        run_block(x, n, w, o0, o1, ptr, w.rows);
+        run_block(x, n, w, o0..o1, ptr, w.rows);
     });
 }
 

@@ -82,30 +82,6 @@ fn logits(dir: &Path, map: Option<Rowmap>, prompt: &[u32], feed: &[u32]) -> Vec<
     out
 }
 
-/// Greedy continuation of `prompt`, `n` tokens.
-fn greedy(dir: &Path, map: Option<Rowmap>, prompt: &[u32], n: usize, vocab: usize) -> Vec<u32> {
-    let mut eng = common::engine(dir, map);
-    let mut seq = eng.kv.new_seq();
-    let mut l = eng
-        .step(&mut [SeqStep {
-            kv: &mut seq,
-            tokens: prompt,
-        }])
-        .unwrap();
-    let mut got = Vec::new();
-    for _ in 0..n {
-        let t = moelane_engine::sampling::argmax(&l[l.len() - vocab..]) as u32;
-        got.push(t);
-        l = eng
-            .step(&mut [SeqStep {
-                kv: &mut seq,
-                tokens: &[t],
-            }])
-            .unwrap();
-    }
-    got
-}
-
 #[test]
 fn every_family_matches_transformers_and_does_not_depend_on_the_map() {
     let root = common::scratch("families");
@@ -187,10 +163,11 @@ fn every_family_matches_transformers_and_does_not_depend_on_the_map() {
         }
         maps.extend([("split", split), ("random", random), ("all-cold", cold)]);
         for p in &prompts {
-            let base = greedy(&dir, Some(maps[0].1.clone()), p, 12, vocab);
+            let base =
+                common::greedy_one(&mut common::engine(&dir, Some(maps[0].1.clone())), p, 12).0;
             for (mname, m) in &maps[1..] {
                 assert_eq!(
-                    greedy(&dir, Some(m.clone()), p, 12, vocab),
+                    common::greedy_one(&mut common::engine(&dir, Some(m.clone())), p, 12).0,
                     base,
                     "{name}: greedy continuation under the {mname} map"
                 );

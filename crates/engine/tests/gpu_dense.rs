@@ -553,31 +553,6 @@ fn prefill_tiles_never_mix_sequences() {
     assert_eq!(next, seqs.len());
 }
 
-/// Greedy continuation of `p` on `e`, `n` tokens, and the logits of the prompt's last row.
-fn greedy_one(e: &mut Engine, p: &[u32], n: usize) -> (Vec<u32>, Vec<f32>) {
-    let v = e.cfg.vocab_size;
-    let mut seq = e.kv.new_seq();
-    let mut l = e
-        .step(&mut [SeqStep {
-            kv: &mut seq,
-            tokens: p,
-        }])
-        .unwrap();
-    let first = l[l.len() - v..].to_vec();
-    let mut got = Vec::new();
-    for _ in 0..n {
-        let t = moelane_engine::sampling::argmax(&l[l.len() - v..]) as u32;
-        got.push(t);
-        l = e
-            .step(&mut [SeqStep {
-                kv: &mut seq,
-                tokens: &[t],
-            }])
-            .unwrap();
-    }
-    (got, first)
-}
-
 #[test]
 fn every_family_on_the_gpu_matches_the_cpu() {
     // the random checkpoints of the transformers parity test (families.rs), bf16 on disk:
@@ -600,11 +575,17 @@ fn every_family_on_the_gpu_matches_the_cpu() {
         let ps = prompts(d.vocab, 50);
         let ms = maps(&ckpt, d.experts / 2);
         let mut cpu = engine_from(&ckpt, ms[0].1.clone(), &opts).unwrap();
-        let on_cpu: Vec<_> = ps.iter().map(|p| greedy_one(&mut cpu, p, 8)).collect();
+        let on_cpu: Vec<_> = ps
+            .iter()
+            .map(|p| common::greedy_one(&mut cpu, p, 8))
+            .collect();
         let mut base: Option<Vec<Vec<u32>>> = None;
         for (name, map) in ms {
             let mut g = load_on_gpu(&ckpt, map, &opts, gpu.clone()).unwrap();
-            let got: Vec<_> = ps.iter().map(|p| greedy_one(&mut g, p, 8)).collect();
+            let got: Vec<_> = ps
+                .iter()
+                .map(|p| common::greedy_one(&mut g, p, 8))
+                .collect();
             let same_cpu = got.iter().zip(&on_cpu).filter(|(a, b)| a.0 == b.0).count();
             let worst = got
                 .iter()

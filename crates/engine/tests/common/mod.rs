@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 use moelane_engine::checkpoint::Checkpoint;
 use moelane_engine::load::{engine_from, EngineOptions};
 use moelane_engine::rowmap::Rowmap;
-use moelane_engine::step::Engine;
+use moelane_engine::step::{Engine, SeqStep};
 use moelane_engine::synth::{generate, Preset};
 
 /// A fresh directory under the system temp dir (removed by the OS, not by us: tests share it).
@@ -63,4 +63,29 @@ pub fn cos(a: &[f32], b: &[f32]) -> f64 {
         bb += (*y as f64).powi(2);
     }
     ab / (aa.sqrt() * bb.sqrt()).max(1e-30)
+}
+
+/// Greedy continuation of `p` on `e`, `n` tokens, and the logits of the prompt's last row.
+pub fn greedy_one(e: &mut Engine, p: &[u32], n: usize) -> (Vec<u32>, Vec<f32>) {
+    let v = e.cfg.vocab_size;
+    let mut seq = e.kv.new_seq();
+    let mut l = e
+        .step(&mut [SeqStep {
+            kv: &mut seq,
+            tokens: p,
+        }])
+        .unwrap();
+    let first = l[l.len() - v..].to_vec();
+    let mut got = Vec::new();
+    for _ in 0..n {
+        let t = moelane_engine::sampling::argmax(&l[l.len() - v..]) as u32;
+        got.push(t);
+        l = e
+            .step(&mut [SeqStep {
+                kv: &mut seq,
+                tokens: &[t],
+            }])
+            .unwrap();
+    }
+    (got, first)
 }
