@@ -15,6 +15,7 @@ pub mod kv;
 pub mod load;
 pub mod model;
 pub mod ops;
+pub mod placement;
 pub mod progress;
 pub mod random_ckpt;
 pub mod rng;

@@ -66,6 +66,15 @@ impl Rowmap {
         }
     }
 
+    /// Every expert of every layer cold, slot = expert id.
+    pub fn all_cold(model: &str, layers: usize, experts: usize) -> Rowmap {
+        let mut m = Rowmap::all_hot(model, layers, experts);
+        for l in &mut m.layers {
+            l.cold = std::mem::take(&mut l.hot);
+        }
+        m
+    }
+
     /// Parses map JSON text (call `validate`).
     pub fn from_json(text: &str) -> Result<Rowmap> {
         serde_json::from_str(text).map_err(|e| Error::Rowmap(format!("invalid JSON: {e}")))

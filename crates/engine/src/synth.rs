@@ -29,7 +29,6 @@ use crate::bpe;
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 use crate::rng::Rng;
-use crate::rowmap::{LayerMap, Rowmap};
 
 /// The embedded corpora: (name, text). Each line is one prompt.
 pub const LANGS: [(&str, &str); 5] = [
@@ -711,26 +710,8 @@ pub fn generate(preset: &Preset, seed: u64, out: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The rowmap that puts the top `hot` experts per layer (by `counts`) hot; ties to lower id.
-pub fn fit_map(model: &str, counts: &[Vec<u64>], hot: usize) -> Rowmap {
-    Rowmap {
-        version: 1,
-        model: model.into(),
-        epoch: 0,
-        layers: counts
-            .iter()
-            .map(|c| {
-                let mut ids: Vec<u16> = (0..c.len() as u16).collect();
-                ids.sort_by(|&a, &b| c[b as usize].cmp(&c[a as usize]).then(a.cmp(&b)));
-                let mut hot_ids = ids[..hot.min(ids.len())].to_vec();
-                let mut cold = ids[hot.min(ids.len())..].to_vec();
-                hot_ids.sort();
-                cold.sort();
-                LayerMap { hot: hot_ids, cold }
-            })
-            .collect(),
-    }
-}
+/// The rowmap that puts the top `hot` experts per layer (by counts) hot; ties to lower id.
+pub use crate::placement::fit_map;
 
 /// Opens a generated checkpoint's id (for maps).
 pub fn checkpoint_id(dir: &Path) -> Result<String> {

@@ -268,3 +268,102 @@ fn weights_in_memory_are_the_checkpoints_own_bytes() {
         );
     }
 }
+
+#[test]
+fn a_budget_makes_the_first_map_of_every_family() {
+    // the calibration pass streams one layer's experts at a time and counts exactly the picks
+    // an all-hot engine makes on the same prefill; --hot-experts and --primary-memory give
+    // maps of that size, whose greedy continuations are the all-hot map's; the footprint's
+    // dense and expert bytes are what the engine holds
+    use moelane_engine::checkpoint::Checkpoint;
+    use moelane_engine::model::DenseWeights;
+    use moelane_engine::placement::{self, Budget, Placement, Resident};
+    let root = common::scratch("placement");
+    for family in FAMILIES {
+        let name = family.name();
+        let dir = checkpoint(family, &root);
+        let ck = Checkpoint::open(&dir).unwrap();
+        let (layers, ne, k) = (
+            ck.config.moe_layers().len(),
+            ck.config.num_experts,
+            ck.config.num_experts_per_tok,
+        );
+        let prompts = placement::calibration_prompts(&ck, 2, 12).unwrap();
+        let counts = placement::calibrate(&dir, &prompts, false).unwrap();
+        let mut eng = common::engine(&dir, Some(Rowmap::all_hot(&ck.id, layers, ne)));
+        let mut seqs: Vec<_> = prompts.iter().map(|_| eng.kv.new_seq()).collect();
+        let mut steps: Vec<SeqStep<'_>> = seqs
+            .iter_mut()
+            .zip(&prompts)
+            .map(|(kv, tokens)| SeqStep { kv, tokens })
+            .collect();
+        eng.step(&mut steps).unwrap();
+        assert_eq!(counts, eng.counters.picks, "{name}: calibration counts");
+        let tokens: u64 = prompts.iter().map(|p| p.len() as u64).sum();
+        assert!(counts
+            .iter()
+            .all(|l| l.iter().sum::<u64>() == tokens * k as u64));
+
+        let fp = placement::footprint(&ck, 1024, 2, Resident::Stored).unwrap();
+        assert_eq!(
+            fp.dense as usize,
+            DenseWeights::load(&ck).unwrap().bytes(),
+            "{name}"
+        );
+        assert_eq!(
+            fp.expert as usize,
+            ck.expert(ck.config.moe_layers()[0], 0).unwrap().bytes()
+        );
+        let base = |m: Option<Rowmap>| {
+            let mut e = common::engine(&dir, m);
+            common::greedy_one(&mut e, &prompts[0], 10).0
+        };
+        let want = base(Some(Rowmap::all_hot(&ck.id, layers, ne)));
+        let per_layer = placement::plan(&ck, Budget::HotExperts(3), &counts, fp).unwrap();
+        for (l, lm) in per_layer.map.layers.iter().enumerate() {
+            assert_eq!(lm.hot.len(), 3, "{name}: layer {l}");
+            let min_hot = lm.hot.iter().map(|&e| counts[l][e as usize]).min().unwrap();
+            let max_cold = lm
+                .cold
+                .iter()
+                .map(|&e| counts[l][e as usize])
+                .max()
+                .unwrap();
+            assert!(
+                min_hot >= max_cold,
+                "{name}: layer {l} hot are the most picked"
+            );
+        }
+        assert_eq!(
+            base(Some(per_layer.map.clone())),
+            want,
+            "{name}: --hot-experts 3"
+        );
+        // memory for dense + KV + spare + exactly 5 experts
+        let bytes = fp.dense + fp.kv + fp.spare + 5 * fp.expert + fp.expert / 2;
+        let by_mem = placement::plan(&ck, Budget::PrimaryMemory(bytes), &counts, fp).unwrap();
+        assert_eq!(by_mem.footprint.hot_experts, 5, "{name}");
+        assert!(by_mem.footprint.total() <= bytes);
+        assert_eq!(
+            base(Some(by_mem.map.clone())),
+            want,
+            "{name}: --primary-memory"
+        );
+        let e = placement::plan(&ck, Budget::PrimaryMemory(fp.dense), &counts, fp).unwrap_err();
+        assert!(e.to_string().contains("--primary-memory"), "{e}");
+        // the whole path, counts from a calibration pass
+        let plan = placement::initial_map(
+            &ck,
+            &Placement {
+                budget: Budget::HotExperts(2),
+                counts: None,
+                kv_tokens: 1024,
+                spare_slots: 2,
+                resident: Resident::Stored,
+                progress: false,
+            },
+        )
+        .unwrap();
+        plan.map.validate(&ck.id, layers, ne, Some(2)).unwrap();
+    }
+}

@@ -80,15 +80,8 @@ fn greedy_is_bitwise_identical_under_any_map() {
     );
 
     let all_cold = Rowmap {
-        version: 1,
-        model: ckpt.id.clone(),
         epoch: 1,
-        layers: (0..layers)
-            .map(|_| LayerMap {
-                hot: vec![],
-                cold: (0..experts as u16).collect(),
-            })
-            .collect(),
+        ..Rowmap::all_cold(&ckpt.id, layers, experts)
     };
     let maps: Vec<(&str, Option<Rowmap>)> = vec![
         ("initial", None),

@@ -112,6 +112,59 @@ impl std::fmt::Display for Device {
     }
 }
 
+/// A memory size: bytes, or with a unit (`24GiB`, `80GB`, `512MiB`; `K`/`M`/`G`/`T` are
+/// powers of 1024, `KB`/`MB`/`GB`/`TB` of 1000).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize)]
+#[serde(try_from = "String")]
+struct Size(u64);
+
+impl std::str::FromStr for Size {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        moelane_engine::placement::parse_size(s).map(Size)
+    }
+}
+
+impl TryFrom<String> for Size {
+    type Error = String;
+    fn try_from(s: String) -> std::result::Result<Self, String> {
+        s.parse()
+    }
+}
+
+/// The first map without a map file: how many experts are hot, and the counts that rank them.
+#[derive(clap::Args, Default, Debug, Clone)]
+struct PlacementArgs {
+    /// Without --map: the first map puts this many experts of each MoE layer hot, the most
+    /// picked by --calibration-counts or by a calibration pass over built-in prompts in five
+    /// languages; the rest are cold (on the sidecar).
+    #[arg(long, env = "MOELANE_HOT_EXPERTS", conflicts_with = "primary_memory")]
+    hot_experts: Option<usize>,
+    /// Without --map: as many hot experts as fit in this much of the primary device's memory
+    /// after the dense weights, the KV cache (--kv-tokens) and the swap's spare slots, given
+    /// to the most picked experts of the whole model (e.g. 24GiB, 80GB).
+    #[arg(long, env = "MOELANE_PRIMARY_MEMORY", value_name = "SIZE")]
+    primary_memory: Option<Size>,
+    /// Pick counts that rank the experts for --hot-experts / --primary-memory (a file from
+    /// `moelane status --counts-out`); default: the calibration pass.
+    #[arg(long, env = "MOELANE_CALIBRATION_COUNTS", value_name = "FILE")]
+    calibration_counts: Option<PathBuf>,
+}
+
+impl PlacementArgs {
+    fn spec(&self) -> Option<roles::PlacementSpec> {
+        let budget = match (self.hot_experts, self.primary_memory) {
+            (Some(n), _) => moelane_engine::placement::Budget::HotExperts(n),
+            (None, Some(Size(b))) => moelane_engine::placement::Budget::PrimaryMemory(b),
+            (None, None) => return None,
+        };
+        Some(roles::PlacementSpec {
+            budget,
+            counts: self.calibration_counts.clone(),
+        })
+    }
+}
+
 /// The role a `lane` process runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -188,7 +241,7 @@ enum Cmd {
     /// Serve the embedded default: gateway, primary and sidecar in one process on 127.0.0.1.
     /// Without --model, makes the `mini` synthetic checkpoint once (cached) and serves it.
     Serve {
-        /// Checkpoint directory (a Hugging Face qwen3_moe checkpoint).
+        /// Checkpoint directory (Hugging Face: qwen3_moe, mixtral or qwen2_moe).
         #[arg(long, env = "MOELANE_MODEL")]
         model: Option<PathBuf>,
         /// Rowmap JSON (default: rowmap.json in the checkpoint, else all experts hot).
@@ -229,6 +282,8 @@ enum Cmd {
         old_device: Option<String>,
         #[command(flatten)]
         residency: ResidencyArgs,
+        #[command(flatten)]
+        placement: PlacementArgs,
     },
     /// Start one role of a lane as its own process (flags, or a TOML file with the same keys).
     Lane(Box<LaneArgs>),
@@ -282,10 +337,49 @@ enum Cmd {
         #[arg(long, env = "MOELANE_REFIT_OUT")]
         out: PathBuf,
     },
+    /// Rowmaps: `map init` makes a checkpoint's first map from a budget.
+    Map {
+        #[command(subcommand)]
+        what: MapCmd,
+    },
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
         what: bench::BenchCmd,
+    },
+}
+
+/// `moelane map ...`
+#[derive(Subcommand)]
+enum MapCmd {
+    /// Write the first map of a checkpoint from a budget (--hot-experts or --primary-memory),
+    /// the hot experts ranked by --calibration-counts or a calibration pass; prints the
+    /// primary's memory by part and each layer's hot share of the counted picks. `refit`,
+    /// `swap` and `serve --map` start from it.
+    Init {
+        /// Checkpoint directory.
+        #[arg(long, env = "MOELANE_MODEL")]
+        model: PathBuf,
+        #[command(flatten)]
+        placement: PlacementArgs,
+        /// KV cache capacity in tokens the primary will serve with (counted in --primary-memory).
+        #[arg(long, default_value_t = 65536, env = "MOELANE_KV_TOKENS")]
+        kv_tokens: usize,
+        /// Spare expert slots per layer the primary will serve with (counted in
+        /// --primary-memory).
+        #[arg(long, default_value_t = 8, env = "MOELANE_SPARE_SLOTS")]
+        spare_slots: usize,
+        /// The primary's device (cpu keeps weights in the checkpoint's dtype, cuda:N as f32).
+        #[arg(
+            long,
+            default_value = "cpu",
+            value_name = "cpu|cuda:N",
+            env = "MOELANE_PRIMARY_DEVICE"
+        )]
+        primary_device: Device,
+        /// Where the map is written (atomically).
+        #[arg(long, env = "MOELANE_MAP_INIT_OUT")]
+        out: PathBuf,
     },
 }
 
@@ -363,7 +457,7 @@ struct LaneArgs {
     /// The role this process runs.
     #[arg(long, env = "MOELANE_ROLE")]
     role: Option<Role>,
-    /// TOML file with any of these keys (role, model, map, listen, lane, sidecar, link, data, shm-dir, kv-tokens, max-running, primary-device, sidecar-device, ...; residency flags in a [residency] table); flags and environment variables override it.
+    /// TOML file with any of these keys (role, model, map, listen, lane, sidecar, link, data, shm-dir, kv-tokens, max-running, primary-device, sidecar-device, hot-experts, primary-memory, ...; residency flags in a [residency] table); flags and environment variables override it.
     #[arg(long, env = "MOELANE_CONFIG")]
     #[serde(skip)]
     config: Option<PathBuf>,
@@ -430,6 +524,15 @@ struct LaneArgs {
     /// (cuda:N needs a build with --features cuda; default cpu).
     #[arg(long, value_name = "cpu|cuda:N", env = "MOELANE_PRIMARY_DEVICE")]
     primary_device: Option<Device>,
+    /// Primary, without --map: hot experts per MoE layer of the first map (see `serve --help`).
+    #[arg(long, env = "MOELANE_HOT_EXPERTS", conflicts_with = "primary_memory")]
+    hot_experts: Option<usize>,
+    /// Primary, without --map: the primary device's memory the first map fills (e.g. 24GiB).
+    #[arg(long, env = "MOELANE_PRIMARY_MEMORY", value_name = "SIZE")]
+    primary_memory: Option<Size>,
+    /// Primary: pick counts ranking the experts for --hot-experts / --primary-memory.
+    #[arg(long, env = "MOELANE_CALIBRATION_COUNTS", value_name = "FILE")]
+    calibration_counts: Option<PathBuf>,
 }
 
 impl LaneArgs {
@@ -492,7 +595,10 @@ impl LaneArgs {
             link_timeout,
             served_model_name,
             metrics_listen,
-            sidecar_device
+            sidecar_device,
+            hot_experts,
+            primary_memory,
+            calibration_counts
         );
         if self.lane.is_empty() {
             self.lane = f.lane;
@@ -594,6 +700,29 @@ fn run() -> Result<()> {
             }
         }
         Cmd::Bench { what } => bench::run(what)?,
+        Cmd::Map {
+            what:
+                MapCmd::Init {
+                    model,
+                    placement,
+                    kv_tokens,
+                    spare_slots,
+                    primary_device,
+                    out,
+                },
+        } => {
+            let spec = placement
+                .spec()
+                .context("give --hot-experts N or --primary-memory SIZE")?;
+            ops_cmds::map_init(
+                &model,
+                &spec,
+                kv_tokens,
+                spare_slots,
+                primary_device != Device::Cpu,
+                &out,
+            )?
+        }
         Cmd::Refit {
             counts,
             map,
@@ -651,6 +780,7 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
             primary_device,
             old_device: _,
             residency,
+            placement,
         } => {
             let model = match model {
                 Some(m) => m,
@@ -659,6 +789,7 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
             let opts = PrimaryOptions {
                 model: model.clone(),
                 map,
+                placement: placement.spec(),
                 kv_tokens,
                 cold: ColdLink::InProcess,
                 link_timeout: std::time::Duration::from_secs(30),
@@ -702,6 +833,12 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
             let sidecar_device = a.sidecar_device.unwrap_or(Device::Cpu).to_string();
             match role {
                 Role::Sidecar => {
+                    if a.hot_experts.is_some() || a.primary_memory.is_some() {
+                        bail!(
+                            "--hot-experts / --primary-memory belong to the primary: it makes \
+                             the first map and the sidecar takes it when the primary registers"
+                        );
+                    }
                     let o = moelane_rtx_worker::SidecarOptions {
                         model,
                         map: a.map.clone(),
@@ -734,6 +871,12 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                     let opts = PrimaryOptions {
                         model,
                         map: a.map.clone(),
+                        placement: PlacementArgs {
+                            hot_experts: a.hot_experts,
+                            primary_memory: a.primary_memory,
+                            calibration_counts: a.calibration_counts.clone(),
+                        }
+                        .spec(),
                         kv_tokens: a.kv_tokens.unwrap_or(65536),
                         cold,
                         link_timeout: std::time::Duration::from_secs_f64(

@@ -6,16 +6,8 @@ use anyhow::{bail, Context, Result};
 use moelane_engine::rowmap::{Rowmap, Tier};
 use moelane_proto::lane::primary_client::PrimaryClient;
 use moelane_proto::lane::{ResidencyRequest, StatsRequest};
-use serde::{Deserialize, Serialize};
 
-/// Raw pick counts per layer and expert, as dumped by `moelane status --counts-out`.
-#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
-pub struct Counts {
-    pub version: u32,
-    pub model: String,
-    pub map_epoch: u64,
-    pub layers: Vec<Vec<u64>>,
-}
+pub use moelane_engine::placement::Counts;
 
 pub async fn status(primary: &str, counts_out: Option<&Path>) -> Result<()> {
     let mut c = PrimaryClient::connect(primary.to_string())
@@ -241,4 +233,43 @@ pub async fn swap(primary: &str, moves: &[String]) -> Result<()> {
             r.abort_reason
         )
     }
+}
+
+/// `moelane map init`: the first map of a checkpoint from a budget, written atomically,
+/// with each layer's share of the counted picks its hot experts take.
+pub fn map_init(
+    model: &Path,
+    spec: &crate::roles::PlacementSpec,
+    kv_tokens: usize,
+    spare_slots: usize,
+    gpu: bool,
+    out: &Path,
+) -> Result<()> {
+    let plan = crate::roles::plan_map(model, spec, kv_tokens, spare_slots, gpu)?;
+    let ckpt = moelane_engine::checkpoint::Checkpoint::open(model)?;
+    let c = &ckpt.config;
+    let layers = plan.map.layers.len();
+    let valid = plan
+        .map
+        .clone()
+        .validate(&ckpt.id, layers, c.num_experts, None)?;
+    valid.map.write_atomic(out)?;
+    println!(
+        "{:>5} {:>5} {:>6} {:>22}",
+        "layer", "hot", "cold", "hot share of picks"
+    );
+    for (l, lm) in valid.map.layers.iter().enumerate() {
+        let row = &plan.counts[l];
+        let all = row.iter().sum::<u64>().max(1) as f64;
+        let hot: u64 = lm.hot.iter().map(|&e| row[e as usize]).sum();
+        println!(
+            "{:>5} {:>5} {:>6} {:>21.2}%",
+            l,
+            lm.hot.len(),
+            lm.cold.len(),
+            100.0 * hot as f64 / all
+        );
+    }
+    println!("map (epoch 0) written to {}", out.display());
+    Ok(())
 }

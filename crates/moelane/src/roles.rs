@@ -42,10 +42,19 @@ pub struct AdaptiveOptions {
     pub interval: Duration,
 }
 
+/// The first map from a budget (`--hot-experts` / `--primary-memory`), when no map is given.
+#[derive(Clone, Debug)]
+pub struct PlacementSpec {
+    pub budget: moelane_engine::placement::Budget,
+    /// A counts file ranking the experts (None: a calibration pass).
+    pub counts: Option<PathBuf>,
+}
+
 pub struct PrimaryOptions {
     pub adaptive: Option<AdaptiveOptions>,
     pub model: PathBuf,
     pub map: Option<PathBuf>,
+    pub placement: Option<PlacementSpec>,
     pub kv_tokens: usize,
     pub cold: ColdLink,
     pub link_timeout: Duration,
@@ -80,9 +89,77 @@ pub struct Primary {
     pub residency: ActorRef<Residency>,
 }
 
+/// Makes the first map of `dir` under `spec` (calibrating when no counts are given) for a
+/// primary with `kv_tokens` and `spare_slots` on a GPU or not; prints what it takes.
+pub fn plan_map(
+    dir: &Path,
+    spec: &PlacementSpec,
+    kv_tokens: usize,
+    spare_slots: usize,
+    gpu: bool,
+) -> Result<moelane_engine::placement::Plan> {
+    use moelane_engine::placement::{initial_map, Counts, Placement, Resident};
+    let ckpt = Checkpoint::open(dir)?;
+    let counts = match &spec.counts {
+        Some(p) => Some(Counts::read(p, &ckpt.id)?.layers),
+        None => None,
+    };
+    let how = match &spec.counts {
+        Some(p) => format!("the counts in {}", p.display()),
+        None => "a calibration pass over the built-in prompts".into(),
+    };
+    let t0 = std::time::Instant::now();
+    let plan = initial_map(
+        &ckpt,
+        &Placement {
+            budget: spec.budget,
+            counts,
+            kv_tokens,
+            spare_slots,
+            resident: if gpu { Resident::F32 } else { Resident::Stored },
+            progress: true,
+        },
+    )
+    .with_context(|| format!("making the first map of {}", dir.display()))?;
+    let f = &plan.footprint;
+    let h = moelane_engine::placement::human_bytes;
+    let layers = plan.map.layers.len().max(1);
+    println!(
+        "moelane: first map: {} of {} experts hot ({:.1} per MoE layer), ranked by {how} ({:.1} s)",
+        f.hot_experts,
+        layers * ckpt.config.num_experts,
+        f.hot_experts as f64 / layers as f64,
+        t0.elapsed().as_secs_f64()
+    );
+    println!(
+        "moelane: primary memory: dense {} + KV {} + hot experts {} + spare slots {} = {}",
+        h(f.dense),
+        h(f.kv),
+        h(f.expert * f.hot_experts as u64),
+        h(f.spare),
+        h(f.total())
+    );
+    Ok(plan)
+}
+
 pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
     let ckpt = Checkpoint::open(&o.model)?;
-    let map = resolve_map(&ckpt, read_map(&o.map)?)?;
+    let map = match (&o.map, &o.placement) {
+        (Some(m), Some(_)) => bail!(
+            "--map {} and --hot-experts / --primary-memory both given: the map file already says \
+             which experts are hot",
+            m.display()
+        ),
+        (None, Some(spec)) => {
+            let (dir, spec) = (o.model.clone(), spec.clone());
+            let (kv, spare) = (o.kv_tokens, o.spare_slots);
+            let gpu = o.primary_device != "cpu";
+            let plan = tokio::task::spawn_blocking(move || plan_map(&dir, &spec, kv, spare, gpu))
+                .await??;
+            resolve_map(&ckpt, Some(plan.map))?
+        }
+        (map, None) => resolve_map(&ckpt, read_map(map)?)?,
+    };
     let any_cold = map.map.layers.iter().any(|l| !l.cold.is_empty());
     let mut sidecar: Option<Box<dyn Participant>> = None;
     let mut seen_epoch = 0;

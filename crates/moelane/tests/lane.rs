@@ -359,5 +359,24 @@ fn a_mixtral_checkpoint_is_served_through_the_openai_api() {
     let (st, c) = post(&addr, "/v1/chat/completions", &chat);
     assert_eq!(st, 200, "{c}");
     assert_eq!(c["object"], "chat.completion", "{c}");
+    drop(_p);
+    // --hot-experts 3: the first map from a calibration pass, 3 of 8 experts hot per layer,
+    // the rest on the sidecar; the same greedy answer
+    let (_p, purl, addr) = serve_lane(&dir, &["--hot-experts", "3"]);
+    let (st, h) = post(&addr, "/v1/completions", &ask);
+    assert_eq!(st, 200, "{h}");
+    assert_eq!(h["choices"][0]["text"], a["choices"][0]["text"]);
+    let out = std::process::Command::new(bin())
+        .args(["status", "--primary", &purl])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let cold: f64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("total cold share "))
+        .and_then(|l| l.split('%').next())
+        .and_then(|x| x.parse().ok())
+        .unwrap_or_else(|| panic!("no cold share in {text}"));
+    assert!(cold > 0.0, "{text}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -77,6 +77,56 @@ fn status_counts_refit_and_serve_the_new_map() {
     let m: Value = serde_json::from_slice(&std::fs::read(&new_map).unwrap()).unwrap();
     assert_eq!(m["epoch"], 1);
 
+    // `map init` from the same counts: 48 hot per layer, the most counted ones
+    let init_map = tmp.join("init.json");
+    let out = std::process::Command::new(bin())
+        .args(["map", "init", "--hot-experts", "48", "--model"])
+        .arg(dir)
+        .arg("--calibration-counts")
+        .arg(&counts)
+        .arg("--out")
+        .arg(&init_map)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let im: Value = serde_json::from_slice(&std::fs::read(&init_map).unwrap()).unwrap();
+    assert_eq!(im["epoch"], 0);
+    for (l, lm) in im["layers"].as_array().unwrap().iter().enumerate() {
+        let n = |e: &Value| {
+            c["layers"][l][e.as_u64().unwrap() as usize]
+                .as_u64()
+                .unwrap()
+        };
+        let hot = lm["hot"].as_array().unwrap();
+        assert_eq!(hot.len(), 48, "layer {l}");
+        let min_hot = hot.iter().map(n).min().unwrap();
+        let max_cold = lm["cold"].as_array().unwrap().iter().map(n).max().unwrap();
+        assert!(min_hot >= max_cold, "layer {l}: {min_hot} < {max_cold}");
+    }
+    // counts of another model are refused, naming the file
+    let mut other = c.clone();
+    other["model"] = "qwen3_moe-0000000000000000".into();
+    let other_path = tmp.join("other_counts.json");
+    std::fs::write(&other_path, other.to_string()).unwrap();
+    let out = std::process::Command::new(bin())
+        .args(["map", "init", "--hot-experts", "4", "--model"])
+        .arg(dir)
+        .arg("--calibration-counts")
+        .arg(&other_path)
+        .arg("--out")
+        .arg(&init_map)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("other_counts.json"),
+        "{err}"
+    );
+
     // a bad map is refused with an error naming the problem, before serving
     let mut bad = m.clone();
     bad["layers"][1]["cold"][0] = bad["layers"][1]["hot"][0].clone();
