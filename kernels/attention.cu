@@ -1,42 +1,45 @@
 // One head vector (hd floats, one warp): RMSNorm with weight nwt (none when nwt is null: a
-// family without q/k norm), then rotate-half RoPE for position pos (tables [max_pos, hd/2]),
-// into dst (may be v itself: every read comes before the warp's barrier, every write after).
+// family without q/k norm), then rotate-half RoPE of its first rd dimensions (all of them
+// but in a partial-rotary family; tables [max_pos, rd/2]) for position pos, the rest passed
+// through, into dst (may be v itself: every read comes before the warp's barrier, every
+// write after).
 __device__ __forceinline__ void norm_rope(const float* v, const float* __restrict__ nwt,
                                           float* dst, const float* __restrict__ cos_t,
                                           const float* __restrict__ sin_t, int pos, int hd,
-                                          float eps) {
-    const int lane = threadIdx.x & 31, half = hd / 2;
+                                          int rd, float eps) {
+    const int lane = threadIdx.x & 31, rh = rd / 2;
     const bool nrm = nwt != nullptr;
-    // every value this lane needs (hd <= 128) in one round of loads, then the arithmetic
-    float sq[4], lo[2], hi[2], glo[2], ghi[2], c[2], sn[2];
+    // every value this lane needs (hd <= 128) in one round of loads, then the arithmetic:
+    // its dimensions i = lane + 32 t, each one's rotation partner, weights and angle
+    float x[4], px[4], g[4], pg[4], c[4], sn[4];
 #pragma unroll
-    for (int t = 0; t < 4; t++) sq[t] = lane + 32 * t < hd ? v[lane + 32 * t] : 0.f;
-#pragma unroll
-    for (int t = 0; t < 2; t++) {
+    for (int t = 0; t < 4; t++) {
         const int i = lane + 32 * t;
-        const bool ok = i < half;
-        lo[t] = ok ? v[i] : 0.f;
-        hi[t] = ok ? v[i + half] : 0.f;
-        glo[t] = ok ? (nrm ? nwt[i] : 1.f) : 0.f;
-        ghi[t] = ok ? (nrm ? nwt[i + half] : 1.f) : 0.f;
-        c[t] = ok ? cos_t[(size_t)pos * half + i] : 0.f;
-        sn[t] = ok ? sin_t[(size_t)pos * half + i] : 0.f;
+        const bool ok = i < hd, rot = i < rd;
+        const int j = i < rh ? i + rh : i - rh, f = i < rh ? i : i - rh;
+        x[t] = ok ? v[i] : 0.f;
+        g[t] = ok ? (nrm ? nwt[i] : 1.f) : 0.f;
+        px[t] = rot ? v[j] : 0.f;
+        pg[t] = rot ? (nrm ? nwt[j] : 1.f) : 0.f;
+        c[t] = rot ? cos_t[(size_t)pos * rh + f] : 1.f;
+        sn[t] = rot ? sin_t[(size_t)pos * rh + f] : 0.f;
     }
     float s = 0.f;
 #pragma unroll
     for (int t = 0; t < 4; t++)
-        if (lane + 32 * t < hd) s = fmaf(sq[t], sq[t], s);
+        if (lane + 32 * t < hd) s = fmaf(x[t], x[t], s);
     s = warp_sum(s);
-    // in place (dst == v) with half not a multiple of 32, a lane writes what another read
+    // in place (dst == v), a lane writes what another read
     __syncwarp();
     const float inv = nrm ? 1.f / sqrtf(s / (float)hd + eps) : 1.f;
 #pragma unroll
-    for (int t = 0; t < 2; t++) {
+    for (int t = 0; t < 4; t++) {
         const int i = lane + 32 * t;
-        if (i < half) {
-            const float a = glo[t] * (lo[t] * inv), b = ghi[t] * (hi[t] * inv);
-            dst[i] = a * c[t] - b * sn[t];
-            dst[i + half] = b * c[t] + a * sn[t];
+        if (i < hd) {
+            const float a = g[t] * (x[t] * inv), b = pg[t] * (px[t] * inv);
+            if (i < rh) dst[i] = a * c[t] - b * sn[t];
+            else if (i < rd) dst[i] = a * c[t] + b * sn[t];
+            else dst[i] = a;
         }
     }
 }
@@ -48,7 +51,7 @@ extern "C" __global__ void qk_rope_kv(float* __restrict__ qkv, const float* __re
                                       const float* __restrict__ sin_t, const int* __restrict__ row_pos,
                                       const int* __restrict__ row_tab, const int* __restrict__ blocks,
                                       float* __restrict__ kc, float* __restrict__ vc,
-                                      int nh, int nkv, int hd, float eps) {
+                                      int nh, int nkv, int hd, float eps, int rd) {
     PDL_ENTRY();
     const int r = blockIdx.x, w = threadIdx.x >> 5;
     const int qd = nh * hd, kvd = nkv * hd;
@@ -56,7 +59,7 @@ extern "C" __global__ void qk_rope_kv(float* __restrict__ qkv, const float* __re
     const int pos = row_pos[r];
     if (w < nh + nkv) {
         float* v = w < nh ? row + w * hd : row + qd + (w - nh) * hd;
-        norm_rope(v, w < nh ? qn : kn, v, cos_t, sin_t, pos, hd, eps);
+        norm_rope(v, w < nh ? qn : kn, v, cos_t, sin_t, pos, hd, rd, eps);
     }
     __syncthreads();
     const size_t off = ((size_t)blocks[row_tab[r] + pos / KV_BLOCK] * KV_BLOCK + pos % KV_BLOCK) * kvd;
@@ -294,7 +297,7 @@ extern "C" __global__ void __launch_bounds__(512, 2) attention_decode(const floa
                                             float* __restrict__ vc, const int* __restrict__ row_pos,
                                             const int* __restrict__ row_tab, const int* __restrict__ blocks,
                                             float* __restrict__ out, int nh, int nkv, int hd,
-                                            float eps, float scale, float* __restrict__ part) {
+                                            float eps, float scale, float* __restrict__ part, int rd) {
     PDL_ENTRY();
     extern __shared__ float sh[];
     __shared__ float sm[32], sl[32];
@@ -311,7 +314,7 @@ extern "C" __global__ void __launch_bounds__(512, 2) attention_decode(const floa
     if (w < 2) {
         // warp 0: q head hh; warp 1: k head g (RMSNorm, then rotate-half RoPE)
         const float* v = w == 0 ? row + hh * hd : row + qd + g * hd;
-        norm_rope(v, w == 0 ? qn : kn, w == 0 ? sq : sk, cos_t, sin_t, pos, hd, eps);
+        norm_rope(v, w == 0 ? qn : kn, w == 0 ? sq : sk, cos_t, sin_t, pos, hd, rd, eps);
     } else if (w == 2) {
         for (int i = lane; i < hd; i += 32) sv[i] = row[qd + kvd + g * hd + i];
     }

@@ -104,3 +104,79 @@ extern "C" __global__ void route_topk(const float* __restrict__ logits, int* __r
     }
 }
 
+
+// Sigmoid router (glm4_moe, deepseek_v3), one warp per row of logits [rows, E]: p = sigmoid,
+// the choice ranks p + bias (bias null: none) among the experts of the topk_group best of
+// n_group equal groups (a group scored by the sum of its two best choice scores; the other
+// experts score 0, as transformers masks them), k rounds of argmax (ties to the lower
+// expert); the weights are the picked p, over their sum + 1e-20 when `norm`, times `scale`.
+// The same arithmetic, in the same order, as the CPU's. grid: rows; block: 32; dynamic shared
+// memory: 2 E + 2 n_group floats.
+extern "C" __global__ void route_sigmoid(const float* __restrict__ logits,
+                                         const float* __restrict__ bias, int* __restrict__ idx,
+                                         float* __restrict__ wts, int E, int k, int norm,
+                                         int n_group, int topk_group, float scale) {
+    PDL_ENTRY();
+    extern __shared__ float sh[];
+    float* p = sh;
+    float* q = sh + E;
+    float* gs = q + E;
+    float* keep = gs + n_group;
+    const int r = blockIdx.x, lane = threadIdx.x;
+    const float* row = logits + (size_t)r * E;
+    for (int i = lane; i < E; i += 32) {
+        const float s = 1.f / (1.f + expf(-row[i]));
+        p[i] = s;
+        q[i] = s + (bias ? bias[i] : 0.f);
+    }
+    __syncwarp();
+    if (n_group > 1 && topk_group < n_group) {
+        const int per = E / n_group;
+        for (int g = lane; g < n_group; g += 32) {
+            float a = -INFINITY, b = -INFINITY;
+            for (int i = g * per; i < (g + 1) * per; i++) {
+                const float x = q[i];
+                if (x > a) { b = a; a = x; }
+                else if (x > b) b = x;
+            }
+            gs[g] = a + b;
+            keep[g] = 0.f;
+        }
+        __syncwarp();
+        for (int j = 0; j < topk_group; j++) {
+            float bv = -INFINITY;
+            int bi = 0x7fffffff;
+            for (int g = lane; g < n_group; g += 32)
+                if (gs[g] > bv) { bv = gs[g]; bi = g; }
+            warp_argmax(bv, bi);
+            if (lane == 0) { keep[bi] = 1.f; gs[bi] = -INFINITY; }
+            __syncwarp();
+        }
+        for (int i = lane; i < E; i += 32)
+            if (keep[i / per] == 0.f) q[i] = 0.f;
+        __syncwarp();
+    }
+    float tot = 0.f, mine = 0.f;
+    int mi = 0;
+    for (int j = 0; j < k; j++) {
+        float bv = -INFINITY;
+        int bi = 0x7fffffff;
+        for (int i = lane; i < E; i += 32)
+            if (q[i] > bv) { bv = q[i]; bi = i; }
+        warp_argmax(bv, bi);
+        const float w = p[bi];
+        keep_pick(j, k, w, bi, mine, mi, idx + r * k, wts + r * k);
+        if (lane == 0) q[bi] = -INFINITY;
+        tot += w;
+        __syncwarp();
+    }
+    const float den = tot + 1e-20f;
+    if (k <= 32) {
+        if (lane < k) {
+            idx[r * k + lane] = mi;
+            wts[r * k + lane] = (norm ? mine / den : mine) * scale;
+        }
+    } else if (lane == 0) {
+        for (int j = 0; j < k; j++) wts[r * k + j] = (norm ? wts[r * k + j] / den : wts[r * k + j]) * scale;
+    }
+}

@@ -6,6 +6,6 @@
 # (scripts/gpu_compare.sh with ORDER=new unless told otherwise). Results under $OUT.
 source "$(dirname "$0")/gpu_env.sh"
 echo "== transformers golden"
-timeout 300 python3 scripts/hf_family_golden.py .gpu/fam/mixtral .gpu/fam/qwen3_moe .gpu/fam/qwen2_moe "$OUT/golden" 2>&1 | tail -5
+timeout 300 python3 scripts/hf_family_golden.py .gpu/fam/mixtral .gpu/fam/qwen3_moe .gpu/fam/qwen2_moe .gpu/fam/glm4_moe "$OUT/golden" 2>&1 | tail -5
 ls -la "$OUT/golden" 2>&1 | head
 ORDER=${ORDER:-new} bash "$(dirname "$0")/gpu_compare.sh"

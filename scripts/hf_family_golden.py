@@ -4,7 +4,7 @@
 
 Usage (torch + transformers installed; the CI never runs this):
     MOELANE_FAMILY_CKPTS=/tmp/fam cargo test -p moelane-engine --test families -- write_checkpoints
-    python3 scripts/hf_family_golden.py /tmp/fam/mixtral /tmp/fam/qwen3_moe /tmp/fam/qwen2_moe crates/engine/tests/golden
+    python3 scripts/hf_family_golden.py /tmp/fam/mixtral /tmp/fam/qwen3_moe /tmp/fam/qwen2_moe /tmp/fam/glm4_moe crates/engine/tests/golden
 
 Each checkpoint directory holds prompts.json (token ids). For each, writes hf_<family>.json
 (prompt ids, transformers' greedy continuation, checkpoint sha256, versions) and
@@ -49,7 +49,12 @@ for ckpt in sys.argv[1:-1]:
     cfg = json.load(open(os.path.join(ckpt, "config.json")))
     family = cfg["model_type"]
     prompts = json.load(open(os.path.join(ckpt, "prompts.json")))
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager")
+    model, info = AutoModelForCausalLM.from_pretrained(
+        ckpt, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+    # every weight must come from the file: a missing one would be random-initialised
+    bad = {k: v for k, v in info.items() if v}
+    if bad:
+        sys.exit(f"{family}: loading {ckpt}: {bad}")
     model.eval()
     blobs, meta = run(model, prompts)
     saved = os.path.join(out, f"saved_{family}")

@@ -19,9 +19,20 @@ pub struct ModelConfig {
     pub qk_norm: bool,
     /// Biases on the q, k and v projections (qwen2_moe).
     pub qkv_bias: bool,
-    /// Width of the shared expert every token of a MoE layer also goes through, scaled by a
-    /// sigmoid gate (qwen2_moe's `shared_expert`); 0: none.
+    /// Width of the shared expert every token of a MoE layer also goes through (qwen2_moe's
+    /// `shared_expert`; glm4_moe's `shared_experts`, `n_shared_experts` experts' width); 0: none.
     pub shared_expert_intermediate_size: usize,
+    /// Whether the shared expert's output is scaled by a sigmoid gate (qwen2_moe) or added as
+    /// it is (glm4_moe).
+    pub shared_expert_gated: bool,
+    /// How the router turns logits into the top-k and its weights.
+    pub routing: Routing,
+    /// The routed experts' weights are multiplied by this (glm4_moe, deepseek_v3); 1 elsewhere.
+    pub routed_scaling_factor: f32,
+    /// Dimensions of each q/k head that RoPE rotates (the first ones, rotate-half layout);
+    /// `head_dim` unless the family rotates part of the head (glm4_moe's
+    /// `partial_rotary_factor`).
+    pub rotary_dim: usize,
     pub vocab_size: usize,
     pub hidden_size: usize,
     pub num_hidden_layers: usize,
@@ -45,6 +56,20 @@ pub struct ModelConfig {
     pub eos_token_ids: Vec<u32>,
 }
 
+/// How a router picks: every family ranks by its scores, they differ in the scores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Routing {
+    /// Softmax over the logits, the top-k of the probabilities (renormalised when
+    /// `norm_topk_prob`).
+    Softmax,
+    /// Sigmoid of the logits; the choice ranks sigmoid + the layer's correction bias
+    /// (`e_score_correction_bias`), only among the `topk_group` best of `n_group` expert groups
+    /// (a group scored by the sum of its two best); the weights are the picked sigmoids
+    /// (renormalised when `norm_topk_prob`), times `routed_scaling_factor` (glm4_moe,
+    /// deepseek_v3).
+    SigmoidGrouped { n_group: usize, topk_group: usize },
+}
+
 /// The MoE families this engine computes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Family {
@@ -55,6 +80,9 @@ pub enum Family {
     /// Qwen2MoeForCausalLM: q/k/v biases, no q/k norm, a gated shared expert beside the
     /// routed ones, softmax top-k (renormalised when norm_topk_prob).
     Qwen2Moe,
+    /// Glm4MoeForCausalLM (GLM-4.5 / 4.6): partial rotary, optional q/k norm, q/k/v biases,
+    /// an ungated shared expert, sigmoid routing with a correction bias, dense first layers.
+    Glm4Moe,
 }
 
 impl Family {
@@ -63,6 +91,7 @@ impl Family {
             Family::Qwen3Moe => "qwen3_moe",
             Family::Mixtral => "mixtral",
             Family::Qwen2Moe => "qwen2_moe",
+            Family::Glm4Moe => "glm4_moe",
         }
     }
 
@@ -72,12 +101,14 @@ impl Family {
             "qwen3_moe" => Some(Family::Qwen3Moe),
             "mixtral" => Some(Family::Mixtral),
             "qwen2_moe" => Some(Family::Qwen2Moe),
+            "glm4_moe" => Some(Family::Glm4Moe),
             _ => None,
         };
         let by_arch = |a: &str| match a {
             "Qwen3MoeForCausalLM" => Some(Family::Qwen3Moe),
             "MixtralForCausalLM" => Some(Family::Mixtral),
             "Qwen2MoeForCausalLM" => Some(Family::Qwen2Moe),
+            "Glm4MoeForCausalLM" => Some(Family::Glm4Moe),
             _ => None,
         };
         model_type
@@ -112,6 +143,14 @@ struct Raw {
     mlp_only_layers: Option<Vec<usize>>,
     attention_bias: Option<bool>,
     shared_expert_intermediate_size: Option<usize>,
+    n_routed_experts: Option<usize>,
+    n_shared_experts: Option<usize>,
+    first_k_dense_replace: Option<usize>,
+    routed_scaling_factor: Option<f64>,
+    n_group: Option<usize>,
+    topk_group: Option<usize>,
+    use_qk_norm: Option<bool>,
+    partial_rotary_factor: Option<f64>,
     hidden_act: Option<String>,
     use_sliding_window: Option<bool>,
     sliding_window: Option<Value>,
@@ -226,7 +265,9 @@ impl ModelConfig {
             value,
             reason: reason.into(),
         };
-        if raw.attention_bias == Some(true) && family != Family::Qwen2Moe {
+        let glm = family == Family::Glm4Moe;
+        if raw.attention_bias == Some(true) && !matches!(family, Family::Qwen2Moe | Family::Glm4Moe)
+        {
             return Err(bad(
                 "attention_bias",
                 "true".into(),
@@ -248,6 +289,7 @@ impl ModelConfig {
         // rope_scaling / rope_parameters with a type other than default are not supported.
         let rope_params = raw.rope_parameters.as_ref().or(raw.rope_scaling.as_ref());
         let mut rope_theta = raw.rope_theta;
+        let mut partial = raw.partial_rotary_factor;
         if let Some(Value::Object(p)) = rope_params {
             if let Some(t) = p
                 .get("rope_type")
@@ -264,6 +306,9 @@ impl ModelConfig {
             }
             if rope_theta.is_none() {
                 rope_theta = p.get("rope_theta").and_then(|t| t.as_f64());
+            }
+            if partial.is_none() {
+                partial = p.get("partial_rotary_factor").and_then(|t| t.as_f64());
             }
         }
         let need = |field, v| need(family, field, v);
@@ -288,36 +333,71 @@ impl ModelConfig {
             _ => max_pos,
         };
         let qwen2 = family == Family::Qwen2Moe;
+        let head_dim = raw
+            .head_dim
+            .unwrap_or(hidden_size / num_attention_heads.max(1));
+        // glm4_moe rotates the first partial_rotary_factor of each head (0.5 unless it says)
+        let factor = if glm { partial.unwrap_or(0.5) } else { 1.0 };
+        if !(factor > 0.0 && factor <= 1.0) {
+            return Err(bad(
+                "partial_rotary_factor",
+                factor.to_string(),
+                "must be in (0, 1]",
+            ));
+        }
+        let shared_expert_intermediate_size = match family {
+            // required: without it the shared expert's weights would be skipped unseen
+            Family::Qwen2Moe => need(
+                "shared_expert_intermediate_size",
+                raw.shared_expert_intermediate_size,
+            )?,
+            Family::Glm4Moe => raw.n_shared_experts.unwrap_or(1) * moe_intermediate_size,
+            _ => 0,
+        };
         let cfg = ModelConfig {
             family,
-            qk_norm: family == Family::Qwen3Moe,
-            qkv_bias: qwen2,
-            // required: without it the shared expert's weights would be skipped unseen
-            shared_expert_intermediate_size: if qwen2 {
-                need(
-                    "shared_expert_intermediate_size",
-                    raw.shared_expert_intermediate_size,
-                )?
-            } else {
-                0
+            qk_norm: match family {
+                Family::Qwen3Moe => true,
+                Family::Glm4Moe => raw.use_qk_norm.unwrap_or(false),
+                _ => false,
             },
+            qkv_bias: qwen2 || (glm && raw.attention_bias.unwrap_or(false)),
+            shared_expert_intermediate_size,
+            shared_expert_gated: qwen2,
+            routing: if glm {
+                Routing::SigmoidGrouped {
+                    n_group: raw.n_group.unwrap_or(1),
+                    topk_group: raw.topk_group.unwrap_or(1),
+                }
+            } else {
+                Routing::Softmax
+            },
+            routed_scaling_factor: if glm {
+                raw.routed_scaling_factor.unwrap_or(1.0) as f32
+            } else {
+                1.0
+            },
+            rotary_dim: ((head_dim as f64 * factor) as usize) & !1,
             vocab_size: need("vocab_size", raw.vocab_size)?,
             hidden_size,
             num_hidden_layers: need("num_hidden_layers", raw.num_hidden_layers)?,
             num_attention_heads,
             num_key_value_heads: raw.num_key_value_heads.unwrap_or(num_attention_heads),
-            head_dim: raw
-                .head_dim
-                .unwrap_or(hidden_size / num_attention_heads.max(1)),
+            head_dim,
             moe_intermediate_size,
             intermediate_size: if mixtral {
                 0
             } else {
                 raw.intermediate_size.unwrap_or(0)
             },
-            num_experts: need("num_experts", raw.num_experts.or(raw.num_local_experts))?,
+            num_experts: need(
+                "num_experts",
+                raw.num_experts
+                    .or(raw.num_local_experts)
+                    .or(raw.n_routed_experts),
+            )?,
             num_experts_per_tok: need("num_experts_per_tok", raw.num_experts_per_tok)?,
-            norm_topk_prob: mixtral || raw.norm_topk_prob.unwrap_or(false),
+            norm_topk_prob: mixtral || raw.norm_topk_prob.unwrap_or(glm),
             rms_norm_eps: raw
                 .rms_norm_eps
                 .unwrap_or(if mixtral { 1e-5 } else { 1e-6 }) as f32,
@@ -331,6 +411,9 @@ impl ModelConfig {
             },
             mlp_only_layers: if mixtral {
                 Vec::new()
+            } else if glm {
+                // the first `first_k_dense_replace` layers are dense
+                (0..raw.first_k_dense_replace.unwrap_or(1)).collect()
             } else {
                 raw.mlp_only_layers.unwrap_or_default()
             },
@@ -400,6 +483,42 @@ impl ModelConfig {
                 0,
                 "dense MLP layers exist (mlp_only_layers / decoder_sparse_step) but have no width",
             );
+        }
+        if let Routing::SigmoidGrouped {
+            n_group,
+            topk_group,
+        } = self.routing
+        {
+            if n_group == 0 || !self.num_experts.is_multiple_of(n_group) {
+                return bad("n_group", n_group, "must divide the routed experts");
+            }
+            if self.num_experts / n_group < 2 {
+                return bad("n_group", n_group, "each group needs at least 2 experts");
+            }
+            if topk_group == 0 || topk_group > n_group {
+                return bad("topk_group", topk_group, "must be in 1..=n_group");
+            }
+            if self.num_experts_per_tok > topk_group * (self.num_experts / n_group) {
+                return bad(
+                    "num_experts_per_tok",
+                    self.num_experts_per_tok,
+                    "exceeds the experts of the topk_group groups",
+                );
+            }
+        }
+        if self.rotary_dim == 0 || self.rotary_dim > self.head_dim {
+            return bad(
+                "partial_rotary_factor",
+                self.rotary_dim,
+                "rotates no dimension",
+            );
+        }
+        if !(self.routed_scaling_factor.is_finite() && self.routed_scaling_factor > 0.0) {
+            return Err(Error::Config {
+                field: "routed_scaling_factor",
+                value: self.routed_scaling_factor.to_string(),
+                reason: "must be finite and positive".into(),
+            });
         }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
             return Err(Error::Config {
@@ -584,5 +703,54 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn glm4_moe_configs_are_read_and_checked() {
+        let p = Path::new("config.json");
+        let mut v = serde_json::json!({
+            "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
+            "vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+            "moe_intermediate_size": 16, "intermediate_size": 48, "n_routed_experts": 16,
+            "n_shared_experts": 2, "first_k_dense_replace": 2, "num_experts_per_tok": 4,
+            "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5, "use_qk_norm": true,
+            "attention_bias": true, "partial_rotary_factor": 0.5
+        });
+        let c = ModelConfig::from_json_str(&v.to_string(), p).unwrap();
+        assert_eq!(c.family, Family::Glm4Moe);
+        assert!(c.qk_norm && c.qkv_bias && c.norm_topk_prob && !c.shared_expert_gated);
+        assert_eq!((c.num_experts, c.shared_expert_intermediate_size), (16, 32));
+        assert_eq!((c.rotary_dim, c.routed_scaling_factor), (16, 2.5));
+        assert_eq!(
+            c.routing,
+            Routing::SigmoidGrouped {
+                n_group: 4,
+                topk_group: 2
+            }
+        );
+        assert_eq!(c.moe_layers(), vec![2, 3]);
+        for (field, value) in [
+            ("n_group", serde_json::json!(3)),
+            ("topk_group", serde_json::json!(5)),
+            ("num_experts_per_tok", serde_json::json!(9)),
+            ("partial_rotary_factor", serde_json::json!(0.0)),
+            ("routed_scaling_factor", serde_json::json!(-1.0)),
+        ] {
+            let mut w = v.clone();
+            w[field] = value;
+            let e = ModelConfig::from_json_str(&w.to_string(), p).unwrap_err();
+            assert!(
+                matches!(&e, Error::Config { field: f, .. } if *f == field),
+                "{field}: {e}"
+            );
+        }
+        v["n_group"] = 8.into();
+        v["topk_group"] = 8.into();
+        // 2 experts a group is the least the group score (its two best) needs
+        assert!(ModelConfig::from_json_str(&v.to_string(), p).is_ok());
+        v["n_group"] = 16.into();
+        v["topk_group"] = 16.into();
+        assert!(ModelConfig::from_json_str(&v.to_string(), p).is_err());
     }
 }

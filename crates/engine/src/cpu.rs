@@ -7,7 +7,7 @@ use std::any::Any;
 use rayon::prelude::*;
 
 use crate::bank::{ExpertBank, Pick};
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, Routing};
 use crate::error::{Error, Result};
 use crate::kv::{KvCache, SeqKv};
 use crate::model::DenseWeights;
@@ -47,7 +47,7 @@ pub struct CpuBackend {
 impl CpuBackend {
     pub fn new(cfg: ModelConfig, w: DenseWeights) -> Self {
         let rope = Rope::new(
-            cfg.head_dim,
+            cfg.rotary_dim,
             cfg.rope_theta,
             cfg.max_position_embeddings.min(1 << 16),
         );
@@ -214,11 +214,13 @@ impl StepBackend for CpuBackend {
                 ops::rmsnorm_inplace(q, &lw.q_norm, c.rms_norm_eps);
                 ops::rmsnorm_inplace(k, &lw.k_norm, c.rms_norm_eps);
             }
+            // the first rotary_dim dimensions of each head (all of them but in glm4_moe)
+            let rd = c.rotary_dim;
             for hh in 0..nh {
-                self.rope.apply(&mut q[hh * hd..(hh + 1) * hd], rp.pos);
+                self.rope.apply(&mut q[hh * hd..hh * hd + rd], rp.pos);
             }
             for hh in 0..nkv {
-                self.rope.apply(&mut k[hh * hd..(hh + 1) * hd], rp.pos);
+                self.rope.apply(&mut k[hh * hd..hh * hd + rd], rp.pos);
             }
             let off = seqs[rp.seq].offset(rp.pos, kvd);
             kv.k[layer][off..off + kvd].copy_from_slice(k);
@@ -285,19 +287,50 @@ impl StepBackend for CpuBackend {
         self.weights.clear();
         self.weights.resize(n * k, 0.0);
         let picks = &mut self.picks[ml * n * k..(ml + 1) * n * k];
-        // softmax, then the top-k per row in rank order
+        // the scores, then the top-k per row in rank order
         for (r, p) in self.probs[..n * ne].chunks_exact_mut(ne).enumerate() {
-            ops::softmax(p);
-            ops::topk(p, k, &mut self.top);
-            let mut sum = 0f32;
-            for (j, &(e, w)) in self.top.iter().enumerate() {
-                picks[r * k + j] = e as i32;
-                self.weights[r * k + j] = w;
-                sum += w;
+            let w = &mut self.weights[r * k..(r + 1) * k];
+            match c.routing {
+                Routing::Softmax => {
+                    ops::softmax(p);
+                    ops::topk(p, k, &mut self.top);
+                    for (j, &(e, pw)) in self.top.iter().enumerate() {
+                        w[j] = pw;
+                        picks[r * k + j] = e as i32;
+                    }
+                }
+                Routing::SigmoidGrouped {
+                    n_group,
+                    topk_group,
+                } => {
+                    ops::sigmoid_grouped_topk(
+                        p,
+                        &lw.router_bias,
+                        n_group,
+                        topk_group,
+                        k,
+                        &mut self.tmp,
+                        &mut self.top,
+                    );
+                    for (j, &(e, _)) in self.top.iter().enumerate() {
+                        w[j] = p[e];
+                        picks[r * k + j] = e as i32;
+                    }
+                }
             }
             if c.norm_topk_prob {
-                for w in &mut self.weights[r * k..(r + 1) * k] {
-                    *w /= sum;
+                let sum: f32 = w.iter().sum();
+                let sum = match c.routing {
+                    Routing::Softmax => sum,
+                    Routing::SigmoidGrouped { .. } => sum + 1e-20,
+                };
+                for x in w.iter_mut() {
+                    *x /= sum;
+                }
+            }
+            if c.routed_scaling_factor != 1.0 {
+                for x in w.iter_mut() {
+                    *x *= c.routed_scaling_factor;
                 }
             }
         }
@@ -377,8 +410,13 @@ impl StepBackend for CpuBackend {
         let (mut gu, mut act) = (Vec::new(), Vec::new());
         crate::bank::expert_forward(mlp, &self.h, n, &mut gu, &mut act, &mut self.tmp);
         for r in 0..n {
-            let g = ops::dot(gate, &self.h[r * hs..(r + 1) * hs]);
-            let s = 1.0 / (1.0 + (-g).exp());
+            // an ungated shared expert (glm4_moe) is added as it is
+            let s = if gate.is_empty() {
+                1.0
+            } else {
+                let g = ops::dot(gate, &self.h[r * hs..(r + 1) * hs]);
+                1.0 / (1.0 + (-g).exp())
+            };
             for (xv, t) in self.x[r * hs..(r + 1) * hs]
                 .iter_mut()
                 .zip(&self.tmp[r * hs..(r + 1) * hs])

@@ -18,9 +18,13 @@ pub struct LayerWeights {
     pub k_norm: Vec<f32>,
     /// q, k, v biases stacked (`q_dim + 2 kv_dim`); empty where the family has none.
     pub qkv_bias: Vec<f32>,
-    /// The gated shared expert of a MoE layer (qwen2_moe): its weights and the gate's row
-    /// (`[H]`); every token goes through it beside its routed experts, always on the primary.
+    /// The shared expert of a MoE layer (qwen2_moe, glm4_moe): its weights and its gate's row
+    /// (`[H]`; empty when ungated, glm4_moe); every token goes through it beside its routed
+    /// experts, always on the primary.
     pub shared: Option<(ExpertWeights, Vec<f32>)>,
+    /// The router's correction bias (`e_score_correction_bias`, `[E]`), added to the scores
+    /// the choice ranks (sigmoid routing); empty elsewhere.
+    pub router_bias: Vec<f32>,
     /// `Some(router [E, H])` on MoE layers, else the dense MLP.
     pub router: Option<Matrix>,
     pub dense_mlp: Option<ExpertWeights>,
@@ -102,7 +106,16 @@ impl DenseWeights {
             };
             let si = c.shared_expert_intermediate_size;
             let shared = if c.is_moe_layer(l) && si > 0 {
-                let s = format!("{p}.mlp.shared_expert");
+                let s = if c.shared_expert_gated {
+                    format!("{p}.mlp.shared_expert")
+                } else {
+                    format!("{p}.mlp.shared_experts")
+                };
+                let gate = if c.shared_expert_gated {
+                    ckpt.tensor(&format!("{p}.mlp.shared_expert_gate.weight"), &[1, h])?
+                } else {
+                    Vec::new()
+                };
                 Some((
                     ExpertWeights {
                         gate_up: Matrix::stack(&[
@@ -112,10 +125,17 @@ impl DenseWeights {
                         down: ckpt.matrix(&format!("{s}.down_proj.weight"), h, si)?,
                         checksum: 0,
                     },
-                    ckpt.tensor(&format!("{p}.mlp.shared_expert_gate.weight"), &[1, h])?,
+                    gate,
                 ))
             } else {
                 None
+            };
+            let router_bias = match c.routing {
+                crate::config::Routing::SigmoidGrouped { .. } if c.is_moe_layer(l) => ckpt.tensor(
+                    &format!("{p}.mlp.gate.e_score_correction_bias"),
+                    &[c.num_experts],
+                )?,
+                _ => Vec::new(),
             };
             let (router, dense_mlp) = if c.is_moe_layer(l) {
                 (
@@ -149,6 +169,7 @@ impl DenseWeights {
                 dense_mlp,
                 qkv_bias,
                 shared,
+                router_bias,
             });
         }
         let norm = ckpt.tensor("model.norm.weight", &[h])?;
@@ -173,7 +194,7 @@ impl DenseWeights {
         b += self.lm_head.as_ref().map_or(0, |m| m.bytes());
         for l in &self.layers {
             b += l.qkv.bytes() + l.o.bytes() + v(&l.input_norm) + v(&l.post_norm);
-            b += v(&l.q_norm) + v(&l.k_norm) + v(&l.qkv_bias);
+            b += v(&l.q_norm) + v(&l.k_norm) + v(&l.qkv_bias) + v(&l.router_bias);
             b += l.router.as_ref().map_or(0, |r| r.bytes());
             b += l.dense_mlp.as_ref().map_or(0, |m| m.bytes());
             b += l.shared.as_ref().map_or(0, |(m, g)| m.bytes() + v(g));
@@ -188,6 +209,7 @@ impl DenseWeights {
         for l in &self.layers {
             n += l.input_norm.len() + l.post_norm.len() + l.q_norm.len() + l.k_norm.len();
             n += l.qkv_bias.len() + l.shared.as_ref().map_or(0, |(_, g)| g.len());
+            n += l.router_bias.len();
         }
         n
     }
@@ -204,7 +226,7 @@ impl DenseWeights {
                 .shared
                 .as_ref()
                 .map_or(0, |(m, g)| m.bytes() + g.len() * 4);
-            b += l.qkv_bias.len() * 4;
+            b += (l.qkv_bias.len() + l.router_bias.len()) * 4;
         }
         b + self.lm_head.as_ref().unwrap_or(&self.embed).bytes()
     }

@@ -467,6 +467,57 @@ impl Rope {
     }
 }
 
+/// The sigmoid router's choice (glm4_moe, deepseek_v3): `p` holds the logits of one row and
+/// is left holding their sigmoids; the choice ranks sigmoid + `bias` (empty: none) among the
+/// experts of the `topk_group` best of `n_group` equal groups (a group scored by the sum of its
+/// two best), the others scored 0, as transformers masks them; `top` gets the k picks, best
+/// first, with their choice scores (ties to the lower index). `choice`: scratch.
+pub fn sigmoid_grouped_topk(
+    p: &mut [f32],
+    bias: &[f32],
+    n_group: usize,
+    topk_group: usize,
+    k: usize,
+    choice: &mut Vec<f32>,
+    top: &mut Vec<(usize, f32)>,
+) {
+    let ne = p.len();
+    choice.clear();
+    for (e, x) in p.iter_mut().enumerate() {
+        *x = 1.0 / (1.0 + (-*x).exp());
+        choice.push(*x + bias.get(e).copied().unwrap_or(0.0));
+    }
+    let per = ne / n_group.max(1);
+    if n_group > 1 && topk_group < n_group {
+        let mut groups: Vec<(usize, f32)> = (0..n_group)
+            .map(|g| {
+                let s = &choice[g * per..(g + 1) * per];
+                let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+                for &x in s {
+                    if x > a {
+                        b = a;
+                        a = x;
+                    } else if x > b {
+                        b = x;
+                    }
+                }
+                (g, a + b)
+            })
+            .collect();
+        groups.sort_by(|x, y| y.1.total_cmp(&x.1).then(x.0.cmp(&y.0)));
+        let mut keep = vec![false; n_group];
+        for &(g, _) in &groups[..topk_group] {
+            keep[g] = true;
+        }
+        for (e, c) in choice.iter_mut().enumerate() {
+            if !keep[e / per] {
+                *c = 0.0;
+            }
+        }
+    }
+    topk(choice, k, top);
+}
+
 /// Top-k of a probability row, descending, ties to the lower index (as torch.topk on distinct values).
 pub fn topk(p: &[f32], k: usize, out: &mut Vec<(usize, f32)>) {
     out.clear();

@@ -60,6 +60,18 @@ impl Dims {
                 top_k: 4,
                 max_pos: 512,
             },
+            Family::Glm4Moe => Dims {
+                vocab: 409,
+                hidden: 72,
+                layers: 4,
+                heads: 6,
+                kv_heads: 2,
+                head_dim: 20,
+                inter: 28,
+                experts: 12,
+                top_k: 3,
+                max_pos: 512,
+            },
             Family::Qwen3Moe => Dims {
                 vocab: 389,
                 hidden: 64,
@@ -75,6 +87,9 @@ impl Dims {
         }
     }
 }
+
+/// The dense layers' width in a random glm4_moe.
+const GLM_DENSE: usize = 56;
 
 /// The shared expert's width in a random qwen2_moe (three routed experts' worth).
 fn shared_width(d: &Dims) -> usize {
@@ -125,6 +140,26 @@ fn config_json(family: Family, d: &Dims) -> serde_json::Value {
             o.insert("mlp_only_layers".into(), json!([]));
             o.insert("use_sliding_window".into(), json!(false));
             o.insert("qkv_bias".into(), json!(true));
+        }
+        Family::Glm4Moe => {
+            // one dense layer first, 2 groups of 6 experts of which the best 1 is searched,
+            // half of each head rotated, q/k norm and q/k/v biases on
+            o.insert("architectures".into(), json!(["Glm4MoeForCausalLM"]));
+            o.insert("model_type".into(), json!("glm4_moe"));
+            o.insert("moe_intermediate_size".into(), json!(d.inter));
+            o.insert("intermediate_size".into(), json!(GLM_DENSE));
+            o.insert("n_routed_experts".into(), json!(d.experts));
+            o.insert("n_shared_experts".into(), json!(1));
+            o.insert("first_k_dense_replace".into(), json!(1));
+            o.insert("n_group".into(), json!(2));
+            o.insert("topk_group".into(), json!(1));
+            o.insert("routed_scaling_factor".into(), json!(2.5));
+            o.insert("norm_topk_prob".into(), json!(true));
+            o.insert("use_qk_norm".into(), json!(true));
+            o.insert("attention_bias".into(), json!(true));
+            o.insert("partial_rotary_factor".into(), json!(0.5));
+            o.insert("rope_theta".into(), json!(10_000.0));
+            o.insert("num_nextn_predict_layers".into(), json!(0));
         }
         Family::Qwen3Moe => {
             o.insert("architectures".into(), json!(["Qwen3MoeForCausalLM"]));
@@ -208,6 +243,34 @@ pub fn write(family: Family, d: &Dims, seed: u64, out: &Path) -> Result<()> {
                 put(format!("{p}.self_attn.q_norm.weight"), vec![hd], 0.1, 1.0);
                 put(format!("{p}.self_attn.k_norm.weight"), vec![hd], 0.1, 1.0);
                 (format!("{p}.mlp"), ["gate_proj", "up_proj", "down_proj"])
+            }
+            Family::Glm4Moe => {
+                put(format!("{p}.self_attn.q_norm.weight"), vec![hd], 0.1, 1.0);
+                put(format!("{p}.self_attn.k_norm.weight"), vec![hd], 0.1, 1.0);
+                for (n, rows) in [("q_proj", qd), ("k_proj", kvd), ("v_proj", kvd)] {
+                    put(format!("{p}.self_attn.{n}.bias"), vec![rows], 0.5, 0.0);
+                }
+                let x = format!("{p}.mlp");
+                if l == 0 {
+                    // the dense first layer
+                    let i = GLM_DENSE;
+                    put(format!("{x}.gate_proj.weight"), vec![i, h], lin(h), 0.0);
+                    put(format!("{x}.up_proj.weight"), vec![i, h], lin(h), 0.0);
+                    put(format!("{x}.down_proj.weight"), vec![h, i], lin(i), 0.0);
+                    continue;
+                }
+                let (s, si) = (format!("{x}.shared_experts"), d.inter);
+                put(format!("{s}.gate_proj.weight"), vec![si, h], lin(h), 0.0);
+                put(format!("{s}.up_proj.weight"), vec![si, h], lin(h), 0.0);
+                put(format!("{s}.down_proj.weight"), vec![h, si], lin(si), 0.0);
+                // a correction bias large enough to change some choices
+                put(
+                    format!("{x}.gate.e_score_correction_bias"),
+                    vec![d.experts],
+                    0.05,
+                    0.0,
+                );
+                (x, ["gate_proj", "up_proj", "down_proj"])
             }
         };
         // a router with some spread, so the top-k is not a coin toss between near-equal logits

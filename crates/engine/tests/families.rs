@@ -15,7 +15,12 @@ use moelane_engine::step::SeqStep;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-const FAMILIES: [Family; 3] = [Family::Mixtral, Family::Qwen3Moe, Family::Qwen2Moe];
+const FAMILIES: [Family; 4] = [
+    Family::Mixtral,
+    Family::Qwen3Moe,
+    Family::Qwen2Moe,
+    Family::Glm4Moe,
+];
 const SEED: u64 = 11;
 const PROMPTS: usize = 4;
 

@@ -567,7 +567,12 @@ fn every_family_on_the_gpu_matches_the_cpu() {
         kv_tokens: 8192,
         progress: false,
     };
-    for family in [Family::Mixtral, Family::Qwen3Moe, Family::Qwen2Moe] {
+    for family in [
+        Family::Mixtral,
+        Family::Qwen3Moe,
+        Family::Qwen2Moe,
+        Family::Glm4Moe,
+    ] {
         let dir = tempfile::tempdir().unwrap();
         let d = Dims::for_family(family);
         random_ckpt::write(family, &d, 11, dir.path()).unwrap();

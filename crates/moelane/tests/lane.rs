@@ -323,60 +323,67 @@ fn bad_primary_device_is_refused_by_name() {
 }
 
 #[test]
-fn a_mixtral_checkpoint_is_served_through_the_openai_api() {
-    // a random mixtral checkpoint in the released layout (bf16, block_sparse_moe.experts.E.w1),
-    // with tiny's tokenizer and chat template: served by the embedded lane, completions and
-    // chat completions answer, greedy twice the same
+fn checkpoints_of_every_family_are_served_through_the_openai_api() {
+    // a random checkpoint of each family in its released layout (bf16; mixtral's
+    // block_sparse_moe.experts.E.w1, glm4_moe's dense first layer and sigmoid router), with
+    // tiny's tokenizer and chat template: served by the embedded lane, completions and chat
+    // completions answer, greedy twice the same; then with --hot-experts (the first map from
+    // a calibration pass, the rest of the experts on the sidecar) the same greedy answer
     use moelane_engine::config::Family;
     use moelane_engine::random_ckpt::{self, Dims};
-    let dir =
-        std::env::temp_dir().join(format!("moelane-test-mixtral-serve-{}", std::process::id()));
     let tiny_cfg: serde_json::Value =
         serde_json::from_slice(&std::fs::read(tiny().join("config.json")).unwrap()).unwrap();
-    let d = Dims {
-        vocab: tiny_cfg["vocab_size"].as_u64().unwrap() as usize,
-        ..Dims::for_family(Family::Mixtral)
-    };
-    random_ckpt::write(Family::Mixtral, &d, 3, &dir).unwrap();
-    for f in ["tokenizer.json", "tokenizer_config.json"] {
-        std::fs::copy(tiny().join(f), dir.join(f)).unwrap();
+    for family in [Family::Mixtral, Family::Qwen2Moe, Family::Glm4Moe] {
+        let name = family.name();
+        let dir =
+            std::env::temp_dir().join(format!("moelane-test-{name}-serve-{}", std::process::id()));
+        let d = Dims {
+            vocab: tiny_cfg["vocab_size"].as_u64().unwrap() as usize,
+            ..Dims::for_family(family)
+        };
+        random_ckpt::write(family, &d, 3, &dir).unwrap();
+        for f in ["tokenizer.json", "tokenizer_config.json"] {
+            std::fs::copy(tiny().join(f), dir.join(f)).unwrap();
+        }
+        let (p, _purl, addr) = serve_lane(&dir, &[]);
+        let (st, models) = get(&addr, "/v1/models");
+        assert_eq!(st, 200, "{name}: {models}");
+        let model = models["data"][0]["id"].as_str().unwrap().to_string();
+        let ask = json!({"model": model, "prompt": "The agent called", "max_tokens": 8,
+                         "temperature": 0});
+        let (st, a) = post(&addr, "/v1/completions", &ask);
+        assert_eq!(st, 200, "{name}: {a}");
+        let (_, b) = post(&addr, "/v1/completions", &ask);
+        assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"], "{name}");
+        let n = a["usage"]["completion_tokens"].as_u64().unwrap();
+        assert!(n <= 8, "{name}: {a}");
+        assert!(a["choices"][0]["finish_reason"].is_string(), "{name}: {a}");
+        let chat = json!({"model": model, "messages": [{"role": "user", "content": "Guten Morgen"}],
+                          "max_tokens": 6, "temperature": 0});
+        let (st, c) = post(&addr, "/v1/chat/completions", &chat);
+        assert_eq!(st, 200, "{name}: {c}");
+        assert_eq!(c["object"], "chat.completion", "{name}: {c}");
+        drop(p);
+        let hot = (d.experts / 3).to_string();
+        let (_p, purl, addr) = serve_lane(&dir, &["--hot-experts", &hot]);
+        let (st, h) = post(&addr, "/v1/completions", &ask);
+        assert_eq!(st, 200, "{name}: {h}");
+        assert_eq!(
+            h["choices"][0]["text"], a["choices"][0]["text"],
+            "{name}: --hot-experts {hot}"
+        );
+        let out = std::process::Command::new(bin())
+            .args(["status", "--primary", &purl])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        let cold: f64 = text
+            .lines()
+            .find_map(|l| l.strip_prefix("total cold share "))
+            .and_then(|l| l.split('%').next())
+            .and_then(|x| x.parse().ok())
+            .unwrap_or_else(|| panic!("{name}: no cold share in {text}"));
+        assert!(cold > 0.0, "{name}: {text}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
-    let (_p, _purl, addr) = serve_lane(&dir, &[]);
-    let (st, models) = get(&addr, "/v1/models");
-    assert_eq!(st, 200, "{models}");
-    let name = models["data"][0]["id"].as_str().unwrap().to_string();
-    let ask =
-        json!({"model": name, "prompt": "The agent called", "max_tokens": 8, "temperature": 0});
-    let (st, a) = post(&addr, "/v1/completions", &ask);
-    assert_eq!(st, 200, "{a}");
-    let (_, b) = post(&addr, "/v1/completions", &ask);
-    assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
-    let n = a["usage"]["completion_tokens"].as_u64().unwrap();
-    assert!(n <= 8, "{a}");
-    assert!(a["choices"][0]["finish_reason"].is_string(), "{a}");
-    let chat = json!({"model": name, "messages": [{"role": "user", "content": "Guten Morgen"}],
-                      "max_tokens": 6, "temperature": 0});
-    let (st, c) = post(&addr, "/v1/chat/completions", &chat);
-    assert_eq!(st, 200, "{c}");
-    assert_eq!(c["object"], "chat.completion", "{c}");
-    drop(_p);
-    // --hot-experts 3: the first map from a calibration pass, 3 of 8 experts hot per layer,
-    // the rest on the sidecar; the same greedy answer
-    let (_p, purl, addr) = serve_lane(&dir, &["--hot-experts", "3"]);
-    let (st, h) = post(&addr, "/v1/completions", &ask);
-    assert_eq!(st, 200, "{h}");
-    assert_eq!(h["choices"][0]["text"], a["choices"][0]["text"]);
-    let out = std::process::Command::new(bin())
-        .args(["status", "--primary", &purl])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    let cold: f64 = text
-        .lines()
-        .find_map(|l| l.strip_prefix("total cold share "))
-        .and_then(|l| l.split('%').next())
-        .and_then(|x| x.parse().ok())
-        .unwrap_or_else(|| panic!("no cold share in {text}"));
-    assert!(cold > 0.0, "{text}");
-    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -55,7 +55,7 @@ kernel_args! {
     /// `qk_rope_kv` (attention.cu): q/k norm, RoPE, K/V into the paged cache.
     QkRopeKv {
         qkv: u64, qn: u64, kn: u64, cos_t: u64, sin_t: u64, row_pos: u64, row_tab: u64,
-        blocks: u64, kc: u64, vc: u64, nh: i32, nkv: i32, hd: i32, eps: f32,
+        blocks: u64, kc: u64, vc: u64, nh: i32, nkv: i32, hd: i32, eps: f32, rd: i32,
     }
 }
 
@@ -72,7 +72,7 @@ kernel_args! {
     AttentionDecode {
         qkv: u64, qn: u64, kn: u64, cos_t: u64, sin_t: u64, kc: u64, vc: u64, row_pos: u64,
         row_tab: u64, blocks: u64, out: u64, nh: i32, nkv: i32, hd: i32, eps: f32,
-        scale: f32, part: u64,
+        scale: f32, part: u64, rd: i32,
     }
 }
 
@@ -84,6 +84,14 @@ kernel_args! {
 kernel_args! {
     /// `route_topk` (routing.cu): the router's softmax and top-k per row.
     RouteTopk { logits: u64, idx: u64, wts: u64, experts: i32, k: i32, norm: i32, regs: i32 }
+}
+
+kernel_args! {
+    /// `route_sigmoid` (routing.cu): the sigmoid router's grouped choice and weights per row.
+    RouteSigmoid {
+        logits: u64, bias: u64, idx: u64, wts: u64, experts: i32, k: i32, norm: i32,
+        n_group: i32, topk_group: i32, scale: f32,
+    }
 }
 
 kernel_args! {

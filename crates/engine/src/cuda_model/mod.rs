@@ -238,6 +238,7 @@ struct Funcs {
     attention_merge: CudaFunction,
     attention_tiled: CudaFunction,
     route_topk: CudaFunction,
+    route_sigmoid: CudaFunction,
     moe_up: CudaFunction,
     moe_down: CudaFunction,
     moe_down_pre: CudaFunction,
@@ -270,6 +271,7 @@ fn funcs(gpu: &Gpu) -> Result<Funcs> {
         attention_merge: f("attention_merge")?,
         attention_tiled: f("attention_tiled")?,
         route_topk: f("route_topk")?,
+        route_sigmoid: f("route_sigmoid")?,
         moe_up: f("moe_up")?,
         moe_down: f("moe_down")?,
         moe_down_pre: f("moe_down_pre")?,
@@ -288,6 +290,9 @@ fn funcs(gpu: &Gpu) -> Result<Funcs> {
     })
 }
 
+/// A shared expert on the device: gate|up, down and the gate's row (none: ungated, glm4_moe).
+type SharedExpert = (Buf<f32>, Buf<f32>, Option<Buf<f32>>);
+
 struct Layer {
     input_norm: Buf<f32>,
     post_norm: Buf<f32>,
@@ -296,10 +301,12 @@ struct Layer {
     q_norm: Buf<f32>,
     k_norm: Buf<f32>,
     router: Option<Buf<f32>>,
+    /// the sigmoid router's correction bias (`[E]`)
+    router_bias: Option<Buf<f32>>,
     mlp: Option<(Buf<f32>, Buf<f32>)>,
     qkv_bias: Option<Buf<f32>>,
     /// the shared expert's gate_up, down and gate row (qwen2_moe)
-    shared: Option<(Buf<f32>, Buf<f32>, Buf<f32>)>,
+    shared: Option<SharedExpert>,
 }
 
 fn grid(x: usize, y: usize, threads: usize, shared: usize) -> LaunchConfig {
@@ -484,7 +491,7 @@ pub enum Op {
     Moe(usize),
     Combine,
     DenseMlp(usize),
-    /// the gated shared expert of decoder layer l (qwen2_moe)
+    /// the shared expert of decoder layer l (qwen2_moe gated, glm4_moe not)
     Shared(usize),
     /// final norm and the LM head for the step's logit rows, then what the step returns
     Head(HeadOut),
@@ -532,6 +539,9 @@ fn upload_layers(st: &Arc<CudaStream>, w: &DenseWeights) -> Result<Vec<Layer>> {
                 &l.k_norm
             })?,
             router: l.router.as_ref().map(|r| up(&r.to_f32())).transpose()?,
+            router_bias: (!l.router_bias.is_empty())
+                .then(|| up(&l.router_bias))
+                .transpose()?,
             mlp: match &l.dense_mlp {
                 Some(m) => Some((up(&m.gate_up.to_f32())?, up(&m.down.to_f32())?)),
                 None => None,
@@ -540,7 +550,11 @@ fn upload_layers(st: &Arc<CudaStream>, w: &DenseWeights) -> Result<Vec<Layer>> {
                 .then(|| up(&l.qkv_bias))
                 .transpose()?,
             shared: match &l.shared {
-                Some((m, g)) => Some((up(&m.gate_up.to_f32())?, up(&m.down.to_f32())?, up(g)?)),
+                Some((m, g)) => Some((
+                    up(&m.gate_up.to_f32())?,
+                    up(&m.down.to_f32())?,
+                    (!g.is_empty()).then(|| up(g)).transpose()?,
+                )),
                 None => None,
             },
         });
@@ -607,7 +621,7 @@ impl GpuModel {
         let up = |v: &[f32]| Buf::from_host(&st, v);
         let layers = upload_layers(&st, w)?;
         let max_pos = cfg.max_position_embeddings.min(1 << 16);
-        let rope = Rope::new(cfg.head_dim, cfg.rope_theta, max_pos);
+        let rope = Rope::new(cfg.rotary_dim, cfg.rope_theta, max_pos);
         let per_layer = kv_blocks * BLOCK * cfg.kv_dim();
         let mut kc = Vec::new();
         let mut vc = Vec::new();

@@ -4,6 +4,7 @@
 //! leaves for the host.
 
 use super::*;
+use crate::config::Routing;
 
 impl GpuModel {
     /// How this step's head samples: one pick per logit row (set after `begin`, before
@@ -161,6 +162,7 @@ impl GpuModel {
                 eps,
                 scale,
                 part: self.att_part.p,
+                rd: c.rotary_dim as i32,
             };
             let mut cfg = grid(n, c.num_attention_heads, 32 * nw, (nw + 3) * c.head_dim * 4);
             cfg.grid_dim.2 = self.splits as u32;
@@ -212,6 +214,7 @@ impl GpuModel {
             nkv,
             hd,
             eps,
+            rd: c.rotary_dim as i32,
         };
         let heads = c.num_attention_heads + c.num_key_value_heads;
         // SAFETY: positions < max_pos and their blocks < kv_blocks were checked in `begin`;
@@ -277,6 +280,34 @@ impl GpuModel {
             n,
             self.rlog.p,
         )?;
+        if let Routing::SigmoidGrouped {
+            n_group,
+            topk_group,
+        } = c.routing
+        {
+            let mut a = args::RouteSigmoid {
+                logits: self.rlog.p,
+                bias: lw.router_bias.as_ref().map_or(0, |b| b.p),
+                idx,
+                wts: self.wts.p,
+                experts: e,
+                k: ki,
+                norm,
+                n_group: n_group as i32,
+                topk_group: topk_group as i32,
+                scale: c.routed_scaling_factor,
+            };
+            // SAFETY: rlog holds n rows of E, the bias (when set) E floats; idx has room for
+            // the ml-th layer's n*k ids; 2 E + 2 n_group floats of shared memory.
+            return unsafe {
+                self.launch(
+                    &self.f.route_sigmoid,
+                    "route_sigmoid",
+                    &mut a.params(),
+                    grid(n, 1, 32, (2 * ne + 2 * n_group) * 4),
+                )
+            };
+        }
         let regs = (self.register_topk && ne <= TOPK_REG * 32) as i32;
         let mut a = args::RouteTopk {
             logits: self.rlog.p,
@@ -538,26 +569,28 @@ impl GpuModel {
     }
 
     /// x += sigmoid(gate . h) * shared_expert(h) of MoE layer `l` (h: the route's normed
-    /// rows), when it has one: the products, the gate's scale applied to the activation, the
-    /// down projection added into x.
+    /// rows), when it has one: the products, the gate's scale applied to the activation (an
+    /// ungated one, glm4_moe, as it is), the down projection added into x.
     pub fn shared_expert(&mut self, l: usize) -> Result<()> {
         let c = &self.cfg;
         let (n, hs, si) = (self.n, c.hidden_size, c.shared_expert_intermediate_size);
         let Some((gu, dn, gate)) = self.layers[l].shared.as_ref() else {
             return Ok(());
         };
-        let (gu, dn, gate) = (gu.p, dn.p, gate.p);
-        // the gate's logit per row into rlog (the router's top-k has consumed it)
-        self.gemm(
-            "gemv_rows:shared_gate",
-            gate,
-            1,
-            hs,
-            self.h.p,
-            n,
-            self.rlog.p,
-            0.0,
-        )?;
+        let (gu, dn, gate) = (gu.p, dn.p, gate.as_ref().map(|g| g.p));
+        if let Some(gate) = gate {
+            // the gate's logit per row into rlog (the router's top-k has consumed it)
+            self.gemm(
+                "gemv_rows:shared_gate",
+                gate,
+                1,
+                hs,
+                self.h.p,
+                n,
+                self.rlog.p,
+                0.0,
+            )?;
+        }
         self.gemm(
             "gemv_rows:shared_up",
             gu,
@@ -582,20 +615,22 @@ impl GpuModel {
                 grid(n, 1, 256, 0),
             )
         }?;
-        let mut s = args::SigmoidScaleRows {
-            a: self.att.p,
-            g: self.rlog.p,
-            inter: si as i32,
-        };
-        // SAFETY: att holds n rows of Is, rlog n logits.
-        unsafe {
-            self.launch(
-                &self.f.sigmoid_scale,
-                "sigmoid_scale_rows",
-                &mut s.params(),
-                grid(n, 1, 256, 0),
-            )
-        }?;
+        if gate.is_some() {
+            let mut s = args::SigmoidScaleRows {
+                a: self.att.p,
+                g: self.rlog.p,
+                inter: si as i32,
+            };
+            // SAFETY: att holds n rows of Is, rlog n logits.
+            unsafe {
+                self.launch(
+                    &self.f.sigmoid_scale,
+                    "sigmoid_scale_rows",
+                    &mut s.params(),
+                    grid(n, 1, 256, 0),
+                )
+            }?;
+        }
         self.gemm(
             "gemv_rows:shared_down",
             dn,
