@@ -7,10 +7,47 @@ __device__ __forceinline__ void norm_rope(const float* v, const float* __restric
                                           float* dst, const float* __restrict__ cos_t,
                                           const float* __restrict__ sin_t, int pos, int hd,
                                           int rd, float eps) {
-    const int lane = threadIdx.x & 31, rh = rd / 2;
+    const int lane = threadIdx.x & 31;
     const bool nrm = nwt != nullptr;
-    // every value this lane needs (hd <= 128) in one round of loads, then the arithmetic:
-    // its dimensions i = lane + 32 t, each one's rotation partner, weights and angle
+    if (rd == hd) {
+        // the whole head rotated: each lane loads its pairs (i, i + hd/2) once
+        const int half = hd / 2;
+        float sq[4], lo[2], hi[2], glo[2], ghi[2], c[2], sn[2];
+#pragma unroll
+        for (int t = 0; t < 4; t++) sq[t] = lane + 32 * t < hd ? v[lane + 32 * t] : 0.f;
+#pragma unroll
+        for (int t = 0; t < 2; t++) {
+            const int i = lane + 32 * t;
+            const bool ok = i < half;
+            lo[t] = ok ? v[i] : 0.f;
+            hi[t] = ok ? v[i + half] : 0.f;
+            glo[t] = ok ? (nrm ? nwt[i] : 1.f) : 0.f;
+            ghi[t] = ok ? (nrm ? nwt[i + half] : 1.f) : 0.f;
+            c[t] = ok ? cos_t[(size_t)pos * half + i] : 0.f;
+            sn[t] = ok ? sin_t[(size_t)pos * half + i] : 0.f;
+        }
+        float s = 0.f;
+#pragma unroll
+        for (int t = 0; t < 4; t++)
+            if (lane + 32 * t < hd) s = fmaf(sq[t], sq[t], s);
+        s = warp_sum(s);
+        // in place (dst == v) with half not a multiple of 32, a lane writes what another read
+        __syncwarp();
+        const float inv = nrm ? 1.f / sqrtf(s / (float)hd + eps) : 1.f;
+#pragma unroll
+        for (int t = 0; t < 2; t++) {
+            const int i = lane + 32 * t;
+            if (i < half) {
+                const float a = glo[t] * (lo[t] * inv), b = ghi[t] * (hi[t] * inv);
+                dst[i] = a * c[t] - b * sn[t];
+                dst[i + half] = b * c[t] + a * sn[t];
+            }
+        }
+        return;
+    }
+    // part of the head rotated: each lane's dimensions i = lane + 32 t, each one's rotation
+    // partner, weights and angle, then the same arithmetic
+    const int rh = rd / 2;
     float x[4], px[4], g[4], pg[4], c[4], sn[4];
 #pragma unroll
     for (int t = 0; t < 4; t++) {
@@ -29,7 +66,6 @@ __device__ __forceinline__ void norm_rope(const float* v, const float* __restric
     for (int t = 0; t < 4; t++)
         if (lane + 32 * t < hd) s = fmaf(x[t], x[t], s);
     s = warp_sum(s);
-    // in place (dst == v), a lane writes what another read
     __syncwarp();
     const float inv = nrm ? 1.f / sqrtf(s / (float)hd + eps) : 1.f;
 #pragma unroll

@@ -108,7 +108,7 @@ extern "C" __global__ void route_topk(const float* __restrict__ logits, int* __r
 // Sigmoid router (glm4_moe, deepseek_v3), one warp per row of logits [rows, E]: p = sigmoid,
 // the choice ranks p + bias (bias null: none) among the experts of the topk_group best of
 // n_group equal groups (a group scored by the sum of its two best choice scores; the other
-// experts score 0, as transformers masks them), k rounds of argmax (ties to the lower
+// experts out of the running, -inf, as transformers 5 masks them), k rounds of argmax (ties to the lower
 // expert); the weights are the picked p, over their sum + 1e-20 when `norm`, times `scale`.
 // The same arithmetic, in the same order, as the CPU's. grid: rows; block: 32; dynamic shared
 // memory: 2 E + 2 n_group floats.
@@ -153,7 +153,7 @@ extern "C" __global__ void route_sigmoid(const float* __restrict__ logits,
             __syncwarp();
         }
         for (int i = lane; i < E; i += 32)
-            if (keep[i / per] == 0.f) q[i] = 0.f;
+            if (keep[i / per] == 0.f) q[i] = -INFINITY;
         __syncwarp();
     }
     float tot = 0.f, mine = 0.f;
@@ -164,6 +164,8 @@ extern "C" __global__ void route_sigmoid(const float* __restrict__ logits,
         for (int i = lane; i < E; i += 32)
             if (q[i] > bv) { bv = q[i]; bi = i; }
         warp_argmax(bv, bi);
+        // a row of NaN logits picks nothing above -inf: stay inside the row
+        if (bi >= E) bi = 0;
         const float w = p[bi];
         keep_pick(j, k, w, bi, mine, mi, idx + r * k, wts + r * k);
         if (lane == 0) q[bi] = -INFINITY;

@@ -31,8 +31,19 @@ pub struct ModelConfig {
     pub routed_scaling_factor: f32,
     /// Dimensions of each q/k head that RoPE rotates (the first ones, rotate-half layout);
     /// `head_dim` unless the family rotates part of the head (glm4_moe's
-    /// `partial_rotary_factor`).
+    /// `partial_rotary_factor`; deepseek_v3's `qk_rope_head_dim`).
     pub rotary_dim: usize,
+    /// RoPE rotates interleaved pairs `(x0, x1), (x2, x3), ...` (deepseek_v3's
+    /// `rope_interleave`) instead of the halves.
+    pub rope_interleave: bool,
+    /// YaRN's context extension of RoPE (`rope_parameters.rope_type: "yarn"`).
+    pub yarn: Option<Yarn>,
+    /// The softmax scale of the attention scores: 1/sqrt(q/k head width), times deepseek_v3's
+    /// YaRN `mscale_all_dim` correction squared.
+    pub attention_scale: f32,
+    /// Multi-head latent attention (deepseek_v3): its shapes; the q/k/v fields above then
+    /// describe the heads it expands to (`head_dim` = nope + rope).
+    pub mla: Option<Mla>,
     pub vocab_size: usize,
     pub hidden_size: usize,
     pub num_hidden_layers: usize,
@@ -54,6 +65,31 @@ pub struct ModelConfig {
     pub mlp_only_layers: Vec<usize>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+}
+
+/// YaRN (arXiv 2309.00071) as transformers computes it: the RoPE frequencies blended between
+/// interpolated (divided by `factor`) and extrapolated over the dimensions whose wavelength
+/// falls between the `beta_fast` and `beta_slow` rotations of the original context, and the
+/// cos/sin tables scaled by `attention_factor`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Yarn {
+    pub factor: f32,
+    pub original_max_position_embeddings: usize,
+    pub beta_fast: f32,
+    pub beta_slow: f32,
+    pub attention_factor: f32,
+}
+
+/// Multi-head latent attention (DeepSeek-V2/V3): q through an optional low-rank `q_lora_rank`
+/// bottleneck; k and v from one `kv_lora_rank` latent per position (plus a rotary key of
+/// `qk_rope_head_dim` shared by the heads), which is what the KV cache stores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Mla {
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: usize,
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
 }
 
 /// How a router picks: every family ranks by its scores, they differ in the scores.
@@ -83,6 +119,10 @@ pub enum Family {
     /// Glm4MoeForCausalLM (GLM-4.5 / 4.6): partial rotary, optional q/k norm, q/k/v biases,
     /// an ungated shared expert, sigmoid routing with a correction bias, dense first layers.
     Glm4Moe,
+    /// DeepseekV3ForCausalLM (DeepSeek-V3 / R1 / V3.x, Kimi K2): multi-head latent attention
+    /// with interleaved RoPE and YaRN, the sigmoid group-limited router, an ungated shared
+    /// expert, dense first layers.
+    DeepseekV3,
 }
 
 impl Family {
@@ -92,6 +132,7 @@ impl Family {
             Family::Mixtral => "mixtral",
             Family::Qwen2Moe => "qwen2_moe",
             Family::Glm4Moe => "glm4_moe",
+            Family::DeepseekV3 => "deepseek_v3",
         }
     }
 
@@ -102,6 +143,7 @@ impl Family {
             "mixtral" => Some(Family::Mixtral),
             "qwen2_moe" => Some(Family::Qwen2Moe),
             "glm4_moe" => Some(Family::Glm4Moe),
+            "deepseek_v3" => Some(Family::DeepseekV3),
             _ => None,
         };
         let by_arch = |a: &str| match a {
@@ -109,6 +151,7 @@ impl Family {
             "MixtralForCausalLM" => Some(Family::Mixtral),
             "Qwen2MoeForCausalLM" => Some(Family::Qwen2Moe),
             "Glm4MoeForCausalLM" => Some(Family::Glm4Moe),
+            "DeepseekV3ForCausalLM" => Some(Family::DeepseekV3),
             _ => None,
         };
         model_type
@@ -151,6 +194,13 @@ struct Raw {
     topk_group: Option<usize>,
     use_qk_norm: Option<bool>,
     partial_rotary_factor: Option<f64>,
+    q_lora_rank: Option<usize>,
+    kv_lora_rank: Option<usize>,
+    qk_nope_head_dim: Option<usize>,
+    qk_rope_head_dim: Option<usize>,
+    v_head_dim: Option<usize>,
+    rope_interleave: Option<bool>,
+    scoring_func: Option<String>,
     hidden_act: Option<String>,
     use_sliding_window: Option<bool>,
     sliding_window: Option<Value>,
@@ -266,6 +316,14 @@ impl ModelConfig {
             reason: reason.into(),
         };
         let glm = family == Family::Glm4Moe;
+        let ds = family == Family::DeepseekV3;
+        if ds && raw.scoring_func.as_deref().is_some_and(|f| f != "sigmoid") {
+            return Err(bad(
+                "scoring_func",
+                raw.scoring_func.clone().unwrap_or_default(),
+                "deepseek_v3 routes by sigmoid",
+            ));
+        }
         if raw.attention_bias == Some(true) && !matches!(family, Family::Qwen2Moe | Family::Glm4Moe)
         {
             return Err(bad(
@@ -286,22 +344,72 @@ impl ModelConfig {
                 "sliding-window attention is not supported",
             ));
         }
-        // rope_scaling / rope_parameters with a type other than default are not supported.
+        // rope_scaling / rope_parameters: default RoPE or YaRN; other types are refused
         let rope_params = raw.rope_parameters.as_ref().or(raw.rope_scaling.as_ref());
         let mut rope_theta = raw.rope_theta;
         let mut partial = raw.partial_rotary_factor;
+        let mut yarn = None;
+        // deepseek_v3's softmax-scale correction, mscale(factor, mscale_all_dim)^2
+        let mut mscale_all = 1.0f64;
         if let Some(Value::Object(p)) = rope_params {
-            if let Some(t) = p
+            match p
                 .get("rope_type")
                 .or_else(|| p.get("type"))
                 .and_then(|t| t.as_str())
             {
-                if t != "default" {
+                None | Some("default") => {}
+                Some("yarn") => {
+                    let num = |k: &str| p.get(k).and_then(|v| v.as_f64());
+                    let orig = num("original_max_position_embeddings").ok_or_else(|| {
+                        bad(
+                            "rope_parameters.original_max_position_embeddings",
+                            "missing".into(),
+                            "YaRN needs the original context length",
+                        )
+                    })?;
+                    let factor = num("factor")
+                        .unwrap_or(raw.max_position_embeddings.unwrap_or(0) as f64 / orig);
+                    if !(factor.is_finite() && factor > 0.0 && orig >= 1.0) {
+                        return Err(bad(
+                            "rope_parameters.factor",
+                            factor.to_string(),
+                            "YaRN's factor must be finite and positive",
+                        ));
+                    }
+                    let m = |scale: f64, ms: f64| {
+                        if scale <= 1.0 {
+                            1.0
+                        } else {
+                            0.1 * ms * scale.ln() + 1.0
+                        }
+                    };
+                    let (ms, all) = (
+                        num("mscale").filter(|x| *x != 0.0),
+                        num("mscale_all_dim").filter(|x| *x != 0.0),
+                    );
+                    let attention_factor = match (num("attention_factor"), ms, all) {
+                        (Some(a), _, _) => a,
+                        (None, Some(ms), Some(all)) => m(factor, ms) / m(factor, all),
+                        _ => m(factor, 1.0),
+                    };
+                    if let Some(all) = all {
+                        mscale_all = m(factor, all) * m(factor, all);
+                    }
+                    let beta = |k: &str, d: f64| num(k).filter(|x| *x != 0.0).unwrap_or(d);
+                    yarn = Some(Yarn {
+                        factor: factor as f32,
+                        original_max_position_embeddings: orig as usize,
+                        beta_fast: beta("beta_fast", 32.0) as f32,
+                        beta_slow: beta("beta_slow", 1.0) as f32,
+                        attention_factor: attention_factor as f32,
+                    });
+                }
+                Some(t) => {
                     return Err(bad(
                         "rope_parameters.rope_type",
                         t.into(),
-                        "only default RoPE is supported",
-                    ));
+                        "only default RoPE and yarn are supported",
+                    ))
                 }
             }
             if rope_theta.is_none() {
@@ -333,9 +441,24 @@ impl ModelConfig {
             _ => max_pos,
         };
         let qwen2 = family == Family::Qwen2Moe;
-        let head_dim = raw
-            .head_dim
-            .unwrap_or(hidden_size / num_attention_heads.max(1));
+        let mla = if ds {
+            Some(Mla {
+                q_lora_rank: raw.q_lora_rank,
+                kv_lora_rank: need("kv_lora_rank", raw.kv_lora_rank)?,
+                qk_nope_head_dim: need("qk_nope_head_dim", raw.qk_nope_head_dim)?,
+                qk_rope_head_dim: need("qk_rope_head_dim", raw.qk_rope_head_dim)?,
+                v_head_dim: need("v_head_dim", raw.v_head_dim)?,
+            })
+        } else {
+            None
+        };
+        // an MLA head is its nope and rope parts
+        let head_dim = match &mla {
+            Some(m) => m.qk_nope_head_dim + m.qk_rope_head_dim,
+            None => raw
+                .head_dim
+                .unwrap_or(hidden_size / num_attention_heads.max(1)),
+        };
         // glm4_moe rotates the first partial_rotary_factor of each head (0.5 unless it says)
         let factor = if glm { partial.unwrap_or(0.5) } else { 1.0 };
         if !(factor > 0.0 && factor <= 1.0) {
@@ -351,9 +474,12 @@ impl ModelConfig {
                 "shared_expert_intermediate_size",
                 raw.shared_expert_intermediate_size,
             )?,
-            Family::Glm4Moe => raw.n_shared_experts.unwrap_or(1) * moe_intermediate_size,
+            Family::Glm4Moe | Family::DeepseekV3 => {
+                raw.n_shared_experts.unwrap_or(1) * moe_intermediate_size
+            }
             _ => 0,
         };
+        let sigmoid = glm || ds;
         let cfg = ModelConfig {
             family,
             qk_norm: match family {
@@ -364,20 +490,29 @@ impl ModelConfig {
             qkv_bias: qwen2 || (glm && raw.attention_bias.unwrap_or(false)),
             shared_expert_intermediate_size,
             shared_expert_gated: qwen2,
-            routing: if glm {
+            routing: if sigmoid {
                 Routing::SigmoidGrouped {
-                    n_group: raw.n_group.unwrap_or(1),
-                    topk_group: raw.topk_group.unwrap_or(1),
+                    n_group: raw.n_group.unwrap_or(if ds { 8 } else { 1 }),
+                    topk_group: raw.topk_group.unwrap_or(if ds { 4 } else { 1 }),
                 }
             } else {
                 Routing::Softmax
             },
-            routed_scaling_factor: if glm {
-                raw.routed_scaling_factor.unwrap_or(1.0) as f32
+            routed_scaling_factor: if sigmoid {
+                raw.routed_scaling_factor
+                    .unwrap_or(if ds { 2.5 } else { 1.0 }) as f32
             } else {
                 1.0
             },
-            rotary_dim: ((head_dim as f64 * factor) as usize) & !1,
+            rotary_dim: match &mla {
+                Some(m) => m.qk_rope_head_dim,
+                None => ((head_dim as f64 * factor) as usize) & !1,
+            },
+            rope_interleave: ds && raw.rope_interleave.unwrap_or(true),
+            yarn,
+            attention_scale: ((1.0 / (head_dim as f64).sqrt()) * if ds { mscale_all } else { 1.0 })
+                as f32,
+            mla,
             vocab_size: need("vocab_size", raw.vocab_size)?,
             hidden_size,
             num_hidden_layers: need("num_hidden_layers", raw.num_hidden_layers)?,
@@ -397,7 +532,7 @@ impl ModelConfig {
                     .or(raw.n_routed_experts),
             )?,
             num_experts_per_tok: need("num_experts_per_tok", raw.num_experts_per_tok)?,
-            norm_topk_prob: mixtral || raw.norm_topk_prob.unwrap_or(glm),
+            norm_topk_prob: mixtral || raw.norm_topk_prob.unwrap_or(sigmoid),
             rms_norm_eps: raw
                 .rms_norm_eps
                 .unwrap_or(if mixtral { 1e-5 } else { 1e-6 }) as f32,
@@ -411,9 +546,9 @@ impl ModelConfig {
             },
             mlp_only_layers: if mixtral {
                 Vec::new()
-            } else if glm {
+            } else if sigmoid {
                 // the first `first_k_dense_replace` layers are dense
-                (0..raw.first_k_dense_replace.unwrap_or(1)).collect()
+                (0..raw.first_k_dense_replace.unwrap_or(if ds { 3 } else { 1 })).collect()
             } else {
                 raw.mlp_only_layers.unwrap_or_default()
             },
@@ -554,6 +689,21 @@ impl ModelConfig {
     }
     pub fn kv_dim(&self) -> usize {
         self.num_key_value_heads * self.head_dim
+    }
+    /// Floats the KV cache keeps per position and layer, in its k and its v parts: the k and
+    /// v heads, or MLA's latent and rotary key (in k; v none).
+    pub fn cache_dims(&self) -> (usize, usize) {
+        match &self.mla {
+            Some(m) => (m.kv_lora_rank + m.qk_rope_head_dim, 0),
+            None => (self.kv_dim(), self.kv_dim()),
+        }
+    }
+    /// Width of the attention's output, the o projection's input (MLA: heads x v_head_dim).
+    pub fn o_dim(&self) -> usize {
+        match &self.mla {
+            Some(m) => self.num_attention_heads * m.v_head_dim,
+            None => self.q_dim(),
+        }
     }
 
     /// Bytes of one expert's weights at `bytes_per_param`.
@@ -752,5 +902,79 @@ mod tests {
         v["n_group"] = 16.into();
         v["topk_group"] = 16.into();
         assert!(ModelConfig::from_json_str(&v.to_string(), p).is_err());
+    }
+
+    #[test]
+    fn deepseek_v3_configs_read_mla_and_yarn() {
+        let p = Path::new("config.json");
+        let mut v = serde_json::json!({
+            "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2",
+            "vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 96,
+            "moe_intermediate_size": 16, "n_routed_experts": 16, "num_experts_per_tok": 4,
+            "q_lora_rank": 24, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8, "v_head_dim": 12, "max_position_embeddings": 1024,
+            "rope_theta": 50000.0,
+            "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+        });
+        let c = ModelConfig::from_json_str(&v.to_string(), p).unwrap();
+        // Kimi K2 names its own model_type; the architecture decides
+        assert_eq!(c.family, Family::DeepseekV3);
+        let m = c.mla.unwrap();
+        assert_eq!(
+            (m.q_lora_rank, m.kv_lora_rank, m.v_head_dim),
+            (Some(24), 32, 12)
+        );
+        assert_eq!((c.head_dim, c.rotary_dim, c.o_dim()), (24, 8, 48));
+        assert_eq!(c.cache_dims(), (40, 0));
+        assert!(c.rope_interleave && c.norm_topk_prob && !c.shared_expert_gated);
+        // transformers' defaults: 8 groups, the best 4, 3 dense layers, x2.5
+        assert_eq!(
+            c.routing,
+            Routing::SigmoidGrouped {
+                n_group: 8,
+                topk_group: 4
+            }
+        );
+        assert_eq!((c.moe_layers(), c.routed_scaling_factor), (vec![3], 2.5));
+        assert_eq!(c.rope_theta, 50000.0);
+        let y = c.yarn.unwrap();
+        assert_eq!((y.factor, y.original_max_position_embeddings), (32.0, 4096));
+        // mscale == mscale_all_dim: the tables unscaled, the softmax by mscale(32, 1)^2
+        assert_eq!(y.attention_factor, 1.0);
+        let ms = 0.1 * 32f64.ln() + 1.0;
+        let want = (ms * ms / 24f64.sqrt()) as f32;
+        assert!(
+            (c.attention_scale - want).abs() < 1e-6,
+            "{}",
+            c.attention_scale
+        );
+        v["rope_scaling"]["type"] = "longrope".into();
+        assert!(matches!(
+            ModelConfig::from_json_str(&v.to_string(), p),
+            Err(Error::Config {
+                field: "rope_parameters.rope_type",
+                ..
+            })
+        ));
+        v["rope_scaling"] = serde_json::Value::Null;
+        v["scoring_func"] = "softmax".into();
+        assert!(matches!(
+            ModelConfig::from_json_str(&v.to_string(), p),
+            Err(Error::Config {
+                field: "scoring_func",
+                ..
+            })
+        ));
+        v["scoring_func"] = "sigmoid".into();
+        v.as_object_mut().unwrap().remove("kv_lora_rank");
+        assert!(matches!(
+            ModelConfig::from_json_str(&v.to_string(), p),
+            Err(Error::Config {
+                field: "kv_lora_rank",
+                ..
+            })
+        ));
     }
 }

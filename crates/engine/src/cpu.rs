@@ -46,10 +46,11 @@ pub struct CpuBackend {
 
 impl CpuBackend {
     pub fn new(cfg: ModelConfig, w: DenseWeights) -> Self {
-        let rope = Rope::new(
+        let rope = Rope::scaled(
             cfg.rotary_dim,
             cfg.rope_theta,
             cfg.max_position_embeddings.min(1 << 16),
+            cfg.yarn.as_ref(),
         );
         CpuBackend {
             cfg,
@@ -104,6 +105,118 @@ fn place(outs: &mut [f32], hs: usize, slots: &[u32], out: &[f32]) -> Result<()> 
         outs[s * hs..(s + 1) * hs].copy_from_slice(&out[i * hs..(i + 1) * hs]);
     }
     Ok(())
+}
+
+impl CpuBackend {
+    /// Multi-head latent attention (deepseek_v3) of decoder layer `layer`, absorbed: the
+    /// cache keeps each position's normed latent and rotated key (`kv_lora + rope` floats);
+    /// a head scores the latent with its query's nope part taken through its key rows
+    /// (`q_nope . W_uk`), adds the rotary parts' product, and reads its value from the
+    /// weighted latent through its value rows. The same sums as the expanded heads of
+    /// transformers, in another order.
+    fn mla_attention(&mut self, layer: usize, seqs: &[&SeqKv], kv: &mut KvCache) -> Result<()> {
+        let c = &self.cfg;
+        let m = c
+            .mla
+            .ok_or_else(|| Error::Internal("MLA attention of a model without MLA".into()))?;
+        let lw = &self.w.layers[layer];
+        let w = lw
+            .mla
+            .as_ref()
+            .ok_or_else(|| Error::Internal(format!("layer {layer} has no MLA weights")))?;
+        let (nh, hs, n) = (c.num_attention_heads, c.hidden_size, self.rows.len());
+        let (nope, rope, r, vh) = (
+            m.qk_nope_head_dim,
+            m.qk_rope_head_dim,
+            m.kv_lora_rank,
+            m.v_head_dim,
+        );
+        let (qk, cd) = (nope + rope, r + rope);
+        if kv.k.len() <= layer || kv.kv_dim != cd {
+            return Err(Error::Internal(format!(
+                "the KV cache holds {} layers of {} floats, layer {layer} needs {cd}",
+                kv.k.len(),
+                kv.kv_dim
+            )));
+        }
+        // the latents' norms use transformers' fixed eps
+        const LATENT_EPS: f32 = 1e-6;
+        rmsnorm(
+            &self.x[..n * hs],
+            &lw.input_norm,
+            c.rms_norm_eps,
+            &mut self.h,
+        );
+        let mut q = vec![0f32; n * nh * qk];
+        match &w.q_a {
+            Some((qa, qn)) => {
+                let mut t = vec![0f32; n * qa.rows];
+                matmul(&self.h, n, qa, &mut t);
+                ops::rmsnorm_inplace(&mut t, qn, LATENT_EPS);
+                matmul(&t, n, &w.q_b, &mut q);
+            }
+            None => matmul(&self.h, n, &w.q_b, &mut q),
+        }
+        let mut ckv = vec![0f32; n * cd];
+        matmul(&self.h, n, &w.kv_a, &mut ckv);
+        let interleave = c.rope_interleave;
+        let rotate = |rope_t: &Rope, v: &mut [f32], pos: usize| {
+            if interleave {
+                rope_t.apply_interleaved(v, pos)
+            } else {
+                rope_t.apply(v, pos)
+            }
+        };
+        for (i, rp) in self.rows.iter().enumerate() {
+            let row = &mut ckv[i * cd..(i + 1) * cd];
+            ops::rmsnorm_inplace(&mut row[..r], &w.kv_a_norm, LATENT_EPS);
+            rotate(&self.rope, &mut row[r..], rp.pos);
+            let off = seqs[rp.seq].offset(rp.pos, cd);
+            kv.k[layer][off..off + cd].copy_from_slice(row);
+            for hh in 0..nh {
+                let h0 = i * nh * qk + hh * qk;
+                rotate(&self.rope, &mut q[h0 + nope..h0 + qk], rp.pos);
+            }
+        }
+        let scale = c.attention_scale;
+        let kc = &kv.k[layer];
+        let rows = &self.rows;
+        self.att.resize(n * nh * vh, 0.0);
+        self.att
+            .par_chunks_mut(nh * vh)
+            .enumerate()
+            .for_each(|(i, out)| {
+                let rp = rows[i];
+                let seq = seqs[rp.seq];
+                let mut scores = vec![0f32; rp.pos + 1];
+                let (mut q_lat, mut lat) = (vec![0f32; r], vec![0f32; r]);
+                for hh in 0..nh {
+                    let h0 = i * nh * qk + hh * qk;
+                    let (q_nope, q_rot) = (&q[h0..h0 + nope], &q[h0 + nope..h0 + qk]);
+                    matmul(q_nope, 1, &w.uk_t[hh], &mut q_lat);
+                    for (j, s) in scores.iter_mut().enumerate() {
+                        let off = seq.offset(j, cd);
+                        let cj = &kc[off..off + cd];
+                        *s = (ops::dot(&q_lat, &cj[..r]) + ops::dot(q_rot, &cj[r..])) * scale;
+                    }
+                    ops::softmax(&mut scores);
+                    lat.fill(0.0);
+                    for (j, &p) in scores.iter().enumerate() {
+                        let off = seq.offset(j, cd);
+                        for (l, &cv) in lat.iter_mut().zip(&kc[off..off + r]) {
+                            *l += p * cv;
+                        }
+                    }
+                    matmul(&lat, 1, &w.uv[hh], &mut out[hh * vh..(hh + 1) * vh]);
+                }
+            });
+        self.tmp.resize(n * hs, 0.0);
+        matmul(&self.att, n, &lw.o, &mut self.tmp);
+        for (xv, t) in self.x[..n * hs].iter_mut().zip(&self.tmp) {
+            *xv += t;
+        }
+        Ok(())
+    }
 }
 
 impl StepBackend for CpuBackend {
@@ -170,6 +283,9 @@ impl StepBackend for CpuBackend {
     }
 
     fn attention(&mut self, layer: usize, seqs: &[&SeqKv], kv: &mut KvCache) -> Result<()> {
+        if self.cfg.mla.is_some() {
+            return self.mla_attention(layer, seqs, kv);
+        }
         let c = &self.cfg;
         let (hd, nh, nkv, hs) = (
             c.head_dim,
@@ -227,7 +343,7 @@ impl StepBackend for CpuBackend {
             kv.v[layer][off..off + kvd].copy_from_slice(v);
         }
         // attention per (row, head), in parallel; each output written once
-        let scale = 1.0 / (hd as f32).sqrt();
+        let scale = c.attention_scale;
         let group = nh / nkv;
         let (kc, vc) = (&kv.k[layer], &kv.v[layer]);
         let (qkv, rows) = (&self.qkv, &self.rows);

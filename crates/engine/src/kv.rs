@@ -58,17 +58,29 @@ impl SeqKv {
 impl KvCache {
     /// A cache of `blocks` blocks for `layers` layers of `kv_dim` floats per position.
     pub fn new(layers: usize, kv_dim: usize, blocks: usize) -> Self {
-        let per_layer = blocks * BLOCK * kv_dim;
+        Self::with_dims(layers, kv_dim, kv_dim, blocks)
+    }
+
+    /// As [`KvCache::new`], with `v_dim` floats of v per position (0: none).
+    fn with_dims(layers: usize, kv_dim: usize, v_dim: usize, blocks: usize) -> Self {
+        let (pk, pv) = (blocks * BLOCK * kv_dim, blocks * BLOCK * v_dim);
         KvCache {
             layers,
             kv_dim,
             blocks,
-            k: (0..layers).map(|_| vec![0.0; per_layer]).collect(),
-            v: (0..layers).map(|_| vec![0.0; per_layer]).collect(),
+            k: (0..layers).map(|_| vec![0.0; pk]).collect(),
+            v: (0..layers).map(|_| vec![0.0; pv]).collect(),
             free: Arc::new(Mutex::new(FreeList {
                 free: (0..blocks as u32).rev().collect(),
             })),
         }
+    }
+
+    /// The cache a model keeps ([`crate::config::ModelConfig::cache_dims`]): k and v of
+    /// `kv_dim` floats per position, or MLA's latent in k alone (v empty).
+    pub fn for_model(cfg: &crate::config::ModelConfig, blocks: usize) -> Self {
+        let (kd, vd) = cfg.cache_dims();
+        Self::with_dims(cfg.num_hidden_layers, kd, vd, blocks)
     }
 
     /// Blocks needed to hold `tokens` positions.

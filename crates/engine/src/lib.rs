@@ -1,5 +1,5 @@
-//! moelane-engine: the model math of a lane. Loads Hugging Face `qwen3_moe`, `mixtral` and
-//! `qwen2_moe` checkpoints (weights in their stored dtype),
+//! moelane-engine: the model math of a lane. Loads Hugging Face `qwen3_moe`, `mixtral`,
+//! `qwen2_moe`, `glm4_moe` and `deepseek_v3` checkpoints (weights in their stored dtype),
 //! runs them on the CPU backend with a paged KV cache, splits experts between a hot and a
 //! cold tier by a rowmap, and makes synthetic checkpoints whose routing is structured by
 //! language. Knows nothing of gRPC or HTTP.

@@ -6,13 +6,100 @@ use crate::checkpoint::{Checkpoint, ExpertWeights};
 use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::ops::Matrix;
+/// One layer's multi-head latent attention (deepseek_v3), kept in the checkpoint's dtype,
+/// `kv_b_proj` split per head so that attention runs on the cached latent (absorbed): the
+/// query's nope part through each head's key rows (`uk_t`), the weighted latent through its
+/// value rows (`uv`).
+#[derive(Clone)]
+pub struct MlaWeights {
+    /// `q_a_proj [q_lora, H]` and `q_a_layernorm`, when q has a low-rank bottleneck.
+    pub q_a: Option<(Matrix, Vec<f32>)>,
+    /// `q_b_proj [heads * qk_head, q_lora]`, or `q_proj [heads * qk_head, H]`.
+    pub q_b: Matrix,
+    /// `kv_a_proj_with_mqa [kv_lora + rope, H]` and `kv_a_layernorm` (`[kv_lora]`).
+    pub kv_a: Matrix,
+    pub kv_a_norm: Vec<f32>,
+    /// Per head: its key rows of `kv_b_proj`, transposed (`[kv_lora, nope]`).
+    pub uk_t: Vec<Matrix>,
+    /// Per head: its value rows of `kv_b_proj` (`[v_head, kv_lora]`).
+    pub uv: Vec<Matrix>,
+}
+
+impl MlaWeights {
+    fn bytes(&self) -> usize {
+        let mut b = self.q_b.bytes() + self.kv_a.bytes() + self.kv_a_norm.len() * 4;
+        b += self
+            .q_a
+            .as_ref()
+            .map_or(0, |(m, n)| m.bytes() + n.len() * 4);
+        b + self
+            .uk_t
+            .iter()
+            .chain(&self.uv)
+            .map(Matrix::bytes)
+            .sum::<usize>()
+    }
+    fn vector_elements(&self) -> usize {
+        self.kv_a_norm.len() + self.q_a.as_ref().map_or(0, |(_, n)| n.len())
+    }
+
+    fn load(ckpt: &impl TensorSource, p: &str) -> Result<Self> {
+        let c = ckpt.config();
+        let h = c.hidden_size;
+        let m = c
+            .mla
+            .ok_or_else(|| crate::Error::Internal("MLA weights of a model without MLA".into()))?;
+        let nh = c.num_attention_heads;
+        let qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
+        let a = format!("{p}.self_attn");
+        let (q_a, q_b) = match m.q_lora_rank {
+            Some(r) => (
+                Some((
+                    ckpt.matrix(&format!("{a}.q_a_proj.weight"), r, h)?,
+                    ckpt.tensor(&format!("{a}.q_a_layernorm.weight"), &[r])?,
+                )),
+                ckpt.matrix(&format!("{a}.q_b_proj.weight"), nh * qk, r)?,
+            ),
+            None => (
+                None,
+                ckpt.matrix(&format!("{a}.q_proj.weight"), nh * qk, h)?,
+            ),
+        };
+        let r = m.kv_lora_rank;
+        let kv_a = ckpt.matrix(
+            &format!("{a}.kv_a_proj_with_mqa.weight"),
+            r + m.qk_rope_head_dim,
+            h,
+        )?;
+        let kv_a_norm = ckpt.tensor(&format!("{a}.kv_a_layernorm.weight"), &[r])?;
+        let per = m.qk_nope_head_dim + m.v_head_dim;
+        let kv_b = ckpt.matrix(&format!("{a}.kv_b_proj.weight"), nh * per, r)?;
+        let (mut uk_t, mut uv) = (Vec::with_capacity(nh), Vec::with_capacity(nh));
+        for hh in 0..nh {
+            let k0 = hh * per;
+            uk_t.push(kv_b.rows_of(k0, k0 + m.qk_nope_head_dim).transposed());
+            uv.push(kv_b.rows_of(k0 + m.qk_nope_head_dim, k0 + per));
+        }
+        Ok(MlaWeights {
+            q_a,
+            q_b,
+            kv_a,
+            kv_a_norm,
+            uk_t,
+            uv,
+        })
+    }
+}
+
 /// Attention and norms of one decoder layer.
 #[derive(Clone)]
 pub struct LayerWeights {
     pub input_norm: Vec<f32>,
     pub post_norm: Vec<f32>,
-    /// q, k, v stacked: `[q_dim + 2 kv_dim, hidden]`
+    /// q, k, v stacked: `[q_dim + 2 kv_dim, hidden]` (empty with MLA)
     pub qkv: Matrix,
+    /// Multi-head latent attention's weights (deepseek_v3), in place of `qkv`.
+    pub mla: Option<MlaWeights>,
     pub o: Matrix,
     pub q_norm: Vec<f32>,
     pub k_norm: Vec<f32>,
@@ -83,11 +170,16 @@ impl DenseWeights {
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for l in 0..c.num_hidden_layers {
             let p = format!("model.layers.{l}");
-            let qkv = Matrix::stack(&[
-                ckpt.matrix(&format!("{p}.self_attn.q_proj.weight"), c.q_dim(), h)?,
-                ckpt.matrix(&format!("{p}.self_attn.k_proj.weight"), c.kv_dim(), h)?,
-                ckpt.matrix(&format!("{p}.self_attn.v_proj.weight"), c.kv_dim(), h)?,
-            ]);
+            let (qkv, mla) = if c.mla.is_some() {
+                (Matrix::zeros(0, h), Some(MlaWeights::load(ckpt, &p)?))
+            } else {
+                let qkv = Matrix::stack(&[
+                    ckpt.matrix(&format!("{p}.self_attn.q_proj.weight"), c.q_dim(), h)?,
+                    ckpt.matrix(&format!("{p}.self_attn.k_proj.weight"), c.kv_dim(), h)?,
+                    ckpt.matrix(&format!("{p}.self_attn.v_proj.weight"), c.kv_dim(), h)?,
+                ]);
+                (qkv, None)
+            };
             // empty where the family has no q/k norm
             let qk_norm = |n: &str| -> Result<Vec<f32>> {
                 if c.qk_norm {
@@ -162,7 +254,8 @@ impl DenseWeights {
                 input_norm: ckpt.tensor(&format!("{p}.input_layernorm.weight"), &[h])?,
                 post_norm: ckpt.tensor(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
                 qkv,
-                o: ckpt.matrix(&format!("{p}.self_attn.o_proj.weight"), h, c.q_dim())?,
+                o: ckpt.matrix(&format!("{p}.self_attn.o_proj.weight"), h, c.o_dim())?,
+                mla,
                 q_norm: qk_norm("q_norm")?,
                 k_norm: qk_norm("k_norm")?,
                 router,
@@ -195,6 +288,7 @@ impl DenseWeights {
         for l in &self.layers {
             b += l.qkv.bytes() + l.o.bytes() + v(&l.input_norm) + v(&l.post_norm);
             b += v(&l.q_norm) + v(&l.k_norm) + v(&l.qkv_bias) + v(&l.router_bias);
+            b += l.mla.as_ref().map_or(0, MlaWeights::bytes);
             b += l.router.as_ref().map_or(0, |r| r.bytes());
             b += l.dense_mlp.as_ref().map_or(0, |m| m.bytes());
             b += l.shared.as_ref().map_or(0, |(m, g)| m.bytes() + v(g));
@@ -210,6 +304,7 @@ impl DenseWeights {
             n += l.input_norm.len() + l.post_norm.len() + l.q_norm.len() + l.k_norm.len();
             n += l.qkv_bias.len() + l.shared.as_ref().map_or(0, |(_, g)| g.len());
             n += l.router_bias.len();
+            n += l.mla.as_ref().map_or(0, MlaWeights::vector_elements);
         }
         n
     }
@@ -220,6 +315,7 @@ impl DenseWeights {
         let mut b = self.embed.cols * self.embed.data.size() + self.norm.len() * 4;
         for l in &self.layers {
             b += l.qkv.bytes() + l.o.bytes() + (l.input_norm.len() + l.post_norm.len()) * 4;
+            b += l.mla.as_ref().map_or(0, MlaWeights::bytes);
             b += l.router.as_ref().map_or(0, |r| r.bytes());
             b += l.dense_mlp.as_ref().map_or(0, |m| m.bytes());
             b += l

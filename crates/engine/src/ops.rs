@@ -166,6 +166,31 @@ impl Matrix {
             d => std::borrow::Cow::Owned(d.widened()),
         }
     }
+    /// Rows `a..b` as their own matrix, in the stored dtype.
+    pub fn rows_of(&self, a: usize, b: usize) -> Matrix {
+        let (lo, hi) = (a * self.cols, b * self.cols);
+        let data = match &self.data {
+            Elems::F32(v) => Elems::F32(v[lo..hi].to_vec()),
+            Elems::Bf16(v) => Elems::Bf16(v[lo..hi].to_vec()),
+            Elems::F16(v) => Elems::F16(v[lo..hi].to_vec()),
+        };
+        Matrix::of(b - a, self.cols, data)
+    }
+    /// The transpose `[cols, rows]`, in the stored dtype.
+    pub fn transposed(&self) -> Matrix {
+        fn t<E: Copy>(v: &[E], rows: usize, cols: usize) -> Vec<E> {
+            (0..cols)
+                .flat_map(|c| (0..rows).map(move |r| v[r * cols + c]))
+                .collect()
+        }
+        let (r, c) = (self.rows, self.cols);
+        let data = match &self.data {
+            Elems::F32(v) => Elems::F32(t(v, r, c)),
+            Elems::Bf16(v) => Elems::Bf16(t(v, r, c)),
+            Elems::F16(v) => Elems::F16(t(v, r, c)),
+        };
+        Matrix::of(c, r, data)
+    }
     /// Bytes held (the stored dtype's).
     pub fn bytes(&self) -> usize {
         self.data.len() * self.data.size()
@@ -432,17 +457,48 @@ pub struct Rope {
 
 impl Rope {
     pub fn new(head_dim: usize, theta: f32, max_pos: usize) -> Self {
+        Self::scaled(head_dim, theta, max_pos, None)
+    }
+
+    /// The tables of `dim` rotated dimensions, with YaRN's frequencies and table scale when
+    /// given (computed in f32 as transformers does).
+    pub fn scaled(
+        head_dim: usize,
+        theta: f32,
+        max_pos: usize,
+        yarn: Option<&crate::config::Yarn>,
+    ) -> Self {
         let half = head_dim / 2;
-        let inv: Vec<f32> = (0..half)
+        let mut inv: Vec<f32> = (0..half)
             .map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32))
             .collect();
+        let mut scale = 1.0f32;
+        if let Some(y) = yarn {
+            let d = head_dim as f64;
+            let corr = |rot: f64| {
+                d * (y.original_max_position_embeddings as f64 / (rot * 2.0 * std::f64::consts::PI))
+                    .ln()
+                    / (2.0 * (theta as f64).ln())
+            };
+            let low = corr(y.beta_fast as f64).floor().max(0.0) as f32;
+            let high = corr(y.beta_slow as f64).ceil().min(d - 1.0) as f32;
+            let high = if low == high { high + 0.001 } else { high };
+            for (i, f) in inv.iter_mut().enumerate() {
+                let pos_freq = theta.powf((2 * i) as f32 / head_dim as f32);
+                let (extra, inter) = (1.0 / pos_freq, 1.0 / (y.factor * pos_freq));
+                let ramp = ((i as f32 - low) / (high - low)).clamp(0.0, 1.0);
+                let ef = 1.0 - ramp;
+                *f = inter * (1.0 - ef) + extra * ef;
+            }
+            scale = y.attention_factor;
+        }
         let mut cos = vec![0.0; max_pos * half];
         let mut sin = vec![0.0; max_pos * half];
         for p in 0..max_pos {
             for i in 0..half {
                 let f = p as f32 * inv[i];
-                cos[p * half + i] = f.cos();
-                sin[p * half + i] = f.sin();
+                cos[p * half + i] = f.cos() * scale;
+                sin[p * half + i] = f.sin() * scale;
             }
         }
         Rope {
@@ -450,6 +506,20 @@ impl Rope {
             cos,
             sin,
             max_pos,
+        }
+    }
+
+    /// Rotates one head vector whose pairs are interleaved, `(v[2i], v[2i+1])` by frequency
+    /// i (deepseek_v3's layout), in place.
+    pub fn apply_interleaved(&self, v: &mut [f32], pos: usize) {
+        let h = self.half;
+        let c = &self.cos[pos * h..(pos + 1) * h];
+        let s = &self.sin[pos * h..(pos + 1) * h];
+        for i in 0..h {
+            let a = v[2 * i];
+            let b = v[2 * i + 1];
+            v[2 * i] = a * c[i] - b * s[i];
+            v[2 * i + 1] = b * c[i] + a * s[i];
         }
     }
 
@@ -470,7 +540,8 @@ impl Rope {
 /// The sigmoid router's choice (glm4_moe, deepseek_v3): `p` holds the logits of one row and
 /// is left holding their sigmoids; the choice ranks sigmoid + `bias` (empty: none) among the
 /// experts of the `topk_group` best of `n_group` equal groups (a group scored by the sum of its
-/// two best), the others scored 0, as transformers masks them; `top` gets the k picks, best
+/// two best), the others out of the running (scored -inf, as transformers 5 masks them);
+/// `top` gets the k picks, best
 /// first, with their choice scores (ties to the lower index). `choice`: scratch.
 pub fn sigmoid_grouped_topk(
     p: &mut [f32],
@@ -511,7 +582,7 @@ pub fn sigmoid_grouped_topk(
         }
         for (e, c) in choice.iter_mut().enumerate() {
             if !keep[e / per] {
-                *c = 0.0;
+                *c = f32::NEG_INFINITY;
             }
         }
     }

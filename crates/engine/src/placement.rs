@@ -199,7 +199,8 @@ pub fn footprint(
         Resident::F32 => 4 * c.expert_params() as u64,
     };
     let tokens = KvCache::blocks_for(kv_tokens.max(BLOCK)) * BLOCK;
-    let kv = (tokens * c.num_hidden_layers * 2 * c.kv_dim() * 4) as u64;
+    let (kd, vd) = c.cache_dims();
+    let kv = (tokens * c.num_hidden_layers * (kd + vd) * 4) as u64;
     let layers = c.moe_layers().len();
     let spare = (spare_slots.min(c.num_experts) * layers) as u64 * expert;
     Ok(Footprint {

@@ -72,6 +72,18 @@ impl Dims {
                 top_k: 3,
                 max_pos: 512,
             },
+            Family::DeepseekV3 => Dims {
+                vocab: 419,
+                hidden: 64,
+                layers: 3,
+                heads: 4,
+                kv_heads: 4,
+                head_dim: DS_NOPE + DS_ROPE,
+                inter: 24,
+                experts: 16,
+                top_k: 4,
+                max_pos: 512,
+            },
             Family::Qwen3Moe => Dims {
                 vocab: 389,
                 hidden: 64,
@@ -87,6 +99,15 @@ impl Dims {
         }
     }
 }
+
+/// A random deepseek_v3's latent attention: q's low rank, the kv latent, the nope and rope
+/// parts of a q/k head, a v head (narrower than the nope part, as in the released models'
+/// proportions it need not match).
+const DS_Q_LORA: usize = 40;
+const DS_KV_LORA: usize = 32;
+const DS_NOPE: usize = 16;
+const DS_ROPE: usize = 8;
+const DS_V: usize = 12;
 
 /// The dense layers' width in a random glm4_moe.
 const GLM_DENSE: usize = 56;
@@ -161,6 +182,40 @@ fn config_json(family: Family, d: &Dims) -> serde_json::Value {
             o.insert("rope_theta".into(), json!(10_000.0));
             o.insert("num_nextn_predict_layers".into(), json!(0));
         }
+        Family::DeepseekV3 => {
+            // one dense layer first, 4 groups of 4 experts of which the best 2 are searched,
+            // latent attention with a q bottleneck, interleaved RoPE with YaRN (factor 4 over
+            // an original context of 128, mscale_all_dim changing the softmax scale)
+            o.insert("architectures".into(), json!(["DeepseekV3ForCausalLM"]));
+            o.insert("model_type".into(), json!("deepseek_v3"));
+            o.insert("moe_intermediate_size".into(), json!(d.inter));
+            o.insert("intermediate_size".into(), json!(GLM_DENSE));
+            o.insert("n_routed_experts".into(), json!(d.experts));
+            o.insert("n_shared_experts".into(), json!(1));
+            o.insert("first_k_dense_replace".into(), json!(1));
+            o.insert("n_group".into(), json!(4));
+            o.insert("topk_group".into(), json!(2));
+            o.insert("routed_scaling_factor".into(), json!(2.5));
+            o.insert("norm_topk_prob".into(), json!(true));
+            o.insert("scoring_func".into(), json!("sigmoid"));
+            o.insert("topk_method".into(), json!("noaux_tc"));
+            o.insert("q_lora_rank".into(), json!(DS_Q_LORA));
+            o.insert("kv_lora_rank".into(), json!(DS_KV_LORA));
+            o.insert("qk_nope_head_dim".into(), json!(DS_NOPE));
+            o.insert("qk_rope_head_dim".into(), json!(DS_ROPE));
+            o.insert("v_head_dim".into(), json!(DS_V));
+            o.insert("rope_interleave".into(), json!(true));
+            o.insert("attention_bias".into(), json!(false));
+            o.insert("rms_norm_eps".into(), json!(1e-6));
+            o.remove("head_dim");
+            o.insert(
+                "rope_parameters".into(),
+                json!({"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
+                       "original_max_position_embeddings": 128, "beta_fast": 32.0,
+                       "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8}),
+            );
+            o.insert("num_nextn_predict_layers".into(), json!(0));
+        }
         Family::Qwen3Moe => {
             o.insert("architectures".into(), json!(["Qwen3MoeForCausalLM"]));
             o.insert("model_type".into(), json!("qwen3_moe"));
@@ -207,20 +262,38 @@ pub fn write(family: Family, d: &Dims, seed: u64, out: &Path) -> Result<()> {
             0.1,
             1.0,
         );
-        for (n, rows) in [("q_proj", qd), ("k_proj", kvd), ("v_proj", kvd)] {
+        let a = format!("{p}.self_attn");
+        if family == Family::DeepseekV3 {
+            let (ql, kl, qk) = (DS_Q_LORA, DS_KV_LORA, DS_NOPE + DS_ROPE);
+            put(format!("{a}.q_a_proj.weight"), vec![ql, h], lin(h), 0.0);
+            put(format!("{a}.q_a_layernorm.weight"), vec![ql], 0.1, 1.0);
             put(
-                format!("{p}.self_attn.{n}.weight"),
-                vec![rows, h],
+                format!("{a}.q_b_proj.weight"),
+                vec![d.heads * qk, ql],
+                lin(ql),
+                0.0,
+            );
+            put(
+                format!("{a}.kv_a_proj_with_mqa.weight"),
+                vec![kl + DS_ROPE, h],
                 lin(h),
                 0.0,
             );
+            put(format!("{a}.kv_a_layernorm.weight"), vec![kl], 0.1, 1.0);
+            put(
+                format!("{a}.kv_b_proj.weight"),
+                vec![d.heads * (DS_NOPE + DS_V), kl],
+                lin(kl),
+                0.0,
+            );
+            let od = d.heads * DS_V;
+            put(format!("{a}.o_proj.weight"), vec![h, od], lin(od), 0.0);
+        } else {
+            for (n, rows) in [("q_proj", qd), ("k_proj", kvd), ("v_proj", kvd)] {
+                put(format!("{a}.{n}.weight"), vec![rows, h], lin(h), 0.0);
+            }
+            put(format!("{a}.o_proj.weight"), vec![h, qd], lin(qd), 0.0);
         }
-        put(
-            format!("{p}.self_attn.o_proj.weight"),
-            vec![h, qd],
-            lin(qd),
-            0.0,
-        );
         let (moe, names) = match family {
             Family::Mixtral => (format!("{p}.block_sparse_moe"), ["w1", "w3", "w2"]),
             Family::Qwen2Moe => {
@@ -244,11 +317,13 @@ pub fn write(family: Family, d: &Dims, seed: u64, out: &Path) -> Result<()> {
                 put(format!("{p}.self_attn.k_norm.weight"), vec![hd], 0.1, 1.0);
                 (format!("{p}.mlp"), ["gate_proj", "up_proj", "down_proj"])
             }
-            Family::Glm4Moe => {
-                put(format!("{p}.self_attn.q_norm.weight"), vec![hd], 0.1, 1.0);
-                put(format!("{p}.self_attn.k_norm.weight"), vec![hd], 0.1, 1.0);
-                for (n, rows) in [("q_proj", qd), ("k_proj", kvd), ("v_proj", kvd)] {
-                    put(format!("{p}.self_attn.{n}.bias"), vec![rows], 0.5, 0.0);
+            Family::Glm4Moe | Family::DeepseekV3 => {
+                if family == Family::Glm4Moe {
+                    put(format!("{p}.self_attn.q_norm.weight"), vec![hd], 0.1, 1.0);
+                    put(format!("{p}.self_attn.k_norm.weight"), vec![hd], 0.1, 1.0);
+                    for (n, rows) in [("q_proj", qd), ("k_proj", kvd), ("v_proj", kvd)] {
+                        put(format!("{p}.self_attn.{n}.bias"), vec![rows], 0.5, 0.0);
+                    }
                 }
                 let x = format!("{p}.mlp");
                 if l == 0 {

@@ -328,7 +328,7 @@ impl Engine {
         map: ValidMap,
         kv_blocks: usize,
     ) -> Self {
-        let kv = KvCache::new(cfg.num_hidden_layers, cfg.kv_dim(), kv_blocks);
+        let kv = KvCache::for_model(&cfg, kv_blocks);
         Self::with_kv(cfg, backend, hot, cold, map, kv)
     }
 

@@ -15,11 +15,12 @@ use moelane_engine::step::SeqStep;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-const FAMILIES: [Family; 4] = [
+const FAMILIES: [Family; 5] = [
     Family::Mixtral,
     Family::Qwen3Moe,
     Family::Qwen2Moe,
     Family::Glm4Moe,
+    Family::DeepseekV3,
 ];
 const SEED: u64 = 11;
 const PROMPTS: usize = 4;

@@ -325,7 +325,8 @@ fn bad_primary_device_is_refused_by_name() {
 #[test]
 fn checkpoints_of_every_family_are_served_through_the_openai_api() {
     // a random checkpoint of each family in its released layout (bf16; mixtral's
-    // block_sparse_moe.experts.E.w1, glm4_moe's dense first layer and sigmoid router), with
+    // block_sparse_moe.experts.E.w1, glm4_moe's dense first layer and sigmoid router,
+    // deepseek_v3's latent attention), with
     // tiny's tokenizer and chat template: served by the embedded lane, completions and chat
     // completions answer, greedy twice the same; then with --hot-experts (the first map from
     // a calibration pass, the rest of the experts on the sidecar) the same greedy answer
@@ -333,7 +334,12 @@ fn checkpoints_of_every_family_are_served_through_the_openai_api() {
     use moelane_engine::random_ckpt::{self, Dims};
     let tiny_cfg: serde_json::Value =
         serde_json::from_slice(&std::fs::read(tiny().join("config.json")).unwrap()).unwrap();
-    for family in [Family::Mixtral, Family::Qwen2Moe, Family::Glm4Moe] {
+    for family in [
+        Family::Mixtral,
+        Family::Qwen2Moe,
+        Family::Glm4Moe,
+        Family::DeepseekV3,
+    ] {
         let name = family.name();
         let dir =
             std::env::temp_dir().join(format!("moelane-test-{name}-serve-{}", std::process::id()));

@@ -582,6 +582,13 @@ impl GpuModel {
         kv_blocks: usize,
         opts: GpuOptions,
     ) -> Result<Self> {
+        if cfg.mla.is_some() {
+            return Err(Error::Gpu(format!(
+                "{}'s multi-head latent attention runs on the CPU backend only (the GPU \
+                 kernels for it are not written yet): serve it with --primary-device cpu",
+                cfg.family.name()
+            )));
+        }
         if cfg.head_dim > 128 || !cfg.head_dim.is_multiple_of(2) {
             return Err(Error::Gpu(format!(
                 "head_dim {} is not supported on the GPU (even, at most 128)",
@@ -621,7 +628,7 @@ impl GpuModel {
         let up = |v: &[f32]| Buf::from_host(&st, v);
         let layers = upload_layers(&st, w)?;
         let max_pos = cfg.max_position_embeddings.min(1 << 16);
-        let rope = Rope::new(cfg.rotary_dim, cfg.rope_theta, max_pos);
+        let rope = Rope::scaled(cfg.rotary_dim, cfg.rope_theta, max_pos, cfg.yarn.as_ref());
         let per_layer = kv_blocks * BLOCK * cfg.kv_dim();
         let mut kc = Vec::new();
         let mut vc = Vec::new();

@@ -139,7 +139,7 @@ impl GpuModel {
             c.head_dim as i32,
         );
         let eps = c.rms_norm_eps;
-        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        let scale = c.attention_scale;
         // 16 warps take the positions in turn: a decode row's chain of dependent loads is
         // 1/16 of its context (or of its range of it) long
         let nw = ATT_WARPS;
