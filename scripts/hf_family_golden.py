@@ -4,9 +4,11 @@
 
 Usage (torch + transformers installed; the CI never runs this):
     MOELANE_FAMILY_CKPTS=/tmp/fam cargo test -p moelane-engine --test families -- write_checkpoints
-    python3 scripts/hf_family_golden.py /tmp/fam/mixtral /tmp/fam/qwen3_moe /tmp/fam/qwen2_moe /tmp/fam/glm4_moe crates/engine/tests/golden
+    python3 scripts/hf_family_golden.py /tmp/fam/mixtral /tmp/fam/qwen3_moe /tmp/fam/qwen2_moe /tmp/fam/glm4_moe /tmp/fam/deepseek_v3 /tmp/fam/qwen3_moe_fp8 /tmp/fam/deepseek_v3_fp8 crates/engine/tests/golden
 
-Each checkpoint directory holds prompts.json (token ids). For each, writes hf_<family>.json
+Each checkpoint directory holds prompts.json (token ids); the files are named after the
+directory (`<family>`, or `<family>_fp8` for an FP8 variant, which transformers reads here
+dequantised: each weight times its block's weight_scale_inv, as f32). For each, writes hf_<family>.json
 (prompt ids, transformers' greedy continuation, checkpoint sha256, versions) and
 hf_<family>.f16 (little-endian float16 logits: for each prompt, every prefill position, then
 every decode step). It also saves the model again with this transformers (save_pretrained)
@@ -45,12 +47,44 @@ def run(model, prompts):
 
 out = sys.argv[-1]
 os.makedirs(out, exist_ok=True)
+def dequantised(ckpt, out):
+    """An FP8 checkpoint (weight_scale_inv per block) rewritten as f32, for transformers on
+    the CPU: each weight times its block's scale."""
+    from safetensors.torch import load_file, save_file
+    import shutil
+    cfg = json.load(open(os.path.join(ckpt, "config.json")))
+    b0, b1 = cfg["quantization_config"]["weight_block_size"]
+    del cfg["quantization_config"]
+    t = load_file(os.path.join(ckpt, "model.safetensors"))
+    w = {}
+    for k, v in t.items():
+        if k.endswith("_scale_inv"):
+            continue
+        s = t.get(k + "_scale_inv")
+        if s is not None:
+            r, c = v.shape
+            full = s.float().repeat_interleave(b0, 0)[:r].repeat_interleave(b1, 1)[:, :c]
+            v = v.float() * full
+        w[k] = v.float().contiguous()
+    os.makedirs(out, exist_ok=True)
+    save_file(w, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    json.dump(cfg, open(os.path.join(out, "config.json"), "w"))
+    for f in ("generation_config.json",):
+        if os.path.exists(os.path.join(ckpt, f)):
+            shutil.copy(os.path.join(ckpt, f), out)
+    return out
+
+
 for ckpt in sys.argv[1:-1]:
     cfg = json.load(open(os.path.join(ckpt, "config.json")))
-    family = cfg["model_type"]
+    # named by the directory: <family> or <family>_fp8
+    family = os.path.basename(os.path.normpath(ckpt))
     prompts = json.load(open(os.path.join(ckpt, "prompts.json")))
+    src = ckpt
+    if "quantization_config" in cfg:
+        src = dequantised(ckpt, os.path.join(out, f"deq_{family}"))
     model, info = AutoModelForCausalLM.from_pretrained(
-        ckpt, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+        src, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
     # every weight must come from the file: a missing one would be random-initialised
     bad = {k: v for k, v in info.items() if v}
     if bad:

@@ -17,7 +17,7 @@ use sha2::{Digest, Sha256};
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
-use crate::ops::{Bf16, Elems, Matrix, F16};
+use crate::ops::{Bf16, BlockScaled, Elems, Matrix, F16, F8};
 
 struct ShardFile {
     path: PathBuf,
@@ -90,13 +90,15 @@ fn open_shard(path: &Path) -> Result<ShardFile> {
 
 fn dtype_size(d: Dtype) -> Option<usize> {
     match d {
+        Dtype::F8_E4M3 => Some(1),
         Dtype::BF16 | Dtype::F16 => Some(2),
         Dtype::F32 => Some(4),
         _ => None,
     }
 }
 
-/// Raw little-endian bf16/f16/f32 bytes as elements of their own dtype (no widening).
+/// Raw little-endian bf16/f16/f32 bytes as elements of their own dtype (no widening); FP8
+/// bytes need their scales ([`Checkpoint::matrix`]) and are not read here.
 pub fn elems(dtype: Dtype, bytes: &[u8]) -> Elems {
     let u16s = || {
         bytes
@@ -124,23 +126,37 @@ pub struct ExpertWeights {
     pub checksum: u64,
 }
 
+/// An FP8 tensor's `weight_scale_inv` as stored: its dtype and bytes.
+type RawScales<'a> = (Dtype, &'a [u8]);
+
 /// One expert's tensors as stored in the checkpoint (views into the mapped files): the gate
-/// and up projections (`[I, H]` each), then the down projection (`[H, I]`), with their dtypes.
+/// and up projections (`[I, H]` each), then the down projection (`[H, I]`), with their dtypes;
+/// for FP8 weights, each one's `weight_scale_inv` (gate, up, down).
 pub struct ExpertBytes<'a> {
     pub gate_up: [(Dtype, &'a [u8]); 2],
     pub down: (Dtype, &'a [u8]),
+    pub scales: [Option<(Dtype, &'a [u8])>; 3],
 }
 
 impl ExpertBytes<'_> {
-    /// The expert's checksum: [`checksum`] over gate, up and down in that order. The same
-    /// bytes give the same checksum in either tensor layout.
+    /// The expert's checksum: [`checksum`] over gate, up and down in that order, then their
+    /// FP8 scales where they have them. The same bytes give the same checksum in either tensor
+    /// layout.
     pub fn checksum(&self) -> u64 {
-        checksum(&[self.gate_up[0].1, self.gate_up[1].1, self.down.1])
+        let mut parts = vec![self.gate_up[0].1, self.gate_up[1].1, self.down.1];
+        parts.extend(self.scales.iter().flatten().map(|(_, b)| *b));
+        checksum(&parts)
     }
 
-    /// The expert's bytes as stored (what it takes in memory once loaded).
+    /// The expert's bytes as stored (what it takes in memory once loaded; FP8 scales as f32).
     pub fn stored(&self) -> usize {
-        self.gate_up[0].1.len() + self.gate_up[1].1.len() + self.down.1.len()
+        let scales: usize = self
+            .scales
+            .iter()
+            .flatten()
+            .map(|(d, b)| b.len() / dtype_size(*d).unwrap_or(4) * 4)
+            .sum();
+        self.gate_up[0].1.len() + self.gate_up[1].1.len() + self.down.1.len() + scales
     }
 }
 
@@ -334,14 +350,62 @@ impl Checkpoint {
                 expected: shape.to_vec(),
             });
         }
-        Ok(elems(raw.dtype, raw.bytes).into_f32())
+        let cols = shape.last().copied().unwrap_or(1);
+        let rows = shape.iter().product::<usize>() / cols.max(1);
+        Ok(self.stored(name, &raw, rows, cols)?.into_f32())
     }
 
     /// Reads a 2-D tensor, shape checked, its elements kept in their stored dtype.
     pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
         let raw = self.raw(name)?;
         self.check_shape(&raw, name, &[rows, cols])?;
-        Ok(Matrix::of(rows, cols, elems(raw.dtype, raw.bytes)))
+        Ok(Matrix::of(rows, cols, self.stored(name, &raw, rows, cols)?))
+    }
+
+    /// The elements of `raw` (tensor `name`, `rows x cols`) in their stored dtype; FP8 ones
+    /// with their block scales ([`Checkpoint::fp8_scales`]).
+    fn stored(&self, name: &str, raw: &RawTensor<'_>, rows: usize, cols: usize) -> Result<Elems> {
+        if raw.dtype != Dtype::F8_E4M3 {
+            return Ok(elems(raw.dtype, raw.bytes));
+        }
+        let (block, scale) = self.fp8_scales(name, raw.file, rows, cols)?;
+        Ok(Elems::F8(BlockScaled {
+            v: raw.bytes.iter().map(|&b| F8(b)).collect(),
+            scales: elems(scale.0, scale.1).into_f32(),
+            cols,
+            block,
+        }))
+    }
+
+    /// The block size and the raw `weight_scale_inv` of FP8 tensor `name` (`rows x cols`):
+    /// `ceil(rows / b0) x ceil(cols / b1)` scales, f32 or bf16, beside it in the checkpoint.
+    fn fp8_scales(
+        &self,
+        name: &str,
+        file: &Path,
+        rows: usize,
+        cols: usize,
+    ) -> Result<([usize; 2], RawScales<'_>)> {
+        let block = self.config.fp8_block.ok_or_else(|| Error::WrongDtype {
+            file: file.into(),
+            tensor: name.into(),
+            found: "F8_E4M3 (config.json has no fp8 quantization_config)".into(),
+        })?;
+        let sname = format!("{}_scale_inv", name);
+        let s = self.raw(&sname).map_err(|_| Error::MissingTensor {
+            tensor: sname.clone(),
+            looked_in: format!("{} (the scales of FP8 tensor `{name}`)", self.looked_in()),
+        })?;
+        let want = [rows.div_ceil(block[0]), cols.div_ceil(block[1])];
+        self.check_shape(&s, &sname, &want)?;
+        if !matches!(s.dtype, Dtype::F32 | Dtype::BF16) {
+            return Err(Error::WrongDtype {
+                file: s.file.into(),
+                tensor: sname,
+                found: format!("{:?} (scales are F32 or BF16)", s.dtype),
+            });
+        }
+        Ok((block, (s.dtype, s.bytes)))
     }
 
     /// Where decoder layer `layer` keeps its sparse block: `model.layers.L.mlp` (qwen3_moe,
@@ -375,18 +439,25 @@ impl Checkpoint {
             .find(|(g, _, _)| self.has(&format!("{p}.{e}.{g}.weight")));
         if per_expert.is_some() || !self.has(&format!("{p}.gate_up_proj")) {
             let (g, u, d) = per_expert.unwrap_or(("gate_proj", "up_proj", "down_proj"));
-            let part = |name: &str, shape: &[usize]| -> Result<(Dtype, &[u8])> {
+            type Part<'a> = ((Dtype, &'a [u8]), Option<(Dtype, &'a [u8])>);
+            let part = |name: &str, shape: &[usize]| -> Result<Part<'_>> {
                 let t = format!("{p}.{e}.{name}.weight");
                 let raw = self.raw(&t)?;
                 self.check_shape(&raw, &t, shape)?;
-                Ok((raw.dtype, raw.bytes))
+                let scale = if raw.dtype == Dtype::F8_E4M3 {
+                    Some(self.fp8_scales(&t, raw.file, shape[0], shape[1])?.1)
+                } else {
+                    None
+                };
+                Ok(((raw.dtype, raw.bytes), scale))
             };
-            let gate = part(g, &[i, h])?;
-            let up = part(u, &[i, h])?;
-            let down = part(d, &[h, i])?;
+            let (gate, gs) = part(g, &[i, h])?;
+            let (up, us) = part(u, &[i, h])?;
+            let (down, ds) = part(d, &[h, i])?;
             Ok(ExpertBytes {
                 gate_up: [gate, up],
                 down,
+                scales: [gs, us, ds],
             })
         } else {
             let ne = c.num_experts;
@@ -394,6 +465,15 @@ impl Checkpoint {
                 let t = format!("{p}.{name}");
                 let raw = self.raw(&t)?;
                 self.check_shape(&raw, &t, shape)?;
+                if raw.dtype == Dtype::F8_E4M3 {
+                    return Err(Error::WrongDtype {
+                        file: raw.file.into(),
+                        tensor: t,
+                        found: "F8_E4M3 in the fused expert layout (FP8 experts are read per \
+                                expert, as released)"
+                            .into(),
+                    });
+                }
                 if e >= ne {
                     return Err(Error::MissingTensor {
                         tensor: format!("{t}[{e}]"),
@@ -409,6 +489,7 @@ impl Checkpoint {
             Ok(ExpertBytes {
                 gate_up: [(dt, &gu[..half]), (dt, &gu[half..])],
                 down,
+                scales: [None, None, None],
             })
         }
     }
@@ -432,13 +513,24 @@ impl Checkpoint {
         let c = &self.config;
         let (h, i) = (c.hidden_size, c.moe_intermediate_size);
         let b = self.expert_bytes(layer, e)?;
-        let [(gd, gb), (ud, ub)] = b.gate_up;
+        let block = self.config.fp8_block.unwrap_or([128, 128]);
+        let part = |(d, bytes): (Dtype, &[u8]), scale: Option<(Dtype, &[u8])>, r, c| match scale {
+            Some((sd, sb)) => Matrix::of(
+                r,
+                c,
+                Elems::F8(BlockScaled {
+                    v: bytes.iter().map(|&x| F8(x)).collect(),
+                    scales: elems(sd, sb).into_f32(),
+                    cols: c,
+                    block,
+                }),
+            ),
+            None => Matrix::of(r, c, elems(d, bytes)),
+        };
+        let [g, u] = b.gate_up;
         Ok(ExpertWeights {
-            gate_up: Matrix::stack(&[
-                Matrix::of(i, h, elems(gd, gb)),
-                Matrix::of(i, h, elems(ud, ub)),
-            ]),
-            down: Matrix::of(h, i, elems(b.down.0, b.down.1)),
+            gate_up: Matrix::stack(&[part(g, b.scales[0], i, h), part(u, b.scales[1], i, h)]),
+            down: part(b.down, b.scales[2], h, i),
             checksum: b.checksum(),
         })
     }

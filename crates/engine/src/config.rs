@@ -65,6 +65,9 @@ pub struct ModelConfig {
     pub mlp_only_layers: Vec<usize>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+    /// FP8 block-scaled weights (`quantization_config` with `quant_method: "fp8"`): the
+    /// `weight_block_size` of their `weight_scale_inv` tensors; None for unquantised ones.
+    pub fp8_block: Option<[usize; 2]>,
 }
 
 /// YaRN (arXiv 2309.00071) as transformers computes it: the RoPE frequencies blended between
@@ -206,6 +209,7 @@ struct Raw {
     sliding_window: Option<Value>,
     bos_token_id: Option<Value>,
     eos_token_id: Option<Value>,
+    quantization_config: Option<Value>,
 }
 
 fn need(family: Family, field: &'static str, v: Option<usize>) -> Result<usize> {
@@ -225,6 +229,63 @@ fn token_ids(v: &Option<Value>) -> Vec<u32> {
             .collect(),
         _ => Vec::new(),
     }
+}
+
+/// The FP8 block size a `quantization_config` names (None without one); any other
+/// quantisation is refused, naming its method.
+fn fp8_block(q: Option<&Value>) -> Result<Option<[usize; 2]>> {
+    let Some(q) = q.filter(|q| !q.is_null()) else {
+        return Ok(None);
+    };
+    let bad = |field: &'static str, value: String, reason: &str| Error::Config {
+        field,
+        value,
+        reason: reason.into(),
+    };
+    let method = q
+        .get("quant_method")
+        .and_then(|m| m.as_str())
+        .unwrap_or("none");
+    if method != "fp8" {
+        return Err(bad(
+            "quantization_config.quant_method",
+            method.into(),
+            "only fp8 (e4m3 with block scales) is supported",
+        ));
+    }
+    if let Some(f) = q.get("fmt").and_then(|f| f.as_str()) {
+        if f != "e4m3" {
+            return Err(bad(
+                "quantization_config.fmt",
+                f.into(),
+                "only e4m3 is supported",
+            ));
+        }
+    }
+    let block = match q.get("weight_block_size") {
+        None | Some(Value::Null) => [128, 128],
+        Some(Value::Array(a)) if a.len() == 2 => {
+            let d = |v: &Value| v.as_u64().filter(|&x| x > 0 && x <= 1 << 16);
+            match (d(&a[0]), d(&a[1])) {
+                (Some(r), Some(c)) => [r as usize, c as usize],
+                _ => {
+                    return Err(bad(
+                        "quantization_config.weight_block_size",
+                        Value::Array(a.clone()).to_string(),
+                        "must be two positive block sizes",
+                    ))
+                }
+            }
+        }
+        Some(v) => {
+            return Err(bad(
+                "quantization_config.weight_block_size",
+                v.to_string(),
+                "must be [rows, columns]",
+            ))
+        }
+    };
+    Ok(Some(block))
 }
 
 /// What `generation_config.json` says a request that does not say otherwise gets: the
@@ -554,6 +615,7 @@ impl ModelConfig {
             },
             bos_token_id: token_ids(&raw.bos_token_id).first().copied(),
             eos_token_ids: token_ids(&raw.eos_token_id),
+            fp8_block: fp8_block(raw.quantization_config.as_ref())?,
         };
         cfg.validate()?;
         Ok(cfg)

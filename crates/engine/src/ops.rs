@@ -54,12 +54,107 @@ impl Elem for F16 {
     }
 }
 
+/// An FP8 e4m3fn as stored (its bits): 1 sign, 4 exponent (bias 7), 3 mantissa bits, no
+/// infinities, `S.1111.111` NaN, at most 448. Widened through a table: every value is exact
+/// in f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[repr(transparent)]
+pub struct F8(pub u8);
+
+const fn e4m3_table() -> [f32; 256] {
+    let mut t = [0f32; 256];
+    let mut i = 0;
+    while i < 256 {
+        let (e, m) = ((i >> 3) & 0xf, (i & 7) as f32);
+        let v = if e == 15 && (i & 7) == 7 {
+            f32::NAN
+        } else if e == 0 {
+            m / 512.0
+        } else {
+            let mut p = 1f32;
+            let mut k = 0;
+            // 2^(e - 7)
+            while k < e {
+                p *= 2.0;
+                k += 1;
+            }
+            (1.0 + m / 8.0) * p / 128.0
+        };
+        t[i] = if i & 0x80 != 0 { -v } else { v };
+        i += 1;
+    }
+    t
+}
+
+/// Every e4m3fn byte's value.
+pub static E4M3: [f32; 256] = e4m3_table();
+
+impl Elem for F8 {
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        E4M3[self.0 as usize]
+    }
+}
+
+impl F8 {
+    /// The e4m3fn nearest `x` (ties to the even code), saturated at +-448; NaN for NaN.
+    pub fn from_f32(x: f32) -> F8 {
+        if x.is_nan() {
+            return F8(0x7f);
+        }
+        let a = x.abs().min(448.0);
+        // the positive codes 0..=0x7e are increasing: the nearest by binary search
+        let (mut lo, mut hi) = (0usize, 0x7e);
+        while hi - lo > 1 {
+            let mid = (lo + hi) / 2;
+            if E4M3[mid] <= a {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        let (dl, dh) = (a - E4M3[lo], E4M3[hi] - a);
+        let code = if dl < dh || (dl == dh && lo % 2 == 0) {
+            lo
+        } else {
+            hi
+        };
+        F8(code as u8 | if x.is_sign_negative() { 0x80 } else { 0 })
+    }
+}
+
+/// FP8 elements with one f32 scale per block of `block[0]` rows x `block[1]` columns (the
+/// `weight_scale_inv` of DeepSeek's and Qwen's FP8 checkpoints): element (r, c) is
+/// `v[r * cols + c] * scales[(r / block[0]) * ceil(cols / block[1]) + c / block[1]]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BlockScaled {
+    pub v: Vec<F8>,
+    pub scales: Vec<f32>,
+    pub cols: usize,
+    pub block: [usize; 2],
+}
+
+impl BlockScaled {
+    /// Column blocks per row of blocks.
+    pub fn col_blocks(&self) -> usize {
+        self.cols.div_ceil(self.block[1].max(1))
+    }
+    /// The scale of element `i`.
+    #[inline]
+    fn scale_of(&self, i: usize) -> f32 {
+        let (r, c) = (i / self.cols.max(1), i % self.cols.max(1));
+        self.scales[(r / self.block[0]) * self.col_blocks() + c / self.block[1]]
+    }
+}
+
 /// A weight matrix's elements in their stored dtype.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Elems {
     F32(Vec<f32>),
     Bf16(Vec<Bf16>),
     F16(Vec<F16>),
+    /// FP8 e4m3 with block scales, dequantised where it is read.
+    F8(BlockScaled),
 }
 
 impl Elems {
@@ -68,6 +163,7 @@ impl Elems {
             Elems::F32(v) => v.len(),
             Elems::Bf16(v) => v.len(),
             Elems::F16(v) => v.len(),
+            Elems::F8(q) => q.v.len(),
         }
     }
 
@@ -75,11 +171,20 @@ impl Elems {
         self.len() == 0
     }
 
-    /// Bytes per element.
+    /// Bytes per element (FP8: its byte, the block scales aside).
     pub fn size(&self) -> usize {
         match self {
             Elems::F32(_) => 4,
             Elems::Bf16(_) | Elems::F16(_) => 2,
+            Elems::F8(_) => 1,
+        }
+    }
+
+    /// Bytes held: the elements, and an FP8 matrix's scales.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Elems::F8(q) => q.v.len() + 4 * q.scales.len(),
+            d => d.len() * d.size(),
         }
     }
 
@@ -89,6 +194,7 @@ impl Elems {
             Elems::F32(_) => "F32",
             Elems::Bf16(_) => "BF16",
             Elems::F16(_) => "F16",
+            Elems::F8(_) => "F8_E4M3",
         }
     }
 
@@ -120,6 +226,11 @@ impl Elems {
             Elems::F32(v) => out.copy_from_slice(&v[a..b]),
             Elems::Bf16(v) => go(&v[a..b], out),
             Elems::F16(v) => go(&v[a..b], out),
+            Elems::F8(q) => {
+                for (j, o) in out.iter_mut().enumerate() {
+                    *o = q.v[a + j].f32() * q.scale_of(a + j);
+                }
+            }
         }
     }
 }
@@ -167,12 +278,29 @@ impl Matrix {
         }
     }
     /// Rows `a..b` as their own matrix, in the stored dtype.
+    /// (FP8: its blocks with it when `a` and `b` fall on block rows, else widened to f32.)
     pub fn rows_of(&self, a: usize, b: usize) -> Matrix {
         let (lo, hi) = (a * self.cols, b * self.cols);
         let data = match &self.data {
             Elems::F32(v) => Elems::F32(v[lo..hi].to_vec()),
             Elems::Bf16(v) => Elems::Bf16(v[lo..hi].to_vec()),
             Elems::F16(v) => Elems::F16(v[lo..hi].to_vec()),
+            Elems::F8(q) => {
+                let b0 = q.block[0];
+                if a.is_multiple_of(b0) && (b.is_multiple_of(b0) || b == self.rows) {
+                    let cb = q.col_blocks();
+                    Elems::F8(BlockScaled {
+                        v: q.v[lo..hi].to_vec(),
+                        scales: q.scales[(a / b0) * cb..b.div_ceil(b0) * cb].to_vec(),
+                        cols: q.cols,
+                        block: q.block,
+                    })
+                } else {
+                    let mut out = vec![0f32; hi - lo];
+                    self.data.widen_into(lo, hi, &mut out);
+                    Elems::F32(out)
+                }
+            }
         };
         Matrix::of(b - a, self.cols, data)
     }
@@ -188,12 +316,21 @@ impl Matrix {
             Elems::F32(v) => Elems::F32(t(v, r, c)),
             Elems::Bf16(v) => Elems::Bf16(t(v, r, c)),
             Elems::F16(v) => Elems::F16(t(v, r, c)),
+            Elems::F8(q) => {
+                let (rb, cb) = (r.div_ceil(q.block[0]), q.col_blocks());
+                Elems::F8(BlockScaled {
+                    v: t(&q.v, r, c),
+                    scales: t(&q.scales, rb, cb),
+                    cols: r,
+                    block: [q.block[1], q.block[0]],
+                })
+            }
         };
         Matrix::of(c, r, data)
     }
-    /// Bytes held (the stored dtype's).
+    /// Bytes held (the stored dtype's, with an FP8 matrix's scales).
     pub fn bytes(&self) -> usize {
-        self.data.len() * self.data.size()
+        self.data.bytes()
     }
     /// These matrices' rows stacked (same columns); one dtype if all share it, else f32.
     pub fn stack(parts: &[Matrix]) -> Matrix {
@@ -223,6 +360,8 @@ impl Matrix {
             _ => None,
         }) {
             Elems::F16(v)
+        } else if let Some(q) = stack_f8(parts) {
+            Elems::F8(q)
         } else {
             let mut out = Vec::new();
             for m in parts {
@@ -232,6 +371,31 @@ impl Matrix {
         };
         Matrix::of(rows, cols, data)
     }
+}
+
+/// FP8 matrices stacked with their scales, when every part shares the block and all but the
+/// last end on a block row (else None: the caller widens).
+fn stack_f8(parts: &[Matrix]) -> Option<BlockScaled> {
+    let first = match &parts.first()?.data {
+        Elems::F8(q) => q,
+        _ => return None,
+    };
+    let mut out = BlockScaled {
+        v: Vec::new(),
+        scales: Vec::new(),
+        cols: first.cols,
+        block: first.block,
+    };
+    for (i, m) in parts.iter().enumerate() {
+        let Elems::F8(q) = &m.data else { return None };
+        let last = i + 1 == parts.len();
+        if q.block != first.block || (!last && !m.rows.is_multiple_of(q.block[0])) {
+            return None;
+        }
+        out.v.extend_from_slice(&q.v);
+        out.scales.extend_from_slice(&q.scales);
+    }
+    Some(out)
 }
 
 const LANES: usize = 16;
@@ -377,7 +541,57 @@ fn run_block(
         Elems::F32(v) => go(x, n, v, k, outs, y, ldy),
         Elems::Bf16(v) => go(x, n, v, k, outs, y, ldy),
         Elems::F16(v) => go(x, n, v, k, outs, y, ldy),
+        Elems::F8(q) => {
+            #[cfg(target_arch = "x86_64")]
+            if has_fma() {
+                // SAFETY: the CPU supports avx2 and fma (checked at run time).
+                unsafe { block_f8_fma(x, n, q, outs, y, ldy) };
+                return;
+            }
+            block_f8::<false>(x, n, q, outs, y, ldy)
+        }
     }
+}
+
+/// As `block_body` for FP8 rows: per block of columns, the dot product over the stored bytes,
+/// times the block's scale, summed over the blocks in order.
+#[inline(always)]
+fn block_f8<const FMA: bool>(
+    x: &[f32],
+    n: usize,
+    q: &BlockScaled,
+    outs: std::ops::Range<usize>,
+    y: SyncPtr,
+    ldy: usize,
+) {
+    let (k, b1, cb) = (q.cols, q.block[1].max(1), q.col_blocks());
+    for o in outs {
+        let wr = &q.v[o * k..(o + 1) * k];
+        let srow = &q.scales[(o / q.block[0]) * cb..(o / q.block[0] + 1) * cb];
+        for i in 0..n {
+            let xr = &x[i * k..(i + 1) * k];
+            let mut v = 0f32;
+            for (j, &s) in srow.iter().enumerate() {
+                let (c0, c1) = (j * b1, ((j + 1) * b1).min(k));
+                v += s * dot_body::<FMA, F8>(&xr[c0..c1], &wr[c0..c1]);
+            }
+            // SAFETY: as in `block_body`.
+            unsafe { *y.0.add(i * ldy + o) = v };
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn block_f8_fma(
+    x: &[f32],
+    n: usize,
+    q: &BlockScaled,
+    outs: std::ops::Range<usize>,
+    y: SyncPtr,
+    ldy: usize,
+) {
+    block_f8::<true>(x, n, q, outs, y, ldy)
 }
 
 /// Work (multiply-adds) under which a matmul runs on the calling thread.
@@ -721,6 +935,76 @@ mod tests {
         assert_eq!(s.at(1, 1), 4.0);
         let m = Matrix::stack(&[b(&[0x3f80, 0x4000]), Matrix::new(1, 2, vec![5.0, 6.0])]);
         assert_eq!(m.data, Elems::F32(vec![1.0, 2.0, 5.0, 6.0]));
+    }
+
+    #[test]
+    fn e4m3_values_and_rounding() {
+        assert_eq!(F8(0x7e).f32(), 448.0);
+        assert_eq!(F8(0x38).f32(), 1.0);
+        assert_eq!(F8(0x08).f32(), 2f32.powi(-6));
+        assert_eq!(F8(0x01).f32(), 2f32.powi(-9));
+        assert_eq!(F8(0xb8).f32(), -1.0);
+        assert!(F8(0x7f).f32().is_nan() && F8(0xff).f32().is_nan());
+        // every finite code round-trips; positive codes increase
+        for c in 0..=0xffu8 {
+            let v = F8(c).f32();
+            if !v.is_nan() && c != 0x80 {
+                assert_eq!(F8::from_f32(v).0, c, "code {c:#x}");
+            }
+        }
+        for c in 0..0x7eu8 {
+            assert!(F8(c).f32() < F8(c + 1).f32());
+        }
+        // nearest, ties to the even code, saturation
+        assert_eq!(F8::from_f32(1.0625).0, 0x38); // between 1.0 (0x38) and 1.125: even
+        assert_eq!(F8::from_f32(1.07).0, 0x39);
+        assert_eq!(F8::from_f32(1e6).0, 0x7e);
+        assert_eq!(F8::from_f32(-1e6).0, 0xfe);
+    }
+
+    #[test]
+    fn block_scaled_products_match_the_dequantised_matrix() {
+        let mut rng = Rng::new(3);
+        let (rows, cols, block): (usize, usize, [usize; 2]) = (13, 37, [4, 16]);
+        let v: Vec<F8> = (0..rows * cols)
+            .map(|_| F8::from_f32(rng.normal() * 100.0))
+            .collect();
+        let (rb, cb) = (rows.div_ceil(4), cols.div_ceil(16));
+        let scales: Vec<f32> = (0..rb * cb).map(|i| 0.01 * (i + 1) as f32).collect();
+        let q = Matrix::of(
+            rows,
+            cols,
+            Elems::F8(BlockScaled {
+                v,
+                scales,
+                cols,
+                block,
+            }),
+        );
+        let deq = Matrix::new(rows, cols, q.to_f32().into_owned());
+        let x: Vec<f32> = (0..3 * cols).map(|_| rng.normal()).collect();
+        let (mut a, mut b) = (vec![0f32; 3 * rows], vec![0f32; 3 * rows]);
+        matmul(&x, 3, &q, &mut a);
+        matmul(&x, 3, &deq, &mut b);
+        for (p, r) in a.iter().zip(&b) {
+            assert!((p - r).abs() <= 1e-4 * r.abs().max(1.0), "{p} vs {r}");
+        }
+        // transposed and row slices keep the blocks (or widen) with the same values
+        assert_eq!(
+            q.transposed().to_f32().into_owned(),
+            deq.transposed().to_f32().into_owned()
+        );
+        assert_eq!(
+            q.rows_of(4, 12).to_f32().into_owned(),
+            deq.rows_of(4, 12).to_f32().into_owned()
+        );
+        assert_eq!(
+            q.rows_of(3, 9).to_f32().into_owned(),
+            deq.rows_of(3, 9).to_f32().into_owned()
+        );
+        assert!(matches!(q.rows_of(4, 12).data, Elems::F8(_)));
+        let s = Matrix::stack(&[q.rows_of(0, 8), q.rows_of(8, 13)]);
+        assert_eq!(s, q);
     }
 
     #[test]

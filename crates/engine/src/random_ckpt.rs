@@ -400,3 +400,80 @@ pub fn prompts(vocab: usize, count: usize, seed: u64) -> Vec<Vec<u32>> {
         })
         .collect()
 }
+
+/// Whether tensor `name` of shape `shape` is quantised in an FP8 checkpoint of the kind
+/// DeepSeek and Qwen release: the linear layers' weights, not the embedding, the head, the
+/// router, the norms, the biases or a one-row gate.
+fn fp8_quantised(name: &str, shape: &[usize]) -> bool {
+    shape.len() == 2
+        && shape[0] > 1
+        && name.ends_with(".weight")
+        && !name.contains("embed_tokens")
+        && !name.starts_with("lm_head")
+        && !name.ends_with(".gate.weight")
+        && !name.contains("shared_expert_gate")
+}
+
+/// Rewrites the random checkpoint in `dir` (written by [`write`]) with FP8 e4m3 weights, as
+/// FP8 checkpoints ship: every linear layer's weight quantised per `block` (rows x columns)
+/// with its f32 `weight_scale_inv` (the block's largest magnitude / 448), the rest kept as
+/// stored, and config.json's `quantization_config` saying so.
+pub fn to_fp8(dir: &Path, block: [usize; 2]) -> Result<()> {
+    use crate::checkpoint::Checkpoint;
+    use crate::ops::F8;
+    use safetensors::tensor::{Dtype, TensorView};
+    let st = dir.join("model.safetensors");
+    let ck = Checkpoint::open(dir)?;
+    let mut out: BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)> = BTreeMap::new();
+    for name in ck.tensor_names() {
+        let raw = ck.raw(&name)?;
+        let shape = raw.shape.to_vec();
+        if !fp8_quantised(&name, &shape) {
+            out.insert(name, (raw.dtype, shape, raw.bytes.to_vec()));
+            continue;
+        }
+        let (r, c) = (shape[0], shape[1]);
+        let w = ck.tensor(&name, &shape)?;
+        let (rb, cb) = (r.div_ceil(block[0]), c.div_ceil(block[1]));
+        let mut scales = vec![0f32; rb * cb];
+        for (i, &x) in w.iter().enumerate() {
+            let s = &mut scales[(i / c / block[0]) * cb + (i % c) / block[1]];
+            *s = s.max(x.abs());
+        }
+        for s in &mut scales {
+            *s = if *s > 0.0 { *s / 448.0 } else { 1.0 };
+        }
+        let q: Vec<u8> = w
+            .iter()
+            .enumerate()
+            .map(|(i, &x)| F8::from_f32(x / scales[(i / c / block[0]) * cb + (i % c) / block[1]]).0)
+            .collect();
+        let sb: Vec<u8> = scales.iter().flat_map(|s| s.to_le_bytes()).collect();
+        out.insert(format!("{name}_scale_inv"), (Dtype::F32, vec![rb, cb], sb));
+        out.insert(name, (Dtype::F8_E4M3, shape, q));
+    }
+    drop(ck);
+    let views: Vec<(String, TensorView<'_>)> = out
+        .iter()
+        .map(|(n, (d, s, b))| {
+            TensorView::new(*d, s.clone(), b)
+                .map(|v| (n.clone(), v))
+                .map_err(|e| Error::Internal(format!("tensor {n}: {e}")))
+        })
+        .collect::<Result<_>>()?;
+    let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
+    let tmp = dir.join("model.safetensors.tmp");
+    safetensors::tensor::serialize_to_file(views, Some(meta), &tmp)
+        .map_err(|e| Error::Internal(format!("writing {}: {e}", tmp.display())))?;
+    std::fs::rename(&tmp, &st).map_err(|e| Error::io(&st, e))?;
+    let cp = dir.join("config.json");
+    let text = std::fs::read_to_string(&cp).map_err(|e| Error::io(&cp, e))?;
+    let mut cfg: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Json {
+        path: cp.clone(),
+        reason: e.to_string(),
+    })?;
+    cfg["quantization_config"] = json!({"quant_method": "fp8", "fmt": "e4m3",
+        "activation_scheme": "dynamic", "weight_block_size": block});
+    std::fs::write(&cp, serde_json::to_vec_pretty(&cfg).unwrap_or_default())
+        .map_err(|e| Error::io(&cp, e))
+}

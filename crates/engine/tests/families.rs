@@ -25,8 +25,24 @@ const FAMILIES: [Family; 5] = [
 const SEED: u64 = 11;
 const PROMPTS: usize = 4;
 
+/// FP8 variants tested against transformers: the families that ship FP8 checkpoints
+/// (Qwen3-*-FP8, DeepSeek-V3), blocks small enough that every matrix has several.
+const FP8: [Family; 2] = [Family::Qwen3Moe, Family::DeepseekV3];
+const FP8_BLOCK: [usize; 2] = [4, 16];
+
+/// The FP8 variant of `family`'s random checkpoint, in `root/<family>_fp8`.
+fn fp8_checkpoint(family: Family, root: &Path) -> PathBuf {
+    let dir = write_random(family, root, &format!("{}_fp8", family.name()));
+    random_ckpt::to_fp8(&dir, FP8_BLOCK).unwrap();
+    dir
+}
+
 fn checkpoint(family: Family, root: &Path) -> PathBuf {
-    let dir = root.join(family.name());
+    write_random(family, root, family.name())
+}
+
+fn write_random(family: Family, root: &Path, name: &str) -> PathBuf {
+    let dir = root.join(name);
     let d = Dims::for_family(family);
     random_ckpt::write(family, &d, SEED, &dir).unwrap();
     let prompts = random_ckpt::prompts(d.vocab, PROMPTS, SEED);
@@ -44,6 +60,9 @@ fn write_checkpoints() {
     if let Some(root) = std::env::var_os("MOELANE_FAMILY_CKPTS") {
         for f in FAMILIES {
             eprintln!("wrote {}", checkpoint(f, Path::new(&root)).display());
+        }
+        for f in FP8 {
+            eprintln!("wrote {}", fp8_checkpoint(f, Path::new(&root)).display());
         }
     }
 }
@@ -92,9 +111,16 @@ fn logits(dir: &Path, map: Option<Rowmap>, prompt: &[u32], feed: &[u32]) -> Vec<
 fn every_family_matches_transformers_and_does_not_depend_on_the_map() {
     let root = common::scratch("families");
     let golden = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden");
-    for family in FAMILIES {
-        let name = family.name();
-        let dir = checkpoint(family, &root);
+    // every family in bf16, then the FP8 variants (hf_<family>_fp8.*)
+    let mut cases: Vec<(Family, String, PathBuf)> = FAMILIES
+        .iter()
+        .map(|&f| (f, f.name().to_string(), checkpoint(f, &root)))
+        .collect();
+    cases.extend(
+        FP8.iter()
+            .map(|&f| (f, format!("{}_fp8", f.name()), fp8_checkpoint(f, &root))),
+    );
+    for (family, name, dir) in cases {
         let meta: Value = serde_json::from_slice(
             &std::fs::read(golden.join(format!("hf_{name}.json"))).unwrap_or_else(|e| {
                 panic!("golden file of {name}: {e} (scripts/hf_family_golden.py)")
@@ -244,15 +270,15 @@ fn mixtral_in_the_fused_layout_loads_to_the_same_logits() {
 
 #[test]
 fn weights_in_memory_are_the_checkpoints_own_bytes() {
-    // every family's random checkpoint (bf16): the dense weights and every expert as loaded
-    // take the bytes the checkpoint stores, plus 2 bytes for each element of the few vectors
-    // (norms, biases, gates) held as f32; nothing else is widened
+    // every family's random checkpoint (bf16), and the FP8 ones: the dense weights and every
+    // expert as loaded take the bytes the checkpoint stores (FP8: a byte an element plus the
+    // f32 block scales), plus 2 bytes for each element of the few vectors (norms, biases,
+    // gates) held as f32; nothing else is widened. FP8 roughly halves what a token reads.
     use moelane_engine::checkpoint::Checkpoint;
     use moelane_engine::model::DenseWeights;
     let root = common::scratch("resident");
-    for family in FAMILIES {
-        let dir = checkpoint(family, &root);
-        let ck = Checkpoint::open(&dir).unwrap();
+    let held = |dir: &Path| {
+        let ck = Checkpoint::open(dir).unwrap();
         let dense = DenseWeights::load(&ck).unwrap();
         let mut experts = 0;
         for l in ck.config.moe_layers() {
@@ -261,17 +287,40 @@ fn weights_in_memory_are_the_checkpoints_own_bytes() {
             }
         }
         let (held, stored) = (dense.bytes() + experts, ck.tensor_bytes());
-        eprintln!(
-            "{}: {held} bytes held, {stored} stored ({:.4}x)",
-            family.name(),
-            held as f64 / stored as f64
-        );
         assert_eq!(
             held,
             stored + 2 * dense.vector_elements(),
             "{}",
-            family.name()
+            dir.display()
         );
+        (
+            held,
+            stored,
+            dense.bytes_per_token(),
+            ck.expert_stored_bytes().unwrap(),
+        )
+    };
+    for family in FAMILIES {
+        let (h, s, _, _) = held(&checkpoint(family, &root));
+        eprintln!(
+            "{}: {h} bytes held, {s} stored ({:.4}x)",
+            family.name(),
+            h as f64 / s as f64
+        );
+    }
+    for family in FP8 {
+        let (h16, _, t16, e16) = held(&checkpoint(family, &root));
+        let (h8, s8, t8, e8) = held(&fp8_checkpoint(family, &root));
+        eprintln!(
+            "{} fp8: {h8} bytes held, {s8} stored; against bf16: held {:.3}x, dense bytes per \
+             token {:.3}x, an expert {:.3}x",
+            family.name(),
+            h8 as f64 / h16 as f64,
+            t8 as f64 / t16 as f64,
+            e8 as f64 / e16 as f64
+        );
+        // a byte an element and one f32 scale per 4 x 16 block: 1/2 + 4/(2*64) of bf16's
+        assert!((e8 as f64 / e16 as f64) < 0.54, "{}", family.name());
     }
 }
 
@@ -372,4 +421,42 @@ fn a_budget_makes_the_first_map_of_every_family() {
         .unwrap();
         plan.map.validate(&ck.id, layers, ne, Some(2)).unwrap();
     }
+}
+
+#[test]
+fn fp8_checkpoints_that_do_not_add_up_are_refused_naming_the_tensor() {
+    use moelane_engine::checkpoint::Checkpoint;
+    use moelane_engine::model::DenseWeights;
+    let root = common::scratch("fp8-bad");
+    let dir = fp8_checkpoint(Family::Qwen3Moe, &root);
+    let cp = dir.join("config.json");
+    let good: Value = serde_json::from_slice(&std::fs::read(&cp).unwrap()).unwrap();
+    // FP8 tensors, but config.json does not say the checkpoint is quantised
+    let mut c = good.clone();
+    c.as_object_mut().unwrap().remove("quantization_config");
+    std::fs::write(&cp, c.to_string()).unwrap();
+    let e = DenseWeights::load(&Checkpoint::open(&dir).unwrap())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("q_proj.weight") && e.contains("quantization_config"),
+        "{e}"
+    );
+    // a block size the scales do not fit: the scale tensor named, with both shapes
+    let mut c = good.clone();
+    c["quantization_config"]["weight_block_size"] = serde_json::json!([8, 16]);
+    std::fs::write(&cp, c.to_string()).unwrap();
+    let ck = Checkpoint::open(&dir).unwrap();
+    let e = DenseWeights::load(&ck).err().unwrap().to_string();
+    assert!(e.contains("weight_scale_inv"), "{e}");
+    let l = ck.config.moe_layers()[0];
+    let e = ck.expert(l, 0).err().unwrap().to_string();
+    assert!(e.contains("experts.0.gate_proj.weight_scale_inv"), "{e}");
+    // another quantisation method: refused when the checkpoint is opened
+    let mut c = good;
+    c["quantization_config"] = serde_json::json!({"quant_method": "awq", "bits": 4});
+    std::fs::write(&cp, c.to_string()).unwrap();
+    let e = Checkpoint::open(&dir).err().unwrap().to_string();
+    assert!(e.contains("awq") && e.contains("quant_method"), "{e}");
 }
