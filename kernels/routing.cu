@@ -149,6 +149,8 @@ extern "C" __global__ void route_sigmoid(const float* __restrict__ logits,
             for (int g = lane; g < n_group; g += 32)
                 if (gs[g] > bv) { bv = gs[g]; bi = g; }
             warp_argmax(bv, bi);
+            // NaN scores leave no group above -inf: keep inside the groups
+            if (bi >= n_group) bi = 0;
             if (lane == 0) { keep[bi] = 1.f; gs[bi] = -INFINITY; }
             __syncwarp();
         }

@@ -81,6 +81,8 @@ pub struct Yarn {
     pub beta_fast: f32,
     pub beta_slow: f32,
     pub attention_factor: f32,
+    /// Whether the correction range is rounded to whole dimensions (`truncate`, default true).
+    pub truncate: bool,
 }
 
 /// Multi-head latent attention (DeepSeek-V2/V3): q through an optional low-rank `q_lora_rank`
@@ -463,7 +465,15 @@ impl ModelConfig {
                         beta_fast: beta("beta_fast", 32.0) as f32,
                         beta_slow: beta("beta_slow", 1.0) as f32,
                         attention_factor: attention_factor as f32,
+                        truncate: p.get("truncate").and_then(|t| t.as_bool()).unwrap_or(true),
                     });
+                    if !(attention_factor.is_finite() && attention_factor > 0.0) {
+                        return Err(bad(
+                            "rope_parameters.attention_factor",
+                            attention_factor.to_string(),
+                            "must be finite and positive",
+                        ));
+                    }
                 }
                 Some(t) => {
                     return Err(bad(
@@ -567,7 +577,7 @@ impl ModelConfig {
             },
             rotary_dim: match &mla {
                 Some(m) => m.qk_rope_head_dim,
-                None => ((head_dim as f64 * factor) as usize) & !1,
+                None => (head_dim as f64 * factor) as usize,
             },
             rope_interleave: ds && raw.rope_interleave.unwrap_or(true),
             yarn,
@@ -708,6 +718,18 @@ impl ModelConfig {
                 "partial_rotary_factor",
                 self.rotary_dim,
                 "rotates no dimension",
+            );
+        }
+        if !self.rotary_dim.is_multiple_of(2) {
+            let field = if self.mla.is_some() {
+                "qk_rope_head_dim"
+            } else {
+                "partial_rotary_factor"
+            };
+            return bad(
+                field,
+                self.rotary_dim,
+                "RoPE rotates an even number of dimensions",
             );
         }
         if !(self.routed_scaling_factor.is_finite() && self.routed_scaling_factor > 0.0) {
@@ -947,6 +969,8 @@ mod tests {
             ("topk_group", serde_json::json!(5)),
             ("num_experts_per_tok", serde_json::json!(9)),
             ("partial_rotary_factor", serde_json::json!(0.0)),
+            // 32 x 0.3 = 9 dimensions: RoPE rotates pairs
+            ("partial_rotary_factor", serde_json::json!(0.3)),
             ("routed_scaling_factor", serde_json::json!(-1.0)),
         ] {
             let mut w = v.clone();

@@ -694,8 +694,14 @@ impl Rope {
                     .ln()
                     / (2.0 * (theta as f64).ln())
             };
-            let low = corr(y.beta_fast as f64).floor().max(0.0) as f32;
-            let high = corr(y.beta_slow as f64).ceil().min(d - 1.0) as f32;
+            let (lo, hi) = (corr(y.beta_fast as f64), corr(y.beta_slow as f64));
+            let (lo, hi) = if y.truncate {
+                (lo.floor(), hi.ceil())
+            } else {
+                (lo, hi)
+            };
+            let low = lo.max(0.0) as f32;
+            let high = hi.min(d - 1.0) as f32;
             let high = if low == high { high + 0.001 } else { high };
             for (i, f) in inv.iter_mut().enumerate() {
                 let pos_freq = theta.powf((2 * i) as f32 / head_dim as f32);

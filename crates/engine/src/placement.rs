@@ -170,6 +170,15 @@ fn is_routed_expert(name: &str) -> bool {
     name.contains(".experts.")
 }
 
+/// Whether a tensor belongs to a decoder layer the model does not run (the multi-token
+/// prediction layers DeepSeek-V3 and GLM-4.5 ship after their last layer: never loaded).
+fn beyond_layers(name: &str, layers: usize) -> bool {
+    name.strip_prefix("model.layers.")
+        .and_then(|r| r.split('.').next())
+        .and_then(|l| l.parse::<usize>().ok())
+        .is_some_and(|l| l >= layers)
+}
+
 /// The primary's footprint for a checkpoint: `kv_tokens` of KV cache, `spare_slots` per MoE
 /// layer, weights resident as `resident` says; `hot_experts` 0 (set by the plan).
 pub fn footprint(
@@ -181,17 +190,24 @@ pub fn footprint(
     let c = &ckpt.config;
     let mut dense = 0u64;
     for name in ckpt.tensor_names() {
-        if is_routed_expert(&name) {
+        if is_routed_expert(&name) || beyond_layers(&name, c.num_hidden_layers) {
             continue;
         }
         let raw = ckpt.raw(&name)?;
         let elems = raw.shape.iter().product::<usize>() as u64;
-        dense += match resident {
-            // vectors (norms, biases, a [1, H] gate) are held as f32
-            Resident::Stored if raw.shape.iter().filter(|&&d| d > 1).count() > 1 => {
-                raw.bytes.len() as u64
+        let matrix = raw.shape.iter().filter(|&&d| d > 1).count() > 1;
+        dense += if name.ends_with("_scale_inv") {
+            // FP8 scales are held as f32 whatever they are stored as; the GPU keeps none
+            match resident {
+                Resident::Stored => 4 * elems,
+                Resident::F32 => 0,
             }
-            _ => 4 * elems,
+        } else {
+            match resident {
+                // vectors (norms, biases, a [1, H] gate) are held as f32
+                Resident::Stored if matrix => raw.bytes.len() as u64,
+                _ => 4 * elems,
+            }
         };
     }
     let expert = match resident {
@@ -518,6 +534,20 @@ pub fn initial_map(ckpt: &Checkpoint, p: &Placement) -> Result<Plan> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn layers_past_the_last_are_not_counted() {
+        assert!(beyond_layers(
+            "model.layers.61.self_attn.q_a_proj.weight",
+            61
+        ));
+        assert!(!beyond_layers(
+            "model.layers.60.self_attn.q_a_proj.weight",
+            61
+        ));
+        assert!(!beyond_layers("model.embed_tokens.weight", 61));
+        assert!(!beyond_layers("lm_head.weight", 61));
+    }
 
     #[test]
     fn sizes_parse_with_their_units() {

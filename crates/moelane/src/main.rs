@@ -862,6 +862,9 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                     wait_for_signal().await;
                 }
                 Role::Primary => {
+                    if a.hot_experts.is_some() && a.primary_memory.is_some() {
+                        bail!("give hot-experts or primary-memory, not both");
+                    }
                     let cold = match &a.sidecar {
                         Some(url) => ColdLink::Remote {
                             control: url.clone(),

@@ -100,6 +100,19 @@ pub fn plan_map(
 ) -> Result<moelane_engine::placement::Plan> {
     use moelane_engine::placement::{initial_map, Counts, Placement, Resident};
     let ckpt = Checkpoint::open(dir)?;
+    if dir.join("rowmap.json").exists() {
+        println!(
+            "moelane: {} is not used: the first map is made from the budget given",
+            dir.join("rowmap.json").display()
+        );
+    }
+    if spec.counts.is_none() && !dir.join("tokenizer.json").exists() {
+        println!(
+            "moelane: {} has no tokenizer.json: the calibration pass runs on uniformly drawn \
+             token ids (give --calibration-counts for a ranking from real traffic)",
+            dir.display()
+        );
+    }
     let counts = match &spec.counts {
         Some(p) => Some(Counts::read(p, &ckpt.id)?.layers),
         None => None,
@@ -144,6 +157,14 @@ pub fn plan_map(
 
 pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
     let ckpt = Checkpoint::open(&o.model)?;
+    if o.primary_device != "cpu" && ckpt.config.mla.is_some() {
+        // said before a calibration pass or a load, not after
+        bail!(
+            "{}'s multi-head latent attention runs on the CPU backend only (the GPU kernels \
+             for it are not written yet): serve it with --primary-device cpu",
+            ckpt.config.family.name()
+        );
+    }
     let map = match (&o.map, &o.placement) {
         (Some(m), Some(_)) => bail!(
             "--map {} and --hot-experts / --primary-memory both given: the map file already says \
