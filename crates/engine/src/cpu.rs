@@ -49,7 +49,8 @@ impl CpuBackend {
         let rope = Rope::scaled(
             cfg.rotary_dim,
             cfg.rope_theta,
-            cfg.max_position_embeddings.min(1 << 16),
+            cfg.max_position_embeddings
+                .min(crate::ops::MAX_ROPE_POSITIONS),
             cfg.yarn.as_ref(),
         );
         CpuBackend {

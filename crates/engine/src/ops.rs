@@ -660,6 +660,10 @@ pub fn softmax(x: &mut [f32]) {
     }
 }
 
+/// The most positions RoPE tables are built for (262,144: DeepSeek-V3's, GLM-4.5's and
+/// Kimi K2's 128k-160k contexts fit); a longer position is refused as a context overflow.
+pub const MAX_ROPE_POSITIONS: usize = 1 << 18;
+
 /// RoPE cos/sin tables, `[max_pos, head_dim / 2]`, computed in f32 as Hugging Face does.
 #[derive(Clone, Debug)]
 pub struct Rope {
@@ -941,6 +945,16 @@ mod tests {
         assert_eq!(s.at(1, 1), 4.0);
         let m = Matrix::stack(&[b(&[0x3f80, 0x4000]), Matrix::new(1, 2, vec![5.0, 6.0])]);
         assert_eq!(m.data, Elems::F32(vec![1.0, 2.0, 5.0, 6.0]));
+    }
+
+    #[test]
+    fn rope_tables_reach_the_long_contexts_of_the_supported_families() {
+        // DeepSeek-V3's 163,840 and GLM-4.5's / Kimi K2's 131,072 positions
+        const { assert!(MAX_ROPE_POSITIONS >= 163_840) };
+        let r = Rope::new(8, 10000.0, 163_840);
+        let mut v = [1.0f32; 8];
+        r.apply(&mut v, 163_839);
+        assert!(v.iter().all(|x| x.is_finite()));
     }
 
     #[test]

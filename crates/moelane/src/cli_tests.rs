@@ -247,3 +247,30 @@ fn runtime_threads_follow_the_flag_or_the_machine() {
     assert_eq!(runtime_threads(3), 3);
     assert!((2..=8).contains(&runtime_threads(0)));
 }
+
+#[test]
+fn budgets_parse_from_flags_and_toml() {
+    let (a, _) = lane(&["--role", "primary", "--primary-memory", "1.5GiB"]);
+    assert_eq!(a.primary_memory, Some(Size(3 << 29)));
+    assert!(parse(&["moelane", "lane", "--primary-memory", "12XB"]).is_err());
+    assert!(parse(&[
+        "moelane",
+        "serve",
+        "--hot-experts",
+        "4",
+        "--primary-memory",
+        "1G"
+    ])
+    .is_err());
+    for (text, want) in [
+        ("primary-memory = 80000000000", Some(Size(80_000_000_000))),
+        ("primary-memory = \"80GiB\"", Some(Size(80 << 30))),
+    ] {
+        let a: LaneArgs = toml::from_str(text).unwrap();
+        assert_eq!(a.primary_memory, want, "{text}");
+    }
+    assert!(toml::from_str::<LaneArgs>("primary-memory = 0").is_err());
+    assert!(toml::from_str::<LaneArgs>("primary-memory = \"lots\"").is_err());
+    let a: LaneArgs = toml::from_str("hot-experts = 32").unwrap();
+    assert_eq!(a.hot_experts, Some(32));
+}

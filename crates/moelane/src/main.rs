@@ -114,21 +114,31 @@ impl std::fmt::Display for Device {
 
 /// A memory size: bytes, or with a unit (`24GiB`, `80GB`, `512MiB`; `K`/`M`/`G`/`T` are
 /// powers of 1024, `KB`/`MB`/`GB`/`TB` of 1000).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize)]
-#[serde(try_from = "String")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Size(u64);
+
+/// In TOML: a string with a unit (`"80GiB"`) or a number of bytes.
+impl<'de> serde::Deserialize<'de> for Size {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        use serde::de::Error as _;
+        #[derive(serde::Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Bytes(u64),
+            Text(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Bytes(0) => Err(D::Error::custom("a size must be positive")),
+            Raw::Bytes(n) => Ok(Size(n)),
+            Raw::Text(s) => s.parse().map_err(D::Error::custom),
+        }
+    }
+}
 
 impl std::str::FromStr for Size {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         moelane_engine::placement::parse_size(s).map(Size)
-    }
-}
-
-impl TryFrom<String> for Size {
-    type Error = String;
-    fn try_from(s: String) -> std::result::Result<Self, String> {
-        s.parse()
     }
 }
 

@@ -627,7 +627,9 @@ impl GpuModel {
         let att_wave = decode_wave(&gpu, &f, cfg.head_dim)?;
         let up = |v: &[f32]| Buf::from_host(&st, v);
         let layers = upload_layers(&st, w)?;
-        let max_pos = cfg.max_position_embeddings.min(1 << 16);
+        let max_pos = cfg
+            .max_position_embeddings
+            .min(crate::ops::MAX_ROPE_POSITIONS);
         let rope = Rope::scaled(cfg.rotary_dim, cfg.rope_theta, max_pos, cfg.yarn.as_ref());
         let per_layer = kv_blocks * BLOCK * cfg.kv_dim();
         let mut kc = Vec::new();
