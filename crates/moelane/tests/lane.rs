@@ -32,6 +32,11 @@ fn embedded_shm_and_tcp_lanes_give_bitwise_the_same_greedy_output() {
         procs.push(p);
         gateways.push((link.to_string(), gw));
     }
+    // the primary makes its first map from a budget (16 of 64 hot per layer, calibrated)
+    // and the sidecar process takes it when the primary registers
+    let (p, gw, _) = two_process_lane("tcp", &["--hot-experts", "16"]);
+    procs.push(p);
+    gateways.push(("tcp, --hot-experts 16".to_string(), gw));
     let mut distinct = std::collections::BTreeSet::new();
     for p in PROMPTS {
         let want = complete(&gateways[0].1, p, 32);
@@ -46,17 +51,18 @@ fn embedded_shm_and_tcp_lanes_give_bitwise_the_same_greedy_output() {
         PROMPTS.len(),
         "prompts should give different answers"
     );
-    // the remote lanes really sent picks to the sidecar
+    // the remote lanes really sent picks to the sidecar; the budget's map (16 hot) sends
+    // a larger share than the checkpoint's fitted map (48 hot)
+    let mut shares = Vec::new();
     for (name, addr) in &gateways[1..] {
         let (_, s) = get(addr, "/v1/stats");
-        let cold: u64 = s["lanes"][0]["stats"]["layers"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|l| l["cold_picks"].as_u64().unwrap())
-            .sum();
+        let layers = s["lanes"][0]["stats"]["layers"].as_array().unwrap();
+        let sum = |k: &str| -> u64 { layers.iter().map(|l| l[k].as_u64().unwrap()).sum() };
+        let (cold, hot) = (sum("cold_picks"), sum("hot_picks"));
         assert!(cold > 0, "{name}: no cold picks");
+        shares.push(cold as f64 / (cold + hot) as f64);
     }
+    assert!(shares[2] > 2.0 * shares[1], "cold shares {shares:?}");
 }
 
 #[test]
