@@ -72,6 +72,8 @@ impl Dims {
                 top_k: 3,
                 max_pos: 512,
             },
+            // a context of 1024 over YaRN's original 128 with a factor of 4: the factor, not
+            // their ratio (8), scales the frequencies
             Family::DeepseekV3 => Dims {
                 vocab: 419,
                 hidden: 64,
@@ -82,7 +84,7 @@ impl Dims {
                 inter: 24,
                 experts: 16,
                 top_k: 4,
-                max_pos: 512,
+                max_pos: 1024,
             },
             Family::Qwen3Moe => Dims {
                 vocab: 389,
