@@ -148,18 +148,23 @@ impl CpuBackend {
             c.rms_norm_eps,
             &mut self.h,
         );
-        let mut q = vec![0f32; n * nh * qk];
+        // the step's scratch: q in qkv, q's bottleneck in probs (the router's, free here),
+        // the compressed kv in tmp (free again before the o projection)
+        self.qkv.resize(n * nh * qk, 0.0);
+        let q = &mut self.qkv[..n * nh * qk];
         match &w.q_a {
             Some((qa, qn)) => {
-                let mut t = vec![0f32; n * qa.rows];
-                matmul(&self.h, n, qa, &mut t);
-                ops::rmsnorm_inplace(&mut t, qn, LATENT_EPS);
-                matmul(&t, n, &w.q_b, &mut q);
+                self.probs.resize(n * qa.rows, 0.0);
+                let t = &mut self.probs[..n * qa.rows];
+                matmul(&self.h, n, qa, t);
+                ops::rmsnorm_inplace(t, qn, LATENT_EPS);
+                matmul(t, n, &w.q_b, q);
             }
-            None => matmul(&self.h, n, &w.q_b, &mut q),
+            None => matmul(&self.h, n, &w.q_b, q),
         }
-        let mut ckv = vec![0f32; n * cd];
-        matmul(&self.h, n, &w.kv_a, &mut ckv);
+        self.tmp.resize(n * cd.max(hs), 0.0);
+        let ckv = &mut self.tmp[..n * cd];
+        matmul(&self.h, n, &w.kv_a, ckv);
         let interleave = c.rope_interleave;
         let rotate = |rope_t: &Rope, v: &mut [f32], pos: usize| {
             if interleave {
@@ -181,7 +186,7 @@ impl CpuBackend {
         }
         let scale = c.attention_scale;
         let kc = &kv.k[layer];
-        let rows = &self.rows;
+        let (rows, q) = (&self.rows, &self.qkv[..n * nh * qk]);
         self.att.resize(n * nh * vh, 0.0);
         self.att
             .par_chunks_mut(nh * vh)
