@@ -94,3 +94,28 @@ __device__ void block_argmax(float& v, int& i, float* redv, int* redi) {
     v = redv[32]; i = redi[32];
 }
 
+
+// Weights are kept on the device in the checkpoint's dtype: f32, or bf16 (its 16 bits, as
+// `unsigned short`), widened exactly where they are read (a bf16 is the top half of an
+// f32). Every product accumulates in f32; the overloads below are the only place a kernel
+// reads a weight, so one template body serves both dtypes.
+typedef unsigned short bf16_t;
+
+__device__ __forceinline__ float bf16_lo(unsigned v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16_hi(unsigned v) { return __uint_as_float(v & 0xffff0000u); }
+
+__device__ __forceinline__ float wload1(const float* p) { return *p; }
+__device__ __forceinline__ float wload1(const bf16_t* p) { return __uint_as_float((unsigned)*p << 16); }
+
+// Four consecutive weights (p 16-byte aligned for f32, 8-byte aligned for bf16).
+__device__ __forceinline__ float4 wload4(const float* p) { return *(const float4*)p; }
+__device__ __forceinline__ float4 wload4(const bf16_t* p) {
+    const uint2 v = *(const uint2*)p;
+    return make_float4(bf16_lo(v.x), bf16_hi(v.x), bf16_lo(v.y), bf16_hi(v.y));
+}
+// As wload4, through the read-only data path.
+__device__ __forceinline__ float4 wldg4(const float* p) { return __ldg((const float4*)p); }
+__device__ __forceinline__ float4 wldg4(const bf16_t* p) {
+    const uint2 v = __ldg((const uint2*)p);
+    return make_float4(bf16_lo(v.x), bf16_hi(v.x), bf16_lo(v.y), bf16_hi(v.y));
+}

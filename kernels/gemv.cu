@@ -1,10 +1,11 @@
 // Thread 0 asks the L2 for the weight rows this block's warps will read (one warp per row):
 // they do not depend on the previous kernel, so they may be fetched before PDL_ENTRY.
-__device__ __forceinline__ void prefetch_block_rows(const float* w, int out, int in) {
+template <typename W>
+__device__ __forceinline__ void prefetch_block_rows(const W* w, int out, int in) {
     if (threadIdx.x == 0) {
         const int j0 = blockIdx.x * (blockDim.x >> 5);
         const int rows = min((int)(blockDim.x >> 5), out - j0);
-        if (rows > 0) prefetch_l2(w + (size_t)j0 * in, (unsigned)((size_t)rows * in * 4));
+        if (rows > 0) prefetch_l2(w + (size_t)j0 * in, (unsigned)((size_t)rows * in * sizeof(W)));
     }
 }
 
@@ -14,13 +15,14 @@ __device__ __forceinline__ void prefetch_block_rows(const float* w, int out, int
 // adding to the step's chain of dependent kernels.
 #define W_AHEAD 8
 
-// As load_row, through the read-only data path (__ldg): the weight rows loaded before the wait.
-__device__ __forceinline__ void load_ahead(float4 (&wa)[W_AHEAD], const float* __restrict__ wr,
+// As load_wrow, through the read-only data path (__ldg): the weight rows loaded before the wait.
+template <typename W>
+__device__ __forceinline__ void load_ahead(float4 (&wa)[W_AHEAD], const W* __restrict__ wr,
                                            int in, int lane) {
 #pragma unroll
     for (int u = 0; u < W_AHEAD; u++) {
         const int i = lane * 4 + u * 128;
-        wa[u] = i < in ? __ldg((const float4*)(wr + i)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        wa[u] = i < in ? wldg4(wr + i) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 }
 
@@ -32,6 +34,17 @@ __device__ __forceinline__ void load_row(float4 (&xr)[W_AHEAD], const float* __r
     for (int u = 0; u < W_AHEAD; u++) {
         const int i = lane * 4 + u * 128;
         xr[u] = i < in ? *(const float4*)(x + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+}
+
+// As load_row, for a weight row in its stored dtype (widened as it is loaded).
+template <typename W>
+__device__ __forceinline__ void load_wrow(float4 (&wr4)[W_AHEAD], const W* __restrict__ w,
+                                          int in, int lane) {
+#pragma unroll
+    for (int u = 0; u < W_AHEAD; u++) {
+        const int i = lane * 4 + u * 128;
+        wr4[u] = i < in ? wload4(w + i) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 }
 
@@ -51,14 +64,15 @@ __device__ __forceinline__ float4 normed4(float4 gv, float4 xv, float inv) {
 // weights (and norm weights), then each input row's matching floats, each in one round of
 // loads before their products (a load next to each product would wait out one round trip per
 // float4); the sums run in the order of one float4 at a time.
-__device__ __forceinline__ void products_in_rounds(float (&acc)[4], const float* __restrict__ wr,
+template <typename W>
+__device__ __forceinline__ void products_in_rounds(float (&acc)[4], const W* __restrict__ wr,
                                                    const float* __restrict__ nw,
                                                    const float (&inv)[4],
                                                    const float* __restrict__ x, int in, int n,
                                                    int lane) {
     for (int c = 0; c < in; c += 128 * W_AHEAD) {
         float4 wc[W_AHEAD], gc[W_AHEAD];
-        load_row(wc, wr + c, in - c, lane);
+        load_wrow(wc, wr + c, in - c, lane);
         if (nw != 0) load_row(gc, nw + c, in - c, lane);
 #pragma unroll
         for (int r = 0; r < 4; r++) {
@@ -78,9 +92,10 @@ __device__ __forceinline__ void products_in_rounds(float (&acc)[4], const float*
 // of small decode batches, one warp per output row, each weight row read once for all n
 // rows (cuBLAS takes n > 4). With `preload` (and vec4) the row's first W_AHEAD float4s per
 // lane are loaded before the wait (same products, same order). grid: ceil(out/8); block: 256.
-extern "C" __global__ void gemv_rows(const float* __restrict__ w, const float* __restrict__ x,
-                                     float* __restrict__ y, int out, int in, int n, float beta,
-                                     int vec4, int prefetch, int preload) {
+template <typename W>
+__device__ __forceinline__ void gemv_rows_body(const W* __restrict__ w, const float* __restrict__ x,
+                                               float* __restrict__ y, int out, int in, int n, float beta,
+                                               int vec4, int prefetch, int preload) {
     const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     // rows longer than one round keep their registers for the rounds after the wait
     const bool pre = preload && vec4 && j < out && in <= 128 * W_AHEAD;
@@ -89,7 +104,7 @@ extern "C" __global__ void gemv_rows(const float* __restrict__ w, const float* _
     if (prefetch && !(preload && vec4 && in <= 128 * W_AHEAD)) prefetch_block_rows(w, out, in);
     PDL_ENTRY();
     if (j >= out) return;
-    const float* wr = w + (size_t)j * in;
+    const W* wr = w + (size_t)j * in;
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     if (pre) {
         // the whole row is in wa: each input row in one round of loads, then its products
@@ -108,7 +123,7 @@ extern "C" __global__ void gemv_rows(const float* __restrict__ w, const float* _
         products_in_rounds(acc, wr, 0, one, x, in, n, lane);
     } else {
         for (int i = lane; i < in; i += 32) {
-            const float wv = wr[i];
+            const float wv = wload1(wr + i);
 #pragma unroll
             for (int r = 0; r < 4; r++)
                 if (r < n) acc[r] = fmaf(wv, x[(size_t)r * in + i], acc[r]);
@@ -126,14 +141,27 @@ extern "C" __global__ void gemv_rows(const float* __restrict__ w, const float* _
     }
 }
 
+extern "C" __global__ void gemv_rows(const float* __restrict__ w, const float* __restrict__ x,
+                                     float* __restrict__ y, int out, int in, int n, float beta,
+                                     int vec4, int prefetch, int preload) {
+    gemv_rows_body(w, x, y, out, in, n, beta, vec4, prefetch, preload);
+}
+
+extern "C" __global__ void gemv_rows_bf16(const bf16_t* __restrict__ w, const float* __restrict__ x,
+                                          float* __restrict__ y, int out, int in, int n, float beta,
+                                          int vec4, int prefetch, int preload) {
+    gemv_rows_body(w, x, y, out, in, n, beta, vec4, prefetch, preload);
+}
+
 // As gemv_rows, on RMSNorm'd rows: y[r] = w . (nw * (x[r] * rsqrt(mean(x[r]^2) + eps))), each
 // warp computing the norms itself (the rows are a few KiB, read from L2), so no separate
 // norm kernel runs; block 0 also writes the normed rows to h when h is not null. n <= 4.
 // `preload` as gemv_rows, the norm weights' matching float4s too.
-extern "C" __global__ void __launch_bounds__(256, 2) norm_gemv_rows(const float* __restrict__ w, const float* __restrict__ x,
-                                          const float* __restrict__ nw, float* __restrict__ h,
-                                          float* __restrict__ y, int out, int in, int n, float eps,
-                                          int vec4, int prefetch, int preload) {
+template <typename W>
+__device__ __forceinline__ void norm_gemv_body(const W* __restrict__ w, const float* __restrict__ x,
+                                               const float* __restrict__ nw, float* __restrict__ h,
+                                               float* __restrict__ y, int out, int in, int n, float eps,
+                                               int vec4, int prefetch, int preload) {
     const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     const bool pre = preload && vec4 && j < out && in <= 128 * W_AHEAD;
     float4 wa[W_AHEAD], ga[W_AHEAD];
@@ -190,14 +218,14 @@ extern "C" __global__ void __launch_bounds__(256, 2) norm_gemv_rows(const float*
                     h[(size_t)r * in + i] = nw[i] * (x[(size_t)r * in + i] * inv[r]);
     }
     if (j >= out) return;
-    const float* wr = w + (size_t)j * in;
+    const W* wr = w + (size_t)j * in;
     if (pre) {
         // products taken above
     } else if (vec4) {
         products_in_rounds(acc, wr, nw, inv, x, in, n, lane);
     } else {
         for (int i = lane; i < in; i += 32) {
-            const float wv = wr[i];
+            const float wv = wload1(wr + i);
 #pragma unroll
             for (int r = 0; r < 4; r++)
                 if (r < n) acc[r] = fmaf(wv, nw[i] * (x[(size_t)r * in + i] * inv[r]), acc[r]);
@@ -212,3 +240,65 @@ extern "C" __global__ void __launch_bounds__(256, 2) norm_gemv_rows(const float*
     }
 }
 
+extern "C" __global__ void __launch_bounds__(256, 2) norm_gemv_rows(const float* __restrict__ w, const float* __restrict__ x,
+                                          const float* __restrict__ nw, float* __restrict__ h,
+                                          float* __restrict__ y, int out, int in, int n, float eps,
+                                          int vec4, int prefetch, int preload) {
+    norm_gemv_body(w, x, nw, h, y, out, in, n, eps, vec4, prefetch, preload);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) norm_gemv_rows_bf16(const bf16_t* __restrict__ w, const float* __restrict__ x,
+                                          const float* __restrict__ nw, float* __restrict__ h,
+                                          float* __restrict__ y, int out, int in, int n, float eps,
+                                          int vec4, int prefetch, int preload) {
+    norm_gemv_body(w, x, nw, h, y, out, in, n, eps, vec4, prefetch, preload);
+}
+
+// The activations of a product on bf16 weights through cuBLAS (more than 4 rows), split so
+// that the tensor cores see no rounding: x[r] = hi + mid + lo, three bf16 rows 3r, 3r+1,
+// 3r+2 of xs whose sum is x[r] exactly (each takes the top 8 significant bits of what is
+// left; f32's 24 need three), so w . x = w . hi + w . mid + w . lo with every product exact
+// in f32 (8 x 8 bits) and f32 accumulation: the f32 product on the widened weights, to the
+// order of summation. grid: n; block: 256.
+__device__ __forceinline__ bf16_t bf16_rn(float v) {
+    // round to nearest even (finite inputs: activations)
+    const unsigned u = __float_as_uint(v);
+    return (bf16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+extern "C" __global__ void split_bf16(const float* __restrict__ x, bf16_t* __restrict__ xs, int in) {
+    PDL_ENTRY();
+    const int r = blockIdx.x;
+    const float* xr = x + (size_t)r * in;
+    bf16_t* o = xs + (size_t)3 * r * in;
+    for (int i = threadIdx.x; i < in; i += blockDim.x) {
+        const float v = xr[i];
+        const bf16_t a = bf16_rn(v);
+        const float r1 = v - wload1(&a);
+        const bf16_t b = bf16_rn(r1);
+        const float r2 = r1 - wload1(&b);
+        o[i] = a;
+        o[in + i] = b;
+        o[2 * in + i] = bf16_rn(r2);
+    }
+}
+
+// y[r, j] = beta * y[r, j] + (c[3r, j] + c[3r+1, j]) + c[3r+2, j] (the three parts of a
+// split product, see split_bf16). grid: (n, ceil(out / 256)); block: 256.
+extern "C" __global__ void sum3_rows(const float* __restrict__ c, float* __restrict__ y, int out, float beta) {
+    PDL_ENTRY();
+    const int r = blockIdx.x;
+    const int j = blockIdx.y * blockDim.x + threadIdx.x;
+    if (j >= out) return;
+    const float* cr = c + (size_t)3 * r * out;
+    const float t = (cr[j] + cr[out + j]) + cr[2 * out + j];
+    float* o = y + (size_t)r * out + j;
+    *o = beta != 0.f ? beta * *o + t : t;
+}
+
+// y[i] = x[i] rounded to bf16 (nearest even), i < n: weights generated in f32 kept at bf16's
+// bytes (a benchmark's model). grid-stride.
+extern "C" __global__ void round_bf16(const float* __restrict__ x, bf16_t* __restrict__ y, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        y[i] = bf16_rn(x[i]);
+}

@@ -18,20 +18,21 @@ __device__ __forceinline__ bool leads_expert(const int* idx, int s, int e, int* 
 // when given (a sidecar's picks name their activation rows). One warp per row j,
 // 8 rows per block. grid: (nk, ceil(I/8)). `distinct`: the caller knows every slot's expert
 // differs (the picks of one row), so each block leads its slot without checking.
-extern "C" __global__ void moe_up(const int* __restrict__ idx, const unsigned long long* __restrict__ gu_tab,
-                                  const float* __restrict__ h, float* __restrict__ act,
-                                  int nk, int k, int H, int I, int vec4,
-                                  const int* __restrict__ rows, int distinct) {
+template <typename W>
+__device__ __forceinline__ void moe_up_body(const int* __restrict__ idx, const unsigned long long* __restrict__ gu_tab,
+                                            const float* __restrict__ h, float* __restrict__ act,
+                                            int nk, int k, int H, int I, int vec4,
+                                            const int* __restrict__ rows, int distinct) {
     PDL_ENTRY();
     __shared__ int flag;
     const int s = blockIdx.x;
     const int e = idx[s];
-    const float* gu = (const float*)gu_tab[e];
+    const W* gu = (const W*)gu_tab[e];
     if (gu == 0 || !(distinct || leads_expert(idx, s, e, &flag))) return;
     const int j = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (j >= I) return;
-    const float* g = gu + (size_t)j * H;
-    const float* u = gu + (size_t)(j + I) * H;
+    const W* g = gu + (size_t)j * H;
+    const W* u = gu + (size_t)(j + I) * H;
     const int end = distinct ? s + 1 : nk;
     for (int t0 = s; t0 < end; t0 += 32) {
         unsigned mask = distinct ? 1u : __ballot_sync(0xffffffffu, t0 + lane < nk && idx[t0 + lane] == e);
@@ -43,16 +44,16 @@ extern "C" __global__ void moe_up(const int* __restrict__ idx, const unsigned lo
             if (vec4) {
 #pragma unroll 4
                 for (int i = lane * 4; i < H; i += 128) {
-                    const float4 gv = *(const float4*)(g + i);
-                    const float4 uv = *(const float4*)(u + i);
+                    const float4 gv = wload4(g + i);
+                    const float4 uv = wload4(u + i);
                     const float4 xv = *(const float4*)(x + i);
                     sg = fma4(gv, xv, sg);
                     su = fma4(uv, xv, su);
                 }
             } else {
                 for (int i = lane; i < H; i += 32) {
-                    sg = fmaf(g[i], x[i], sg);
-                    su = fmaf(u[i], x[i], su);
+                    sg = fmaf(wload1(g + i), x[i], sg);
+                    su = fmaf(wload1(u + i), x[i], su);
                 }
             }
             sg = warp_sum(sg);
@@ -62,26 +63,41 @@ extern "C" __global__ void moe_up(const int* __restrict__ idx, const unsigned lo
     }
 }
 
+extern "C" __global__ void moe_up(const int* __restrict__ idx, const unsigned long long* __restrict__ gu_tab,
+                                  const float* __restrict__ h, float* __restrict__ act,
+                                  int nk, int k, int H, int I, int vec4,
+                                  const int* __restrict__ rows, int distinct) {
+    moe_up_body<float>(idx, gu_tab, h, act, nk, k, H, I, vec4, rows, distinct);
+}
+
+extern "C" __global__ void moe_up_bf16(const int* __restrict__ idx, const unsigned long long* __restrict__ gu_tab,
+                                       const float* __restrict__ h, float* __restrict__ act,
+                                       int nk, int k, int H, int I, int vec4,
+                                       const int* __restrict__ rows, int distinct) {
+    moe_up_body<bf16_t>(idx, gu_tab, h, act, nk, k, H, I, vec4, rows, distinct);
+}
+
 // MoE down-projection: y[s, j] = down_e[j] . act[s], as moe_up. grid: (nk, ceil(H/8)).
 // Thread 0 asks the L2 for the 8 down-projection rows of this block's expert before the
 // wait: the picks were written two kernels back (the router), whose completion the
 // up-projection waited for before it let this kernel launch, so they are final here (a
 // sidecar's picks are copied before its up-projection).
+template <typename W>
 __device__ __forceinline__ void prefetch_down_rows(const int* __restrict__ idx,
                                                    const unsigned long long* __restrict__ dn_tab,
                                                    int H, int I) {
     if (threadIdx.x == 0) {
-        const float* dn = (const float*)dn_tab[idx[blockIdx.x]];
+        const W* dn = (const W*)dn_tab[idx[blockIdx.x]];
         const int j0 = blockIdx.y * (blockDim.x >> 5);
         const int rows = min((int)(blockDim.x >> 5), H - j0);
-        if (dn != 0 && rows > 0) prefetch_l2(dn + (size_t)j0 * I, (unsigned)((size_t)rows * I * 4));
+        if (dn != 0 && rows > 0) prefetch_l2(dn + (size_t)j0 * I, (unsigned)((size_t)rows * I * sizeof(W)));
     }
 }
 
 // PRE (moe_down_pre, with vec4): each warp loads the first W_AHEAD float4s per lane of its
 // down row into registers before the wait, as gemv_rows (same products, same order); the
 // registers this takes cost occupancy, so large batches take moe_down.
-template <bool PRE>
+template <bool PRE, typename W>
 __device__ __forceinline__ void moe_down_body(const int* __restrict__ idx,
                                               const unsigned long long* __restrict__ dn_tab,
                                               const float* __restrict__ act, float* __restrict__ y,
@@ -92,18 +108,18 @@ __device__ __forceinline__ void moe_down_body(const int* __restrict__ idx,
     bool pre = false;
     if (PRE) {
         // the picks are final before the wait (see prefetch_down_rows)
-        const float* dn = (const float*)dn_tab[idx[s]];
+        const W* dn = (const W*)dn_tab[idx[s]];
         pre = vec4 && dn != 0 && j < H;
         if (pre) load_ahead(wa, dn + (size_t)j * I, I, lane);
     }
-    if (!(PRE && vec4 && I <= 128 * W_AHEAD)) prefetch_down_rows(idx, dn_tab, H, I);
+    if (!(PRE && vec4 && I <= 128 * W_AHEAD)) prefetch_down_rows<W>(idx, dn_tab, H, I);
     PDL_ENTRY();
     __shared__ int flag;
     const int e = idx[s];
-    const float* dn = (const float*)dn_tab[e];
+    const W* dn = (const W*)dn_tab[e];
     if (dn == 0 || !(distinct || leads_expert(idx, s, e, &flag))) return;
     if (j >= H) return;
-    const float* d = dn + (size_t)j * I;
+    const W* d = dn + (size_t)j * I;
     const int end = distinct ? s + 1 : nk;
     for (int t0 = s; t0 < end; t0 += 32) {
         unsigned mask = distinct ? 1u : __ballot_sync(0xffffffffu, t0 + lane < nk && idx[t0 + lane] == e);
@@ -124,12 +140,12 @@ __device__ __forceinline__ void moe_down_body(const int* __restrict__ idx,
                 }
 #pragma unroll 4
                 for (int i = i0; i < I; i += 128) {
-                    const float4 dv = *(const float4*)(d + i);
+                    const float4 dv = wload4(d + i);
                     const float4 av = *(const float4*)(a + i);
                     sum = fma4(dv, av, sum);
                 }
             } else {
-                for (int i = lane; i < I; i += 32) sum = fmaf(d[i], a[i], sum);
+                for (int i = lane; i < I; i += 32) sum = fmaf(wload1(d + i), a[i], sum);
             }
             sum = warp_sum(sum);
             if (lane == 0) y[(size_t)t * H + j] = sum;
@@ -140,13 +156,25 @@ __device__ __forceinline__ void moe_down_body(const int* __restrict__ idx,
 extern "C" __global__ void moe_down(const int* __restrict__ idx, const unsigned long long* __restrict__ dn_tab,
                                     const float* __restrict__ act, float* __restrict__ y,
                                     int nk, int H, int I, int vec4, int distinct) {
-    moe_down_body<false>(idx, dn_tab, act, y, nk, H, I, vec4, distinct);
+    moe_down_body<false, float>(idx, dn_tab, act, y, nk, H, I, vec4, distinct);
+}
+
+extern "C" __global__ void moe_down_bf16(const int* __restrict__ idx, const unsigned long long* __restrict__ dn_tab,
+                                         const float* __restrict__ act, float* __restrict__ y,
+                                         int nk, int H, int I, int vec4, int distinct) {
+    moe_down_body<false, bf16_t>(idx, dn_tab, act, y, nk, H, I, vec4, distinct);
 }
 
 extern "C" __global__ void moe_down_pre(const int* __restrict__ idx, const unsigned long long* __restrict__ dn_tab,
                                         const float* __restrict__ act, float* __restrict__ y,
                                         int nk, int H, int I, int vec4, int distinct) {
-    moe_down_body<true>(idx, dn_tab, act, y, nk, H, I, vec4, distinct);
+    moe_down_body<true, float>(idx, dn_tab, act, y, nk, H, I, vec4, distinct);
+}
+
+extern "C" __global__ void moe_down_pre_bf16(const int* __restrict__ idx, const unsigned long long* __restrict__ dn_tab,
+                                             const float* __restrict__ act, float* __restrict__ y,
+                                             int nk, int H, int I, int vec4, int distinct) {
+    moe_down_body<true, bf16_t>(idx, dn_tab, act, y, nk, H, I, vec4, distinct);
 }
 
 // y[slots[i]] = src[i] (the cold tier's outputs into their pick slots). grid: count.

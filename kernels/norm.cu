@@ -1,10 +1,22 @@
 // x[r] = emb[tok[r]]. grid: rows.
-extern "C" __global__ void embed_rows(const float* __restrict__ emb, const int* __restrict__ tok,
-                                      float* __restrict__ x, int h) {
+template <typename W>
+__device__ __forceinline__ void embed_body(const W* __restrict__ emb, const int* __restrict__ tok,
+                                           float* __restrict__ x, int h) {
     PDL_ENTRY();
     const int r = blockIdx.x;
-    const float* e = emb + (size_t)tok[r] * h;
-    for (int i = threadIdx.x; i < h; i += blockDim.x) x[(size_t)r * h + i] = e[i];
+    const W* e = emb + (size_t)tok[r] * h;
+    for (int i = threadIdx.x; i < h; i += blockDim.x) x[(size_t)r * h + i] = wload1(e + i);
+}
+
+extern "C" __global__ void embed_rows(const float* __restrict__ emb, const int* __restrict__ tok,
+                                      float* __restrict__ x, int h) {
+    embed_body(emb, tok, x, h);
+}
+
+// As embed_rows, from a bf16 table (widened).
+extern "C" __global__ void embed_rows_bf16(const bf16_t* __restrict__ emb, const int* __restrict__ tok,
+                                           float* __restrict__ x, int h) {
+    embed_body(emb, tok, x, h);
 }
 
 // y[r] = w * (x[src] * rsqrt(mean(x[src]^2) + eps)), src = rows ? rows[r] : r. grid: rows.

@@ -18,8 +18,12 @@ pub(crate) fn gpu_err(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Gpu(format!("{what}: {e:?}"))
 }
 
-/// The expert kernels' source, compiled at run time.
-pub const EXPERTS_CU: &str = include_str!("../../../kernels/experts.cu");
+/// The expert kernels' source, compiled at run time (after the common helpers: the
+/// reductions, PDL macros and the weight loads of each dtype).
+pub const EXPERTS_CU: &str = concat!(
+    include_str!("../../../kernels/common.cu"),
+    include_str!("../../../kernels/experts.cu"),
+);
 
 /// Compiles `src` to PTX for `arch` ("sm_90") with NVRTC; a clear error where the NVRTC
 /// library cannot be loaded (cudarc would panic).

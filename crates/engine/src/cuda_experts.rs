@@ -10,11 +10,11 @@ use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfi
 use crate::bank::{ExpertBank, Pick};
 use crate::cuda::{gpu_err, Gpu, EXPERTS_CU};
 use crate::cuda_model::args::{ExpertSwiglu, MoeDown, MoeUp};
-use crate::cuda_model::launch_raw;
+use crate::cuda_model::{expert_dtype, launch_raw, DevMat, Wdt};
 use crate::error::{Error, Result};
 
 /// An expert resident on a GPU: its gate_up `[2I, H]` and down `[H, I]` weights.
-type ExpertPair = (CudaSlice<f32>, CudaSlice<f32>);
+type ExpertPair = (DevMat, DevMat);
 
 /// How a call's inputs travel to the GPU. Both are kept so that `moelane bench experts` can
 /// measure the difference side by side.
@@ -29,9 +29,13 @@ pub enum Upload {
 /// A tier's experts on the GPU: `gate_up [2I, H]` and `down [H, I]` per resident expert.
 pub struct GpuExperts {
     pub upload: Upload,
-    /// grouped kernels (`kernels/moe.cu`): one block per (expert, 8 weight rows)
-    k_up: CudaFunction,
-    k_down: CudaFunction,
+    /// grouped kernels (`kernels/moe.cu`): one block per (expert, 8 weight rows), on f32
+    /// and on bf16 weights
+    k_up: [CudaFunction; 2],
+    k_down: [CudaFunction; 2],
+    /// the dtype every expert here is kept in (the first one uploaded sets it; see
+    /// [`crate::cuda_model::Wdt`])
+    dt: Option<Wdt>,
     /// per layer, the device addresses of each resident expert's gate_up and down, indexed
     /// by expert id (0 where not resident); rebuilt after the resident set changes
     tables: HashMap<usize, (CudaSlice<u64>, CudaSlice<u64>)>,
@@ -43,7 +47,8 @@ pub struct GpuExperts {
     /// count (for [`Self::relaunch`])
     last: Option<([u64; 4], usize)>,
     gpu: Arc<Gpu>,
-    f: CudaFunction,
+    /// `expert_swiglu` on f32 and on bf16 weights
+    f: [CudaFunction; 2],
     hidden: usize,
     inter: usize,
     w: HashMap<(usize, usize), ExpertPair>,
@@ -73,10 +78,12 @@ fn grow<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
 impl GpuExperts {
     pub fn new(gpu: Arc<Gpu>, hidden: usize, inter: usize) -> Result<Self> {
         let m = gpu.module("experts", EXPERTS_CU)?;
-        let f = m
-            .load_function("expert_swiglu")
-            .map_err(|e| gpu_err("loading expert_swiglu", e))?;
-        let (up, down) = crate::cuda_model::moe_kernels(&gpu)?;
+        let load = |n: &str| {
+            m.load_function(n)
+                .map_err(|e| gpu_err(&format!("loading {n}"), e))
+        };
+        let f = [load("expert_swiglu")?, load("expert_swiglu_bf16")?];
+        let ((up, down), (up16, down16)) = crate::cuda_model::moe_kernels(&gpu)?;
         let s = gpu.stream.clone();
         let z = |n| {
             s.alloc_zeros::<f32>(n)
@@ -84,8 +91,9 @@ impl GpuExperts {
         };
         Ok(GpuExperts {
             upload: Upload::Packed,
-            k_up: up,
-            k_down: down,
+            k_up: [up, up16],
+            k_down: [down, down16],
+            dt: None,
             tables: HashMap::new(),
             tables_dirty: true,
             act: z(inter)?,
@@ -135,6 +143,7 @@ impl GpuExperts {
     /// holds them), so a tier built this way serves a fixed map.
     pub fn generate(&mut self, seed: u64, which: &[(usize, usize)]) -> Result<()> {
         let f = crate::cuda_model::gen_kernel(&self.gpu)?;
+        self.dt = Some(Wdt::F32);
         for &(l, e) in which {
             let (gu, dn) = crate::cuda_model::gen_expert(
                 &self.gpu.stream,
@@ -145,7 +154,9 @@ impl GpuExperts {
                 self.hidden,
                 self.inter,
             )?;
-            self.w.insert((l, e), (gu.into_slice(), dn.into_slice()));
+            let (a, b) = (2 * self.inter * self.hidden, self.hidden * self.inter);
+            self.w
+                .insert((l, e), (DevMat::of_f32(gu, a), DevMat::of_f32(dn, b)));
         }
         self.last = None;
         self.tables_dirty = true;
@@ -161,12 +172,8 @@ impl GpuExperts {
             return Ok(None);
         };
         let s = &self.gpu.stream;
-        let a = s
-            .clone_dtoh(gu)
-            .map_err(|e| gpu_err("copying an expert back", e))?;
-        let b = s
-            .clone_dtoh(dn)
-            .map_err(|e| gpu_err("copying an expert back", e))?;
+        let a = gu.to_host(s)?;
+        let b = dn.to_host(s)?;
         s.synchronize().map_err(|e| gpu_err("synchronising", e))?;
         Ok(Some((a, b)))
     }
@@ -176,9 +183,14 @@ impl GpuExperts {
         self.w.len()
     }
 
-    /// Bytes of expert weights on the GPU.
+    /// Bytes of expert weights on the GPU (their dtype's: bf16 checkpoints keep 2 per weight).
     pub fn bytes(&self) -> usize {
-        self.w.len() * 3 * self.hidden * self.inter * 4
+        self.w.values().map(|(g, d)| g.bytes() + d.bytes()).sum()
+    }
+
+    /// The dtype the experts here are kept in (f32 before any is uploaded).
+    pub fn dtype(&self) -> Wdt {
+        self.dt.unwrap_or(Wdt::F32)
     }
 
     /// Makes the GPU hold exactly the experts `bank` holds: uploads the missing ones, frees
@@ -200,12 +212,13 @@ impl GpuExperts {
                 continue;
             }
             let s = &self.gpu.stream;
-            let gu = s
-                .clone_htod(&w.gate_up.to_f32()[..])
-                .map_err(|e| gpu_err("uploading an expert", e))?;
-            let dn = s
-                .clone_htod(&w.down.to_f32()[..])
-                .map_err(|e| gpu_err("uploading an expert", e))?;
+            let dt = *self.dt.get_or_insert(expert_dtype(w));
+            let up = |m| {
+                DevMat::upload_as(s, m, dt)
+                    .map_err(|e| Error::Gpu(format!("expert ({},{}): {e}", k.0, k.1)))
+            };
+            let gu = up(&w.gate_up)?;
+            let dn = up(&w.down)?;
             self.w.insert(k, (gu, dn));
         }
         self.gpu
@@ -248,8 +261,8 @@ impl GpuExperts {
             let t = host
                 .entry(l)
                 .or_insert_with(|| (vec![0; width], vec![0; width]));
-            t.0[e] = gu.device_ptr(&s).0;
-            t.1[e] = dn.device_ptr(&s).0;
+            t.0[e] = gu.p;
+            t.1[e] = dn.p;
         }
         self.tables.clear();
         for (l, (g, d)) in host {
@@ -311,7 +324,8 @@ impl GpuExperts {
         // SAFETY: ids are experts resident on this GPU (checked by the caller), so their
         // table entries address [2I, H] and [H, I] weights; rows < activation rows; act
         // holds n rows of I and `out` n rows of H (the caller's guarantee).
-        unsafe { launch_raw(s, &self.k_up, &mut up.params(), false, cfg(self.inter)) }
+        let d = (self.dtype() == Wdt::Bf16) as usize;
+        unsafe { launch_raw(s, &self.k_up[d], &mut up.params(), false, cfg(self.inter)) }
             .map_err(|e| gpu_err("launching moe_up", e))?;
         let mut down = MoeDown {
             idx: ids,
@@ -325,8 +339,16 @@ impl GpuExperts {
             distinct: zero,
         };
         // SAFETY: as above.
-        unsafe { launch_raw(s, &self.k_down, &mut down.params(), false, cfg(self.hidden)) }
-            .map_err(|e| gpu_err("launching moe_down", e))?;
+        unsafe {
+            launch_raw(
+                s,
+                &self.k_down[d],
+                &mut down.params(),
+                false,
+                cfg(self.hidden),
+            )
+        }
+        .map_err(|e| gpu_err("launching moe_down", e))?;
         Ok(())
     }
 
@@ -414,11 +436,9 @@ impl GpuExperts {
         self.host_dn.clear();
         for p in picks {
             let (gu, dn) = Self::weights_of(&self.w, layer, p, rows)?;
-            let (gp, _g1) = gu.device_ptr(&s);
-            let (dp, _g2) = dn.device_ptr(&s);
             self.host_rows.push(p.row as i32);
-            self.host_gu.push(gp);
-            self.host_dn.push(dp);
+            self.host_gu.push(gu.p);
+            self.host_dn.push(dn.p);
         }
         let n = picks.len();
         grow(&s, &mut self.out, n * h)?;
@@ -486,7 +506,8 @@ impl GpuExperts {
             // SAFETY: the arguments match the kernel's signature; every pointer the kernel
             // follows (rows < activation rows, resident experts' weights of [2I,H] and [H,I])
             // was checked above, and the scratch holds n picks.
-            unsafe { launch_raw(&s, &self.f, &mut a.params(), false, cfg) }
+            let d = (self.dtype() == Wdt::Bf16) as usize;
+            unsafe { launch_raw(&s, &self.f[d], &mut a.params(), false, cfg) }
                 .map_err(|e| gpu_err("launching expert_swiglu", e))?;
         }
         s.memcpy_dtoh(&self.out.slice(..n * h), &mut out[..n * h])

@@ -53,7 +53,7 @@ pub fn load_on_gpu(
     let mut eng = crate::load::engine_from(ckpt, map, opts)?;
     let dense = DenseWeights::load(ckpt)?;
     let g = GpuModel::new(gpu, &ckpt.config, &dense, eng.kv.blocks)?;
-    attach_gpu(&mut eng, g, &dense)?;
+    attach_gpu(&mut eng, g)?;
     Ok(eng)
 }
 
@@ -219,7 +219,7 @@ pub fn hashed_engine_with_tier(
     let kv = crate::kv::KvCache::accounting(c.num_hidden_layers, c.kv_dim(), g.kv_blocks());
     let mut eng = Engine::with_kv(
         c.clone(),
-        Box::new(crate::cuda_model::GpuStep::new(g, &mem.dense)),
+        Box::new(crate::cuda_model::GpuStep::new(g)),
         ExpertBank::empty(Tier::Hot, moe.len(), ne, h, i),
         cold_tier,
         map,

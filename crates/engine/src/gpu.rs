@@ -25,9 +25,19 @@ pub const COMPILED: bool = cfg!(feature = "cuda");
 pub fn attach_primary(engine: &mut Engine, ckpt: &Checkpoint, ordinal: usize) -> Result<String> {
     let gpu = Gpu::open(ordinal)?;
     let dense = crate::model::DenseWeights::load(ckpt)?;
-    let g = crate::cuda_model::GpuModel::new(gpu, &ckpt.config, &dense, engine.kv.blocks)?;
-    let desc = g.describe();
-    crate::cuda_model::attach_gpu(engine, g, &dense)?;
+    let mut g = crate::cuda_model::GpuModel::new(gpu, &ckpt.config, &dense, engine.kv.blocks)?;
+    g.sync_hot(&engine.hot)?;
+    let h = crate::placement::human_bytes;
+    let desc = format!(
+        "{}: {} weights, {} dense + {} of {} hot experts + {} KV cache on the device",
+        g.describe(),
+        g.weight_dtype(),
+        h(g.dense_bytes() as u64),
+        h(g.expert_bytes() as u64),
+        g.resident(),
+        h(g.kv_bytes() as u64)
+    );
+    crate::cuda_model::attach_gpu(engine, g)?;
     Ok(desc)
 }
 

@@ -25,6 +25,7 @@ use crate::model::DenseWeights;
 use crate::rowmap::{LayerMap, Rowmap, Tier};
 use crate::step::{Engine, SeqStep};
 use crate::tier::{ColdRequest, ColdService, InProcessTier};
+use safetensors::tensor::Dtype;
 
 /// Raw pick counts per MoE layer and expert, as `moelane status --counts-out` writes them.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -76,8 +77,9 @@ pub enum Budget {
 pub enum Resident {
     /// The checkpoint's own bytes (the CPU backend; 1-D weights kept as f32).
     Stored,
-    /// Four bytes per element (the CUDA backend widens weights to f32 at upload).
-    F32,
+    /// The CUDA backend's: bf16 matrices as stored, every other dtype widened to four
+    /// bytes an element (f16, FP8 without its scales, f32), vectors as f32.
+    Gpu,
 }
 
 /// The primary's memory by part, in bytes on its device.
@@ -200,19 +202,32 @@ pub fn footprint(
             // FP8 scales are held as f32 whatever they are stored as; the GPU keeps none
             match resident {
                 Resident::Stored => 4 * elems,
-                Resident::F32 => 0,
+                Resident::Gpu => 0,
             }
         } else {
             match resident {
                 // vectors (norms, biases, a [1, H] gate) are held as f32
                 Resident::Stored if matrix => raw.bytes.len() as u64,
+                Resident::Gpu if matrix && raw.dtype == Dtype::BF16 => raw.bytes.len() as u64,
                 _ => 4 * elems,
             }
         };
     }
     let expert = match resident {
         Resident::Stored => ckpt.expert_stored_bytes()? as u64,
-        Resident::F32 => 4 * c.expert_params() as u64,
+        Resident::Gpu => {
+            let l = c.moe_layers().first().copied().unwrap_or(0);
+            let b = ckpt.expert_bytes(l, 0)?;
+            if b.gate_up
+                .iter()
+                .chain([&b.down])
+                .all(|(d, _)| *d == Dtype::BF16)
+            {
+                b.stored() as u64
+            } else {
+                4 * c.expert_params() as u64
+            }
+        }
     };
     let tokens = KvCache::blocks_for(kv_tokens.max(BLOCK)) * BLOCK;
     let (kd, vd) = c.cache_dims();

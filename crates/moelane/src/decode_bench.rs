@@ -164,10 +164,14 @@ pub fn run(a: DecodeArgs) -> Result<()> {
             None => pl.name(),
         };
         let c = eng.cfg.clone();
-        let expert_bytes = (3 * c.hidden_size * c.moe_intermediate_size * 4) as f64;
         let dense_bytes = eng.dense_bytes_per_token() as f64;
         let moe_layers = c.moe_layers().len();
         let resident = eng.gpu_mut().map(|g| g.expert_bytes()).unwrap_or(0);
+        // the bytes a hot expert's load reads: its weights in the dtype the GPU keeps
+        let expert_bytes = match eng.gpu_mut().map(|g| g.bytes_per_expert()) {
+            Some(b) if b > 0 => b as f64,
+            _ => (3 * c.hidden_size * c.moe_intermediate_size * 4) as f64,
+        };
         println!(
             "-- {}: built in {:.1} s, {:.1} GB of experts on {}",
             name,

@@ -129,7 +129,7 @@ pub fn plan_map(
             counts,
             kv_tokens,
             spare_slots,
-            resident: if gpu { Resident::F32 } else { Resident::Stored },
+            resident: if gpu { Resident::Gpu } else { Resident::Stored },
             progress: true,
         },
     )
@@ -155,7 +155,24 @@ pub fn plan_map(
     Ok(plan)
 }
 
+/// The process's resident memory from /proc/self/status: (anonymous, file-backed) bytes;
+/// None where the file is not there (not Linux).
+pub fn resident_memory() -> Option<(u64, u64)> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb = |key: &str| -> Option<u64> {
+        let line = s.lines().find(|l| l.starts_with(key))?;
+        line[key.len()..]
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse::<u64>()
+            .ok()
+    };
+    Some((kb("RssAnon:")? * 1024, kb("RssFile:")? * 1024))
+}
+
 pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
+    let loading = std::time::Instant::now();
     let ckpt = Checkpoint::open(&o.model)?;
     if o.primary_device != "cpu" && ckpt.config.mla.is_some() {
         // said before a calibration pass or a load, not after
@@ -231,6 +248,24 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
         tier,
     )?;
     attach_primary_device(&mut engine, &ckpt, &o.primary_device)?;
+    {
+        let h = moelane_engine::placement::human_bytes;
+        let rss = match resident_memory() {
+            Some((anon, file)) => format!(
+                "; process resident {} ({} anonymous + {} file-backed, the mapped \
+                 checkpoint's pages the kernel may reclaim)",
+                h(anon + file),
+                h(anon),
+                h(file)
+            ),
+            None => String::new(),
+        };
+        println!(
+            "moelane: primary loaded in {:.1} s: the checkpoint's tensors are {}{rss}",
+            loading.elapsed().as_secs_f64(),
+            h(ckpt.tensor_bytes() as u64),
+        );
+    }
     let id = ckpt.id.clone();
     let handle = moelane_gb300_worker::start(engine, id.clone(), eos, o.sched.clone())
         .context("cannot start the step loop's thread")?;

@@ -52,6 +52,21 @@ kernel_args! {
 }
 
 kernel_args! {
+    /// `split_bf16` (gemv.cu): each row of x as three bf16 rows of xs summing to it.
+    SplitBf16 { x: u64, xs: u64, inp: i32 }
+}
+
+kernel_args! {
+    /// `round_bf16` (gemv.cu): y[i] = bf16(x[i]), rounded to nearest even, i < n.
+    RoundBf16 { x: u64, y: u64, n: i64 }
+}
+
+kernel_args! {
+    /// `sum3_rows` (gemv.cu): y[r] = beta * y[r] + c[3r] + c[3r+1] + c[3r+2].
+    Sum3Rows { c: u64, y: u64, out: i32, beta: f32 }
+}
+
+kernel_args! {
     /// `qk_rope_kv` (attention.cu): q/k norm, RoPE, K/V into the paged cache.
     QkRopeKv {
         qkv: u64, qn: u64, kn: u64, cos_t: u64, sin_t: u64, row_pos: u64, row_tab: u64,

@@ -106,10 +106,16 @@ pub fn bandwidth(gpu: &Gpu, bytes: usize, reps: usize) -> Result<(f64, f64)> {
 }
 
 /// The grouped MoE kernels (`moe_up`, `moe_down`) of the dense module on `gpu`, for a
-/// sidecar's [`crate::cuda_experts::GpuExperts`].
-pub fn moe_kernels(gpu: &Gpu) -> Result<(CudaFunction, CudaFunction)> {
+/// sidecar's [`crate::cuda_experts::GpuExperts`]: (up, down) on f32 weights, then on bf16.
+#[allow(clippy::type_complexity)]
+pub fn moe_kernels(
+    gpu: &Gpu,
+) -> Result<((CudaFunction, CudaFunction), (CudaFunction, CudaFunction))> {
     let f = funcs(gpu)?;
-    Ok((f.moe_up, f.moe_down))
+    Ok((
+        (f.moe_up.f32, f.moe_down.f32),
+        (f.moe_up.bf16, f.moe_down.bf16),
+    ))
 }
 
 /// Loads the dense kernels' module on `gpu` and returns the generator kernel (for a sidecar

@@ -6,11 +6,13 @@
 use super::*;
 
 impl GpuModel {
+    /// y[n, out] = x[n, in] . w^T (+ beta * y, beta 0 or 1): the small-batch kernel up to 4
+    /// rows, else cuBLAS (f32 weights: SGEMM, no TF32; bf16: [`Self::split_gemm`]).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn gemm(
         &self,
         what: &'static str,
-        w: u64,
+        w: W,
         out_dim: usize,
         in_dim: usize,
         x: u64,
@@ -23,7 +25,7 @@ impl GpuModel {
             let v4 = in_dim.is_multiple_of(4) as i32;
             let (pf, pre) = (self.prefetch as i32, self.preload as i32);
             let mut a = args::Gemv {
-                w,
+                w: w.p,
                 x,
                 y,
                 out: o,
@@ -37,12 +39,15 @@ impl GpuModel {
             // SAFETY: as below; n <= 4 rows.
             return unsafe {
                 self.launch(
-                    &self.f.gemv,
+                    self.f.gemv.of(w.dt),
                     what,
                     &mut a.params(),
                     grid(out_dim.div_ceil(8), 1, 256, 0),
                 )
             };
+        }
+        if w.dt == Wdt::Bf16 {
+            return self.split_gemm(w.p, out_dim, in_dim, x, n, y, beta);
         }
         let alpha = 1f32;
         // y[n, out] (row-major) = x[n, in] . w[out, in]^T, i.e. column-major
@@ -58,7 +63,7 @@ impl GpuModel {
                 n as i32,
                 in_dim as i32,
                 &alpha,
-                w as *const f32,
+                w.p as *const f32,
                 in_dim as i32,
                 x as *const f32,
                 in_dim as i32,
@@ -69,6 +74,100 @@ impl GpuModel {
         }
         .map_err(|e| gerr("cuBLAS sgemm", e))?;
         self.mark("cublas sgemm")
+    }
+
+    /// A product on bf16 weights `w` of more than 4 rows, on the tensor cores without
+    /// rounding anything: each row of x split into three bf16 rows that sum to it exactly
+    /// (`split_bf16`), one bf16 x bf16 GEMM with f32 accumulation over the 3n rows (every
+    /// product is exact in f32), then the three partial rows summed into y (`sum3_rows`,
+    /// with beta). The f32 product on the widened weights, to the order of summation; the
+    /// weights are read once per chunk of `split_rows` rows.
+    #[allow(clippy::too_many_arguments)]
+    fn split_gemm(
+        &self,
+        w: u64,
+        out_dim: usize,
+        in_dim: usize,
+        x: u64,
+        n: usize,
+        y: u64,
+        beta: f32,
+    ) -> Result<()> {
+        let per = self
+            .split_rows
+            .min(self.c3.len / (3 * out_dim).max(1))
+            .min(self.xs.len / (3 * in_dim).max(1));
+        if per == 0 {
+            return Err(Error::Internal(format!(
+                "a bf16 product of {n} rows of {in_dim} -> {out_dim} without its scratch"
+            )));
+        }
+        let (zero, one) = (0f32, 1f32);
+        let mut r0 = 0;
+        while r0 < n {
+            let rows = per.min(n - r0);
+            let xr = x + (4 * r0 * in_dim) as u64;
+            let yr = y + (4 * r0 * out_dim) as u64;
+            let mut a = args::SplitBf16 {
+                x: xr,
+                xs: self.xs.p,
+                inp: in_dim as i32,
+            };
+            // SAFETY: x holds n rows of in (rows r0.. of them read), xs 3 * per rows of in.
+            unsafe {
+                self.launch(
+                    &self.f.split_bf16,
+                    "split_bf16",
+                    &mut a.params(),
+                    grid(rows, 1, 256, 0),
+                )
+            }?;
+            // column-major as in `gemm`: c3^T[out, 3 rows] = w^T' [out, in] xs^T [in, 3 rows]
+            // SAFETY: w holds out*in bf16s, xs 3*rows*in bf16s, c3 3*rows*out floats (sized
+            // in `begin`, checked above), all on the handle's stream.
+            unsafe {
+                cudarc::cublas::result::gemm_ex(
+                    *self.blas.handle(),
+                    blas::cublasOperation_t::CUBLAS_OP_T,
+                    blas::cublasOperation_t::CUBLAS_OP_N,
+                    out_dim as i32,
+                    (3 * rows) as i32,
+                    in_dim as i32,
+                    &one as *const f32 as *const std::ffi::c_void,
+                    w as *const std::ffi::c_void,
+                    blas::cudaDataType::CUDA_R_16BF,
+                    in_dim as i32,
+                    self.xs.p as *const std::ffi::c_void,
+                    blas::cudaDataType::CUDA_R_16BF,
+                    in_dim as i32,
+                    &zero as *const f32 as *const std::ffi::c_void,
+                    self.c3.p as *mut std::ffi::c_void,
+                    blas::cudaDataType::CUDA_R_32F,
+                    out_dim as i32,
+                    blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .map_err(|e| gerr("cuBLAS bf16 GEMM", e))?;
+            self.mark("cublas bf16 gemm")?;
+            let mut a = args::Sum3Rows {
+                c: self.c3.p,
+                y: yr,
+                out: out_dim as i32,
+                beta,
+            };
+            // SAFETY: c3 holds 3 * rows rows of out, y n rows of out (rows r0.. written).
+            unsafe {
+                self.launch(
+                    &self.f.sum3,
+                    "sum3_rows",
+                    &mut a.params(),
+                    grid(rows, out_dim.div_ceil(256), 256, 0),
+                )
+            }?;
+            r0 += rows;
+        }
+        Ok(())
     }
 
     /// Launches a step kernel on this model's stream (a programmatic dependent launch when
@@ -114,7 +213,7 @@ impl GpuModel {
     pub(super) fn normed_product(
         &self,
         what: &'static str,
-        w: u64,
+        w: W,
         out_dim: usize,
         x: u64,
         nw: u64,
@@ -132,7 +231,7 @@ impl GpuModel {
         let v4 = in_dim.is_multiple_of(4) as i32;
         let (pf, pre) = (self.prefetch as i32, self.preload as i32);
         let mut a = args::NormGemv {
-            w,
+            w: w.p,
             x,
             nw,
             h,
@@ -148,7 +247,7 @@ impl GpuModel {
         // SAFETY: w holds out*in floats, x and h n rows of in, nw in, y n rows of out.
         unsafe {
             self.launch(
-                &self.f.norm_gemv,
+                self.f.norm_gemv.of(w.dt),
                 what,
                 &mut a.params(),
                 grid(out_dim.div_ceil(8), 1, 256, 0),

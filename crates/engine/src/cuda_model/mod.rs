@@ -126,6 +126,31 @@ pub struct GpuOptions {
     /// Step kernels launched hollow, a diagnostic (`MOELANE_CUDA_HOLLOW`, see
     /// [`GpuModel::set_hollow`]); empty in serving.
     pub hollow: Vec<String>,
+    /// The dtype weight matrices are kept in on the device (`MOELANE_CUDA_WEIGHTS`):
+    /// the checkpoint's own by default; the other two are for benchmarks.
+    pub weights: WeightMode,
+}
+
+/// How a [`GpuModel`] keeps weight matrices (`MOELANE_CUDA_WEIGHTS=stored|f32|bf16`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightMode {
+    /// bf16 as stored, every other dtype widened to f32 (the default)
+    Stored,
+    /// everything widened to f32 (twice the memory of bf16: the comparison benches make)
+    F32,
+    /// f32 matrices rounded to bf16 at upload, generated experts too: a generated model
+    /// (`station`) read at bf16's bytes; its outputs differ from the f32 model's
+    Bf16,
+}
+
+impl WeightMode {
+    fn from_env() -> WeightMode {
+        match std::env::var("MOELANE_CUDA_WEIGHTS").as_deref() {
+            Ok("f32") => WeightMode::F32,
+            Ok("bf16") => WeightMode::Bf16,
+            _ => WeightMode::Stored,
+        }
+    }
 }
 
 impl Default for GpuOptions {
@@ -138,6 +163,7 @@ impl Default for GpuOptions {
             split_attention: true,
             preload: true,
             hollow: Vec::new(),
+            weights: WeightMode::Stored,
         }
     }
 }
@@ -155,6 +181,7 @@ impl GpuOptions {
             hollow: std::env::var("MOELANE_CUDA_HOLLOW")
                 .map(|v| hollow_list(&v))
                 .unwrap_or_default(),
+            weights: WeightMode::from_env(),
         }
     }
 }
@@ -229,8 +256,167 @@ impl<T: DeviceRepr + ValidAsZeroBits> Buf<T> {
     }
 }
 
+/// The dtype a weight matrix is kept in on the device: bf16 checkpoints keep their 16 bits
+/// (the kernels widen each weight as they read it, exactly); every other dtype (f16, FP8,
+/// f32) is widened to f32 at upload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Wdt {
+    F32,
+    Bf16,
+}
+
+impl Wdt {
+    pub fn size(self) -> usize {
+        match self {
+            Wdt::F32 => 4,
+            Wdt::Bf16 => 2,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Wdt::F32 => "f32",
+            Wdt::Bf16 => "bf16",
+        }
+    }
+}
+
+/// A weight matrix's device address and dtype (what a product needs of it).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct W {
+    pub p: u64,
+    pub dt: Wdt,
+}
+
+impl W {
+    /// An f32 vector or matrix (a gate row, generated weights).
+    pub fn f32(p: u64) -> W {
+        W { p, dt: Wdt::F32 }
+    }
+}
+
+/// A weight matrix on the device in the dtype it is kept in (see [`Wdt`]).
+pub struct DevMat {
+    store: DevStore,
+    pub p: u64,
+    pub dt: Wdt,
+    pub len: usize,
+}
+
+enum DevStore {
+    F32(#[allow(dead_code)] Buf<f32>),
+    Bf16(#[allow(dead_code)] Buf<u16>),
+}
+
+impl DevMat {
+    /// Uploads `m` as `mode` says: bf16 as stored (unless F32), f32 rounded to bf16 (Bf16),
+    /// anything else widened to f32.
+    pub fn upload(
+        st: &Arc<CudaStream>,
+        m: &crate::ops::Matrix,
+        mode: WeightMode,
+    ) -> Result<DevMat> {
+        match (&m.data, mode) {
+            (crate::ops::Elems::Bf16(v), WeightMode::Stored | WeightMode::Bf16) => {
+                let bits: Vec<u16> = v.iter().map(|b| b.0).collect();
+                Ok(DevMat::of_bf16(Buf::from_host(st, &bits)?, v.len()))
+            }
+            (crate::ops::Elems::F32(v), WeightMode::Bf16) => {
+                let bits: Vec<u16> = v
+                    .iter()
+                    .map(|&x| half::bf16::from_f32(x).to_bits())
+                    .collect();
+                Ok(DevMat::of_bf16(Buf::from_host(st, &bits)?, v.len()))
+            }
+            _ => Ok(DevMat::of_f32(
+                Buf::from_host(st, &m.to_f32())?,
+                m.data.len(),
+            )),
+        }
+    }
+
+    /// As [`DevMat::upload`], with `want` the dtype the caller's kernels take: f32 widens
+    /// anything; bf16 takes only bf16 (narrowing would round the checkpoint's weights).
+    pub fn upload_as(st: &Arc<CudaStream>, m: &crate::ops::Matrix, want: Wdt) -> Result<DevMat> {
+        match (want, &m.data) {
+            (Wdt::Bf16, crate::ops::Elems::Bf16(_)) => DevMat::upload(st, m, WeightMode::Stored),
+            (Wdt::Bf16, other) => Err(Error::Gpu(format!(
+                "a {} matrix where this GPU holds bf16 ones (it would be rounded)",
+                other.dtype()
+            ))),
+            (Wdt::F32, _) => Ok(DevMat::of_f32(
+                Buf::from_host(st, &m.to_f32())?,
+                m.data.len(),
+            )),
+        }
+    }
+
+    pub fn of_f32(b: Buf<f32>, len: usize) -> DevMat {
+        DevMat {
+            p: b.p,
+            dt: Wdt::F32,
+            len,
+            store: DevStore::F32(b),
+        }
+    }
+
+    fn of_bf16(b: Buf<u16>, len: usize) -> DevMat {
+        DevMat {
+            p: b.p,
+            dt: Wdt::Bf16,
+            len,
+            store: DevStore::Bf16(b),
+        }
+    }
+
+    pub(crate) fn w(&self) -> W {
+        W {
+            p: self.p,
+            dt: self.dt,
+        }
+    }
+
+    /// Bytes on the device.
+    pub fn bytes(&self) -> usize {
+        self.len * self.dt.size()
+    }
+
+    /// The weights copied back, widened to f32.
+    pub fn to_host(&self, st: &Arc<CudaStream>) -> Result<Vec<f32>> {
+        match &self.store {
+            DevStore::F32(b) => {
+                let mut v = vec![0f32; self.len];
+                b.read(st, &mut v)?;
+                Ok(v)
+            }
+            DevStore::Bf16(b) => {
+                let mut v = vec![0u16; self.len];
+                b.read(st, &mut v)?;
+                Ok(v.iter()
+                    .map(|&x| f32::from_bits((x as u32) << 16))
+                    .collect())
+            }
+        }
+    }
+}
+
+/// A kernel in both weight dtypes.
+struct ByDt {
+    f32: CudaFunction,
+    bf16: CudaFunction,
+}
+
+impl ByDt {
+    fn of(&self, dt: Wdt) -> &CudaFunction {
+        match dt {
+            Wdt::F32 => &self.f32,
+            Wdt::Bf16 => &self.bf16,
+        }
+    }
+}
+
 struct Funcs {
-    embed: CudaFunction,
+    embed: ByDt,
     rmsnorm: CudaFunction,
     qk_rope_kv: CudaFunction,
     attention: CudaFunction,
@@ -239,9 +425,9 @@ struct Funcs {
     attention_tiled: CudaFunction,
     route_topk: CudaFunction,
     route_sigmoid: CudaFunction,
-    moe_up: CudaFunction,
-    moe_down: CudaFunction,
-    moe_down_pre: CudaFunction,
+    moe_up: ByDt,
+    moe_down: ByDt,
+    moe_down_pre: ByDt,
     scatter: CudaFunction,
     combine: CudaFunction,
     silu_mul: CudaFunction,
@@ -251,9 +437,12 @@ struct Funcs {
     sample: CudaFunction,
     gen: CudaFunction,
     read_probe: CudaFunction,
-    gemv: CudaFunction,
-    norm_gemv: CudaFunction,
+    gemv: ByDt,
+    norm_gemv: ByDt,
     hollow: CudaFunction,
+    split_bf16: CudaFunction,
+    round_bf16: CudaFunction,
+    sum3: CudaFunction,
 }
 
 fn funcs(gpu: &Gpu) -> Result<Funcs> {
@@ -262,8 +451,14 @@ fn funcs(gpu: &Gpu) -> Result<Funcs> {
         m.load_function(n)
             .map_err(|e| gerr(&format!("loading kernel {n}"), e))
     };
+    let both = |n: &str| -> Result<ByDt> {
+        Ok(ByDt {
+            f32: f(n)?,
+            bf16: f(&format!("{n}_bf16"))?,
+        })
+    };
     Ok(Funcs {
-        embed: f("embed_rows")?,
+        embed: both("embed_rows")?,
         rmsnorm: f("rmsnorm_rows")?,
         qk_rope_kv: f("qk_rope_kv")?,
         attention: f("attention")?,
@@ -272,9 +467,9 @@ fn funcs(gpu: &Gpu) -> Result<Funcs> {
         attention_tiled: f("attention_tiled")?,
         route_topk: f("route_topk")?,
         route_sigmoid: f("route_sigmoid")?,
-        moe_up: f("moe_up")?,
-        moe_down: f("moe_down")?,
-        moe_down_pre: f("moe_down_pre")?,
+        moe_up: both("moe_up")?,
+        moe_down: both("moe_down")?,
+        moe_down_pre: both("moe_down_pre")?,
         scatter: f("scatter_rows")?,
         combine: f("moe_combine")?,
         silu_mul: f("silu_mul")?,
@@ -284,26 +479,31 @@ fn funcs(gpu: &Gpu) -> Result<Funcs> {
         sample: f("sample_rows")?,
         gen: f("gen_weights")?,
         read_probe: f("read_probe")?,
-        gemv: f("gemv_rows")?,
-        norm_gemv: f("norm_gemv_rows")?,
+        gemv: both("gemv_rows")?,
+        norm_gemv: both("norm_gemv_rows")?,
         hollow: f("hollow_step")?,
+        split_bf16: f("split_bf16")?,
+        round_bf16: f("round_bf16")?,
+        sum3: f("sum3_rows")?,
     })
 }
 
 /// A shared expert on the device: gate|up, down and the gate's row (none: ungated, glm4_moe).
-type SharedExpert = (Buf<f32>, Buf<f32>, Option<Buf<f32>>);
+type SharedExpert = (DevMat, DevMat, Option<Buf<f32>>);
 
 struct Layer {
     input_norm: Buf<f32>,
     post_norm: Buf<f32>,
-    qkv: Buf<f32>,
-    o: Buf<f32>,
+    qkv: DevMat,
+    o: DevMat,
     q_norm: Buf<f32>,
     k_norm: Buf<f32>,
-    router: Option<Buf<f32>>,
+    /// false: q_norm and k_norm are one-float placeholders (the family has none)
+    qk_norm: bool,
+    router: Option<DevMat>,
     /// the sigmoid router's correction bias (`[E]`)
     router_bias: Option<Buf<f32>>,
-    mlp: Option<(Buf<f32>, Buf<f32>)>,
+    mlp: Option<(DevMat, DevMat)>,
     qkv_bias: Option<Buf<f32>>,
     /// the shared expert's gate_up, down and gate row (qwen2_moe)
     shared: Option<SharedExpert>,
@@ -325,16 +525,19 @@ pub struct GpuModel {
     f: Funcs,
     cfg: ModelConfig,
     layers: Vec<Layer>,
-    embed: Buf<f32>,
+    embed: DevMat,
     norm: Buf<f32>,
-    head: Option<Buf<f32>>,
+    head: Option<DevMat>,
     cos: Buf<f32>,
     sin: Buf<f32>,
     max_pos: usize,
     kc: Vec<Buf<f32>>,
     vc: Vec<Buf<f32>>,
     kv_blocks: usize,
-    experts: HashMap<(usize, usize), (Buf<f32>, Buf<f32>)>,
+    experts: HashMap<(usize, usize), (DevMat, DevMat)>,
+    /// the dtype every expert on this GPU is kept in (set by the first one put: bf16 for a
+    /// bf16 checkpoint, else f32); the MoE kernels take one per launch
+    expert_dt: Option<Wdt>,
     /// experts generated on the device (no host copy): swaps cannot move them
     pub generated: bool,
     tab_gu: Buf<u64>,
@@ -358,6 +561,15 @@ pub struct GpuModel {
     probs: Buf<f32>,
     cold_src: Buf<f32>,
     cold_slots: Buf<i32>,
+    /// a bf16 product of more than 4 rows: its activations split into three bf16 rows each
+    /// (`split_bf16`) and cuBLAS's three partial outputs per row, summed by `sum3_rows`
+    xs: Buf<u16>,
+    c3: Buf<f32>,
+    /// rows of a split product per cuBLAS call (the scratch above holds that many)
+    split_rows: usize,
+    /// some dense matrix is bf16 (the split scratch is needed)
+    any_bf16: bool,
+    weights: WeightMode,
     host_meta: Vec<i32>,
     /// rows of the current step, and rows whose logits it computes
     n: usize,
@@ -413,6 +625,14 @@ pub struct GpuModel {
     /// the results are wrong), to time what each one costs in the chain
     hollow: Vec<String>,
 }
+
+/// Rows of a bf16 product of more than 4 rows per cuBLAS call (each split in three, see
+/// `split_bf16`): bounds the scratch whatever the prefill's length.
+const SPLIT_ROWS: usize = 256;
+
+/// Logit rows of the LM head's split product per cuBLAS call (its outputs are
+/// vocabulary-wide).
+const HEAD_SPLIT_ROWS: usize = 32;
 
 /// Warps of a decode attention block.
 const ATT_WARPS: usize = 16;
@@ -518,15 +738,17 @@ fn decode_wave(gpu: &Gpu, f: &Funcs, head_dim: usize) -> Result<usize> {
 }
 
 /// Every decoder layer's dense weights on the device.
-fn upload_layers(st: &Arc<CudaStream>, w: &DenseWeights) -> Result<Vec<Layer>> {
+fn upload_layers(st: &Arc<CudaStream>, w: &DenseWeights, mode: WeightMode) -> Result<Vec<Layer>> {
     let up = |v: &[f32]| Buf::from_host(st, v);
+    let mat = |m: &crate::ops::Matrix| DevMat::upload(st, m, mode);
     let mut layers = Vec::with_capacity(w.layers.len());
     for l in &w.layers {
         layers.push(Layer {
             input_norm: up(&l.input_norm)?,
             post_norm: up(&l.post_norm)?,
-            qkv: up(&l.qkv.to_f32())?,
-            o: up(&l.o.to_f32())?,
+            qkv: mat(&l.qkv)?,
+            o: mat(&l.o)?,
+            qk_norm: !l.q_norm.is_empty(),
             // a family without q/k norm keeps a placeholder (the kernels get a null pointer)
             q_norm: up(if l.q_norm.is_empty() {
                 &[0.0]
@@ -538,12 +760,12 @@ fn upload_layers(st: &Arc<CudaStream>, w: &DenseWeights) -> Result<Vec<Layer>> {
             } else {
                 &l.k_norm
             })?,
-            router: l.router.as_ref().map(|r| up(&r.to_f32())).transpose()?,
+            router: l.router.as_ref().map(mat).transpose()?,
             router_bias: (!l.router_bias.is_empty())
                 .then(|| up(&l.router_bias))
                 .transpose()?,
             mlp: match &l.dense_mlp {
-                Some(m) => Some((up(&m.gate_up.to_f32())?, up(&m.down.to_f32())?)),
+                Some(m) => Some((mat(&m.gate_up)?, mat(&m.down)?)),
                 None => None,
             },
             qkv_bias: (!l.qkv_bias.is_empty())
@@ -551,8 +773,8 @@ fn upload_layers(st: &Arc<CudaStream>, w: &DenseWeights) -> Result<Vec<Layer>> {
                 .transpose()?,
             shared: match &l.shared {
                 Some((m, g)) => Some((
-                    up(&m.gate_up.to_f32())?,
-                    up(&m.down.to_f32())?,
+                    mat(&m.gate_up)?,
+                    mat(&m.down)?,
                     (!g.is_empty()).then(|| up(g)).transpose()?,
                 )),
                 None => None,
@@ -560,6 +782,17 @@ fn upload_layers(st: &Arc<CudaStream>, w: &DenseWeights) -> Result<Vec<Layer>> {
         });
     }
     Ok(layers)
+}
+
+/// The dtype a GPU keeps an expert's weights in: bf16 when both of its matrices are bf16,
+/// else f32.
+pub(crate) fn expert_dtype(w: &ExpertWeights) -> Wdt {
+    let bf = |m: &crate::ops::Matrix| matches!(m.data, crate::ops::Elems::Bf16(_));
+    if bf(&w.gate_up) && bf(&w.down) {
+        Wdt::Bf16
+    } else {
+        Wdt::F32
+    }
 }
 
 impl GpuModel {
@@ -626,7 +859,20 @@ impl GpuModel {
         let pdl = gpu.cc.0 >= 9 && opts.pdl;
         let att_wave = decode_wave(&gpu, &f, cfg.head_dim)?;
         let up = |v: &[f32]| Buf::from_host(&st, v);
-        let layers = upload_layers(&st, w)?;
+        let mode = opts.weights;
+        let layers = upload_layers(&st, w, mode)?;
+        let any_bf16 = [&w.embed]
+            .into_iter()
+            .chain(w.lm_head.as_ref())
+            .any(|m| matches!(m.data, crate::ops::Elems::Bf16(_)))
+            || layers.iter().any(|l| {
+                [Some(&l.qkv), Some(&l.o), l.router.as_ref()]
+                    .into_iter()
+                    .flatten()
+                    .chain(l.mlp.iter().flat_map(|(a, b)| [a, b]))
+                    .chain(l.shared.iter().flat_map(|(a, b, _)| [a, b]))
+                    .any(|m| m.dt == Wdt::Bf16)
+            });
         let max_pos = cfg
             .max_position_embeddings
             .min(crate::ops::MAX_ROPE_POSITIONS);
@@ -641,9 +887,13 @@ impl GpuModel {
         let moe = cfg.moe_layers().len();
         let e = cfg.num_experts;
         let m = GpuModel {
-            embed: up(&w.embed.to_f32())?,
+            embed: DevMat::upload(&st, &w.embed, mode)?,
             norm: up(&w.norm)?,
-            head: w.lm_head.as_ref().map(|h| up(&h.to_f32())).transpose()?,
+            head: w
+                .lm_head
+                .as_ref()
+                .map(|h| DevMat::upload(&st, h, mode))
+                .transpose()?,
             cos: up(&rope.cos)?,
             sin: up(&rope.sin)?,
             max_pos,
@@ -651,6 +901,12 @@ impl GpuModel {
             vc,
             kv_blocks,
             experts: HashMap::new(),
+            expert_dt: match mode {
+                WeightMode::Stored => None,
+                WeightMode::F32 => Some(Wdt::F32),
+                WeightMode::Bf16 => Some(Wdt::Bf16),
+            },
+            weights: mode,
             generated: false,
             tab_gu: Buf::zeros(&st, moe * e)?,
             tab_dn: Buf::zeros(&st, moe * e)?,
@@ -671,6 +927,10 @@ impl GpuModel {
             probs: Buf::zeros(&st, 1)?,
             cold_src: Buf::zeros(&st, 1)?,
             cold_slots: Buf::zeros(&st, 1)?,
+            xs: Buf::zeros(&st, 1)?,
+            c3: Buf::zeros(&st, 1)?,
+            split_rows: 0,
+            any_bf16,
             host_meta: Vec::new(),
             n: 0,
             decode_only: false,
@@ -737,7 +997,65 @@ impl GpuModel {
 
     /// Bytes of expert weights on this GPU.
     pub fn expert_bytes(&self) -> usize {
-        self.experts.len() * 3 * self.cfg.hidden_size * self.cfg.moe_intermediate_size * 4
+        self.experts
+            .values()
+            .map(|(g, d)| g.bytes() + d.bytes())
+            .sum()
+    }
+
+    /// Bytes of dense weights on this GPU (every matrix and vector of the layers, the
+    /// embedding, the final norm and the LM head; not the KV cache, the RoPE tables or scratch).
+    pub fn dense_bytes(&self) -> usize {
+        let v = |b: &Buf<f32>| b.len * 4;
+        let ov = |b: &Option<Buf<f32>>| b.as_ref().map_or(0, v);
+        let mut t =
+            self.embed.bytes() + v(&self.norm) + self.head.as_ref().map_or(0, DevMat::bytes);
+        for l in &self.layers {
+            t += v(&l.input_norm) + v(&l.post_norm) + l.qkv.bytes() + l.o.bytes();
+            if l.qk_norm {
+                t += v(&l.q_norm) + v(&l.k_norm);
+            }
+            t += ov(&l.router_bias) + ov(&l.qkv_bias);
+            t += l.router.as_ref().map_or(0, DevMat::bytes);
+            t += l.mlp.as_ref().map_or(0, |(a, b)| a.bytes() + b.bytes());
+            t += l
+                .shared
+                .as_ref()
+                .map_or(0, |(a, b, g)| a.bytes() + b.bytes() + ov(g));
+        }
+        t
+    }
+
+    /// Bytes of dense weights a decode token reads on this GPU: every layer's, one row of
+    /// the embedding and the LM head (the embedding again when they are tied).
+    pub fn dense_bytes_per_token(&self) -> usize {
+        let row = self.cfg.hidden_size * self.embed.dt.size();
+        let head = self.head.as_ref().unwrap_or(&self.embed).bytes();
+        let untied = self.head.as_ref().map_or(0, DevMat::bytes);
+        self.dense_bytes() - self.embed.bytes() - untied + row + head
+    }
+
+    /// Bytes of one resident expert (0 when none is).
+    pub fn bytes_per_expert(&self) -> usize {
+        self.experts
+            .values()
+            .next()
+            .map_or(0, |(g, d)| g.bytes() + d.bytes())
+    }
+
+    /// Bytes of the KV cache on this GPU.
+    pub fn kv_bytes(&self) -> usize {
+        self.kc.iter().chain(&self.vc).map(|b| b.len * 4).sum()
+    }
+
+    /// The dtype of the dense products' and the experts' weights ("bf16", "f32" or
+    /// "bf16 dense, f32 experts"), for the start line.
+    pub fn weight_dtype(&self) -> String {
+        let dense = if self.any_bf16 { Wdt::Bf16 } else { Wdt::F32 };
+        match self.expert_dt {
+            Some(e) if e != dense => format!("{} dense, {} experts", dense.name(), e.name()),
+            _ => dense.name().to_string(),
+        }
     }
 
     pub fn sync(&self) -> Result<()> {
@@ -766,8 +1084,13 @@ impl GpuModel {
     }
 
     fn put_expert(&mut self, l: usize, e: usize, w: &ExpertWeights) -> Result<()> {
-        let gu = Buf::from_host(&self.st, &w.gate_up.to_f32())?;
-        let dn = Buf::from_host(&self.st, &w.down.to_f32())?;
+        let dt = *self.expert_dt.get_or_insert(expert_dtype(w));
+        let up = |m| {
+            DevMat::upload_as(&self.st, m, dt)
+                .map_err(|err| Error::Gpu(format!("expert ({l},{e}): {err}")))
+        };
+        let gu = up(&w.gate_up)?;
+        let dn = up(&w.down)?;
         self.experts.insert((l, e), (gu, dn));
         Ok(())
     }
@@ -776,11 +1099,44 @@ impl GpuModel {
     pub fn generate(&mut self, seed: u64, which: &[(usize, usize)]) -> Result<()> {
         self.generated = true;
         let (h, i) = (self.cfg.hidden_size, self.cfg.moe_intermediate_size);
+        let dt = if self.weights == WeightMode::Bf16 {
+            Wdt::Bf16
+        } else {
+            Wdt::F32
+        };
+        self.expert_dt = Some(dt);
         for &(l, e) in which {
-            let w = gen_expert(&self.st, &self.f.gen, seed, l, e, h, i)?;
-            self.experts.insert((l, e), w);
+            let (gu, dn) = gen_expert(&self.st, &self.f.gen, seed, l, e, h, i)?;
+            let (gu, dn) = (DevMat::of_f32(gu, 2 * i * h), DevMat::of_f32(dn, h * i));
+            let pair = match dt {
+                Wdt::F32 => (gu, dn),
+                Wdt::Bf16 => (self.rounded(&gu)?, self.rounded(&dn)?),
+            };
+            self.experts.insert((l, e), pair);
         }
         self.sync()
+    }
+
+    /// An f32 matrix on the device rounded to bf16 (generated weights, `WeightMode::Bf16`).
+    fn rounded(&self, m: &DevMat) -> Result<DevMat> {
+        let out = Buf::<u16>::zeros(&self.st, m.len)?;
+        let mut a = args::RoundBf16 {
+            x: m.p,
+            y: out.p,
+            n: m.len as i64,
+        };
+        // SAFETY: x holds m.len floats, y as many bf16s.
+        unsafe {
+            launch_raw(
+                &self.st,
+                &self.f.round_bf16,
+                &mut a.params(),
+                false,
+                grid(m.len.div_ceil(256).min(65535), 1, 256, 0),
+            )
+        }
+        .map_err(|e| gerr("launching round_bf16", e))?;
+        Ok(DevMat::of_bf16(out, m.len))
     }
 
     /// Points every MoE layer's expert table at the experts `map` puts hot; cold ones get a
@@ -910,6 +1266,17 @@ impl GpuModel {
         };
         let part = n * c.num_attention_heads * self.splits * (c.head_dim + 2);
         moved |= self.att_part.grow(&st, part)?;
+        if self.any_bf16 && n > 4 {
+            // a split product's scratch: up to SPLIT_ROWS rows per cuBLAS call, and up to
+            // HEAD_SPLIT_ROWS rows of the head's (vocabulary-wide) outputs
+            let widest_in = hs.max(c.q_dim()).max(dense_i);
+            let widest_out = wide.max(hs).max(ne);
+            let rows = n.min(SPLIT_ROWS);
+            let outs = (rows * widest_out).max(m.min(HEAD_SPLIT_ROWS) * c.vocab_size);
+            moved |= self.xs.grow(&st, 3 * rows * widest_in)?;
+            moved |= self.c3.grow(&st, 3 * outs)?;
+            self.split_rows = rows;
+        }
         if moved {
             self.drop_graphs();
         }
@@ -993,7 +1360,7 @@ impl GpuModel {
                 // SAFETY: every token id was checked < vocab in `begin`; x holds n rows.
                 unsafe {
                     self.launch(
-                        &self.f.embed,
+                        self.f.embed.of(self.embed.dt),
                         "embed_rows",
                         &mut a.params(),
                         grid(self.n, 1, 256, 0),

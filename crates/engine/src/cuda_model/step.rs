@@ -7,7 +7,6 @@ use std::any::Any;
 use crate::bank::ExpertBank;
 use crate::error::{Error, Result};
 use crate::kv::{KvCache, SeqKv};
-use crate::model::DenseWeights;
 use crate::rowmap::ValidMap;
 use crate::sampling::TokenPick;
 use crate::step::{DeviceRows, Engine, HeadOut, RowPos, Split, StepBackend, StepOut};
@@ -28,8 +27,8 @@ pub struct GpuStep {
 }
 
 impl GpuStep {
-    /// `w` are the dense weights `model` was made from (for the bytes a token reads).
-    pub fn new(model: GpuModel, w: &DenseWeights) -> Self {
+    pub fn new(model: GpuModel) -> Self {
+        let bytes_per_token = model.dense_bytes_per_token();
         GpuStep {
             model,
             ops: Vec::new(),
@@ -37,7 +36,7 @@ impl GpuStep {
             picks: Vec::new(),
             ids: Vec::new(),
             slots: Vec::new(),
-            bytes_per_token: w.bytes_per_token(),
+            bytes_per_token,
         }
     }
 
@@ -60,12 +59,12 @@ impl GpuStep {
     }
 }
 
-/// Moves `eng`'s steps onto `g` (made from the dense weights `w`): its hot experts from the
-/// bank (unless `g` generated its own), its map, and the KV cache on the GPU. The engine must
-/// hold no live sequence; its CPU backend and K/V arrays are dropped.
-pub fn attach_gpu(eng: &mut Engine, g: GpuModel, w: &DenseWeights) -> Result<()> {
+/// Moves `eng`'s steps onto `g`: its hot experts from the bank (unless `g` generated its
+/// own), its map, and the KV cache on the GPU. The engine must hold no live sequence; its
+/// CPU backend and K/V arrays are dropped.
+pub fn attach_gpu(eng: &mut Engine, g: GpuModel) -> Result<()> {
     let kv = KvCache::accounting(eng.cfg.num_hidden_layers, eng.cfg.kv_dim(), g.kv_blocks());
-    eng.set_backend(Box::new(GpuStep::new(g, w)), kv)
+    eng.set_backend(Box::new(GpuStep::new(g)), kv)
 }
 
 impl StepBackend for GpuStep {

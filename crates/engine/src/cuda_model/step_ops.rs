@@ -44,7 +44,7 @@ impl GpuModel {
             return Ok(());
         }
         self.rmsnorm(self.x.p, self.o_lrows, self.norm.p, self.h.p, m)?;
-        let head = self.head.as_ref().unwrap_or(&self.embed).p;
+        let head = self.head.as_ref().unwrap_or(&self.embed).w();
         self.gemm(
             "gemv_rows:head",
             head,
@@ -104,11 +104,11 @@ impl GpuModel {
     pub fn attention(&mut self, l: usize) -> Result<()> {
         let c = &self.cfg;
         let n = self.n;
-        let (qd, kvd, hs) = (c.q_dim(), c.kv_dim(), c.hidden_size);
+        let (qd, kvd) = (c.q_dim(), c.kv_dim());
         let lw = &self.layers[l];
         self.normed_product(
             "norm_gemv_rows:qkv",
-            lw.qkv.p,
+            lw.qkv.w(),
             qd + 2 * kvd,
             self.x.p,
             lw.input_norm.p,
@@ -197,7 +197,7 @@ impl GpuModel {
                     )
                 }?;
             }
-            return self.gemm("gemv_rows:o", lw.o.p, hs, qd, self.att.p, n, self.x.p, 1.0);
+            return self.out_proj(l);
         }
         let mut a = args::QkRopeKv {
             qkv: self.qkv.p,
@@ -254,7 +254,14 @@ impl GpuModel {
         // SAFETY: as above; the tiles (first row, count <= ATT_TILE, rows of one sequence)
         // were built in `begin` from these rows; att holds n rows of q_dim.
         unsafe { self.launch(f, name, &mut a.params(), cfg) }?;
-        self.gemm("gemv_rows:o", lw.o.p, hs, qd, self.att.p, n, self.x.p, 1.0)
+        self.out_proj(l)
+    }
+
+    /// x += o . att (the attention's output projection of decoder layer `l`).
+    fn out_proj(&self, l: usize) -> Result<()> {
+        let (hs, qd) = (self.cfg.hidden_size, self.cfg.q_dim());
+        let o = self.layers[l].o.w();
+        self.gemm("gemv_rows:o", o, hs, qd, self.att.p, self.n, self.x.p, 1.0)
     }
 
     /// Router of MoE layer `l` (`ml`-th MoE layer): h = post_norm(x), top-k ids and weights.
@@ -272,7 +279,7 @@ impl GpuModel {
         // h (the normed rows) feeds the experts: written by the fused kernel or the norm
         self.normed_product(
             "norm_gemv_rows:router",
-            router.p,
+            router.w(),
             ne,
             self.x.p,
             lw.post_norm.p,
@@ -350,6 +357,8 @@ impl GpuModel {
             c.num_experts,
         );
         let nk = n * k;
+        // no expert on this GPU yet: every table entry is null, either kernel skips them all
+        let edt = self.expert_dt.unwrap_or(Wdt::F32);
         let idx = self.idx.p + (4 * ml * nk) as u64;
         let gu = self.tab_gu.p + (8 * ml * ne) as u64;
         let dn = self.tab_dn.p + (8 * ml * ne) as u64;
@@ -375,7 +384,7 @@ impl GpuModel {
         // [2I, H]; h holds n rows, act n*k rows of I; float4 reads only when H % 4 == 0.
         unsafe {
             self.launch(
-                &self.f.moe_up,
+                self.f.moe_up.of(edt),
                 "moe_up",
                 &mut a.params(),
                 grid(nk, i.div_ceil(8), 256, 0),
@@ -395,9 +404,9 @@ impl GpuModel {
         // the preloading kernel takes more registers: fewer blocks resident, which costs
         // the bandwidth-bound large batches more than the early loads gain (measured)
         let (down, name) = if self.preload && n <= 4 {
-            (&self.f.moe_down_pre, "moe_down:pre")
+            (self.f.moe_down_pre.of(edt), "moe_down:pre")
         } else {
-            (&self.f.moe_down, "moe_down")
+            (self.f.moe_down.of(edt), "moe_down")
         };
         // SAFETY: as above, down [H, I]; y holds n*k rows of H.
         unsafe {
@@ -577,7 +586,7 @@ impl GpuModel {
         let Some((gu, dn, gate)) = self.layers[l].shared.as_ref() else {
             return Ok(());
         };
-        let (gu, dn, gate) = (gu.p, dn.p, gate.as_ref().map(|g| g.p));
+        let (gu, dn, gate) = (gu.w(), dn.w(), gate.as_ref().map(|g| W::f32(g.p)));
         if let Some(gate) = gate {
             // the gate's logit per row into rlog (the router's top-k has consumed it)
             self.gemm(
@@ -655,7 +664,7 @@ impl GpuModel {
         self.rmsnorm(self.x.p, 0, lw.post_norm.p, self.h.p, n)?;
         self.gemm(
             "gemv_rows:mlp_up",
-            gu.p,
+            gu.w(),
             2 * i,
             hs,
             self.h.p,
@@ -680,7 +689,7 @@ impl GpuModel {
         }?;
         self.gemm(
             "gemv_rows:mlp_down",
-            dn.p,
+            dn.w(),
             hs,
             i,
             self.att.p,
