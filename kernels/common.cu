@@ -119,3 +119,53 @@ __device__ __forceinline__ float4 wldg4(const bf16_t* p) {
     const uint2 v = __ldg((const uint2*)p);
     return make_float4(bf16_lo(v.x), bf16_hi(v.x), bf16_lo(v.y), bf16_hi(v.y));
 }
+
+// FP8 e4m3fn weights (a byte each) with one f32 scale per block of b0 rows x b1 columns, as
+// DeepSeek's and Qwen's FP8 checkpoints ship them: (r, c) is e4m3(q[r, c]) * s[r / b0, c / b1].
+// Only the grouped MoE kernels read them (the experts); b1 is a multiple of 4, so the four
+// weights of a float4 share a scale.
+typedef unsigned char f8_t;
+
+// The e4m3fn byte's value (exact in f32): S.EEEE.MMM, bias 7, no infinities, S.1111.111 NaN.
+__device__ __forceinline__ float e4m3(unsigned b) {
+    const unsigned em = b & 0x7fu;
+    float v;
+    if (em == 0x7fu) v = __uint_as_float(0x7fc00000u);
+    else if (em < 8u) v = (float)em * (1.f / 512.f);
+    else v = __uint_as_float((((em >> 3) + 120u) << 23) | ((em & 7u) << 20));
+    return (b & 0x80u) ? -v : v;
+}
+
+__device__ __forceinline__ float wload1(const f8_t* p) { return e4m3(*p); }
+__device__ __forceinline__ float4 wload4(const f8_t* p) {
+    const unsigned v = *(const unsigned*)p;
+    return make_float4(e4m3(v & 0xffu), e4m3((v >> 8) & 0xffu), e4m3((v >> 16) & 0xffu), e4m3(v >> 24));
+}
+// (never reached: FP8 rows are not loaded ahead, see moe_down_body; defined for the template)
+__device__ __forceinline__ float4 wldg4(const f8_t* p) { return wload4(p); }
+
+// A weight matrix's block scales: none (f32, bf16: every weight as loaded) or FP8's.
+struct NoScales {
+    __device__ __forceinline__ float at(int, int) const { return 1.f; }
+};
+struct BlockScales {
+    const float* s;
+    int b0, b1, cb;
+    __device__ __forceinline__ float at(int r, int c) const { return s[(r / b0) * cb + c / b1]; }
+};
+__device__ __forceinline__ float4 scaled4(float4 v, NoScales, int, int) { return v; }
+__device__ __forceinline__ float4 scaled4(float4 v, const BlockScales& s, int r, int c) {
+    const float k = s.at(r, c);
+    return make_float4(v.x * k, v.y * k, v.z * k, v.w * k);
+}
+__device__ __forceinline__ float scaled1(float v, NoScales, int, int) { return v; }
+__device__ __forceinline__ float scaled1(float v, const BlockScales& s, int r, int c) { return v * s.at(r, c); }
+// The scales of a kernel on FP8 weights (F8) or none, for a matrix of `cols` columns.
+template <bool F8> struct ScalesOf {
+    static __device__ __forceinline__ NoScales make(const float*, int, int, int) { return NoScales(); }
+};
+template <> struct ScalesOf<true> {
+    static __device__ __forceinline__ BlockScales make(const float* s, int b0, int b1, int cols) {
+        return BlockScales{s, b0, b1, (cols + b1 - 1) / b1};
+    }
+};

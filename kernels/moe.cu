@@ -18,16 +18,19 @@ __device__ __forceinline__ bool leads_expert(const int* idx, int s, int e, int* 
 // when given (a sidecar's picks name their activation rows). One warp per row j,
 // 8 rows per block. grid: (nk, ceil(I/8)). `distinct`: the caller knows every slot's expert
 // differs (the picks of one row), so each block leads its slot without checking.
-template <typename W>
+// FP8 experts (moe_up_f8): gs_tab holds each expert's block scales, b0 x b1 weights a block.
+template <typename W, bool F8>
 __device__ __forceinline__ void moe_up_body(const int* __restrict__ idx, const unsigned long long* __restrict__ gu_tab,
                                             const float* __restrict__ h, float* __restrict__ act,
                                             int nk, int k, int H, int I, int vec4,
-                                            const int* __restrict__ rows, int distinct) {
+                                            const int* __restrict__ rows, int distinct,
+                                            const unsigned long long* __restrict__ gs_tab, int b0, int b1) {
     PDL_ENTRY();
     __shared__ int flag;
     const int s = blockIdx.x;
     const int e = idx[s];
     const W* gu = (const W*)gu_tab[e];
+    const auto sc = ScalesOf<F8>::make(F8 ? (const float*)gs_tab[e] : 0, b0, b1, H);
     if (gu == 0 || !(distinct || leads_expert(idx, s, e, &flag))) return;
     const int j = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (j >= I) return;
@@ -44,16 +47,16 @@ __device__ __forceinline__ void moe_up_body(const int* __restrict__ idx, const u
             if (vec4) {
 #pragma unroll 4
                 for (int i = lane * 4; i < H; i += 128) {
-                    const float4 gv = wload4(g + i);
-                    const float4 uv = wload4(u + i);
+                    const float4 gv = scaled4(wload4(g + i), sc, j, i);
+                    const float4 uv = scaled4(wload4(u + i), sc, j + I, i);
                     const float4 xv = *(const float4*)(x + i);
                     sg = fma4(gv, xv, sg);
                     su = fma4(uv, xv, su);
                 }
             } else {
                 for (int i = lane; i < H; i += 32) {
-                    sg = fmaf(wload1(g + i), x[i], sg);
-                    su = fmaf(wload1(u + i), x[i], su);
+                    sg = fmaf(scaled1(wload1(g + i), sc, j, i), x[i], sg);
+                    su = fmaf(scaled1(wload1(u + i), sc, j + I, i), x[i], su);
                 }
             }
             sg = warp_sum(sg);
@@ -66,15 +69,25 @@ __device__ __forceinline__ void moe_up_body(const int* __restrict__ idx, const u
 extern "C" __global__ void moe_up(const int* __restrict__ idx, const unsigned long long* __restrict__ gu_tab,
                                   const float* __restrict__ h, float* __restrict__ act,
                                   int nk, int k, int H, int I, int vec4,
-                                  const int* __restrict__ rows, int distinct) {
-    moe_up_body<float>(idx, gu_tab, h, act, nk, k, H, I, vec4, rows, distinct);
+                                  const int* __restrict__ rows, int distinct,
+                                  const unsigned long long* __restrict__ gs_tab, int b0, int b1) {
+    moe_up_body<float, false>(idx, gu_tab, h, act, nk, k, H, I, vec4, rows, distinct, gs_tab, b0, b1);
 }
 
 extern "C" __global__ void moe_up_bf16(const int* __restrict__ idx, const unsigned long long* __restrict__ gu_tab,
                                        const float* __restrict__ h, float* __restrict__ act,
                                        int nk, int k, int H, int I, int vec4,
-                                       const int* __restrict__ rows, int distinct) {
-    moe_up_body<bf16_t>(idx, gu_tab, h, act, nk, k, H, I, vec4, rows, distinct);
+                                       const int* __restrict__ rows, int distinct,
+                                       const unsigned long long* __restrict__ gs_tab, int b0, int b1) {
+    moe_up_body<bf16_t, false>(idx, gu_tab, h, act, nk, k, H, I, vec4, rows, distinct, gs_tab, b0, b1);
+}
+
+extern "C" __global__ void moe_up_f8(const int* __restrict__ idx, const unsigned long long* __restrict__ gu_tab,
+                                     const float* __restrict__ h, float* __restrict__ act,
+                                     int nk, int k, int H, int I, int vec4,
+                                     const int* __restrict__ rows, int distinct,
+                                     const unsigned long long* __restrict__ gs_tab, int b0, int b1) {
+    moe_up_body<f8_t, true>(idx, gu_tab, h, act, nk, k, H, I, vec4, rows, distinct, gs_tab, b0, b1);
 }
 
 // MoE down-projection: y[s, j] = down_e[j] . act[s], as moe_up. grid: (nk, ceil(H/8)).
@@ -97,11 +110,12 @@ __device__ __forceinline__ void prefetch_down_rows(const int* __restrict__ idx,
 // PRE (moe_down_pre, with vec4): each warp loads the first W_AHEAD float4s per lane of its
 // down row into registers before the wait, as gemv_rows (same products, same order); the
 // registers this takes cost occupancy, so large batches take moe_down.
-template <bool PRE, typename W>
+template <bool PRE, typename W, bool F8>
 __device__ __forceinline__ void moe_down_body(const int* __restrict__ idx,
                                               const unsigned long long* __restrict__ dn_tab,
                                               const float* __restrict__ act, float* __restrict__ y,
-                                              int nk, int H, int I, int vec4, int distinct) {
+                                              int nk, int H, int I, int vec4, int distinct,
+                                              const unsigned long long* __restrict__ ds_tab, int b0, int b1) {
     const int s = blockIdx.x;
     const int j = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     float4 wa[W_AHEAD];
@@ -109,10 +123,10 @@ __device__ __forceinline__ void moe_down_body(const int* __restrict__ idx,
     if (PRE) {
         // the picks are final before the wait (see prefetch_down_rows)
         const W* dn = (const W*)dn_tab[idx[s]];
-        pre = vec4 && dn != 0 && j < H;
+        pre = !F8 && vec4 && dn != 0 && j < H;
         if (pre) load_ahead(wa, dn + (size_t)j * I, I, lane);
     }
-    if (!(PRE && vec4 && I <= 128 * W_AHEAD)) prefetch_down_rows<W>(idx, dn_tab, H, I);
+    if (!(PRE && !F8 && vec4 && I <= 128 * W_AHEAD)) prefetch_down_rows<W>(idx, dn_tab, H, I);
     PDL_ENTRY();
     __shared__ int flag;
     const int e = idx[s];
@@ -120,6 +134,7 @@ __device__ __forceinline__ void moe_down_body(const int* __restrict__ idx,
     if (dn == 0 || !(distinct || leads_expert(idx, s, e, &flag))) return;
     if (j >= H) return;
     const W* d = dn + (size_t)j * I;
+    const auto sc = ScalesOf<F8>::make(F8 ? (const float*)ds_tab[e] : 0, b0, b1, I);
     const int end = distinct ? s + 1 : nk;
     for (int t0 = s; t0 < end; t0 += 32) {
         unsigned mask = distinct ? 1u : __ballot_sync(0xffffffffu, t0 + lane < nk && idx[t0 + lane] == e);
@@ -140,12 +155,12 @@ __device__ __forceinline__ void moe_down_body(const int* __restrict__ idx,
                 }
 #pragma unroll 4
                 for (int i = i0; i < I; i += 128) {
-                    const float4 dv = wload4(d + i);
+                    const float4 dv = scaled4(wload4(d + i), sc, j, i);
                     const float4 av = *(const float4*)(a + i);
                     sum = fma4(dv, av, sum);
                 }
             } else {
-                for (int i = lane; i < I; i += 32) sum = fmaf(wload1(d + i), a[i], sum);
+                for (int i = lane; i < I; i += 32) sum = fmaf(scaled1(wload1(d + i), sc, j, i), a[i], sum);
             }
             sum = warp_sum(sum);
             if (lane == 0) y[(size_t)t * H + j] = sum;
@@ -155,26 +170,37 @@ __device__ __forceinline__ void moe_down_body(const int* __restrict__ idx,
 
 extern "C" __global__ void moe_down(const int* __restrict__ idx, const unsigned long long* __restrict__ dn_tab,
                                     const float* __restrict__ act, float* __restrict__ y,
-                                    int nk, int H, int I, int vec4, int distinct) {
-    moe_down_body<false, float>(idx, dn_tab, act, y, nk, H, I, vec4, distinct);
+                                    int nk, int H, int I, int vec4, int distinct,
+                                    const unsigned long long* __restrict__ ds_tab, int b0, int b1) {
+    moe_down_body<false, float, false>(idx, dn_tab, act, y, nk, H, I, vec4, distinct, ds_tab, b0, b1);
 }
 
 extern "C" __global__ void moe_down_bf16(const int* __restrict__ idx, const unsigned long long* __restrict__ dn_tab,
                                          const float* __restrict__ act, float* __restrict__ y,
-                                         int nk, int H, int I, int vec4, int distinct) {
-    moe_down_body<false, bf16_t>(idx, dn_tab, act, y, nk, H, I, vec4, distinct);
+                                         int nk, int H, int I, int vec4, int distinct,
+                                    const unsigned long long* __restrict__ ds_tab, int b0, int b1) {
+    moe_down_body<false, bf16_t, false>(idx, dn_tab, act, y, nk, H, I, vec4, distinct, ds_tab, b0, b1);
+}
+
+extern "C" __global__ void moe_down_f8(const int* __restrict__ idx, const unsigned long long* __restrict__ dn_tab,
+                                       const float* __restrict__ act, float* __restrict__ y,
+                                       int nk, int H, int I, int vec4, int distinct,
+                                       const unsigned long long* __restrict__ ds_tab, int b0, int b1) {
+    moe_down_body<false, f8_t, true>(idx, dn_tab, act, y, nk, H, I, vec4, distinct, ds_tab, b0, b1);
 }
 
 extern "C" __global__ void moe_down_pre(const int* __restrict__ idx, const unsigned long long* __restrict__ dn_tab,
                                         const float* __restrict__ act, float* __restrict__ y,
-                                        int nk, int H, int I, int vec4, int distinct) {
-    moe_down_body<true, float>(idx, dn_tab, act, y, nk, H, I, vec4, distinct);
+                                        int nk, int H, int I, int vec4, int distinct,
+                                    const unsigned long long* __restrict__ ds_tab, int b0, int b1) {
+    moe_down_body<true, float, false>(idx, dn_tab, act, y, nk, H, I, vec4, distinct, ds_tab, b0, b1);
 }
 
 extern "C" __global__ void moe_down_pre_bf16(const int* __restrict__ idx, const unsigned long long* __restrict__ dn_tab,
                                              const float* __restrict__ act, float* __restrict__ y,
-                                             int nk, int H, int I, int vec4, int distinct) {
-    moe_down_body<true, bf16_t>(idx, dn_tab, act, y, nk, H, I, vec4, distinct);
+                                             int nk, int H, int I, int vec4, int distinct,
+                                    const unsigned long long* __restrict__ ds_tab, int b0, int b1) {
+    moe_down_body<true, bf16_t, false>(idx, dn_tab, act, y, nk, H, I, vec4, distinct, ds_tab, b0, b1);
 }
 
 // y[slots[i]] = src[i] (the cold tier's outputs into their pick slots). grid: count.

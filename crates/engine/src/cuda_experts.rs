@@ -10,7 +10,7 @@ use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfi
 use crate::bank::{ExpertBank, Pick};
 use crate::cuda::{gpu_err, Gpu, EXPERTS_CU};
 use crate::cuda_model::args::{ExpertSwiglu, MoeDown, MoeUp};
-use crate::cuda_model::{expert_dtype, launch_raw, DevMat, Wdt};
+use crate::cuda_model::{expert_dtype, launch_raw, upload_expert, DevMat, Wdt};
 use crate::error::{Error, Result};
 
 /// An expert resident on a GPU: its gate_up `[2I, H]` and down `[H, I]` weights.
@@ -29,16 +29,18 @@ pub enum Upload {
 /// A tier's experts on the GPU: `gate_up [2I, H]` and `down [H, I]` per resident expert.
 pub struct GpuExperts {
     pub upload: Upload,
-    /// grouped kernels (`kernels/moe.cu`): one block per (expert, 8 weight rows), on f32
-    /// and on bf16 weights
-    k_up: [CudaFunction; 2],
-    k_down: [CudaFunction; 2],
+    /// grouped kernels (`kernels/moe.cu`): one block per (expert, 8 weight rows), on f32,
+    /// bf16 and FP8 weights
+    k_up: [CudaFunction; 3],
+    k_down: [CudaFunction; 3],
     /// the dtype every expert here is kept in (the first one uploaded sets it; see
-    /// [`crate::cuda_model::Wdt`])
+    /// [`crate::cuda_model::Wdt`]), and FP8's block shape
     dt: Option<Wdt>,
-    /// per layer, the device addresses of each resident expert's gate_up and down, indexed
-    /// by expert id (0 where not resident); rebuilt after the resident set changes
-    tables: HashMap<usize, (CudaSlice<u64>, CudaSlice<u64>)>,
+    block: Option<[usize; 2]>,
+    /// per layer, the device addresses of each resident expert's gate_up and down, then
+    /// of their FP8 scales, indexed by expert id (0 where not resident or not FP8); rebuilt
+    /// after the resident set changes
+    tables: HashMap<usize, [CudaSlice<u64>; 4]>,
     tables_dirty: bool,
     act: CudaSlice<f32>,
     packed: CudaSlice<u8>,
@@ -83,7 +85,7 @@ impl GpuExperts {
                 .map_err(|e| gpu_err(&format!("loading {n}"), e))
         };
         let f = [load("expert_swiglu")?, load("expert_swiglu_bf16")?];
-        let ((up, down), (up16, down16)) = crate::cuda_model::moe_kernels(&gpu)?;
+        let [(up, down), (up16, down16), (up8, down8)] = crate::cuda_model::moe_kernels(&gpu)?;
         let s = gpu.stream.clone();
         let z = |n| {
             s.alloc_zeros::<f32>(n)
@@ -91,9 +93,10 @@ impl GpuExperts {
         };
         Ok(GpuExperts {
             upload: Upload::Packed,
-            k_up: [up, up16],
-            k_down: [down, down16],
+            k_up: [up, up16, up8],
+            k_down: [down, down16, down8],
             dt: None,
+            block: None,
             tables: HashMap::new(),
             tables_dirty: true,
             act: z(inter)?,
@@ -213,13 +216,8 @@ impl GpuExperts {
             }
             let s = &self.gpu.stream;
             let dt = *self.dt.get_or_insert(expert_dtype(w));
-            let up = |m| {
-                DevMat::upload_as(s, m, dt)
-                    .map_err(|e| Error::Gpu(format!("expert ({},{}): {e}", k.0, k.1)))
-            };
-            let gu = up(&w.gate_up)?;
-            let dn = up(&w.down)?;
-            self.w.insert(k, (gu, dn));
+            let pair = upload_expert(s, w, k, dt, &mut self.block)?;
+            self.w.insert(k, pair);
         }
         self.gpu
             .stream
@@ -256,23 +254,29 @@ impl GpuExperts {
         }
         let s = self.gpu.stream.clone();
         let width = self.w.keys().map(|k| k.1 + 1).max().unwrap_or(1);
-        let mut host: HashMap<usize, (Vec<u64>, Vec<u64>)> = HashMap::new();
+        let mut host: HashMap<usize, [Vec<u64>; 4]> = HashMap::new();
         for (&(l, e), (gu, dn)) in &self.w {
             let t = host
                 .entry(l)
-                .or_insert_with(|| (vec![0; width], vec![0; width]));
-            t.0[e] = gu.p;
-            t.1[e] = dn.p;
+                .or_insert_with(|| std::array::from_fn(|_| vec![0; width]));
+            t[0][e] = gu.p;
+            t[1][e] = dn.p;
+            t[2][e] = gu.scales().map_or(0, |(x, _)| x.p);
+            t[3][e] = dn.scales().map_or(0, |(x, _)| x.p);
         }
         self.tables.clear();
-        for (l, (g, d)) in host {
-            let g = s
-                .clone_htod(&g)
-                .map_err(|e| gpu_err("uploading tables", e))?;
-            let d = s
-                .clone_htod(&d)
-                .map_err(|e| gpu_err("uploading tables", e))?;
-            self.tables.insert(l, (g, d));
+        for (l, t) in host {
+            let mut up = Vec::with_capacity(4);
+            for v in &t {
+                up.push(
+                    s.clone_htod(v)
+                        .map_err(|e| gpu_err("uploading tables", e))?,
+                );
+            }
+            let Ok(four) = <[CudaSlice<u64>; 4]>::try_from(up) else {
+                return Err(Error::Internal("four expert tables".into()));
+            };
+            self.tables.insert(l, four);
         }
         self.tables_dirty = false;
         Ok(())
@@ -296,12 +300,19 @@ impl GpuExperts {
             self.inter.is_multiple_of(4) as i32,
         );
         let (acts, rows, ids, layer) = (ptrs[0], ptrs[1], ptrs[2], ptrs[3] as usize);
-        let Some((gt, dt)) = self.tables.get(&layer) else {
+        let Some([gt, dt, gst, dst]) = self.tables.get(&layer) else {
             return Err(Error::Gpu(format!(
                 "no experts of layer {layer} on the GPU"
             )));
         };
         let (gt, dt) = (gt.device_ptr(s).0, dt.device_ptr(s).0);
+        let (gst, dst) = (gst.device_ptr(s).0, dst.device_ptr(s).0);
+        let [b0, b1] = self.block.unwrap_or([1, 4]).map(|b| b as i32);
+        let d = match self.dtype() {
+            Wdt::F32 => 0,
+            Wdt::Bf16 => 1,
+            Wdt::F8 => 2,
+        };
         let act = self.act.device_ptr(s).0;
         let mut up = MoeUp {
             idx: ids,
@@ -315,6 +326,9 @@ impl GpuExperts {
             vec4: v_up,
             rows,
             distinct: zero,
+            gs_tab: gst,
+            b0,
+            b1,
         };
         let cfg = |rows_out: usize| LaunchConfig {
             grid_dim: (n as u32, rows_out.div_ceil(8) as u32, 1),
@@ -324,7 +338,6 @@ impl GpuExperts {
         // SAFETY: ids are experts resident on this GPU (checked by the caller), so their
         // table entries address [2I, H] and [H, I] weights; rows < activation rows; act
         // holds n rows of I and `out` n rows of H (the caller's guarantee).
-        let d = (self.dtype() == Wdt::Bf16) as usize;
         unsafe { launch_raw(s, &self.k_up[d], &mut up.params(), false, cfg(self.inter)) }
             .map_err(|e| gpu_err("launching moe_up", e))?;
         let mut down = MoeDown {
@@ -337,6 +350,9 @@ impl GpuExperts {
             inter: ii,
             vec4: v_dn,
             distinct: zero,
+            ds_tab: dst,
+            b0,
+            b1,
         };
         // SAFETY: as above.
         unsafe {
@@ -503,10 +519,20 @@ impl GpuExperts {
                 hidden: hi,
                 inter: ii,
             };
+            let d = match self.dtype() {
+                Wdt::F32 => 0,
+                Wdt::Bf16 => 1,
+                Wdt::F8 => {
+                    return Err(Error::Gpu(
+                        "the separate-upload path (a bench's comparison) takes f32 or bf16 \
+                         experts, not FP8"
+                            .into(),
+                    ))
+                }
+            };
             // SAFETY: the arguments match the kernel's signature; every pointer the kernel
             // follows (rows < activation rows, resident experts' weights of [2I,H] and [H,I])
             // was checked above, and the scratch holds n picks.
-            let d = (self.dtype() == Wdt::Bf16) as usize;
             unsafe { launch_raw(&s, &self.f[d], &mut a.params(), false, cfg) }
                 .map_err(|e| gpu_err("launching expert_swiglu", e))?;
         }

@@ -77,8 +77,9 @@ pub enum Budget {
 pub enum Resident {
     /// The checkpoint's own bytes (the CPU backend; 1-D weights kept as f32).
     Stored,
-    /// The CUDA backend's: bf16 matrices as stored, every other dtype widened to four
-    /// bytes an element (f16, FP8 without its scales, f32), vectors as f32.
+    /// The CUDA backend's: bf16 matrices and FP8 experts (with their scales) as stored,
+    /// every other matrix widened to four bytes an element (f16, FP8 dense weights without
+    /// their scales, f32), vectors as f32.
     Gpu,
 }
 
@@ -218,11 +219,11 @@ pub fn footprint(
         Resident::Gpu => {
             let l = c.moe_layers().first().copied().unwrap_or(0);
             let b = ckpt.expert_bytes(l, 0)?;
-            if b.gate_up
-                .iter()
-                .chain([&b.down])
-                .all(|(d, _)| *d == Dtype::BF16)
-            {
+            let all = |want: Dtype| b.gate_up.iter().chain([&b.down]).all(|(d, _)| *d == want);
+            // FP8 experts keep their bytes and scales where the kernels can read four
+            // weights under one scale
+            let fp8_kept = c.fp8_block.is_some_and(|[b0, b1]| b0 > 0 && b1 % 4 == 0);
+            if all(Dtype::BF16) || (all(Dtype::F8_E4M3) && fp8_kept) {
                 b.stored() as u64
             } else {
                 4 * c.expert_params() as u64

@@ -579,21 +579,30 @@ fn every_family_on_the_gpu_matches_the_cpu() {
         .to_string();
     eprintln!("deepseek_v3 on the GPU: {e}");
     assert!(e.contains("latent attention"), "{e}");
-    // (family, FP8 weights): the GPU widens FP8 (times its block scales) at upload
-    for (family, fp8) in [
-        (Family::Mixtral, false),
-        (Family::Qwen3Moe, false),
-        (Family::Qwen2Moe, false),
-        (Family::Glm4Moe, false),
-        (Family::Qwen3Moe, true),
+    // (family, FP8 weights): FP8 experts stay FP8 on the GPU, FP8 dense matrices are widened
+    // (blocks of 2 x 6 do not give the kernels four weights under one scale: those experts
+    // are widened to f32, the fallback)
+    for (family, blocks) in [
+        (Family::Mixtral, None),
+        (Family::Qwen3Moe, None),
+        (Family::Qwen2Moe, None),
+        (Family::Glm4Moe, None),
+        (Family::Qwen3Moe, Some([4, 16])),
+        (Family::Glm4Moe, Some([4, 16])),
+        (Family::Qwen3Moe, Some([2, 6])),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let d = Dims::for_family(family);
         random_ckpt::write(family, &d, 11, dir.path()).unwrap();
-        if fp8 {
-            random_ckpt::to_fp8(dir.path(), [4, 16]).unwrap();
+        let fp8 = blocks.is_some();
+        if let Some(b) = blocks {
+            random_ckpt::to_fp8(dir.path(), b).unwrap();
         }
-        let label = format!("{}{}", family.name(), if fp8 { "_fp8" } else { "" });
+        let label = match blocks {
+            Some([b0, b1]) => format!("{}_fp8_{b0}x{b1}", family.name()),
+            None => family.name().to_string(),
+        };
+        let widened = blocks.is_some_and(|b| !b[1].is_multiple_of(4));
         let ckpt = Checkpoint::open(dir.path()).unwrap();
         let ps = prompts(d.vocab, 50);
         let ms = maps(&ckpt, d.experts / 2);
@@ -608,8 +617,7 @@ fn every_family_on_the_gpu_matches_the_cpu() {
             let mut g = load_on_gpu(&ckpt, map, &opts, gpu.clone()).unwrap();
             if all_hot {
                 // every weight on the GPU: bf16 checkpoints keep their bytes there (plus 2
-                // bytes per element of the vectors held as f32, as on the CPU); FP8 matrices
-                // are widened to f32 at upload (no FP8 kernels yet)
+                // bytes per element of the vectors held as f32, as on the CPU)
                 let dense = moelane_engine::model::DenseWeights::load(&ckpt).unwrap();
                 let gm = g.gpu_mut().unwrap();
                 let held = gm.dense_bytes() + gm.expert_bytes();
@@ -622,8 +630,21 @@ fn every_family_on_the_gpu_matches_the_cpu() {
                     gm.kv_bytes()
                 );
                 if fp8 {
-                    // the FP8 experts widened; the dense matrices left bf16 stay bf16
-                    assert!(gm.weight_dtype().ends_with("f32 experts"), "{label}");
+                    // the experts keep their FP8 bytes and f32 block scales, as stored; the
+                    // FP8 dense matrices are widened to f32 (those left bf16 stay bf16)
+                    let c = &ckpt.config;
+                    let experts = c.moe_layers().len() * c.num_experts;
+                    if widened {
+                        assert!(gm.weight_dtype().ends_with("f32 experts"), "{label}");
+                        assert_eq!(gm.expert_bytes(), experts * 4 * c.expert_params());
+                    } else {
+                        assert!(gm.weight_dtype().ends_with("fp8 experts"), "{label}");
+                        assert_eq!(
+                            gm.expert_bytes(),
+                            experts * ckpt.expert_stored_bytes().unwrap(),
+                            "{label}"
+                        );
+                    }
                 } else {
                     assert_eq!(gm.weight_dtype(), "bf16", "{label}");
                     assert_eq!(held, stored + 2 * dense.vector_elements(), "{label}");

@@ -113,15 +113,16 @@ kernel_args! {
     /// `moe_up` (moe.cu): act = silu(gate . h) * (up . h) per pick.
     MoeUp {
         idx: u64, gu_tab: u64, h: u64, act: u64, nk: i32, k: i32, hidden: i32, inter: i32,
-        vec4: i32, rows: u64, distinct: i32,
+        vec4: i32, rows: u64, distinct: i32, gs_tab: u64, b0: i32, b1: i32,
     }
 }
 
 kernel_args! {
-    /// `moe_down` and `moe_down_pre` (moe.cu): y = down . act per pick.
+    /// `moe_down` and `moe_down_pre` (moe.cu): y = down . act per pick (FP8: `ds_tab` the
+    /// experts' block scales, blocks of b0 x b1; 0 otherwise).
     MoeDown {
         idx: u64, dn_tab: u64, act: u64, y: u64, nk: i32, hidden: i32, inter: i32, vec4: i32,
-        distinct: i32,
+        distinct: i32, ds_tab: u64, b0: i32, b1: i32,
     }
 }
 

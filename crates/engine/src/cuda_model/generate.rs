@@ -106,16 +106,14 @@ pub fn bandwidth(gpu: &Gpu, bytes: usize, reps: usize) -> Result<(f64, f64)> {
 }
 
 /// The grouped MoE kernels (`moe_up`, `moe_down`) of the dense module on `gpu`, for a
-/// sidecar's [`crate::cuda_experts::GpuExperts`]: (up, down) on f32 weights, then on bf16.
-#[allow(clippy::type_complexity)]
-pub fn moe_kernels(
-    gpu: &Gpu,
-) -> Result<((CudaFunction, CudaFunction), (CudaFunction, CudaFunction))> {
+/// sidecar's [`crate::cuda_experts::GpuExperts`]: (up, down) on f32, bf16 and FP8 weights.
+pub fn moe_kernels(gpu: &Gpu) -> Result<[(CudaFunction, CudaFunction); 3]> {
     let f = funcs(gpu)?;
-    Ok((
+    Ok([
         (f.moe_up.f32, f.moe_down.f32),
         (f.moe_up.bf16, f.moe_down.bf16),
-    ))
+        (f.moe_up_f8, f.moe_down_f8),
+    ])
 }
 
 /// Loads the dense kernels' module on `gpu` and returns the generator kernel (for a sidecar

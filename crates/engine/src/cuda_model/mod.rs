@@ -257,12 +257,15 @@ impl<T: DeviceRepr + ValidAsZeroBits> Buf<T> {
 }
 
 /// The dtype a weight matrix is kept in on the device: bf16 checkpoints keep their 16 bits
-/// (the kernels widen each weight as they read it, exactly); every other dtype (f16, FP8,
-/// f32) is widened to f32 at upload.
+/// (the kernels widen each weight as they read it, exactly); FP8 experts keep their bytes
+/// and block scales (the grouped MoE kernels dequantise them); every other matrix (f16, FP8
+/// dense weights, f32) is widened to f32 at upload.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Wdt {
     F32,
     Bf16,
+    /// FP8 e4m3 with one f32 scale per block (experts only)
+    F8,
 }
 
 impl Wdt {
@@ -270,6 +273,7 @@ impl Wdt {
         match self {
             Wdt::F32 => 4,
             Wdt::Bf16 => 2,
+            Wdt::F8 => 1,
         }
     }
 
@@ -277,6 +281,7 @@ impl Wdt {
         match self {
             Wdt::F32 => "f32",
             Wdt::Bf16 => "bf16",
+            Wdt::F8 => "fp8",
         }
     }
 }
@@ -306,6 +311,9 @@ pub struct DevMat {
 enum DevStore {
     F32(#[allow(dead_code)] Buf<f32>),
     Bf16(#[allow(dead_code)] Buf<u16>),
+    /// the bytes, the block scales (`scales.p` is what the kernels get), the block shape and
+    /// the matrix's columns
+    F8(Buf<u8>, Buf<f32>, [usize; 2], usize),
 }
 
 impl DevMat {
@@ -340,9 +348,21 @@ impl DevMat {
     pub fn upload_as(st: &Arc<CudaStream>, m: &crate::ops::Matrix, want: Wdt) -> Result<DevMat> {
         match (want, &m.data) {
             (Wdt::Bf16, crate::ops::Elems::Bf16(_)) => DevMat::upload(st, m, WeightMode::Stored),
-            (Wdt::Bf16, other) => Err(Error::Gpu(format!(
-                "a {} matrix where this GPU holds bf16 ones (it would be rounded)",
-                other.dtype()
+            (Wdt::F8, crate::ops::Elems::F8(q)) => {
+                let bytes: Vec<u8> = q.v.iter().map(|b| b.0).collect();
+                let b = Buf::from_host(st, &bytes)?;
+                let sc = Buf::from_host(st, &q.scales)?;
+                Ok(DevMat {
+                    p: b.p,
+                    dt: Wdt::F8,
+                    len: q.v.len(),
+                    store: DevStore::F8(b, sc, q.block, q.cols),
+                })
+            }
+            (want @ (Wdt::Bf16 | Wdt::F8), other) => Err(Error::Gpu(format!(
+                "a {} matrix where this GPU holds {} ones (it would be rounded)",
+                other.dtype(),
+                want.name()
             ))),
             (Wdt::F32, _) => Ok(DevMat::of_f32(
                 Buf::from_host(st, &m.to_f32())?,
@@ -376,9 +396,17 @@ impl DevMat {
         }
     }
 
-    /// Bytes on the device.
+    /// Bytes on the device (FP8: with its scales).
     pub fn bytes(&self) -> usize {
-        self.len * self.dt.size()
+        self.len * self.dt.size() + self.scales().map_or(0, |(s, _)| s.len * 4)
+    }
+
+    /// FP8's block scales and block shape.
+    pub fn scales(&self) -> Option<(&Buf<f32>, [usize; 2])> {
+        match &self.store {
+            DevStore::F8(_, s, b, _) => Some((s, *b)),
+            _ => None,
+        }
     }
 
     /// The weights copied back, widened to f32.
@@ -396,20 +424,35 @@ impl DevMat {
                     .map(|&x| f32::from_bits((x as u32) << 16))
                     .collect())
             }
+            DevStore::F8(b, s, block, cols) => {
+                let mut v = vec![0u8; self.len];
+                b.read(st, &mut v)?;
+                let mut scales = vec![0f32; s.len];
+                s.read(st, &mut scales)?;
+                let q = crate::ops::BlockScaled {
+                    v: v.into_iter().map(crate::ops::F8).collect(),
+                    scales,
+                    cols: *cols,
+                    block: *block,
+                };
+                Ok(crate::ops::Elems::F8(q).into_f32())
+            }
         }
     }
 }
 
-/// A kernel in both weight dtypes.
+/// A kernel in the two weight dtypes of the dense products.
 struct ByDt {
     f32: CudaFunction,
     bf16: CudaFunction,
 }
 
 impl ByDt {
+    /// Dense matrices are never FP8 on the device ([`DevMat::upload`] widens them); the
+    /// grouped MoE kernels take their FP8 forms from `Funcs` directly, so F8 never asks here.
     fn of(&self, dt: Wdt) -> &CudaFunction {
         match dt {
-            Wdt::F32 => &self.f32,
+            Wdt::F32 | Wdt::F8 => &self.f32,
             Wdt::Bf16 => &self.bf16,
         }
     }
@@ -440,6 +483,8 @@ struct Funcs {
     gemv: ByDt,
     norm_gemv: ByDt,
     hollow: CudaFunction,
+    moe_up_f8: CudaFunction,
+    moe_down_f8: CudaFunction,
     split_bf16: CudaFunction,
     round_bf16: CudaFunction,
     sum3: CudaFunction,
@@ -482,6 +527,8 @@ fn funcs(gpu: &Gpu) -> Result<Funcs> {
         gemv: both("gemv_rows")?,
         norm_gemv: both("norm_gemv_rows")?,
         hollow: f("hollow_step")?,
+        moe_up_f8: f("moe_up_f8")?,
+        moe_down_f8: f("moe_down_f8")?,
         split_bf16: f("split_bf16")?,
         round_bf16: f("round_bf16")?,
         sum3: f("sum3_rows")?,
@@ -536,8 +583,14 @@ pub struct GpuModel {
     kv_blocks: usize,
     experts: HashMap<(usize, usize), (DevMat, DevMat)>,
     /// the dtype every expert on this GPU is kept in (set by the first one put: bf16 for a
-    /// bf16 checkpoint, else f32); the MoE kernels take one per launch
+    /// bf16 checkpoint, FP8 for an FP8 one, else f32); the MoE kernels take one per launch
     expert_dt: Option<Wdt>,
+    /// FP8 experts' block shape (rows, columns), one for all
+    expert_block: Option<[usize; 2]>,
+    /// per MoE layer and expert, the FP8 block scales of the hot experts' gate_up and down
+    /// (null otherwise)
+    tab_gs: Buf<u64>,
+    tab_ds: Buf<u64>,
     /// experts generated on the device (no host copy): swaps cannot move them
     pub generated: bool,
     tab_gu: Buf<u64>,
@@ -787,12 +840,43 @@ fn upload_layers(st: &Arc<CudaStream>, w: &DenseWeights, mode: WeightMode) -> Re
 /// The dtype a GPU keeps an expert's weights in: bf16 when both of its matrices are bf16,
 /// else f32.
 pub(crate) fn expert_dtype(w: &ExpertWeights) -> Wdt {
-    let bf = |m: &crate::ops::Matrix| matches!(m.data, crate::ops::Elems::Bf16(_));
-    if bf(&w.gate_up) && bf(&w.down) {
-        Wdt::Bf16
-    } else {
-        Wdt::F32
+    use crate::ops::Elems;
+    match (&w.gate_up.data, &w.down.data) {
+        (Elems::Bf16(_), Elems::Bf16(_)) => Wdt::Bf16,
+        // the kernels read four weights at a time under one scale
+        (Elems::F8(a), Elems::F8(b))
+            if a.block == b.block && a.block[0] > 0 && a.block[1].is_multiple_of(4) =>
+        {
+            Wdt::F8
+        }
+        _ => Wdt::F32,
     }
+}
+
+/// Uploads expert (l, e) as `dt`, the dtype a GPU keeps its experts in; FP8 experts must
+/// also share one block shape (`block`, set by the first): the kernels take one per launch.
+pub(crate) fn upload_expert(
+    st: &Arc<CudaStream>,
+    w: &ExpertWeights,
+    (l, e): (usize, usize),
+    dt: Wdt,
+    block: &mut Option<[usize; 2]>,
+) -> Result<(DevMat, DevMat)> {
+    let named = |err: Error| Error::Gpu(format!("expert ({l},{e}): {err}"));
+    let gu = DevMat::upload_as(st, &w.gate_up, dt).map_err(named)?;
+    let dn = DevMat::upload_as(st, &w.down, dt).map_err(named)?;
+    for m in [&gu, &dn] {
+        if let Some((_, b)) = m.scales() {
+            let want = *block.get_or_insert(b);
+            if b != want {
+                return Err(Error::Gpu(format!(
+                    "expert ({l},{e}): FP8 blocks of {}x{} where this GPU's experts have {}x{}",
+                    b[0], b[1], want[0], want[1]
+                )));
+            }
+        }
+    }
+    Ok((gu, dn))
 }
 
 impl GpuModel {
@@ -910,6 +994,9 @@ impl GpuModel {
             generated: false,
             tab_gu: Buf::zeros(&st, moe * e)?,
             tab_dn: Buf::zeros(&st, moe * e)?,
+            tab_gs: Buf::zeros(&st, moe * e)?,
+            tab_ds: Buf::zeros(&st, moe * e)?,
+            expert_block: None,
             moe,
             x: Buf::zeros(&st, 1)?,
             h: Buf::zeros(&st, 1)?,
@@ -1085,13 +1172,8 @@ impl GpuModel {
 
     fn put_expert(&mut self, l: usize, e: usize, w: &ExpertWeights) -> Result<()> {
         let dt = *self.expert_dt.get_or_insert(expert_dtype(w));
-        let up = |m| {
-            DevMat::upload_as(&self.st, m, dt)
-                .map_err(|err| Error::Gpu(format!("expert ({l},{e}): {err}")))
-        };
-        let gu = up(&w.gate_up)?;
-        let dn = up(&w.down)?;
-        self.experts.insert((l, e), (gu, dn));
+        let pair = upload_expert(&self.st, w, (l, e), dt, &mut self.expert_block)?;
+        self.experts.insert((l, e), pair);
         Ok(())
     }
 
@@ -1108,9 +1190,10 @@ impl GpuModel {
         for &(l, e) in which {
             let (gu, dn) = gen_expert(&self.st, &self.f.gen, seed, l, e, h, i)?;
             let (gu, dn) = (DevMat::of_f32(gu, 2 * i * h), DevMat::of_f32(dn, h * i));
-            let pair = match dt {
-                Wdt::F32 => (gu, dn),
-                Wdt::Bf16 => (self.rounded(&gu)?, self.rounded(&dn)?),
+            let pair = if dt == Wdt::Bf16 {
+                (self.rounded(&gu)?, self.rounded(&dn)?)
+            } else {
+                (gu, dn)
             };
             self.experts.insert((l, e), pair);
         }
@@ -1146,6 +1229,8 @@ impl GpuModel {
         let e = self.cfg.num_experts;
         let mut gu = vec![0u64; self.moe * e];
         let mut dn = vec![0u64; self.moe * e];
+        let mut gs = vec![0u64; self.moe * e];
+        let mut ds = vec![0u64; self.moe * e];
         for ml in 0..self.moe {
             for x in 0..e {
                 if map.tier(ml, x) == Tier::Hot {
@@ -1158,11 +1243,15 @@ impl GpuModel {
                     };
                     gu[ml * e + x] = g.p;
                     dn[ml * e + x] = d.p;
+                    gs[ml * e + x] = g.scales().map_or(0, |(s, _)| s.p);
+                    ds[ml * e + x] = d.scales().map_or(0, |(s, _)| s.p);
                 }
             }
         }
         self.tab_gu.write(&self.st, &gu)?;
         self.tab_dn.write(&self.st, &dn)?;
+        self.tab_gs.write(&self.st, &gs)?;
+        self.tab_ds.write(&self.st, &ds)?;
         self.sync()
     }
 

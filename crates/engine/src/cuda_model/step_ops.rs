@@ -362,6 +362,9 @@ impl GpuModel {
         let idx = self.idx.p + (4 * ml * nk) as u64;
         let gu = self.tab_gu.p + (8 * ml * ne) as u64;
         let dn = self.tab_dn.p + (8 * ml * ne) as u64;
+        let gs = self.tab_gs.p + (8 * ml * ne) as u64;
+        let ds = self.tab_ds.p + (8 * ml * ne) as u64;
+        let [b0, b1] = self.expert_block.unwrap_or([1, 4]).map(|b| b as i32);
         let (nki, ki, hi, ii) = (nk as i32, k as i32, hs as i32, i as i32);
         let v_up = (hs % 4 == 0) as i32;
         let v_dn = (i % 4 == 0) as i32;
@@ -379,12 +382,19 @@ impl GpuModel {
             vec4: v_up,
             rows: 0,
             distinct,
+            gs_tab: gs,
+            b0,
+            b1,
         };
         // SAFETY: ids < E (the router's top-k), table entries are null or resident experts of
         // [2I, H]; h holds n rows, act n*k rows of I; float4 reads only when H % 4 == 0.
         unsafe {
             self.launch(
-                self.f.moe_up.of(edt),
+                if edt == Wdt::F8 {
+                    &self.f.moe_up_f8
+                } else {
+                    self.f.moe_up.of(edt)
+                },
                 "moe_up",
                 &mut a.params(),
                 grid(nk, i.div_ceil(8), 256, 0),
@@ -400,10 +410,15 @@ impl GpuModel {
             inter: ii,
             vec4: v_dn,
             distinct,
+            ds_tab: ds,
+            b0,
+            b1,
         };
         // the preloading kernel takes more registers: fewer blocks resident, which costs
         // the bandwidth-bound large batches more than the early loads gain (measured)
-        let (down, name) = if self.preload && n <= 4 {
+        let (down, name) = if edt == Wdt::F8 {
+            (&self.f.moe_down_f8, "moe_down:fp8")
+        } else if self.preload && n <= 4 {
             (self.f.moe_down_pre.of(edt), "moe_down:pre")
         } else {
             (self.f.moe_down.of(edt), "moe_down")
