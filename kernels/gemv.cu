@@ -255,14 +255,18 @@ extern "C" __global__ void __launch_bounds__(256, 2) norm_gemv_rows_bf16(const b
 }
 
 // The activations of a product on bf16 weights through cuBLAS (more than 4 rows), split so
-// that the tensor cores see no rounding: x[r] = hi + mid + lo, three bf16 rows 3r, 3r+1,
-// 3r+2 of xs whose sum is x[r] exactly (each takes the top 8 significant bits of what is
-// left; f32's 24 need three), so w . x = w . hi + w . mid + w . lo with every product exact
-// in f32 (8 x 8 bits) and f32 accumulation: the f32 product on the widened weights, to the
-// order of summation. grid: n; block: 256.
+// that the tensor cores see every bit: x[r] = hi + mid + lo, three bf16 rows 3r, 3r+1, 3r+2
+// of xs whose sum is x[r] exactly (each the top 8 significant bits of what is left, cut by
+// truncation: f32's 24 need three; exact down to |x| ~ 2^-110, below which bf16's smallest
+// subnormal drops low bits), so every product w . piece is exact in f32 and the tensor
+// cores' f32 accumulation does the rest: the f32 product on the widened weights up to the
+// order and the rounding of the sums. NaN stays NaN, an infinity stays in hi. grid: n.
+__device__ __forceinline__ float bf16_trunc(float v) { return __uint_as_float(__float_as_uint(v) & 0xffff0000u); }
+
+// Round to nearest even (NaN kept a quiet NaN): for weights generated in f32 and kept as bf16.
 __device__ __forceinline__ bf16_t bf16_rn(float v) {
-    // round to nearest even (finite inputs: activations)
     const unsigned u = __float_as_uint(v);
+    if (v != v) return (bf16_t)((u >> 16) | 0x40u);
     return (bf16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
@@ -273,13 +277,13 @@ extern "C" __global__ void split_bf16(const float* __restrict__ x, bf16_t* __res
     bf16_t* o = xs + (size_t)3 * r * in;
     for (int i = threadIdx.x; i < in; i += blockDim.x) {
         const float v = xr[i];
-        const bf16_t a = bf16_rn(v);
-        const float r1 = v - wload1(&a);
-        const bf16_t b = bf16_rn(r1);
-        const float r2 = r1 - wload1(&b);
-        o[i] = a;
-        o[in + i] = b;
-        o[2 * in + i] = bf16_rn(r2);
+        // a NaN whose payload is in its low bits would truncate to an infinity: keep it NaN
+        const float a = v != v ? __uint_as_float(0x7fc00000u) : bf16_trunc(v);
+        const float r1 = isfinite(v) ? v - a : 0.f;
+        const float b = bf16_trunc(r1);
+        o[i] = (bf16_t)(__float_as_uint(a) >> 16);
+        o[in + i] = (bf16_t)(__float_as_uint(b) >> 16);
+        o[2 * in + i] = (bf16_t)(__float_as_uint(r1 - b) >> 16);
     }
 }
 

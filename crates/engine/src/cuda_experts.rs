@@ -33,10 +33,10 @@ pub struct GpuExperts {
     /// bf16 and FP8 weights
     k_up: [CudaFunction; 3],
     k_down: [CudaFunction; 3],
-    /// the dtype every expert here is kept in (the first one uploaded sets it; see
-    /// [`crate::cuda_model::Wdt`]), and FP8's block shape
-    dt: Option<Wdt>,
-    block: Option<[usize; 2]>,
+    /// per layer, the dtype its experts here are kept in (the first one uploaded sets it;
+    /// see [`crate::cuda_model::Wdt`]), and FP8's block shape
+    dt: HashMap<usize, Wdt>,
+    block: HashMap<usize, Option<[usize; 2]>>,
     /// per layer, the device addresses of each resident expert's gate_up and down, then
     /// of their FP8 scales, indexed by expert id (0 where not resident or not FP8); rebuilt
     /// after the resident set changes
@@ -95,8 +95,8 @@ impl GpuExperts {
             upload: Upload::Packed,
             k_up: [up, up16, up8],
             k_down: [down, down16, down8],
-            dt: None,
-            block: None,
+            dt: HashMap::new(),
+            block: HashMap::new(),
             tables: HashMap::new(),
             tables_dirty: true,
             act: z(inter)?,
@@ -146,7 +146,18 @@ impl GpuExperts {
     /// holds them), so a tier built this way serves a fixed map.
     pub fn generate(&mut self, seed: u64, which: &[(usize, usize)]) -> Result<()> {
         let f = crate::cuda_model::gen_kernel(&self.gpu)?;
-        self.dt = Some(Wdt::F32);
+        if self
+            .w
+            .keys()
+            .any(|(l, _)| self.dt.get(l) != Some(&Wdt::F32))
+        {
+            return Err(Error::Gpu(
+                "generating experts beside experts of another dtype".into(),
+            ));
+        }
+        for &(l, _) in which {
+            self.dt.insert(l, Wdt::F32);
+        }
         for &(l, e) in which {
             let (gu, dn) = crate::cuda_model::gen_expert(
                 &self.gpu.stream,
@@ -191,9 +202,9 @@ impl GpuExperts {
         self.w.values().map(|(g, d)| g.bytes() + d.bytes()).sum()
     }
 
-    /// The dtype the experts here are kept in (f32 before any is uploaded).
-    pub fn dtype(&self) -> Wdt {
-        self.dt.unwrap_or(Wdt::F32)
+    /// The dtype layer `layer`'s experts here are kept in (f32 before any is uploaded).
+    pub fn dtype(&self, layer: usize) -> Wdt {
+        self.dt.get(&layer).copied().unwrap_or(Wdt::F32)
     }
 
     /// Makes the GPU hold exactly the experts `bank` holds: uploads the missing ones, frees
@@ -215,8 +226,8 @@ impl GpuExperts {
                 continue;
             }
             let s = &self.gpu.stream;
-            let dt = *self.dt.get_or_insert(expert_dtype(w));
-            let pair = upload_expert(s, w, k, dt, &mut self.block)?;
+            let dt = *self.dt.entry(k.0).or_insert(expert_dtype(w));
+            let pair = upload_expert(s, w, k, dt, self.block.entry(k.0).or_default())?;
             self.w.insert(k, pair);
         }
         self.gpu
@@ -307,8 +318,9 @@ impl GpuExperts {
         };
         let (gt, dt) = (gt.device_ptr(s).0, dt.device_ptr(s).0);
         let (gst, dst) = (gst.device_ptr(s).0, dst.device_ptr(s).0);
-        let [b0, b1] = self.block.unwrap_or([1, 4]).map(|b| b as i32);
-        let d = match self.dtype() {
+        let block = self.block.get(&layer).copied().flatten();
+        let [b0, b1] = block.unwrap_or([1, 4]).map(|b| b as i32);
+        let d = match self.dtype(layer) {
             Wdt::F32 => 0,
             Wdt::Bf16 => 1,
             Wdt::F8 => 2,
@@ -519,7 +531,7 @@ impl GpuExperts {
                 hidden: hi,
                 inter: ii,
             };
-            let d = match self.dtype() {
+            let d = match self.dtype(layer) {
                 Wdt::F32 => 0,
                 Wdt::Bf16 => 1,
                 Wdt::F8 => {

@@ -56,6 +56,12 @@ impl SeqKv {
 }
 
 impl KvCache {
+    /// Bytes of K and V this cache holds in host memory (0 for an accounting-only cache,
+    /// whose K/V live on a GPU).
+    pub fn host_bytes(&self) -> usize {
+        self.k.iter().chain(&self.v).map(|x| x.len() * 4).sum()
+    }
+
     /// A cache of `blocks` blocks for `layers` layers of `kv_dim` floats per position.
     pub fn new(layers: usize, kv_dim: usize, blocks: usize) -> Self {
         Self::with_dims(layers, kv_dim, kv_dim, blocks)

@@ -222,7 +222,10 @@ pub fn footprint(
             let all = |want: Dtype| b.gate_up.iter().chain([&b.down]).all(|(d, _)| *d == want);
             // FP8 experts keep their bytes and scales where the kernels can read four
             // weights under one scale
-            let fp8_kept = c.fp8_block.is_some_and(|[b0, b1]| b0 > 0 && b1 % 4 == 0);
+            // (and gate|up stack on block rows: stack_f8)
+            let fp8_kept = c.fp8_block.is_some_and(|[b0, b1]| {
+                b0 > 0 && b1 % 4 == 0 && c.moe_intermediate_size.is_multiple_of(b0)
+            });
             if all(Dtype::BF16) || (all(Dtype::F8_E4M3) && fp8_kept) {
                 b.stored() as u64
             } else {

@@ -542,14 +542,18 @@ fn bench_experts(
     let vm = m.validate(&ckpt.id, layers, experts, None)?;
     let bank = ExpertBank::load(&ckpt, &vm, Tier::Cold, &moe, None)?;
     let h = bank.hidden;
-    // the CPU bank keeps the stored dtype; a GPU's copy is f32 (it widens at upload)
+    // the CPU bank keeps the stored dtype; a GPU keeps bf16 and FP8 as stored, widens others
     let cpu_bytes = ckpt.expert_stored_bytes()?;
     let dev = moelane_rtx_worker::Device::open(device, &bank).map_err(|e| anyhow::anyhow!(e))?;
-    let dev_bytes = if dev.ordinal().is_some() {
-        3 * bank.hidden * bank.inter * 4
-    } else {
-        cpu_bytes
-    };
+    #[allow(unused_mut)]
+    let mut dev_bytes = cpu_bytes;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = dev.gpu() {
+        let g = g
+            .lock()
+            .map_err(|_| anyhow::anyhow!("GPU state poisoned"))?;
+        dev_bytes = g.bytes() / g.resident().max(1);
+    }
     println!(
         "{}: {} layers x {} experts, hidden {}, expert width {}, {:.0} KiB per expert as stored, {:.0} on the device; device {}",
         model.display(),

@@ -260,8 +260,12 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
             ),
             None => String::new(),
         };
+        let kv = match engine.kv.host_bytes() {
+            0 => String::new(),
+            b => format!(", the KV cache {} in host memory", h(b as u64)),
+        };
         println!(
-            "moelane: primary loaded in {:.1} s: the checkpoint's tensors are {}{rss}",
+            "moelane: primary loaded in {:.1} s: the checkpoint's tensors are {}{kv}{rss}",
             loading.elapsed().as_secs_f64(),
             h(ckpt.tensor_bytes() as u64),
         );

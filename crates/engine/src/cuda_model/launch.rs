@@ -20,6 +20,12 @@ impl GpuModel {
         y: u64,
         beta: f32,
     ) -> Result<()> {
+        if w.dt == Wdt::F8 {
+            // dense matrices are widened at upload; only the MoE kernels read FP8
+            return Err(Error::Internal(format!(
+                "{what}: an FP8 matrix in a dense product"
+            )));
+        }
         if n <= 4 {
             let (o, i, ni) = (out_dim as i32, in_dim as i32, n as i32);
             let v4 = in_dim.is_multiple_of(4) as i32;
@@ -77,11 +83,12 @@ impl GpuModel {
     }
 
     /// A product on bf16 weights `w` of more than 4 rows, on the tensor cores without
-    /// rounding anything: each row of x split into three bf16 rows that sum to it exactly
-    /// (`split_bf16`), one bf16 x bf16 GEMM with f32 accumulation over the 3n rows (every
-    /// product is exact in f32), then the three partial rows summed into y (`sum3_rows`,
-    /// with beta). The f32 product on the widened weights, to the order of summation; the
-    /// weights are read once per chunk of `split_rows` rows.
+    /// rounding the activations: each row of x split into three bf16 rows that sum to it
+    /// exactly (`split_bf16`), one bf16 x bf16 GEMM with f32 accumulation over the 3n rows
+    /// (every product is exact in f32; the tensor cores' sums are not IEEE round-to-nearest),
+    /// then the three partial rows summed into y (`sum3_rows`, with beta): the f32 product
+    /// on the widened weights to f32 rounding. The weights are read once per chunk of
+    /// `split_rows` rows.
     #[allow(clippy::too_many_arguments)]
     fn split_gemm(
         &self,
@@ -222,6 +229,11 @@ impl GpuModel {
         y: u64,
     ) -> Result<()> {
         let in_dim = self.cfg.hidden_size;
+        if w.dt == Wdt::F8 {
+            return Err(Error::Internal(format!(
+                "{what}: an FP8 matrix in a dense product"
+            )));
+        }
         if n > 4 {
             self.rmsnorm(x, 0, nw, self.h.p, n)?;
             return self.gemm(what, w, out_dim, in_dim, self.h.p, n, y, 0.0);

@@ -148,7 +148,14 @@ impl WeightMode {
         match std::env::var("MOELANE_CUDA_WEIGHTS").as_deref() {
             Ok("f32") => WeightMode::F32,
             Ok("bf16") => WeightMode::Bf16,
-            _ => WeightMode::Stored,
+            Ok("stored") | Err(_) => WeightMode::Stored,
+            Ok(other) => {
+                eprintln!(
+                    "moelane: MOELANE_CUDA_WEIGHTS={other:?} is not stored, f32 or bf16: \
+                     weights kept as stored"
+                );
+                WeightMode::Stored
+            }
         }
     }
 }
@@ -360,7 +367,8 @@ impl DevMat {
                 })
             }
             (want @ (Wdt::Bf16 | Wdt::F8), other) => Err(Error::Gpu(format!(
-                "a {} matrix where this GPU holds {} ones (it would be rounded)",
+                "a {} matrix where this layer's experts on the GPU are {} (converting it would \
+                 change its weights)",
                 other.dtype(),
                 want.name()
             ))),
@@ -582,11 +590,12 @@ pub struct GpuModel {
     vc: Vec<Buf<f32>>,
     kv_blocks: usize,
     experts: HashMap<(usize, usize), (DevMat, DevMat)>,
-    /// the dtype every expert on this GPU is kept in (set by the first one put: bf16 for a
-    /// bf16 checkpoint, FP8 for an FP8 one, else f32); the MoE kernels take one per launch
-    expert_dt: Option<Wdt>,
-    /// FP8 experts' block shape (rows, columns), one for all
-    expert_block: Option<[usize; 2]>,
+    /// per MoE layer, the dtype its experts on this GPU are kept in (set by the first one
+    /// put: bf16 for bf16 experts, FP8 for FP8 ones, else f32; `MOELANE_CUDA_WEIGHTS` may
+    /// force one); the MoE kernels take one per launch
+    expert_dt: Vec<Option<Wdt>>,
+    /// per MoE layer, its FP8 experts' block shape (rows, columns)
+    expert_block: Vec<Option<[usize; 2]>>,
     /// per MoE layer and expert, the FP8 block scales of the hot experts' gate_up and down
     /// (null otherwise)
     tab_gs: Buf<u64>,
@@ -945,10 +954,17 @@ impl GpuModel {
         let up = |v: &[f32]| Buf::from_host(&st, v);
         let mode = opts.weights;
         let layers = upload_layers(&st, w, mode)?;
-        let any_bf16 = [&w.embed]
+        let embed = DevMat::upload(&st, &w.embed, mode)?;
+        let head = w
+            .lm_head
+            .as_ref()
+            .map(|h| DevMat::upload(&st, h, mode))
+            .transpose()?;
+        // decided from what was uploaded (the mode may have widened or rounded)
+        let any_bf16 = [Some(&embed), head.as_ref()]
             .into_iter()
-            .chain(w.lm_head.as_ref())
-            .any(|m| matches!(m.data, crate::ops::Elems::Bf16(_)))
+            .flatten()
+            .any(|m| m.dt == Wdt::Bf16)
             || layers.iter().any(|l| {
                 [Some(&l.qkv), Some(&l.o), l.router.as_ref()]
                     .into_iter()
@@ -971,13 +987,9 @@ impl GpuModel {
         let moe = cfg.moe_layers().len();
         let e = cfg.num_experts;
         let m = GpuModel {
-            embed: DevMat::upload(&st, &w.embed, mode)?,
+            embed,
             norm: up(&w.norm)?,
-            head: w
-                .lm_head
-                .as_ref()
-                .map(|h| DevMat::upload(&st, h, mode))
-                .transpose()?,
+            head,
             cos: up(&rope.cos)?,
             sin: up(&rope.sin)?,
             max_pos,
@@ -985,18 +997,21 @@ impl GpuModel {
             vc,
             kv_blocks,
             experts: HashMap::new(),
-            expert_dt: match mode {
-                WeightMode::Stored => None,
-                WeightMode::F32 => Some(Wdt::F32),
-                WeightMode::Bf16 => Some(Wdt::Bf16),
-            },
+            expert_dt: vec![
+                match mode {
+                    WeightMode::Stored => None,
+                    WeightMode::F32 => Some(Wdt::F32),
+                    WeightMode::Bf16 => Some(Wdt::Bf16),
+                };
+                moe
+            ],
             weights: mode,
             generated: false,
             tab_gu: Buf::zeros(&st, moe * e)?,
             tab_dn: Buf::zeros(&st, moe * e)?,
             tab_gs: Buf::zeros(&st, moe * e)?,
             tab_ds: Buf::zeros(&st, moe * e)?,
-            expert_block: None,
+            expert_block: vec![None; moe],
             moe,
             x: Buf::zeros(&st, 1)?,
             h: Buf::zeros(&st, 1)?,
@@ -1135,14 +1150,36 @@ impl GpuModel {
         self.kc.iter().chain(&self.vc).map(|b| b.len * 4).sum()
     }
 
-    /// The dtype of the dense products' and the experts' weights ("bf16", "f32" or
-    /// "bf16 dense, f32 experts"), for the start line.
+    /// The dtypes the weights are kept in, for the start line: "bf16" when every matrix is
+    /// bf16, else the dense matrices' and the experts' ("bf16+f32 dense, fp8 experts").
     pub fn weight_dtype(&self) -> String {
-        let dense = if self.any_bf16 { Wdt::Bf16 } else { Wdt::F32 };
-        match self.expert_dt {
-            Some(e) if e != dense => format!("{} dense, {} experts", dense.name(), e.name()),
-            _ => dense.name().to_string(),
+        let names = |it: &mut dyn Iterator<Item = Wdt>| {
+            let mut v: Vec<&str> = it.map(Wdt::name).collect();
+            v.sort_unstable();
+            v.dedup();
+            v.join("+")
+        };
+        let dense = names(&mut self.dense_mats().map(|m| m.dt));
+        let experts = names(&mut self.expert_dt.iter().flatten().copied());
+        if experts.is_empty() || experts == dense {
+            dense
+        } else {
+            format!("{dense} dense, {experts} experts")
         }
+    }
+
+    /// Every dense weight matrix on the device.
+    fn dense_mats(&self) -> impl Iterator<Item = &DevMat> {
+        [Some(&self.embed), self.head.as_ref()]
+            .into_iter()
+            .flatten()
+            .chain(self.layers.iter().flat_map(|l| {
+                [Some(&l.qkv), Some(&l.o), l.router.as_ref()]
+                    .into_iter()
+                    .flatten()
+                    .chain(l.mlp.iter().flat_map(|(a, b)| [a, b]))
+                    .chain(l.shared.iter().flat_map(|(a, b, _)| [a, b]))
+            }))
     }
 
     pub fn sync(&self) -> Result<()> {
@@ -1171,8 +1208,33 @@ impl GpuModel {
     }
 
     fn put_expert(&mut self, l: usize, e: usize, w: &ExpertWeights) -> Result<()> {
-        let dt = *self.expert_dt.get_or_insert(expert_dtype(w));
-        let pair = upload_expert(&self.st, w, (l, e), dt, &mut self.expert_block)?;
+        let (Some(dt_slot), Some(block)) =
+            (self.expert_dt.get_mut(l), self.expert_block.get_mut(l))
+        else {
+            return Err(Error::Internal(format!(
+                "expert ({l},{e}) of a model with {} MoE layers",
+                self.moe
+            )));
+        };
+        let was = (*dt_slot, *block);
+        let dt = *dt_slot.get_or_insert(expert_dtype(w));
+        let pair = if self.weights == WeightMode::Bf16 {
+            // a benchmark's rounding: f32 and bf16 experts as bf16
+            let gu = DevMat::upload(&self.st, &w.gate_up, WeightMode::Bf16)?;
+            let dn = DevMat::upload(&self.st, &w.down, WeightMode::Bf16)?;
+            if gu.dt != Wdt::Bf16 || dn.dt != Wdt::Bf16 {
+                return Err(Error::Gpu(format!(
+                    "expert ({l},{e}): MOELANE_CUDA_WEIGHTS=bf16 takes f32 or bf16 experts"
+                )));
+            }
+            (gu, dn)
+        } else {
+            upload_expert(&self.st, w, (l, e), dt, block)?
+        };
+        // the layer's kernel (or FP8 block) is part of every captured step that ran it
+        if (Some(dt), *block) != was {
+            self.drop_graphs();
+        }
         self.experts.insert((l, e), pair);
         Ok(())
     }
@@ -1186,7 +1248,17 @@ impl GpuModel {
         } else {
             Wdt::F32
         };
-        self.expert_dt = Some(dt);
+        if self
+            .experts
+            .keys()
+            .any(|&(l, _)| self.expert_dt[l] != Some(dt))
+        {
+            return Err(Error::Gpu(
+                "generating experts beside experts of another dtype".into(),
+            ));
+        }
+        self.expert_dt = vec![Some(dt); self.moe];
+        self.drop_graphs();
         for &(l, e) in which {
             let (gu, dn) = gen_expert(&self.st, &self.f.gen, seed, l, e, h, i)?;
             let (gu, dn) = (DevMat::of_f32(gu, 2 * i * h), DevMat::of_f32(dn, h * i));

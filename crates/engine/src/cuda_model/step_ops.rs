@@ -358,13 +358,19 @@ impl GpuModel {
         );
         let nk = n * k;
         // no expert on this GPU yet: every table entry is null, either kernel skips them all
-        let edt = self.expert_dt.unwrap_or(Wdt::F32);
+        let edt = self
+            .expert_dt
+            .get(ml)
+            .copied()
+            .flatten()
+            .unwrap_or(Wdt::F32);
         let idx = self.idx.p + (4 * ml * nk) as u64;
         let gu = self.tab_gu.p + (8 * ml * ne) as u64;
         let dn = self.tab_dn.p + (8 * ml * ne) as u64;
         let gs = self.tab_gs.p + (8 * ml * ne) as u64;
         let ds = self.tab_ds.p + (8 * ml * ne) as u64;
-        let [b0, b1] = self.expert_block.unwrap_or([1, 4]).map(|b| b as i32);
+        let block = self.expert_block.get(ml).copied().flatten();
+        let [b0, b1] = block.unwrap_or([1, 4]).map(|b| b as i32);
         let (nki, ki, hi, ii) = (nk as i32, k as i32, hs as i32, i as i32);
         let v_up = (hs % 4 == 0) as i32;
         let v_dn = (i % 4 == 0) as i32;
