@@ -960,19 +960,6 @@ impl GpuModel {
             .as_ref()
             .map(|h| DevMat::upload(&st, h, mode))
             .transpose()?;
-        // decided from what was uploaded (the mode may have widened or rounded)
-        let any_bf16 = [Some(&embed), head.as_ref()]
-            .into_iter()
-            .flatten()
-            .any(|m| m.dt == Wdt::Bf16)
-            || layers.iter().any(|l| {
-                [Some(&l.qkv), Some(&l.o), l.router.as_ref()]
-                    .into_iter()
-                    .flatten()
-                    .chain(l.mlp.iter().flat_map(|(a, b)| [a, b]))
-                    .chain(l.shared.iter().flat_map(|(a, b, _)| [a, b]))
-                    .any(|m| m.dt == Wdt::Bf16)
-            });
         let max_pos = cfg
             .max_position_embeddings
             .min(crate::ops::MAX_ROPE_POSITIONS);
@@ -986,7 +973,7 @@ impl GpuModel {
         }
         let moe = cfg.moe_layers().len();
         let e = cfg.num_experts;
-        let m = GpuModel {
+        let mut m = GpuModel {
             embed,
             norm: up(&w.norm)?,
             head,
@@ -1032,7 +1019,7 @@ impl GpuModel {
             xs: Buf::zeros(&st, 1)?,
             c3: Buf::zeros(&st, 1)?,
             split_rows: 0,
-            any_bf16,
+            any_bf16: false,
             host_meta: Vec::new(),
             n: 0,
             decode_only: false,
@@ -1066,6 +1053,9 @@ impl GpuModel {
             st,
             gpu,
         };
+        // decided from what was uploaded (the mode may have widened or rounded)
+        let any_bf16 = m.dense_mats().any(|x| x.dt == Wdt::Bf16);
+        m.any_bf16 = any_bf16;
         m.sync()?;
         Ok(m)
     }
@@ -1110,22 +1100,15 @@ impl GpuModel {
     pub fn dense_bytes(&self) -> usize {
         let v = |b: &Buf<f32>| b.len * 4;
         let ov = |b: &Option<Buf<f32>>| b.as_ref().map_or(0, v);
-        let mut t =
-            self.embed.bytes() + v(&self.norm) + self.head.as_ref().map_or(0, DevMat::bytes);
+        let mut vectors = v(&self.norm);
         for l in &self.layers {
-            t += v(&l.input_norm) + v(&l.post_norm) + l.qkv.bytes() + l.o.bytes();
+            vectors += v(&l.input_norm) + v(&l.post_norm) + ov(&l.router_bias) + ov(&l.qkv_bias);
             if l.qk_norm {
-                t += v(&l.q_norm) + v(&l.k_norm);
+                vectors += v(&l.q_norm) + v(&l.k_norm);
             }
-            t += ov(&l.router_bias) + ov(&l.qkv_bias);
-            t += l.router.as_ref().map_or(0, DevMat::bytes);
-            t += l.mlp.as_ref().map_or(0, |(a, b)| a.bytes() + b.bytes());
-            t += l
-                .shared
-                .as_ref()
-                .map_or(0, |(a, b, g)| a.bytes() + b.bytes() + ov(g));
+            vectors += l.shared.as_ref().map_or(0, |(_, _, g)| ov(g));
         }
-        t
+        self.dense_mats().map(DevMat::bytes).sum::<usize>() + vectors
     }
 
     /// Bytes of dense weights a decode token reads on this GPU: every layer's, one row of
