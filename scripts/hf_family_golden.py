@@ -81,10 +81,16 @@ for ckpt in sys.argv[1:-1]:
     family = os.path.basename(os.path.normpath(ckpt))
     prompts = json.load(open(os.path.join(ckpt, "prompts.json")))
     src = ckpt
-    if "quantization_config" in cfg:
+    if cfg.get("quantization_config", {}).get("quant_method") == "fp8":
         src = dequantised(ckpt, os.path.join(out, f"deq_{family}"))
+    extra = {}
+    if cfg.get("quantization_config", {}).get("quant_method") == "mxfp4":
+        # gpt_oss as released: transformers widens the MXFP4 experts itself
+        from transformers import Mxfp4Config
+        src = ckpt
+        extra["quantization_config"] = Mxfp4Config(dequantize=True)
     model, info = AutoModelForCausalLM.from_pretrained(
-        src, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+        src, dtype=torch.float32, attn_implementation="eager", output_loading_info=True, **extra)
     # every weight must come from the file: a missing one would be random-initialised
     bad = {k: v for k, v in info.items() if v}
     if bad:

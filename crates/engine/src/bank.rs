@@ -9,7 +9,7 @@ use rayon::prelude::*;
 
 use crate::checkpoint::{Checkpoint, ExpertWeights};
 use crate::error::{Error, Result};
-use crate::ops::{matmul, silu};
+use crate::ops::matmul;
 use crate::rowmap::{Tier, ValidMap};
 
 /// One pick to compute: `row` indexes the activations sent with it.
@@ -62,7 +62,8 @@ impl OutPtr {
     }
 }
 
-/// SwiGLU expert on `g` gathered rows: y = down(silu(x·gateᵀ) ⊙ (x·upᵀ)).
+/// A gated expert on `g` gathered rows: y = down(glu(x·gateᵀ + b_gate, x·upᵀ + b_up)) + b_down
+/// (SwiGLU, `glu(a, b) = silu(a) b`, without biases but in gpt_oss).
 pub fn expert_forward(
     w: &ExpertWeights,
     x: &[f32],
@@ -72,17 +73,30 @@ pub fn expert_forward(
     y: &mut [f32],
 ) {
     let inter = w.down.cols;
+    let hidden = w.down.rows;
     gu.resize(g * 2 * inter, 0.0);
     act.resize(g * inter, 0.0);
     matmul(x, g, &w.gate_up, gu);
     for r in 0..g {
-        let row = &gu[r * 2 * inter..(r + 1) * 2 * inter];
+        let row = &mut gu[r * 2 * inter..(r + 1) * 2 * inter];
+        if !w.gate_up_bias.is_empty() {
+            for (v, b) in row.iter_mut().zip(&w.gate_up_bias) {
+                *v += b;
+            }
+        }
         let (gate, up) = row.split_at(inter);
         for j in 0..inter {
-            act[r * inter + j] = silu(gate[j]) * up[j];
+            act[r * inter + j] = w.glu.apply(gate[j], up[j]);
         }
     }
     matmul(act, g, &w.down, y);
+    if !w.down_bias.is_empty() {
+        for row in y[..g * hidden].chunks_exact_mut(hidden) {
+            for (v, b) in row.iter_mut().zip(&w.down_bias) {
+                *v += b;
+            }
+        }
+    }
 }
 
 impl ExpertBank {

@@ -15,7 +15,7 @@ use memmap2::Mmap;
 use safetensors::tensor::{Dtype, Metadata};
 use sha2::{Digest, Sha256};
 
-use crate::config::ModelConfig;
+use crate::config::{Family, Glu, ModelConfig};
 use crate::error::{Error, Result};
 use crate::ops::{Bf16, BlockScaled, Elems, Matrix, F16, F8};
 
@@ -117,11 +117,18 @@ pub fn elems(dtype: Dtype, bytes: &[u8]) -> Elems {
     }
 }
 
-/// One expert's weights: `gate_up` is `[2I, H]` (gate rows, then up rows), `down` is `[H, I]`.
+/// One expert's weights: `gate_up` is `[2I, H]` (gate rows, then up rows), `down` is `[H, I]`;
+/// gpt_oss's experts also have biases and their own activation.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ExpertWeights {
     pub gate_up: Matrix,
     pub down: Matrix,
+    /// The gate/up projection's bias (`[2I]`, gate then up) and the down projection's
+    /// (`[H]`), as f32; empty where the family has none.
+    pub gate_up_bias: Vec<f32>,
+    pub down_bias: Vec<f32>,
+    /// The activation between the projections.
+    pub glu: Glu,
     /// [`ExpertBytes::checksum`] of the expert's bytes as stored in the checkpoint.
     pub checksum: u64,
 }
@@ -129,35 +136,80 @@ pub struct ExpertWeights {
 /// An FP8 tensor's `weight_scale_inv` as stored: its dtype and bytes.
 type RawScales<'a> = (Dtype, &'a [u8]);
 
-/// One expert's tensors as stored in the checkpoint (views into the mapped files): the gate
-/// and up projections (`[I, H]` each), then the down projection (`[H, I]`), with their dtypes;
-/// for FP8 weights, each one's `weight_scale_inv` (gate, up, down).
+/// How an expert's tensors are laid out in the checkpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertLayout {
+    /// Gate and up `[I, H]`, down `[H, I]`: one row per output (qwen3_moe, mixtral, ...).
+    Rows,
+    /// gpt_oss in bf16: `gate_up [H, 2I]` and `down [I, H]`, one column per output, the gate
+    /// and up columns interleaved.
+    Columns,
+    /// gpt_oss as released: MXFP4 (`*_blocks`, two e2m1 values per byte, and `*_scales`, one
+    /// e8m0 exponent per 32 values), one row per output, the gate and up rows interleaved;
+    /// widened to bf16 (exactly) when loaded.
+    Mxfp4,
+}
+
+/// One expert's tensors as stored in the checkpoint (views into the mapped files), with their
+/// dtypes. [`ExpertLayout::Rows`]: the gate and up projections, then the down projection; for
+/// FP8 weights, each one's `weight_scale_inv` (gate, up, down). [`ExpertLayout::Columns`]:
+/// the whole gate_up in the first part (the second empty). [`ExpertLayout::Mxfp4`]: the
+/// blocks as the parts, the exponents as the gate's and the down's scales.
 pub struct ExpertBytes<'a> {
+    pub layout: ExpertLayout,
     pub gate_up: [(Dtype, &'a [u8]); 2],
     pub down: (Dtype, &'a [u8]),
     pub scales: [Option<(Dtype, &'a [u8])>; 3],
+    /// The biases of gate_up and down (gpt_oss).
+    pub bias: Option<[(Dtype, &'a [u8]); 2]>,
 }
 
 impl ExpertBytes<'_> {
     /// The expert's checksum: [`checksum`] over gate, up and down in that order, then their
-    /// FP8 scales where they have them. The same bytes give the same checksum in either tensor
-    /// layout.
+    /// scales where they have them, then their biases. The same bytes give the same checksum
+    /// in either tensor layout.
     pub fn checksum(&self) -> u64 {
         let mut parts = vec![self.gate_up[0].1, self.gate_up[1].1, self.down.1];
         parts.extend(self.scales.iter().flatten().map(|(_, b)| *b));
+        parts.extend(self.bias.iter().flatten().map(|(_, b)| *b));
         checksum(&parts)
     }
 
-    /// The expert's bytes as stored (what it takes in memory once loaded; FP8 scales as f32).
+    /// The bytes the expert takes in memory once loaded: its stored bytes (FP8 scales and
+    /// biases as f32); MXFP4 widened to bf16.
     pub fn stored(&self) -> usize {
-        let scales: usize = self
-            .scales
-            .iter()
-            .flatten()
-            .map(|(d, b)| b.len() / dtype_size(*d).unwrap_or(4) * 4)
-            .sum();
-        self.gate_up[0].1.len() + self.gate_up[1].1.len() + self.down.1.len() + scales
+        let f32s = |(d, b): &(Dtype, &[u8])| b.len() / dtype_size(*d).unwrap_or(4) * 4;
+        let bias: usize = self.bias.iter().flatten().map(f32s).sum();
+        let weights = self.gate_up[0].1.len() + self.gate_up[1].1.len() + self.down.1.len();
+        if self.layout == ExpertLayout::Mxfp4 {
+            // two values a byte, two bytes a value once widened
+            return 4 * weights + bias;
+        }
+        let scales: usize = self.scales.iter().flatten().map(f32s).sum();
+        weights + scales + bias
     }
+}
+
+/// The 16 values of an e2m1 (FP4) code.
+const E2M1: [f32; 16] = [
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+];
+
+/// MXFP4 `blocks` (two e2m1 codes per byte, the low nibble first) with one e8m0 exponent of
+/// `scales` per 32 values, as bf16: each value is its code's times 2^(exponent - 127), exact in
+/// bf16 (a 2-bit mantissa) wherever it does not overflow.
+pub fn mxfp4_to_bf16(blocks: &[u8], scales: &[u8]) -> Vec<Bf16> {
+    let mut out = Vec::with_capacity(blocks.len() * 2);
+    for (chunk, &s) in blocks.chunks(16).zip(scales) {
+        let m = 2f32.powi(s as i32 - 127);
+        for &b in chunk {
+            for code in [b & 0x0f, b >> 4] {
+                let v = E2M1[code as usize] * m;
+                out.push(Bf16((v.to_bits() >> 16) as u16));
+            }
+        }
+    }
+    out
 }
 
 /// The checksum of a sequence of byte slices, as if concatenated: rapidhash V3 (a fast
@@ -174,8 +226,22 @@ pub fn checksum(parts: &[&[u8]]) -> u64 {
 }
 
 impl ExpertWeights {
+    /// A SwiGLU expert without biases.
+    pub fn new(gate_up: Matrix, down: Matrix, checksum: u64) -> Self {
+        ExpertWeights {
+            gate_up,
+            down,
+            gate_up_bias: Vec::new(),
+            down_bias: Vec::new(),
+            glu: Glu::Silu,
+            checksum,
+        }
+    }
+
     pub fn bytes(&self) -> usize {
-        self.gate_up.bytes() + self.down.bytes()
+        self.gate_up.bytes()
+            + self.down.bytes()
+            + 4 * (self.gate_up_bias.len() + self.down_bias.len())
     }
 }
 
@@ -304,8 +370,21 @@ impl Checkpoint {
             .join(", ")
     }
 
-    /// The raw bytes of a tensor (dtype checked to be bf16, f16 or f32).
+    /// The raw bytes of a tensor (dtype checked to be FP8, bf16, f16 or f32).
     pub fn raw(&self, name: &str) -> Result<RawTensor<'_>> {
+        self.raw_sized(name, dtype_size)
+    }
+
+    /// The raw bytes of a tensor of bytes (MXFP4 blocks and exponents: U8).
+    fn raw_u8(&self, name: &str) -> Result<RawTensor<'_>> {
+        self.raw_sized(name, |d| (d == Dtype::U8).then_some(1))
+    }
+
+    fn raw_sized(
+        &self,
+        name: &str,
+        size_of: impl Fn(Dtype) -> Option<usize>,
+    ) -> Result<RawTensor<'_>> {
         let &fi = self.index.get(name).ok_or_else(|| Error::MissingTensor {
             tensor: name.into(),
             looked_in: self.looked_in(),
@@ -315,7 +394,7 @@ impl Checkpoint {
             tensor: name.into(),
             looked_in: f.path.display().to_string(),
         })?;
-        let size = dtype_size(info.dtype).ok_or_else(|| Error::WrongDtype {
+        let size = size_of(info.dtype).ok_or_else(|| Error::WrongDtype {
             file: f.path.clone(),
             tensor: name.into(),
             found: format!("{:?}", info.dtype),
@@ -422,7 +501,115 @@ impl Checkpoint {
 
     /// The router of decoder layer `layer` (`[E, H]`).
     pub fn router_name(&self, layer: usize) -> String {
+        if self.config.family == Family::GptOss {
+            return format!("model.layers.{layer}.mlp.router.weight");
+        }
         format!("{}.gate.weight", self.moe_prefix(layer))
+    }
+
+    /// gpt_oss's expert `e` of decoder layer `layer`: the fused tensors of its layer in bf16
+    /// (`gate_up_proj [E, H, 2I]`, `down_proj [E, I, H]`) or MXFP4 (`gate_up_proj_blocks
+    /// [E, 2I, H/32, 16]` with `gate_up_proj_scales [E, 2I, H/32]`, `down_proj_blocks
+    /// [E, H, I/32, 16]` with `down_proj_scales [E, H, I/32]`), and the biases
+    /// (`gate_up_proj_bias [E, 2I]`, `down_proj_bias [E, H]`).
+    fn gpt_oss_expert_bytes(&self, layer: usize, e: usize) -> Result<ExpertBytes<'_>> {
+        let c = &self.config;
+        let (h, i, ne) = (c.hidden_size, c.moe_intermediate_size, c.num_experts);
+        let p = format!("model.layers.{layer}.mlp.experts");
+        let slice = |name: &str, shape: &[usize], u8s: bool| -> Result<(Dtype, &[u8])> {
+            let t = format!("{p}.{name}");
+            let raw = if u8s { self.raw_u8(&t)? } else { self.raw(&t)? };
+            self.check_shape(&raw, &t, shape)?;
+            if raw.dtype == Dtype::F8_E4M3 {
+                return Err(Error::WrongDtype {
+                    file: raw.file.into(),
+                    tensor: t,
+                    found: "F8_E4M3 (gpt_oss experts are bf16 or MXFP4)".into(),
+                });
+            }
+            if e >= ne {
+                return Err(Error::MissingTensor {
+                    tensor: format!("{t}[{e}]"),
+                    looked_in: raw.file.display().to_string(),
+                });
+            }
+            let sz = raw.bytes.len() / ne;
+            Ok((raw.dtype, &raw.bytes[e * sz..(e + 1) * sz]))
+        };
+        let bias = Some([
+            slice("gate_up_proj_bias", &[ne, 2 * i], false)?,
+            slice("down_proj_bias", &[ne, h], false)?,
+        ]);
+        if self.has(&format!("{p}.gate_up_proj_blocks")) {
+            for (what, n) in [("hidden_size", h), ("intermediate_size", i)] {
+                if !n.is_multiple_of(32) {
+                    return Err(Error::Config {
+                        field: what,
+                        value: n.to_string(),
+                        reason: "MXFP4 experts need a multiple of 32".into(),
+                    });
+                }
+            }
+            let gu = slice("gate_up_proj_blocks", &[ne, 2 * i, h / 32, 16], true)?;
+            let gs = slice("gate_up_proj_scales", &[ne, 2 * i, h / 32], true)?;
+            let d = slice("down_proj_blocks", &[ne, h, i / 32, 16], true)?;
+            let ds = slice("down_proj_scales", &[ne, h, i / 32], true)?;
+            return Ok(ExpertBytes {
+                layout: ExpertLayout::Mxfp4,
+                gate_up: [gu, (Dtype::U8, &[])],
+                down: d,
+                scales: [Some(gs), None, Some(ds)],
+                bias,
+            });
+        }
+        let gu = slice("gate_up_proj", &[ne, h, 2 * i], false)?;
+        let d = slice("down_proj", &[ne, i, h], false)?;
+        Ok(ExpertBytes {
+            layout: ExpertLayout::Columns,
+            gate_up: [gu, (gu.0, &[])],
+            down: d,
+            scales: [None, None, None],
+            bias,
+        })
+    }
+
+    /// gpt_oss's expert from its bytes: gate_up as the gate rows then the up rows (`[2I, H]`),
+    /// down `[H, I]`, the biases likewise, in bf16 (MXFP4 widened exactly) or as stored.
+    fn gpt_oss_expert(&self, b: &ExpertBytes<'_>) -> Result<ExpertWeights> {
+        let c = &self.config;
+        let (h, i) = (c.hidden_size, c.moe_intermediate_size);
+        let (gate_up, down) = match b.layout {
+            ExpertLayout::Mxfp4 => {
+                let (Some(gs), Some(ds)) = (b.scales[0], b.scales[2]) else {
+                    return Err(Error::Internal("MXFP4 expert without its scales".into()));
+                };
+                let gu = Elems::Bf16(mxfp4_to_bf16(b.gate_up[0].1, gs.1));
+                let d = Elems::Bf16(mxfp4_to_bf16(b.down.1, ds.1));
+                (
+                    Matrix::of(2 * i, h, gu).deinterleaved(),
+                    Matrix::of(h, i, d),
+                )
+            }
+            _ => (
+                Matrix::of(h, 2 * i, elems(b.gate_up[0].0, b.gate_up[0].1))
+                    .transposed()
+                    .deinterleaved(),
+                Matrix::of(i, h, elems(b.down.0, b.down.1)).transposed(),
+            ),
+        };
+        let [gb, db] = b
+            .bias
+            .ok_or_else(|| Error::Internal("gpt_oss expert without its biases".into()))?;
+        let gb = elems(gb.0, gb.1).into_f32();
+        let gate_up_bias = gb.iter().step_by(2).chain(gb.iter().skip(1).step_by(2));
+        Ok(ExpertWeights {
+            gate_up,
+            down,
+            gate_up_bias: gate_up_bias.copied().collect(),
+            down_bias: elems(db.0, db.1).into_f32(),
+            glu: c.expert_glu,
+            checksum: b.checksum(),
+        })
     }
 
     /// The stored bytes of expert `e` of decoder layer `layer`, shapes checked, from any of
@@ -432,6 +619,9 @@ impl Checkpoint {
     /// up rows (`[2I, H]`), `down` `[H, I]`.
     pub fn expert_bytes(&self, layer: usize, e: usize) -> Result<ExpertBytes<'_>> {
         let c = &self.config;
+        if c.family == Family::GptOss {
+            return self.gpt_oss_expert_bytes(layer, e);
+        }
         let (h, i) = (c.hidden_size, c.moe_intermediate_size);
         let p = format!("{}.experts", self.moe_prefix(layer));
         let per_expert = [("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")]
@@ -455,6 +645,8 @@ impl Checkpoint {
             let (up, us) = part(u, &[i, h])?;
             let (down, ds) = part(d, &[h, i])?;
             Ok(ExpertBytes {
+                layout: ExpertLayout::Rows,
+                bias: None,
                 gate_up: [gate, up],
                 down,
                 scales: [gs, us, ds],
@@ -487,6 +679,8 @@ impl Checkpoint {
             let down = slice("down_proj", &[ne, h, i])?;
             let half = gu.len() / 2;
             Ok(ExpertBytes {
+                layout: ExpertLayout::Rows,
+                bias: None,
                 gate_up: [(dt, &gu[..half]), (dt, &gu[half..])],
                 down,
                 scales: [None, None, None],
@@ -513,6 +707,9 @@ impl Checkpoint {
         let c = &self.config;
         let (h, i) = (c.hidden_size, c.moe_intermediate_size);
         let b = self.expert_bytes(layer, e)?;
+        if b.layout != ExpertLayout::Rows {
+            return self.gpt_oss_expert(&b);
+        }
         let block = self.config.fp8_block.unwrap_or([128, 128]);
         let part = |(d, bytes): (Dtype, &[u8]), scale: Option<(Dtype, &[u8])>, r, c| match scale {
             Some((sd, sb)) => Matrix::of(
@@ -528,11 +725,11 @@ impl Checkpoint {
             None => Matrix::of(r, c, elems(d, bytes)),
         };
         let [g, u] = b.gate_up;
-        Ok(ExpertWeights {
-            gate_up: Matrix::stack(&[part(g, b.scales[0], i, h), part(u, b.scales[1], i, h)]),
-            down: part(b.down, b.scales[2], h, i),
-            checksum: b.checksum(),
-        })
+        Ok(ExpertWeights::new(
+            Matrix::stack(&[part(g, b.scales[0], i, h), part(u, b.scales[1], i, h)]),
+            part(b.down, b.scales[2], h, i),
+            b.checksum(),
+        ))
     }
 
     fn check_shape(&self, raw: &RawTensor<'_>, name: &str, shape: &[usize]) -> Result<()> {
@@ -551,7 +748,7 @@ impl Checkpoint {
     pub fn tensor_bytes(&self) -> usize {
         self.index
             .keys()
-            .filter_map(|n| self.raw(n).ok())
+            .filter_map(|n| self.raw(n).or_else(|_| self.raw_u8(n)).ok())
             .map(|r| r.bytes.len())
             .sum()
     }

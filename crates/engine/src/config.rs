@@ -68,6 +68,46 @@ pub struct ModelConfig {
     /// FP8 block-scaled weights (`quantization_config` with `quant_method: "fp8"`): the
     /// `weight_block_size` of their `weight_scale_inv` tensors; None for unquantised ones.
     pub fp8_block: Option<[usize; 2]>,
+    /// A bias on the o projection too (gpt_oss, whose `attention_bias` covers q, k, v and o).
+    pub o_bias: bool,
+    /// A learned logit per head (`self_attn.sinks`, gpt_oss) joins each softmax of the
+    /// attention, takes its share of the weight and is dropped.
+    pub attention_sinks: bool,
+    /// Per decoder layer, the sliding window of its attention (`layer_types`
+    /// `"sliding_attention"` with `sliding_window`): a query attends to the last `w` positions,
+    /// itself included. None: to every earlier position.
+    pub windows: Vec<Option<usize>>,
+    /// The router's logits have a bias (`mlp.router.bias`, gpt_oss).
+    pub router_logit_bias: bool,
+    /// The routed experts' activation.
+    pub expert_glu: Glu,
+    /// The routed experts' gate/up and down projections have biases (gpt_oss).
+    pub expert_bias: bool,
+}
+
+/// The gated activation between an expert's gate/up and down projections.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Glu {
+    /// `silu(gate) * up`.
+    Silu,
+    /// gpt_oss: `(up + 1) * g * sigmoid(alpha * g)` with `g = min(gate, limit)` and `up`
+    /// clamped to `[-limit, limit]`.
+    Clamped { alpha: f32, limit: f32 },
+}
+
+impl Glu {
+    /// The activation of one gate and up value.
+    #[inline]
+    pub fn apply(self, gate: f32, up: f32) -> f32 {
+        match self {
+            Glu::Silu => crate::ops::silu(gate) * up,
+            Glu::Clamped { alpha, limit } => {
+                let g = gate.min(limit);
+                let u = up.clamp(-limit, limit);
+                (u + 1.0) * (g / (1.0 + (-alpha * g).exp()))
+            }
+        }
+    }
 }
 
 /// YaRN (arXiv 2309.00071) as transformers computes it: the RoPE frequencies blended between
@@ -128,6 +168,10 @@ pub enum Family {
     /// with interleaved RoPE and YaRN, the sigmoid group-limited router, an ungated shared
     /// expert, dense first layers.
     DeepseekV3,
+    /// GptOssForCausalLM (gpt-oss-20b / 120b): attention sinks, sliding-window layers
+    /// alternating with full ones, biases on q/k/v/o, the router and the experts, a softmax
+    /// over the top-k logits, the clamped SwiGLU with interleaved gate/up columns, YaRN.
+    GptOss,
 }
 
 impl Family {
@@ -138,6 +182,7 @@ impl Family {
             Family::Qwen2Moe => "qwen2_moe",
             Family::Glm4Moe => "glm4_moe",
             Family::DeepseekV3 => "deepseek_v3",
+            Family::GptOss => "gpt_oss",
         }
     }
 
@@ -149,6 +194,7 @@ impl Family {
             "qwen2_moe" => Some(Family::Qwen2Moe),
             "glm4_moe" => Some(Family::Glm4Moe),
             "deepseek_v3" => Some(Family::DeepseekV3),
+            "gpt_oss" => Some(Family::GptOss),
             _ => None,
         };
         let by_arch = |a: &str| match a {
@@ -157,6 +203,7 @@ impl Family {
             "Qwen2MoeForCausalLM" => Some(Family::Qwen2Moe),
             "Glm4MoeForCausalLM" => Some(Family::Glm4Moe),
             "DeepseekV3ForCausalLM" => Some(Family::DeepseekV3),
+            "GptOssForCausalLM" => Some(Family::GptOss),
             _ => None,
         };
         model_type
@@ -180,6 +227,7 @@ struct Raw {
     num_experts: Option<usize>,
     num_local_experts: Option<usize>,
     num_experts_per_tok: Option<usize>,
+    experts_per_token: Option<usize>,
     norm_topk_prob: Option<bool>,
     rms_norm_eps: Option<f64>,
     rope_theta: Option<f64>,
@@ -209,9 +257,58 @@ struct Raw {
     hidden_act: Option<String>,
     use_sliding_window: Option<bool>,
     sliding_window: Option<Value>,
+    layer_types: Option<Vec<String>>,
+    swiglu_limit: Option<f64>,
     bos_token_id: Option<Value>,
     eos_token_id: Option<Value>,
     quantization_config: Option<Value>,
+}
+
+/// Each decoder layer's attention window: `layer_types` where config.json lists them (a
+/// `sliding_attention` layer sees the last `sliding_window` positions), else gpt_oss's
+/// alternation (even layers slide, 128 positions unless `sliding_window` says), else none.
+fn layer_windows(
+    types: Option<&[String]>,
+    window: Option<usize>,
+    oss: bool,
+    layers: usize,
+) -> Result<Vec<Option<usize>>> {
+    let bad = |field: &'static str, value: String, reason: &str| Error::Config {
+        field,
+        value,
+        reason: reason.into(),
+    };
+    let Some(types) = types else {
+        return Ok((0..layers)
+            .map(|l| (oss && l % 2 == 0).then(|| window.unwrap_or(128)))
+            .collect());
+    };
+    if types.len() != layers {
+        return Err(bad(
+            "layer_types",
+            format!("{} entries", types.len()),
+            &format!("must name each of the {layers} layers"),
+        ));
+    }
+    types
+        .iter()
+        .map(|t| match t.as_str() {
+            "full_attention" => Ok(None),
+            "sliding_attention" => match window {
+                Some(w) if w > 0 => Ok(Some(w)),
+                _ => Err(bad(
+                    "sliding_window",
+                    format!("{window:?}"),
+                    "layer_types lists sliding_attention layers: a positive window is needed",
+                )),
+            },
+            other => Err(bad(
+                "layer_types",
+                other.into(),
+                "only full_attention and sliding_attention layers are supported",
+            )),
+        })
+        .collect()
 }
 
 fn need(family: Family, field: &'static str, v: Option<usize>) -> Result<usize> {
@@ -235,7 +332,7 @@ fn token_ids(v: &Option<Value>) -> Vec<u32> {
 
 /// The FP8 block size a `quantization_config` names (None without one); any other
 /// quantisation is refused, naming its method.
-fn fp8_block(q: Option<&Value>) -> Result<Option<[usize; 2]>> {
+fn fp8_block(q: Option<&Value>, family: Family) -> Result<Option<[usize; 2]>> {
     let Some(q) = q.filter(|q| !q.is_null()) else {
         return Ok(None);
     };
@@ -248,11 +345,15 @@ fn fp8_block(q: Option<&Value>) -> Result<Option<[usize; 2]>> {
         .get("quant_method")
         .and_then(|m| m.as_str())
         .unwrap_or("none");
+    // gpt_oss's MXFP4 experts are told by their tensors (`*_blocks`, `*_scales`)
+    if method == "mxfp4" && family == Family::GptOss {
+        return Ok(None);
+    }
     if method != "fp8" {
         return Err(bad(
             "quantization_config.quant_method",
             method.into(),
-            "only fp8 (e4m3 with block scales) is supported",
+            "only fp8 (e4m3 with block scales) is supported, and mxfp4 for gpt_oss",
         ));
     }
     if let Some(f) = q.get("fmt").and_then(|f| f.as_str()) {
@@ -387,7 +488,9 @@ impl ModelConfig {
                 "deepseek_v3 routes by sigmoid",
             ));
         }
-        if raw.attention_bias == Some(true) && !matches!(family, Family::Qwen2Moe | Family::Glm4Moe)
+        let oss = family == Family::GptOss;
+        if raw.attention_bias == Some(true)
+            && !matches!(family, Family::Qwen2Moe | Family::Glm4Moe | Family::GptOss)
         {
             return Err(bad(
                 "attention_bias",
@@ -497,7 +600,7 @@ impl ModelConfig {
         // weights always renormalised; a sliding window wider than the context never slides
         // (the context is capped at the window, so attention stays exact)
         let mixtral = family == Family::Mixtral;
-        let moe_intermediate_size = if mixtral {
+        let moe_intermediate_size = if mixtral || oss {
             need("intermediate_size", raw.intermediate_size)?
         } else {
             need("moe_intermediate_size", raw.moe_intermediate_size)?
@@ -506,6 +609,8 @@ impl ModelConfig {
             Some(Value::Number(n)) => n.as_u64().map(|w| w as usize),
             _ => None,
         };
+        let num_hidden_layers = need("num_hidden_layers", raw.num_hidden_layers)?;
+        let windows = layer_windows(raw.layer_types.as_deref(), window, oss, num_hidden_layers)?;
         let max_pos = raw.max_position_embeddings.unwrap_or(32768);
         let max_position_embeddings = match window {
             Some(w) if mixtral && w > 0 => max_pos.min(w),
@@ -558,7 +663,9 @@ impl ModelConfig {
                 Family::Glm4Moe => raw.use_qk_norm.unwrap_or(false),
                 _ => false,
             },
-            qkv_bias: qwen2 || (glm && raw.attention_bias.unwrap_or(false)),
+            qkv_bias: qwen2
+                || (glm && raw.attention_bias.unwrap_or(false))
+                || (oss && raw.attention_bias.unwrap_or(true)),
             shared_expert_intermediate_size,
             shared_expert_gated: qwen2,
             routing: if sigmoid {
@@ -586,12 +693,12 @@ impl ModelConfig {
             mla,
             vocab_size: need("vocab_size", raw.vocab_size)?,
             hidden_size,
-            num_hidden_layers: need("num_hidden_layers", raw.num_hidden_layers)?,
+            num_hidden_layers,
             num_attention_heads,
             num_key_value_heads: raw.num_key_value_heads.unwrap_or(num_attention_heads),
             head_dim,
             moe_intermediate_size,
-            intermediate_size: if mixtral {
+            intermediate_size: if mixtral || oss {
                 0
             } else {
                 raw.intermediate_size.unwrap_or(0)
@@ -602,20 +709,32 @@ impl ModelConfig {
                     .or(raw.num_local_experts)
                     .or(raw.n_routed_experts),
             )?,
-            num_experts_per_tok: need("num_experts_per_tok", raw.num_experts_per_tok)?,
-            norm_topk_prob: mixtral || raw.norm_topk_prob.unwrap_or(sigmoid),
+            num_experts_per_tok: need(
+                "num_experts_per_tok",
+                raw.num_experts_per_tok.or(raw.experts_per_token),
+            )?,
+            // gpt_oss: a softmax over the top-k logits, which is the renormalised top-k of
+            // the softmax over all of them
+            norm_topk_prob: mixtral || oss || raw.norm_topk_prob.unwrap_or(sigmoid),
             rms_norm_eps: raw
                 .rms_norm_eps
-                .unwrap_or(if mixtral { 1e-5 } else { 1e-6 }) as f32,
-            rope_theta: rope_theta.unwrap_or(if mixtral { 1e6 } else { 10000.0 }) as f32,
+                .unwrap_or(if mixtral || oss { 1e-5 } else { 1e-6 })
+                as f32,
+            rope_theta: rope_theta.unwrap_or(if mixtral {
+                1e6
+            } else if oss {
+                150_000.0
+            } else {
+                10000.0
+            }) as f32,
             max_position_embeddings,
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
-            decoder_sparse_step: if mixtral {
+            decoder_sparse_step: if mixtral || oss {
                 1
             } else {
                 raw.decoder_sparse_step.unwrap_or(1)
             },
-            mlp_only_layers: if mixtral {
+            mlp_only_layers: if mixtral || oss {
                 Vec::new()
             } else if sigmoid {
                 // the first `first_k_dense_replace` layers are dense
@@ -625,7 +744,20 @@ impl ModelConfig {
             },
             bos_token_id: token_ids(&raw.bos_token_id).first().copied(),
             eos_token_ids: token_ids(&raw.eos_token_id),
-            fp8_block: fp8_block(raw.quantization_config.as_ref())?,
+            fp8_block: fp8_block(raw.quantization_config.as_ref(), family)?,
+            o_bias: oss && raw.attention_bias.unwrap_or(true),
+            attention_sinks: oss,
+            windows,
+            router_logit_bias: oss,
+            expert_glu: if oss {
+                Glu::Clamped {
+                    alpha: 1.702,
+                    limit: raw.swiglu_limit.unwrap_or(7.0) as f32,
+                }
+            } else {
+                Glu::Silu
+            },
+            expert_bias: oss,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -745,6 +877,22 @@ impl ModelConfig {
                 value: self.rms_norm_eps.to_string(),
                 reason: "must be finite and non-negative".into(),
             });
+        }
+        if self.windows.len() != self.num_hidden_layers {
+            return bad(
+                "layer_types",
+                self.windows.len(),
+                "must name each decoder layer",
+            );
+        }
+        if let Glu::Clamped { limit, .. } = self.expert_glu {
+            if !(limit.is_finite() && limit > 0.0) {
+                return Err(Error::Config {
+                    field: "swiglu_limit",
+                    value: limit.to_string(),
+                    reason: "must be finite and positive".into(),
+                });
+            }
         }
         if !(self.rope_theta.is_finite() && self.rope_theta > 1.0) {
             return Err(Error::Config {

@@ -348,30 +348,36 @@ impl StepBackend for CpuBackend {
             kv.k[layer][off..off + kvd].copy_from_slice(k);
             kv.v[layer][off..off + kvd].copy_from_slice(v);
         }
-        // attention per (row, head), in parallel; each output written once
+        // attention per (row, head), in parallel; each output written once. A sliding layer
+        // sees the last `window` positions; a sink logit (gpt_oss) joins the softmax.
         let scale = c.attention_scale;
         let group = nh / nkv;
+        let window = c.windows[layer];
         let (kc, vc) = (&kv.k[layer], &kv.v[layer]);
-        let (qkv, rows) = (&self.qkv, &self.rows);
+        let (qkv, rows, sinks) = (&self.qkv, &self.rows, &lw.sinks);
         self.att
             .par_chunks_mut(qd)
             .enumerate()
             .for_each(|(i, out)| {
                 let rp = rows[i];
                 let seq = seqs[rp.seq];
-                let mut scores = vec![0f32; rp.pos + 1];
+                let first = window.map_or(0, |w| (rp.pos + 1).saturating_sub(w));
+                let mut scores = vec![0f32; rp.pos + 1 - first];
                 for hh in 0..nh {
                     let g = hh / group;
                     let q = &qkv[i * stride + hh * hd..i * stride + (hh + 1) * hd];
                     for (j, s) in scores.iter_mut().enumerate() {
-                        let off = seq.offset(j, kvd) + g * hd;
+                        let off = seq.offset(first + j, kvd) + g * hd;
                         *s = ops::dot(q, &kc[off..off + hd]) * scale;
                     }
-                    ops::softmax(&mut scores);
+                    match sinks.get(hh) {
+                        Some(&sink) => ops::softmax_with_sink(&mut scores, sink),
+                        None => ops::softmax(&mut scores),
+                    }
                     let o = &mut out[hh * hd..(hh + 1) * hd];
                     o.fill(0.0);
                     for (j, &p) in scores.iter().enumerate() {
-                        let off = seq.offset(j, kvd) + g * hd;
+                        let off = seq.offset(first + j, kvd) + g * hd;
                         for (od, &vd) in o.iter_mut().zip(&vc[off..off + hd]) {
                             *od += p * vd;
                         }
@@ -381,6 +387,13 @@ impl StepBackend for CpuBackend {
         matmul(&self.att, n, &lw.o, &mut self.tmp);
         for (xv, t) in self.x[..n * hs].iter_mut().zip(&self.tmp) {
             *xv += t;
+        }
+        if !lw.o_bias.is_empty() {
+            for row in self.x[..n * hs].chunks_exact_mut(hs) {
+                for (xv, b) in row.iter_mut().zip(&lw.o_bias) {
+                    *xv += b;
+                }
+            }
         }
         Ok(())
     }
@@ -406,6 +419,13 @@ impl StepBackend for CpuBackend {
             &mut self.h,
         );
         matmul(&self.h, n, router, &mut self.probs);
+        if !lw.router_logit_bias.is_empty() {
+            for row in self.probs[..n * ne].chunks_exact_mut(ne) {
+                for (v, b) in row.iter_mut().zip(&lw.router_logit_bias) {
+                    *v += b;
+                }
+            }
+        }
         self.weights.clear();
         self.weights.resize(n * k, 0.0);
         let picks = &mut self.picks[ml * n * k..(ml + 1) * n * k];

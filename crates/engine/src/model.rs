@@ -115,6 +115,13 @@ pub struct LayerWeights {
     /// `Some(router [E, H])` on MoE layers, else the dense MLP.
     pub router: Option<Matrix>,
     pub dense_mlp: Option<ExpertWeights>,
+    /// The bias of the router's logits (`mlp.router.bias`, `[E]`, gpt_oss); empty elsewhere.
+    pub router_logit_bias: Vec<f32>,
+    /// The o projection's bias (`[H]`, gpt_oss); empty elsewhere.
+    pub o_bias: Vec<f32>,
+    /// Each head's attention sink logit (`self_attn.sinks`, `[heads]`, gpt_oss); empty
+    /// elsewhere.
+    pub sinks: Vec<f32>,
 }
 
 /// Everything but the experts.
@@ -209,14 +216,14 @@ impl DenseWeights {
                     Vec::new()
                 };
                 Some((
-                    ExpertWeights {
-                        gate_up: Matrix::stack(&[
+                    ExpertWeights::new(
+                        Matrix::stack(&[
                             ckpt.matrix(&format!("{s}.gate_proj.weight"), si, h)?,
                             ckpt.matrix(&format!("{s}.up_proj.weight"), si, h)?,
                         ]),
-                        down: ckpt.matrix(&format!("{s}.down_proj.weight"), h, si)?,
-                        checksum: 0,
-                    },
+                        ckpt.matrix(&format!("{s}.down_proj.weight"), h, si)?,
+                        0,
+                    ),
                     gate,
                 ))
             } else {
@@ -241,15 +248,27 @@ impl DenseWeights {
                     ckpt.matrix(&format!("{p}.mlp.up_proj.weight"), i, h)?,
                 ]);
                 let down = ckpt.matrix(&format!("{p}.mlp.down_proj.weight"), h, i)?;
-                (
-                    None,
-                    Some(ExpertWeights {
-                        gate_up,
-                        down,
-                        checksum: 0,
-                    }),
-                )
+                (None, Some(ExpertWeights::new(gate_up, down, 0)))
             };
+            let a = format!("{p}.self_attn");
+            let vector = |on: bool, name: String, n: usize| -> Result<Vec<f32>> {
+                if on {
+                    ckpt.tensor(&name, &[n])
+                } else {
+                    Ok(Vec::new())
+                }
+            };
+            let router_logit_bias = vector(
+                c.router_logit_bias && c.is_moe_layer(l),
+                format!("{p}.mlp.router.bias"),
+                c.num_experts,
+            )?;
+            let o_bias = vector(c.o_bias, format!("{a}.o_proj.bias"), h)?;
+            let sinks = vector(
+                c.attention_sinks,
+                format!("{a}.sinks"),
+                c.num_attention_heads,
+            )?;
             layers.push(LayerWeights {
                 input_norm: ckpt.tensor(&format!("{p}.input_layernorm.weight"), &[h])?,
                 post_norm: ckpt.tensor(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
@@ -263,6 +282,9 @@ impl DenseWeights {
                 qkv_bias,
                 shared,
                 router_bias,
+                router_logit_bias,
+                o_bias,
+                sinks,
             });
         }
         let norm = ckpt.tensor("model.norm.weight", &[h])?;
@@ -288,6 +310,7 @@ impl DenseWeights {
         for l in &self.layers {
             b += l.qkv.bytes() + l.o.bytes() + v(&l.input_norm) + v(&l.post_norm);
             b += v(&l.q_norm) + v(&l.k_norm) + v(&l.qkv_bias) + v(&l.router_bias);
+            b += v(&l.router_logit_bias) + v(&l.o_bias) + v(&l.sinks);
             b += l.mla.as_ref().map_or(0, MlaWeights::bytes);
             b += l.router.as_ref().map_or(0, |r| r.bytes());
             b += l.dense_mlp.as_ref().map_or(0, |m| m.bytes());
@@ -303,7 +326,7 @@ impl DenseWeights {
         for l in &self.layers {
             n += l.input_norm.len() + l.post_norm.len() + l.q_norm.len() + l.k_norm.len();
             n += l.qkv_bias.len() + l.shared.as_ref().map_or(0, |(_, g)| g.len());
-            n += l.router_bias.len();
+            n += l.router_bias.len() + l.router_logit_bias.len() + l.o_bias.len() + l.sinks.len();
             n += l.mla.as_ref().map_or(0, MlaWeights::vector_elements);
         }
         n
@@ -322,7 +345,8 @@ impl DenseWeights {
                 .shared
                 .as_ref()
                 .map_or(0, |(m, g)| m.bytes() + g.len() * 4);
-            b += (l.qkv_bias.len() + l.router_bias.len()) * 4;
+            b += (l.qkv_bias.len() + l.router_bias.len() + l.router_logit_bias.len()) * 4;
+            b += (l.o_bias.len() + l.sinks.len()) * 4;
         }
         b + self.lm_head.as_ref().unwrap_or(&self.embed).bytes()
     }

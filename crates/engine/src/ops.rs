@@ -332,6 +332,25 @@ impl Matrix {
     pub fn bytes(&self) -> usize {
         self.data.bytes()
     }
+    /// The even rows, then the odd ones (gpt_oss's interleaved gate/up rows as the gate rows,
+    /// then the up rows), in the stored dtype (an FP8 matrix widened).
+    pub fn deinterleaved(&self) -> Matrix {
+        fn d<E: Copy>(v: &[E], rows: usize, cols: usize) -> Vec<E> {
+            (0..rows)
+                .step_by(2)
+                .chain((1..rows).step_by(2))
+                .flat_map(|r| v[r * cols..(r + 1) * cols].iter().copied())
+                .collect()
+        }
+        let (r, c) = (self.rows, self.cols);
+        let data = match &self.data {
+            Elems::F32(v) => Elems::F32(d(v, r, c)),
+            Elems::Bf16(v) => Elems::Bf16(d(v, r, c)),
+            Elems::F16(v) => Elems::F16(d(v, r, c)),
+            Elems::F8(_) => Elems::F32(d(&self.to_f32(), r, c)),
+        };
+        Matrix::of(r, c, data)
+    }
     /// These matrices' rows stacked (same columns); one dtype if all share it, else f32.
     pub fn stack(parts: &[Matrix]) -> Matrix {
         let cols = parts.first().map_or(0, |m| m.cols);
@@ -644,6 +663,21 @@ pub fn rmsnorm_inplace(x: &mut [f32], w: &[f32], eps: f32) {
 
 pub fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
+}
+
+/// Softmax in place over `x` and one more logit, `sink`, whose share is dropped (gpt_oss's
+/// attention sinks): the weights sum to less than 1.
+pub fn softmax_with_sink(x: &mut [f32], sink: f32) {
+    let m = x.iter().copied().fold(sink, f32::max);
+    let mut s = (sink - m).exp();
+    for v in x.iter_mut() {
+        *v = (*v - m).exp();
+        s += *v;
+    }
+    let inv = 1.0 / s;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
 }
 
 /// Softmax in place, in f32, max-subtracted.

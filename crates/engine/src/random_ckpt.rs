@@ -86,6 +86,20 @@ impl Dims {
                 top_k: 4,
                 max_pos: 1024,
             },
+            // YaRN's factor 4 over an original context of 256 (not rounded to whole
+            // dimensions, as gpt-oss ships it); widths multiples of 32 (MXFP4's blocks)
+            Family::GptOss => Dims {
+                vocab: 421,
+                hidden: 64,
+                layers: 4,
+                heads: 8,
+                kv_heads: 2,
+                head_dim: 16,
+                inter: 32,
+                experts: 8,
+                top_k: 3,
+                max_pos: 1024,
+            },
             Family::Qwen3Moe => Dims {
                 vocab: 389,
                 hidden: 64,
@@ -110,6 +124,9 @@ const DS_KV_LORA: usize = 32;
 const DS_NOPE: usize = 16;
 const DS_ROPE: usize = 8;
 const DS_V: usize = 12;
+
+/// A random gpt_oss's sliding window: narrower than the test prompts, so that it slides.
+pub const OSS_WINDOW: usize = 4;
 
 /// The dense layers' width in a random glm4_moe.
 const GLM_DENSE: usize = 56;
@@ -218,6 +235,37 @@ fn config_json(family: Family, d: &Dims) -> serde_json::Value {
             );
             o.insert("num_nextn_predict_layers".into(), json!(0));
         }
+        Family::GptOss => {
+            // sliding layers first and third, as the released ones alternate
+            o.insert("architectures".into(), json!(["GptOssForCausalLM"]));
+            o.insert("model_type".into(), json!("gpt_oss"));
+            o.insert("intermediate_size".into(), json!(d.inter));
+            o.insert("num_local_experts".into(), json!(d.experts));
+            o.insert("experts_per_token".into(), json!(d.top_k));
+            o.insert("sliding_window".into(), json!(OSS_WINDOW));
+            let types: Vec<&str> = (0..d.layers)
+                .map(|l| {
+                    if l % 2 == 0 {
+                        "sliding_attention"
+                    } else {
+                        "full_attention"
+                    }
+                })
+                .collect();
+            o.insert("layer_types".into(), json!(types));
+            o.insert("attention_bias".into(), json!(true));
+            o.insert("swiglu_limit".into(), json!(7.0));
+            o.insert("rope_theta".into(), json!(150_000.0));
+            o.insert(
+                "rope_scaling".into(),
+                json!({"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                       "beta_slow": 1.0, "truncate": false,
+                       "original_max_position_embeddings": 256}),
+            );
+            o.insert("router_aux_loss_coef".into(), json!(0.9));
+            o.insert("output_router_logits".into(), json!(false));
+            o.insert("initializer_range".into(), json!(0.02));
+        }
         Family::Qwen3Moe => {
             o.insert("architectures".into(), json!(["Qwen3MoeForCausalLM"]));
             o.insert("model_type".into(), json!("qwen3_moe"));
@@ -232,6 +280,41 @@ fn config_json(family: Family, d: &Dims) -> serde_json::Value {
         }
     }
     c
+}
+
+/// The tensors of a gpt_oss decoder layer `p` but its norms and q/k/v/o weights: the
+/// attention's biases and sinks, the router with its bias, and the experts fused as released
+/// in bf16 (`gate_up_proj [E, H, 2I]` with the gate and up columns interleaved,
+/// `down_proj [E, I, H]`, their biases). The gate/up biases are wide enough that the
+/// activation's clamp at 7 is reached.
+fn gpt_oss_layer(put: &mut impl FnMut(String, Vec<usize>, f32, f32), d: &Dims, p: &str) {
+    let (h, hd) = (d.hidden, d.head_dim);
+    let (qd, kvd) = (d.heads * hd, d.kv_heads * hd);
+    let lin = |fan_in: usize| 1.0 / (fan_in as f32).sqrt();
+    let a = format!("{p}.self_attn");
+    for (n, rows) in [
+        ("q_proj", qd),
+        ("k_proj", kvd),
+        ("v_proj", kvd),
+        ("o_proj", h),
+    ] {
+        put(format!("{a}.{n}.bias"), vec![rows], 0.5, 0.0);
+    }
+    put(format!("{a}.sinks"), vec![d.heads], 1.0, 0.0);
+    let m = format!("{p}.mlp");
+    put(
+        format!("{m}.router.weight"),
+        vec![d.experts, h],
+        2.0 * lin(h),
+        0.0,
+    );
+    put(format!("{m}.router.bias"), vec![d.experts], 0.5, 0.0);
+    let (e, i) = (d.experts, d.inter);
+    let x = format!("{m}.experts");
+    put(format!("{x}.gate_up_proj"), vec![e, h, 2 * i], lin(h), 0.0);
+    put(format!("{x}.gate_up_proj_bias"), vec![e, 2 * i], 3.0, 0.0);
+    put(format!("{x}.down_proj"), vec![e, i, h], 0.25 * lin(i), 0.0);
+    put(format!("{x}.down_proj_bias"), vec![e, h], 0.5, 0.0);
 }
 
 /// Writes a random `family` checkpoint of dimensions `d` into `out` (created if missing).
@@ -296,7 +379,12 @@ pub fn write(family: Family, d: &Dims, seed: u64, out: &Path) -> Result<()> {
             }
             put(format!("{a}.o_proj.weight"), vec![h, qd], lin(qd), 0.0);
         }
+        if family == Family::GptOss {
+            gpt_oss_layer(&mut put, d, &p);
+            continue;
+        }
         let (moe, names) = match family {
+            Family::GptOss => unreachable!("written above"),
             Family::Mixtral => (format!("{p}.block_sparse_moe"), ["w1", "w3", "w2"]),
             Family::Qwen2Moe => {
                 for (n, rows) in [("q_proj", qd), ("k_proj", kvd), ("v_proj", kvd)] {
@@ -476,6 +564,116 @@ pub fn to_fp8(dir: &Path, block: [usize; 2]) -> Result<()> {
     })?;
     cfg["quantization_config"] = json!({"quant_method": "fp8", "fmt": "e4m3",
         "activation_scheme": "dynamic", "weight_block_size": block});
+    std::fs::write(&cp, serde_json::to_vec_pretty(&cfg).unwrap_or_default())
+        .map_err(|e| Error::io(&cp, e))
+}
+
+/// The e2m1 (FP4) code nearest `x` (`|x| <= 6` after scaling; larger saturates at 6).
+fn e2m1_code(x: f32) -> u8 {
+    const MAG: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+    let a = x.abs();
+    let mut best = 0;
+    for (c, &m) in MAG.iter().enumerate() {
+        if (a - m).abs() < (a - MAG[best]).abs() {
+            best = c;
+        }
+    }
+    best as u8
+        | if x.is_sign_negative() && best > 0 {
+            8
+        } else {
+            0
+        }
+}
+
+/// A matrix's rows (of a multiple of 32 columns) as MXFP4: blocks `[rows, cols/32, 16]`
+/// (two codes a byte, the low nibble first) and one e8m0 exponent per 32 values (the
+/// smallest power of two that brings the block's largest magnitude to 6 or below).
+fn mxfp4(w: &[f32]) -> (Vec<u8>, Vec<u8>) {
+    let (mut blocks, mut scales) = (Vec::new(), Vec::new());
+    for b in w.chunks(32) {
+        let amax = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let e = if amax > 0.0 {
+            (amax / 6.0).log2().ceil().clamp(-127.0, 127.0) as i32
+        } else {
+            -127
+        };
+        scales.push((e + 127) as u8);
+        let inv = 2f32.powi(-e);
+        for pair in b.chunks(2) {
+            blocks.push(e2m1_code(pair[0] * inv) | (e2m1_code(pair[1] * inv) << 4));
+        }
+    }
+    (blocks, scales)
+}
+
+/// Rewrites the random gpt_oss checkpoint in `dir` (written by [`write`]) with MXFP4 experts,
+/// as gpt-oss is released: each layer's `gate_up_proj` / `down_proj` replaced by
+/// `*_blocks` and `*_scales` over the transposed matrices (one row per output), the biases
+/// and everything else kept, and config.json's `quantization_config` saying mxfp4.
+pub fn to_mxfp4(dir: &Path) -> Result<()> {
+    use crate::checkpoint::Checkpoint;
+    use safetensors::tensor::{Dtype, TensorView};
+    let st = dir.join("model.safetensors");
+    let ck = Checkpoint::open(dir)?;
+    let c = ck.config.clone();
+    let (h, i, ne) = (c.hidden_size, c.moe_intermediate_size, c.num_experts);
+    let mut out: BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)> = BTreeMap::new();
+    for name in ck.tensor_names() {
+        let raw = ck.raw(&name)?;
+        let shape = raw.shape.to_vec();
+        let (rows, cols, base) = if let Some(b) = name.strip_suffix(".gate_up_proj") {
+            (2 * i, h, b.to_string() + ".gate_up_proj")
+        } else if let Some(b) = name.strip_suffix(".down_proj") {
+            (h, i, b.to_string() + ".down_proj")
+        } else {
+            out.insert(name, (raw.dtype, shape, raw.bytes.to_vec()));
+            continue;
+        };
+        // stored [E, cols, rows] (one column per output): transpose each expert
+        let w = ck.tensor(&name, &shape)?;
+        let (mut blocks, mut scales) = (Vec::new(), Vec::new());
+        for e in 0..ne {
+            let m = &w[e * rows * cols..(e + 1) * rows * cols];
+            let t: Vec<f32> = (0..rows)
+                .flat_map(|r| (0..cols).map(move |k| m[k * rows + r]))
+                .collect();
+            let (b, s) = mxfp4(&t);
+            blocks.extend(b);
+            scales.extend(s);
+        }
+        out.insert(
+            format!("{base}_blocks"),
+            (Dtype::U8, vec![ne, rows, cols / 32, 16], blocks),
+        );
+        out.insert(
+            format!("{base}_scales"),
+            (Dtype::U8, vec![ne, rows, cols / 32], scales),
+        );
+    }
+    drop(ck);
+    let views: Vec<(String, TensorView<'_>)> = out
+        .iter()
+        .map(|(n, (d, s, b))| {
+            TensorView::new(*d, s.clone(), b)
+                .map(|v| (n.clone(), v))
+                .map_err(|e| Error::Internal(format!("tensor {n}: {e}")))
+        })
+        .collect::<Result<_>>()?;
+    let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
+    let tmp = dir.join("model.safetensors.tmp");
+    safetensors::tensor::serialize_to_file(views, Some(meta), &tmp)
+        .map_err(|e| Error::Internal(format!("writing {}: {e}", tmp.display())))?;
+    std::fs::rename(&tmp, &st).map_err(|e| Error::io(&st, e))?;
+    let cp = dir.join("config.json");
+    let text = std::fs::read_to_string(&cp).map_err(|e| Error::io(&cp, e))?;
+    let mut cfg: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Json {
+        path: cp.clone(),
+        reason: e.to_string(),
+    })?;
+    cfg["quantization_config"] = json!({"quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                   "model.embed_tokens", "lm_head"]});
     std::fs::write(&cp, serde_json::to_vec_pretty(&cfg).unwrap_or_default())
         .map_err(|e| Error::io(&cp, e))
 }

@@ -863,11 +863,11 @@ pub fn hashed_expert(
     hashed_fill(&mut gu, hidden, C0, 0, hashed_key(seed, layer, e, 0), gs);
     let mut dn = vec![0f32; hidden * inter];
     hashed_fill(&mut dn, inter, 0, C0, hashed_key(seed, layer, e, 1), ds);
-    crate::checkpoint::ExpertWeights {
-        gate_up: crate::ops::Matrix::new(2 * inter, hidden, gu),
-        down: crate::ops::Matrix::new(hidden, inter, dn),
-        checksum: hashed_key(seed, layer, e, 2),
-    }
+    crate::checkpoint::ExpertWeights::new(
+        crate::ops::Matrix::new(2 * inter, hidden, gu),
+        crate::ops::Matrix::new(hidden, inter, dn),
+        hashed_key(seed, layer, e, 2),
+    )
 }
 
 /// Columns (gate/up) and rows (down) the generator leaves zero: the language and constant

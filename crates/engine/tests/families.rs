@@ -15,12 +15,13 @@ use moelane_engine::step::SeqStep;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-const FAMILIES: [Family; 5] = [
+const FAMILIES: [Family; 6] = [
     Family::Mixtral,
     Family::Qwen3Moe,
     Family::Qwen2Moe,
     Family::Glm4Moe,
     Family::DeepseekV3,
+    Family::GptOss,
 ];
 const SEED: u64 = 11;
 const PROMPTS: usize = 4;
@@ -34,6 +35,13 @@ const FP8_BLOCK: [usize; 2] = [4, 16];
 fn fp8_checkpoint(family: Family, root: &Path) -> PathBuf {
     let dir = write_random(family, root, &format!("{}_fp8", family.name()));
     random_ckpt::to_fp8(&dir, FP8_BLOCK).unwrap();
+    dir
+}
+
+/// gpt_oss as released: MXFP4 experts, in `root/gpt_oss_mxfp4`.
+fn mxfp4_checkpoint(root: &Path) -> PathBuf {
+    let dir = write_random(Family::GptOss, root, "gpt_oss_mxfp4");
+    random_ckpt::to_mxfp4(&dir).unwrap();
     dir
 }
 
@@ -64,6 +72,7 @@ fn write_checkpoints() {
         for f in FP8 {
             eprintln!("wrote {}", fp8_checkpoint(f, Path::new(&root)).display());
         }
+        eprintln!("wrote {}", mxfp4_checkpoint(Path::new(&root)).display());
     }
 }
 
@@ -120,6 +129,11 @@ fn every_family_matches_transformers_and_does_not_depend_on_the_map() {
         FP8.iter()
             .map(|&f| (f, format!("{}_fp8", f.name()), fp8_checkpoint(f, &root))),
     );
+    cases.push((
+        Family::GptOss,
+        "gpt_oss_mxfp4".into(),
+        mxfp4_checkpoint(&root),
+    ));
     for (family, name, dir) in cases {
         let meta: Value = serde_json::from_slice(
             &std::fs::read(golden.join(format!("hf_{name}.json"))).unwrap_or_else(|e| {
@@ -140,6 +154,14 @@ fn every_family_matches_transformers_and_does_not_depend_on_the_map() {
         let vocab = meta["vocab"].as_u64().unwrap() as usize;
         let d = Dims::for_family(family);
         let prompts = random_ckpt::prompts(d.vocab, PROMPTS, SEED);
+        // gpt_oss's MXFP4 against transformers' own MXFP4 path (`Mxfp4Config(dequantize=
+        // True)`): 0.9982 at worst, greedy the same; why it is not 0.9999 as the bf16 golden
+        // is (its widened experts may compute in bf16) is not established
+        let min_cos = if name.ends_with("mxfp4") {
+            0.997
+        } else {
+            0.9999
+        };
         let (mut row0, mut worst, mut greedy_ok, mut greedy_all) = (0usize, 1f64, 0, 0);
         for (p, pm) in prompts.iter().zip(meta["prompts"].as_array().unwrap()) {
             assert_eq!(&ids(&pm["ids"]), p, "{name}: the golden file's prompt");
@@ -152,7 +174,7 @@ fn every_family_matches_transformers_and_does_not_depend_on_the_map() {
                 let b = &want[(row0 + r) * vocab..(row0 + r + 1) * vocab];
                 let c = common::cos(a, b);
                 assert!(
-                    c >= 0.9999,
+                    c >= min_cos,
                     "{name}: prompt of {} row {r}: cosine {c}",
                     p.len()
                 );
@@ -280,19 +302,16 @@ fn weights_in_memory_are_the_checkpoints_own_bytes() {
     let held = |dir: &Path| {
         let ck = Checkpoint::open(dir).unwrap();
         let dense = DenseWeights::load(&ck).unwrap();
-        let mut experts = 0;
+        let (mut experts, mut vectors) = (0, dense.vector_elements());
         for l in ck.config.moe_layers() {
             for e in 0..ck.config.num_experts {
-                experts += ck.expert(l, e).unwrap().bytes();
+                let w = ck.expert(l, e).unwrap();
+                experts += w.bytes();
+                vectors += w.gate_up_bias.len() + w.down_bias.len();
             }
         }
         let (held, stored) = (dense.bytes() + experts, ck.tensor_bytes());
-        assert_eq!(
-            held,
-            stored + 2 * dense.vector_elements(),
-            "{}",
-            dir.display()
-        );
+        assert_eq!(held, stored + 2 * vectors, "{}", dir.display());
         (
             held,
             stored,

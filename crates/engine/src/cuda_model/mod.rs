@@ -23,7 +23,7 @@ use cudarc::driver::{
 
 use crate::bank::ExpertBank;
 use crate::checkpoint::ExpertWeights;
-use crate::config::ModelConfig;
+use crate::config::{Glu, ModelConfig};
 use crate::cuda::Gpu;
 use crate::error::{Error, Result};
 use crate::kv::{SeqKv, BLOCK};
@@ -872,6 +872,11 @@ pub(crate) fn upload_expert(
     block: &mut Option<[usize; 2]>,
 ) -> Result<(DevMat, DevMat)> {
     let named = |err: Error| Error::Gpu(format!("expert ({l},{e}): {err}"));
+    if !w.gate_up_bias.is_empty() || !w.down_bias.is_empty() || w.glu != Glu::Silu {
+        return Err(named(Error::Gpu(
+            "experts with biases or the clamped activation (gpt_oss) run on the CPU only".into(),
+        )));
+    }
     let gu = DevMat::upload_as(st, &w.gate_up, dt).map_err(named)?;
     let dn = DevMat::upload_as(st, &w.down, dt).map_err(named)?;
     for m in [&gu, &dn] {
@@ -912,6 +917,17 @@ impl GpuModel {
             return Err(Error::Gpu(format!(
                 "{}'s multi-head latent attention runs on the CPU backend only (the GPU \
                  kernels for it are not written yet): serve it with --primary-device cpu",
+                cfg.family.name()
+            )));
+        }
+        if cfg.attention_sinks
+            || cfg.windows.iter().any(Option::is_some)
+            || cfg.o_bias
+            || cfg.router_logit_bias
+            || cfg.expert_bias
+        {
+            return Err(Error::Gpu(format!(
+                "{}'s attention sinks, sliding windows and biases run on the CPU backend only                  (the GPU kernels for them are not written yet): serve it with                  --primary-device cpu",
                 cfg.family.name()
             )));
         }
