@@ -4,7 +4,7 @@
 
 Usage (torch + transformers installed; the CI never runs this):
     MOELANE_FAMILY_CKPTS=/tmp/fam cargo test -p moelane-engine --test families -- write_checkpoints
-    python3 scripts/hf_family_golden.py /tmp/fam/mixtral /tmp/fam/qwen3_moe /tmp/fam/qwen2_moe /tmp/fam/glm4_moe /tmp/fam/deepseek_v3 /tmp/fam/qwen3_moe_fp8 /tmp/fam/deepseek_v3_fp8 crates/engine/tests/golden
+    python3 scripts/hf_family_golden.py /tmp/fam/mixtral /tmp/fam/qwen3_moe /tmp/fam/qwen2_moe /tmp/fam/glm4_moe /tmp/fam/deepseek_v3 /tmp/fam/qwen3_moe_fp8 /tmp/fam/deepseek_v3_fp8 /tmp/fam/gpt_oss /tmp/fam/gpt_oss_mxfp4 crates/engine/tests/golden
 
 Each checkpoint directory holds prompts.json (token ids); the files are named after the
 directory (`<family>`, or `<family>_fp8` for an FP8 variant, which transformers reads here

@@ -758,3 +758,22 @@ impl Checkpoint {
         self.files.iter().map(|f| f.map.len()).sum()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::Elem;
+
+    #[test]
+    fn mxfp4_widens_exactly() {
+        // low nibble first; codes 1 (0.5) and 0xa (-1.0); exponents 2^1 and 2^-3
+        let mut blocks = vec![0u8; 32];
+        blocks[0] = 0xa1;
+        blocks[16] = 0x7f; // -6.0 then 6.0
+        let v = mxfp4_to_bf16(&blocks, &[128, 124]);
+        let f = |i: usize| Elem::f32(v[i]);
+        assert_eq!(v.len(), 64);
+        assert_eq!((f(0), f(1), f(2)), (1.0, -2.0, 0.0));
+        assert_eq!((f(32), f(33)), (-0.75, 0.75));
+    }
+}

@@ -959,6 +959,42 @@ mod tests {
     }
 
     #[test]
+    fn gpt_oss_windows_biases_and_mxfp4() {
+        let p = Path::new("config.json");
+        let cfg = serde_json::json!({
+            "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+            "vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "intermediate_size": 32, "num_local_experts": 8, "experts_per_token": 2,
+            "quantization_config": {"quant_method": "mxfp4"}
+        });
+        let c = ModelConfig::from_json_str(&cfg.to_string(), p).unwrap();
+        // without layer_types: even layers slide over 128 positions
+        assert_eq!(c.windows, vec![Some(128), None, Some(128)]);
+        assert!(c.attention_sinks && c.o_bias && c.qkv_bias && c.expert_bias);
+        assert_eq!((c.num_experts_per_tok, c.moe_intermediate_size), (2, 32));
+        assert_eq!(
+            c.expert_glu,
+            Glu::Clamped {
+                alpha: 1.702,
+                limit: 7.0
+            }
+        );
+        let mut bad = cfg.clone();
+        bad["layer_types"] = serde_json::json!(["sliding_attention", "full_attention"]);
+        let e = ModelConfig::from_json_str(&bad.to_string(), p).unwrap_err();
+        assert!(e.to_string().contains("layer_types"), "{e}");
+        bad["layer_types"] = serde_json::json!(["full_attention", "chunked", "full_attention"]);
+        let e = ModelConfig::from_json_str(&bad.to_string(), p).unwrap_err();
+        assert!(e.to_string().contains("chunked"), "{e}");
+        // MXFP4 is gpt_oss's only
+        let mut q = base();
+        q["quantization_config"] = serde_json::json!({"quant_method": "mxfp4"});
+        let e = ModelConfig::from_json_str(&q.to_string(), p).unwrap_err();
+        assert!(e.to_string().contains("mxfp4"), "{e}");
+    }
+
+    #[test]
     fn accepts_both_names() {
         let p = Path::new("config.json");
         let a = ModelConfig::from_json_str(&base().to_string(), p).unwrap();

@@ -511,8 +511,7 @@ fn fp8_quantised(name: &str, shape: &[usize]) -> bool {
 pub fn to_fp8(dir: &Path, block: [usize; 2]) -> Result<()> {
     use crate::checkpoint::Checkpoint;
     use crate::ops::F8;
-    use safetensors::tensor::{Dtype, TensorView};
-    let st = dir.join("model.safetensors");
+    use safetensors::tensor::Dtype;
     let ck = Checkpoint::open(dir)?;
     let mut out: BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)> = BTreeMap::new();
     for name in ck.tensor_names() {
@@ -543,29 +542,12 @@ pub fn to_fp8(dir: &Path, block: [usize; 2]) -> Result<()> {
         out.insert(name, (Dtype::F8_E4M3, shape, q));
     }
     drop(ck);
-    let views: Vec<(String, TensorView<'_>)> = out
-        .iter()
-        .map(|(n, (d, s, b))| {
-            TensorView::new(*d, s.clone(), b)
-                .map(|v| (n.clone(), v))
-                .map_err(|e| Error::Internal(format!("tensor {n}: {e}")))
-        })
-        .collect::<Result<_>>()?;
-    let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
-    let tmp = dir.join("model.safetensors.tmp");
-    safetensors::tensor::serialize_to_file(views, Some(meta), &tmp)
-        .map_err(|e| Error::Internal(format!("writing {}: {e}", tmp.display())))?;
-    std::fs::rename(&tmp, &st).map_err(|e| Error::io(&st, e))?;
-    let cp = dir.join("config.json");
-    let text = std::fs::read_to_string(&cp).map_err(|e| Error::io(&cp, e))?;
-    let mut cfg: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Json {
-        path: cp.clone(),
-        reason: e.to_string(),
-    })?;
-    cfg["quantization_config"] = json!({"quant_method": "fp8", "fmt": "e4m3",
-        "activation_scheme": "dynamic", "weight_block_size": block});
-    std::fs::write(&cp, serde_json::to_vec_pretty(&cfg).unwrap_or_default())
-        .map_err(|e| Error::io(&cp, e))
+    rewrite(
+        dir,
+        &out,
+        json!({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+               "weight_block_size": block}),
+    )
 }
 
 /// The e2m1 (FP4) code nearest `x` (`|x| <= 6` after scaling; larger saturates at 6).
@@ -613,8 +595,7 @@ fn mxfp4(w: &[f32]) -> (Vec<u8>, Vec<u8>) {
 /// and everything else kept, and config.json's `quantization_config` saying mxfp4.
 pub fn to_mxfp4(dir: &Path) -> Result<()> {
     use crate::checkpoint::Checkpoint;
-    use safetensors::tensor::{Dtype, TensorView};
-    let st = dir.join("model.safetensors");
+    use safetensors::tensor::Dtype;
     let ck = Checkpoint::open(dir)?;
     let c = ck.config.clone();
     let (h, i, ne) = (c.hidden_size, c.moe_intermediate_size, c.num_experts);
@@ -652,6 +633,24 @@ pub fn to_mxfp4(dir: &Path) -> Result<()> {
         );
     }
     drop(ck);
+    rewrite(
+        dir,
+        &out,
+        json!({"quant_method": "mxfp4",
+               "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                          "model.embed_tokens", "lm_head"]}),
+    )
+}
+
+/// Replaces the checkpoint in `dir` by `out`'s tensors (name: dtype, shape, bytes) and sets
+/// config.json's `quantization_config` to `quant`.
+fn rewrite(
+    dir: &Path,
+    out: &BTreeMap<String, (safetensors::tensor::Dtype, Vec<usize>, Vec<u8>)>,
+    quant: serde_json::Value,
+) -> Result<()> {
+    use safetensors::tensor::TensorView;
+    let st = dir.join("model.safetensors");
     let views: Vec<(String, TensorView<'_>)> = out
         .iter()
         .map(|(n, (d, s, b))| {
@@ -671,9 +670,7 @@ pub fn to_mxfp4(dir: &Path) -> Result<()> {
         path: cp.clone(),
         reason: e.to_string(),
     })?;
-    cfg["quantization_config"] = json!({"quant_method": "mxfp4",
-        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
-                                   "model.embed_tokens", "lm_head"]});
+    cfg["quantization_config"] = quant;
     std::fs::write(&cp, serde_json::to_vec_pretty(&cfg).unwrap_or_default())
         .map_err(|e| Error::io(&cp, e))
 }
