@@ -251,8 +251,8 @@ enum Cmd {
     /// Serve the embedded default: gateway, primary and sidecar in one process on 127.0.0.1.
     /// Without --model, makes the `mini` synthetic checkpoint once (cached) and serves it.
     Serve {
-        /// Checkpoint directory (Hugging Face: qwen3_moe, mixtral, qwen2_moe, glm4_moe or
-        /// deepseek_v3).
+        /// Checkpoint directory (Hugging Face: qwen3_moe, mixtral, qwen2_moe, glm4_moe,
+        /// deepseek_v3 or gpt_oss).
         #[arg(long, env = "MOELANE_MODEL")]
         model: Option<PathBuf>,
         /// Rowmap JSON (default: rowmap.json in the checkpoint, else all experts hot).
