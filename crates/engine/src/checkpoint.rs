@@ -190,6 +190,32 @@ impl ExpertBytes<'_> {
     }
 }
 
+/// Expert `e`'s share of fused tensor `t` (`raw`, experts along its first dimension, `ne` of
+/// them); FP8 is refused, saying `fp8`.
+fn expert_share<'a>(
+    raw: RawTensor<'a>,
+    t: &str,
+    e: usize,
+    ne: usize,
+    fp8: &str,
+) -> Result<(Dtype, &'a [u8])> {
+    if raw.dtype == Dtype::F8_E4M3 {
+        return Err(Error::WrongDtype {
+            file: raw.file.into(),
+            tensor: t.into(),
+            found: fp8.into(),
+        });
+    }
+    if e >= ne {
+        return Err(Error::MissingTensor {
+            tensor: format!("{t}[{e}]"),
+            looked_in: raw.file.display().to_string(),
+        });
+    }
+    let sz = raw.bytes.len() / ne;
+    Ok((raw.dtype, &raw.bytes[e * sz..(e + 1) * sz]))
+}
+
 /// The 16 values of an e2m1 (FP4) code.
 const E2M1: [f32; 16] = [
     0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
@@ -520,21 +546,13 @@ impl Checkpoint {
             let t = format!("{p}.{name}");
             let raw = if u8s { self.raw_u8(&t)? } else { self.raw(&t)? };
             self.check_shape(&raw, &t, shape)?;
-            if raw.dtype == Dtype::F8_E4M3 {
-                return Err(Error::WrongDtype {
-                    file: raw.file.into(),
-                    tensor: t,
-                    found: "F8_E4M3 (gpt_oss experts are bf16 or MXFP4)".into(),
-                });
-            }
-            if e >= ne {
-                return Err(Error::MissingTensor {
-                    tensor: format!("{t}[{e}]"),
-                    looked_in: raw.file.display().to_string(),
-                });
-            }
-            let sz = raw.bytes.len() / ne;
-            Ok((raw.dtype, &raw.bytes[e * sz..(e + 1) * sz]))
+            expert_share(
+                raw,
+                &t,
+                e,
+                ne,
+                "F8_E4M3 (gpt_oss experts are bf16 or MXFP4)",
+            )
         };
         let bias = Some([
             slice("gate_up_proj_bias", &[ne, 2 * i], false)?,
@@ -657,23 +675,14 @@ impl Checkpoint {
                 let t = format!("{p}.{name}");
                 let raw = self.raw(&t)?;
                 self.check_shape(&raw, &t, shape)?;
-                if raw.dtype == Dtype::F8_E4M3 {
-                    return Err(Error::WrongDtype {
-                        file: raw.file.into(),
-                        tensor: t,
-                        found: "F8_E4M3 in the fused expert layout (FP8 experts are read per \
-                                expert, as released)"
-                            .into(),
-                    });
-                }
-                if e >= ne {
-                    return Err(Error::MissingTensor {
-                        tensor: format!("{t}[{e}]"),
-                        looked_in: raw.file.display().to_string(),
-                    });
-                }
-                let sz = raw.bytes.len() / ne;
-                Ok((raw.dtype, &raw.bytes[e * sz..(e + 1) * sz]))
+                expert_share(
+                    raw,
+                    &t,
+                    e,
+                    ne,
+                    "F8_E4M3 in the fused expert layout (FP8 experts are read per expert, as \
+                     released)",
+                )
             };
             let (dt, gu) = slice("gate_up_proj", &[ne, 2 * i, h])?;
             let down = slice("down_proj", &[ne, h, i])?;
