@@ -567,18 +567,6 @@ fn every_family_on_the_gpu_matches_the_cpu() {
         kv_tokens: 8192,
         progress: false,
     };
-    // deepseek_v3's latent attention has no GPU kernels yet: refused, saying so
-    let ds = tempfile::tempdir().unwrap();
-    let dd = Dims::for_family(Family::DeepseekV3);
-    random_ckpt::write(Family::DeepseekV3, &dd, 11, ds.path()).unwrap();
-    let dck = Checkpoint::open(ds.path()).unwrap();
-    let all_hot = maps(&dck, dd.experts / 2).remove(0).1;
-    let e = load_on_gpu(&dck, all_hot, &opts, gpu.clone())
-        .err()
-        .unwrap()
-        .to_string();
-    eprintln!("deepseek_v3 on the GPU: {e}");
-    assert!(e.contains("latent attention"), "{e}");
     // (family, FP8 weights): FP8 experts stay FP8 on the GPU, FP8 dense matrices are widened
     // (blocks of 2 x 6 do not give the kernels four weights under one scale: those experts
     // are widened to f32, the fallback)
@@ -587,7 +575,9 @@ fn every_family_on_the_gpu_matches_the_cpu() {
         (Family::Qwen3Moe, None),
         (Family::Qwen2Moe, None),
         (Family::Glm4Moe, None),
+        (Family::DeepseekV3, None),
         (Family::Qwen3Moe, Some([4, 16])),
+        (Family::DeepseekV3, Some([4, 16])),
         (Family::Glm4Moe, Some([4, 16])),
         (Family::Qwen3Moe, Some([2, 6])),
     ] {
@@ -679,5 +669,104 @@ fn every_family_on_the_gpu_matches_the_cpu() {
                 }
             }
         }
+    }
+}
+
+#[test]
+fn families_on_the_gpu_match_transformers() {
+    // the golden logits of families.rs (transformers 5.17, scripts/hf_family_golden.py) against
+    // the GPU: every row of 4 prompts, prefill (every prompt row's logits) and decode (one step
+    // per generated token), cosine >= 0.9999 and transformers' greedy picks, all experts hot.
+    // bf16 on disk; the FP8 variants (blocks 4 x 16) with their experts FP8 on the device
+    use moelane_engine::config::Family;
+    use moelane_engine::random_ckpt::{self, Dims};
+    let Some(gpu) = gpu() else { return };
+    let golden = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden");
+    let f16s = |b: &[u8]| -> Vec<f32> {
+        b.chunks_exact(2)
+            .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+            .collect()
+    };
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let opts = EngineOptions {
+        kv_tokens: 4096,
+        progress: false,
+    };
+    for (family, fp8) in [
+        (Family::Mixtral, false),
+        (Family::Qwen3Moe, false),
+        (Family::Qwen2Moe, false),
+        (Family::Glm4Moe, false),
+        (Family::DeepseekV3, false),
+        (Family::Qwen3Moe, true),
+        (Family::DeepseekV3, true),
+    ] {
+        let name = if fp8 {
+            format!("{}_fp8", family.name())
+        } else {
+            family.name().to_string()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let d = Dims::for_family(family);
+        random_ckpt::write(family, &d, 11, dir.path()).unwrap();
+        if fp8 {
+            random_ckpt::to_fp8(dir.path(), [4, 16]).unwrap();
+        }
+        let meta: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(golden.join(format!("hf_{name}.json"))).unwrap())
+                .unwrap();
+        let want = f16s(&std::fs::read(golden.join(format!("hf_{name}.f16"))).unwrap());
+        let vocab = meta["vocab"].as_u64().unwrap() as usize;
+        let ckpt = Checkpoint::open(dir.path()).unwrap();
+        let map = maps(&ckpt, 1).remove(0).1;
+        let mut e = load_on_gpu(&ckpt, map, &opts, gpu.clone()).unwrap();
+        let (mut row0, mut worst, mut ok, mut all) = (0usize, 1f64, 0, 0);
+        for pm in meta["prompts"].as_array().unwrap() {
+            let (p, gen) = (ids(&pm["ids"]), ids(&pm["generated"]));
+            let mut seq = e.kv.new_seq();
+            let mut ours = e
+                .step_with(
+                    &mut [SeqStep {
+                        kv: &mut seq,
+                        tokens: &p,
+                    }],
+                    true,
+                )
+                .unwrap();
+            for &t in &gen {
+                ours.extend(
+                    e.step(&mut [SeqStep {
+                        kv: &mut seq,
+                        tokens: &[t],
+                    }])
+                    .unwrap(),
+                );
+            }
+            let rows = pm["rows"].as_u64().unwrap() as usize;
+            assert_eq!(ours.len(), rows * vocab, "{name}: rows of logits");
+            for r in 0..rows {
+                let c = cos(
+                    &ours[r * vocab..(r + 1) * vocab],
+                    &want[(row0 + r) * vocab..(row0 + r + 1) * vocab],
+                );
+                assert!(c >= 0.9999, "{name}: prompt of {} row {r}: cosine {c}", p.len());
+                worst = worst.min(c);
+            }
+            for (i, &t) in gen.iter().enumerate() {
+                let r = p.len() - 1 + i;
+                all += 1;
+                ok += (moelane_engine::sampling::argmax(&ours[r * vocab..(r + 1) * vocab]) as u32
+                    == t) as usize;
+            }
+            row0 += rows;
+        }
+        eprintln!("{name} on the GPU: worst cosine vs transformers {worst:.7}, greedy {ok}/{all}");
+        assert_eq!(ok, all, "{name}: GPU greedy picks differ from transformers'");
     }
 }

@@ -174,14 +174,6 @@ pub fn resident_memory() -> Option<(u64, u64)> {
 pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
     let loading = std::time::Instant::now();
     let ckpt = Checkpoint::open(&o.model)?;
-    if o.primary_device != "cpu" && ckpt.config.mla.is_some() {
-        // said before a calibration pass or a load, not after
-        bail!(
-            "{}'s multi-head latent attention runs on the CPU backend only (the GPU kernels \
-             for it are not written yet): serve it with --primary-device cpu",
-            ckpt.config.family.name()
-        );
-    }
     let map = match (&o.map, &o.placement) {
         (Some(m), Some(_)) => bail!(
             "--map {} and --hot-experts / --primary-memory both given: the map file already says \

@@ -11,6 +11,7 @@
 mod common;
 
 use common::*;
+use serde_json::json;
 
 fn answers(extra: &[&str]) -> Vec<String> {
     let (_p, gw) = serve_tiny(extra);
@@ -180,4 +181,70 @@ fn nccl_lane_on_two_gpus_matches_the_cpu_lane_and_swaps_losslessly() {
         "the sidecar served no requests over NCCL:\n{page}"
     );
     swaps::lossless_on(&gw, &purl);
+}
+
+#[test]
+fn checkpoints_of_every_family_are_served_from_a_gpu_primary() {
+    // each family's random checkpoint (released layout, bf16) with tiny's tokenizer, served with
+    // the primary on the GPU and a first map from --hot-experts (calibrated; the cold experts on
+    // the CPU sidecar): completions and chat completions answer, greedy twice the same, and the
+    // greedy answers of 8 prompts against the same lane on the CPU (the two backends sum in
+    // other orders: k/8 reported, nearly all required)
+    use moelane_engine::config::Family;
+    use moelane_engine::random_ckpt::{self, Dims};
+    if let Err(e) = moelane_engine::cuda::Gpu::open(0) {
+        eprintln!("SKIP gpu families: {e}");
+        return;
+    }
+    let tiny_cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(tiny().join("config.json")).unwrap()).unwrap();
+    let asks: Vec<String> = prompts50().into_iter().step_by(6).take(8).collect();
+    for family in [
+        Family::Mixtral,
+        Family::Qwen2Moe,
+        Family::Glm4Moe,
+        Family::DeepseekV3,
+    ] {
+        let name = family.name();
+        let dir = std::env::temp_dir().join(format!("moelane-gpu-{name}-{}", std::process::id()));
+        let d = Dims {
+            vocab: tiny_cfg["vocab_size"].as_u64().unwrap() as usize,
+            ..Dims::for_family(family)
+        };
+        random_ckpt::write(family, &d, 3, &dir).unwrap();
+        for f in ["tokenizer.json", "tokenizer_config.json"] {
+            std::fs::copy(tiny().join(f), dir.join(f)).unwrap();
+        }
+        let hot = (d.experts / 3).to_string();
+        let on = |extra: &[&str]| -> Vec<String> {
+            let mut args = vec!["--hot-experts", hot.as_str()];
+            args.extend_from_slice(extra);
+            let (_p, _purl, addr) = serve_lane(&dir, &args);
+            let (st, models) = get(&addr, "/v1/models");
+            assert_eq!(st, 200, "{name}: {models}");
+            let model = models["data"][0]["id"].as_str().unwrap().to_string();
+            let chat = json!({"model": model, "messages": [{"role": "user", "content": "Guten Morgen"}],
+                              "max_tokens": 6, "temperature": 0});
+            let (st, c) = post(&addr, "/v1/chat/completions", &chat);
+            assert_eq!(st, 200, "{name} {extra:?}: {c}");
+            let complete = |p: &str| -> String {
+                let (st, v) = post(
+                    &addr,
+                    "/v1/completions",
+                    &json!({"model": model, "prompt": p, "max_tokens": 12, "temperature": 0}),
+                );
+                assert_eq!(st, 200, "{name} {extra:?}: {v}");
+                v["choices"][0]["text"].as_str().unwrap_or_default().to_string()
+            };
+            let out: Vec<String> = asks.iter().map(|p| complete(p)).collect();
+            assert_eq!(complete(&asks[0]), out[0], "{name} {extra:?}: greedy twice");
+            out
+        };
+        let cpu = on(&[]);
+        let gpu = on(&["--primary-device", "cuda:0"]);
+        let same = cpu.iter().zip(&gpu).filter(|(a, b)| a == b).count();
+        eprintln!("{name}: GPU primary with --hot-experts {hot}: {same}/8 answers as the CPU lane's");
+        assert!(same >= 7, "{name}: {same}/8 as the CPU lane\n{cpu:?}\n{gpu:?}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

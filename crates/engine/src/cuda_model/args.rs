@@ -97,6 +97,29 @@ kernel_args! {
 }
 
 kernel_args! {
+    /// `mla_prep` (mla.cu): the q bottleneck's norm, the latent's norm and the key's RoPE into
+    /// the latent cache.
+    MlaPrep {
+        tq: u64, qa_norm: u64, q_lora: i32, ckv: u64, kv_norm: u64, cos_t: u64, sin_t: u64,
+        row_pos: u64, row_tab: u64, blocks: u64, kc: u64, r: i32, rope: i32, interleave: i32,
+    }
+}
+
+kernel_args! {
+    /// `head_gemv` (mla.cu): a product per head with the head's own matrix.
+    HeadGemv { w: u64, x: u64, y: u64, inp: i32, out: i32, xs: i32, xh: i32, ys: i32 }
+}
+
+kernel_args! {
+    /// `mla_attend` (mla.cu): absorbed attention of one (row, head) over the latent cache.
+    MlaAttend {
+        q_lat: u64, q: u64, cos_t: u64, sin_t: u64, kc: u64, row_pos: u64, row_tab: u64,
+        blocks: u64, lat: u64, heads: i32, r: i32, rope: i32, nope: i32, interleave: i32,
+        scale: f32,
+    }
+}
+
+kernel_args! {
     /// `route_topk` (routing.cu): the router's softmax and top-k per row.
     RouteTopk { logits: u64, idx: u64, wts: u64, experts: i32, k: i32, norm: i32, regs: i32 }
 }

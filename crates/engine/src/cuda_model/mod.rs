@@ -39,6 +39,7 @@ pub const DENSE_CU: &str = concat!(
     include_str!("../../../../kernels/common.cu"),
     include_str!("../../../../kernels/norm.cu"),
     include_str!("../../../../kernels/attention.cu"),
+    include_str!("../../../../kernels/mla.cu"),
     include_str!("../../../../kernels/routing.cu"),
     include_str!("../../../../kernels/gemv.cu"),
     include_str!("../../../../kernels/moe.cu"),
@@ -474,6 +475,9 @@ struct Funcs {
     attention_decode: CudaFunction,
     attention_merge: CudaFunction,
     attention_tiled: CudaFunction,
+    mla_prep: CudaFunction,
+    mla_attend: CudaFunction,
+    head_gemv: ByDt,
     route_topk: CudaFunction,
     route_sigmoid: CudaFunction,
     moe_up: ByDt,
@@ -518,6 +522,9 @@ fn funcs(gpu: &Gpu) -> Result<Funcs> {
         attention_decode: f("attention_decode")?,
         attention_merge: f("attention_merge")?,
         attention_tiled: f("attention_tiled")?,
+        mla_prep: f("mla_prep")?,
+        mla_attend: f("mla_attend")?,
+        head_gemv: both("head_gemv")?,
         route_topk: f("route_topk")?,
         route_sigmoid: f("route_sigmoid")?,
         moe_up: both("moe_up")?,
@@ -543,6 +550,46 @@ fn funcs(gpu: &Gpu) -> Result<Funcs> {
     })
 }
 
+/// One layer's multi-head latent attention on the device (deepseek_v3): the products of
+/// [`crate::model::MlaWeights`], each head's key and value rows of `kv_b_proj` stacked
+/// (`uk`: `[heads, kv_lora, nope]`, `uv`: `[heads, v_head, kv_lora]`).
+struct GpuMla {
+    q_a: Option<(DevMat, Buf<f32>)>,
+    q_b: DevMat,
+    kv_a: DevMat,
+    kv_a_norm: Buf<f32>,
+    uk: DevMat,
+    uv: DevMat,
+}
+
+impl GpuMla {
+    fn upload(st: &Arc<CudaStream>, w: &crate::model::MlaWeights, mode: WeightMode) -> Result<Self> {
+        let mat = |m: &crate::ops::Matrix| DevMat::upload(st, m, mode);
+        Ok(GpuMla {
+            q_a: match &w.q_a {
+                Some((m, nrm)) => Some((mat(m)?, Buf::from_host(st, nrm)?)),
+                None => None,
+            },
+            q_b: mat(&w.q_b)?,
+            kv_a: mat(&w.kv_a)?,
+            kv_a_norm: Buf::from_host(st, &w.kv_a_norm)?,
+            uk: mat(&crate::ops::Matrix::stack(&w.uk_t))?,
+            uv: mat(&crate::ops::Matrix::stack(&w.uv))?,
+        })
+    }
+
+    fn mats(&self) -> impl Iterator<Item = &DevMat> {
+        [self.q_a.as_ref().map(|(m, _)| m), Some(&self.q_b), Some(&self.kv_a)]
+            .into_iter()
+            .flatten()
+            .chain([&self.uk, &self.uv])
+    }
+
+    fn vector_bytes(&self) -> usize {
+        4 * (self.kv_a_norm.len + self.q_a.as_ref().map_or(0, |(_, n)| n.len))
+    }
+}
+
 /// A shared expert on the device: gate|up, down and the gate's row (none: ungated, glm4_moe).
 type SharedExpert = (DevMat, DevMat, Option<Buf<f32>>);
 
@@ -562,6 +609,8 @@ struct Layer {
     qkv_bias: Option<Buf<f32>>,
     /// the shared expert's gate_up, down and gate row (qwen2_moe)
     shared: Option<SharedExpert>,
+    /// multi-head latent attention's weights, in place of `qkv` (deepseek_v3)
+    mla: Option<GpuMla>,
 }
 
 fn grid(x: usize, y: usize, threads: usize, shared: usize) -> LaunchConfig {
@@ -610,6 +659,9 @@ pub struct GpuModel {
     h: Buf<f32>,
     qkv: Buf<f32>,
     att: Buf<f32>,
+    /// multi-head latent attention's scratch: per row the q bottleneck, the compressed kv,
+    /// each head's absorbed query and weighted latent
+    mla_s: Buf<f32>,
     rlog: Buf<f32>,
     idx: Buf<i32>,
     wts: Buf<f32>,
@@ -686,6 +738,15 @@ pub struct GpuModel {
     /// step kernels launched hollow (`MOELANE_CUDA_HOLLOW`: names or "all"; a diagnostic,
     /// the results are wrong), to time what each one costs in the chain
     hollow: Vec<String>,
+}
+
+/// Floats of MLA scratch per row: the q bottleneck, the compressed kv (latent and rotary
+/// key), and per head the absorbed query and the weighted latent.
+pub(super) fn mla_row_floats(c: &ModelConfig, m: &crate::config::Mla) -> usize {
+    m.q_lora_rank.unwrap_or(0)
+        + m.kv_lora_rank
+        + m.qk_rope_head_dim
+        + 2 * c.num_attention_heads * m.kv_lora_rank
 }
 
 /// Rows of a bf16 product of more than 4 rows per cuBLAS call (each split in three, see
@@ -808,7 +869,12 @@ fn upload_layers(st: &Arc<CudaStream>, w: &DenseWeights, mode: WeightMode) -> Re
         layers.push(Layer {
             input_norm: up(&l.input_norm)?,
             post_norm: up(&l.post_norm)?,
-            qkv: mat(&l.qkv)?,
+            // MLA layers have no qkv (an empty matrix)
+            qkv: if l.qkv.data.len() == 0 {
+                DevMat::of_f32(Buf::zeros(st, 1)?, 0)
+            } else {
+                mat(&l.qkv)?
+            },
             o: mat(&l.o)?,
             qk_norm: !l.q_norm.is_empty(),
             // a family without q/k norm keeps a placeholder (the kernels get a null pointer)
@@ -841,6 +907,11 @@ fn upload_layers(st: &Arc<CudaStream>, w: &DenseWeights, mode: WeightMode) -> Re
                 )),
                 None => None,
             },
+            mla: l
+                .mla
+                .as_ref()
+                .map(|m| GpuMla::upload(st, m, mode))
+                .transpose()?,
         });
     }
     Ok(layers)
@@ -913,12 +984,15 @@ impl GpuModel {
         kv_blocks: usize,
         opts: GpuOptions,
     ) -> Result<Self> {
-        if cfg.mla.is_some() {
-            return Err(Error::Gpu(format!(
-                "{}'s multi-head latent attention runs on the CPU backend only (the GPU \
-                 kernels for it are not written yet): serve it with --primary-device cpu",
-                cfg.family.name()
-            )));
+        if let Some(m) = &cfg.mla {
+            // the latent a lane keeps in registers, the rotary dims two lanes take (mla.cu)
+            if m.kv_lora_rank > 512 || m.qk_rope_head_dim > 64 {
+                return Err(Error::Gpu(format!(
+                    "kv_lora_rank {} and qk_rope_head_dim {}: the GPU's latent attention takes \
+                     at most 512 and 64",
+                    m.kv_lora_rank, m.qk_rope_head_dim
+                )));
+            }
         }
         if cfg.attention_sinks
             || cfg.windows.iter().any(Option::is_some)
@@ -931,13 +1005,14 @@ impl GpuModel {
                 cfg.family.name()
             )));
         }
-        if cfg.head_dim > 128 || !cfg.head_dim.is_multiple_of(2) {
+        let mla = cfg.mla.is_some();
+        if !cfg.head_dim.is_multiple_of(2) || (!mla && cfg.head_dim > 128) {
             return Err(Error::Gpu(format!(
                 "head_dim {} is not supported on the GPU (even, at most 128)",
                 cfg.head_dim
             )));
         }
-        if cfg.num_attention_heads + cfg.num_key_value_heads > 32 {
+        if !mla && cfg.num_attention_heads + cfg.num_key_value_heads > 32 {
             return Err(Error::Gpu(format!(
                 "{} query + {} key/value heads: the GPU kernel takes at most 32 together",
                 cfg.num_attention_heads, cfg.num_key_value_heads
@@ -980,12 +1055,13 @@ impl GpuModel {
             .max_position_embeddings
             .min(crate::ops::MAX_ROPE_POSITIONS);
         let rope = Rope::scaled(cfg.rotary_dim, cfg.rope_theta, max_pos, cfg.yarn.as_ref());
-        let per_layer = kv_blocks * BLOCK * cfg.kv_dim();
+        // K and V per position and layer; MLA keeps its latent and rotary key in K, no V
+        let (kd, vd) = cfg.cache_dims();
         let mut kc = Vec::new();
         let mut vc = Vec::new();
         for _ in 0..cfg.num_hidden_layers {
-            kc.push(Buf::zeros(&st, per_layer)?);
-            vc.push(Buf::zeros(&st, per_layer)?);
+            kc.push(Buf::zeros(&st, kv_blocks * BLOCK * kd)?);
+            vc.push(Buf::zeros(&st, kv_blocks * BLOCK * vd)?);
         }
         let moe = cfg.moe_layers().len();
         let e = cfg.num_experts;
@@ -1020,6 +1096,7 @@ impl GpuModel {
             h: Buf::zeros(&st, 1)?,
             qkv: Buf::zeros(&st, 1)?,
             att: Buf::zeros(&st, 1)?,
+            mla_s: Buf::zeros(&st, 1)?,
             rlog: Buf::zeros(&st, 1)?,
             idx: Buf::zeros(&st, 1)?,
             wts: Buf::zeros(&st, 1)?,
@@ -1122,6 +1199,7 @@ impl GpuModel {
             if l.qk_norm {
                 vectors += v(&l.q_norm) + v(&l.k_norm);
             }
+            vectors += l.mla.as_ref().map_or(0, GpuMla::vector_bytes);
             vectors += l.shared.as_ref().map_or(0, |(_, _, g)| ov(g));
         }
         self.dense_mats().map(DevMat::bytes).sum::<usize>() + vectors
@@ -1146,7 +1224,8 @@ impl GpuModel {
 
     /// Bytes of the KV cache on this GPU.
     pub fn kv_bytes(&self) -> usize {
-        self.kc.iter().chain(&self.vc).map(|b| b.len * 4).sum()
+        let (kd, vd) = self.cfg.cache_dims();
+        self.cfg.num_hidden_layers * self.kv_blocks * BLOCK * (kd + vd) * 4
     }
 
     /// The dtypes the weights are kept in, for the start line: "bf16" when every matrix is
@@ -1173,11 +1252,13 @@ impl GpuModel {
             .into_iter()
             .flatten()
             .chain(self.layers.iter().flat_map(|l| {
-                [Some(&l.qkv), Some(&l.o), l.router.as_ref()]
+                // an MLA layer's qkv is an empty placeholder
+                [(l.qkv.len > 0).then_some(&l.qkv), Some(&l.o), l.router.as_ref()]
                     .into_iter()
                     .flatten()
                     .chain(l.mlp.iter().flat_map(|(a, b)| [a, b]))
                     .chain(l.shared.iter().flat_map(|(a, b, _)| [a, b]))
+                    .chain(l.mla.iter().flat_map(GpuMla::mats))
             }))
     }
 
@@ -1408,7 +1489,10 @@ impl GpuModel {
         moved |= self.x.grow(&st, n * hs)?;
         moved |= self.h.grow(&st, n * hs)?;
         moved |= self.qkv.grow(&st, n * wide)?;
-        moved |= self.att.grow(&st, n * c.q_dim().max(dense_i))?;
+        moved |= self.att.grow(&st, n * c.q_dim().max(c.o_dim()).max(dense_i))?;
+        if let Some(ml) = &c.mla {
+            moved |= self.mla_s.grow(&st, n * mla_row_floats(c, ml))?;
+        }
         moved |= self.rlog.grow(&st, n * ne)?;
         moved |= self.idx.grow(&st, self.moe.max(1) * n * k)?;
         moved |= self.wts.grow(&st, n * k)?;
@@ -1429,7 +1513,7 @@ impl GpuModel {
         if self.any_bf16 && n > 4 {
             // a split product's scratch: up to SPLIT_ROWS rows per cuBLAS call, and up to
             // HEAD_SPLIT_ROWS rows of the head's (vocabulary-wide) outputs
-            let widest_in = hs.max(c.q_dim()).max(dense_i);
+            let widest_in = hs.max(c.q_dim()).max(c.o_dim()).max(dense_i);
             let widest_out = wide.max(hs).max(ne);
             let rows = n.min(SPLIT_ROWS);
             let outs = (rows * widest_out).max(m.min(HEAD_SPLIT_ROWS) * c.vocab_size);

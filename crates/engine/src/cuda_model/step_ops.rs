@@ -102,6 +102,9 @@ impl GpuModel {
 
     /// x += attention(input_norm(x)) of decoder layer `l`, writing K/V of every row.
     pub fn attention(&mut self, l: usize) -> Result<()> {
+        if self.cfg.mla.is_some() {
+            return self.mla_attention(l);
+        }
         let c = &self.cfg;
         let n = self.n;
         let (qd, kvd) = (c.q_dim(), c.kv_dim());
@@ -257,9 +260,176 @@ impl GpuModel {
         self.out_proj(l)
     }
 
+    /// Multi-head latent attention (deepseek_v3) of decoder layer `l`, absorbed, as the CPU
+    /// backend computes it (kernels/mla.cu): q (through its bottleneck when the layer has
+    /// one) and the compressed kv from the normed rows; the latent's norm and the key's RoPE
+    /// into the latent cache; each head's query taken through its key rows (`head_gemv`),
+    /// scored against the cached latents and rotary keys (`mla_attend`), the weighted latent
+    /// taken through its value rows (`head_gemv`); then the o projection. One path for
+    /// prefill and decode.
+    fn mla_attention(&self, l: usize) -> Result<()> {
+        let c = &self.cfg;
+        let m = c
+            .mla
+            .ok_or_else(|| Error::Internal("MLA attention of a model without MLA".into()))?;
+        let n = self.n;
+        let lw = &self.layers[l];
+        let w = lw
+            .mla
+            .as_ref()
+            .ok_or_else(|| Error::Internal(format!("layer {l} has no MLA weights")))?;
+        let (nh, hs) = (c.num_attention_heads, c.hidden_size);
+        let (nope, rope, r, vh) = (
+            m.qk_nope_head_dim,
+            m.qk_rope_head_dim,
+            m.kv_lora_rank,
+            m.v_head_dim,
+        );
+        let (qk, cd, ql) = (nope + rope, r + rope, m.q_lora_rank.unwrap_or(0));
+        let f4 = |x: usize| 4 * x as u64;
+        let tq = self.mla_s.p;
+        let ckv = tq + f4(n * ql);
+        let q_lat = ckv + f4(n * cd);
+        let lat = q_lat + f4(n * nh * r);
+        let q = self.qkv.p;
+        if self.mla_s.len < n * super::mla_row_floats(c, &m) {
+            return Err(Error::Internal(format!(
+                "MLA scratch of {} floats for {n} rows",
+                self.mla_s.len
+            )));
+        }
+        // h = input_norm(x) feeds both products
+        match &w.q_a {
+            Some((qa, _)) => self.normed_product(
+                "norm_gemv_rows:q_a",
+                qa.w(),
+                ql,
+                self.x.p,
+                lw.input_norm.p,
+                self.h.p,
+                n,
+                tq,
+            )?,
+            None => self.normed_product(
+                "norm_gemv_rows:q",
+                w.q_b.w(),
+                nh * qk,
+                self.x.p,
+                lw.input_norm.p,
+                self.h.p,
+                n,
+                q,
+            )?,
+        }
+        self.gemm("gemv_rows:kv_a", w.kv_a.w(), cd, hs, self.h.p, n, ckv, 0.0)?;
+        let (ri, ropei, il) = (r as i32, rope as i32, c.rope_interleave as i32);
+        let mut a = args::MlaPrep {
+            tq: if w.q_a.is_some() { tq } else { 0 },
+            qa_norm: w.q_a.as_ref().map_or(0, |(_, nrm)| nrm.p),
+            q_lora: ql as i32,
+            ckv,
+            kv_norm: w.kv_a_norm.p,
+            cos_t: self.cos.p,
+            sin_t: self.sin.p,
+            row_pos: self.o_pos,
+            row_tab: self.o_tab,
+            blocks: self.o_blocks,
+            kc: self.kc[l].p,
+            r: ri,
+            rope: ropei,
+            interleave: il,
+        };
+        // SAFETY: positions < max_pos and their blocks < kv_blocks were checked in `begin`;
+        // the scratch holds n rows of q_lora and of r + rope (checked above); the cache
+        // layer holds kv_blocks * 16 positions of r + rope; r + rope + 33 floats shared.
+        unsafe {
+            self.launch(
+                &self.f.mla_prep,
+                "mla_prep",
+                &mut a.params(),
+                grid(n, 1, 256, (cd + 33) * 4),
+            )
+        }?;
+        if w.q_a.is_some() {
+            self.gemm("gemv_rows:q_b", w.q_b.w(), nh * qk, ql, tq, n, q, 0.0)?;
+        }
+        // each head's query through its key rows: q_lat [n, heads, r]
+        self.head_gemv(w.uk.w(), q, nope, r, nh * qk, qk, q_lat)?;
+        let mut a = args::MlaAttend {
+            q_lat,
+            q,
+            cos_t: self.cos.p,
+            sin_t: self.sin.p,
+            kc: self.kc[l].p,
+            row_pos: self.o_pos,
+            row_tab: self.o_tab,
+            blocks: self.o_blocks,
+            lat,
+            heads: nh as i32,
+            r: ri,
+            rope: ropei,
+            nope: nope as i32,
+            interleave: il,
+            scale: c.attention_scale,
+        };
+        // SAFETY: as mla_prep; q holds n rows of heads * (nope + rope), q_lat and lat n rows
+        // of heads * r (the scratch, checked above); r <= 512 and rope <= 64 (checked at
+        // load); r + rope + 8 (r + 2) floats shared.
+        unsafe {
+            self.launch(
+                &self.f.mla_attend,
+                "mla_attend",
+                &mut a.params(),
+                grid(n, nh, 256, (cd + 8 * (r + 2)) * 4),
+            )
+        }?;
+        // the weighted latent through each head's value rows: att [n, heads * v_head]
+        self.head_gemv(w.uv.w(), lat, r, vh, nh * r, r, self.att.p)?;
+        self.out_proj(l)
+    }
+
+    /// y[row, head, 0..out] = w[head] . x[row * xs + head * xh ..][0..inp] for every row and
+    /// head of the step (`w`: `[heads, out, inp]`), y's rows `heads * out` wide.
+    #[allow(clippy::too_many_arguments)]
+    fn head_gemv(
+        &self,
+        w: W,
+        x: u64,
+        inp: usize,
+        out: usize,
+        xs: usize,
+        xh: usize,
+        y: u64,
+    ) -> Result<()> {
+        let heads = self.cfg.num_attention_heads;
+        let mut a = args::HeadGemv {
+            w: w.p,
+            x,
+            y,
+            inp: inp as i32,
+            out: out as i32,
+            xs: xs as i32,
+            xh: xh as i32,
+            ys: (heads * out) as i32,
+        };
+        let mut cfg = grid(self.n, heads, 256, 0);
+        cfg.grid_dim.2 = out.div_ceil(8) as u32;
+        // SAFETY: w holds heads * out * inp weights (the stacked per-head matrices); x holds
+        // n rows of xs floats with head h's inp at h * xh; y n rows of heads * out (callers'
+        // scratch, sized in `begin`).
+        unsafe {
+            self.launch(
+                self.f.head_gemv.of(w.dt),
+                "head_gemv",
+                &mut a.params(),
+                cfg,
+            )
+        }
+    }
+
     /// x += o . att (the attention's output projection of decoder layer `l`).
     fn out_proj(&self, l: usize) -> Result<()> {
-        let (hs, qd) = (self.cfg.hidden_size, self.cfg.q_dim());
+        let (hs, qd) = (self.cfg.hidden_size, self.cfg.o_dim());
         let o = self.layers[l].o.w();
         self.gemm("gemv_rows:o", o, hs, qd, self.att.p, self.n, self.x.p, 1.0)
     }
