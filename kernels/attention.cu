@@ -81,7 +81,7 @@ __device__ __forceinline__ void norm_rope(const float* v, const float* __restric
 }
 
 // Per row of qkv [rows, q_dim + 2 kv_dim]: RMSNorm of each q and k head, RoPE (rotate-half,
-// tables [max_pos, hd/2]), then K and V into the cache. grid: rows; block: 32 * (nh + nkv).
+// tables [max_pos, hd/2]), then K and V into the cache. grid: rows; block: 32 * min(nh + nkv, 16).
 extern "C" __global__ void qk_rope_kv(float* __restrict__ qkv, const float* __restrict__ qn,
                                       const float* __restrict__ kn, const float* __restrict__ cos_t,
                                       const float* __restrict__ sin_t, const int* __restrict__ row_pos,
@@ -93,9 +93,10 @@ extern "C" __global__ void qk_rope_kv(float* __restrict__ qkv, const float* __re
     const int qd = nh * hd, kvd = nkv * hd;
     float* row = qkv + (size_t)r * (qd + 2 * kvd);
     const int pos = row_pos[r];
-    if (w < nh + nkv) {
-        float* v = w < nh ? row + w * hd : row + qd + (w - nh) * hd;
-        norm_rope(v, w < nh ? qn : kn, v, cos_t, sin_t, pos, hd, rd, eps);
+    // a warp per head, in turn when there are more heads than warps
+    for (int hh = w; hh < nh + nkv; hh += blockDim.x >> 5) {
+        float* v = hh < nh ? row + hh * hd : row + qd + (hh - nh) * hd;
+        norm_rope(v, hh < nh ? qn : kn, v, cos_t, sin_t, pos, hd, rd, eps);
     }
     __syncthreads();
     const size_t off = ((size_t)blocks[row_tab[r] + pos / KV_BLOCK] * KV_BLOCK + pos % KV_BLOCK) * kvd;
@@ -117,7 +118,7 @@ __device__ void attend(const float (&qv)[4], const float* __restrict__ kc,
                        const float* __restrict__ vc, const int* __restrict__ tab, int pos,
                        int lo, int hi, int kvd, int goff, int hd, float scale,
                        const float* cur_k, const float* cur_v, float* sacc, float* sm,
-                       float* sl, float* __restrict__ out, float* __restrict__ part) {
+                       float* sl, float* __restrict__ out, float* __restrict__ part, float sink) {
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     float m = -INFINITY, l = 0.f;
@@ -174,7 +175,10 @@ __device__ void attend(const float (&qv)[4], const float* __restrict__ kc,
         float mx = -INFINITY;
         for (int k = 0; k < nw; k++) mx = fmaxf(mx, sm[k]);
         const bool none = mx == -INFINITY;
-        float tot = 0.f;
+        // a sink logit (gpt_oss) joins the final softmax's sum, not its values; a partial
+        // leaves it to attention_merge
+        if (part == 0 && !none) mx = fmaxf(mx, sink);
+        float tot = part == 0 && !none ? expf(sink - mx) : 0.f;
         if (!none)
             for (int k = 0; k < nw; k++) tot += sl[k] * expf(sm[k] - mx);
         if (part != 0 && lane == 0) {
@@ -195,15 +199,23 @@ __device__ void attend(const float (&qv)[4], const float* __restrict__ kc,
     }
 }
 
-// Causal attention of each row over its sequence's positions 0..=pos, one block per
-// (row, head), warps taking positions in turn with an online softmax, merged at the end.
-// `tiles` is unused (the parameters are attention_tiled's). grid: (rows, nh); block:
-// 32 * nw; dynamic shared memory: nw * hd floats. hd <= 128.
+// The first position a row at pos sees: 0, or with a sliding window of `window` positions
+// (window > 0) the last window positions, itself included.
+__device__ __forceinline__ int first_seen(int pos, int window) {
+    return window > 0 ? max(0, pos + 1 - window) : 0;
+}
+
+// Causal attention of each row over its sequence's positions first_seen(pos)..=pos, one block
+// per (row, head), warps taking positions in turn with an online softmax, merged at the end
+// (with head hh's sink logit, sinks[hh], in the sum when sinks is not null). `tiles` is unused
+// (the parameters are attention_tiled's). grid: (rows, nh); block: 32 * nw; dynamic shared
+// memory: nw * hd floats. hd <= 128.
 extern "C" __global__ void attention(const float* __restrict__ qkv, const float* __restrict__ kc,
                                      const float* __restrict__ vc, const int* __restrict__ row_pos,
                                      const int* __restrict__ row_tab, const int* __restrict__ blocks,
                                      const int* __restrict__ tiles, float* __restrict__ out,
-                                     int nh, int nkv, int hd, float scale) {
+                                     int nh, int nkv, int hd, float scale,
+                                     const float* __restrict__ sinks, int window) {
     PDL_ENTRY();
     extern __shared__ float sacc[];
     __shared__ float sm[32], sl[32];
@@ -219,8 +231,8 @@ extern "C" __global__ void attention(const float* __restrict__ qkv, const float*
         const int i = lane + 32 * d;
         qv[d] = i < hd ? q[i] : 0.f;
     }
-    attend(qv, kc, vc, tab, pos, 0, pos + 1, kvd, g * hd, hd, scale, 0, 0, sacc, sm, sl,
-           out + (size_t)r * qd + hh * hd, 0);
+    attend(qv, kc, vc, tab, pos, first_seen(pos, window), pos + 1, kvd, g * hd, hd, scale, 0, 0,
+           sacc, sm, sl, out + (size_t)r * qd + hh * hd, 0, sinks ? sinks[hh] : -INFINITY);
 }
 
 // Causal attention for prefill, a tile of up to ATT_TILE rows of one sequence per block (the
@@ -237,7 +249,8 @@ extern "C" __global__ void attention(const float* __restrict__ qkv, const float*
 extern "C" __global__ void __launch_bounds__(256) attention_tiled(
     const float* __restrict__ qkv, const float* __restrict__ kc, const float* __restrict__ vc,
     const int* __restrict__ row_pos, const int* __restrict__ row_tab, const int* __restrict__ blocks,
-    const int* __restrict__ tiles, float* __restrict__ out, int nh, int nkv, int hd, float scale) {
+    const int* __restrict__ tiles, float* __restrict__ out, int nh, int nkv, int hd, float scale,
+    const float* __restrict__ sinks, int window) {
     PDL_ENTRY();
     extern __shared__ float sh[];
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
@@ -248,8 +261,11 @@ extern "C" __global__ void __launch_bounds__(256) attention_tiled(
     float* ks = qs + ATT_TILE * hd;              // [ATT_CHUNK][hd + 1] (padded: no bank conflicts)
     float* vs = ks + ATT_CHUNK * (hd + 1);       // [ATT_CHUNK][hd]
     float* ps = vs + ATT_CHUNK * hd;             // [nw][ATT_CHUNK]
-    int last = 0;
-    for (int t = 0; t < cnt; t++) last = max(last, row_pos[r0 + t]);
+    int last = 0, first = 1 << 30;
+    for (int t = 0; t < cnt; t++) {
+        last = max(last, row_pos[r0 + t]);
+        first = min(first, first_seen(row_pos[r0 + t], window));
+    }
     for (int e = threadIdx.x; e < ATT_TILE * hd; e += blockDim.x) {
         const int t = e / hd, d = e % hd;
         qs[e] = t < cnt ? qkv[(size_t)(r0 + t) * (qd + 2 * kvd) + hh * hd + d] : 0.f;
@@ -262,7 +278,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_tiled(
         l[u] = 0.f;
         for (int i = 0; i < 4; i++) acc[u][i] = 0.f;
     }
-    for (int j0 = 0; j0 <= last; j0 += ATT_CHUNK) {
+    for (int j0 = first - first % ATT_CHUNK; j0 <= last; j0 += ATT_CHUNK) {
         __syncthreads();
         for (int e = threadIdx.x; e < ATT_CHUNK * hd; e += blockDim.x) {
             const int jj = e / hd, d = e % hd, j = j0 + jj;
@@ -281,7 +297,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_tiled(
             const int t = w * per + u;
             if (t >= cnt) break;
             const int pos = row_pos[r0 + t], j = j0 + lane;
-            const bool ok = j <= pos;
+            const bool ok = j <= pos && j >= first_seen(pos, window);
             float sc = -INFINITY;
             if (ok) {
                 float a = 0.f;
@@ -307,13 +323,17 @@ extern "C" __global__ void __launch_bounds__(256) attention_tiled(
             m[u] = mn;
         }
     }
+    // a sink logit joins the sum: rescale to the larger of the running max and the sink
+    const float sink = sinks ? sinks[hh] : -INFINITY;
 #pragma unroll
     for (int u = 0; u < ATT_TPW; u++) {
         const int t = w * per + u;
         if (t >= cnt) break;
+        const float mx = fmaxf(m[u], sink), f = expf(m[u] - mx);
+        const float tot = l[u] * f + expf(sink - mx);
         for (int i = 0; i < 4; i++) {
             const int d = lane + 32 * i;
-            if (d < hd) out[(size_t)(r0 + t) * qd + hh * hd + d] = acc[u][i] / l[u];
+            if (d < hd) out[(size_t)(r0 + t) * qd + hh * hd + d] = acc[u][i] * f / tot;
         }
     }
 }
@@ -333,7 +353,8 @@ extern "C" __global__ void __launch_bounds__(512, 2) attention_decode(const floa
                                             float* __restrict__ vc, const int* __restrict__ row_pos,
                                             const int* __restrict__ row_tab, const int* __restrict__ blocks,
                                             float* __restrict__ out, int nh, int nkv, int hd,
-                                            float eps, float scale, float* __restrict__ part, int rd) {
+                                            float eps, float scale, float* __restrict__ part, int rd,
+                                            const float* __restrict__ sinks, int window) {
     PDL_ENTRY();
     extern __shared__ float sh[];
     __shared__ float sm[32], sl[32];
@@ -367,17 +388,19 @@ extern "C" __global__ void __launch_bounds__(512, 2) attention_decode(const floa
         const int i = lane + 32 * d;
         qv[d] = i < hd ? sq[i] : 0.f;
     }
-    const int S = gridDim.z, per = (pos + 1 + S - 1) / S;
-    const int lo = min(pos + 1, (int)blockIdx.z * per), hi = min(pos + 1, lo + per);
+    const int first = first_seen(pos, window);
+    const int S = gridDim.z, per = (pos + 1 - first + S - 1) / S;
+    const int lo = min(pos + 1, first + (int)blockIdx.z * per), hi = min(pos + 1, lo + per);
     attend(qv, kc, vc, tab, pos, lo, hi, kvd, g * hd, hd, scale, sk, sv, sh, sm, sl,
            out + (size_t)r * qd + hh * hd,
-           S > 1 ? part + (((size_t)r * nh + hh) * S + blockIdx.z) * (hd + 2) : 0);
+           S > 1 ? part + (((size_t)r * nh + hh) * S + blockIdx.z) * (hd + 2) : 0,
+           sinks ? sinks[hh] : -INFINITY);
 }
 
 // out[r, head hh] from the S partials of attention_decode: the softmax-weighted values of
 // every range rescaled to the largest score. grid: (rows, nh); block: >= hd threads.
 extern "C" __global__ void attention_merge(const float* __restrict__ part, float* __restrict__ out,
-                                           int nh, int hd, int S) {
+                                           int nh, int hd, int S, const float* __restrict__ sinks) {
     PDL_ENTRY();
     const int r = blockIdx.x, hh = blockIdx.y, i = threadIdx.x;
     if (i >= hd) return;
@@ -385,7 +408,10 @@ extern "C" __global__ void attention_merge(const float* __restrict__ part, float
     float mx = -INFINITY;
     for (int z = 0; z < S; z++)
         if (p[(size_t)z * (hd + 2) + 1] > 0.f) mx = fmaxf(mx, p[(size_t)z * (hd + 2)]);
-    float tot = 0.f, o = 0.f;
+    // head hh's sink logit (none: -inf) joins the sum
+    const float sink = sinks ? sinks[hh] : -INFINITY;
+    mx = fmaxf(mx, sink);
+    float tot = expf(sink - mx), o = 0.f;
     for (int z = 0; z < S; z++) {
         const float* q = p + (size_t)z * (hd + 2);
         if (q[1] > 0.f) {

@@ -13,23 +13,44 @@ __device__ __forceinline__ bool leads_expert(const int* idx, int s, int e, int* 
     return *flag != 0;
 }
 
+// The experts' activation of one gate and up value: silu(gate) * up, or with limit > 0
+// gpt_oss's clamped one, (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g) with g =
+// min(gate, limit); gb (when not null) the expert's gate_up bias [2I], gate's then up's.
+__device__ __forceinline__ float glu_act(float sg, float su, const float* gb, int j, int I,
+                                         float alpha, float limit) {
+    if (gb) {
+        sg += gb[j];
+        su += gb[I + j];
+    }
+    if (limit > 0.f) {
+        const float g = fminf(sg, limit), u = fminf(fmaxf(su, -limit), limit);
+        return (u + 1.f) * (g / (1.f + expf(-alpha * g)));
+    }
+    return sg / (1.f + expf(-sg)) * su;
+}
+
 // MoE up-projection for all picks of this layer whose expert this GPU holds (table entry
 // non-zero): act[s, j] = silu(gate_e[j] . h[row]) * (up_e[j] . h[row]), row = s/k, or rows[s]
 // when given (a sidecar's picks name their activation rows). One warp per row j,
 // 8 rows per block. grid: (nk, ceil(I/8)). `distinct`: the caller knows every slot's expert
 // differs (the picks of one row), so each block leads its slot without checking.
 // FP8 experts (moe_up_f8): gs_tab holds each expert's block scales, b0 x b1 weights a block.
-template <typename W, bool F8>
+template <typename W, bool F8, bool X>
 __device__ __forceinline__ void moe_up_body(const int* __restrict__ idx, const unsigned long long* __restrict__ gu_tab,
                                             const float* __restrict__ h, float* __restrict__ act,
                                             int nk, int k, int H, int I, int vec4,
                                             const int* __restrict__ rows, int distinct,
-                                            const unsigned long long* __restrict__ gs_tab, int b0, int b1) {
+                                            const unsigned long long* __restrict__ gs_tab, int b0, int b1,
+                                            const unsigned long long* __restrict__ gb_tab, float alpha,
+                                            float limit) {
     PDL_ENTRY();
     __shared__ int flag;
     const int s = blockIdx.x;
     const int e = idx[s];
     const W* gu = (const W*)gu_tab[e];
+    // X (the `_x` kernels): the experts' gate_up biases and gpt_oss's activation; the plain
+    // kernels compile without them
+    const float* gb = X && gb_tab ? (const float*)gb_tab[e] : 0;
     const auto sc = ScalesOf<F8>::make(F8 ? (const float*)gs_tab[e] : 0, b0, b1, H);
     if (gu == 0 || !(distinct || leads_expert(idx, s, e, &flag))) return;
     const int j = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
@@ -61,34 +82,28 @@ __device__ __forceinline__ void moe_up_body(const int* __restrict__ idx, const u
             }
             sg = warp_sum(sg);
             su = warp_sum(su);
-            if (lane == 0) act[(size_t)t * I + j] = sg / (1.f + expf(-sg)) * su;
+            if (lane == 0)
+                act[(size_t)t * I + j] = X ? glu_act(sg, su, gb, j, I, alpha, limit) : sg / (1.f + expf(-sg)) * su;
         }
     }
 }
 
-extern "C" __global__ void moe_up(const int* __restrict__ idx, const unsigned long long* __restrict__ gu_tab,
-                                  const float* __restrict__ h, float* __restrict__ act,
-                                  int nk, int k, int H, int I, int vec4,
-                                  const int* __restrict__ rows, int distinct,
-                                  const unsigned long long* __restrict__ gs_tab, int b0, int b1) {
-    moe_up_body<float, false>(idx, gu_tab, h, act, nk, k, H, I, vec4, rows, distinct, gs_tab, b0, b1);
-}
-
-extern "C" __global__ void moe_up_bf16(const int* __restrict__ idx, const unsigned long long* __restrict__ gu_tab,
-                                       const float* __restrict__ h, float* __restrict__ act,
-                                       int nk, int k, int H, int I, int vec4,
-                                       const int* __restrict__ rows, int distinct,
-                                       const unsigned long long* __restrict__ gs_tab, int b0, int b1) {
-    moe_up_body<bf16_t, false>(idx, gu_tab, h, act, nk, k, H, I, vec4, rows, distinct, gs_tab, b0, b1);
-}
-
-extern "C" __global__ void moe_up_f8(const int* __restrict__ idx, const unsigned long long* __restrict__ gu_tab,
-                                     const float* __restrict__ h, float* __restrict__ act,
-                                     int nk, int k, int H, int I, int vec4,
-                                     const int* __restrict__ rows, int distinct,
-                                     const unsigned long long* __restrict__ gs_tab, int b0, int b1) {
-    moe_up_body<f8_t, true>(idx, gu_tab, h, act, nk, k, H, I, vec4, rows, distinct, gs_tab, b0, b1);
-}
+#define MOE_UP_KERNEL(name, W, F8, X)                                                             \
+    extern "C" __global__ void name(const int* __restrict__ idx, const unsigned long long* __restrict__ gu_tab, \
+                                    const float* __restrict__ h, float* __restrict__ act, int nk, int k, \
+                                    int H, int I, int vec4, const int* __restrict__ rows, int distinct, \
+                                    const unsigned long long* __restrict__ gs_tab, int b0, int b1,        \
+                                    const unsigned long long* __restrict__ gb_tab, float alpha, float limit) { \
+        moe_up_body<W, F8, X>(idx, gu_tab, h, act, nk, k, H, I, vec4, rows, distinct, gs_tab, b0, b1,  \
+                              gb_tab, alpha, limit);                                                 \
+    }
+MOE_UP_KERNEL(moe_up, float, false, false)
+MOE_UP_KERNEL(moe_up_bf16, bf16_t, false, false)
+MOE_UP_KERNEL(moe_up_f8, f8_t, true, false)
+// with the experts' biases and gpt_oss's clamped activation
+MOE_UP_KERNEL(moe_up_x, float, false, true)
+MOE_UP_KERNEL(moe_up_x_bf16, bf16_t, false, true)
+MOE_UP_KERNEL(moe_up_x_f8, f8_t, true, true)
 
 // MoE down-projection: y[s, j] = down_e[j] . act[s], as moe_up. grid: (nk, ceil(H/8)).
 // Thread 0 asks the L2 for the 8 down-projection rows of this block's expert before the
@@ -110,12 +125,13 @@ __device__ __forceinline__ void prefetch_down_rows(const int* __restrict__ idx,
 // PRE (moe_down_pre, with vec4): each warp loads the first W_AHEAD float4s per lane of its
 // down row into registers before the wait, as gemv_rows (same products, same order); the
 // registers this takes cost occupancy, so large batches take moe_down.
-template <bool PRE, typename W, bool F8>
+template <bool PRE, typename W, bool F8, bool X>
 __device__ __forceinline__ void moe_down_body(const int* __restrict__ idx,
                                               const unsigned long long* __restrict__ dn_tab,
                                               const float* __restrict__ act, float* __restrict__ y,
                                               int nk, int H, int I, int vec4, int distinct,
-                                              const unsigned long long* __restrict__ ds_tab, int b0, int b1) {
+                                              const unsigned long long* __restrict__ ds_tab, int b0, int b1,
+                                              const unsigned long long* __restrict__ db_tab) {
     const int s = blockIdx.x;
     const int j = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     float4 wa[W_AHEAD];
@@ -135,6 +151,8 @@ __device__ __forceinline__ void moe_down_body(const int* __restrict__ idx,
     if (j >= H) return;
     const W* d = dn + (size_t)j * I;
     const auto sc = ScalesOf<F8>::make(F8 ? (const float*)ds_tab[e] : 0, b0, b1, I);
+    // the expert's down bias [H] (gpt_oss), when its table is given and the entry set
+    const float* db = X && db_tab ? (const float*)db_tab[e] : 0;
     const int end = distinct ? s + 1 : nk;
     for (int t0 = s; t0 < end; t0 += 32) {
         unsigned mask = distinct ? 1u : __ballot_sync(0xffffffffu, t0 + lane < nk && idx[t0 + lane] == e);
@@ -163,45 +181,28 @@ __device__ __forceinline__ void moe_down_body(const int* __restrict__ idx,
                 for (int i = lane; i < I; i += 32) sum = fmaf(scaled1(wload1(d + i), sc, j, i), a[i], sum);
             }
             sum = warp_sum(sum);
-            if (lane == 0) y[(size_t)t * H + j] = sum;
+            if (lane == 0) y[(size_t)t * H + j] = X && db ? sum + db[j] : sum;
         }
     }
 }
 
-extern "C" __global__ void moe_down(const int* __restrict__ idx, const unsigned long long* __restrict__ dn_tab,
-                                    const float* __restrict__ act, float* __restrict__ y,
-                                    int nk, int H, int I, int vec4, int distinct,
-                                    const unsigned long long* __restrict__ ds_tab, int b0, int b1) {
-    moe_down_body<false, float, false>(idx, dn_tab, act, y, nk, H, I, vec4, distinct, ds_tab, b0, b1);
-}
-
-extern "C" __global__ void moe_down_bf16(const int* __restrict__ idx, const unsigned long long* __restrict__ dn_tab,
-                                         const float* __restrict__ act, float* __restrict__ y,
-                                         int nk, int H, int I, int vec4, int distinct,
-                                    const unsigned long long* __restrict__ ds_tab, int b0, int b1) {
-    moe_down_body<false, bf16_t, false>(idx, dn_tab, act, y, nk, H, I, vec4, distinct, ds_tab, b0, b1);
-}
-
-extern "C" __global__ void moe_down_f8(const int* __restrict__ idx, const unsigned long long* __restrict__ dn_tab,
-                                       const float* __restrict__ act, float* __restrict__ y,
-                                       int nk, int H, int I, int vec4, int distinct,
-                                       const unsigned long long* __restrict__ ds_tab, int b0, int b1) {
-    moe_down_body<false, f8_t, true>(idx, dn_tab, act, y, nk, H, I, vec4, distinct, ds_tab, b0, b1);
-}
-
-extern "C" __global__ void moe_down_pre(const int* __restrict__ idx, const unsigned long long* __restrict__ dn_tab,
-                                        const float* __restrict__ act, float* __restrict__ y,
-                                        int nk, int H, int I, int vec4, int distinct,
-                                    const unsigned long long* __restrict__ ds_tab, int b0, int b1) {
-    moe_down_body<true, float, false>(idx, dn_tab, act, y, nk, H, I, vec4, distinct, ds_tab, b0, b1);
-}
-
-extern "C" __global__ void moe_down_pre_bf16(const int* __restrict__ idx, const unsigned long long* __restrict__ dn_tab,
-                                             const float* __restrict__ act, float* __restrict__ y,
-                                             int nk, int H, int I, int vec4, int distinct,
-                                    const unsigned long long* __restrict__ ds_tab, int b0, int b1) {
-    moe_down_body<true, bf16_t, false>(idx, dn_tab, act, y, nk, H, I, vec4, distinct, ds_tab, b0, b1);
-}
+#define MOE_DOWN_KERNEL(name, PRE, W, F8, X)                                                      \
+    extern "C" __global__ void name(const int* __restrict__ idx, const unsigned long long* __restrict__ dn_tab, \
+                                    const float* __restrict__ act, float* __restrict__ y, int nk, int H, \
+                                    int I, int vec4, int distinct,                                      \
+                                    const unsigned long long* __restrict__ ds_tab, int b0, int b1,      \
+                                    const unsigned long long* __restrict__ db_tab) {                    \
+        moe_down_body<PRE, W, F8, X>(idx, dn_tab, act, y, nk, H, I, vec4, distinct, ds_tab, b0, b1, db_tab); \
+    }
+MOE_DOWN_KERNEL(moe_down, false, float, false, false)
+MOE_DOWN_KERNEL(moe_down_bf16, false, bf16_t, false, false)
+MOE_DOWN_KERNEL(moe_down_f8, false, f8_t, true, false)
+MOE_DOWN_KERNEL(moe_down_pre, true, float, false, false)
+MOE_DOWN_KERNEL(moe_down_pre_bf16, true, bf16_t, false, false)
+// with the experts' down biases (gpt_oss)
+MOE_DOWN_KERNEL(moe_down_x, false, float, false, true)
+MOE_DOWN_KERNEL(moe_down_x_bf16, false, bf16_t, false, true)
+MOE_DOWN_KERNEL(moe_down_x_f8, false, f8_t, true, true)
 
 // y[slots[i]] = src[i] (the cold tier's outputs into their pick slots). grid: count.
 extern "C" __global__ void scatter_rows(const float* __restrict__ src, const int* __restrict__ slots,

@@ -8,9 +8,10 @@ use std::sync::Arc;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig};
 
 use crate::bank::{ExpertBank, Pick};
+use crate::config::Glu;
 use crate::cuda::{gpu_err, Gpu, EXPERTS_CU};
 use crate::cuda_model::args::{ExpertSwiglu, MoeDown, MoeUp};
-use crate::cuda_model::{expert_dtype, launch_raw, upload_expert, DevMat, Wdt};
+use crate::cuda_model::{expert_dtype, launch_raw, upload_expert, DevMat, ExpertBias, Wdt};
 use crate::error::{Error, Result};
 
 /// An expert resident on a GPU: its gate_up `[2I, H]` and down `[H, I]` weights.
@@ -30,17 +31,21 @@ pub enum Upload {
 pub struct GpuExperts {
     pub upload: Upload,
     /// grouped kernels (`kernels/moe.cu`): one block per (expert, 8 weight rows), on f32,
-    /// bf16 and FP8 weights
-    k_up: [CudaFunction; 3],
-    k_down: [CudaFunction; 3],
+    /// bf16 and FP8 weights, then the same with the experts' biases and gpt_oss's activation
+    k_up: [CudaFunction; 6],
+    k_down: [CudaFunction; 6],
     /// per layer, the dtype its experts here are kept in (the first one uploaded sets it;
     /// see [`crate::cuda_model::Wdt`]), and FP8's block shape
     dt: HashMap<usize, Wdt>,
     block: HashMap<usize, Option<[usize; 2]>>,
-    /// per layer, the device addresses of each resident expert's gate_up and down, then
-    /// of their FP8 scales, indexed by expert id (0 where not resident or not FP8); rebuilt
-    /// after the resident set changes
-    tables: HashMap<usize, [CudaSlice<u64>; 4]>,
+    /// per layer, the device addresses of each resident expert's gate_up and down, of their
+    /// FP8 scales, and of their biases, indexed by expert id (0 where not resident, not FP8,
+    /// without biases); rebuilt after the resident set changes
+    tables: HashMap<usize, [CudaSlice<u64>; 6]>,
+    /// the resident experts' biases (gpt_oss)
+    biases: HashMap<(usize, usize), ExpertBias>,
+    /// the experts' activation (set by the first one uploaded; every expert shares it)
+    glu: Option<Glu>,
     tables_dirty: bool,
     act: CudaSlice<f32>,
     packed: CudaSlice<u8>,
@@ -85,7 +90,8 @@ impl GpuExperts {
                 .map_err(|e| gpu_err(&format!("loading {n}"), e))
         };
         let f = [load("expert_swiglu")?, load("expert_swiglu_bf16")?];
-        let [(up, down), (up16, down16), (up8, down8)] = crate::cuda_model::moe_kernels(&gpu)?;
+        let [(up, down), (up16, down16), (up8, down8), (xu, xd), (xu16, xd16), (xu8, xd8)] =
+            crate::cuda_model::moe_kernels(&gpu)?;
         let s = gpu.stream.clone();
         let z = |n| {
             s.alloc_zeros::<f32>(n)
@@ -93,11 +99,13 @@ impl GpuExperts {
         };
         Ok(GpuExperts {
             upload: Upload::Packed,
-            k_up: [up, up16, up8],
-            k_down: [down, down16, down8],
+            k_up: [up, up16, up8, xu, xu16, xu8],
+            k_down: [down, down16, down8, xd, xd16, xd8],
             dt: HashMap::new(),
             block: HashMap::new(),
             tables: HashMap::new(),
+            biases: HashMap::new(),
+            glu: None,
             tables_dirty: true,
             act: z(inter)?,
             packed: s.alloc_zeros(1).map_err(|e| gpu_err("allocating", e))?,
@@ -199,7 +207,12 @@ impl GpuExperts {
 
     /// Bytes of expert weights on the GPU (their dtype's: bf16 checkpoints keep 2 per weight).
     pub fn bytes(&self) -> usize {
-        self.w.values().map(|(g, d)| g.bytes() + d.bytes()).sum()
+        let biases: usize = self.biases.values().map(ExpertBias::bytes).sum();
+        self.w
+            .values()
+            .map(|(g, d)| g.bytes() + d.bytes())
+            .sum::<usize>()
+            + biases
     }
 
     /// The dtype layer `layer`'s experts here are kept in (f32 before any is uploaded).
@@ -219,6 +232,7 @@ impl GpuExperts {
         let keep: std::collections::HashSet<(usize, usize)> =
             want.iter().map(|(k, _)| *k).collect();
         self.w.retain(|k, _| keep.contains(k));
+        self.biases.retain(|k, _| keep.contains(k));
         self.last = None;
         self.tables_dirty = true;
         for (k, w) in want {
@@ -228,6 +242,13 @@ impl GpuExperts {
             let s = &self.gpu.stream;
             let dt = *self.dt.entry(k.0).or_insert(expert_dtype(w));
             let pair = upload_expert(s, w, k, dt, self.block.entry(k.0).or_default())?;
+            let glu = *self.glu.get_or_insert(w.glu);
+            let named = |e: Error| Error::Gpu(format!("expert ({},{}): {e}", k.0, k.1));
+            if let Some(b) =
+                ExpertBias::upload_for(s, w, self.hidden, self.inter, glu).map_err(named)?
+            {
+                self.biases.insert(k, b);
+            }
             self.w.insert(k, pair);
         }
         self.gpu
@@ -265,7 +286,7 @@ impl GpuExperts {
         }
         let s = self.gpu.stream.clone();
         let width = self.w.keys().map(|k| k.1 + 1).max().unwrap_or(1);
-        let mut host: HashMap<usize, [Vec<u64>; 4]> = HashMap::new();
+        let mut host: HashMap<usize, [Vec<u64>; 6]> = HashMap::new();
         for (&(l, e), (gu, dn)) in &self.w {
             let t = host
                 .entry(l)
@@ -274,20 +295,24 @@ impl GpuExperts {
             t[1][e] = dn.p;
             t[2][e] = gu.scales().map_or(0, |(x, _)| x.p);
             t[3][e] = dn.scales().map_or(0, |(x, _)| x.p);
+            if let Some(b) = self.biases.get(&(l, e)) {
+                t[4][e] = b.gate_up.p;
+                t[5][e] = b.down.p;
+            }
         }
         self.tables.clear();
         for (l, t) in host {
-            let mut up = Vec::with_capacity(4);
+            let mut up = Vec::with_capacity(6);
             for v in &t {
                 up.push(
                     s.clone_htod(v)
                         .map_err(|e| gpu_err("uploading tables", e))?,
                 );
             }
-            let Ok(four) = <[CudaSlice<u64>; 4]>::try_from(up) else {
-                return Err(Error::Internal("four expert tables".into()));
+            let Ok(six) = <[CudaSlice<u64>; 6]>::try_from(up) else {
+                return Err(Error::Internal("six expert tables".into()));
             };
-            self.tables.insert(l, four);
+            self.tables.insert(l, six);
         }
         self.tables_dirty = false;
         Ok(())
@@ -311,20 +336,24 @@ impl GpuExperts {
             self.inter.is_multiple_of(4) as i32,
         );
         let (acts, rows, ids, layer) = (ptrs[0], ptrs[1], ptrs[2], ptrs[3] as usize);
-        let Some([gt, dt, gst, dst]) = self.tables.get(&layer) else {
+        let Some([gt, dt, gst, dst, gbt, dbt]) = self.tables.get(&layer) else {
             return Err(Error::Gpu(format!(
                 "no experts of layer {layer} on the GPU"
             )));
         };
         let (gt, dt) = (gt.device_ptr(s).0, dt.device_ptr(s).0);
         let (gst, dst) = (gst.device_ptr(s).0, dst.device_ptr(s).0);
+        let (gbt, dbt) = (gbt.device_ptr(s).0, dbt.device_ptr(s).0);
+        let (alpha, limit) = crate::cuda_model::glu_params(self.glu.unwrap_or(Glu::Silu));
         let block = self.block.get(&layer).copied().flatten();
         let [b0, b1] = block.unwrap_or([1, 4]).map(|b| b as i32);
+        // the `_x` kernels when the experts have biases or gpt_oss's activation
+        let x = !self.biases.is_empty() || self.glu.is_some_and(|g| g != Glu::Silu);
         let d = match self.dtype(layer) {
             Wdt::F32 => 0,
             Wdt::Bf16 => 1,
             Wdt::F8 => 2,
-        };
+        } + 3 * x as usize;
         let act = self.act.device_ptr(s).0;
         let mut up = MoeUp {
             idx: ids,
@@ -341,6 +370,9 @@ impl GpuExperts {
             gs_tab: gst,
             b0,
             b1,
+            gb_tab: gbt,
+            alpha,
+            limit,
         };
         let cfg = |rows_out: usize| LaunchConfig {
             grid_dim: (n as u32, rows_out.div_ceil(8) as u32, 1),
@@ -365,6 +397,7 @@ impl GpuExperts {
             ds_tab: dst,
             b0,
             b1,
+            db_tab: dbt,
         };
         // SAFETY: as above.
         unsafe {
@@ -531,6 +564,13 @@ impl GpuExperts {
                 hidden: hi,
                 inter: ii,
             };
+            if !self.biases.is_empty() || self.glu.is_some_and(|g| g != Glu::Silu) {
+                return Err(Error::Gpu(
+                    "the separate-upload path (a bench's comparison) takes experts without \
+                     biases or the clamped activation"
+                        .into(),
+                ));
+            }
             let d = match self.dtype(layer) {
                 Wdt::F32 => 0,
                 Wdt::Bf16 => 1,

@@ -187,8 +187,9 @@ fn nccl_lane_on_two_gpus_matches_the_cpu_lane_and_swaps_losslessly() {
 fn checkpoints_of_every_family_are_served_from_a_gpu_primary() {
     // each family's random checkpoint (released layout, bf16) with tiny's tokenizer, served with
     // the primary on the GPU and a first map from --hot-experts (calibrated; the cold experts on
-    // the CPU sidecar): completions and chat completions answer, greedy twice the same, and the
-    // greedy answers of 8 prompts against the same lane on the CPU (the two backends sum in
+    // the CPU sidecar; then the primary on the CPU and the cold experts on a GPU sidecar):
+    // completions and chat completions answer, greedy twice the same, and the greedy answers
+    // of 8 prompts against the same lane on the CPU (the two backends sum in
     // other orders: k/8 reported, nearly all required)
     use moelane_engine::config::Family;
     use moelane_engine::random_ckpt::{self, Dims};
@@ -204,6 +205,7 @@ fn checkpoints_of_every_family_are_served_from_a_gpu_primary() {
         Family::Qwen2Moe,
         Family::Glm4Moe,
         Family::DeepseekV3,
+        Family::GptOss,
     ] {
         let name = family.name();
         let dir = std::env::temp_dir().join(format!("moelane-gpu-{name}-{}", std::process::id()));
@@ -234,17 +236,27 @@ fn checkpoints_of_every_family_are_served_from_a_gpu_primary() {
                     &json!({"model": model, "prompt": p, "max_tokens": 12, "temperature": 0}),
                 );
                 assert_eq!(st, 200, "{name} {extra:?}: {v}");
-                v["choices"][0]["text"].as_str().unwrap_or_default().to_string()
+                v["choices"][0]["text"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string()
             };
             let out: Vec<String> = asks.iter().map(|p| complete(p)).collect();
             assert_eq!(complete(&asks[0]), out[0], "{name} {extra:?}: greedy twice");
             out
         };
         let cpu = on(&[]);
-        let gpu = on(&["--primary-device", "cuda:0"]);
-        let same = cpu.iter().zip(&gpu).filter(|(a, b)| a == b).count();
-        eprintln!("{name}: GPU primary with --hot-experts {hot}: {same}/8 answers as the CPU lane's");
-        assert!(same >= 7, "{name}: {same}/8 as the CPU lane\n{cpu:?}\n{gpu:?}");
+        for dev in ["--primary-device", "--sidecar-device"] {
+            let gpu = on(&[dev, "cuda:0"]);
+            let same = cpu.iter().zip(&gpu).filter(|(a, b)| a == b).count();
+            eprintln!(
+                "{name}: {dev} cuda:0 with --hot-experts {hot}: {same}/8 answers as the CPU lane's"
+            );
+            assert!(
+                same >= 7,
+                "{name} {dev}: {same}/8 as the CPU lane\n{cpu:?}\n{gpu:?}"
+            );
+        }
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

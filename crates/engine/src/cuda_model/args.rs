@@ -75,10 +75,11 @@ kernel_args! {
 }
 
 kernel_args! {
-    /// `attention` and `attention_tiled` (attention.cu): online softmax over the paged cache.
+    /// `attention` and `attention_tiled` (attention.cu): online softmax over the paged cache
+    /// (per-head sink logits when `sinks` is not 0; a sliding window when `window` > 0).
     Attention {
         qkv: u64, kc: u64, vc: u64, row_pos: u64, row_tab: u64, blocks: u64, tiles: u64,
-        out: u64, nh: i32, nkv: i32, hd: i32, scale: f32,
+        out: u64, nh: i32, nkv: i32, hd: i32, scale: f32, sinks: u64, window: i32,
     }
 }
 
@@ -87,13 +88,13 @@ kernel_args! {
     AttentionDecode {
         qkv: u64, qn: u64, kn: u64, cos_t: u64, sin_t: u64, kc: u64, vc: u64, row_pos: u64,
         row_tab: u64, blocks: u64, out: u64, nh: i32, nkv: i32, hd: i32, eps: f32,
-        scale: f32, part: u64, rd: i32,
+        scale: f32, part: u64, rd: i32, sinks: u64, window: i32,
     }
 }
 
 kernel_args! {
     /// `attention_merge` (attention.cu): the split ranges' partials into one row.
-    AttentionMerge { part: u64, out: u64, nh: i32, hd: i32, splits: i32 }
+    AttentionMerge { part: u64, out: u64, nh: i32, hd: i32, splits: i32, sinks: u64 }
 }
 
 kernel_args! {
@@ -133,10 +134,12 @@ kernel_args! {
 }
 
 kernel_args! {
-    /// `moe_up` (moe.cu): act = silu(gate . h) * (up . h) per pick.
+    /// `moe_up` (moe.cu): act = silu(gate . h) * (up . h) per pick; with `gb_tab` the experts'
+    /// gate_up biases, with `limit` > 0 gpt_oss's clamped activation.
     MoeUp {
         idx: u64, gu_tab: u64, h: u64, act: u64, nk: i32, k: i32, hidden: i32, inter: i32,
-        vec4: i32, rows: u64, distinct: i32, gs_tab: u64, b0: i32, b1: i32,
+        vec4: i32, rows: u64, distinct: i32, gs_tab: u64, b0: i32, b1: i32, gb_tab: u64,
+        alpha: f32, limit: f32,
     }
 }
 
@@ -145,7 +148,7 @@ kernel_args! {
     /// experts' block scales, blocks of b0 x b1; 0 otherwise).
     MoeDown {
         idx: u64, dn_tab: u64, act: u64, y: u64, nk: i32, hidden: i32, inter: i32, vec4: i32,
-        distinct: i32, ds_tab: u64, b0: i32, b1: i32,
+        distinct: i32, ds_tab: u64, b0: i32, b1: i32, db_tab: u64,
     }
 }
 

@@ -106,13 +106,17 @@ pub fn bandwidth(gpu: &Gpu, bytes: usize, reps: usize) -> Result<(f64, f64)> {
 }
 
 /// The grouped MoE kernels (`moe_up`, `moe_down`) of the dense module on `gpu`, for a
-/// sidecar's [`crate::cuda_experts::GpuExperts`]: (up, down) on f32, bf16 and FP8 weights.
-pub fn moe_kernels(gpu: &Gpu) -> Result<[(CudaFunction, CudaFunction); 3]> {
+/// sidecar's [`crate::cuda_experts::GpuExperts`]: (up, down) on f32, bf16 and FP8 weights,
+/// then the same with the experts' biases and gpt_oss's activation (`moe_up_x`, ...).
+pub fn moe_kernels(gpu: &Gpu) -> Result<[(CudaFunction, CudaFunction); 6]> {
     let f = funcs(gpu)?;
     Ok([
         (f.moe_up.f32, f.moe_down.f32),
         (f.moe_up.bf16, f.moe_down.bf16),
         (f.moe_up_f8, f.moe_down_f8),
+        (f.moe_up_x.f32, f.moe_down_x.f32),
+        (f.moe_up_x.bf16, f.moe_down_x.bf16),
+        (f.moe_up_x_f8, f.moe_down_x_f8),
     ])
 }
 

@@ -56,6 +56,7 @@ mod step_ops;
 pub use generate::*;
 
 pub use step::{attach_gpu, GpuStep};
+pub(crate) use step_ops::glu_params;
 
 /// Launches `f` on `st` with `params` (pointers to the arguments' values, which must match
 /// the kernel's parameters). With `pdl`, as a programmatic dependent launch (Hopper and
@@ -497,6 +498,11 @@ struct Funcs {
     hollow: CudaFunction,
     moe_up_f8: CudaFunction,
     moe_down_f8: CudaFunction,
+    /// the MoE kernels with the experts' biases and gpt_oss's activation
+    moe_up_x: ByDt,
+    moe_down_x: ByDt,
+    moe_up_x_f8: CudaFunction,
+    moe_down_x_f8: CudaFunction,
     split_bf16: CudaFunction,
     round_bf16: CudaFunction,
     sum3: CudaFunction,
@@ -544,6 +550,10 @@ fn funcs(gpu: &Gpu) -> Result<Funcs> {
         hollow: f("hollow_step")?,
         moe_up_f8: f("moe_up_f8")?,
         moe_down_f8: f("moe_down_f8")?,
+        moe_up_x: both("moe_up_x")?,
+        moe_down_x: both("moe_down_x")?,
+        moe_up_x_f8: f("moe_up_x_f8")?,
+        moe_down_x_f8: f("moe_down_x_f8")?,
         split_bf16: f("split_bf16")?,
         round_bf16: f("round_bf16")?,
         sum3: f("sum3_rows")?,
@@ -563,7 +573,11 @@ struct GpuMla {
 }
 
 impl GpuMla {
-    fn upload(st: &Arc<CudaStream>, w: &crate::model::MlaWeights, mode: WeightMode) -> Result<Self> {
+    fn upload(
+        st: &Arc<CudaStream>,
+        w: &crate::model::MlaWeights,
+        mode: WeightMode,
+    ) -> Result<Self> {
         let mat = |m: &crate::ops::Matrix| DevMat::upload(st, m, mode);
         Ok(GpuMla {
             q_a: match &w.q_a {
@@ -579,10 +593,14 @@ impl GpuMla {
     }
 
     fn mats(&self) -> impl Iterator<Item = &DevMat> {
-        [self.q_a.as_ref().map(|(m, _)| m), Some(&self.q_b), Some(&self.kv_a)]
-            .into_iter()
-            .flatten()
-            .chain([&self.uk, &self.uv])
+        [
+            self.q_a.as_ref().map(|(m, _)| m),
+            Some(&self.q_b),
+            Some(&self.kv_a),
+        ]
+        .into_iter()
+        .flatten()
+        .chain([&self.uk, &self.uv])
     }
 
     fn vector_bytes(&self) -> usize {
@@ -611,6 +629,10 @@ struct Layer {
     shared: Option<SharedExpert>,
     /// multi-head latent attention's weights, in place of `qkv` (deepseek_v3)
     mla: Option<GpuMla>,
+    /// each head's sink logit, the o projection's bias, the router's logit bias (gpt_oss)
+    sinks: Option<Buf<f32>>,
+    o_bias: Option<Buf<f32>>,
+    router_logit_bias: Option<Buf<f32>>,
 }
 
 fn grid(x: usize, y: usize, threads: usize, shared: usize) -> LaunchConfig {
@@ -639,6 +661,8 @@ pub struct GpuModel {
     vc: Vec<Buf<f32>>,
     kv_blocks: usize,
     experts: HashMap<(usize, usize), (DevMat, DevMat)>,
+    /// the hot experts' gate_up and down biases (gpt_oss), f32
+    expert_biases: HashMap<(usize, usize), ExpertBias>,
     /// per MoE layer, the dtype its experts on this GPU are kept in (set by the first one
     /// put: bf16 for bf16 experts, FP8 for FP8 ones, else f32; `MOELANE_CUDA_WEIGHTS` may
     /// force one); the MoE kernels take one per launch
@@ -649,6 +673,9 @@ pub struct GpuModel {
     /// (null otherwise)
     tab_gs: Buf<u64>,
     tab_ds: Buf<u64>,
+    /// per MoE layer and expert, the hot experts' gate_up and down biases (null: none)
+    tab_gb: Buf<u64>,
+    tab_db: Buf<u64>,
     /// experts generated on the device (no host copy): swaps cannot move them
     pub generated: bool,
     tab_gu: Buf<u64>,
@@ -870,7 +897,7 @@ fn upload_layers(st: &Arc<CudaStream>, w: &DenseWeights, mode: WeightMode) -> Re
             input_norm: up(&l.input_norm)?,
             post_norm: up(&l.post_norm)?,
             // MLA layers have no qkv (an empty matrix)
-            qkv: if l.qkv.data.len() == 0 {
+            qkv: if l.qkv.data.is_empty() {
                 DevMat::of_f32(Buf::zeros(st, 1)?, 0)
             } else {
                 mat(&l.qkv)?
@@ -912,6 +939,11 @@ fn upload_layers(st: &Arc<CudaStream>, w: &DenseWeights, mode: WeightMode) -> Re
                 .as_ref()
                 .map(|m| GpuMla::upload(st, m, mode))
                 .transpose()?,
+            sinks: (!l.sinks.is_empty()).then(|| up(&l.sinks)).transpose()?,
+            o_bias: (!l.o_bias.is_empty()).then(|| up(&l.o_bias)).transpose()?,
+            router_logit_bias: (!l.router_logit_bias.is_empty())
+                .then(|| up(&l.router_logit_bias))
+                .transpose()?,
         });
     }
     Ok(layers)
@@ -933,6 +965,67 @@ pub(crate) fn expert_dtype(w: &ExpertWeights) -> Wdt {
     }
 }
 
+/// An expert's biases on the device (gpt_oss): gate_up's (`[2I]`, the gate's then the up's)
+/// and down's (`[H]`), f32 as the CPU holds them.
+pub(crate) struct ExpertBias {
+    pub gate_up: Buf<f32>,
+    pub down: Buf<f32>,
+}
+
+impl ExpertBias {
+    /// The biases of `w`, checked against `cfg`'s shapes; None when it has none. Refused
+    /// when its activation is not `cfg`'s (the kernels take one per model).
+    pub fn upload(
+        st: &Arc<CudaStream>,
+        w: &ExpertWeights,
+        cfg: &ModelConfig,
+    ) -> Result<Option<ExpertBias>> {
+        ExpertBias::upload_for(
+            st,
+            w,
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            cfg.expert_glu,
+        )
+    }
+
+    /// As [`ExpertBias::upload`] for experts of width `inter` over `hidden`, activation `glu`.
+    pub fn upload_for(
+        st: &Arc<CudaStream>,
+        w: &ExpertWeights,
+        hidden: usize,
+        inter: usize,
+        glu: Glu,
+    ) -> Result<Option<ExpertBias>> {
+        if w.glu != glu {
+            return Err(Error::Gpu(format!(
+                "an expert with activation {:?} where this GPU's experts use {glu:?}",
+                w.glu
+            )));
+        }
+        if w.gate_up_bias.is_empty() && w.down_bias.is_empty() {
+            return Ok(None);
+        }
+        let fill = |v: &[f32], n: usize, what: &str| -> Result<Vec<f32>> {
+            match v.len() {
+                0 => Ok(vec![0.0; n]),
+                x if x == n => Ok(v.to_vec()),
+                x => Err(Error::Gpu(format!(
+                    "an expert's {what} bias of {x} floats, its shape needs {n}"
+                ))),
+            }
+        };
+        Ok(Some(ExpertBias {
+            gate_up: Buf::from_host(st, &fill(&w.gate_up_bias, 2 * inter, "gate_up")?)?,
+            down: Buf::from_host(st, &fill(&w.down_bias, hidden, "down")?)?,
+        }))
+    }
+
+    pub fn bytes(&self) -> usize {
+        4 * (self.gate_up.len + self.down.len)
+    }
+}
+
 /// Uploads expert (l, e) as `dt`, the dtype a GPU keeps its experts in; FP8 experts must
 /// also share one block shape (`block`, set by the first): the kernels take one per launch.
 pub(crate) fn upload_expert(
@@ -943,11 +1036,6 @@ pub(crate) fn upload_expert(
     block: &mut Option<[usize; 2]>,
 ) -> Result<(DevMat, DevMat)> {
     let named = |err: Error| Error::Gpu(format!("expert ({l},{e}): {err}"));
-    if !w.gate_up_bias.is_empty() || !w.down_bias.is_empty() || w.glu != Glu::Silu {
-        return Err(named(Error::Gpu(
-            "experts with biases or the clamped activation (gpt_oss) run on the CPU only".into(),
-        )));
-    }
     let gu = DevMat::upload_as(st, &w.gate_up, dt).map_err(named)?;
     let dn = DevMat::upload_as(st, &w.down, dt).map_err(named)?;
     for m in [&gu, &dn] {
@@ -994,28 +1082,11 @@ impl GpuModel {
                 )));
             }
         }
-        if cfg.attention_sinks
-            || cfg.windows.iter().any(Option::is_some)
-            || cfg.o_bias
-            || cfg.router_logit_bias
-            || cfg.expert_bias
-        {
-            return Err(Error::Gpu(format!(
-                "{}'s attention sinks, sliding windows and biases run on the CPU backend only                  (the GPU kernels for them are not written yet): serve it with                  --primary-device cpu",
-                cfg.family.name()
-            )));
-        }
         let mla = cfg.mla.is_some();
         if !cfg.head_dim.is_multiple_of(2) || (!mla && cfg.head_dim > 128) {
             return Err(Error::Gpu(format!(
                 "head_dim {} is not supported on the GPU (even, at most 128)",
                 cfg.head_dim
-            )));
-        }
-        if !mla && cfg.num_attention_heads + cfg.num_key_value_heads > 32 {
-            return Err(Error::Gpu(format!(
-                "{} query + {} key/value heads: the GPU kernel takes at most 32 together",
-                cfg.num_attention_heads, cfg.num_key_value_heads
             )));
         }
         // SAFETY: this model uses one stream, which orders every use of every buffer.
@@ -1076,6 +1147,7 @@ impl GpuModel {
             vc,
             kv_blocks,
             experts: HashMap::new(),
+            expert_biases: HashMap::new(),
             expert_dt: vec![
                 match mode {
                     WeightMode::Stored => None,
@@ -1090,6 +1162,8 @@ impl GpuModel {
             tab_dn: Buf::zeros(&st, moe * e)?,
             tab_gs: Buf::zeros(&st, moe * e)?,
             tab_ds: Buf::zeros(&st, moe * e)?,
+            tab_gb: Buf::zeros(&st, moe * e)?,
+            tab_db: Buf::zeros(&st, moe * e)?,
             expert_block: vec![None; moe],
             moe,
             x: Buf::zeros(&st, 1)?,
@@ -1182,10 +1256,12 @@ impl GpuModel {
 
     /// Bytes of expert weights on this GPU.
     pub fn expert_bytes(&self) -> usize {
+        let biases: usize = self.expert_biases.values().map(ExpertBias::bytes).sum();
         self.experts
             .values()
             .map(|(g, d)| g.bytes() + d.bytes())
-            .sum()
+            .sum::<usize>()
+            + biases
     }
 
     /// Bytes of dense weights on this GPU (every matrix and vector of the layers, the
@@ -1200,6 +1276,7 @@ impl GpuModel {
                 vectors += v(&l.q_norm) + v(&l.k_norm);
             }
             vectors += l.mla.as_ref().map_or(0, GpuMla::vector_bytes);
+            vectors += ov(&l.sinks) + ov(&l.o_bias) + ov(&l.router_logit_bias);
             vectors += l.shared.as_ref().map_or(0, |(_, _, g)| ov(g));
         }
         self.dense_mats().map(DevMat::bytes).sum::<usize>() + vectors
@@ -1216,10 +1293,15 @@ impl GpuModel {
 
     /// Bytes of one resident expert (0 when none is).
     pub fn bytes_per_expert(&self) -> usize {
+        let bias = self
+            .expert_biases
+            .values()
+            .next()
+            .map_or(0, ExpertBias::bytes);
         self.experts
             .values()
             .next()
-            .map_or(0, |(g, d)| g.bytes() + d.bytes())
+            .map_or(0, |(g, d)| g.bytes() + d.bytes() + bias)
     }
 
     /// Bytes of the KV cache on this GPU.
@@ -1253,12 +1335,16 @@ impl GpuModel {
             .flatten()
             .chain(self.layers.iter().flat_map(|l| {
                 // an MLA layer's qkv is an empty placeholder
-                [(l.qkv.len > 0).then_some(&l.qkv), Some(&l.o), l.router.as_ref()]
-                    .into_iter()
-                    .flatten()
-                    .chain(l.mlp.iter().flat_map(|(a, b)| [a, b]))
-                    .chain(l.shared.iter().flat_map(|(a, b, _)| [a, b]))
-                    .chain(l.mla.iter().flat_map(GpuMla::mats))
+                [
+                    (l.qkv.len > 0).then_some(&l.qkv),
+                    Some(&l.o),
+                    l.router.as_ref(),
+                ]
+                .into_iter()
+                .flatten()
+                .chain(l.mlp.iter().flat_map(|(a, b)| [a, b]))
+                .chain(l.shared.iter().flat_map(|(a, b, _)| [a, b]))
+                .chain(l.mla.iter().flat_map(GpuMla::mats))
             }))
     }
 
@@ -1284,6 +1370,7 @@ impl GpuModel {
             }
         }
         self.experts.retain(|k, _| keep.contains(k));
+        self.expert_biases.retain(|k, _| keep.contains(k));
         Ok(())
     }
 
@@ -1314,6 +1401,9 @@ impl GpuModel {
         // the layer's kernel (or FP8 block) is part of every captured step that ran it
         if (Some(dt), *block) != was {
             self.drop_graphs();
+        }
+        if let Some(b) = ExpertBias::upload(&self.st, w, &self.cfg)? {
+            self.expert_biases.insert((l, e), b);
         }
         self.experts.insert((l, e), pair);
         Ok(())
@@ -1383,6 +1473,8 @@ impl GpuModel {
         let mut dn = vec![0u64; self.moe * e];
         let mut gs = vec![0u64; self.moe * e];
         let mut ds = vec![0u64; self.moe * e];
+        let mut gb = vec![0u64; self.moe * e];
+        let mut db = vec![0u64; self.moe * e];
         for ml in 0..self.moe {
             for x in 0..e {
                 if map.tier(ml, x) == Tier::Hot {
@@ -1397,6 +1489,10 @@ impl GpuModel {
                     dn[ml * e + x] = d.p;
                     gs[ml * e + x] = g.scales().map_or(0, |(s, _)| s.p);
                     ds[ml * e + x] = d.scales().map_or(0, |(s, _)| s.p);
+                    if let Some(b) = self.expert_biases.get(&(ml, x)) {
+                        gb[ml * e + x] = b.gate_up.p;
+                        db[ml * e + x] = b.down.p;
+                    }
                 }
             }
         }
@@ -1404,6 +1500,8 @@ impl GpuModel {
         self.tab_dn.write(&self.st, &dn)?;
         self.tab_gs.write(&self.st, &gs)?;
         self.tab_ds.write(&self.st, &ds)?;
+        self.tab_gb.write(&self.st, &gb)?;
+        self.tab_db.write(&self.st, &db)?;
         self.sync()
     }
 
@@ -1489,7 +1587,9 @@ impl GpuModel {
         moved |= self.x.grow(&st, n * hs)?;
         moved |= self.h.grow(&st, n * hs)?;
         moved |= self.qkv.grow(&st, n * wide)?;
-        moved |= self.att.grow(&st, n * c.q_dim().max(c.o_dim()).max(dense_i))?;
+        moved |= self
+            .att
+            .grow(&st, n * c.q_dim().max(c.o_dim()).max(dense_i))?;
         if let Some(ml) = &c.mla {
             moved |= self.mla_s.grow(&st, n * mla_row_floats(c, ml))?;
         }

@@ -63,7 +63,11 @@ impl GpuStep {
 /// own), its map, and the KV cache on the GPU. The engine must hold no live sequence; its
 /// CPU backend and K/V arrays are dropped.
 pub fn attach_gpu(eng: &mut Engine, g: GpuModel) -> Result<()> {
-    let kv = KvCache::accounting(eng.cfg.num_hidden_layers, eng.cfg.cache_dims().0, g.kv_blocks());
+    let kv = KvCache::accounting(
+        eng.cfg.num_hidden_layers,
+        eng.cfg.cache_dims().0,
+        g.kv_blocks(),
+    );
     eng.set_backend(Box::new(GpuStep::new(g)), kv)
 }
 

@@ -6,6 +6,14 @@
 use super::*;
 use crate::config::Routing;
 
+/// The MoE kernels' activation parameters (alpha, limit): limit 0 is silu(gate) * up.
+pub(crate) fn glu_params(glu: crate::config::Glu) -> (f32, f32) {
+    match glu {
+        crate::config::Glu::Silu => (0.0, 0.0),
+        crate::config::Glu::Clamped { alpha, limit } => (alpha, limit),
+    }
+}
+
 impl GpuModel {
     /// How this step's head samples: one pick per logit row (set after `begin`, before
     /// the run that ends in `Op::Head(HeadOut::Sample)`). Grows the probabilities' scratch.
@@ -143,6 +151,9 @@ impl GpuModel {
         );
         let eps = c.rms_norm_eps;
         let scale = c.attention_scale;
+        // gpt_oss: each head's sink logit in the softmax's sum, a sliding window on some layers
+        let sinks = lw.sinks.as_ref().map_or(0, |b| b.p);
+        let window = c.windows.get(l).copied().flatten().map_or(0, |w| w as i32);
         // 16 warps take the positions in turn: a decode row's chain of dependent loads is
         // 1/16 of its context (or of its range of it) long
         let nw = ATT_WARPS;
@@ -166,6 +177,8 @@ impl GpuModel {
                 scale,
                 part: self.att_part.p,
                 rd: c.rotary_dim as i32,
+                sinks,
+                window,
             };
             let mut cfg = grid(n, c.num_attention_heads, 32 * nw, (nw + 3) * c.head_dim * 4);
             cfg.grid_dim.2 = self.splits as u32;
@@ -189,6 +202,7 @@ impl GpuModel {
                     nh,
                     hd,
                     splits: sp,
+                    sinks,
                 };
                 // SAFETY: att_part holds the partials the kernel above wrote, att n rows.
                 unsafe {
@@ -219,7 +233,9 @@ impl GpuModel {
             eps,
             rd: c.rotary_dim as i32,
         };
-        let heads = c.num_attention_heads + c.num_key_value_heads;
+        // a warp per head, up to 16 (the kernel's warps take the heads in turn; 1024 threads
+        // ask more registers than an SM has for this kernel)
+        let heads = (c.num_attention_heads + c.num_key_value_heads).min(16);
         // SAFETY: positions < max_pos and their blocks < kv_blocks were checked in `begin`;
         // qkv holds n rows of q_dim + 2 kv_dim.
         unsafe {
@@ -253,6 +269,8 @@ impl GpuModel {
             nkv,
             hd,
             scale,
+            sinks,
+            window,
         };
         // SAFETY: as above; the tiles (first row, count <= ATT_TILE, rows of one sequence)
         // were built in `begin` from these rows; att holds n rows of q_dim.
@@ -417,21 +435,36 @@ impl GpuModel {
         // SAFETY: w holds heads * out * inp weights (the stacked per-head matrices); x holds
         // n rows of xs floats with head h's inp at h * xh; y n rows of heads * out (callers'
         // scratch, sized in `begin`).
-        unsafe {
-            self.launch(
-                self.f.head_gemv.of(w.dt),
-                "head_gemv",
-                &mut a.params(),
-                cfg,
-            )
-        }
+        unsafe { self.launch(self.f.head_gemv.of(w.dt), "head_gemv", &mut a.params(), cfg) }
     }
 
     /// x += o . att (the attention's output projection of decoder layer `l`).
     fn out_proj(&self, l: usize) -> Result<()> {
         let (hs, qd) = (self.cfg.hidden_size, self.cfg.o_dim());
         let o = self.layers[l].o.w();
-        self.gemm("gemv_rows:o", o, hs, qd, self.att.p, self.n, self.x.p, 1.0)
+        self.gemm("gemv_rows:o", o, hs, qd, self.att.p, self.n, self.x.p, 1.0)?;
+        match &self.layers[l].o_bias {
+            Some(b) => self.bias_rows(self.x.p, b, hs),
+            None => Ok(()),
+        }
+    }
+
+    /// y[r, :dim] += b for each of the step's rows.
+    fn bias_rows(&self, y: u64, b: &Buf<f32>, dim: usize) -> Result<()> {
+        let mut a = args::BiasRows {
+            y,
+            b: b.p,
+            dim: dim as i32,
+        };
+        // SAFETY: y holds n rows of dim floats (the caller's), b dim floats.
+        unsafe {
+            self.launch(
+                &self.f.bias_rows,
+                "bias_rows",
+                &mut a.params(),
+                grid(self.n, 1, 256, 0),
+            )
+        }
     }
 
     /// Router of MoE layer `l` (`ml`-th MoE layer): h = post_norm(x), top-k ids and weights.
@@ -457,6 +490,10 @@ impl GpuModel {
             n,
             self.rlog.p,
         )?;
+        if let Some(b) = &lw.router_logit_bias {
+            // gpt_oss's router has a bias on its logits
+            self.bias_rows(self.rlog.p, b, ne)?;
+        }
         if let Routing::SigmoidGrouped {
             n_group,
             topk_group,
@@ -546,6 +583,9 @@ impl GpuModel {
         let v_dn = (i % 4 == 0) as i32;
         // one row's picks are distinct experts: every block leads its slot
         let distinct = (n == 1) as i32;
+        let (alpha, limit) = glu_params(c.expert_glu);
+        // the `_x` kernels when the experts have biases or gpt_oss's activation
+        let x = c.expert_bias || c.expert_glu != crate::config::Glu::Silu;
         let mut a = args::MoeUp {
             idx,
             gu_tab: gu,
@@ -561,16 +601,22 @@ impl GpuModel {
             gs_tab: gs,
             b0,
             b1,
+            gb_tab: self.tab_gb.p + (8 * ml * ne) as u64,
+            alpha,
+            limit,
+        };
+        let up = match (edt == Wdt::F8, x) {
+            (true, false) => &self.f.moe_up_f8,
+            (true, true) => &self.f.moe_up_x_f8,
+            (false, false) => self.f.moe_up.of(edt),
+            (false, true) => self.f.moe_up_x.of(edt),
         };
         // SAFETY: ids < E (the router's top-k), table entries are null or resident experts of
-        // [2I, H]; h holds n rows, act n*k rows of I; float4 reads only when H % 4 == 0.
+        // [2I, H] (and, in the `_x` kernels, null or [2I] / [H] biases); h holds n rows, act
+        // n*k rows of I; float4 reads only when H % 4 == 0.
         unsafe {
             self.launch(
-                if edt == Wdt::F8 {
-                    &self.f.moe_up_f8
-                } else {
-                    self.f.moe_up.of(edt)
-                },
+                up,
                 "moe_up",
                 &mut a.params(),
                 grid(nk, i.div_ceil(8), 256, 0),
@@ -589,11 +635,18 @@ impl GpuModel {
             ds_tab: ds,
             b0,
             b1,
+            db_tab: self.tab_db.p + (8 * ml * ne) as u64,
         };
         // the preloading kernel takes more registers: fewer blocks resident, which costs
         // the bandwidth-bound large batches more than the early loads gain (measured)
         let (down, name) = if edt == Wdt::F8 {
-            (&self.f.moe_down_f8, "moe_down:fp8")
+            if x {
+                (&self.f.moe_down_x_f8, "moe_down:fp8")
+            } else {
+                (&self.f.moe_down_f8, "moe_down:fp8")
+            }
+        } else if x {
+            (self.f.moe_down_x.of(edt), "moe_down")
         } else if self.preload && n <= 4 {
             (self.f.moe_down_pre.of(edt), "moe_down:pre")
         } else {
