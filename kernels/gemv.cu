@@ -88,6 +88,21 @@ __device__ __forceinline__ void products_in_rounds(float (&acc)[4], const W* __r
     }
 }
 
+// y[r, j] = beta * y[r, j] + the warp's sum of acc[r], for r < n (lane 0 writes).
+__device__ __forceinline__ void store_rows(const float (&acc)[4], float* __restrict__ y, int out,
+                                           int j, int n, float beta, int lane) {
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        if (r < n) {
+            const float t = warp_sum(acc[r]);
+            if (lane == 0) {
+                float* o = y + (size_t)r * out + j;
+                *o = beta != 0.f ? beta * *o + t : t;
+            }
+        }
+    }
+}
+
 // y[r, j] = beta * y[r, j] + w[j] . x[r] for r < n <= 4 (beta 0 or 1): the dense products
 // of small decode batches, one warp per output row, each weight row read once for all n
 // rows (cuBLAS takes n > 4). With `preload` (and vec4) the row's first W_AHEAD float4s per
@@ -129,16 +144,7 @@ __device__ __forceinline__ void gemv_rows_body(const W* __restrict__ w, const fl
                 if (r < n) acc[r] = fmaf(wv, x[(size_t)r * in + i], acc[r]);
         }
     }
-#pragma unroll
-    for (int r = 0; r < 4; r++) {
-        if (r < n) {
-            const float t = warp_sum(acc[r]);
-            if (lane == 0) {
-                float* o = y + (size_t)r * out + j;
-                *o = beta != 0.f ? beta * *o + t : t;
-            }
-        }
-    }
+    store_rows(acc, y, out, j, n, beta, lane);
 }
 
 extern "C" __global__ void gemv_rows(const float* __restrict__ w, const float* __restrict__ x,
@@ -305,4 +311,50 @@ extern "C" __global__ void sum3_rows(const float* __restrict__ c, float* __restr
 extern "C" __global__ void round_bf16(const float* __restrict__ x, bf16_t* __restrict__ y, long long n) {
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         y[i] = bf16_rn(x[i]);
+}
+
+// Dense products on FP8 e4m3 weights with one f32 scale per b0 x b1 block (DeepSeek's and
+// Qwen's FP8 checkpoints: attention, dense and shared-expert matrices), kept as stored.
+// gemv_rows_f8: as gemv_rows for n <= 4 rows, each weight widened and scaled as it is read
+// (four at a time when `in` is a multiple of 4; b1 is a multiple of 4, so the four share a
+// scale); no preload (the weights are a quarter of f32's bytes). grid: ceil(out/8); block: 256.
+extern "C" __global__ void gemv_rows_f8(const f8_t* __restrict__ w, const float* __restrict__ s,
+                                        const float* __restrict__ x, float* __restrict__ y, int out,
+                                        int in, int n, float beta, int b0, int b1) {
+    const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    PDL_ENTRY();
+    if (j >= out) return;
+    const BlockScales sc = ScalesOf<true>::make(s, b0, b1, in);
+    const f8_t* wr = w + (size_t)j * in;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    if ((in & 3) == 0) {
+        for (int i = lane * 4; i < in; i += 128) {
+            const float4 wv = scaled4(wload4(wr + i), sc, j, i);
+#pragma unroll
+            for (int r = 0; r < 4; r++)
+                if (r < n) acc[r] = fma4(wv, *(const float4*)(x + (size_t)r * in + i), acc[r]);
+        }
+    } else {
+        for (int i = lane; i < in; i += 32) {
+            const float wv = scaled1(wload1(wr + i), sc, j, i);
+#pragma unroll
+            for (int r = 0; r < 4; r++)
+                if (r < n) acc[r] = fmaf(wv, x[(size_t)r * in + i], acc[r]);
+        }
+    }
+    store_rows(acc, y, out, j, n, beta, lane);
+}
+
+// y[r, c] = e4m3(w[r, c]) * s[r / b0, c / b1] for a rows x cols FP8 matrix: the f32 copy a
+// product of more than 4 rows hands to cuBLAS (into one scratch the size of the largest FP8
+// dense matrix), exact. grid-stride.
+extern "C" __global__ void dequant_f8(const f8_t* __restrict__ w, const float* __restrict__ s,
+                                      float* __restrict__ y, long long rows, int cols, int b0, int b1) {
+    PDL_ENTRY();
+    const BlockScales sc = ScalesOf<true>::make(s, b0, b1, cols);
+    const long long n = rows * cols;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const int r = (int)(i / cols), c = (int)(i % cols);
+        y[i] = scaled1(wload1(w + i), sc, r, c);
+    }
 }

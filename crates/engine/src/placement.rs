@@ -199,10 +199,18 @@ pub fn footprint(
         let raw = ckpt.raw(&name)?;
         let elems = raw.shape.iter().product::<usize>() as u64;
         let matrix = raw.shape.iter().filter(|&&d| d > 1).count() > 1;
+        // a GPU keeps FP8 dense matrices as stored where four weights share a scale, but
+        // widens MLA's kv_b_proj (read per head) and the embedding
+        let gpu_f8 = c.fp8_block.is_some_and(|[b0, b1]| b0 > 0 && b1 % 4 == 0)
+            && !name.contains("kv_b_proj")
+            && !name.contains("embed_tokens")
+            && !name.starts_with("lm_head");
         dense += if name.ends_with("_scale_inv") {
-            // FP8 scales are held as f32 whatever they are stored as; the GPU keeps none
+            // FP8 scales are held as f32 whatever they are stored as; a GPU keeps those of
+            // the matrices it keeps FP8
             match resident {
                 Resident::Stored => 4 * elems,
+                Resident::Gpu if gpu_f8 => 4 * elems,
                 Resident::Gpu => 0,
             }
         } else {
@@ -210,6 +218,9 @@ pub fn footprint(
                 // vectors (norms, biases, a [1, H] gate) are held as f32
                 Resident::Stored if matrix => raw.bytes.len() as u64,
                 Resident::Gpu if matrix && raw.dtype == Dtype::BF16 => raw.bytes.len() as u64,
+                Resident::Gpu if matrix && raw.dtype == Dtype::F8_E4M3 && gpu_f8 => {
+                    raw.bytes.len() as u64
+                }
                 _ => 4 * elems,
             }
         };

@@ -648,7 +648,9 @@ fn every_family_on_the_gpu_matches_the_cpu() {
                         assert!(gm.weight_dtype().ends_with("f32 experts"), "{label}");
                         assert_eq!(gm.expert_bytes(), experts * 4 * c.expert_params());
                     } else {
+                        // the FP8 dense matrices stay FP8 too (MLA's per-head stacks widened)
                         assert!(gm.weight_dtype().ends_with("fp8 experts"), "{label}");
+                        assert!(gm.weight_dtype().contains("fp8 dense"), "{label}");
                         assert_eq!(
                             gm.expert_bytes(),
                             experts * ckpt.expert_stored_bytes().unwrap(),

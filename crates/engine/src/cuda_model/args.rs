@@ -57,6 +57,19 @@ kernel_args! {
 }
 
 kernel_args! {
+    /// `gemv_rows_f8` (gemv.cu): y[n, out] = x[n, in] . w^T (+ beta * y) on FP8 weights with
+    /// b0 x b1 block scales s, n <= 4.
+    GemvF8 {
+        w: u64, s: u64, x: u64, y: u64, out: i32, inp: i32, n: i32, beta: f32, b0: i32, b1: i32,
+    }
+}
+
+kernel_args! {
+    /// `dequant_f8` (gemv.cu): y = an FP8 matrix [rows, cols] widened and scaled.
+    DequantF8 { w: u64, s: u64, y: u64, rows: i64, cols: i32, b0: i32, b1: i32 }
+}
+
+kernel_args! {
     /// `round_bf16` (gemv.cu): y[i] = bf16(x[i]), rounded to nearest even, i < n.
     RoundBf16 { x: u64, y: u64, n: i64 }
 }

@@ -20,12 +20,67 @@ impl GpuModel {
         y: u64,
         beta: f32,
     ) -> Result<()> {
-        if w.dt == Wdt::F8 {
-            // dense matrices are widened at upload; only the MoE kernels read FP8
-            return Err(Error::Internal(format!(
-                "{what}: an FP8 matrix in a dense product"
-            )));
-        }
+        let w = if w.dt == Wdt::F8 {
+            if w.len != out_dim * in_dim || w.s == 0 {
+                return Err(Error::Internal(format!(
+                    "{what}: an FP8 matrix of {} weights for {out_dim} x {in_dim}",
+                    w.len
+                )));
+            }
+            if n <= 4 {
+                let mut a = args::GemvF8 {
+                    w: w.p,
+                    s: w.s,
+                    x,
+                    y,
+                    out: out_dim as i32,
+                    inp: in_dim as i32,
+                    n: n as i32,
+                    beta,
+                    b0: w.b[0],
+                    b1: w.b[1],
+                };
+                // SAFETY: w holds out*in bytes and its block scales (checked above: a DevMat
+                // of that many weights), x n rows of in, y n rows of out; n <= 4.
+                return unsafe {
+                    self.launch(
+                        &self.f.gemv_f8,
+                        what,
+                        &mut a.params(),
+                        grid(out_dim.div_ceil(8), 1, 256, 0),
+                    )
+                };
+            }
+            // more rows: widened (exactly) into the scratch, then the f32 product
+            if self.f8_wide.len < w.len {
+                return Err(Error::Internal(format!(
+                    "{what}: an FP8 matrix of {} weights, scratch for {}",
+                    w.len, self.f8_wide.len
+                )));
+            }
+            let mut a = args::DequantF8 {
+                w: w.p,
+                s: w.s,
+                y: self.f8_wide.p,
+                rows: out_dim as i64,
+                cols: in_dim as i32,
+                b0: w.b[0],
+                b1: w.b[1],
+            };
+            // SAFETY: w holds out*in bytes and its scales; the scratch at least as many floats
+            // (checked above).
+            unsafe {
+                self.launch(
+                    &self.f.dequant_f8,
+                    "dequant_f8",
+                    &mut a.params(),
+                    grid(w.len.div_ceil(256).min(65535), 1, 256, 0),
+                )
+            }?;
+            W::f32(self.f8_wide.p)
+        } else {
+            w
+        };
         if n <= 4 {
             let (o, i, ni) = (out_dim as i32, in_dim as i32, n as i32);
             let v4 = in_dim.is_multiple_of(4) as i32;
@@ -229,12 +284,8 @@ impl GpuModel {
         y: u64,
     ) -> Result<()> {
         let in_dim = self.cfg.hidden_size;
-        if w.dt == Wdt::F8 {
-            return Err(Error::Internal(format!(
-                "{what}: an FP8 matrix in a dense product"
-            )));
-        }
-        if n > 4 {
+        if n > 4 || w.dt == Wdt::F8 {
+            // FP8: the norm, then its product (no fused FP8 kernel)
             self.rmsnorm(x, 0, nw, self.h.p, n)?;
             return self.gemm(what, w, out_dim, in_dim, self.h.p, n, y, 0.0);
         }

@@ -266,14 +266,15 @@ impl<T: DeviceRepr + ValidAsZeroBits> Buf<T> {
 }
 
 /// The dtype a weight matrix is kept in on the device: bf16 checkpoints keep their 16 bits
-/// (the kernels widen each weight as they read it, exactly); FP8 experts keep their bytes
-/// and block scales (the grouped MoE kernels dequantise them); every other matrix (f16, FP8
-/// dense weights, f32) is widened to f32 at upload.
+/// (the kernels widen each weight as they read it, exactly); FP8 matrices keep their bytes
+/// and block scales where four weights share a scale (the grouped MoE kernels and the dense
+/// products dequantise them as they read; MLA's per-head stacks and the embedding are
+/// widened); every other matrix (f16, f32) is widened to f32 at upload.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Wdt {
     F32,
     Bf16,
-    /// FP8 e4m3 with one f32 scale per block (experts only)
+    /// FP8 e4m3 with one f32 scale per block
     F8,
 }
 
@@ -295,17 +296,27 @@ impl Wdt {
     }
 }
 
-/// A weight matrix's device address and dtype (what a product needs of it).
+/// A weight matrix's device address and dtype (what a product needs of it); FP8: its block
+/// scales' address, the block shape and the element count (0 otherwise).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct W {
     pub p: u64,
     pub dt: Wdt,
+    pub s: u64,
+    pub b: [i32; 2],
+    pub len: usize,
 }
 
 impl W {
     /// An f32 vector or matrix (a gate row, generated weights).
     pub fn f32(p: u64) -> W {
-        W { p, dt: Wdt::F32 }
+        W {
+            p,
+            dt: Wdt::F32,
+            s: 0,
+            b: [0, 0],
+            len: 0,
+        }
     }
 }
 
@@ -400,9 +411,33 @@ impl DevMat {
     }
 
     pub(crate) fn w(&self) -> W {
+        let (s, b) = self
+            .scales()
+            .map_or((0, [0, 0]), |(s, b)| (s.p, [b[0] as i32, b[1] as i32]));
         W {
             p: self.p,
             dt: self.dt,
+            s,
+            b,
+            len: self.len,
+        }
+    }
+
+    /// As [`DevMat::upload`] for a dense matrix of the step's products: FP8 kept as stored
+    /// with its block scales when four weights share a scale (block columns a multiple of 4;
+    /// the products read it through `gemv_rows_f8` or `dequant_f8`), unless `mode` widens.
+    pub fn upload_dense(
+        st: &Arc<CudaStream>,
+        m: &crate::ops::Matrix,
+        mode: WeightMode,
+    ) -> Result<DevMat> {
+        match &m.data {
+            crate::ops::Elems::F8(q)
+                if mode == WeightMode::Stored && q.block[0] > 0 && q.block[1] % 4 == 0 =>
+            {
+                DevMat::upload_as(st, m, Wdt::F8)
+            }
+            _ => DevMat::upload(st, m, mode),
         }
     }
 
@@ -458,8 +493,8 @@ struct ByDt {
 }
 
 impl ByDt {
-    /// Dense matrices are never FP8 on the device ([`DevMat::upload`] widens them); the
-    /// grouped MoE kernels take their FP8 forms from `Funcs` directly, so F8 never asks here.
+    /// FP8 matrices have their own kernels (`gemv_f8`, `dequant_f8`, the MoE layer's
+    /// `moe_*_f8`), taken from `Funcs` directly, so F8 never asks here.
     fn of(&self, dt: Wdt) -> &CudaFunction {
         match dt {
             Wdt::F32 | Wdt::F8 => &self.f32,
@@ -504,6 +539,8 @@ struct Funcs {
     moe_up_x_f8: CudaFunction,
     moe_down_x_f8: CudaFunction,
     split_bf16: CudaFunction,
+    gemv_f8: CudaFunction,
+    dequant_f8: CudaFunction,
     round_bf16: CudaFunction,
     sum3: CudaFunction,
 }
@@ -555,6 +592,8 @@ fn funcs(gpu: &Gpu) -> Result<Funcs> {
         moe_up_x_f8: f("moe_up_x_f8")?,
         moe_down_x_f8: f("moe_down_x_f8")?,
         split_bf16: f("split_bf16")?,
+        gemv_f8: f("gemv_rows_f8")?,
+        dequant_f8: f("dequant_f8")?,
         round_bf16: f("round_bf16")?,
         sum3: f("sum3_rows")?,
     })
@@ -578,7 +617,10 @@ impl GpuMla {
         w: &crate::model::MlaWeights,
         mode: WeightMode,
     ) -> Result<Self> {
-        let mat = |m: &crate::ops::Matrix| DevMat::upload(st, m, mode);
+        let mat = |m: &crate::ops::Matrix| DevMat::upload_dense(st, m, mode);
+        // the per-head stacks are read by `head_gemv`, which takes f32 or bf16: FP8 widened
+        let stack =
+            |ms: &[crate::ops::Matrix]| DevMat::upload(st, &crate::ops::Matrix::stack(ms), mode);
         Ok(GpuMla {
             q_a: match &w.q_a {
                 Some((m, nrm)) => Some((mat(m)?, Buf::from_host(st, nrm)?)),
@@ -587,8 +629,8 @@ impl GpuMla {
             q_b: mat(&w.q_b)?,
             kv_a: mat(&w.kv_a)?,
             kv_a_norm: Buf::from_host(st, &w.kv_a_norm)?,
-            uk: mat(&crate::ops::Matrix::stack(&w.uk_t))?,
-            uv: mat(&crate::ops::Matrix::stack(&w.uv))?,
+            uk: stack(&w.uk_t)?,
+            uv: stack(&w.uv)?,
         })
     }
 
@@ -706,6 +748,9 @@ pub struct GpuModel {
     /// (`split_bf16`) and cuBLAS's three partial outputs per row, summed by `sum3_rows`
     xs: Buf<u16>,
     c3: Buf<f32>,
+    /// an FP8 dense matrix widened for a product of more than 4 rows (cuBLAS): the size of
+    /// the largest one, allocated at load
+    f8_wide: Buf<f32>,
     /// rows of a split product per cuBLAS call (the scratch above holds that many)
     split_rows: usize,
     /// some dense matrix is bf16 (the split scratch is needed)
@@ -890,7 +935,7 @@ fn decode_wave(gpu: &Gpu, f: &Funcs, head_dim: usize) -> Result<usize> {
 /// Every decoder layer's dense weights on the device.
 fn upload_layers(st: &Arc<CudaStream>, w: &DenseWeights, mode: WeightMode) -> Result<Vec<Layer>> {
     let up = |v: &[f32]| Buf::from_host(st, v);
-    let mat = |m: &crate::ops::Matrix| DevMat::upload(st, m, mode);
+    let mat = |m: &crate::ops::Matrix| DevMat::upload_dense(st, m, mode);
     let mut layers = Vec::with_capacity(w.layers.len());
     for l in &w.layers {
         layers.push(Layer {
@@ -1185,6 +1230,7 @@ impl GpuModel {
             cold_slots: Buf::zeros(&st, 1)?,
             xs: Buf::zeros(&st, 1)?,
             c3: Buf::zeros(&st, 1)?,
+            f8_wide: Buf::zeros(&st, 1)?,
             split_rows: 0,
             any_bf16: false,
             host_meta: Vec::new(),
@@ -1223,6 +1269,15 @@ impl GpuModel {
         // decided from what was uploaded (the mode may have widened or rounded)
         let any_bf16 = m.dense_mats().any(|x| x.dt == Wdt::Bf16);
         m.any_bf16 = any_bf16;
+        let widest_f8 = m
+            .dense_mats()
+            .filter(|x| x.dt == Wdt::F8)
+            .map(|x| x.len)
+            .max()
+            .unwrap_or(0);
+        if widest_f8 > 0 {
+            m.f8_wide = Buf::zeros(&m.st, widest_f8)?;
+        }
         m.sync()?;
         Ok(m)
     }
