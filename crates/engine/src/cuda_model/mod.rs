@@ -1658,7 +1658,8 @@ impl GpuModel {
         moved |= self.spec.grow(&st, 3 * m)?;
         let decode_only = n == seqs.len();
         let longest = rows.iter().map(|r| r.pos + 1).max().unwrap_or(1);
-        self.splits = if decode_only && self.split_attention {
+        // MLA's attention has one path (no position ranges): no partials to hold
+        self.splits = if decode_only && self.split_attention && c.mla.is_none() {
             attention_splits(longest, n, c.num_attention_heads, self.att_wave)
         } else {
             1
