@@ -72,7 +72,7 @@ fn add(a: &[Vec<u64>], b: &[Vec<u64>]) -> Vec<Vec<u64>> {
 /// and returns the figures.
 pub fn measure(dir: &Path, hot: usize, answer_len: usize) -> Result<GenReport> {
     let ckpt = Checkpoint::open(dir)?;
-    let tok = Tokenizer::from_file(&dir.join("tokenizer.json"))?;
+    let tok = Tokenizer::from_dir(dir)?;
     let labels: Vec<Vec<String>> = std::fs::read(dir.join("moelane_token_languages.json"))
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())

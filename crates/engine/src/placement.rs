@@ -378,10 +378,9 @@ pub fn calibration_prompts(
     max_len: usize,
 ) -> Result<Vec<Vec<u32>>> {
     let vocab = ckpt.config.vocab_size;
-    let path = ckpt.dir.join("tokenizer.json");
     let mut out = Vec::new();
-    if path.exists() {
-        let tok = crate::tokenizer::Tokenizer::from_file(&path)?;
+    if crate::tokenizer::Tokenizer::exists_in(&ckpt.dir) {
+        let tok = crate::tokenizer::Tokenizer::from_dir(&ckpt.dir)?;
         for li in 0..crate::synth::LANGS.len() {
             for p in crate::synth::prompts(li).into_iter().take(per_lang) {
                 let mut ids: Vec<u32> = tok

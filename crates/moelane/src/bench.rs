@@ -505,7 +505,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
                     progress: true,
                 },
             )?;
-            let tok = Tokenizer::from_file(&dir.join("tokenizer.json"))?;
+            let tok = Tokenizer::from_dir(&dir)?;
             let c = eng.cfg.clone();
             let bw = measure_bandwidth();
             let llc = last_level_cache();

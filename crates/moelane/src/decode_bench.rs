@@ -93,9 +93,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     let prompts: Vec<Vec<u32>> = match &station {
         Some(m) => m.prompt_ids()?,
         None => {
-            let tok = moelane_engine::tokenizer::Tokenizer::from_file(
-                &PathBuf::from(&a.model).join("tokenizer.json"),
-            )?;
+            let tok = moelane_engine::tokenizer::Tokenizer::from_dir(&PathBuf::from(&a.model))?;
             (0..moelane_engine::synth::LANGS.len())
                 .flat_map(moelane_engine::synth::prompts)
                 .map(|t| tok.encode(t))

@@ -106,9 +106,9 @@ pub fn plan_map(
             dir.join("rowmap.json").display()
         );
     }
-    if spec.counts.is_none() && !dir.join("tokenizer.json").exists() {
+    if spec.counts.is_none() && !moelane_engine::tokenizer::Tokenizer::exists_in(dir) {
         println!(
-            "moelane: {} has no tokenizer.json: the calibration pass runs on uniformly drawn \
+            "moelane: {} has no tokenizer (tokenizer.json or tiktoken.model): the calibration pass runs on uniformly drawn \
              token ids (give --calibration-counts for a ranking from real traffic)",
             dir.display()
         );
@@ -580,7 +580,7 @@ pub fn model_name(model: &Path, name: &Option<String>) -> String {
 
 /// Starts the gateway; returns its bound address.
 pub async fn start_gateway(o: &GatewayOptions) -> Result<SocketAddr> {
-    let tokenizer = Tokenizer::from_file(&o.model.join("tokenizer.json"))?;
+    let tokenizer = Tokenizer::from_dir(&o.model)?;
     let template = ChatTemplate::from_dir(&o.model)?;
     let cfg = moelane_engine::config::ModelConfig::from_file(&o.model.join("config.json"))?;
     let generation = moelane_engine::config::Generation::read(&o.model)?;

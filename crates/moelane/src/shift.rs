@@ -167,7 +167,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// Prompt token ids per phase.
 fn phase_prompts(model: &Path) -> Result<Vec<Vec<Vec<u32>>>> {
-    let tok = Tokenizer::from_file(&model.join("tokenizer.json"))?;
+    let tok = Tokenizer::from_dir(model)?;
     PHASES
         .iter()
         .map(|(_, langs)| {

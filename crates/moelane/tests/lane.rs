@@ -333,7 +333,8 @@ fn checkpoints_of_every_family_are_served_through_the_openai_api() {
     // a random checkpoint of each family in its released layout (bf16; mixtral's
     // block_sparse_moe.experts.E.w1, glm4_moe's dense first layer and sigmoid router,
     // deepseek_v3's latent attention), with
-    // tiny's tokenizer and chat template: served by the embedded lane, completions and chat
+    // tiny's tokenizer and chat template (deepseek_v3's as a tiktoken vocabulary, as Kimi K2
+    // ships it): served by the embedded lane, completions and chat
     // completions answer, greedy twice the same; then with --hot-experts (the first map from
     // a calibration pass, the rest of the experts on the sidecar) the same greedy answer
     use moelane_engine::config::Family;
@@ -354,8 +355,18 @@ fn checkpoints_of_every_family_are_served_through_the_openai_api() {
             ..Dims::for_family(family)
         };
         random_ckpt::write(family, &d, 3, &dir).unwrap();
-        for f in ["tokenizer.json", "tokenizer_config.json"] {
-            std::fs::copy(tiny().join(f), dir.join(f)).unwrap();
+        std::fs::copy(
+            tiny().join("tokenizer_config.json"),
+            dir.join("tokenizer_config.json"),
+        )
+        .unwrap();
+        if family == Family::DeepseekV3 {
+            // as Kimi K2 ships it: a tiktoken vocabulary (tiny's, rewritten), no tokenizer.json
+            use moelane_engine::tokenizer::{tiktoken, Tokenizer};
+            let tok = Tokenizer::from_file(&tiny().join("tokenizer.json")).unwrap();
+            tiktoken::write(&tok, &dir, &tiktoken::GPT2_PATTERN).unwrap();
+        } else {
+            std::fs::copy(tiny().join("tokenizer.json"), dir.join("tokenizer.json")).unwrap();
         }
         let (p, _purl, addr) = serve_lane(&dir, &[]);
         let (st, models) = get(&addr, "/v1/models");

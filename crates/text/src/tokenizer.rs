@@ -1,6 +1,8 @@
 //! Tokenizer: `tokenizer.json` through the `tokenizers` crate, plus the raw bytes of each
 //! token (byte-level BPE tokens often hold part of a UTF-8 character; the gateway joins
-//! bytes, never strings, so it can hold back an incomplete character).
+//! bytes, never strings, so it can hold back an incomplete character). A checkpoint that
+//! ships a tiktoken vocabulary instead (`tiktoken.model`: Kimi K2) is converted when loaded
+//! into the same byte-level BPE (see [`tiktoken`]).
 
 use std::path::Path;
 
@@ -53,6 +55,23 @@ pub fn byte_encoder() -> Vec<char> {
 }
 
 impl Tokenizer {
+    /// A checkpoint directory's tokenizer: `tokenizer.json`, else `tiktoken.model` (with
+    /// `tokenizer_config.json`'s special tokens and the pre-tokenizer pattern of the
+    /// checkpoint's `tokenization_*.py`).
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let json = dir.join("tokenizer.json");
+        if json.exists() || !dir.join(tiktoken::MODEL_FILE).exists() {
+            return Self::from_file(&json);
+        }
+        let inner = tiktoken::load(dir)?;
+        Ok(Self::from_inner(inner))
+    }
+
+    /// Whether `dir` holds a tokenizer [`Tokenizer::from_dir`] reads.
+    pub fn exists_in(dir: &Path) -> bool {
+        dir.join("tokenizer.json").exists() || dir.join(tiktoken::MODEL_FILE).exists()
+    }
+
     pub fn from_file(path: &Path) -> Result<Self> {
         let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| Error {
             path: path.into(),
@@ -92,7 +111,7 @@ impl Tokenizer {
                 bytes[id as usize] = tok.replace('\u{2581}', " ").into_bytes();
             }
         }
-        let eos_ids = ["<|im_end|>", "<|endoftext|>", "</s>", "<|eot_id|>"]
+        let eos_ids = ["<|im_end|>", "<|endoftext|>", "</s>", "<|eot_id|>", "[EOS]"]
             .iter()
             .filter_map(|t| inner.token_to_id(t))
             .collect();
@@ -139,5 +158,338 @@ impl Tokenizer {
 
     pub fn token_to_id(&self, t: &str) -> Option<u32> {
         self.inner.token_to_id(t)
+    }
+}
+
+/// tiktoken vocabularies (`tiktoken.model`: one `base64(token bytes) rank` per line, as
+/// Kimi K2 ships it) as a byte-level BPE of the `tokenizers` crate: every token keeps its rank
+/// as its id; the merges are derived from the ranks (each token of two or more bytes is made
+/// by every split of it into two tokens of the vocabulary, the splits of lower-ranked tokens
+/// first), and a piece that is itself a token is taken whole (`ignore_merges`), as tiktoken
+/// encodes. The pre-tokenizer's pattern is the checkpoint's own: the `pat_str` of its
+/// `tokenization_*.py` (raw triple-quoted strings joined by `|`); special tokens come from
+/// `tokenizer_config.json`'s `added_tokens_decoder`, and ids past the ranks that it does not
+/// name are `<|reserved_token_N|>`.
+pub mod tiktoken {
+    use std::collections::HashMap;
+    use std::path::Path;
+
+    use super::{byte_encoder, Error, Result};
+
+    pub const MODEL_FILE: &str = "tiktoken.model";
+
+    fn err(path: &Path, reason: impl Into<String>) -> Error {
+        Error {
+            path: path.into(),
+            reason: reason.into(),
+        }
+    }
+
+    /// Standard base64 (with or without padding) to bytes; None on any other character.
+    pub fn base64(s: &str) -> Option<Vec<u8>> {
+        let val = |c: u8| -> Option<u32> {
+            Some(match c {
+                b'A'..=b'Z' => (c - b'A') as u32,
+                b'a'..=b'z' => (c - b'a') as u32 + 26,
+                b'0'..=b'9' => (c - b'0') as u32 + 52,
+                b'+' => 62,
+                b'/' => 63,
+                _ => return None,
+            })
+        };
+        let s = s.trim_end_matches('=').as_bytes();
+        let mut out = Vec::with_capacity(s.len() * 3 / 4);
+        let (mut acc, mut bits) = (0u32, 0);
+        for &c in s {
+            acc = (acc << 6) | val(c)?;
+            bits += 6;
+            if bits >= 8 {
+                bits -= 8;
+                out.push((acc >> bits) as u8);
+                acc &= (1 << bits) - 1;
+            }
+        }
+        Some(out)
+    }
+
+    /// The ranks of a `tiktoken.model` file: `ranks[i]` the bytes of the token of rank i.
+    /// Refused, naming the line, when a line is malformed, a rank repeats or skips, or a
+    /// token repeats.
+    pub fn read_ranks(path: &Path) -> Result<Vec<Vec<u8>>> {
+        let text = std::fs::read_to_string(path).map_err(|e| err(path, e.to_string()))?;
+        let mut ranks: Vec<Vec<u8>> = Vec::new();
+        let mut seen: HashMap<Vec<u8>, usize> = HashMap::new();
+        for (i, line) in text.lines().enumerate() {
+            if line.trim().is_empty() {
+                continue;
+            }
+            let bad = |what: &str| err(path, format!("line {}: {what}", i + 1));
+            let mut it = line.split_whitespace();
+            let (Some(tok), Some(rank), None) = (it.next(), it.next(), it.next()) else {
+                return Err(bad("not `base64 rank`"));
+            };
+            let bytes = base64(tok).ok_or_else(|| bad("the token is not base64"))?;
+            let rank: usize = rank.parse().map_err(|_| bad("the rank is not a number"))?;
+            if rank != ranks.len() {
+                return Err(bad(&format!(
+                    "rank {rank} where {} comes next",
+                    ranks.len()
+                )));
+            }
+            if bytes.is_empty() {
+                return Err(bad("an empty token"));
+            }
+            if let Some(other) = seen.insert(bytes.clone(), rank) {
+                return Err(bad(&format!("the token of rank {other} again")));
+            }
+            ranks.push(bytes);
+        }
+        if ranks.is_empty() {
+            return Err(err(path, "no tokens"));
+        }
+        Ok(ranks)
+    }
+
+    /// The merges that make every token of two or more bytes from two tokens, ordered by the
+    /// rank of the token they make, then by the ranks of its two parts.
+    pub fn merges(ranks: &[Vec<u8>]) -> Vec<(usize, usize)> {
+        let id: HashMap<&[u8], usize> = ranks
+            .iter()
+            .enumerate()
+            .map(|(i, b)| (b.as_slice(), i))
+            .collect();
+        let mut out = Vec::new();
+        for t in ranks.iter().filter(|t| t.len() > 1) {
+            let mut local: Vec<(usize, usize)> = (1..t.len())
+                .filter_map(|k| Some((*id.get(&t[..k])?, *id.get(&t[k..])?)))
+                .collect();
+            local.sort_unstable();
+            out.extend(local);
+        }
+        out
+    }
+
+    /// The pre-tokenizer pattern of a checkpoint's `tokenization_*.py`: the raw
+    /// triple-quoted strings of its `pat_str = "|".join([...])`, joined by `|`.
+    pub fn pattern(dir: &Path) -> Result<String> {
+        let mut files: Vec<_> = std::fs::read_dir(dir)
+            .map_err(|e| err(dir, e.to_string()))?
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with("tokenization") && n.ends_with(".py"))
+            })
+            .collect();
+        files.sort();
+        for f in files {
+            let Ok(src) = std::fs::read_to_string(&f) else {
+                continue;
+            };
+            let Some(at) = src.find("pat_str") else {
+                continue;
+            };
+            if let Some(parts) = raw_strings_of_list(&src[at..]) {
+                return Ok(parts.join("|"));
+            }
+        }
+        Err(err(
+            dir,
+            "a tiktoken.model without tokenizer.json needs its pre-tokenizer pattern: no \
+             tokenization_*.py with a `pat_str = \"|\".join([r\"\"\"...\"\"\", ...])` found",
+        ))
+    }
+
+    /// The raw triple-quoted strings (`r"""..."""`) of the first Python list in `src`, up to
+    /// its closing `]` (brackets inside the strings are theirs); None when the list holds
+    /// anything else or does not close.
+    fn raw_strings_of_list(src: &str) -> Option<Vec<&str>> {
+        let open = src.find('[')?;
+        let mut rest = &src[open + 1..];
+        let mut parts = Vec::new();
+        loop {
+            rest = rest.trim_start_matches(|c: char| c.is_whitespace() || c == ',');
+            if rest.starts_with(']') {
+                return (!parts.is_empty()).then_some(parts);
+            }
+            let body = rest.strip_prefix("r\"\"\"")?;
+            let end = body.find("\"\"\"")?;
+            parts.push(&body[..end]);
+            rest = &body[end + 3..];
+        }
+    }
+
+    /// Standard base64 with padding (a `tiktoken.model` token's form).
+    pub fn to_base64(bytes: &[u8]) -> String {
+        const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+        let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+        for c in bytes.chunks(3) {
+            let v = (c[0] as u32) << 16
+                | (*c.get(1).unwrap_or(&0) as u32) << 8
+                | *c.get(2).unwrap_or(&0) as u32;
+            for k in 0..4 {
+                out.push(if k <= c.len() {
+                    A[(v >> (18 - 6 * k)) as usize & 63] as char
+                } else {
+                    '='
+                });
+            }
+        }
+        out
+    }
+
+    /// Writes `tok`'s vocabulary into `dir` as a tiktoken checkpoint would ship it: the
+    /// tokens before its first special one as `tiktoken.model` (their ids as ranks), the
+    /// specials in `tokenizer_config.json`'s `added_tokens_decoder`, and `pattern` (the
+    /// alternatives of its pre-tokenizer) as the `pat_str` of `tokenization_moelane.py`. For
+    /// tests: the tokenizer read back must encode as `tok` when `pattern` is its own.
+    pub fn write(tok: &super::Tokenizer, dir: &Path, pattern: &[&str]) -> std::io::Result<()> {
+        let base = (0..tok.vocab_size() as u32)
+            .take_while(|&i| !tok.is_special(i))
+            .count() as u32;
+        let mut model = String::new();
+        for i in 0..base {
+            model.push_str(&format!("{} {i}\n", to_base64(tok.token_bytes(i))));
+        }
+        std::fs::write(dir.join(MODEL_FILE), model)?;
+        let mut added = serde_json::Map::new();
+        for i in base..tok.vocab_size() as u32 {
+            let content = String::from_utf8_lossy(tok.token_bytes(i)).into_owned();
+            added.insert(
+                i.to_string(),
+                serde_json::json!({"content": content, "special": tok.is_special(i)}),
+            );
+        }
+        let cfg_path = dir.join("tokenizer_config.json");
+        let mut cfg: serde_json::Value = std::fs::read(&cfg_path)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_else(|| serde_json::json!({}));
+        if let Some(o) = cfg.as_object_mut() {
+            o.insert("added_tokens_decoder".into(), added.into());
+        }
+        std::fs::write(&cfg_path, cfg.to_string())?;
+        let mut py = String::from("class Tokenizer:\n    pat_str = \"|\".join(\n        [\n");
+        for p in pattern {
+            py.push_str(&format!("            r\"\"\"{p}\"\"\",\n"));
+        }
+        py.push_str("        ]\n    )\n");
+        std::fs::write(dir.join("tokenization_moelane.py"), py)
+    }
+
+    /// GPT-2's pre-tokenizer pattern, as alternatives (the one a byte-level `tokenizer.json`
+    /// with `use_regex` applies).
+    pub const GPT2_PATTERN: [&str; 6] = [
+        r"'s|'t|'re|'ve|'m|'ll|'d",
+        r" ?\p{L}+",
+        r" ?\p{N}+",
+        r" ?[^\s\p{L}\p{N}]+",
+        r"\s+(?!\S)",
+        r"\s+",
+    ];
+
+    /// The tokenizer of a directory holding `tiktoken.model` (see the module comment).
+    pub fn load(dir: &Path) -> Result<tokenizers::Tokenizer> {
+        let model = dir.join(MODEL_FILE);
+        let ranks = read_ranks(&model)?;
+        let pat = pattern(dir)?;
+        let enc = byte_encoder();
+        let name = |b: &[u8]| -> String { b.iter().map(|&x| enc[x as usize]).collect() };
+        let mut vocab = serde_json::Map::with_capacity(ranks.len());
+        for (i, b) in ranks.iter().enumerate() {
+            vocab.insert(name(b), serde_json::json!(i));
+        }
+        let merges: Vec<serde_json::Value> = merges(&ranks)
+            .into_iter()
+            .map(|(a, b)| serde_json::json!([name(&ranks[a]), name(&ranks[b])]))
+            .collect();
+        // special tokens: tokenizer_config.json's, the rest of the reserved range named
+        let cfg_path = dir.join("tokenizer_config.json");
+        let cfg: serde_json::Value = match std::fs::read(&cfg_path) {
+            Ok(b) => serde_json::from_slice(&b).map_err(|e| err(&cfg_path, e.to_string()))?,
+            Err(_) => serde_json::json!({}),
+        };
+        let mut specials: std::collections::BTreeMap<usize, String> = Default::default();
+        if let Some(m) = cfg.get("added_tokens_decoder").and_then(|v| v.as_object()) {
+            for (k, v) in m {
+                let id: usize = k.parse().map_err(|_| {
+                    err(
+                        &cfg_path,
+                        format!("added_tokens_decoder: id {k:?} is not a number"),
+                    )
+                })?;
+                let content = v.get("content").and_then(|c| c.as_str()).ok_or_else(|| {
+                    err(&cfg_path, format!("added_tokens_decoder {id}: no content"))
+                })?;
+                if id < ranks.len() {
+                    return Err(err(
+                        &cfg_path,
+                        format!(
+                            "added token {content:?} has id {id}, inside the {} ranks",
+                            ranks.len()
+                        ),
+                    ));
+                }
+                specials.insert(id, content.to_string());
+            }
+        }
+        if let Some(&last) = specials.keys().next_back() {
+            if last - ranks.len() > 1 << 16 {
+                return Err(err(
+                    &cfg_path,
+                    format!("added token id {last} is far past the ranks"),
+                ));
+            }
+            for id in ranks.len()..last {
+                specials
+                    .entry(id)
+                    .or_insert_with(|| format!("<|reserved_token_{}|>", id - ranks.len()));
+            }
+        }
+        let added: Vec<serde_json::Value> = specials
+            .iter()
+            .map(|(id, c)| {
+                serde_json::json!({"id": id, "content": c, "single_word": false, "lstrip": false,
+                    "rstrip": false, "normalized": false, "special": true})
+            })
+            .collect();
+        let spec = serde_json::json!({
+            "version": "1.0",
+            "truncation": null,
+            "padding": null,
+            "added_tokens": added,
+            "normalizer": null,
+            "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": pat}, "behavior": "Isolated", "invert": false},
+                {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}
+            ]},
+            "post_processor": null,
+            "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false},
+            "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                "fuse_unk": false, "byte_fallback": false, "ignore_merges": true,
+                "vocab": vocab, "merges": merges}
+        });
+        spec.to_string()
+            .parse::<tokenizers::Tokenizer>()
+            .map_err(|e| err(&model, format!("building its BPE: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tiktoken::{base64, to_base64};
+
+    #[test]
+    fn base64_round_trips_every_length_and_refuses_other_characters() {
+        for n in 0..40usize {
+            let b: Vec<u8> = (0..n).map(|i| (i * 37 + 11) as u8).collect();
+            assert_eq!(base64(&to_base64(&b)).as_deref(), Some(b.as_slice()), "{n}");
+        }
+        assert_eq!(to_base64(b"Man"), "TWFu");
+        assert_eq!(to_base64(b"Ma"), "TWE=");
+        assert_eq!(base64("TWE"), Some(b"Ma".to_vec()));
+        assert_eq!(base64("TW!u"), None);
     }
 }
