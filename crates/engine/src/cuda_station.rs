@@ -216,7 +216,7 @@ pub fn hashed_engine_with_tier(
     let blocks = crate::kv::KvCache::blocks_for(kv_tokens.max(BLOCK));
     let mut g = GpuModel::new(gpu, c, &mem.dense, blocks)?;
     g.generate(mem.seed, &hot)?;
-    let kv = crate::kv::KvCache::accounting(c.num_hidden_layers, c.kv_dim(), g.kv_blocks());
+    let kv = crate::kv::KvCache::accounting(c.num_hidden_layers, c.cache_dims().0, g.kv_blocks());
     let mut eng = Engine::with_kv(
         c.clone(),
         Box::new(crate::cuda_model::GpuStep::new(g)),

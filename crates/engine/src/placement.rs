@@ -192,6 +192,8 @@ pub fn footprint(
 ) -> Result<Footprint> {
     let c = &ckpt.config;
     let mut dense = 0u64;
+    // a GPU widens its largest kept FP8 dense matrix into one f32 scratch for prefill
+    let mut widest_f8 = 0u64;
     for name in ckpt.tensor_names() {
         if is_routed_expert(&name) || beyond_layers(&name, c.num_hidden_layers) {
             continue;
@@ -219,12 +221,14 @@ pub fn footprint(
                 Resident::Stored if matrix => raw.bytes.len() as u64,
                 Resident::Gpu if matrix && raw.dtype == Dtype::BF16 => raw.bytes.len() as u64,
                 Resident::Gpu if matrix && raw.dtype == Dtype::F8_E4M3 && gpu_f8 => {
+                    widest_f8 = widest_f8.max(elems);
                     raw.bytes.len() as u64
                 }
                 _ => 4 * elems,
             }
         };
     }
+    dense += 4 * widest_f8;
     let expert = match resident {
         Resident::Stored => ckpt.expert_stored_bytes()? as u64,
         Resident::Gpu => {

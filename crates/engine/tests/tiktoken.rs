@@ -27,7 +27,16 @@ fn a_tiktoken_vocabulary_encodes_as_the_tokenizer_it_came_from() {
     let want = as_tiktoken(&dir, &tiktoken::GPT2_PATTERN);
     assert!(Tokenizer::exists_in(&dir));
     let got = Tokenizer::from_dir(&dir).unwrap();
-    assert_eq!(got.vocab_size(), want.vocab_size());
+    // the reserved range of 256 ids after the ranks (tiny's three specials first, named)
+    let base = (0..want.vocab_size() as u32)
+        .take_while(|&i| !want.is_special(i))
+        .count();
+    assert_eq!(got.vocab_size(), base + tiktoken::RESERVED);
+    let unnamed = (base + 7) as u32;
+    assert_eq!(
+        got.token_to_id(&format!("<|reserved_token_{unnamed}|>")),
+        Some(unnamed)
+    );
     let mut texts: Vec<String> = (0..moelane_engine::synth::LANGS.len())
         .flat_map(|l| {
             moelane_engine::synth::prompts(l)
@@ -128,6 +137,19 @@ fn malformed_tiktoken_files_are_refused_naming_the_line() {
             .to_string();
         assert!(e.contains(want) && e.contains("tiktoken.model"), "{e}");
     }
+    // a special token that repeats another would move the later ids: refused
+    std::fs::write(dir.join("tiktoken.model"), &good).unwrap();
+    let cfg_path = dir.join("tokenizer_config.json");
+    let cfg = std::fs::read_to_string(&cfg_path).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&cfg).unwrap();
+    let m = v["added_tokens_decoder"].as_object_mut().unwrap();
+    let first: usize = m.keys().map(|k| k.parse().unwrap()).min().unwrap();
+    let dup = m[&first.to_string()].clone();
+    m.insert((first + 10).to_string(), dup);
+    std::fs::write(&cfg_path, v.to_string()).unwrap();
+    let e = Tokenizer::from_dir(&dir).err().unwrap().to_string();
+    assert!(e.contains("repeats"), "{e}");
+    std::fs::write(&cfg_path, cfg).unwrap();
     // no pattern: said, naming what is missing
     std::fs::write(dir.join("tiktoken.model"), &good).unwrap();
     std::fs::remove_file(dir.join("tokenization_moelane.py")).unwrap();

@@ -267,11 +267,13 @@ pub fn run(a: DecodeArgs) -> Result<()> {
                 let c1 = &eng.counters;
                 let steps = a.steps as f64;
                 let hot_loads = (c1.hot_expert_loads - c0.hot_expert_loads) as f64;
-                // K and V of every position each row attends to, every layer
+                // the cache of every position each row attends to, every layer (K and V, or
+                // MLA's latent; a sliding window is not subtracted)
                 let ctx1: usize = seqs.iter().map(|s| s.len).sum();
+                let (kd, vd) = c.cache_dims();
                 let kv_bytes = (ctx0 + ctx1) as f64 / 2.0
                     * steps
-                    * (2 * c.kv_dim() * 4 * c.num_hidden_layers) as f64;
+                    * ((kd + vd) * 4 * c.num_hidden_layers) as f64;
                 let bytes = dense_bytes * steps + hot_loads * expert_bytes + kv_bytes;
                 let cold: u64 =
                     c1.cold_picks.iter().sum::<u64>() - c0.cold_picks.iter().sum::<u64>();

@@ -168,8 +168,8 @@ impl Tokenizer {
 /// first), and a piece that is itself a token is taken whole (`ignore_merges`), as tiktoken
 /// encodes. The pre-tokenizer's pattern is the checkpoint's own: the `pat_str` of its
 /// `tokenization_*.py` (raw triple-quoted strings joined by `|`); special tokens come from
-/// `tokenizer_config.json`'s `added_tokens_decoder`, and ids past the ranks that it does not
-/// name are `<|reserved_token_N|>`.
+/// `tokenizer_config.json`'s `added_tokens_decoder`, and the ids of the reserved range past
+/// the ranks that it does not name are `<|reserved_token_ID|>`.
 pub mod tiktoken {
     use std::collections::HashMap;
     use std::path::Path;
@@ -177,6 +177,9 @@ pub mod tiktoken {
     use super::{byte_encoder, Error, Result};
 
     pub const MODEL_FILE: &str = "tiktoken.model";
+
+    /// Ids reserved for special tokens after the ranks (Kimi's `num_reserved_special_tokens`).
+    pub const RESERVED: usize = 256;
 
     fn err(path: &Path, reason: impl Into<String>) -> Error {
         Error {
@@ -410,7 +413,8 @@ pub mod tiktoken {
             Ok(b) => serde_json::from_slice(&b).map_err(|e| err(&cfg_path, e.to_string()))?,
             Err(_) => serde_json::json!({}),
         };
-        let mut specials: std::collections::BTreeMap<usize, String> = Default::default();
+        // id -> (content, special)
+        let mut specials: std::collections::BTreeMap<usize, (String, bool)> = Default::default();
         if let Some(m) = cfg.get("added_tokens_decoder").and_then(|v| v.as_object()) {
             for (k, v) in m {
                 let id: usize = k.parse().map_err(|_| {
@@ -431,27 +435,33 @@ pub mod tiktoken {
                         ),
                     ));
                 }
-                specials.insert(id, content.to_string());
+                let special = v.get("special").and_then(|b| b.as_bool()).unwrap_or(true);
+                specials.insert(id, (content.to_string(), special));
             }
         }
-        if let Some(&last) = specials.keys().next_back() {
-            if last - ranks.len() > 1 << 16 {
-                return Err(err(
-                    &cfg_path,
-                    format!("added token id {last} is far past the ranks"),
-                ));
-            }
-            for id in ranks.len()..last {
-                specials
-                    .entry(id)
-                    .or_insert_with(|| format!("<|reserved_token_{}|>", id - ranks.len()));
-            }
+        // the reserved range after the ranks (256 ids, or up to the last one named), the ids
+        // it does not name called `<|reserved_token_ID|>`
+        let last = specials
+            .keys()
+            .next_back()
+            .map_or(0, |&l| l + 1)
+            .max(ranks.len() + RESERVED);
+        if last - ranks.len() > 1 << 16 {
+            return Err(err(
+                &cfg_path,
+                format!("added token id {} is far past the ranks", last - 1),
+            ));
+        }
+        for id in ranks.len()..last {
+            specials
+                .entry(id)
+                .or_insert_with(|| (format!("<|reserved_token_{id}|>"), true));
         }
         let added: Vec<serde_json::Value> = specials
             .iter()
-            .map(|(id, c)| {
+            .map(|(id, (c, special))| {
                 serde_json::json!({"id": id, "content": c, "single_word": false, "lstrip": false,
-                    "rstrip": false, "normalized": false, "special": true})
+                    "rstrip": false, "normalized": false, "special": special})
             })
             .collect();
         let spec = serde_json::json!({
@@ -471,9 +481,21 @@ pub mod tiktoken {
                 "fuse_unk": false, "byte_fallback": false, "ignore_merges": true,
                 "vocab": vocab, "merges": merges}
         });
-        spec.to_string()
+        let tok = spec
+            .to_string()
             .parse::<tokenizers::Tokenizer>()
-            .map_err(|e| err(&model, format!("building its BPE: {e}")))
+            .map_err(|e| err(&model, format!("building its BPE: {e}")))?;
+        // the `tokenizers` crate numbers added tokens in turn: a repeated or ordinary content
+        // would shift every later special id, so each must have kept its own
+        for (&id, (c, _)) in &specials {
+            if tok.token_to_id(c) != Some(id as u32) {
+                return Err(err(
+                    &cfg_path,
+                    format!("added token {c:?} (id {id}) repeats another token: its id would move"),
+                ));
+            }
+        }
+        Ok(tok)
     }
 }
 

@@ -812,13 +812,17 @@ pub struct GpuModel {
     hollow: Vec<String>,
 }
 
-/// Floats of MLA scratch per row: the q bottleneck, the compressed kv (latent and rotary
-/// key), and per head the absorbed query and the weighted latent.
-pub(super) fn mla_row_floats(c: &ModelConfig, m: &crate::config::Mla) -> usize {
-    m.q_lora_rank.unwrap_or(0)
-        + m.kv_lora_rank
-        + m.qk_rope_head_dim
-        + 2 * c.num_attention_heads * m.kv_lora_rank
+/// Rows of MLA's per-head attention (each head's absorbed query and weighted latent, about
+/// half a MiB a row at DeepSeek-V3's shape) per launch: a long prefill runs in chunks over
+/// one bounded scratch.
+pub(super) const MLA_ROWS: usize = 256;
+
+/// Floats of MLA scratch for a step of `n` rows: per row the q bottleneck and the compressed
+/// kv (latent and rotary key); per row of a chunk of [`MLA_ROWS`], each head's absorbed query
+/// and weighted latent.
+pub(super) fn mla_scratch_floats(c: &ModelConfig, m: &crate::config::Mla, n: usize) -> usize {
+    n * (m.q_lora_rank.unwrap_or(0) + m.kv_lora_rank + m.qk_rope_head_dim)
+        + n.min(MLA_ROWS) * 2 * c.num_attention_heads * m.kv_lora_rank
 }
 
 /// Rows of a bf16 product of more than 4 rows per cuBLAS call (each split in three, see
@@ -1638,7 +1642,13 @@ impl GpuModel {
         self.o_lrows = self.o_tab + 4 * n as u64;
         self.o_tiles = self.o_lrows + 4 * m as u64;
         self.o_blocks = self.o_tiles + 8 * self.tiles as u64;
-        let wide = (c.q_dim() + 2 * c.kv_dim()).max(2 * dense_i);
+        // q, k and v of a row (MLA: q alone)
+        let qkv_w = if c.mla.is_some() {
+            c.q_dim()
+        } else {
+            c.q_dim() + 2 * c.kv_dim()
+        };
+        let wide = qkv_w.max(2 * dense_i);
         moved |= self.x.grow(&st, n * hs)?;
         moved |= self.h.grow(&st, n * hs)?;
         moved |= self.qkv.grow(&st, n * wide)?;
@@ -1646,7 +1656,7 @@ impl GpuModel {
             .att
             .grow(&st, n * c.q_dim().max(c.o_dim()).max(dense_i))?;
         if let Some(ml) = &c.mla {
-            moved |= self.mla_s.grow(&st, n * mla_row_floats(c, ml))?;
+            moved |= self.mla_s.grow(&st, mla_scratch_floats(c, ml, n))?;
         }
         moved |= self.rlog.grow(&st, n * ne)?;
         moved |= self.idx.grow(&st, self.moe.max(1) * n * k)?;

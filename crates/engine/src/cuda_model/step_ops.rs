@@ -153,7 +153,12 @@ impl GpuModel {
         let scale = c.attention_scale;
         // gpt_oss: each head's sink logit in the softmax's sum, a sliding window on some layers
         let sinks = lw.sinks.as_ref().map_or(0, |b| b.p);
-        let window = c.windows.get(l).copied().flatten().map_or(0, |w| w as i32);
+        let window = c
+            .windows
+            .get(l)
+            .copied()
+            .flatten()
+            .map_or(0, |w| i32::try_from(w).unwrap_or(0));
         // 16 warps take the positions in turn: a decode row's chain of dependent loads is
         // 1/16 of its context (or of its range of it) long
         let nw = ATT_WARPS;
@@ -308,9 +313,9 @@ impl GpuModel {
         let tq = self.mla_s.p;
         let ckv = tq + f4(n * ql);
         let q_lat = ckv + f4(n * cd);
-        let lat = q_lat + f4(n * nh * r);
+        let lat = q_lat + f4(n.min(super::MLA_ROWS) * nh * r);
         let q = self.qkv.p;
-        if self.mla_s.len < n * super::mla_row_floats(c, &m) {
+        if self.mla_s.len < super::mla_scratch_floats(c, &m, n) {
             return Err(Error::Internal(format!(
                 "MLA scratch of {} floats for {n} rows",
                 self.mla_s.len
@@ -371,47 +376,56 @@ impl GpuModel {
         if w.q_a.is_some() {
             self.gemm("gemv_rows:q_b", w.q_b.w(), nh * qk, ql, tq, n, q, 0.0)?;
         }
-        // each head's query through its key rows: q_lat [n, heads, r]
-        self.head_gemv(w.uk.w(), q, nope, r, nh * qk, qk, q_lat)?;
-        let mut a = args::MlaAttend {
-            q_lat,
-            q,
-            cos_t: self.cos.p,
-            sin_t: self.sin.p,
-            kc: self.kc[l].p,
-            row_pos: self.o_pos,
-            row_tab: self.o_tab,
-            blocks: self.o_blocks,
-            lat,
-            heads: nh as i32,
-            r: ri,
-            rope: ropei,
-            nope: nope as i32,
-            interleave: il,
-            scale: c.attention_scale,
-        };
-        // SAFETY: as mla_prep; q holds n rows of heads * (nope + rope), q_lat and lat n rows
-        // of heads * r (the scratch, checked above); r <= 512 and rope <= 64 (checked at
-        // load); r + rope + 8 (r + 2) floats shared.
-        unsafe {
-            self.launch(
-                &self.f.mla_attend,
-                "mla_attend",
-                &mut a.params(),
-                grid(n, nh, 256, (cd + 8 * (r + 2)) * 4),
-            )
-        }?;
-        // the weighted latent through each head's value rows: att [n, heads * v_head]
-        self.head_gemv(w.uv.w(), lat, r, vh, nh * r, r, self.att.p)?;
+        // per chunk of rows: each head's query through its key rows (q_lat [rows, heads, r]),
+        // attention over the latents (lat), the weighted latent through the value rows
+        let mut r0 = 0;
+        while r0 < n {
+            let rows = super::MLA_ROWS.min(n - r0);
+            let qr = q + f4(r0 * nh * qk);
+            self.head_gemv(w.uk.w(), rows, qr, nope, r, nh * qk, qk, q_lat)?;
+            let mut a = args::MlaAttend {
+                q_lat,
+                q: qr,
+                cos_t: self.cos.p,
+                sin_t: self.sin.p,
+                kc: self.kc[l].p,
+                row_pos: self.o_pos + 4 * r0 as u64,
+                row_tab: self.o_tab + 4 * r0 as u64,
+                blocks: self.o_blocks,
+                lat,
+                heads: nh as i32,
+                r: ri,
+                rope: ropei,
+                nope: nope as i32,
+                interleave: il,
+                scale: c.attention_scale,
+            };
+            // SAFETY: as mla_prep, for rows r0..r0 + rows of the step (their positions and
+            // tables at those offsets); q holds n rows of heads * (nope + rope), q_lat and lat
+            // MLA_ROWS rows of heads * r (the scratch, checked above); r <= 512 and rope <= 64
+            // (checked at load); r + rope + 8 (r + 2) floats shared.
+            unsafe {
+                self.launch(
+                    &self.f.mla_attend,
+                    "mla_attend",
+                    &mut a.params(),
+                    grid(rows, nh, 256, (cd + 8 * (r + 2)) * 4),
+                )
+            }?;
+            let att = self.att.p + f4(r0 * nh * vh);
+            self.head_gemv(w.uv.w(), rows, lat, r, vh, nh * r, r, att)?;
+            r0 += rows;
+        }
         self.out_proj(l)
     }
 
-    /// y[row, head, 0..out] = w[head] . x[row * xs + head * xh ..][0..inp] for every row and
-    /// head of the step (`w`: `[heads, out, inp]`), y's rows `heads * out` wide.
+    /// y[row, head, 0..out] = w[head] . x[row * xs + head * xh ..][0..inp] for `rows` rows
+    /// and every head (`w`: `[heads, out, inp]`), y's rows `heads * out` wide.
     #[allow(clippy::too_many_arguments)]
     fn head_gemv(
         &self,
         w: W,
+        rows: usize,
         x: u64,
         inp: usize,
         out: usize,
@@ -430,11 +444,11 @@ impl GpuModel {
             xh: xh as i32,
             ys: (heads * out) as i32,
         };
-        let mut cfg = grid(self.n, heads, 256, 0);
+        let mut cfg = grid(rows, heads, 256, 0);
         cfg.grid_dim.2 = out.div_ceil(8) as u32;
         // SAFETY: w holds heads * out * inp weights (the stacked per-head matrices); x holds
-        // n rows of xs floats with head h's inp at h * xh; y n rows of heads * out (callers'
-        // scratch, sized in `begin`).
+        // `rows` rows of xs floats with head h's inp at h * xh; y `rows` rows of heads * out
+        // (callers' scratch and offsets, sized in `begin`).
         unsafe { self.launch(self.f.head_gemv.of(w.dt), "head_gemv", &mut a.params(), cfg) }
     }
 
