@@ -44,17 +44,11 @@ extern "C" __global__ void mla_prep(float* __restrict__ tq, const float* __restr
     const int row = blockIdx.x, cd = r + rope;
     if (tq) {
         float* t = tq + (size_t)row * q_lora;
-        float s = 0.f;
-        for (int i = threadIdx.x; i < q_lora; i += blockDim.x) s = fmaf(t[i], t[i], s);
-        s = block_sum(s, red);
-        const float inv = 1.f / sqrtf(s / (float)q_lora + MLA_EPS);
+        const float inv = row_inv_rms(t, q_lora, MLA_EPS, red);
         for (int i = threadIdx.x; i < q_lora; i += blockDim.x) t[i] = qa_norm[i] * (t[i] * inv);
     }
     const float* c = ckv + (size_t)row * cd;
-    float s = 0.f;
-    for (int i = threadIdx.x; i < r; i += blockDim.x) s = fmaf(c[i], c[i], s);
-    s = block_sum(s, red);
-    const float inv = 1.f / sqrtf(s / (float)r + MLA_EPS);
+    const float inv = row_inv_rms(c, r, MLA_EPS, red);
     for (int i = threadIdx.x; i < cd; i += blockDim.x) sm[i] = i < r ? kv_norm[i] * (c[i] * inv) : c[i];
     __syncthreads();
     const int pos = row_pos[row];

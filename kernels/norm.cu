@@ -19,6 +19,15 @@ extern "C" __global__ void embed_rows_bf16(const bf16_t* __restrict__ emb, const
     embed_body(emb, tok, x, h);
 }
 
+// 1 / rms(x[0..h]) with eps, over the block (red: 33 floats of shared memory); every thread
+// gets it, after a barrier, so the caller may then overwrite x in place.
+__device__ __forceinline__ float row_inv_rms(const float* xr, int h, float eps, float* red) {
+    float s = 0.f;
+    for (int i = threadIdx.x; i < h; i += blockDim.x) s = fmaf(xr[i], xr[i], s);
+    s = block_sum(s, red);
+    return 1.f / sqrtf(s / (float)h + eps);
+}
+
 // y[r] = w * (x[src] * rsqrt(mean(x[src]^2) + eps)), src = rows ? rows[r] : r. grid: rows.
 extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, const int* __restrict__ rows,
                                         const float* __restrict__ w, float* __restrict__ y,
@@ -29,10 +38,7 @@ extern "C" __global__ void rmsnorm_rows(const float* __restrict__ x, const int* 
     const int src = rows ? rows[r] : r;
     const float* xr = x + (size_t)src * h;
     float* yr = y + (size_t)r * h;
-    float s = 0.f;
-    for (int i = threadIdx.x; i < h; i += blockDim.x) s = fmaf(xr[i], xr[i], s);
-    s = block_sum(s, red);
-    const float inv = 1.f / sqrtf(s / (float)h + eps);
+    const float inv = row_inv_rms(xr, h, eps, red);
     for (int i = threadIdx.x; i < h; i += blockDim.x) yr[i] = w[i] * (xr[i] * inv);
 }
 

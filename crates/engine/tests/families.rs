@@ -76,50 +76,14 @@ fn write_checkpoints() {
     }
 }
 
-fn f16s(bytes: &[u8]) -> Vec<f32> {
-    bytes
-        .chunks_exact(2)
-        .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
-        .collect()
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
 /// Our logits for `prompt` then each of `feed` (one decode step each): rows * vocab.
 fn logits(dir: &Path, map: Option<Rowmap>, prompt: &[u32], feed: &[u32]) -> Vec<f32> {
-    let mut eng = common::engine(dir, map);
-    let mut seq = eng.kv.new_seq();
-    let mut out = eng
-        .step_with(
-            &mut [SeqStep {
-                kv: &mut seq,
-                tokens: prompt,
-            }],
-            true,
-        )
-        .unwrap();
-    for &t in feed {
-        out.extend(
-            eng.step(&mut [SeqStep {
-                kv: &mut seq,
-                tokens: &[t],
-            }])
-            .unwrap(),
-        );
-    }
-    out
+    common::prompt_logits(&mut common::engine(dir, map), prompt, feed)
 }
 
 #[test]
 fn every_family_matches_transformers_and_does_not_depend_on_the_map() {
     let root = common::scratch("families");
-    let golden = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden");
     // every family in bf16, then the FP8 variants (hf_<family>_fp8.*)
     let mut cases: Vec<(Family, String, PathBuf)> = FAMILIES
         .iter()
@@ -135,13 +99,7 @@ fn every_family_matches_transformers_and_does_not_depend_on_the_map() {
         mxfp4_checkpoint(&root),
     ));
     for (family, name, dir) in cases {
-        let meta: Value = serde_json::from_slice(
-            &std::fs::read(golden.join(format!("hf_{name}.json"))).unwrap_or_else(|e| {
-                panic!("golden file of {name}: {e} (scripts/hf_family_golden.py)")
-            }),
-        )
-        .unwrap();
-        let want = f16s(&std::fs::read(golden.join(format!("hf_{name}.f16"))).unwrap());
+        let (meta, want) = common::golden(&name);
         let sha: String = Sha256::digest(std::fs::read(dir.join("model.safetensors")).unwrap())
             .iter()
             .map(|b| format!("{b:02x}"))
@@ -151,7 +109,6 @@ fn every_family_matches_transformers_and_does_not_depend_on_the_map() {
             meta["checkpoint_sha256"].as_str().unwrap(),
             "{name}: the random checkpoint changed: regenerate its golden file"
         );
-        let vocab = meta["vocab"].as_u64().unwrap() as usize;
         let d = Dims::for_family(family);
         let prompts = random_ckpt::prompts(d.vocab, PROMPTS, SEED);
         // gpt_oss's MXFP4 against transformers' own MXFP4 path (`Mxfp4Config(dequantize=
@@ -162,33 +119,17 @@ fn every_family_matches_transformers_and_does_not_depend_on_the_map() {
         } else {
             0.9999
         };
-        let (mut row0, mut worst, mut greedy_ok, mut greedy_all) = (0usize, 1f64, 0, 0);
         for (p, pm) in prompts.iter().zip(meta["prompts"].as_array().unwrap()) {
-            assert_eq!(&ids(&pm["ids"]), p, "{name}: the golden file's prompt");
-            let gen = ids(&pm["generated"]);
-            let ours = logits(&dir, None, p, &gen);
-            let rows = pm["rows"].as_u64().unwrap() as usize;
-            assert_eq!(ours.len(), rows * vocab, "{name}: rows of logits");
-            for r in 0..rows {
-                let a = &ours[r * vocab..(r + 1) * vocab];
-                let b = &want[(row0 + r) * vocab..(row0 + r + 1) * vocab];
-                let c = common::cos(a, b);
-                assert!(
-                    c >= min_cos,
-                    "{name}: prompt of {} row {r}: cosine {c}",
-                    p.len()
-                );
-                worst = worst.min(c);
-            }
-            for (i, &t) in gen.iter().enumerate() {
-                let r = p.len() - 1 + i;
-                greedy_all += 1;
-                greedy_ok += (moelane_engine::sampling::argmax(&ours[r * vocab..(r + 1) * vocab])
-                    as u32
-                    == t) as usize;
-            }
-            row0 += rows;
+            assert_eq!(
+                &common::json_ids(&pm["ids"]),
+                p,
+                "{name}: the golden file's prompt"
+            );
         }
+        let (worst, greedy_ok, greedy_all) =
+            common::against_golden(&name, &meta, &want, min_cos, |p, gen| {
+                logits(&dir, None, p, gen)
+            });
         eprintln!(
             "{name}: worst cosine {worst:.7}, greedy {greedy_ok}/{greedy_all} as transformers"
         );

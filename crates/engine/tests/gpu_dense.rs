@@ -725,19 +725,6 @@ fn families_on_the_gpu_match_transformers() {
     use moelane_engine::config::Family;
     use moelane_engine::random_ckpt::{self, Dims};
     let Some(gpu) = gpu() else { return };
-    let golden = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden");
-    let f16s = |b: &[u8]| -> Vec<f32> {
-        b.chunks_exact(2)
-            .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
-            .collect()
-    };
-    let ids = |v: &serde_json::Value| -> Vec<u32> {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect()
-    };
     let opts = EngineOptions {
         kv_tokens: 4096,
         progress: false,
@@ -765,58 +752,13 @@ fn families_on_the_gpu_match_transformers() {
             _ => {}
         }
         let min_cos = if variant == "_mxfp4" { 0.997 } else { 0.9999 };
-        let meta: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(golden.join(format!("hf_{name}.json"))).unwrap())
-                .unwrap();
-        let want = f16s(&std::fs::read(golden.join(format!("hf_{name}.f16"))).unwrap());
-        let vocab = meta["vocab"].as_u64().unwrap() as usize;
+        let (meta, want) = common::golden(&name);
         let ckpt = Checkpoint::open(dir.path()).unwrap();
         let map = maps(&ckpt, 1).remove(0).1;
         let mut e = load_on_gpu(&ckpt, map, &opts, gpu.clone()).unwrap();
-        let (mut row0, mut worst, mut ok, mut all) = (0usize, 1f64, 0, 0);
-        for pm in meta["prompts"].as_array().unwrap() {
-            let (p, gen) = (ids(&pm["ids"]), ids(&pm["generated"]));
-            let mut seq = e.kv.new_seq();
-            let mut ours = e
-                .step_with(
-                    &mut [SeqStep {
-                        kv: &mut seq,
-                        tokens: &p,
-                    }],
-                    true,
-                )
-                .unwrap();
-            for &t in &gen {
-                ours.extend(
-                    e.step(&mut [SeqStep {
-                        kv: &mut seq,
-                        tokens: &[t],
-                    }])
-                    .unwrap(),
-                );
-            }
-            let rows = pm["rows"].as_u64().unwrap() as usize;
-            assert_eq!(ours.len(), rows * vocab, "{name}: rows of logits");
-            for r in 0..rows {
-                let c = cos(
-                    &ours[r * vocab..(r + 1) * vocab],
-                    &want[(row0 + r) * vocab..(row0 + r + 1) * vocab],
-                );
-                assert!(
-                    c >= min_cos,
-                    "{name}: prompt of {} row {r}: cosine {c}",
-                    p.len()
-                );
-                worst = worst.min(c);
-            }
-            for (i, &t) in gen.iter().enumerate() {
-                let r = p.len() - 1 + i;
-                all += 1;
-                ok += (moelane_engine::sampling::argmax(&ours[r * vocab..(r + 1) * vocab]) as u32
-                    == t) as usize;
-            }
-            row0 += rows;
-        }
+        let (worst, ok, all) = common::against_golden(&name, &meta, &want, min_cos, |p, gen| {
+            common::prompt_logits(&mut e, p, gen)
+        });
         eprintln!("{name} on the GPU: worst cosine vs transformers {worst:.7}, greedy {ok}/{all}");
         assert_eq!(
             ok, all,

@@ -128,21 +128,8 @@ impl GpuModel {
             self.qkv.p,
         )?;
         if let Some(b) = &lw.qkv_bias {
-            let width = qd + 2 * kvd;
-            let mut a = args::BiasRows {
-                y: self.qkv.p,
-                b: b.p,
-                dim: width as i32,
-            };
-            // SAFETY: qkv holds n rows of q_dim + 2 kv_dim, the bias that many floats.
-            unsafe {
-                self.launch(
-                    &self.f.bias_rows,
-                    "bias_rows",
-                    &mut a.params(),
-                    grid(n, 1, 256, 0),
-                )
-            }?;
+            // qkv holds n rows of q_dim + 2 kv_dim, the bias that many floats
+            self.bias_rows(self.qkv.p, b, qd + 2 * kvd)?;
         }
         let (nh, nkv, hd) = (
             c.num_attention_heads as i32,

@@ -89,3 +89,94 @@ pub fn greedy_one(e: &mut Engine, p: &[u32], n: usize) -> (Vec<u32>, Vec<f32>) {
     }
     (got, first)
 }
+
+/// The logits of `prompt` (every row, one prefill step) then of each token of `feed` (one
+/// decode step each): rows * vocab, on a fresh sequence of `e`.
+pub fn prompt_logits(e: &mut Engine, prompt: &[u32], feed: &[u32]) -> Vec<f32> {
+    let mut seq = e.kv.new_seq();
+    let mut out = e
+        .step_with(
+            &mut [SeqStep {
+                kv: &mut seq,
+                tokens: prompt,
+            }],
+            true,
+        )
+        .unwrap();
+    for &t in feed {
+        out.extend(
+            e.step(&mut [SeqStep {
+                kv: &mut seq,
+                tokens: &[t],
+            }])
+            .unwrap(),
+        );
+    }
+    out
+}
+
+/// Token ids of a JSON array.
+pub fn json_ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+/// The golden file `hf_<name>` of tests/golden (scripts/hf_family_golden.py): its metadata
+/// and its logits (f16, widened).
+pub fn golden(name: &str) -> (serde_json::Value, Vec<f32>) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden");
+    let meta = serde_json::from_slice(
+        &std::fs::read(dir.join(format!("hf_{name}.json")))
+            .unwrap_or_else(|e| panic!("golden file of {name}: {e} (scripts/hf_family_golden.py)")),
+    )
+    .unwrap();
+    let want = std::fs::read(dir.join(format!("hf_{name}.f16")))
+        .unwrap()
+        .chunks_exact(2)
+        .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+        .collect();
+    (meta, want)
+}
+
+/// Holds `ours(prompt, generated)` (the logits of each golden prompt and its generated
+/// tokens, rows * vocab) to the golden logits: cosine >= `min_cos` at every row (asserted);
+/// returns the worst cosine and transformers' greedy picks reproduced, of all.
+pub fn against_golden(
+    name: &str,
+    meta: &serde_json::Value,
+    want: &[f32],
+    min_cos: f64,
+    mut ours: impl FnMut(&[u32], &[u32]) -> Vec<f32>,
+) -> (f64, usize, usize) {
+    let vocab = meta["vocab"].as_u64().unwrap() as usize;
+    let (mut row0, mut worst, mut ok, mut all) = (0usize, 1f64, 0, 0);
+    for pm in meta["prompts"].as_array().unwrap() {
+        let (p, gen) = (json_ids(&pm["ids"]), json_ids(&pm["generated"]));
+        let got = ours(&p, &gen);
+        let rows = pm["rows"].as_u64().unwrap() as usize;
+        assert_eq!(got.len(), rows * vocab, "{name}: rows of logits");
+        for r in 0..rows {
+            let c = cos(
+                &got[r * vocab..(r + 1) * vocab],
+                &want[(row0 + r) * vocab..(row0 + r + 1) * vocab],
+            );
+            assert!(
+                c >= min_cos,
+                "{name}: prompt of {} row {r}: cosine {c}",
+                p.len()
+            );
+            worst = worst.min(c);
+        }
+        for (i, &t) in gen.iter().enumerate() {
+            let r = p.len() - 1 + i;
+            all += 1;
+            ok += (moelane_engine::sampling::argmax(&got[r * vocab..(r + 1) * vocab]) as u32 == t)
+                as usize;
+        }
+        row0 += rows;
+    }
+    (worst, ok, all)
+}
