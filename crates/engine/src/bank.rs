@@ -244,12 +244,13 @@ impl ExpertBank {
             )));
         }
         let optr = OutPtr(out.as_mut_ptr());
-        groups.par_iter().for_each(|&(s, t)| {
+        crate::team::team().run(groups.len(), &|gi| {
+            let (s, t) = groups[gi];
             let idx = &order[s..t];
             let e = picks[idx[0] as usize].expert as usize;
             let Some(w) = self.get(layer, e) else { return };
-            // Take the buffers out (not a borrow held across the matmuls: rayon may run
-            // another group on this thread while it waits) and put them back after.
+            // Take the buffers out (not a borrow held across the matmuls, which may run
+            // another task on this thread) and put them back after.
             let mut sc = SCRATCH.with(|sc| std::mem::take(&mut *sc.borrow_mut()));
             {
                 let (x, gu, act, y) = &mut sc;

@@ -1,10 +1,8 @@
-//! The CPU step backend: the primary's math on the host (rayon across rows and heads), the
+//! The CPU step backend: the primary's math on the host (the worker team across rows and heads), the
 //! hot experts from the bank, and the combine in router-rank order. Every sum runs in a
 //! fixed order, so a step's output does not depend on the map or the thread count.
 
 use std::any::Any;
-
-use rayon::prelude::*;
 
 use crate::bank::{ExpertBank, Pick};
 use crate::config::{ModelConfig, Routing};
@@ -188,34 +186,31 @@ impl CpuBackend {
         let kc = &kv.k[layer];
         let (rows, q) = (&self.rows, &self.qkv[..n * nh * qk]);
         self.att.resize(n * nh * vh, 0.0);
-        self.att
-            .par_chunks_mut(nh * vh)
-            .enumerate()
-            .for_each(|(i, out)| {
-                let rp = rows[i];
-                let seq = seqs[rp.seq];
-                let mut scores = vec![0f32; rp.pos + 1];
-                let (mut q_lat, mut lat) = (vec![0f32; r], vec![0f32; r]);
-                for hh in 0..nh {
-                    let h0 = i * nh * qk + hh * qk;
-                    let (q_nope, q_rot) = (&q[h0..h0 + nope], &q[h0 + nope..h0 + qk]);
-                    matmul(q_nope, 1, &w.uk_t[hh], &mut q_lat);
-                    for (j, s) in scores.iter_mut().enumerate() {
-                        let off = seq.offset(j, cd);
-                        let cj = &kc[off..off + cd];
-                        *s = (ops::dot(&q_lat, &cj[..r]) + ops::dot(q_rot, &cj[r..])) * scale;
-                    }
-                    ops::softmax(&mut scores);
-                    lat.fill(0.0);
-                    for (j, &p) in scores.iter().enumerate() {
-                        let off = seq.offset(j, cd);
-                        for (l, &cv) in lat.iter_mut().zip(&kc[off..off + r]) {
-                            *l += p * cv;
-                        }
-                    }
-                    matmul(&lat, 1, &w.uv[hh], &mut out[hh * vh..(hh + 1) * vh]);
+        crate::team::team().for_each_chunk(&mut self.att, nh * vh, &|i, out| {
+            let rp = rows[i];
+            let seq = seqs[rp.seq];
+            let mut scores = vec![0f32; rp.pos + 1];
+            let (mut q_lat, mut lat) = (vec![0f32; r], vec![0f32; r]);
+            for hh in 0..nh {
+                let h0 = i * nh * qk + hh * qk;
+                let (q_nope, q_rot) = (&q[h0..h0 + nope], &q[h0 + nope..h0 + qk]);
+                matmul(q_nope, 1, &w.uk_t[hh], &mut q_lat);
+                for (j, s) in scores.iter_mut().enumerate() {
+                    let off = seq.offset(j, cd);
+                    let cj = &kc[off..off + cd];
+                    *s = (ops::dot(&q_lat, &cj[..r]) + ops::dot(q_rot, &cj[r..])) * scale;
                 }
-            });
+                ops::softmax(&mut scores);
+                lat.fill(0.0);
+                for (j, &p) in scores.iter().enumerate() {
+                    let off = seq.offset(j, cd);
+                    for (l, &cv) in lat.iter_mut().zip(&kc[off..off + r]) {
+                        *l += p * cv;
+                    }
+                }
+                matmul(&lat, 1, &w.uv[hh], &mut out[hh * vh..(hh + 1) * vh]);
+            }
+        });
         self.tmp.resize(n * hs, 0.0);
         matmul(&self.att, n, &lw.o, &mut self.tmp);
         for (xv, t) in self.x[..n * hs].iter_mut().zip(&self.tmp) {
@@ -355,35 +350,32 @@ impl StepBackend for CpuBackend {
         let window = c.windows[layer];
         let (kc, vc) = (&kv.k[layer], &kv.v[layer]);
         let (qkv, rows, sinks) = (&self.qkv, &self.rows, &lw.sinks);
-        self.att
-            .par_chunks_mut(qd)
-            .enumerate()
-            .for_each(|(i, out)| {
-                let rp = rows[i];
-                let seq = seqs[rp.seq];
-                let first = window.map_or(0, |w| (rp.pos + 1).saturating_sub(w));
-                let mut scores = vec![0f32; rp.pos + 1 - first];
-                for hh in 0..nh {
-                    let g = hh / group;
-                    let q = &qkv[i * stride + hh * hd..i * stride + (hh + 1) * hd];
-                    for (j, s) in scores.iter_mut().enumerate() {
-                        let off = seq.offset(first + j, kvd) + g * hd;
-                        *s = ops::dot(q, &kc[off..off + hd]) * scale;
-                    }
-                    match sinks.get(hh) {
-                        Some(&sink) => ops::softmax_with_sink(&mut scores, sink),
-                        None => ops::softmax(&mut scores),
-                    }
-                    let o = &mut out[hh * hd..(hh + 1) * hd];
-                    o.fill(0.0);
-                    for (j, &p) in scores.iter().enumerate() {
-                        let off = seq.offset(first + j, kvd) + g * hd;
-                        for (od, &vd) in o.iter_mut().zip(&vc[off..off + hd]) {
-                            *od += p * vd;
-                        }
+        crate::team::team().for_each_chunk(&mut self.att, qd, &|i, out| {
+            let rp = rows[i];
+            let seq = seqs[rp.seq];
+            let first = window.map_or(0, |w| (rp.pos + 1).saturating_sub(w));
+            let mut scores = vec![0f32; rp.pos + 1 - first];
+            for hh in 0..nh {
+                let g = hh / group;
+                let q = &qkv[i * stride + hh * hd..i * stride + (hh + 1) * hd];
+                for (j, s) in scores.iter_mut().enumerate() {
+                    let off = seq.offset(first + j, kvd) + g * hd;
+                    *s = ops::dot(q, &kc[off..off + hd]) * scale;
+                }
+                match sinks.get(hh) {
+                    Some(&sink) => ops::softmax_with_sink(&mut scores, sink),
+                    None => ops::softmax(&mut scores),
+                }
+                let o = &mut out[hh * hd..(hh + 1) * hd];
+                o.fill(0.0);
+                for (j, &p) in scores.iter().enumerate() {
+                    let off = seq.offset(first + j, kvd) + g * hd;
+                    for (od, &vd) in o.iter_mut().zip(&vc[off..off + hd]) {
+                        *od += p * vd;
                     }
                 }
-            });
+            }
+        });
         matmul(&self.att, n, &lw.o, &mut self.tmp);
         for (xv, t) in self.x[..n * hs].iter_mut().zip(&self.tmp) {
             *xv += t;

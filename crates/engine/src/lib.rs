@@ -15,6 +15,8 @@ pub mod kv;
 pub mod load;
 pub mod model;
 pub mod ops;
+#[cfg(target_arch = "x86_64")]
+mod ops_x86;
 pub mod placement;
 pub mod progress;
 pub mod random_ckpt;
@@ -24,6 +26,7 @@ pub mod sampling;
 pub mod step;
 pub mod swap;
 pub mod synth;
+pub mod team;
 pub mod tier;
 
 pub use error::{Error, Result};

@@ -4,7 +4,6 @@
 //! on one machine. On x86-64 with AVX2+FMA the same code is compiled with fused
 //! multiply-add (chosen once per process), elsewhere with separate multiply and add.
 
-use rayon::prelude::*;
 use std::sync::OnceLock;
 
 /// A weight element as stored: f32, or a 16-bit float widened to f32 where it is read (exactly:
@@ -480,20 +479,6 @@ fn block_body<const FMA: bool, E: Elem>(
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn block_fma<E: Elem>(
-    x: &[f32],
-    n: usize,
-    w: &[E],
-    k: usize,
-    outs: std::ops::Range<usize>,
-    y: SyncPtr,
-    ldy: usize,
-) {
-    block_body::<true, E>(x, n, w, k, outs, y, ldy)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
 unsafe fn dot_fma(a: &[f32], b: &[f32]) -> f32 {
     dot_body::<true, f32>(a, b)
 }
@@ -506,6 +491,23 @@ fn has_fma() -> bool {
             std::env::var_os("MOELANE_NO_FMA").is_none()
                 && is_x86_feature_detected!("avx2")
                 && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
+/// 512-bit registers for the matrix products (`MOELANE_NO_AVX512` turns them off; the
+/// results are the same bits either way).
+fn has_avx512() -> bool {
+    static AVX512: OnceLock<bool> = OnceLock::new();
+    *AVX512.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::env::var_os("MOELANE_NO_AVX512").is_none() && is_x86_feature_detected!("avx512f")
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
@@ -538,7 +540,11 @@ fn run_block(
     y: SyncPtr,
     ldy: usize,
 ) {
-    fn go<E: Elem>(
+    #[cfg(target_arch = "x86_64")]
+    use crate::ops_x86::Wide;
+    #[cfg(not(target_arch = "x86_64"))]
+    use Elem as Wide;
+    fn wide<E: Wide>(
         x: &[f32],
         n: usize,
         w: &[E],
@@ -549,17 +555,27 @@ fn run_block(
     ) {
         #[cfg(target_arch = "x86_64")]
         if has_fma() {
-            // SAFETY: the CPU supports avx2 and fma (checked at run time).
-            unsafe { block_fma(x, n, w, k, outs, y, ldy) };
+            let (wp, yp) = (w.as_ptr(), y.0);
+            debug_assert!(x.len() >= n * k && w.len() >= outs.end * k);
+            // SAFETY: the CPU has the features each path needs (checked at run time); x
+            // holds n rows of k, w at least outs.end rows of k, and y n rows of ldy >=
+            // outs.end (checked by `matmul`); each (i, o) is written by this task alone.
+            unsafe {
+                if has_avx512() {
+                    crate::ops_x86::block512(x.as_ptr(), n, wp, k, outs, yp, ldy);
+                } else {
+                    crate::ops_x86::block256(x.as_ptr(), n, wp, k, outs, yp, ldy);
+                }
+            }
             return;
         }
         block_body::<false, E>(x, n, w, k, outs, y, ldy)
     }
     let k = w.cols;
     match &w.data {
-        Elems::F32(v) => go(x, n, v, k, outs, y, ldy),
-        Elems::Bf16(v) => go(x, n, v, k, outs, y, ldy),
-        Elems::F16(v) => go(x, n, v, k, outs, y, ldy),
+        Elems::F32(v) => wide(x, n, v, k, outs, y, ldy),
+        Elems::Bf16(v) => wide(x, n, v, k, outs, y, ldy),
+        Elems::F16(v) => wide(x, n, v, k, outs, y, ldy),
         Elems::F8(q) => {
             #[cfg(target_arch = "x86_64")]
             if has_fma() {
@@ -622,15 +638,19 @@ pub fn matmul(x: &[f32], n: usize, w: &Matrix, y: &mut [f32]) {
     assert!(y.len() >= n * w.rows, "matmul: y too short");
     let ptr = SyncPtr(y.as_mut_ptr());
     let work = n * w.rows * w.cols;
-    if work < PAR_MIN_WORK || rayon::current_num_threads() == 1 {
+    let team = crate::team::team();
+    if work < PAR_MIN_WORK || team.threads() == 1 {
         run_block(x, n, w, 0..w.rows, ptr, w.rows);
         return;
     }
-    // Split the output rows into chunks of at least 16 rows and ~PAR_MIN_WORK work.
+    // Split the output rows into chunks of at least 16 rows and ~PAR_MIN_WORK work, at
+    // least two a thread (the threads' speeds differ on a shared host).
     let per_row = n * w.cols;
-    let chunk = (PAR_MIN_WORK / per_row.max(1)).max(16);
+    let chunk = (PAR_MIN_WORK / per_row.max(1))
+        .min(w.rows.div_ceil(2 * team.threads()))
+        .max(16);
     let chunks = w.rows.div_ceil(chunk);
-    (0..chunks).into_par_iter().for_each(|c| {
+    team.run(chunks, &|c| {
         let o0 = c * chunk;
         let o1 = (o0 + chunk).min(w.rows);
         run_block(x, n, w, o0..o1, ptr, w.rows);
@@ -905,6 +925,107 @@ mod tests {
                 let mut yi = vec![0.0; rows];
                 matmul(&x[i * cols..(i + 1) * cols], 1, &w, &mut yi);
                 assert_eq!(&yi[..], &y[i * rows..(i + 1) * rows]);
+            }
+        }
+    }
+
+    /// Every product path (scalar, 256-bit, 512-bit, any tile and leftover) gives each
+    /// output bitwise what one `dot` of its row and column gives: the CPU engine's parity
+    /// across batch sizes, maps and machines' register widths rests on it.
+    #[test]
+    fn every_kernel_path_gives_the_bits_of_one_dot() {
+        let mut r = Rng::new(7);
+        for &(n, rows, k) in &[
+            (1, 1, 16),
+            (1, 13, 70),
+            (2, 9, 256),
+            (3, 17, 33),
+            (4, 8, 64),
+            (5, 11, 300),
+            (16, 37, 128),
+            (17, 6, 15),
+        ] {
+            let x: Vec<f32> = (0..n * k).map(|_| r.normal()).collect();
+            let wf: Vec<f32> = (0..rows * k).map(|_| r.normal()).collect();
+            let bf: Vec<Bf16> = wf
+                .iter()
+                .map(|&v| Bf16(half::bf16::from_f32(v).to_bits()))
+                .collect();
+            let hf: Vec<F16> = wf
+                .iter()
+                .map(|&v| F16(half::f16::from_f32(v).to_bits()))
+                .collect();
+            for w in [
+                Matrix::new(rows, k, wf.clone()),
+                Matrix::of(rows, k, Elems::Bf16(bf.clone())),
+                Matrix::of(rows, k, Elems::F16(hf.clone())),
+            ] {
+                let wide = w.to_f32();
+                let want: Vec<f32> = (0..n)
+                    .flat_map(|i| {
+                        let xi = &x[i * k..(i + 1) * k];
+                        (0..rows)
+                            .map(|o| dot(xi, &wide[o * k..(o + 1) * k]))
+                            .collect::<Vec<_>>()
+                    })
+                    .collect();
+                let mut y = vec![0.0; n * rows];
+                matmul(&x, n, &w, &mut y);
+                assert_eq!(y, want, "matmul {} n {n} rows {rows} k {k}", w.data.dtype());
+                #[cfg(target_arch = "x86_64")]
+                if has_fma() {
+                    fn both<E: crate::ops_x86::Wide>(
+                        x: &[f32],
+                        n: usize,
+                        w: &[E],
+                        rows: usize,
+                        k: usize,
+                        want: &[f32],
+                    ) {
+                        for wide512 in [false, true] {
+                            if wide512 && !is_x86_feature_detected!("avx512f") {
+                                continue;
+                            }
+                            // rows split unevenly, as the team's chunks split them
+                            let mut y = vec![f32::NAN; n * rows];
+                            for (a, b) in [(0, rows / 3), (rows / 3, rows)] {
+                                // SAFETY: the features are present (checked); x, w and y
+                                // hold n x k, rows x k and n x rows.
+                                unsafe {
+                                    if wide512 {
+                                        crate::ops_x86::block512(
+                                            x.as_ptr(),
+                                            n,
+                                            w.as_ptr(),
+                                            k,
+                                            a..b,
+                                            y.as_mut_ptr(),
+                                            rows,
+                                        )
+                                    } else {
+                                        crate::ops_x86::block256(
+                                            x.as_ptr(),
+                                            n,
+                                            w.as_ptr(),
+                                            k,
+                                            a..b,
+                                            y.as_mut_ptr(),
+                                            rows,
+                                        )
+                                    }
+                                }
+                            }
+                            let same = y.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits());
+                            assert!(same, "512-bit {wide512}: n {n} rows {rows} k {k}");
+                        }
+                    }
+                    match &w.data {
+                        Elems::F32(v) => both(&x, n, v, rows, k, &want),
+                        Elems::Bf16(v) => both(&x, n, v, rows, k, &want),
+                        Elems::F16(v) => both(&x, n, v, rows, k, &want),
+                        Elems::F8(_) => {}
+                    }
+                }
             }
         }
     }

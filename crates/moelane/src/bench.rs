@@ -255,25 +255,39 @@ pub fn read_probe_bytes(llc: Option<u64>) -> u64 {
     (4 * llc.unwrap_or(0)).clamp(512 << 20, 4 << 30)
 }
 
-/// Measures read bandwidth (bytes per second): every thread of the pool the engine uses
-/// summing its share of a buffer of [`read_probe_bytes`], best of 5 passes.
+/// Measures read bandwidth (bytes per second): every thread of the worker team the engine
+/// uses summing its share of a buffer of [`read_probe_bytes`], best of 5 passes.
 pub fn measure_read_bandwidth(llc: Option<u64>) -> f64 {
-    use rayon::prelude::*;
+    let team = moelane_engine::team::team();
     let words = (read_probe_bytes(llc) / 8) as usize;
     let buf: Vec<u64> = (0..words as u64).collect();
-    let per = words.div_ceil(rayon::current_num_threads().max(1) * 4);
+    let per = words.div_ceil(team.threads() * 4).max(1);
+    let sums: Vec<std::sync::atomic::AtomicU64> = (0..words.div_ceil(per))
+        .map(|_| std::sync::atomic::AtomicU64::new(0))
+        .collect();
     let mut best = 0f64;
     for _ in 0..5 {
         let t = Instant::now();
-        let sum: u64 = buf
-            .par_chunks(per.max(1))
-            .map(|c| c.iter().fold(0u64, |a, &x| a.wrapping_add(x)))
-            .reduce(|| 0, u64::wrapping_add);
+        team.run(sums.len(), &|i| {
+            let c = &buf[i * per..((i + 1) * per).min(words)];
+            let v = c.iter().fold(0u64, |a, &x| a.wrapping_add(x));
+            sums[i].store(v, std::sync::atomic::Ordering::Relaxed);
+        });
         let s = t.elapsed().as_secs_f64();
-        std::hint::black_box(sum);
+        std::hint::black_box(&sums);
         best = best.max((words * 8) as f64 / s);
     }
     best
+}
+
+/// The worker team as the bench headers print it: "4 (pinned)".
+pub fn team_desc() -> String {
+    let t = moelane_engine::team::team();
+    format!(
+        "{}{}",
+        t.threads(),
+        if t.pinned() { " (pinned)" } else { "" }
+    )
 }
 
 /// Measures memory copy bandwidth (read + write bytes per second) on a buffer far larger than cache.
@@ -521,14 +535,14 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
                 c.num_experts,
                 c.num_experts_per_tok,
                 c.hidden_size,
-                rayon::current_num_threads()
+                team_desc()
             );
             println!(
                 "measured: copy {:.1} GB/s (read+write), read {:.1} GB/s ({} threads over {:.0} MiB, \
                  best of 5); last-level cache {}",
                 bw / 1e9,
                 read_bw / 1e9,
-                rayon::current_num_threads(),
+                moelane_engine::team::team().threads(),
                 read_probe_bytes(llc) as f64 / (1 << 20) as f64,
                 llc.map_or("unknown".into(), |b| format!("{:.0} MiB", b as f64 / (1 << 20) as f64))
             );

@@ -1,0 +1,232 @@
+//! The matrix product's x86-64 kernels: weights read as stored (f32, bf16, f16) and
+//! widened in registers, tiles of weight rows by input rows so each weight vector is
+//! loaded once for several input rows and several accumulator chains run side by side.
+//!
+//! Every output is the same sum as `ops::dot_body` computes, bit for bit: 16 lanes, lane
+//! `j` accumulating `x[16c + j] * w[16c + j]` by fused multiply-add over the chunks `c` in
+//! order, the lanes reduced 16 -> 8 -> 4 -> 2 -> 1 pairwise, plus the tail's scalar sum.
+//! The 256-bit path holds a lane set in two registers, the 512-bit path in one; the sums
+//! are the same, so a step's output does not depend on which path or tile computed it
+//! (the batch and map invariance of the CPU engine rests on this).
+
+use std::arch::x86_64::*;
+
+use crate::ops::{Bf16, Elem, F16};
+
+/// A stored weight type the kernels widen in registers.
+pub trait Wide: Elem {
+    /// 8 elements at `p` as f32.
+    ///
+    /// # Safety
+    /// `p` addresses 8 elements; the CPU has avx2 and f16c.
+    unsafe fn w8(p: *const Self) -> __m256;
+    /// 16 elements at `p` as f32.
+    ///
+    /// # Safety
+    /// `p` addresses 16 elements; the CPU has avx512f.
+    unsafe fn w16(p: *const Self) -> __m512;
+}
+
+impl Wide for f32 {
+    #[inline(always)]
+    unsafe fn w8(p: *const f32) -> __m256 {
+        _mm256_loadu_ps(p)
+    }
+    #[inline(always)]
+    unsafe fn w16(p: *const f32) -> __m512 {
+        _mm512_loadu_ps(p)
+    }
+}
+
+impl Wide for Bf16 {
+    #[inline(always)]
+    unsafe fn w8(p: *const Bf16) -> __m256 {
+        let h = _mm_loadu_si128(p as *const __m128i);
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+    }
+    #[inline(always)]
+    unsafe fn w16(p: *const Bf16) -> __m512 {
+        let h = _mm256_loadu_si256(p as *const __m256i);
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+    }
+}
+
+impl Wide for F16 {
+    #[inline(always)]
+    unsafe fn w8(p: *const F16) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    }
+    #[inline(always)]
+    unsafe fn w16(p: *const F16) -> __m512 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+    }
+}
+
+/// The tail past the last full chunk, as `dot_body` sums it.
+#[inline(always)]
+unsafe fn tail<E: Wide>(x: *const f32, w: *const E, from: usize, k: usize) -> f32 {
+    let mut t = 0f32;
+    for j in from..k {
+        t = (*x.add(j)).mul_add((*w.add(j)).f32(), t);
+    }
+    t
+}
+
+/// 8 lanes reduced 8 -> 4 -> 2 -> 1 pairwise.
+#[inline(always)]
+unsafe fn reduce8(v8: __m256) -> f32 {
+    let v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps::<1>(v8));
+    let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+    _mm_cvtss_f32(v2) + _mm_cvtss_f32(_mm_shuffle_ps::<1>(v2, v2))
+}
+
+/// `R` weight rows by `C` input rows, 256-bit: lanes 0-7 and 8-15 in two registers.
+#[inline(always)]
+unsafe fn tile256<E: Wide, const R: usize, const C: usize>(
+    x: [*const f32; C],
+    w: [*const E; R],
+    k: usize,
+) -> [[f32; C]; R] {
+    let mut lo = [[_mm256_setzero_ps(); C]; R];
+    let mut hi = [[_mm256_setzero_ps(); C]; R];
+    let chunks = k / 16;
+    for c in 0..chunks {
+        let o = c * 16;
+        let mut wl = [_mm256_setzero_ps(); R];
+        let mut wh = [_mm256_setzero_ps(); R];
+        for r in 0..R {
+            wl[r] = E::w8(w[r].add(o));
+            wh[r] = E::w8(w[r].add(o + 8));
+        }
+        for i in 0..C {
+            let xl = _mm256_loadu_ps(x[i].add(o));
+            let xh = _mm256_loadu_ps(x[i].add(o + 8));
+            for r in 0..R {
+                lo[r][i] = _mm256_fmadd_ps(xl, wl[r], lo[r][i]);
+                hi[r][i] = _mm256_fmadd_ps(xh, wh[r], hi[r][i]);
+            }
+        }
+    }
+    let mut out = [[0f32; C]; R];
+    for r in 0..R {
+        for i in 0..C {
+            let s = reduce8(_mm256_add_ps(lo[r][i], hi[r][i]));
+            out[r][i] = s + tail(x[i], w[r], chunks * 16, k);
+        }
+    }
+    out
+}
+
+/// `R` weight rows by `C` input rows, 512-bit: the 16 lanes in one register.
+#[inline(always)]
+unsafe fn tile512<E: Wide, const R: usize, const C: usize>(
+    x: [*const f32; C],
+    w: [*const E; R],
+    k: usize,
+) -> [[f32; C]; R] {
+    let mut acc = [[_mm512_setzero_ps(); C]; R];
+    let chunks = k / 16;
+    for c in 0..chunks {
+        let o = c * 16;
+        let mut wv = [_mm512_setzero_ps(); R];
+        for r in 0..R {
+            wv[r] = E::w16(w[r].add(o));
+        }
+        for i in 0..C {
+            let xv = _mm512_loadu_ps(x[i].add(o));
+            for r in 0..R {
+                acc[r][i] = _mm512_fmadd_ps(xv, wv[r], acc[r][i]);
+            }
+        }
+    }
+    let mut out = [[0f32; C]; R];
+    for r in 0..R {
+        for i in 0..C {
+            let a = acc[r][i];
+            let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a)));
+            let s = reduce8(_mm256_add_ps(_mm512_castps512_ps256(a), hi));
+            out[r][i] = s + tail(x[i], w[r], chunks * 16, k);
+        }
+    }
+    out
+}
+
+/// Covers `outs` x `0..n` with `R x C` tiles, then `R x 1` for the input rows left over,
+/// then `1 x 1` for the weight rows left over.
+macro_rules! drive {
+    ($tile:ident, $x:expr, $n:expr, $w:expr, $k:expr, $outs:expr, $y:expr, $ldy:expr, $R:literal, $C:literal) => {{
+        let (x, n, w, k, outs, y, ldy) = ($x, $n, $w, $k, $outs, $y, $ldy);
+        let mut o = outs.start;
+        while outs.end - o >= $R {
+            let ws: [*const E; $R] = std::array::from_fn(|r| w.add((o + r) * k));
+            let mut i = 0;
+            while n - i >= $C {
+                let xs: [*const f32; $C] = std::array::from_fn(|c| x.add((i + c) * k));
+                let t = $tile::<E, $R, $C>(xs, ws, k);
+                for r in 0..$R {
+                    for c in 0..$C {
+                        *y.add((i + c) * ldy + o + r) = t[r][c];
+                    }
+                }
+                i += $C;
+            }
+            while i < n {
+                let t = $tile::<E, $R, 1>([x.add(i * k)], ws, k);
+                for r in 0..$R {
+                    *y.add(i * ldy + o + r) = t[r][0];
+                }
+                i += 1;
+            }
+            o += $R;
+        }
+        while o < outs.end {
+            for i in 0..n {
+                *y.add(i * ldy + o) = $tile::<E, 1, 1>([x.add(i * k)], [w.add(o * k)], k)[0][0];
+            }
+            o += 1;
+        }
+    }};
+}
+
+/// y[i * ldy + o] = dot(x[i], w[o]) for `o` in `outs`, `i < n`; 256-bit registers.
+///
+/// # Safety
+/// The CPU has avx2, fma and f16c; `x` addresses `n * k` floats, `w` `outs.end * k`
+/// elements, `y` `(n - 1) * ldy + outs.end` floats, none written by another thread.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn block256<E: Wide>(
+    x: *const f32,
+    n: usize,
+    w: *const E,
+    k: usize,
+    outs: std::ops::Range<usize>,
+    y: *mut f32,
+    ldy: usize,
+) {
+    if n == 1 {
+        drive!(tile256, x, n, w, k, outs, y, ldy, 4, 1)
+    } else {
+        drive!(tile256, x, n, w, k, outs, y, ldy, 2, 2)
+    }
+}
+
+/// As [`block256`] with 512-bit registers (twice the accumulators: larger tiles).
+///
+/// # Safety
+/// As [`block256`], and the CPU has avx512f.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+pub unsafe fn block512<E: Wide>(
+    x: *const f32,
+    n: usize,
+    w: *const E,
+    k: usize,
+    outs: std::ops::Range<usize>,
+    y: *mut f32,
+    ldy: usize,
+) {
+    if n == 1 {
+        drive!(tile512, x, n, w, k, outs, y, ldy, 8, 1)
+    } else {
+        drive!(tile512, x, n, w, k, outs, y, ldy, 4, 4)
+    }
+}
