@@ -244,7 +244,8 @@ impl ExpertBank {
             )));
         }
         let optr = OutPtr(out.as_mut_ptr());
-        crate::team::team().run(groups.len(), &|gi| {
+        let team = crate::team::team();
+        let run_group = |gi: usize| {
             let (s, t) = groups[gi];
             let idx = &order[s..t];
             let e = picks[idx[0] as usize].expert as usize;
@@ -275,7 +276,16 @@ impl ExpertBank {
                 }
             }
             SCRATCH.with(|s| *s.borrow_mut() = sc);
-        });
+        };
+        // Fewer groups than threads, each big enough to split: the groups one after
+        // another, each expert's products across the team. Else the groups across the
+        // team, each on one thread (the products inside a task run on its thread).
+        let per_group = picks.len().div_ceil(groups.len().max(1)) * 3 * h * self.inter;
+        if groups.len() < team.threads() && per_group >= 2 * crate::ops::PAR_MIN_WORK {
+            (0..groups.len()).for_each(run_group);
+        } else {
+            team.run(groups.len(), &run_group);
+        }
         Ok(())
     }
 }

@@ -630,7 +630,7 @@ unsafe fn block_f8_fma(
 }
 
 /// Work (multiply-adds) under which a matmul runs on the calling thread.
-const PAR_MIN_WORK: usize = 1 << 16;
+pub(crate) const PAR_MIN_WORK: usize = 1 << 16;
 
 /// y[n, w.rows] = x[n, w.cols] · wᵀ. Batch-invariant: row i of y depends only on row i of x.
 pub fn matmul(x: &[f32], n: usize, w: &Matrix, y: &mut [f32]) {

@@ -4,13 +4,15 @@
 //! layer (the attention projections, the heads, the router, the experts); handing each to
 //! a general pool that parks its threads cost more than the work itself at batch 1.
 //!
-//! Every worker takes part in every job and the caller returns only when all have left it,
-//! so the job (a borrowed closure) never outlives its caller. Tasks are claimed from an
-//! atomic counter; which thread runs a task never changes what it computes, so results
-//! do not depend on the team's size. One job at a time: a caller that finds the team busy
-//! (another engine, the in-process sidecar, or a task of the running job) runs its tasks
-//! itself. Workers that have spun `MOELANE_SPIN_US` (default 200 us) without a job sleep
-//! until the next one.
+//! A job is open from its posting until the caller has claimed the last task; a worker
+//! joins it only while it is open (one atomic word holds the job's number, the open flag
+//! and the count of workers inside), and the caller returns once the workers inside have
+//! left, so the job (a borrowed closure) never outlives its caller and a worker that was
+//! asleep never delays one. Tasks are claimed from an atomic counter; which thread runs a
+//! task never changes what it computes, so results do not depend on the team's size. One
+//! job at a time: a caller that finds the team busy (another engine, the in-process
+//! sidecar, or a task of the running job) runs its tasks itself. Workers that have spun
+//! `MOELANE_SPIN_US` (default 200 us) without a job sleep until the next one.
 
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -28,13 +30,16 @@ struct Job {
 fn nothing(_: usize) {}
 static NOTHING: fn(usize) = nothing;
 
+/// `state`: the job's number in the high 32 bits, [`OPEN`], and the workers inside.
+const OPEN: u64 = 1 << 31;
+const INSIDE: u64 = OPEN - 1;
+
 struct Shared {
-    /// Bumped (release) after `job` is written: a worker that sees a new value runs it.
-    gen: AtomicU64,
+    /// The job's number, open flag and workers inside (see [`OPEN`]); `job` is written
+    /// before a job opens (release) and read by workers that joined it (acquire).
+    state: AtomicU64,
     job: UnsafeCell<Job>,
     next: AtomicUsize,
-    /// Workers done with the current job.
-    left: AtomicUsize,
     sleep: Mutex<u64>,
     wake: Condvar,
     stop: AtomicBool,
@@ -43,9 +48,10 @@ struct Shared {
     spin: Duration,
 }
 
-// SAFETY: `job` is written only by the thread holding `Team::busy`, while every worker is
-// outside the job (all have left the previous one), and read by workers only between
-// seeing the new `gen` (acquire, after the write's release) and leaving the job.
+// SAFETY: `job` is written only by the thread holding `Team::busy`, while no job is open
+// and no worker is inside one (the previous `run` waited for that), and read by workers
+// only between joining the open job (a CAS that sees the open flag, acquire, after the
+// write's release) and leaving it.
 unsafe impl Sync for Shared {}
 unsafe impl Send for Shared {}
 
@@ -63,13 +69,12 @@ impl Team {
     /// before they sleep.
     pub fn new(threads: usize, cpus: Option<&[usize]>, spin: Duration) -> Team {
         let shared = Arc::new(Shared {
-            gen: AtomicU64::new(0),
+            state: AtomicU64::new(0),
             job: UnsafeCell::new(Job {
                 f: &NOTHING,
                 tasks: 0,
             }),
             next: AtomicUsize::new(0),
-            left: AtomicUsize::new(0),
             sleep: Mutex::new(0),
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
@@ -134,9 +139,9 @@ impl Team {
             }
         };
         let s = &*self.shared;
-        // SAFETY: every worker has left the previous job (checked before the last `run`
-        // returned), so none reads `job` now; the pointer is dereferenced only until all
-        // workers leave this job, which this call waits for, so `f` outlives every use.
+        // SAFETY: no job is open and no worker is inside one (the last `run` returned only
+        // then), so none reads `job` now; workers dereference the pointer only while inside
+        // this job, which this call waits for, so `f` outlives every use.
         unsafe {
             *s.job.get() = Job {
                 f: std::mem::transmute::<&(dyn Fn(usize) + Sync), *const (dyn Fn(usize) + Sync)>(f),
@@ -144,11 +149,11 @@ impl Team {
             };
         }
         s.next.store(0, Ordering::Relaxed);
-        s.left.store(0, Ordering::Relaxed);
         s.panicked.store(false, Ordering::Relaxed);
-        s.gen.fetch_add(1, Ordering::Release);
+        let number = (s.state.load(Ordering::Relaxed) >> 32).wrapping_add(1) & 0xffff_ffff;
+        s.state.store((number << 32) | OPEN, Ordering::Release);
         {
-            // wake sleepers (they re-check `gen` under this lock, so none misses the job)
+            // wake sleepers (they re-check `state` under this lock, so none misses the job)
             let sleepers = s.sleep.lock().unwrap_or_else(|p| p.into_inner());
             if *sleepers > 0 {
                 s.wake.notify_all();
@@ -157,9 +162,11 @@ impl Team {
         // A panicking task must not leave workers inside a job whose closure is gone:
         // the caller's own tasks are caught and the panic resumed after the workers leave.
         let mine = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| claim(s, f, tasks)));
-        let n = self.workers.len();
+        // every task is claimed: close the job (no worker joins now), then wait for the
+        // workers inside to finish theirs
+        s.state.fetch_and(!OPEN, Ordering::AcqRel);
         let mut spins = 0u32;
-        while s.left.load(Ordering::Acquire) < n {
+        while s.state.load(Ordering::Acquire) & INSIDE != 0 {
             spins += 1;
             if spins < 1 << 12 {
                 std::hint::spin_loop();
@@ -215,14 +222,15 @@ fn claim(s: &Shared, f: &(dyn Fn(usize) + Sync), tasks: usize) {
 fn worker(s: &Shared) {
     let mut seen = 0u64;
     loop {
-        // wait for a new job: spin, then yield, then sleep
+        // wait for a new open job: spin, then yield, then sleep
         let t0 = Instant::now();
         let mut spins = 0u32;
+        let fresh = |st: u64| st >> 32 != seen && st & OPEN != 0;
         loop {
             if s.stop.load(Ordering::Acquire) {
                 return;
             }
-            if s.gen.load(Ordering::Acquire) != seen {
+            if fresh(s.state.load(Ordering::Acquire)) {
                 break;
             }
             spins += 1;
@@ -237,7 +245,7 @@ fn worker(s: &Shared) {
             }
             let mut sleepers = s.sleep.lock().unwrap_or_else(|p| p.into_inner());
             *sleepers += 1;
-            while s.gen.load(Ordering::Acquire) == seen && !s.stop.load(Ordering::Acquire) {
+            while !fresh(s.state.load(Ordering::Acquire)) && !s.stop.load(Ordering::Acquire) {
                 sleepers = s
                     .wake
                     .wait_timeout(sleepers, Duration::from_millis(100))
@@ -246,9 +254,26 @@ fn worker(s: &Shared) {
             }
             *sleepers -= 1;
         }
-        seen = s.gen.load(Ordering::Acquire);
-        // SAFETY: see `Shared`: the job was written before `gen` moved (release/acquire),
-        // and it stays valid until this worker counts itself in `left`.
+        // join the job while it is open (the caller closes it once every task is claimed)
+        let mut st = s.state.load(Ordering::Acquire);
+        let joined = loop {
+            if !fresh(st) {
+                break false;
+            }
+            match s
+                .state
+                .compare_exchange_weak(st, st + 1, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => break true,
+                Err(now) => st = now,
+            }
+        };
+        seen = st >> 32;
+        if !joined {
+            continue;
+        }
+        // SAFETY: see `Shared`: this worker is inside the open job, whose `job` was
+        // written before it opened (release/acquire), and stays valid until it leaves.
         let job = unsafe { *s.job.get() };
         let f = unsafe { &*job.f };
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| claim(s, f, job.tasks)));
@@ -256,7 +281,7 @@ fn worker(s: &Shared) {
             // the caller panics once every worker has left; this worker keeps serving
             s.panicked.store(true, Ordering::Release);
         }
-        s.left.fetch_add(1, Ordering::Release);
+        s.state.fetch_sub(1, Ordering::AcqRel);
     }
 }
 

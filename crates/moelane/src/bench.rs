@@ -209,11 +209,17 @@ pub enum BenchCmd {
     /// Decode tokens/s at several batch sizes on a checkpoint, bytes of weights read per
     /// token (the stored dtype's), and the implied bandwidth against this machine's read
     /// bandwidth, measured over four times its last-level cache (saying when the model fits
-    /// in that cache: then the ratio is not a roofline).
+    /// in that cache: then the ratio is not a roofline). The CPU kernels run on the worker
+    /// team: MOELANE_THREADS sets its size (default: one per physical core), MOELANE_PIN=1
+    /// pins one thread per core.
     Engine {
         /// Checkpoint directory (default: generate mini into the cache).
         #[arg(long)]
         model: Option<PathBuf>,
+        /// Every expert in this process's bank (one device, as a plain engine runs), instead
+        /// of the checkpoint's rowmap.json (its cold experts in a sidecar thread).
+        #[arg(long)]
+        all_hot: bool,
         /// Batch sizes (concurrent sequences).
         #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
         batch: Vec<usize>,
@@ -503,6 +509,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
         } => crate::loadgen::link_floor(hidden, picks, iters)?,
         BenchCmd::Engine {
             model,
+            all_hot,
             batch,
             steps,
             reps,
@@ -511,9 +518,20 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
                 Some(m) => m,
                 None => default_model("mini")?,
             };
+            let map = if all_hot {
+                let ckpt = moelane_engine::checkpoint::Checkpoint::open(&dir)?;
+                let c = &ckpt.config;
+                Some(moelane_engine::rowmap::Rowmap::all_hot(
+                    &ckpt.id,
+                    c.moe_layers().len(),
+                    c.num_experts,
+                ))
+            } else {
+                None
+            };
             let mut eng = load_engine(
                 &dir,
-                None,
+                map,
                 &EngineOptions {
                     kv_tokens: 1 << 16,
                     progress: true,
@@ -529,13 +547,18 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             let expert_bytes = ckpt.expert_stored_bytes()?;
             let model_bytes = ckpt.tensor_bytes() as u64;
             println!(
-                "model {} | {} layers, {} experts, {} picked | hidden {} | threads {}",
+                "model {} | {} layers, {} experts, {} picked | hidden {} | threads {} | {}",
                 dir.display(),
                 c.num_hidden_layers,
                 c.num_experts,
                 c.num_experts_per_tok,
                 c.hidden_size,
-                team_desc()
+                team_desc(),
+                if all_hot {
+                    "every expert in this process"
+                } else {
+                    "the checkpoint's map (cold experts in a sidecar thread)"
+                }
             );
             println!(
                 "measured: copy {:.1} GB/s (read+write), read {:.1} GB/s ({} threads over {:.0} MiB, \
