@@ -11,6 +11,7 @@ pub mod config;
 pub mod cpu;
 pub mod error;
 pub mod figures;
+pub mod hostmem;
 pub mod kv;
 pub mod load;
 pub mod model;

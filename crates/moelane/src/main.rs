@@ -504,6 +504,12 @@ struct LaneArgs {
     /// Sidecar: bytes per shared-memory ring (default 64 MiB).
     #[arg(long, env = "MOELANE_SHM_BYTES")]
     shm_bytes: Option<u64>,
+    /// Sidecar: measure the host's read bandwidth once at start (about a second, over four
+    /// times the last-level cache) and publish it beside the expert bytes the sidecar reads
+    /// (moelane_host_read_bandwidth_bytes_per_second, moelane_sidecar_weight_read_bytes_total).
+    #[arg(long, env = "MOELANE_PROBE_BANDWIDTH")]
+    #[serde(default)]
+    probe_bandwidth: bool,
     /// Primary: KV cache capacity in tokens (default 65536).
     #[arg(long, env = "MOELANE_KV_TOKENS")]
     kv_tokens: Option<usize>,
@@ -611,6 +617,7 @@ impl LaneArgs {
             primary_memory,
             calibration_counts
         );
+        self.probe_bandwidth |= f.probe_bandwidth;
         if self.lane.is_empty() {
             self.lane = f.lane;
         }
@@ -860,6 +867,7 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                             .unwrap_or_else(moelane_rtx_worker::default_shm_dir),
                         shm_cap: a.shm_bytes.unwrap_or(64 << 20),
                         device: sidecar_device,
+                        probe_bandwidth: a.probe_bandwidth,
                     };
                     let (c, d) =
                         roles::start_sidecar(&o, a.listen.as_deref().unwrap_or("127.0.0.1:50061"))

@@ -548,6 +548,9 @@ pub async fn start_sidecar(
 ) -> Result<(SocketAddr, Option<SocketAddr>)> {
     let s = moelane_rtx_worker::start(o)?;
     moelane_rtx_worker::register_metrics(s.core.clone());
+    if o.probe_bandwidth {
+        moelane_rtx_worker::probe_bandwidth(s.core.clone());
+    }
     let l = bind(control).await?;
     let a = l.local_addr()?;
     let actor = s.actor.clone();

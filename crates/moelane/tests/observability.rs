@@ -500,6 +500,8 @@ fn one_trace_per_request_and_per_swap_across_processes() {
     let env = [
         ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
         ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+        // the sidecar measures the host's read bandwidth and reports its weight reads
+        ("MOELANE_PROBE_BANDWIDTH", "true"),
     ];
     let (procs, gw, purl) = two_process_lane_env("shm", &[], &env);
     let (st, r) = post(
@@ -621,6 +623,25 @@ fn one_trace_per_request_and_per_swap_across_processes() {
         "the sidecar process computed other picks than the primary process sent"
     );
     assert!(sum(&side, "moelane_sidecar_picks_total", &[]) > 0.0);
+    // the expert bytes the sidecar read: at least one expert's (tiny: 3 x 64 x 32, bf16),
+    // at most one per pick (even in f32); the host bandwidth it is read against
+    let read = sum(&side, "moelane_sidecar_weight_read_bytes_total", &[]);
+    let picks = sum(&side, "moelane_sidecar_picks_total", &[]);
+    assert!(
+        read >= 3.0 * 64.0 * 32.0 * 2.0 && read <= picks * 3.0 * 64.0 * 32.0 * 4.0,
+        "{read} bytes read for {picks} picks"
+    );
+    // measured once on a thread of its own at start (about a second): published when done
+    let t0 = std::time::Instant::now();
+    let bw = loop {
+        let page = parse(&request(&metrics_addr(&procs[0]), "GET", "/metrics", b"").body);
+        let bw = sum(&page, "moelane_host_read_bandwidth_bytes_per_second", &[]);
+        if bw > 0.0 || t0.elapsed() > std::time::Duration::from_secs(60) {
+            break bw;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    assert!(bw > 1e8, "host read bandwidth {bw}");
     assert!(
         sum(
             &prim,

@@ -170,6 +170,8 @@ impl Message<StatsMsg> for SidecarActor {
             compute_ns: c.compute_ns.load(Ordering::Relaxed),
             bytes_in: c.bytes_in.load(Ordering::Relaxed),
             bytes_out: c.bytes_out.load(Ordering::Relaxed),
+            weight_bytes: c.weight_bytes.load(Ordering::Relaxed),
+            host_read_bytes_per_second: c.host_read_bw.load(Ordering::Relaxed),
             prepares_answered: c.answered.prepare.load(Ordering::Relaxed),
             releases_answered: c.answered.release.load(Ordering::Relaxed),
             aborts_answered: c.answered.abort.load(Ordering::Relaxed),

@@ -161,6 +161,11 @@ pub struct SidecarCore {
     pub compute_ns: AtomicU64,
     pub bytes_in: AtomicU64,
     pub bytes_out: AtomicU64,
+    /// Expert weight bytes the computations read: each distinct expert of a request once,
+    /// at the bytes its bank holds (over `compute_ns`: the tier's read rate while busy).
+    pub weight_bytes: AtomicU64,
+    /// The host's read bandwidth (bytes/s) when measured (`--probe-bandwidth`), else 0.
+    pub host_read_bw: AtomicU64,
     /// Control messages answered, whatever the answer (a refused late or duplicated message
     /// counts): what a test or an operator waits on to know a message has been dealt with.
     pub answered: Answered,
@@ -210,6 +215,16 @@ impl SidecarCore {
             });
         }
         compute(&st)?;
+        let layer = req.layer as usize;
+        let mut experts: Vec<u16> = req.picks.iter().map(|p| p.expert).collect();
+        experts.sort_unstable();
+        experts.dedup();
+        let read: usize = experts
+            .iter()
+            .filter_map(|&e| st.bank.get(layer, e as usize))
+            .map(|w| w.bytes())
+            .sum();
+        self.weight_bytes.fetch_add(read as u64, Ordering::Relaxed);
         self.requests.fetch_add(1, Ordering::Relaxed);
         self.picks
             .fetch_add(req.picks.len() as u64, Ordering::Relaxed);
@@ -291,6 +306,8 @@ impl SidecarCore {
             compute_ns: AtomicU64::new(0),
             bytes_in: AtomicU64::new(0),
             bytes_out: AtomicU64::new(0),
+            weight_bytes: AtomicU64::new(0),
+            host_read_bw: AtomicU64::new(0),
             answered: Answered::default(),
         })
     }
@@ -321,6 +338,8 @@ impl SidecarCore {
             compute_ns: AtomicU64::new(0),
             bytes_in: AtomicU64::new(0),
             bytes_out: AtomicU64::new(0),
+            weight_bytes: AtomicU64::new(0),
+            host_read_bw: AtomicU64::new(0),
             answered: Answered::default(),
         }
     }
@@ -535,6 +554,8 @@ pub struct SidecarOptions {
     pub shm_cap: u64,
     /// Where cold experts are computed: "cpu" or "cuda:N".
     pub device: String,
+    /// Measure the host's read bandwidth once at start ([`probe_bandwidth`]).
+    pub probe_bandwidth: bool,
 }
 
 /// A started sidecar: its actor and the addresses it serves.
@@ -614,6 +635,23 @@ pub fn default_shm_dir() -> PathBuf {
     }
 }
 
+/// Measures the host's read bandwidth once, on a thread of its own (it reads a buffer of
+/// four times the last-level cache, about a second), into `core.host_read_bw`.
+pub fn probe_bandwidth(core: Arc<SidecarCore>) {
+    let _ = std::thread::Builder::new()
+        .name("moelane-bw-probe".into())
+        .spawn(move || {
+            let bw = moelane_engine::hostmem::measure_read_bandwidth(
+                moelane_engine::hostmem::last_level_cache(),
+            );
+            core.host_read_bw.store(bw as u64, Ordering::Relaxed);
+            tracing::info!(
+                "host read bandwidth {:.1} GB/s (the sidecar's weight reads are reported against it)",
+                bw / 1e9
+            );
+        });
+}
+
 /// Publishes the sidecar's counters on each scrape of the Prometheus page.
 pub fn register_metrics(core: Arc<SidecarCore>) {
     use moelane_telemetry::names as n;
@@ -631,6 +669,12 @@ pub fn register_metrics(core: Arc<SidecarCore>) {
                 .absolute(c.bytes_in.load(Ordering::Relaxed));
             metrics::counter!(n::LINK_BYTES, "link" => "all", "side" => "sidecar", "direction" => "sent")
                 .absolute(c.bytes_out.load(Ordering::Relaxed));
+            metrics::counter!(n::SIDECAR_WEIGHT_BYTES)
+                .absolute(c.weight_bytes.load(Ordering::Relaxed));
+            let bw = c.host_read_bw.load(Ordering::Relaxed);
+            if bw > 0 {
+                metrics::gauge!(n::HOST_READ_BANDWIDTH).set(bw as f64);
+            }
             if let Ok(st) = c.state.read() {
                 let resident: usize = (0..st.bank.layers()).map(|l| st.bank.resident(l)).sum();
                 metrics::gauge!(n::SIDECAR_EXPERTS).set(resident as f64);

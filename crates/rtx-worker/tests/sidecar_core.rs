@@ -138,12 +138,32 @@ fn serves_one_row_per_pick_equal_to_the_expert_on_the_cpu() {
     let f = fixture();
     assert_eq!(f.core.epoch(), 0);
     let mut rng = Rng::new(5);
+    let mut weight_bytes = 0u64;
     for layer in 0..2u32 {
         // repeated experts, repeated rows, picks out of row order
         let rows = 5;
         let picks: Vec<(u32, u16)> = (0..12)
             .map(|_| (rng.below(rows) as u32, (HOT + rng.below(64 - HOT)) as u16))
             .collect();
+        // each distinct expert's weights are read once per request
+        let mut distinct: Vec<u16> = picks.iter().map(|p| p.1).collect();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert!(
+            distinct.len() < picks.len(),
+            "the test wants a repeated expert"
+        );
+        let st = f.core.state.read().expect("state");
+        weight_bytes += distinct
+            .iter()
+            .map(|&e| {
+                st.bank
+                    .get(layer as usize, e as usize)
+                    .expect("resident")
+                    .bytes() as u64
+            })
+            .sum::<u64>();
+        drop(st);
         let req = request(&f, layer, 0, rows, &picks);
         let out = serve(&f, &req).expect("serve");
         check_rows(&f, &req, &out);
@@ -159,6 +179,7 @@ fn serves_one_row_per_pick_equal_to_the_expert_on_the_cpu() {
     }
     assert_eq!(f.core.requests.load(Ordering::Relaxed), 2);
     assert_eq!(f.core.picks.load(Ordering::Relaxed), 24);
+    assert_eq!(f.core.weight_bytes.load(Ordering::Relaxed), weight_bytes);
     assert_eq!(
         f.core.bytes_out.load(Ordering::Relaxed),
         (24 * hidden(&f) * 4) as u64

@@ -77,6 +77,10 @@ pub const SIDECAR_PICKS: &str = "moelane_sidecar_picks_total";
 pub const SIDECAR_COMPUTE: &str = "moelane_sidecar_compute_seconds_total";
 /// gauge: experts resident in the sidecar's bank
 pub const SIDECAR_EXPERTS: &str = "moelane_sidecar_resident_experts";
+/// counter: expert weight bytes the sidecar's computations read
+pub const SIDECAR_WEIGHT_BYTES: &str = "moelane_sidecar_weight_read_bytes_total";
+/// gauge: the host's measured read bandwidth (a sidecar started with --probe-bandwidth)
+pub const HOST_READ_BANDWIDTH: &str = "moelane_host_read_bandwidth_bytes_per_second";
 
 /// Every metric name, for checks that a dashboard names only real ones.
 pub const ALL: &[&str] = &[
@@ -113,6 +117,8 @@ pub const ALL: &[&str] = &[
     SIDECAR_PICKS,
     SIDECAR_COMPUTE,
     SIDECAR_EXPERTS,
+    SIDECAR_WEIGHT_BYTES,
+    HOST_READ_BANDWIDTH,
 ];
 
 /// Registers help texts (and units) with the installed recorder.
@@ -189,6 +195,15 @@ pub fn describe() {
     describe_counter!(SIDECAR_PICKS, "Expert picks the sidecar computed");
 
     describe_gauge!(SIDECAR_EXPERTS, "Experts resident in the sidecar's bank");
+    describe_counter!(
+        SIDECAR_WEIGHT_BYTES,
+        Unit::Bytes,
+        "Expert weight bytes the sidecar's computations read (each distinct expert of a layer request once)"
+    );
+    describe_gauge!(
+        HOST_READ_BANDWIDTH,
+        "The host's read bandwidth in bytes per second, measured once at start over four times the last-level cache"
+    );
 }
 
 /// Help texts of the float counters (published with [`crate::set_seconds_total`]; the
