@@ -632,6 +632,9 @@ unsafe fn block_f8_fma(
 /// Work (multiply-adds) under which a matmul runs on the calling thread.
 pub(crate) const PAR_MIN_WORK: usize = 1 << 16;
 
+/// Multiply-adds under which a task of a parallel product is not split further.
+const MIN_TASK_WORK: usize = 1 << 14;
+
 /// y[n, w.rows] = x[n, w.cols] · wᵀ. Batch-invariant: row i of y depends only on row i of x.
 pub fn matmul(x: &[f32], n: usize, w: &Matrix, y: &mut [f32]) {
     assert!(x.len() >= n * w.cols, "matmul: x too short");
@@ -643,11 +646,13 @@ pub fn matmul(x: &[f32], n: usize, w: &Matrix, y: &mut [f32]) {
         run_block(x, n, w, 0..w.rows, ptr, w.rows);
         return;
     }
-    // Split the output rows into chunks of at least 16 rows and ~PAR_MIN_WORK work, at
-    // least two a thread (the threads' speeds differ on a shared host).
+    // Split the output rows into chunks of ~PAR_MIN_WORK work, at least two a thread (the
+    // threads' speeds differ on a shared host), but never under MIN_TASK_WORK or 16 rows:
+    // a smaller task costs its handoff more than its work.
     let per_row = n * w.cols;
     let chunk = (PAR_MIN_WORK / per_row.max(1))
         .min(w.rows.div_ceil(2 * team.threads()))
+        .max(MIN_TASK_WORK / per_row.max(1))
         .max(16);
     let chunks = w.rows.div_ceil(chunk);
     team.run(chunks, &|c| {

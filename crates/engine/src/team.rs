@@ -40,6 +40,9 @@ struct Shared {
     state: AtomicU64,
     job: UnsafeCell<Job>,
     next: AtomicUsize,
+    /// The most workers that join the open job (its tasks but the caller's one): more
+    /// would only contend for the task counter.
+    helpers: AtomicU64,
     sleep: Mutex<u64>,
     wake: Condvar,
     stop: AtomicBool,
@@ -75,6 +78,7 @@ impl Team {
                 tasks: 0,
             }),
             next: AtomicUsize::new(0),
+            helpers: AtomicU64::new(0),
             sleep: Mutex::new(0),
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
@@ -149,6 +153,7 @@ impl Team {
             };
         }
         s.next.store(0, Ordering::Relaxed);
+        s.helpers.store(tasks as u64 - 1, Ordering::Relaxed);
         s.panicked.store(false, Ordering::Relaxed);
         let number = (s.state.load(Ordering::Relaxed) >> 32).wrapping_add(1) & 0xffff_ffff;
         s.state.store((number << 32) | OPEN, Ordering::Release);
@@ -257,7 +262,7 @@ fn worker(s: &Shared) {
         // join the job while it is open (the caller closes it once every task is claimed)
         let mut st = s.state.load(Ordering::Acquire);
         let joined = loop {
-            if !fresh(st) {
+            if !fresh(st) || st & INSIDE >= s.helpers.load(Ordering::Relaxed) {
                 break false;
             }
             match s
