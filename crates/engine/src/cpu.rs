@@ -1,4 +1,4 @@
-//! The CPU step backend: the primary's math on the host (the worker team across rows and heads), the
+//! The CPU step backend: the primary's math on the host (the worker team across rows), the
 //! hot experts from the bank, and the combine in router-rank order. Every sum runs in a
 //! fixed order, so a step's output does not depend on the map or the thread count.
 

@@ -191,8 +191,9 @@ macro_rules! drive {
 /// y[i * ldy + o] = dot(x[i], w[o]) for `o` in `outs`, `i < n`; 256-bit registers.
 ///
 /// # Safety
-/// The CPU has avx2, fma and f16c; `x` addresses `n * k` floats, `w` `outs.end * k`
-/// elements, `y` `(n - 1) * ldy + outs.end` floats, none written by another thread.
+/// The CPU has avx2, fma and f16c; `outs.start <= outs.end <= ldy`; `x` addresses `n * k`
+/// floats, `w` `outs.end * k` elements, `y` `n * ldy` floats, the outputs written here by
+/// no other thread.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn block256<E: Wide>(
     x: *const f32,

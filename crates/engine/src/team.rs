@@ -89,7 +89,8 @@ impl Team {
         let mut pinned = cpus.is_some();
         for w in 1..threads.max(1) {
             let s = shared.clone();
-            let cpu = cpus.and_then(|c| c.get(w % c.len().max(1)).copied());
+            // one thread a core: threads past the cores given stay unpinned
+            let cpu = cpus.and_then(|c| c.get(w).copied());
             let h = std::thread::Builder::new()
                 .name(format!("moelane-team-{w}"))
                 .spawn(move || {
@@ -228,7 +229,7 @@ fn worker(s: &Shared) {
     let mut seen = 0u64;
     loop {
         // wait for a new open job: spin, then yield, then sleep
-        let t0 = Instant::now();
+        let mut t0 = Instant::now();
         let mut spins = 0u32;
         let fresh = |st: u64| st >> 32 != seen && st & OPEN != 0;
         loop {
@@ -258,6 +259,9 @@ fn worker(s: &Shared) {
                     .unwrap_or_else(|p| p.into_inner().0);
             }
             *sleepers -= 1;
+            // woken: spin again before sleeping (the next jobs of a burst come soon)
+            t0 = Instant::now();
+            spins = 0;
         }
         // join the job while it is open (the caller closes it once every task is claimed)
         let mut st = s.state.load(Ordering::Acquire);
@@ -390,7 +394,7 @@ pub fn parse_cpu_list(s: &str) -> Vec<usize> {
 }
 
 /// The process's team: `MOELANE_THREADS` threads (default: one per physical core this
-/// process may run on), pinned one per core when `MOELANE_PIN=1` (on a host shared with
+/// process may run on, no more than its CPU quota), pinned one per core when `MOELANE_PIN=1` (on a host shared with
 /// other work, unpinned threads move away from busy cores).
 pub fn team() -> &'static Team {
     static TEAM: OnceLock<Team> = OnceLock::new();
@@ -401,10 +405,10 @@ pub fn team() -> &'static Team {
             .and_then(|v| v.parse::<usize>().ok())
             .filter(|&t| t > 0)
             .unwrap_or_else(|| {
-                phys.as_ref().map_or_else(
-                    || std::thread::available_parallelism().map_or(1, |n| n.get()),
-                    |p| p.len(),
-                )
+                // the CPUs the process may use, cgroup quota included, capped at one per
+                // physical core (spinning workers past a container's quota would stall)
+                let allowed = std::thread::available_parallelism().map_or(1, |n| n.get());
+                phys.as_ref().map_or(allowed, |p| p.len().min(allowed))
             });
         let pin = std::env::var("MOELANE_PIN").is_ok_and(|v| v == "1");
         Team::new(
