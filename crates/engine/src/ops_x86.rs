@@ -188,46 +188,44 @@ macro_rules! drive {
     }};
 }
 
-/// y[i * ldy + o] = dot(x[i], w[o]) for `o` in `outs`, `i < n`; 256-bit registers.
-///
-/// # Safety
-/// The CPU has avx2, fma and f16c; `outs.start <= outs.end <= ldy`; `x` addresses `n * k`
-/// floats, `w` `outs.end * k` elements, `y` `n * ldy` floats, the outputs written here by
-/// no other thread.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn block256<E: Wide>(
-    x: *const f32,
-    n: usize,
-    w: *const E,
-    k: usize,
-    outs: std::ops::Range<usize>,
-    y: *mut f32,
-    ldy: usize,
-) {
-    if n == 1 {
-        drive!(tile256, x, n, w, k, outs, y, ldy, 4, 1)
-    } else {
-        drive!(tile256, x, n, w, k, outs, y, ldy, 2, 2)
-    }
+/// One entry point per register width: `R x 1` tiles for a single input row, `R x C` for
+/// several.
+macro_rules! entry {
+    ($(#[$doc:meta])* $name:ident, $features:literal, $tile:ident, $r1:literal, ($r:literal, $c:literal)) => {
+        $(#[$doc])*
+        #[target_feature(enable = $features)]
+        pub unsafe fn $name<E: Wide>(
+            x: *const f32,
+            n: usize,
+            w: *const E,
+            k: usize,
+            outs: std::ops::Range<usize>,
+            y: *mut f32,
+            ldy: usize,
+        ) {
+            if n == 1 {
+                drive!($tile, x, n, w, k, outs, y, ldy, $r1, 1)
+            } else {
+                drive!($tile, x, n, w, k, outs, y, ldy, $r, $c)
+            }
+        }
+    };
 }
 
-/// As [`block256`] with 512-bit registers (twice the accumulators: larger tiles).
-///
-/// # Safety
-/// As [`block256`], and the CPU has avx512f.
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
-pub unsafe fn block512<E: Wide>(
-    x: *const f32,
-    n: usize,
-    w: *const E,
-    k: usize,
-    outs: std::ops::Range<usize>,
-    y: *mut f32,
-    ldy: usize,
-) {
-    if n == 1 {
-        drive!(tile512, x, n, w, k, outs, y, ldy, 8, 1)
-    } else {
-        drive!(tile512, x, n, w, k, outs, y, ldy, 4, 4)
-    }
-}
+entry!(
+    /// y[i * ldy + o] = dot(x[i], w[o]) for `o` in `outs`, `i < n`; 256-bit registers.
+    ///
+    /// # Safety
+    /// The CPU has avx2, fma and f16c; `outs.start <= outs.end <= ldy`; `x` addresses
+    /// `n * k` floats, `w` `outs.end * k` elements, `y` `n * ldy` floats, the outputs
+    /// written here by no other thread.
+    block256, "avx2,fma,f16c", tile256, 4, (2, 2)
+);
+
+entry!(
+    /// As [`block256`] with 512-bit registers (twice the accumulators: larger tiles).
+    ///
+    /// # Safety
+    /// As [`block256`], and the CPU has avx512f.
+    block512, "avx512f,avx2,fma,f16c", tile512, 8, (4, 4)
+);

@@ -86,7 +86,6 @@ impl Team {
             spin,
         });
         let mut workers = Vec::new();
-        let mut pinned = cpus.is_some();
         for w in 1..threads.max(1) {
             let s = shared.clone();
             // one thread a core: threads past the cores given stay unpinned
@@ -105,14 +104,11 @@ impl Team {
                 Err(_) => break,
             }
         }
-        if let (Some(c), true) = (cpus, pinned) {
-            pinned = !c.is_empty();
-        }
         Team {
             shared,
             workers,
             busy: Mutex::new(()),
-            pinned,
+            pinned: cpus.is_some_and(|c| !c.is_empty()),
         }
     }
 
