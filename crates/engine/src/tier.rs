@@ -40,6 +40,13 @@ pub trait RemoteTier: Send {
     /// Link kind, for metrics and logs.
     fn kind(&self) -> &'static str;
 
+    /// The longest the next `recv` may wait for its reply (a link with a fixed deadline
+    /// ignores it). The primary sizes it from the round trips it has seen, so a sidecar that
+    /// stops answering fails a step in about that time rather than the link's whole timeout.
+    fn set_reply_deadline(&mut self, deadline: std::time::Duration) {
+        let _ = deadline;
+    }
+
     /// The GPU whose memory this link sends from and receives into, when it can take a
     /// request's activations and give its outputs there ([`RemoteTier::send_device`]): an
     /// NCCL link. None for links through host memory.

@@ -25,11 +25,42 @@ impl From<tonic::Status> for LaneError {
 
 pub type EventStream = BoxStream<'static, Result<GenerateEvent, LaneError>>;
 
+/// A lane's answer to a health check.
+#[derive(Clone, Debug, Default)]
+pub struct Health {
+    /// It takes new requests (its scheduler answers, its sidecar link is up, it is not
+    /// draining).
+    pub ok: bool,
+    /// Its primary is draining: it finishes what it runs and takes nothing new.
+    pub draining: bool,
+    /// Why it is not ok (empty when ok).
+    pub reason: String,
+    pub model: String,
+    pub map_epoch: u64,
+    pub link: String,
+    /// The lane's build (empty: a build from before it was reported).
+    pub build: String,
+}
+
+impl From<HealthReply> for Health {
+    fn from(h: HealthReply) -> Self {
+        Health {
+            ok: h.ok,
+            draining: h.draining,
+            reason: h.reason,
+            model: h.model,
+            map_epoch: h.map_epoch,
+            link: h.link,
+            build: h.build,
+        }
+    }
+}
+
 /// A lane as the gateway sees it. Dropping a generate stream cancels the request.
 pub trait Lane: Send + Sync {
     fn name(&self) -> &str;
     fn generate(&self, req: GenerateRequest) -> BoxFuture<'_, Result<EventStream, LaneError>>;
-    fn health(&self) -> BoxFuture<'_, Result<HealthReply, LaneError>>;
+    fn health(&self) -> BoxFuture<'_, Result<Health, LaneError>>;
     fn stats(&self) -> BoxFuture<'_, Result<StatsReply, LaneError>>;
 }
 
@@ -41,16 +72,29 @@ pub struct GrpcLane {
 
 impl GrpcLane {
     /// Connects lazily: the first call dials, and a lane that is down fails that call.
+    /// HTTP/2 keep-alive pings find a primary that stopped answering (a frozen process, a
+    /// cut link) while a stream is open, so the stream fails instead of hanging.
     pub fn new(url: &str) -> Result<Self, LaneError> {
+        Self::named(url, url)
+    }
+
+    /// A lane dialled at `url` and known as `name` (a DNS-resolved address keeps the name it
+    /// was found under in its label).
+    pub fn named(name: &str, url: &str) -> Result<Self, LaneError> {
+        use std::time::Duration;
         let ch = Channel::from_shared(url.to_string())
             .map_err(|e| LaneError {
                 category: Category::BadRequest,
                 message: format!("lane url {url:?}: {e}"),
             })?
-            .connect_timeout(std::time::Duration::from_secs(5))
+            .connect_timeout(Duration::from_secs(2))
+            .http2_keep_alive_interval(Duration::from_secs(2))
+            .keep_alive_timeout(Duration::from_secs(3))
+            .keep_alive_while_idle(true)
+            .tcp_nodelay(true)
             .connect_lazy();
         Ok(GrpcLane {
-            name: url.to_string(),
+            name: name.to_string(),
             client: PrimaryClient::new(ch),
         })
     }
@@ -73,9 +117,9 @@ impl Lane for GrpcLane {
         })
     }
 
-    fn health(&self) -> BoxFuture<'_, Result<HealthReply, LaneError>> {
+    fn health(&self) -> BoxFuture<'_, Result<Health, LaneError>> {
         let mut c = self.client.clone();
-        Box::pin(async move { Ok(c.health(HealthRequest {}).await?.into_inner()) })
+        Box::pin(async move { Ok(c.health(HealthRequest {}).await?.into_inner().into()) })
     }
 
     fn stats(&self) -> BoxFuture<'_, Result<StatsReply, LaneError>> {

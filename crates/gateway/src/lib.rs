@@ -1,12 +1,15 @@
 //! The gateway: an OpenAI-compatible HTTP API (axum) over one or many lanes. It templates and
 //! tokenises requests (moelane-text), picks a lane through a kameo registry actor (least
-//! in-flight, skipping draining lanes), streams tokens back as server-sent events with
+//! in-flight among healthy lanes: active health checks plus a circuit breaker per lane),
+//! retries a request on another lane before its first token, streams tokens back as server-sent events with
 //! incremental UTF-8-safe detokenisation, and maps every error to OpenAI's JSON in one place
 //! (as TGI's router does). It reaches lanes through the [`lane::Lane`] trait only.
 
+pub mod discovery;
 pub mod error;
+pub mod handoff;
 pub mod lane;
 pub mod registry;
 pub mod server;
 
-pub use server::{router, AppState, GatewayConfig};
+pub use server::{router, AppState, GatewayConfig, Shutdown};

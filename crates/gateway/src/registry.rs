@@ -1,23 +1,119 @@
-//! The lane registry, a kameo actor: which lanes exist, which drain, how many requests each
-//! carries. Picking returns an RAII guard that counts the request in flight until dropped.
+//! The lane registry, a kameo actor: which lanes exist, whether each is healthy, which drain,
+//! how many requests each carries. Picking returns an RAII guard that counts the request in
+//! flight until dropped.
+//!
+//! Health has two inputs, as in Envoy's outlier detection: the active checker's last answer
+//! (the lane's Health RPC: up, draining) and passive failure counting on real requests. A lane
+//! that fails `eject_after` requests in a row is ejected for a backoff that doubles with each
+//! ejection (capped); when it ends the lane gets traffic again (half-open) and one success
+//! closes the breaker. A lane is picked only when it is up, not draining, not ejected.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use kameo::message::{Context, Message};
 use kameo::Actor;
 
 use crate::lane::Lane;
 
+/// The circuit breaker's settings.
+#[derive(Clone, Debug)]
+pub struct Breaker {
+    /// Consecutive failed requests that eject a lane.
+    pub eject_after: u32,
+    /// The first ejection's length; each further one doubles it.
+    pub base_ejection: Duration,
+    /// The longest ejection.
+    pub max_ejection: Duration,
+}
+
+impl Default for Breaker {
+    fn default() -> Self {
+        Breaker {
+            eject_after: 2,
+            base_ejection: Duration::from_secs(1),
+            max_ejection: Duration::from_secs(30),
+        }
+    }
+}
+
 pub struct Entry {
     pub lane: Arc<dyn Lane>,
+    /// Where the lane came from: "flag", "file", or the DNS name it was resolved from.
+    pub source: String,
+    /// Drained by the operator (POST /admin/drain).
     pub draining: bool,
+    /// The lane's own last answer: it drains (its primary is stopping).
+    pub remote_draining: bool,
+    /// The active checker's last answer (true until the first check).
+    pub up: bool,
+    /// Why the last check said down.
+    pub down_reason: String,
+    pub failures: u32,
+    pub ejections: u32,
+    pub ejected_until: Option<Instant>,
     pub inflight: Arc<AtomicUsize>,
+    pub model: String,
+    pub map_epoch: u64,
+    pub build: String,
+}
+
+impl Entry {
+    fn new(lane: Arc<dyn Lane>, source: String) -> Self {
+        Entry {
+            lane,
+            source,
+            draining: false,
+            remote_draining: false,
+            up: true,
+            down_reason: String::new(),
+            failures: 0,
+            ejections: 0,
+            ejected_until: None,
+            inflight: Arc::new(AtomicUsize::new(0)),
+            model: String::new(),
+            map_epoch: 0,
+            build: String::new(),
+        }
+    }
+
+    fn ejected(&self, now: Instant) -> bool {
+        self.ejected_until.is_some_and(|t| t > now)
+    }
+
+    /// Whether new requests may go to this lane.
+    pub fn eligible(&self, now: Instant) -> bool {
+        self.up && !self.draining && !self.remote_draining && !self.ejected(now)
+    }
+
+    fn state(&self, now: Instant) -> &'static str {
+        if self.draining || self.remote_draining {
+            "draining"
+        } else if !self.up {
+            "down"
+        } else if self.ejected(now) {
+            "ejected"
+        } else {
+            "up"
+        }
+    }
 }
 
 #[derive(Actor, Default)]
 pub struct Registry {
     lanes: Vec<Entry>,
+    breaker: Breaker,
+}
+
+impl Registry {
+    pub fn new(breaker: Breaker) -> Self {
+        Registry {
+            lanes: Vec::new(),
+            breaker,
+        }
+    }
 }
 
 /// Counts one request on a lane while alive.
@@ -32,8 +128,35 @@ impl Drop for InFlight {
     }
 }
 
+/// Adds a lane that stays (a `--lane` flag).
 pub struct AddLane(pub Arc<dyn Lane>);
-pub struct Pick;
+
+/// The lanes `source` gives now: lanes of that source not listed are removed (requests in
+/// flight on them finish; they hold the lane), listed ones not present are added; lanes that
+/// stay keep their health and breaker state.
+pub struct SyncLanes {
+    pub source: String,
+    pub lanes: Vec<Arc<dyn Lane>>,
+}
+
+/// Picks the eligible lane with the fewest requests in flight, skipping the names in
+/// `exclude` (lanes this request already tried).
+pub struct Pick {
+    pub exclude: Vec<String>,
+}
+
+/// How a request went on a lane, for the breaker.
+pub struct Report {
+    pub lane: String,
+    pub ok: bool,
+}
+
+/// The active checker's answer for one lane.
+pub struct Checked {
+    pub lane: String,
+    pub result: Result<crate::lane::Health, String>,
+}
+
 pub struct SetDrain {
     pub lane: String,
     pub draining: bool,
@@ -43,34 +166,126 @@ pub struct ListLanes;
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct LaneInfo {
     pub name: String,
+    pub source: String,
+    /// up, down, ejected or draining
+    pub state: &'static str,
     pub draining: bool,
     pub inflight: usize,
+    pub failures: u32,
+    pub ejections: u32,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub down_reason: String,
+    pub model: String,
+    pub map_epoch: u64,
+    /// The lane's build, from its last health answer (lanes of two builds serve side by side
+    /// during a rollout).
+    pub build: String,
 }
 
 impl Message<AddLane> for Registry {
     type Reply = ();
     async fn handle(&mut self, AddLane(lane): AddLane, _: &mut Context<Self, Self::Reply>) {
-        self.lanes.push(Entry {
-            lane,
-            draining: false,
-            inflight: Arc::new(AtomicUsize::new(0)),
-        });
+        if !self.lanes.iter().any(|e| e.lane.name() == lane.name()) {
+            self.lanes.push(Entry::new(lane, "flag".into()));
+        }
+    }
+}
+
+impl Message<SyncLanes> for Registry {
+    /// (added, removed)
+    type Reply = (usize, usize);
+    async fn handle(&mut self, m: SyncLanes, _: &mut Context<Self, Self::Reply>) -> (usize, usize) {
+        let wanted: HashMap<&str, &Arc<dyn Lane>> = m.lanes.iter().map(|l| (l.name(), l)).collect();
+        let before = self.lanes.len();
+        self.lanes
+            .retain(|e| e.source != m.source || wanted.contains_key(e.lane.name()));
+        let removed = before - self.lanes.len();
+        let mut added = 0;
+        for l in &m.lanes {
+            if !self.lanes.iter().any(|e| e.lane.name() == l.name()) {
+                self.lanes.push(Entry::new(l.clone(), m.source.clone()));
+                added += 1;
+            }
+        }
+        (added, removed)
     }
 }
 
 impl Message<Pick> for Registry {
     type Reply = Option<InFlight>;
-    async fn handle(&mut self, _: Pick, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
+    async fn handle(&mut self, m: Pick, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        let now = Instant::now();
         let e = self
             .lanes
             .iter()
-            .filter(|e| !e.draining)
+            .filter(|e| e.eligible(now) && !m.exclude.iter().any(|x| x == e.lane.name()))
             .min_by_key(|e| e.inflight.load(Ordering::Acquire))?;
         e.inflight.fetch_add(1, Ordering::AcqRel);
         Some(InFlight {
             lane: e.lane.clone(),
             count: e.inflight.clone(),
         })
+    }
+}
+
+impl Message<Report> for Registry {
+    /// Whether this report ejected the lane.
+    type Reply = bool;
+    async fn handle(&mut self, m: Report, _: &mut Context<Self, Self::Reply>) -> bool {
+        let b = self.breaker.clone();
+        let Some(e) = self.lanes.iter_mut().find(|e| e.lane.name() == m.lane) else {
+            return false;
+        };
+        if m.ok {
+            e.failures = 0;
+            e.ejections = 0;
+            return false;
+        }
+        e.failures += 1;
+        let now = Instant::now();
+        if e.failures >= b.eject_after.max(1) && !e.ejected(now) {
+            let factor = 1u32 << e.ejections.min(16);
+            let len = b.base_ejection.saturating_mul(factor).min(b.max_ejection);
+            e.ejected_until = Some(now + len);
+            e.ejections += 1;
+            e.failures = 0;
+            metrics::counter!(moelane_telemetry::names::LANE_EJECTIONS, "lane" => m.lane.clone())
+                .increment(1);
+            tracing::warn!(lane = %m.lane, ejection_s = len.as_secs_f64(), "lane ejected after failed requests");
+            return true;
+        }
+        false
+    }
+}
+
+impl Message<Checked> for Registry {
+    type Reply = ();
+    async fn handle(&mut self, m: Checked, _: &mut Context<Self, Self::Reply>) {
+        let Some(e) = self.lanes.iter_mut().find(|e| e.lane.name() == m.lane) else {
+            return;
+        };
+        let was = e.up;
+        match m.result {
+            Ok(h) => {
+                e.up = h.ok;
+                e.remote_draining = h.draining;
+                e.down_reason = if h.ok { String::new() } else { h.reason };
+                e.model = h.model;
+                e.map_epoch = h.map_epoch;
+                e.build = h.build;
+            }
+            Err(why) => {
+                e.up = false;
+                e.down_reason = why;
+            }
+        }
+        if was != e.up {
+            if e.up {
+                tracing::info!(lane = %m.lane, "lane up");
+            } else {
+                tracing::warn!(lane = %m.lane, reason = %e.down_reason, "lane down");
+            }
+        }
     }
 }
 
@@ -89,18 +304,168 @@ impl Message<SetDrain> for Registry {
 impl Message<ListLanes> for Registry {
     type Reply = Vec<(LaneInfo, Arc<dyn Lane>)>;
     async fn handle(&mut self, _: ListLanes, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
+        let now = Instant::now();
         self.lanes
             .iter()
             .map(|e| {
                 (
                     LaneInfo {
                         name: e.lane.name().to_string(),
-                        draining: e.draining,
+                        source: e.source.clone(),
+                        state: e.state(now),
+                        draining: e.draining || e.remote_draining,
                         inflight: e.inflight.load(Ordering::Acquire),
+                        failures: e.failures,
+                        ejections: e.ejections,
+                        down_reason: e.down_reason.clone(),
+                        model: e.model.clone(),
+                        map_epoch: e.map_epoch,
+                        build: e.build.clone(),
                     },
                     e.lane.clone(),
                 )
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lane::{EventStream, Health, LaneError};
+    use futures::future::BoxFuture;
+    use kameo::actor::Spawn;
+    use moelane_proto::lane::{GenerateRequest, StatsReply};
+
+    /// A lane that is only a name: the registry never calls it.
+    struct Named(String);
+    impl Lane for Named {
+        fn name(&self) -> &str {
+            &self.0
+        }
+        fn generate(&self, _: GenerateRequest) -> BoxFuture<'_, Result<EventStream, LaneError>> {
+            unimplemented!("the registry does not call lanes")
+        }
+        fn health(&self) -> BoxFuture<'_, Result<Health, LaneError>> {
+            unimplemented!("the registry does not call lanes")
+        }
+        fn stats(&self) -> BoxFuture<'_, Result<StatsReply, LaneError>> {
+            unimplemented!("the registry does not call lanes")
+        }
+    }
+
+    fn lane(n: &str) -> Arc<dyn Lane> {
+        Arc::new(Named(n.into()))
+    }
+
+    async fn pick(r: &kameo::actor::ActorRef<Registry>, exclude: &[&str]) -> Option<String> {
+        r.ask(Pick {
+            exclude: exclude.iter().map(|s| s.to_string()).collect(),
+        })
+        .await
+        .expect("registry")
+        .map(|f| f.lane.name().to_string())
+    }
+
+    #[tokio::test]
+    async fn failures_eject_with_doubling_backoff_and_a_success_closes_the_breaker() {
+        let r = Registry::spawn(Registry::new(Breaker {
+            eject_after: 2,
+            base_ejection: Duration::from_millis(200),
+            max_ejection: Duration::from_millis(300),
+        }));
+        r.ask(AddLane(lane("a"))).await.expect("add");
+        r.ask(AddLane(lane("b"))).await.expect("add");
+        let report = |ok| Report {
+            lane: "a".into(),
+            ok,
+        };
+        assert!(!r.ask(report(false)).await.expect("report"));
+        assert!(
+            r.ask(report(false)).await.expect("report"),
+            "second failure ejects"
+        );
+        for _ in 0..3 {
+            assert_eq!(pick(&r, &[]).await.as_deref(), Some("b"));
+        }
+        assert_eq!(pick(&r, &["b"]).await, None, "a is ejected, b excluded");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        assert_eq!(pick(&r, &["b"]).await.as_deref(), Some("a"), "half-open");
+        // a second ejection doubles, capped at 300 ms
+        r.ask(report(false)).await.expect("report");
+        assert!(r.ask(report(false)).await.expect("report"));
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        assert_eq!(
+            pick(&r, &["b"]).await,
+            None,
+            "still ejected: 300 ms, not 200"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(pick(&r, &["b"]).await.as_deref(), Some("a"));
+        // a success resets the count: one more failure does not eject
+        r.ask(report(true)).await.expect("report");
+        assert!(!r.ask(report(false)).await.expect("report"));
+        assert_eq!(pick(&r, &["b"]).await.as_deref(), Some("a"));
+    }
+
+    #[tokio::test]
+    async fn down_or_draining_lanes_are_not_picked_and_sync_keeps_state() {
+        let r = Registry::spawn(Registry::default());
+        r.ask(SyncLanes {
+            source: "file".into(),
+            lanes: vec![lane("a"), lane("b")],
+        })
+        .await
+        .expect("sync");
+        r.ask(Checked {
+            lane: "a".into(),
+            result: Err("connection refused".into()),
+        })
+        .await
+        .expect("checked");
+        r.ask(Checked {
+            lane: "b".into(),
+            result: Ok(Health {
+                ok: false,
+                draining: true,
+                reason: "draining".into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .expect("checked");
+        assert_eq!(pick(&r, &[]).await, None);
+        // re-listing keeps a's state; dropping b removes it; c is new and up
+        let (added, removed) = r
+            .ask(SyncLanes {
+                source: "file".into(),
+                lanes: vec![lane("a"), lane("c")],
+            })
+            .await
+            .expect("sync");
+        assert_eq!((added, removed), (1, 1));
+        assert_eq!(pick(&r, &[]).await.as_deref(), Some("c"));
+        assert_eq!(pick(&r, &["c"]).await, None, "a is still down");
+        r.ask(Checked {
+            lane: "a".into(),
+            result: Ok(Health {
+                ok: true,
+                ..Default::default()
+            }),
+        })
+        .await
+        .expect("checked");
+        // c has one request in flight (the guard above was dropped: 0), a has none
+        let got = pick(&r, &["c"]).await;
+        assert_eq!(got.as_deref(), Some("a"));
+        // another source's sync leaves these alone
+        r.ask(SyncLanes {
+            source: "dns://x:1".into(),
+            lanes: vec![],
+        })
+        .await
+        .expect("sync");
+        let list = r.ask(ListLanes).await.expect("list");
+        assert_eq!(list.len(), 2);
     }
 }

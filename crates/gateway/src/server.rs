@@ -2,6 +2,11 @@
 //! server-sent events in OpenAI's chunk format, or whole), `GET /v1/models`, `/health`,
 //! `/ready`, `GET /v1/stats` (each lane's counters) and `POST /admin/drain`.
 //! Requests are parsed and validated into a [`ValidRequest`] before anything is queued.
+//!
+//! A request that fails before its first token is retried on another lane (bounded attempts
+//! within a deadline); one that fails after tokens were sent ends with an OpenAI error
+//! object, never with a finish reason it did not reach. A lane stream that ends without a
+//! finish event is a failure, not a finish.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -25,7 +30,9 @@ use serde_json::{json, Value};
 use tracing::Instrument as _;
 
 use crate::error::ApiError;
-use crate::registry::{InFlight, ListLanes, Pick, Registry, SetDrain};
+use crate::lane::{EventStream, LaneError};
+use crate::registry::{InFlight, ListLanes, Pick, Registry, Report, SetDrain};
+use moelane_proto::Category;
 
 /// What the gateway serves.
 #[derive(Clone, Debug)]
@@ -42,6 +49,67 @@ pub struct GatewayConfig {
     /// generation_config.json (`do_sample: false` is 0, greedy), else OpenAI's 1 and 1.
     pub default_temperature: f32,
     pub default_top_p: f32,
+    /// Most lanes one request is tried on before its first token.
+    pub max_attempts: usize,
+    /// No new attempt starts later than this after the request arrived.
+    pub retry_deadline: std::time::Duration,
+}
+
+/// The gateway's stopping state: draining (nothing new is taken: /ready says 503) and, once
+/// the grace period is over, abort (requests still running end with an error).
+pub struct Shutdown {
+    draining: std::sync::atomic::AtomicBool,
+    abort: tokio::sync::watch::Sender<bool>,
+    /// Requests being answered (whole or streamed), for the drain's wait.
+    active: std::sync::atomic::AtomicUsize,
+}
+
+impl Default for Shutdown {
+    fn default() -> Self {
+        Shutdown {
+            draining: false.into(),
+            abort: tokio::sync::watch::channel(false).0,
+            active: 0.into(),
+        }
+    }
+}
+
+impl Shutdown {
+    pub fn start_drain(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+        metrics::gauge!(n::DRAINING).set(1.0);
+    }
+    pub fn draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+    /// Ends every request still running with an error (the grace period is over).
+    pub fn abort(&self) {
+        self.abort.send_replace(true);
+    }
+    /// Resolves once [`Shutdown::abort`] was called.
+    pub fn aborted(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut rx = self.abort.subscribe();
+        async move {
+            let _ = rx.wait_for(|a| *a).await;
+        }
+    }
+    /// Requests being answered now.
+    pub fn active(&self) -> usize {
+        self.active.load(Ordering::SeqCst)
+    }
+    fn enter(self: &Arc<Self>) -> ActiveGuard {
+        self.active.fetch_add(1, Ordering::SeqCst);
+        ActiveGuard(self.clone())
+    }
+}
+
+/// Counts one request being answered while alive.
+struct ActiveGuard(Arc<Shutdown>);
+
+impl Drop for ActiveGuard {
+    fn drop(&mut self) {
+        self.0.active.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 pub struct AppState {
@@ -49,6 +117,7 @@ pub struct AppState {
     pub tokenizer: Tokenizer,
     pub template: ChatTemplate,
     pub registry: ActorRef<Registry>,
+    pub shutdown: Arc<Shutdown>,
     next_id: AtomicU64,
 }
 
@@ -64,6 +133,7 @@ impl AppState {
             tokenizer,
             template,
             registry,
+            shutdown: Arc::new(Shutdown::default()),
             next_id: AtomicU64::new(1),
         }
     }
@@ -99,7 +169,8 @@ async fn count_requests(req: Request, next: axum::middleware::Next) -> Response 
     r
 }
 
-/// Publishes each lane's health, drain state and requests in flight on each scrape.
+/// Publishes each lane's health (the active checker's last answer and the breaker: 1 when
+/// the lane takes requests), drain state and requests in flight on each scrape.
 pub fn register_metrics(st: Arc<AppState>) {
     moelane_telemetry::add_collector(Box::new(move || {
         let st = st.clone();
@@ -107,12 +178,8 @@ pub fn register_metrics(st: Arc<AppState>) {
             let Ok(list) = lanes(&st).await else {
                 return;
             };
-            for (info, lane) in list {
-                let up = tokio::time::timeout(std::time::Duration::from_secs(1), lane.health())
-                    .await
-                    .ok()
-                    .and_then(|r| r.ok())
-                    .is_some_and(|h| h.ok);
+            for (info, _) in list {
+                let up = info.state == "up";
                 let l = info.name.clone();
                 metrics::gauge!(n::LANE_UP, "lane" => l.clone()).set(up as u8 as f64);
                 metrics::gauge!(n::LANE_DRAINING, "lane" => l.clone())
@@ -435,14 +502,103 @@ fn now_secs() -> u64 {
         .unwrap_or(0)
 }
 
-async fn pick(st: &AppState) -> Result<InFlight, ApiError> {
-    st.registry
-        .ask(Pick)
-        .await
-        .map_err(|e| ApiError::Internal(format!("registry: {e}")))?
-        .ok_or_else(|| {
-            ApiError::Unavailable("no lane is available (all draining or none registered)".into())
+/// How a lane error before the first token is handled: `None`, not retried (the request is
+/// at fault); `Some(true)`, retried on another lane and counted against this lane's breaker;
+/// `Some(false)`, retried without blame (the lane is busy or mid-swap).
+fn retry_class(c: Category) -> Option<bool> {
+    match c {
+        Category::Unavailable | Category::Timeout | Category::Internal => Some(true),
+        Category::Overloaded | Category::EpochMismatch | Category::NotResident => Some(false),
+        Category::BadRequest | Category::ContextOverflow => None,
+    }
+}
+
+/// Tells the breaker how a request went on `lane` (without waiting for it).
+async fn report(st: &AppState, lane: &str, ok: bool) {
+    let _ = st
+        .registry
+        .tell(Report {
+            lane: lane.to_string(),
+            ok,
         })
+        .await;
+}
+
+fn no_lane() -> ApiError {
+    ApiError::Unavailable(
+        "no lane is available (none healthy, all draining, or none registered)".into(),
+    )
+}
+
+fn stream_ended() -> LaneError {
+    LaneError {
+        category: Category::Unavailable,
+        message: "the lane's stream ended before the request finished (the lane stopped or \
+                  the connection to it was lost)"
+            .into(),
+    }
+}
+
+/// Sends `greq` to a lane and waits for its first event (a token or a finish), retrying on
+/// other lanes while the failure is the lane's or its load's, at most `max_attempts` lanes,
+/// none started past `deadline`. Returns the lane's guard and its events, the first one
+/// included.
+async fn open(
+    st: &AppState,
+    greq: &GenerateRequest,
+    deadline: Instant,
+    tried: &mut Vec<String>,
+) -> Result<(InFlight, EventStream), ApiError> {
+    let mut last: Option<ApiError> = None;
+    while tried.len() < st.cfg.max_attempts.max(1)
+        && (tried.is_empty() || Instant::now() < deadline)
+    {
+        let picked = st
+            .registry
+            .ask(Pick {
+                exclude: tried.clone(),
+            })
+            .await
+            .map_err(|e| ApiError::Internal(format!("registry: {e}")))?;
+        let Some(inflight) = picked else {
+            break;
+        };
+        let name = inflight.lane.name().to_string();
+        tried.push(name.clone());
+        let attempt = async {
+            let mut s = inflight.lane.generate(greq.clone()).await?;
+            match s.next().await {
+                Some(Ok(ev)) => Ok((s, ev)),
+                Some(Err(e)) => Err(e),
+                None => Err(stream_ended()),
+            }
+        };
+        match attempt.await {
+            Ok((s, first)) => {
+                report(st, &name, true).await;
+                let events = futures::stream::once(async move { Ok(first) })
+                    .chain(s)
+                    .boxed();
+                return Ok((inflight, events));
+            }
+            Err(e) => {
+                let Some(blame) = retry_class(e.category) else {
+                    report(st, &name, true).await;
+                    return Err(ApiError::from_lane(e.category, e.message));
+                };
+                if blame {
+                    report(st, &name, false).await;
+                }
+                metrics::counter!(n::REQUEST_RETRIES, "reason" => e.category.as_str()).increment(1);
+                tracing::warn!(lane = %name, error = %e.message, "request failed before its first token; trying another lane");
+                last = Some(ApiError::from_lane(
+                    e.category,
+                    format!("lane {name}: {}", e.message),
+                ));
+            }
+        }
+    }
+    Err(last.unwrap_or_else(no_lane))
 }
 
 async fn completions(State(st): State<Arc<AppState>>, req: Request) -> Response {
@@ -495,48 +651,95 @@ fn usage(p: usize, c: usize) -> Value {
     json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c})
 }
 
+fn shutting_down() -> ApiError {
+    ApiError::Unavailable(
+        "the gateway is shutting down and its grace period is over; the request was cut".into(),
+    )
+}
+
+/// The finish reason a client sees for a lane's: a cancel the gateway made (a stop string)
+/// is a stop.
+fn finish_of(lane: &str) -> String {
+    if lane == "cancelled" {
+        "stop".into()
+    } else {
+        lane.to_string()
+    }
+}
+
 /// A non-streamed answer: the lane's tokens detokenised into one text (stop strings cut it,
 /// which cancels the request on the lane), in the completion or chat completion shape.
+/// Nothing reaches the client before the end, so a lane lost midway is retried from the
+/// start on another (within the attempts and the deadline); a request that cannot finish
+/// gets an error, never a finish reason it did not reach.
 async fn whole_response(
     st: &AppState,
     vr: &ValidRequest,
-    mut events: crate::lane::EventStream,
-    inflight: InFlight,
-    mut timing: Timing,
+    greq: &GenerateRequest,
+    deadline: Instant,
     out: &Out,
     chat: bool,
 ) -> Result<Response, ApiError> {
     let prompt_tokens = vr.prompt.len();
-    let mut det = Detokenizer::new(vr.stop.clone());
-    let mut text = String::new();
-    let mut completion = 0usize;
-    let mut finish = "length".to_string();
-    while let Some(ev) = events.next().await {
-        let ev = ev.map_err(|e| ApiError::from_lane(e.category, e.message))?;
-        if let Some(t) = ev.token {
-            timing.token();
-            completion += 1;
-            if !st.tokenizer.is_special(t) {
-                text.push_str(&det.push(st.tokenizer.token_bytes(t)));
-            }
-            if det.stopped() {
-                finish = "stop".into();
-                break; // dropping the stream cancels the request on the lane
-            }
-        }
-        if !ev.finish_reason.is_empty() {
-            finish = if ev.finish_reason == "cancelled" {
-                "stop".into()
-            } else {
-                ev.finish_reason.clone()
+    let mut tried = Vec::new();
+    let (text, completion, finish) = loop {
+        let mut timing = Timing::new(chat);
+        let (inflight, mut events) = open(st, greq, deadline, &mut tried).await?;
+        let lane = inflight.lane.name().to_string();
+        let mut det = Detokenizer::new(vr.stop.clone());
+        let mut text = String::new();
+        let mut completion = 0usize;
+        let mut finish: Option<String> = None;
+        let mut failed: Option<LaneError> = None;
+        while let Some(ev) = events.next().await {
+            let ev = match ev {
+                Ok(ev) => ev,
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
             };
-            break;
+            if let Some(t) = ev.token {
+                timing.token();
+                completion += 1;
+                if !st.tokenizer.is_special(t) {
+                    text.push_str(&det.push(st.tokenizer.token_bytes(t)));
+                }
+                if det.stopped() {
+                    finish = Some("stop".into());
+                    break; // dropping the stream cancels the request on the lane
+                }
+            }
+            if !ev.finish_reason.is_empty() {
+                finish = Some(finish_of(&ev.finish_reason));
+                break;
+            }
         }
-    }
-    drop(events);
-    text.push_str(&det.finish());
-    drop(inflight);
-    timing.done(prompt_tokens, completion, &finish);
+        drop(events);
+        drop(inflight);
+        if let Some(f) = finish {
+            text.push_str(&det.finish());
+            timing.done(prompt_tokens, completion, &f);
+            break (text, completion, f);
+        }
+        let e = failed.unwrap_or_else(stream_ended);
+        timing.done(prompt_tokens, completion, "error");
+        if retry_class(e.category) == Some(true) {
+            report(st, &lane, false).await;
+        }
+        let again = retry_class(e.category).is_some()
+            && tried.len() < st.cfg.max_attempts.max(1)
+            && Instant::now() < deadline;
+        if !again {
+            metrics::counter!(n::STREAMS_CUT, "reason" => e.category.as_str()).increment(1);
+            return Err(ApiError::from_lane(
+                e.category,
+                format!("lane {lane}: {}", e.message),
+            ));
+        }
+        metrics::counter!(n::REQUEST_RETRIES, "reason" => e.category.as_str()).increment(1);
+        tracing::warn!(lane = %lane, error = %e.message, "lane lost before the whole answer was sent; starting over on another lane");
+    };
     let body = if chat {
         json!({"id": out.id, "object": "chat.completion", "created": out.created, "model": st.cfg.model_name,
                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish}],
@@ -550,13 +753,12 @@ async fn whole_response(
 }
 
 async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response, ApiError> {
-    let mut timing = Timing::new(chat);
+    let arrived = Instant::now();
+    let active = st.shutdown.enter();
     let v = read_json(&st, req.into_body()).await?;
     let vr = validate(&st, &v, chat)?;
-    let inflight = pick(&st).await?;
     let span = tracing::Span::current();
     span.record("gen_ai.usage.input_tokens", vr.prompt.len());
-    span.record("moelane.lane", inflight.lane.name());
     let id_n = st.next_id.fetch_add(1, Ordering::Relaxed);
     let out = Out {
         id: format!(
@@ -577,21 +779,31 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
         stop_token_ids: vec![],
         ignore_eos: false,
     };
-    let mut events = inflight
-        .lane
-        .generate(greq)
-        .await
-        .map_err(|e| ApiError::from_lane(e.category, e.message))?;
-    let prompt_tokens = vr.prompt.len();
+    let deadline = arrived + st.cfg.retry_deadline;
+    let aborted = st.shutdown.aborted();
     if !vr.stream {
-        return whole_response(&st, &vr, events, inflight, timing, &out, chat).await;
+        return tokio::select! {
+            r = whole_response(&st, &vr, &greq, deadline, &out, chat) => r,
+            _ = aborted => Err(shutting_down()),
+        };
     }
+    let mut timing = Timing::new(chat);
+    let mut tried = Vec::new();
+    let (inflight, mut events) = tokio::select! {
+        r = open(&st, &greq, deadline, &mut tried) => r?,
+        _ = st.shutdown.aborted() => return Err(shutting_down()),
+    };
+    span.record("moelane.lane", inflight.lane.name());
+    let prompt_tokens = vr.prompt.len();
     // Streaming: a task relays lane events into SSE chunks; when the client leaves, the
     // channel closes, the task ends and drops the lane stream, which cancels the request.
     let (tx, rx) = tokio::sync::mpsc::channel::<SseEvent>(64);
     let st2 = st.clone();
     let relay = async move {
+        let _active = active;
+        let lane = inflight.lane.name().to_string();
         let _inflight = inflight;
+        let mut aborted = std::pin::pin!(aborted);
         let mut det = Detokenizer::new(vr.stop.clone());
         let mut completion = 0usize;
         let send = |v: Value| SseEvent::default().data(v.to_string());
@@ -604,12 +816,34 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
             return;
         }
         let mut finish: Option<String> = None;
-        while let Some(ev) = events.next().await {
-            let ev = match ev {
-                Ok(ev) => ev,
-                Err(e) => {
-                    let err = ApiError::from_lane(e.category, e.message);
-                    let _ = tx.send(send(err.body())).await;
+        let mut failed: Option<ApiError> = None;
+        loop {
+            let next = tokio::select! {
+                ev = events.next() => ev,
+                _ = &mut aborted => {
+                    failed = Some(shutting_down());
+                    break;
+                }
+            };
+            let ev = match next {
+                Some(Ok(ev)) => ev,
+                Some(Err(e)) => {
+                    if retry_class(e.category) == Some(true) {
+                        report(&st2, &lane, false).await;
+                    }
+                    failed = Some(ApiError::from_lane(
+                        e.category,
+                        format!("lane {lane}: {}", e.message),
+                    ));
+                    break;
+                }
+                None => {
+                    report(&st2, &lane, false).await;
+                    let e = stream_ended();
+                    failed = Some(ApiError::from_lane(
+                        e.category,
+                        format!("lane {lane}: {}", e.message),
+                    ));
                     break;
                 }
             };
@@ -635,11 +869,7 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
                 }
             }
             if !ev.finish_reason.is_empty() {
-                finish = Some(if ev.finish_reason == "cancelled" {
-                    "stop".into()
-                } else {
-                    ev.finish_reason.clone()
-                });
+                finish = Some(finish_of(&ev.finish_reason));
                 break;
             }
         }
@@ -649,6 +879,20 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
             completion,
             finish.as_deref().unwrap_or("error"),
         );
+        if let Some(err) = failed {
+            // an error object, as OpenAI's API sends mid-stream (its clients raise on it),
+            // and no finish: the client must not take a cut answer for a whole one
+            metrics::counter!(n::STREAMS_CUT, "reason" => match &err {
+                ApiError::Unavailable(_) => "unavailable",
+                ApiError::Overloaded(_) => "overloaded",
+                ApiError::Internal(_) => "internal",
+                _ => "other",
+            })
+            .increment(1);
+            let _ = tx.send(send(err.body())).await;
+            let _ = tx.send(SseEvent::default().data("[DONE]")).await;
+            return;
+        }
         let tail = det.finish();
         if !tail.is_empty()
             && tx
@@ -705,21 +949,35 @@ async fn lanes(
 }
 
 async fn ready(State(st): State<Arc<AppState>>) -> Response {
+    if st.shutdown.draining() {
+        return (StatusCode::SERVICE_UNAVAILABLE, "draining").into_response();
+    }
     let Ok(list) = lanes(&st).await else {
         return (StatusCode::SERVICE_UNAVAILABLE, "registry down").into_response();
     };
-    for (info, lane) in list {
-        if !info.draining && lane.health().await.map(|h| h.ok).unwrap_or(false) {
-            return (StatusCode::OK, "ready").into_response();
-        }
+    if list.iter().any(|(info, _)| info.state == "up") {
+        return (StatusCode::OK, "ready").into_response();
     }
     (StatusCode::SERVICE_UNAVAILABLE, "no healthy lane").into_response()
 }
 
 async fn stats(State(st): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
+    let list = lanes(&st).await?;
+    // every lane at once, each bounded: a lane that does not answer says so
+    let answers =
+        futures::future::join_all(list.iter().map(|(_, lane)| {
+            tokio::time::timeout(std::time::Duration::from_secs(2), lane.stats())
+        }))
+        .await;
     let mut out = Vec::new();
-    for (info, lane) in lanes(&st).await? {
-        let s = match lane.stats().await {
+    for ((info, _), answer) in list.into_iter().zip(answers) {
+        let answer = answer.unwrap_or_else(|_| {
+            Err(LaneError {
+                category: Category::Timeout,
+                message: "no stats answer within 2 s".into(),
+            })
+        });
+        let s = match answer {
             Ok(s) => {
                 let load = s.load.unwrap_or_default();
                 json!({"running": load.running, "waiting": load.waiting, "kv_blocks_used": load.kv_blocks_used, "kv_blocks_total": load.kv_blocks_total,
@@ -729,7 +987,9 @@ async fn stats(State(st): State<Arc<AppState>>) -> Result<Json<Value>, ApiError>
             }
             Err(e) => json!({"error": e.message}),
         };
-        out.push(json!({"lane": info.name, "draining": info.draining, "inflight": info.inflight, "stats": s}));
+        out.push(json!({"lane": info.name, "state": info.state, "source": info.source, "draining": info.draining,
+                        "inflight": info.inflight, "failures": info.failures, "ejections": info.ejections,
+                        "down_reason": info.down_reason, "map_epoch": info.map_epoch, "build": info.build, "stats": s}));
     }
     Ok(Json(json!({"lanes": out})))
 }

@@ -9,8 +9,9 @@ use std::time::Duration;
 
 use kameo::actor::Spawn;
 use moelane_engine::load::{load_engine, EngineOptions};
+use moelane_gateway::discovery::{check_all, spawn_health_checks};
 use moelane_gateway::lane::GrpcLane;
-use moelane_gateway::registry::{AddLane, Registry};
+use moelane_gateway::registry::{AddLane, ListLanes, Registry};
 use moelane_gateway::{router, AppState, GatewayConfig};
 use moelane_gb300_worker::scheduler::SchedulerConfig;
 use moelane_gb300_worker::PrimaryHandle;
@@ -52,7 +53,13 @@ async fn primary() -> (PrimaryHandle, String) {
             .expect("start the step loop");
     let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let url = format!("http://{}", l.local_addr().expect("addr"));
-    tokio::spawn(moelane_gb300_worker::serve(l, handle.client.clone(), None));
+    tokio::spawn(moelane_gb300_worker::serve(
+        l,
+        handle.client.clone(),
+        None,
+        Default::default(),
+        std::future::pending(),
+    ));
     (handle, url)
 }
 
@@ -67,6 +74,19 @@ async fn gateway(lanes: &[&str]) -> String {
             .await
             .expect("add lane");
     }
+    // health as the gateway keeps it: a first round now, then every 200 ms
+    let list = registry.ask(ListLanes).await.expect("list");
+    check_all(
+        &registry,
+        list.into_iter().map(|(_, l)| l),
+        Duration::from_secs(1),
+    )
+    .await;
+    spawn_health_checks(
+        registry.clone(),
+        Duration::from_millis(200),
+        Duration::from_secs(1),
+    );
     let generation = moelane_engine::config::Generation::read(dir).expect("generation config");
     let state = Arc::new(AppState::new(
         GatewayConfig {
@@ -77,6 +97,8 @@ async fn gateway(lanes: &[&str]) -> String {
             // the model's generation_config.json: tiny's says do_sample false (greedy)
             default_temperature: generation.temperature.unwrap_or(1.0),
             default_top_p: generation.top_p.unwrap_or(1.0),
+            max_attempts: 3,
+            retry_deadline: Duration::from_secs(10),
         },
         Tokenizer::from_file(&dir.join("tokenizer.json")).expect("tokenizer"),
         ChatTemplate::from_dir(dir).expect("template"),

@@ -146,6 +146,29 @@ impl PrimaryClient {
     pub async fn snapshot(&self) -> Result<Snapshot, Status> {
         self.call(Command::Snapshot).await.map_err(status)
     }
+
+    /// Waits until no request runs or waits, at most `grace`; returns how many still do
+    /// (0: drained). Polls the scheduler every 20 ms.
+    pub async fn wait_idle(&self, grace: std::time::Duration) -> usize {
+        let until = tokio::time::Instant::now() + grace;
+        loop {
+            let left = match self.snapshot().await {
+                Ok(s) => s.running + s.waiting,
+                Err(_) => return 0, // the loop is gone: nothing runs
+            };
+            if left == 0 || tokio::time::Instant::now() >= until {
+                return left;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Ends every request still running or waiting with an Unavailable error naming `why`.
+    pub async fn end_all(&self, why: &str) -> usize {
+        self.call(|r| Command::EndAll(why.to_string(), r))
+            .await
+            .unwrap_or(0)
+    }
 }
 
 fn status(e: SwapError) -> Status {
@@ -276,10 +299,49 @@ impl moelane_residency_actor::CounterSource for PrimaryParticipant {
     }
 }
 
+/// Whether the primary takes new requests: it is not draining and nothing is wrong with its
+/// sidecar (each supervisor sets or clears its own problem: the link down, heartbeats
+/// missed, the sidecar draining). Health, Generate and the gRPC health service read it.
+#[derive(Default)]
+pub struct Readiness {
+    draining: std::sync::atomic::AtomicBool,
+    problems: std::sync::Mutex<std::collections::BTreeMap<&'static str, String>>,
+}
+
+impl Readiness {
+    /// From now on new requests are refused (Unavailable) and Health says draining.
+    pub fn start_drain(&self) {
+        self.draining
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        metrics::gauge!(moelane_telemetry::names::DRAINING).set(1.0);
+    }
+    pub fn draining(&self) -> bool {
+        self.draining.load(std::sync::atomic::Ordering::SeqCst)
+    }
+    /// Sets (`Some(why)`) or clears (`None`) the problem `key`; returns whether it was set
+    /// before.
+    pub fn set_problem(&self, key: &'static str, why: Option<String>) -> bool {
+        let mut g = self.problems.lock().unwrap_or_else(|p| p.into_inner());
+        match why {
+            Some(w) => g.insert(key, w).is_some(),
+            None => g.remove(key).is_some(),
+        }
+    }
+    /// Why the primary does not take new requests, if it does not.
+    pub fn not_ready(&self) -> Option<String> {
+        if self.draining() {
+            return Some("the primary is draining (stopping)".into());
+        }
+        let g = self.problems.lock().unwrap_or_else(|p| p.into_inner());
+        (!g.is_empty()).then(|| g.values().cloned().collect::<Vec<_>>().join("; "))
+    }
+}
+
 /// The tonic face of the primary.
 pub struct PrimaryService {
     pub client: PrimaryClient,
     pub residency: Option<ActorRef<moelane_residency_actor::Residency>>,
+    pub readiness: std::sync::Arc<Readiness>,
 }
 
 fn load_of(s: &Snapshot) -> LoadReply {
@@ -312,6 +374,11 @@ impl Primary for PrimaryService {
         );
         moelane_telemetry::adopt(&span, r.metadata());
         span.record("moelane.request_id", r.get_ref().request_id.as_str());
+        if self.readiness.draining() {
+            return Err(Category::Unavailable.status(
+                "the primary is draining (stopping): it takes no new requests; send this one to another lane",
+            ));
+        }
         let rx = self.client.generate(r.into_inner(), span)?;
         let s = tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(|ev| match ev {
             Event::Token {
@@ -349,11 +416,16 @@ impl Primary for PrimaryService {
 
     async fn health(&self, _: Request<HealthRequest>) -> Result<Response<HealthReply>, Status> {
         let s = self.client.snapshot().await?;
+        let why = self.readiness.not_ready();
         Ok(Response::new(HealthReply {
-            ok: true,
+            ok: why.is_none(),
             model: s.model,
             map_epoch: s.epoch,
             link: s.link,
+            draining: self.readiness.draining(),
+            reason: why.unwrap_or_default(),
+            build: moelane_proto::BUILD.into(),
+            protocol: moelane_proto::PROTOCOL,
         }))
     }
 
@@ -456,21 +528,74 @@ impl Primary for PrimaryService {
     }
 }
 
-/// Serves the lane API on `listener` until the future is dropped.
+/// The standard gRPC health service (`grpc.health.v1.Health`, for Kubernetes gRPC probes
+/// and load balancers): the overall status ("") and `moelane.lane.v1.Primary` are SERVING
+/// while the step loop answers and [`Readiness`] says ready, NOT_SERVING otherwise;
+/// re-evaluated every 250 ms for as long as the reporter lives.
+pub fn health_reporter(
+    readiness: std::sync::Arc<Readiness>,
+    client: PrimaryClient,
+) -> (
+    tonic_health::server::HealthReporter,
+    tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
+) {
+    let (reporter, service) = tonic_health::server::health_reporter();
+    let r = reporter.clone();
+    tokio::spawn(async move {
+        let mut last = None;
+        loop {
+            let answers =
+                tokio::time::timeout(std::time::Duration::from_secs(1), client.snapshot())
+                    .await
+                    .is_ok_and(|s| s.is_ok());
+            let serving = answers && readiness.not_ready().is_none();
+            if last != Some(serving) {
+                let status = if serving {
+                    tonic_health::ServingStatus::Serving
+                } else {
+                    tonic_health::ServingStatus::NotServing
+                };
+                for name in ["", "moelane.lane.v1.Primary"] {
+                    r.set_service_status(name, status).await;
+                }
+                last = Some(serving);
+            }
+            // the service ends when its server is dropped: stop with it
+            if std::sync::Arc::strong_count(&readiness) <= 1 {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+        }
+    });
+    (reporter, service)
+}
+
+/// Serves the lane API on `listener` until the future is dropped or `stop` resolves (then
+/// it stops accepting and returns once the calls in progress end).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     client: PrimaryClient,
     residency: Option<ActorRef<moelane_residency_actor::Residency>>,
+    readiness: std::sync::Arc<Readiness>,
+    stop: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
+    let (health, health_service) = health_reporter(readiness.clone(), client.clone());
+    drop(health);
     tonic::transport::Server::builder()
-        .add_service(PrimaryServer::new(PrimaryService { client, residency }))
-        .serve_with_incoming(
+        .add_service(health_service)
+        .add_service(PrimaryServer::new(PrimaryService {
+            client,
+            residency,
+            readiness,
+        }))
+        .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener).map(|s| {
                 if let Ok(s) = &s {
                     let _ = s.set_nodelay(true);
                 }
                 s
             }),
+            stop,
         )
         .await
 }

@@ -17,6 +17,61 @@ pub struct Relink {
     pub slot: Arc<std::sync::Mutex<Option<Box<dyn RemoteTier>>>>,
     pub broken: Arc<tokio::sync::Notify>,
     pub kind: &'static str,
+    pub deadline: StallDeadline,
+}
+
+/// The per-step deadline of a reply, sized from the round trips seen: a decaying maximum of
+/// the time per expert pick, times the picks of the request, times a margin, never under
+/// `floor` (the stall detection time) nor over `cap` (the link timeout). Before any round
+/// trip it is `cap`. A sidecar that stops answering (SIGSTOP, a cut link) fails the step in
+/// about `floor`; a large prefill, which takes long for a reason, gets room in proportion.
+#[derive(Clone, Debug)]
+pub struct StallDeadline {
+    pub floor: Duration,
+    pub cap: Duration,
+    per_pick_ns: f64,
+    sent: Option<(std::time::Instant, usize)>,
+}
+
+impl StallDeadline {
+    /// The margin over the slowest time per pick seen.
+    const MARGIN: f64 = 8.0;
+
+    pub fn new(floor: Duration, cap: Duration) -> Self {
+        StallDeadline {
+            floor: floor.min(cap),
+            cap,
+            per_pick_ns: 0.0,
+            sent: None,
+        }
+    }
+
+    fn sending(&mut self, picks: usize) {
+        self.sent = Some((std::time::Instant::now(), picks.max(1)));
+    }
+
+    /// The deadline of the reply to the request sent last.
+    pub fn for_reply(&self) -> Duration {
+        let Some((_, picks)) = self.sent else {
+            return self.cap;
+        };
+        if self.per_pick_ns <= 0.0 {
+            return self.cap;
+        }
+        let ns = self.per_pick_ns * picks as f64 * Self::MARGIN;
+        Duration::from_secs_f64((ns * 1e-9).min(self.cap.as_secs_f64()))
+            .max(self.floor)
+            .min(self.cap)
+    }
+
+    fn received(&mut self) {
+        if let Some((t, picks)) = self.sent.take() {
+            let per = t.elapsed().as_nanos() as f64 / picks as f64;
+            // a decaying maximum: one slow round trip raises it at once, it fades over
+            // about a thousand round trips
+            self.per_pick_ns = per.max(self.per_pick_ns * 0.999);
+        }
+    }
 }
 
 impl Relink {
@@ -50,10 +105,19 @@ impl Relink {
 
 impl RemoteTier for Relink {
     fn send(&mut self, req: moelane_engine::tier::ColdRequest) -> moelane_engine::Result<()> {
+        self.deadline.sending(req.picks.len());
         self.call(|t| t.send(req))
     }
     fn recv(&mut self) -> moelane_engine::Result<moelane_engine::tier::ColdReply> {
-        self.call(|t| t.recv())
+        let d = self.deadline.for_reply();
+        let r = self.call(|t| {
+            t.set_reply_deadline(d);
+            t.recv()
+        });
+        if r.is_ok() {
+            self.deadline.received();
+        }
+        r
     }
     fn kind(&self) -> &'static str {
         self.kind
@@ -67,13 +131,49 @@ impl RemoteTier for Relink {
         acts: u64,
         acts_len: usize,
     ) -> moelane_engine::Result<()> {
+        self.deadline.sending(req.picks.len());
         // SAFETY: the caller's guarantee, passed on
         self.call(|t| unsafe { t.send_device(req, acts, acts_len) })
     }
     fn recv_device(
         &mut self,
     ) -> moelane_engine::Result<(moelane_engine::tier::ColdReply, u64, usize)> {
-        self.call(|t| t.recv_device())
+        let d = self.deadline.for_reply();
+        let r = self.call(|t| {
+            t.set_reply_deadline(d);
+            t.recv_device()
+        });
+        if r.is_ok() {
+            self.deadline.received();
+        }
+        r
+    }
+}
+
+#[cfg(test)]
+mod deadline_tests {
+    use super::StallDeadline;
+    use std::time::Duration;
+
+    #[test]
+    fn the_deadline_follows_round_trips_between_floor_and_cap() {
+        let mut d = StallDeadline::new(Duration::from_secs(1), Duration::from_secs(30));
+        d.sending(4);
+        assert_eq!(
+            d.for_reply(),
+            Duration::from_secs(30),
+            "nothing seen yet: the cap"
+        );
+        std::thread::sleep(Duration::from_millis(4));
+        d.received();
+        d.sending(4);
+        // ~1 ms a pick x 4 picks x 8 = ~32 ms: the floor
+        assert_eq!(d.for_reply(), Duration::from_secs(1));
+        // a prefill of 4,000 picks gets room in proportion (~32 s, capped at 30 s)
+        d.sending(4000);
+        let big = d.for_reply();
+        assert!(big > Duration::from_secs(10), "{big:?}");
+        assert!(big <= Duration::from_secs(30), "{big:?}");
     }
 }
 

@@ -96,6 +96,9 @@ pub enum Command {
     ),
     /// Swap RELEASE or ABORT: free hot slots the current map does not use.
     ReleaseUnused(oneshot::Sender<usize>),
+    /// Ends every running and waiting request with an Unavailable error saying why (a drain
+    /// whose grace period is over); replies how many it ended.
+    EndAll(String, oneshot::Sender<usize>),
     Shutdown,
 }
 
@@ -163,6 +166,9 @@ pub struct Scheduler {
     stats: Snapshot,
     max_iter_ns: u64,
     meters: Meters,
+    /// `MOELANE_STEP_PACE_MS`: a sleep after each step that ran requests, for drills and
+    /// tests that must land a signal or a fault mid-stream (off unless set).
+    pace: Option<std::time::Duration>,
 }
 
 impl Scheduler {
@@ -176,6 +182,11 @@ impl Scheduler {
             stats: Snapshot::default(),
             max_iter_ns: 0,
             meters: Meters::new(),
+            pace: std::env::var("MOELANE_STEP_PACE_MS")
+                .ok()
+                .and_then(|v| v.parse::<u64>().ok())
+                .filter(|&ms| ms > 0)
+                .map(|ms| std::time::Duration::from_millis(ms.min(10_000))),
         }
     }
 
@@ -268,6 +279,27 @@ impl Scheduler {
         let gone = before - self.running.len() - self.waiting.len();
         self.stats.cancelled += gone as u64;
         found || gone > 0
+    }
+
+    /// Ends every request with an error naming `why`: never a finish it did not reach.
+    fn end_all(&mut self, why: &str) -> usize {
+        let mut n = 0;
+        let err = || Event::Error {
+            category: Category::Unavailable,
+            message: why.to_string(),
+        };
+        for (r, tx, _) in self.waiting.drain(..) {
+            r.span.record("moelane.finish_reason", "error");
+            let _ = tx.send(err());
+            n += 1;
+        }
+        for r in self.running.drain(..) {
+            r.req.span.record("moelane.finish_reason", "error");
+            let _ = r.tx.send(err());
+            n += 1;
+        }
+        self.stats.failed += n as u64;
+        n
     }
 
     /// Admits waiting requests: FIFO, while KV and the prefill budget allow.
@@ -457,10 +489,16 @@ impl Scheduler {
                     Command::ReleaseUnused(reply) => {
                         let _ = reply.send(self.engine.release_unused());
                     }
+                    Command::EndAll(why, reply) => {
+                        let _ = reply.send(self.end_all(&why));
+                    }
                     Command::Shutdown => return,
                 }
             }
             self.step();
+            if let Some(p) = self.pace.filter(|_| !self.running.is_empty()) {
+                std::thread::sleep(p);
+            }
             let m = &self.meters;
             if let Some(t) = iter_start {
                 let ns = t.elapsed().as_nanos() as u64;

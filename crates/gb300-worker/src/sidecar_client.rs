@@ -61,9 +61,16 @@ impl RemoteSidecar {
                 map_epoch: map.epoch,
                 rowmap_json,
                 incarnation: token,
+                protocol: moelane_proto::PROTOCOL,
+                build: moelane_proto::BUILD.into(),
             })
             .await
             .map(|r| r.into_inner())
+            .and_then(|r| {
+                moelane_proto::check_protocol("sidecar", r.protocol, &r.build)
+                    .map_err(|e| Category::BadRequest.status(e))?;
+                Ok(r)
+            })
     }
 }
 

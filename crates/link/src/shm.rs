@@ -365,6 +365,10 @@ impl RemoteTier for ShmTier {
     fn kind(&self) -> &'static str {
         "shm"
     }
+
+    fn set_reply_deadline(&mut self, deadline: Duration) {
+        self.timeout = deadline.max(Duration::from_millis(1));
+    }
 }
 
 impl Drop for ShmTier {

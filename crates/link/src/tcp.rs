@@ -37,6 +37,8 @@ pub struct TcpTier {
     stream: TcpStream,
     buf: Vec<u8>,
     pending: Option<(u64, u32, u64)>,
+    /// The read timeout set on the socket now.
+    read_timeout: Duration,
 }
 
 impl TcpTier {
@@ -61,6 +63,7 @@ impl TcpTier {
             stream,
             buf: Vec::new(),
             pending: None,
+            read_timeout: timeout,
         })
     }
 }
@@ -79,13 +82,32 @@ impl RemoteTier for TcpTier {
                 "tcp link: recv without a request in flight".into(),
             ));
         }
-        read_frame(&mut self.stream, &mut self.buf)
-            .map_err(|e| Error::link("tcp", crate::io_fault(&e), format!("receive: {e}")))?;
+        read_frame(&mut self.stream, &mut self.buf).map_err(|e| {
+            let f = crate::io_fault(&e);
+            let what = if f == Fault::Timeout {
+                format!(
+                    "no reply from the sidecar within {:.2} s (stalled or unreachable)",
+                    self.read_timeout.as_secs_f64()
+                )
+            } else {
+                format!("receive: {e}")
+            };
+            Error::link("tcp", f, what)
+        })?;
         crate::reply_from("tcp", &self.buf)
     }
 
     fn kind(&self) -> &'static str {
         "tcp"
+    }
+
+    fn set_reply_deadline(&mut self, deadline: Duration) {
+        // a system call only when it changes by more than an eighth
+        let d = deadline.max(Duration::from_millis(1));
+        let (a, b) = (d.as_nanos(), self.read_timeout.as_nanos());
+        if a.abs_diff(b) * 8 > b && self.stream.set_read_timeout(Some(d)).is_ok() {
+            self.read_timeout = d;
+        }
     }
 }
 

@@ -291,6 +291,10 @@ enum Cmd {
         /// Refused with the new names (was the primary's device).
         #[arg(long = "device", hide = true, value_name = "DEVICE", value_parser = device_renamed)]
         old_device: Option<String>,
+        /// Seconds a stop (SIGTERM, SIGINT) waits for the requests in flight to finish before
+        /// ending the rest with an error; nothing new is taken meanwhile.
+        #[arg(long, default_value_t = 30.0, env = "MOELANE_GRACE")]
+        grace: f64,
         #[command(flatten)]
         residency: ResidencyArgs,
         #[command(flatten)]
@@ -516,9 +520,45 @@ struct LaneArgs {
     /// Primary: most sequences decoded together (default 64).
     #[arg(long, env = "MOELANE_MAX_RUNNING")]
     max_running: Option<usize>,
-    /// Primary: seconds to wait for a sidecar reply before failing the step (default 30).
+    /// Primary: seconds to wait for a sidecar reply before failing the step (default 30): the
+    /// cap of the per-step deadline, which is sized from the round trips seen.
     #[arg(long, env = "MOELANE_LINK_TIMEOUT")]
     link_timeout: Option<f64>,
+    /// Primary: seconds a sidecar may be silent (heartbeats, or a step's reply past its
+    /// sized deadline) before the lane turns unready and the step fails (default 2).
+    #[arg(long, env = "MOELANE_STALL_TIMEOUT")]
+    stall_timeout: Option<f64>,
+    /// All roles: seconds a stop (SIGTERM, SIGINT) waits for the requests in flight to finish
+    /// before ending the rest with an error (default 30). Nothing new is taken meanwhile.
+    #[arg(long, env = "MOELANE_GRACE")]
+    grace: Option<f64>,
+    /// Gateway: a file of lanes, one per line (a primary's gRPC URL or dns://NAME:PORT),
+    /// re-read every 5 s: lanes come and go without a restart.
+    #[arg(long, env = "MOELANE_LANES_FILE")]
+    lanes_file: Option<PathBuf>,
+    /// Gateway: seconds between re-reads of --lanes-file and re-resolutions of dns:// lanes
+    /// (default 5).
+    #[arg(long, env = "MOELANE_DISCOVERY_INTERVAL")]
+    discovery_interval: Option<f64>,
+    /// Gateway: a Unix socket path. A gateway started with the path of a running one takes
+    /// its listening socket (no connection is dropped) and the running one drains and exits.
+    #[arg(long, env = "MOELANE_HANDOFF")]
+    handoff: Option<PathBuf>,
+    /// Gateway: most lanes one request is tried on before its first token (default 3).
+    #[arg(long, env = "MOELANE_RETRY_ATTEMPTS")]
+    retry_attempts: Option<usize>,
+    /// Gateway: seconds after a request's arrival past which it is not tried on another lane
+    /// (default 10).
+    #[arg(long, env = "MOELANE_RETRY_DEADLINE")]
+    retry_deadline: Option<f64>,
+    /// Gateway: seconds between health checks of each lane (default 1; each waits at most as
+    /// long).
+    #[arg(long, env = "MOELANE_HEALTH_INTERVAL")]
+    health_interval: Option<f64>,
+    /// Gateway: failed requests in a row that eject a lane (default 2; 1 s, doubling per
+    /// ejection, at most 30 s).
+    #[arg(long, env = "MOELANE_EJECT_AFTER")]
+    eject_after: Option<u32>,
     /// Gateway: the model name clients use.
     #[arg(long, env = "MOELANE_SERVED_MODEL_NAME")]
     served_model_name: Option<String>,
@@ -610,6 +650,15 @@ impl LaneArgs {
             kv_tokens,
             max_running,
             link_timeout,
+            stall_timeout,
+            grace,
+            lanes_file,
+            discovery_interval,
+            handoff,
+            retry_attempts,
+            retry_deadline,
+            health_interval,
+            eject_after,
             served_model_name,
             metrics_listen,
             sidecar_device,
@@ -625,9 +674,33 @@ impl LaneArgs {
     }
 }
 
-async fn wait_for_signal() {
+/// Waits for SIGTERM or SIGINT (Ctrl-C); returns its name.
+async fn wait_for_signal() -> &'static str {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        if let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) {
+            return tokio::select! {
+                _ = term.recv() => "SIGTERM",
+                _ = int.recv() => "SIGINT",
+            };
+        }
+    }
     let _ = tokio::signal::ctrl_c().await;
-    tracing::info!("shutting down");
+    "SIGINT"
+}
+
+/// Seconds from a flag, within [0, a day].
+fn secs(v: Option<f64>, default: f64) -> std::time::Duration {
+    let v = v.unwrap_or(default);
+    std::time::Duration::from_secs_f64(if v.is_finite() {
+        v.clamp(0.0, 86400.0)
+    } else {
+        default
+    })
 }
 
 /// Runs the command; a failure prints one line (the error and its causes, no backtrace).
@@ -797,9 +870,11 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
             sidecar_device,
             primary_device,
             old_device: _,
+            grace,
             residency,
             placement,
         } => {
+            let grace = secs(Some(grace), 30.0);
             let model = match model {
                 Some(m) => m,
                 None => bench::default_model("mini")?,
@@ -811,6 +886,7 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                 kv_tokens,
                 cold: ColdLink::InProcess,
                 link_timeout: std::time::Duration::from_secs(30),
+                stall_timeout: std::time::Duration::from_secs(2),
                 adaptive: residency.options(),
                 prepare_timeout: residency.prepare_timeout(),
                 spare_slots: residency.spare_slots.max(1),
@@ -823,24 +899,33 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
             };
             let primary = roles::start_primary(&opts).await?;
             let link = primary.link.clone();
-            let paddr = roles::serve_primary(&primary, "127.0.0.1:0").await?;
-            let gaddr = roles::start_gateway(&GatewayOptions {
-                model: model.clone(),
-                lanes: vec![format!("http://{paddr}")],
-                listen,
-                name: served_model_name.clone(),
-                max_body: 8 << 20,
-            })
-            .await?;
+            let server = roles::serve_primary(&primary, "127.0.0.1:0").await?;
+            let paddr = server.addr;
+            let mut go =
+                GatewayOptions::new(model.clone(), vec![format!("http://{paddr}")], listen);
+            go.name = served_model_name.clone();
+            let mut gateway = roles::start_gateway(&go).await?;
             println!(
                 "moelane: serving {} as model {:?}",
                 model.display(),
                 roles::model_name(&model, &served_model_name)
             );
             println!("moelane: primary grpc://{paddr}, sidecar {link}");
-            println!("moelane: gateway listening on http://{gaddr}/v1");
-            wait_for_signal().await;
+            println!("moelane: gateway listening on http://{}/v1", gateway.addr);
+            let sig = wait_for_signal().await;
+            // stop taking connections, let the primary finish (or cut, with an error) what
+            // it runs, then let the gateway send the last events
+            let t0 = std::time::Instant::now();
+            gateway.begin_drain();
+            let (running, cut) = roles::drain_primary(&primary, grace).await;
+            let (_, gw_cut) = gateway.finish(std::time::Duration::from_secs(5)).await;
+            server.stop(std::time::Duration::from_secs(5)).await;
             drop(primary);
+            println!(
+                "moelane: {sig}: drained in {:.2} s ({running} requests in flight, {} cut at the grace period's end)",
+                t0.elapsed().as_secs_f64(),
+                cut + gw_cut
+            );
         }
         Cmd::Lane(args) => {
             let a = (*args).merged(lane_matches)?;
@@ -869,15 +954,33 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                         device: sidecar_device,
                         probe_bandwidth: a.probe_bandwidth,
                     };
-                    let (c, d) =
+                    let sc =
                         roles::start_sidecar(&o, a.listen.as_deref().unwrap_or("127.0.0.1:50061"))
                             .await?;
-                    println!("moelane: sidecar control http://{c}");
+                    println!("moelane: sidecar control http://{}", sc.control);
                     metrics_on(a.metrics_listen.as_deref()).await?;
-                    if let Some(d) = d {
+                    if let Some(d) = sc.data {
                         println!("moelane: sidecar data tcp {d}");
                     }
-                    wait_for_signal().await;
+                    let sig = wait_for_signal().await;
+                    let t0 = std::time::Instant::now();
+                    // quiet: longer than the primary's heartbeat plus a gateway's health
+                    // check, so what was sent before they noticed the drain is served
+                    let quiet = roles::drain_sidecar(
+                        &sc.core,
+                        secs(a.grace, 30.0),
+                        std::time::Duration::from_secs(3),
+                    )
+                    .await;
+                    println!(
+                        "moelane: {sig}: sidecar drained in {:.2} s ({})",
+                        t0.elapsed().as_secs_f64(),
+                        if quiet {
+                            "no layer request for 3 s"
+                        } else {
+                            "the grace period ended while its primary still sent work"
+                        }
+                    );
                 }
                 Role::Primary => {
                     if a.hot_experts.is_some() && a.primary_memory.is_some() {
@@ -904,6 +1007,8 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                         link_timeout: std::time::Duration::from_secs_f64(
                             a.link_timeout.unwrap_or(30.0).max(0.001),
                         ),
+                        stall_timeout: secs(a.stall_timeout, 2.0)
+                            .max(std::time::Duration::from_millis(100)),
                         adaptive: a.residency.options(),
                         prepare_timeout: a.residency.prepare_timeout(),
                         spare_slots: a.residency.spare_slots.max(1),
@@ -916,27 +1021,55 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                     };
                     let primary = roles::start_primary(&opts).await?;
                     let link = primary.link.clone();
-                    let paddr = roles::serve_primary(
+                    let server = roles::serve_primary(
                         &primary,
                         a.listen.as_deref().unwrap_or("127.0.0.1:50051"),
                     )
                     .await?;
-                    println!("moelane: primary grpc http://{paddr}, sidecar {link}");
+                    println!(
+                        "moelane: primary grpc http://{}, sidecar {link}",
+                        server.addr
+                    );
                     metrics_on(a.metrics_listen.as_deref()).await?;
-                    wait_for_signal().await;
+                    let sig = wait_for_signal().await;
+                    let t0 = std::time::Instant::now();
+                    let (running, cut) = roles::drain_primary(&primary, secs(a.grace, 30.0)).await;
+                    server.stop(std::time::Duration::from_secs(5)).await;
                     drop(primary);
+                    println!(
+                        "moelane: {sig}: primary drained in {:.2} s ({running} requests in flight, {cut} cut at the grace period's end)",
+                        t0.elapsed().as_secs_f64()
+                    );
                 }
                 Role::Gateway => {
-                    let g = roles::start_gateway(&GatewayOptions {
+                    let mut go = GatewayOptions::new(
                         model,
-                        lanes: a.lane.clone(),
-                        listen: a.listen.clone().unwrap_or_else(|| "127.0.0.1:8000".into()),
-                        name: a.served_model_name.clone(),
-                        max_body: 8 << 20,
-                    })
-                    .await?;
-                    println!("moelane: gateway listening on http://{g}/v1");
-                    wait_for_signal().await;
+                        a.lane.clone(),
+                        a.listen.clone().unwrap_or_else(|| "127.0.0.1:8000".into()),
+                    );
+                    go.name = a.served_model_name.clone();
+                    go.lanes_file = a.lanes_file.clone();
+                    go.discovery_interval =
+                        secs(a.discovery_interval, 5.0).max(std::time::Duration::from_millis(50));
+                    go.handoff = a.handoff.clone();
+                    go.max_attempts = a.retry_attempts.unwrap_or(3).max(1);
+                    go.retry_deadline = secs(a.retry_deadline, 10.0);
+                    go.health_interval =
+                        secs(a.health_interval, 1.0).max(std::time::Duration::from_millis(50));
+                    go.health_timeout = go.health_interval;
+                    go.breaker.eject_after = a.eject_after.unwrap_or(2).max(1);
+                    let mut g = roles::start_gateway(&go).await?;
+                    println!("moelane: gateway listening on http://{}/v1", g.addr);
+                    let why = tokio::select! {
+                        s = wait_for_signal() => s,
+                        _ = g.taken_over() => "handoff",
+                    };
+                    let t0 = std::time::Instant::now();
+                    let (active, cut) = g.finish(secs(a.grace, 30.0)).await;
+                    println!(
+                        "moelane: {why}: gateway drained in {:.2} s ({active} requests being answered, {cut} cut at the grace period's end)",
+                        t0.elapsed().as_secs_f64()
+                    );
                 }
             }
         }

@@ -12,7 +12,7 @@ use moelane_engine::checkpoint::Checkpoint;
 use moelane_engine::load::{engine_with_tier, resolve_map, EngineOptions};
 use moelane_engine::rowmap::Rowmap;
 use moelane_engine::tier::{InProcessTier, RemoteTier};
-use moelane_gateway::registry::{AddLane, Registry};
+use moelane_gateway::registry::Registry;
 use moelane_gateway::{AppState, GatewayConfig};
 use moelane_gb300_worker::links::{open_link, Metered, NcclEnd, Relink};
 use moelane_gb300_worker::scheduler::SchedulerConfig;
@@ -58,6 +58,9 @@ pub struct PrimaryOptions {
     pub kv_tokens: usize,
     pub cold: ColdLink,
     pub link_timeout: Duration,
+    /// A sidecar silent this long (heartbeats, or a step's reply past its sized deadline) is
+    /// stalled: the lane turns unready and the step fails.
+    pub stall_timeout: Duration,
     pub prepare_timeout: Duration,
     pub spare_slots: usize,
     /// Where the in-process sidecar computes: "cpu" or "cuda:N".
@@ -87,6 +90,7 @@ pub struct Primary {
     pub handle: PrimaryHandle,
     pub link: String,
     pub residency: ActorRef<Residency>,
+    pub readiness: Arc<moelane_gb300_worker::Readiness>,
 }
 
 /// Makes the first map of `dir` under `spec` (calibrating when no counts are given) for a
@@ -299,8 +303,15 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
         ));
     }
     let residency = Residency::spawn(res);
+    let readiness = Arc::new(moelane_gb300_worker::Readiness::default());
     if let (Some(probe), Some(broken)) = (probe, relink) {
-        supervise_link(&residency, probe, broken);
+        supervise_link(
+            &residency,
+            probe,
+            broken,
+            readiness.clone(),
+            o.stall_timeout,
+        );
     }
     if let Some(a) = &o.adaptive {
         drive_adaptive(&residency, a);
@@ -309,6 +320,7 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
         handle,
         link: link_name,
         residency,
+        readiness,
     })
 }
 
@@ -363,8 +375,14 @@ async fn connect_sidecar(
         .with_context(|| format!("connecting to the sidecar at {control}"))?;
     let slot = Arc::new(std::sync::Mutex::new(None));
     let (slot2, timeout) = (slot.clone(), o.link_timeout);
+    let control_host = control_host(control);
     let on_link: OnLink = Arc::new(move |rep| {
-        let t = open_link(kind, &rep.endpoint, timeout, nccl)?;
+        let endpoint = if kind == "tcp" {
+            reachable(&rep.endpoint, control_host.as_deref())
+        } else {
+            rep.endpoint.clone()
+        };
+        let t = open_link(kind, &endpoint, timeout, nccl)?;
         // a poisoned slot held a link in an unknown state: it is replaced either way
         *slot2.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
         Ok(())
@@ -388,6 +406,7 @@ async fn connect_sidecar(
         slot,
         broken: broken.clone(),
         kind,
+        deadline: moelane_gb300_worker::links::StallDeadline::new(o.stall_timeout, o.link_timeout),
     };
     Ok(RemoteLink {
         tier: Metered::wrap(Box::new(t)),
@@ -404,6 +423,30 @@ async fn connect_sidecar(
             format!("{link} {}", rep.endpoint)
         },
     })
+}
+
+/// The host of a control URL (`http://HOST:PORT/...`), brackets kept for IPv6.
+fn control_host(url: &str) -> Option<String> {
+    let rest = url.split("://").nth(1).unwrap_or(url);
+    let hostport = rest.split('/').next()?;
+    let host = match hostport.rfind(':') {
+        Some(i) if !hostport.ends_with(']') => &hostport[..i],
+        _ => hostport,
+    };
+    (!host.is_empty()).then(|| host.to_string())
+}
+
+/// A sidecar's TCP data address as the primary can reach it: a sidecar listening on every
+/// address (0.0.0.0 or [::]) advertises that, so the host it was reached at for control is
+/// used with the advertised port (two hosts, containers).
+fn reachable(endpoint: &str, control_host: Option<&str>) -> String {
+    let Ok(sa) = endpoint.parse::<SocketAddr>() else {
+        return endpoint.to_string();
+    };
+    match control_host {
+        Some(h) if sa.ip().is_unspecified() => format!("{h}:{}", sa.port()),
+        _ => endpoint.to_string(),
+    }
 }
 
 /// Moves the engine's steps onto the primary's device (`cpu` leaves them on the host).
@@ -427,9 +470,11 @@ fn attach_primary_device(
     Ok(())
 }
 
-/// The data link's supervisors: a sidecar that restarted (health answers another
-/// incarnation) or a failed link call wakes a loop that re-registers through the residency
-/// coordinator, with a bounded backoff, until the link is back.
+/// The data link's supervisors. Heartbeats: the sidecar's Health every 500 ms (each bounded
+/// by a second); a sidecar that restarted (another incarnation) or whose link failed wakes a
+/// loop that re-registers through the residency coordinator, with a bounded backoff, until
+/// the link is back. A sidecar silent for `stall` (stopped, partitioned) or draining makes
+/// the primary unready, so gateways send new requests elsewhere, until it answers again.
 fn supervise_link(
     residency: &ActorRef<Residency>,
     probe: (
@@ -437,23 +482,49 @@ fn supervise_link(
         Arc<std::sync::atomic::AtomicU64>,
     ),
     broken: Arc<tokio::sync::Notify>,
+    readiness: Arc<moelane_gb300_worker::Readiness>,
+    stall: Duration,
 ) {
     let (mut client, inc) = probe;
     {
-        let broken = broken.clone();
-        // a sidecar that restarted answers health with another incarnation: re-register
-        // before any request has to fail on it
+        let (broken, readiness) = (broken.clone(), readiness.clone());
         tokio::spawn(async move {
-            let mut t = tokio::time::interval(Duration::from_secs(1));
+            let mut t = tokio::time::interval(Duration::from_millis(500));
+            t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut last_answer = std::time::Instant::now();
             loop {
                 t.tick().await;
-                if let Ok(h) = client
-                    .health(moelane_proto::control::SidecarHealthRequest {})
-                    .await
-                {
-                    if h.into_inner().incarnation != inc.load(std::sync::atomic::Ordering::SeqCst) {
-                        broken.notify_one();
+                let answer = tokio::time::timeout(
+                    Duration::from_secs(1),
+                    client.health(moelane_proto::control::SidecarHealthRequest {}),
+                )
+                .await;
+                match answer {
+                    Ok(Ok(h)) => {
+                        let h = h.into_inner();
+                        last_answer = std::time::Instant::now();
+                        if readiness.set_problem("heartbeat", None) {
+                            tracing::info!("the sidecar answers heartbeats again");
+                        }
+                        readiness.set_problem(
+                            "sidecar-draining",
+                            h.draining
+                                .then(|| "the sidecar is draining (stopping)".to_string()),
+                        );
+                        if h.incarnation != inc.load(std::sync::atomic::Ordering::SeqCst) {
+                            broken.notify_one();
+                        }
                     }
+                    _ if last_answer.elapsed() >= stall => {
+                        let why = format!(
+                            "the sidecar has not answered heartbeats for {:.1} s",
+                            last_answer.elapsed().as_secs_f64()
+                        );
+                        if !readiness.set_problem("heartbeat", Some(why.clone())) {
+                            tracing::warn!("{why}: the lane is unready");
+                        }
+                    }
+                    _ => {}
                 }
             }
         });
@@ -464,11 +535,16 @@ fn supervise_link(
             loop {
                 broken.notified().await;
                 tracing::warn!("sidecar link lost; re-registering");
+                readiness.set_problem(
+                    "link",
+                    Some("the sidecar link is down; reconnecting".into()),
+                );
                 let mut backoff = Duration::from_millis(100);
                 loop {
                     match r.ask(moelane_residency_actor::Resync).await {
                         Ok(epoch) => {
                             tracing::info!(epoch, "sidecar link restored");
+                            readiness.set_problem("link", None);
                             break;
                         }
                         Err(kameo::error::SendError::HandlerError(e)) => {
@@ -528,24 +604,83 @@ pub async fn bind(addr: &str) -> Result<tokio::net::TcpListener> {
         .with_context(|| format!("cannot listen on {addr}"))
 }
 
-/// Serves the primary's gRPC API; returns the bound address.
-pub async fn serve_primary(p: &Primary, addr: &str) -> Result<SocketAddr> {
+/// The primary's gRPC server, running: its address, and how to stop it.
+pub struct PrimaryServer {
+    pub addr: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl PrimaryServer {
+    /// Stops accepting and waits (at most `wait`) for the calls in progress to end.
+    pub async fn stop(mut self, wait: Duration) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if tokio::time::timeout(wait, &mut self.task).await.is_err() {
+            self.task.abort();
+        }
+    }
+}
+
+/// Serves the primary's gRPC API (and the gRPC health service).
+pub async fn serve_primary(p: &Primary, addr: &str) -> Result<PrimaryServer> {
     let l = bind(addr).await?;
     let a = l.local_addr()?;
     let client = p.handle.client.clone();
     let residency = Some(p.residency.clone());
-    tokio::spawn(async move {
-        if let Err(e) = moelane_gb300_worker::serve(l, client, residency).await {
+    let readiness = p.readiness.clone();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        let stop = async move {
+            let _ = rx.await;
+        };
+        if let Err(e) = moelane_gb300_worker::serve(l, client, residency, readiness, stop).await {
             tracing::error!(error = %e, "primary gRPC server stopped");
         }
     });
-    Ok(a)
+    Ok(PrimaryServer {
+        addr: a,
+        stop: Some(tx),
+        task,
+    })
 }
 
-pub async fn start_sidecar(
-    o: &SidecarOptions,
-    control: &str,
-) -> Result<(SocketAddr, Option<SocketAddr>)> {
+/// A primary's drain: no new requests (Health says draining, Generate refuses: gateways
+/// send them elsewhere), those running finish within `grace`, what remains after it ends
+/// with an error naming the cause. Returns (requests running when it began, requests cut).
+pub async fn drain_primary(p: &Primary, grace: Duration) -> (usize, usize) {
+    p.readiness.start_drain();
+    let before = p
+        .handle
+        .client
+        .snapshot()
+        .await
+        .map(|s| s.running + s.waiting)
+        .unwrap_or(0);
+    let left = p.handle.client.wait_idle(grace).await;
+    let cut = if left > 0 {
+        p.handle
+            .client
+            .end_all(&format!(
+                "the primary is shutting down: its grace period of {:.1} s ended before this request finished",
+                grace.as_secs_f64()
+            ))
+            .await
+    } else {
+        0
+    };
+    (before, cut)
+}
+
+/// A started sidecar process: its control and data addresses, and its core (for the drain).
+pub struct StartedSidecar {
+    pub control: SocketAddr,
+    pub data: Option<SocketAddr>,
+    pub core: Arc<SidecarCore>,
+}
+
+pub async fn start_sidecar(o: &SidecarOptions, control: &str) -> Result<StartedSidecar> {
     let s = moelane_rtx_worker::start(o)?;
     moelane_rtx_worker::register_metrics(s.core.clone());
     if o.probe_bandwidth {
@@ -560,15 +695,130 @@ pub async fn start_sidecar(
             tracing::error!(error = %e, "sidecar control server stopped");
         }
     });
-    Ok((a, s.data_addr))
+    Ok(StartedSidecar {
+        control: a,
+        data: s.data_addr,
+        core: s.core,
+    })
+}
+
+/// A sidecar's drain: Health says draining (its primary turns unready, gateways send new
+/// requests elsewhere) while it keeps serving layer requests; it ends once none came for
+/// `quiet` (longer than the primary's heartbeat plus a gateway's health check, so what was
+/// sent before they noticed is served) or at `grace`. Returns whether it went quiet.
+pub async fn drain_sidecar(core: &SidecarCore, grace: Duration, quiet: Duration) -> bool {
+    use std::sync::atomic::Ordering;
+    core.draining.store(true, Ordering::SeqCst);
+    metrics::gauge!(moelane_telemetry::names::DRAINING).set(1.0);
+    let until = std::time::Instant::now() + grace;
+    let mut seen = core.requests.load(Ordering::Relaxed);
+    let mut since = std::time::Instant::now();
+    while std::time::Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let now = core.requests.load(Ordering::Relaxed);
+        if now != seen {
+            seen = now;
+            since = std::time::Instant::now();
+        } else if since.elapsed() >= quiet {
+            return true;
+        }
+    }
+    false
 }
 
 pub struct GatewayOptions {
     pub model: PathBuf,
+    /// Lane specs: a primary's gRPC URL, or dns://NAME:PORT (every address a lane).
     pub lanes: Vec<String>,
+    /// A file of lane specs, one per line, re-read every `discovery_interval`.
+    pub lanes_file: Option<PathBuf>,
     pub listen: String,
     pub name: Option<String>,
     pub max_body: usize,
+    pub discovery_interval: Duration,
+    pub health_interval: Duration,
+    pub health_timeout: Duration,
+    pub breaker: moelane_gateway::registry::Breaker,
+    pub max_attempts: usize,
+    pub retry_deadline: Duration,
+    /// Unix socket to hand the listening socket to a successor over (and to take it from a
+    /// running gateway at start).
+    pub handoff: Option<PathBuf>,
+}
+
+impl GatewayOptions {
+    /// The defaults for `model` over `lanes`, listening on `listen`.
+    pub fn new(model: PathBuf, lanes: Vec<String>, listen: String) -> Self {
+        GatewayOptions {
+            model,
+            lanes,
+            lanes_file: None,
+            listen,
+            name: None,
+            max_body: 8 << 20,
+            discovery_interval: Duration::from_secs(5),
+            health_interval: Duration::from_secs(1),
+            health_timeout: Duration::from_secs(1),
+            breaker: Default::default(),
+            max_attempts: 3,
+            retry_deadline: Duration::from_secs(10),
+            handoff: None,
+        }
+    }
+}
+
+/// A running gateway: its address, its state, and how to stop it.
+pub struct Gateway {
+    pub addr: SocketAddr,
+    pub state: Arc<AppState>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+    taken: Option<tokio::sync::oneshot::Receiver<()>>,
+}
+
+impl Gateway {
+    /// Resolves once a successor took the listening socket (never without a handoff path).
+    pub async fn taken_over(&mut self) {
+        match &mut self.taken {
+            Some(rx) => {
+                let _ = rx.await;
+            }
+            None => std::future::pending().await,
+        }
+    }
+
+    /// Stops accepting (connections already open are served) and turns /ready to 503.
+    pub fn begin_drain(&mut self) {
+        self.state.shutdown.start_drain();
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+    }
+
+    /// Drains: stops accepting, lets the requests being answered finish within `grace`,
+    /// then ends what remains with an error event (never a finish). Returns (requests being
+    /// answered when it began, requests cut).
+    pub async fn finish(mut self, grace: Duration) -> (usize, usize) {
+        self.begin_drain();
+        let sd = self.state.shutdown.clone();
+        let at_start = sd.active();
+        let until = std::time::Instant::now() + grace;
+        while sd.active() > 0 && std::time::Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let cut = sd.active();
+        if cut > 0 {
+            sd.abort();
+        }
+        // the server returns once every connection closed
+        if tokio::time::timeout(Duration::from_secs(5), &mut self.task)
+            .await
+            .is_err()
+        {
+            self.task.abort();
+        }
+        (at_start, cut)
+    }
 }
 
 /// The served model name: the flag, else the checkpoint directory's name.
@@ -581,24 +831,40 @@ pub fn model_name(model: &Path, name: &Option<String>) -> String {
     })
 }
 
-/// Starts the gateway; returns its bound address.
-pub async fn start_gateway(o: &GatewayOptions) -> Result<SocketAddr> {
+/// Starts the gateway: finds its lanes (a first discovery round before it listens), starts
+/// health checks, takes the listening socket from a running gateway at the handoff path or
+/// binds one, and serves.
+pub async fn start_gateway(o: &GatewayOptions) -> Result<Gateway> {
+    use moelane_gateway::discovery::{spawn_health_checks, Discovery, Spec};
     let tokenizer = Tokenizer::from_dir(&o.model)?;
     let template = ChatTemplate::from_dir(&o.model)?;
     let cfg = moelane_engine::config::ModelConfig::from_file(&o.model.join("config.json"))?;
     let generation = moelane_engine::config::Generation::read(&o.model)?;
-    let registry = Registry::spawn(Registry::default());
-    if o.lanes.is_empty() {
-        bail!("the gateway needs at least one --lane URL");
+    if o.lanes.is_empty() && o.lanes_file.is_none() {
+        bail!("the gateway needs at least one --lane (a primary's gRPC URL or dns://NAME:PORT) or a --lanes-file");
     }
-    for url in &o.lanes {
-        let lane =
-            moelane_gateway::lane::GrpcLane::new(url).map_err(|e| anyhow::anyhow!(e.message))?;
-        registry
-            .ask(AddLane(Arc::new(lane)))
-            .await
-            .map_err(|e| anyhow::anyhow!("registry: {e}"))?;
+    let specs = o
+        .lanes
+        .iter()
+        .map(|l| Spec::parse(l).map_err(|e| anyhow::anyhow!(e)))
+        .collect::<Result<Vec<_>>>()?;
+    if let Some(f) = &o.lanes_file {
+        // a file that is wrong at start is refused; later a bad read keeps the lanes it gave
+        moelane_gateway::discovery::read_file(f).map_err(|e| anyhow::anyhow!(e))?;
     }
+    let registry = Registry::spawn(Registry::new(o.breaker.clone()));
+    let discovery = Discovery {
+        specs: specs.clone(),
+        file: o.lanes_file.clone(),
+        interval: o.discovery_interval,
+    };
+    for e in discovery.round(&registry).await {
+        println!("moelane: warning: {e}");
+    }
+    if specs.iter().any(|s| matches!(s, Spec::Dns { .. })) || o.lanes_file.is_some() {
+        discovery.spawn(registry.clone());
+    }
+    spawn_health_checks(registry.clone(), o.health_interval, o.health_timeout);
     let state = Arc::new(AppState::new(
         GatewayConfig {
             model_name: model_name(&o.model, &o.name),
@@ -608,24 +874,89 @@ pub async fn start_gateway(o: &GatewayOptions) -> Result<SocketAddr> {
             // the API takes temperatures in [0, 2]: a file's larger value is capped there
             default_temperature: generation.temperature.unwrap_or(1.0).min(2.0),
             default_top_p: generation.top_p.unwrap_or(1.0),
+            max_attempts: o.max_attempts.max(1),
+            retry_deadline: o.retry_deadline,
         },
         tokenizer,
         template,
         registry,
     ));
-    let l = bind(&o.listen).await?;
+    // the listening socket: a running gateway's, or a new one
+    let taken = match &o.handoff {
+        Some(p) => {
+            let p = p.clone();
+            tokio::task::spawn_blocking(move || moelane_gateway::handoff::take(&p))
+                .await?
+                .context("taking the listening socket from the running gateway")?
+        }
+        None => None,
+    };
+    let (std_listener, taken) = match taken {
+        Some(t) => {
+            let l = t.listener.try_clone()?;
+            println!(
+                "moelane: took the listening socket {} from the running gateway",
+                l.local_addr()?
+            );
+            (l, Some(t))
+        }
+        None => (bind(&o.listen).await?.into_std()?, None),
+    };
+    let offered = match &o.handoff {
+        Some(p) => Some(
+            moelane_gateway::handoff::offer(p, &std_listener)
+                .with_context(|| format!("serving handoffs at {}", p.display()))?,
+        ),
+        None => None,
+    };
+    std_listener.set_nonblocking(true)?;
+    let l = tokio::net::TcpListener::from_std(std_listener)?;
     let a = l.local_addr()?;
     moelane_gateway::server::register_metrics(state.clone());
-    let app = moelane_gateway::router(state);
+    let app = moelane_gateway::router(state.clone());
     // Nagle off: small SSE chunks must not wait for the client's delayed ACK
     use axum::serve::ListenerExt;
     let l = l.tap_io(|tcp| {
         let _ = tcp.set_nodelay(true);
     });
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(l, app).await {
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        let stop = async move {
+            let _ = stop_rx.await;
+        };
+        if let Err(e) = axum::serve(l, app).with_graceful_shutdown(stop).await {
             tracing::error!(error = %e, "gateway stopped");
         }
     });
-    Ok(a)
+    if let Some(t) = taken {
+        // the previous gateway stops accepting once told: this one accepts already
+        tokio::task::spawn_blocking(move || t.serving())
+            .await?
+            .context("telling the previous gateway")?;
+    }
+    Ok(Gateway {
+        addr: a,
+        state,
+        stop: Some(stop_tx),
+        task,
+        taken: offered,
+    })
+}
+
+#[cfg(test)]
+mod endpoint_tests {
+    #[test]
+    fn a_wildcard_data_address_takes_the_control_host() {
+        use super::{control_host, reachable};
+        let h = control_host("http://sidecar1:50061");
+        assert_eq!(h.as_deref(), Some("sidecar1"));
+        assert_eq!(reachable("0.0.0.0:50062", h.as_deref()), "sidecar1:50062");
+        assert_eq!(reachable("[::]:7", Some("[fd00::1]")), "[fd00::1]:7");
+        assert_eq!(reachable("10.0.0.2:50062", h.as_deref()), "10.0.0.2:50062");
+        assert_eq!(
+            control_host("http://[fd00::1]:50061/").as_deref(),
+            Some("[fd00::1]")
+        );
+        assert_eq!(reachable("0.0.0.0:1", None), "0.0.0.0:1");
+    }
 }

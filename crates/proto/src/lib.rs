@@ -10,6 +10,32 @@ pub mod control {
     tonic::include_proto!("moelane.control.v1");
 }
 
+/// The primary-sidecar protocol version this build speaks. Raise it when REGISTER, the swap
+/// messages or the data-plane frames change meaning; raise [`MIN_PROTOCOL`] with it when the
+/// old meaning is no longer understood.
+pub const PROTOCOL: u32 = 1;
+/// The oldest protocol version this build still speaks.
+pub const MIN_PROTOCOL: u32 = 1;
+/// This build's version, as REGISTER and Health carry it.
+pub const BUILD: &str = env!("CARGO_PKG_VERSION");
+
+/// Whether a peer speaking `theirs` can pair with this build; the refusal names both.
+pub fn check_protocol(peer: &str, theirs: u32, their_build: &str) -> Result<(), String> {
+    if (MIN_PROTOCOL..=PROTOCOL).contains(&theirs) {
+        return Ok(());
+    }
+    let build = if their_build.is_empty() {
+        "an unversioned build".to_string()
+    } else {
+        format!("build {their_build}")
+    };
+    Err(format!(
+        "the {peer} ({build}) speaks primary-sidecar protocol {theirs}; this moelane {BUILD} \
+         speaks {MIN_PROTOCOL}..={PROTOCOL}: upgrade the older side (a lane's primary and \
+         sidecar must speak a common version)"
+    ))
+}
+
 /// Error categories carried across gRPC.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Category {
@@ -107,5 +133,20 @@ mod tests {
         ] {
             assert_eq!(Category::of(&c.status("x")), c);
         }
+    }
+}
+
+#[cfg(test)]
+mod protocol_tests {
+    use super::*;
+
+    #[test]
+    fn peers_outside_the_range_are_refused_naming_both_sides() {
+        assert!(check_protocol("sidecar", PROTOCOL, BUILD).is_ok());
+        assert!(check_protocol("sidecar", MIN_PROTOCOL, "0.0.1").is_ok());
+        let e = check_protocol("sidecar", 0, "").expect_err("unversioned");
+        assert!(e.contains("unversioned") && e.contains("protocol 0"), "{e}");
+        let e = check_protocol("primary", PROTOCOL + 1, "9.9.9").expect_err("newer");
+        assert!(e.contains("9.9.9") && e.contains(BUILD), "{e}");
     }
 }

@@ -31,6 +31,8 @@ impl Message<RegisterMsg> for SidecarActor {
         RegisterMsg(r): RegisterMsg,
         _: &mut Context<Self, Self::Reply>,
     ) -> Self::Reply {
+        moelane_proto::check_protocol("primary", r.protocol, &r.build)
+            .map_err(|e| Category::BadRequest.status(e))?;
         if r.model != self.core.model {
             return Err(Category::BadRequest.status(format!(
                 "primary serves model {:?}, this sidecar holds {:?}",
@@ -105,6 +107,8 @@ impl Message<RegisterMsg> for SidecarActor {
             map_epoch: epoch,
             cold_experts: cold,
             highest_epoch,
+            protocol: moelane_proto::PROTOCOL,
+            build: moelane_proto::BUILD.into(),
         })
     }
 }
@@ -144,8 +148,10 @@ impl Message<HealthMsg> for SidecarActor {
     type Reply = Result<SidecarHealthReply, Status>;
     async fn handle(&mut self, _: HealthMsg, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
         let staged = self.core.staged();
+        let draining = self.core.draining.load(std::sync::atomic::Ordering::SeqCst);
         Ok(SidecarHealthReply {
-            ok: true,
+            ok: !draining,
+            draining,
             model: self.core.model.clone(),
             map_epoch: self.core.epoch(),
             staged: staged.is_some(),

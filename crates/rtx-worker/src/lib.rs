@@ -169,6 +169,10 @@ pub struct SidecarCore {
     /// Control messages answered, whatever the answer (a refused late or duplicated message
     /// counts): what a test or an operator waits on to know a message has been dealt with.
     pub answered: Answered,
+    /// Set when the process was asked to stop: Health says draining (its primary turns
+    /// unready so gateways send new requests elsewhere) while the layer requests of what
+    /// runs are still served.
+    pub draining: std::sync::atomic::AtomicBool,
 }
 
 /// Counts of the swap protocol's messages a sidecar has answered, by kind.
@@ -309,6 +313,7 @@ impl SidecarCore {
             weight_bytes: AtomicU64::new(0),
             host_read_bw: AtomicU64::new(0),
             answered: Answered::default(),
+            draining: Default::default(),
         })
     }
 
@@ -341,6 +346,7 @@ impl SidecarCore {
             weight_bytes: AtomicU64::new(0),
             host_read_bw: AtomicU64::new(0),
             answered: Answered::default(),
+            draining: Default::default(),
         }
     }
 
@@ -606,13 +612,37 @@ pub fn start(opts: &SidecarOptions) -> moelane_engine::Result<Sidecar0> {
     })
 }
 
-/// Serves the control API on `listener` until the future is dropped.
+/// Serves the control API (and `grpc.health.v1.Health`: SERVING unless draining, for
+/// Kubernetes gRPC probes) on `listener` until the future is dropped.
 pub async fn serve_control(
     listener: tokio::net::TcpListener,
     actor: ActorRef<SidecarActor>,
     core: Arc<SidecarCore>,
 ) -> Result<(), tonic::transport::Error> {
+    let (reporter, health) = tonic_health::server::health_reporter();
+    {
+        let core = core.clone();
+        tokio::spawn(async move {
+            let mut last = None;
+            loop {
+                let serving = !core.draining.load(Ordering::SeqCst);
+                if last != Some(serving) {
+                    let status = if serving {
+                        tonic_health::ServingStatus::Serving
+                    } else {
+                        tonic_health::ServingStatus::NotServing
+                    };
+                    for name in ["", "moelane.control.v1.Sidecar"] {
+                        reporter.set_service_status(name, status).await;
+                    }
+                    last = Some(serving);
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+            }
+        });
+    }
     tonic::transport::Server::builder()
+        .add_service(health)
         .add_service(SidecarServer::new(SidecarService { actor, core }))
         .serve_with_incoming(
             tokio_stream::wrappers::TcpListenerStream::new(listener).map(|s| {

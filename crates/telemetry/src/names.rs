@@ -24,6 +24,14 @@ pub const LANE_UP: &str = "moelane_lane_up";
 pub const LANE_DRAINING: &str = "moelane_lane_draining";
 /// gauge; labels: lane
 pub const LANE_INFLIGHT: &str = "moelane_lane_inflight_requests";
+/// counter: lanes ejected by the circuit breaker; labels: lane
+pub const LANE_EJECTIONS: &str = "moelane_lane_ejections_total";
+/// counter: requests sent again to another lane before their first token; labels: reason
+pub const REQUEST_RETRIES: &str = "moelane_request_retries_total";
+/// counter: requests that ended in an error after tokens were sent; labels: reason
+pub const STREAMS_CUT: &str = "moelane_streams_cut_total";
+/// gauge 1/0: this process is draining (stopping: it takes nothing new)
+pub const DRAINING: &str = "moelane_draining";
 
 // primary
 /// gauge: requests waiting for admission
@@ -94,6 +102,10 @@ pub const ALL: &[&str] = &[
     LANE_UP,
     LANE_DRAINING,
     LANE_INFLIGHT,
+    LANE_EJECTIONS,
+    REQUEST_RETRIES,
+    STREAMS_CUT,
+    DRAINING,
     QUEUE_DEPTH,
     BATCH_SIZE,
     KV_BLOCKS_USED,
@@ -149,6 +161,22 @@ pub fn describe() {
     describe_gauge!(LANE_UP, "1 if the lane answered its last health check");
     describe_gauge!(LANE_DRAINING, "1 if the lane is draining (no new requests)");
     describe_gauge!(LANE_INFLIGHT, "Requests in flight on the lane");
+    describe_counter!(
+        LANE_EJECTIONS,
+        "Times the circuit breaker ejected the lane after failed requests"
+    );
+    describe_counter!(
+        REQUEST_RETRIES,
+        "Requests sent again to another lane after a failure before their first token"
+    );
+    describe_counter!(
+        STREAMS_CUT,
+        "Requests that ended in an error after tokens were sent (the client got an error, never a finish)"
+    );
+    describe_gauge!(
+        DRAINING,
+        "1 while this process drains: it finishes what it runs and takes nothing new"
+    );
     describe_gauge!(QUEUE_DEPTH, "Requests waiting for admission to the batch");
     describe_gauge!(BATCH_SIZE, "Sequences in the running batch");
     describe_gauge!(KV_BLOCKS_USED, "KV cache blocks in use");

@@ -319,3 +319,219 @@ pub fn metrics_addr(p: &Proc) -> String {
         .map(|r| r.trim().trim_end_matches("/metrics").to_string())
         .expect("the process printed no metrics address")
 }
+
+/// A streamed (server-sent events) response read as it arrives: the status, then each
+/// `data:` payload in order.
+pub struct Sse {
+    rd: BufReader<TcpStream>,
+    pub status: u16,
+    chunked: bool,
+    buf: String,
+    eof: bool,
+}
+
+impl Sse {
+    /// POSTs `json` to `path` and reads the response's head.
+    pub fn open(addr: &str, path: &str, json: &serde_json::Value) -> std::io::Result<Sse> {
+        let mut s = TcpStream::connect(addr)?;
+        s.set_read_timeout(Some(Duration::from_secs(60)))?;
+        let body = json.to_string();
+        let head = format!("POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len());
+        s.write_all(head.as_bytes())?;
+        s.write_all(body.as_bytes())?;
+        let mut rd = BufReader::new(s);
+        let mut status = 0;
+        let mut chunked = false;
+        loop {
+            let mut l = String::new();
+            if rd.read_line(&mut l)? == 0 {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "the connection closed before the response's head ended",
+                ));
+            }
+            let t = l.trim_end();
+            if status == 0 {
+                status = t
+                    .split_whitespace()
+                    .nth(1)
+                    .and_then(|x| x.parse().ok())
+                    .unwrap_or(0);
+            } else if t.is_empty() {
+                break;
+            } else if t.to_ascii_lowercase().starts_with("transfer-encoding:")
+                && t.to_ascii_lowercase().contains("chunked")
+            {
+                chunked = true;
+            }
+        }
+        Ok(Sse {
+            rd,
+            status,
+            chunked,
+            buf: String::new(),
+            eof: false,
+        })
+    }
+
+    /// Reads more of the body into the buffer; false at its end.
+    fn fill(&mut self) -> bool {
+        if self.eof {
+            return false;
+        }
+        if !self.chunked {
+            let mut l = String::new();
+            match self.rd.read_line(&mut l) {
+                Ok(0) | Err(_) => {
+                    self.eof = true;
+                    return false;
+                }
+                Ok(_) => self.buf.push_str(&l),
+            }
+            return true;
+        }
+        let mut size = String::new();
+        if self.rd.read_line(&mut size).unwrap_or(0) == 0 {
+            self.eof = true;
+            return false;
+        }
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 {
+            self.eof = true;
+            return false;
+        }
+        let mut chunk = vec![0u8; n + 2];
+        if self.rd.read_exact(&mut chunk).is_err() {
+            self.eof = true;
+            return false;
+        }
+        self.buf.push_str(&String::from_utf8_lossy(&chunk[..n]));
+        true
+    }
+
+    /// The next `data:` payload; None at the end of the body (or a cut connection).
+    pub fn next_data(&mut self) -> Option<String> {
+        loop {
+            if let Some(p) = self.buf.find("\n\n") {
+                let ev: String = self.buf[..p].to_string();
+                self.buf.drain(..p + 2);
+                let data: Vec<&str> = ev
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("data:"))
+                    .map(|d| d.strip_prefix(' ').unwrap_or(d))
+                    .collect();
+                if data.is_empty() {
+                    continue; // a comment (keep-alive)
+                }
+                return Some(data.join("\n"));
+            }
+            if !self.fill() {
+                return None;
+            }
+        }
+    }
+
+    /// The rest of the body as text (for an error answered without streaming).
+    pub fn rest(&mut self) -> String {
+        while self.fill() {}
+        std::mem::take(&mut self.buf)
+    }
+}
+
+/// How a streamed completion ended, as a client sees it.
+#[derive(Debug, Default, Clone)]
+pub struct Streamed {
+    pub status: u16,
+    pub text: String,
+    pub chunks: usize,
+    pub finish: Option<String>,
+    /// The error object, if one came (mid-stream, or as the answer's body).
+    pub error: Option<serde_json::Value>,
+    pub done: bool,
+}
+
+impl Streamed {
+    /// Whole and finished: 200, a finish reason, [DONE], no error.
+    pub fn ok(&self) -> bool {
+        self.status == 200 && self.finish.is_some() && self.done && self.error.is_none()
+    }
+    /// Cut honestly: an error object and no finish reason.
+    pub fn cut_honestly(&self) -> bool {
+        self.error.is_some() && self.finish.is_none()
+    }
+}
+
+/// Reads a streamed completion to its end; `after(n)` is called after the n-th chunk.
+pub fn stream_completion(
+    addr: &str,
+    body: &serde_json::Value,
+    mut after: impl FnMut(usize),
+) -> Streamed {
+    let mut out = Streamed::default();
+    let mut s = match Sse::open(addr, "/v1/completions", body) {
+        Ok(s) => s,
+        Err(e) => {
+            out.error = Some(serde_json::json!({"connect": e.to_string()}));
+            return out;
+        }
+    };
+    out.status = s.status;
+    if s.status != 200 {
+        let b = s.rest();
+        out.error = Some(serde_json::from_str(&b).unwrap_or(serde_json::Value::String(b)));
+        return out;
+    }
+    while let Some(d) = s.next_data() {
+        if d == "[DONE]" {
+            out.done = true;
+            break;
+        }
+        let v: serde_json::Value = serde_json::from_str(&d).unwrap_or(serde_json::Value::Null);
+        if v.get("error").is_some() {
+            out.error = Some(v);
+            continue;
+        }
+        let c = &v["choices"][0];
+        out.text.push_str(c["text"].as_str().unwrap_or(""));
+        if let Some(f) = c["finish_reason"].as_str() {
+            out.finish = Some(f.to_string());
+        }
+        out.chunks += 1;
+        after(out.chunks);
+    }
+    out
+}
+
+/// Sends `sig` (TERM, INT, KILL, STOP, CONT) to a child.
+pub fn signal(p: &Proc, sig: &str) {
+    let st = Command::new("kill")
+        .args([format!("-{sig}"), p.child.id().to_string()])
+        .status()
+        .expect("run kill");
+    assert!(st.success(), "kill -{sig} failed");
+}
+
+/// Waits at most `limit` for a child to exit; its exit code (None: a signal ended it).
+pub fn wait_exit(p: &mut Proc, limit: Duration) -> Option<i32> {
+    let until = Instant::now() + limit;
+    loop {
+        if let Some(st) = p.child.try_wait().expect("try_wait") {
+            return st.code();
+        }
+        assert!(
+            Instant::now() < until,
+            "the process did not exit within {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Polls `f` every 20 ms until it is true, at most `limit`; the time it took.
+pub fn until(limit: Duration, what: &str, mut f: impl FnMut() -> bool) -> Duration {
+    let t0 = Instant::now();
+    while !f() {
+        assert!(t0.elapsed() < limit, "{what}: not within {limit:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    t0.elapsed()
+}

@@ -1,0 +1,540 @@
+//! Failover, drain and stall detection with real processes on loopback: lanes killed,
+//! stopped (SIGSTOP) and asked to stop (SIGTERM) under streaming load; the gateway's listening
+//! socket handed to a successor; lanes found through a file and DNS. Every wait is bounded.
+//! `MOELANE_STEP_PACE_MS` paces the step loop so a signal lands mid-stream.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::json;
+
+/// A primary process on the tiny checkpoint with its sidecar in-process; its gRPC URL.
+fn primary(extra: &[&str], env: &[(&str, &str)]) -> (Proc, String) {
+    let dir = tiny().to_str().unwrap().to_string();
+    let mut args = vec![
+        "lane",
+        "--role",
+        "primary",
+        "--model",
+        dir.as_str(),
+        "--listen",
+        "127.0.0.1:0",
+    ];
+    args.extend_from_slice(extra);
+    let (p, v) = start_env(&args, &["primary grpc "], env);
+    let url = v[0].split(',').next().unwrap_or_default().to_string();
+    (p, url)
+}
+
+/// The arguments of a gateway process over `lanes` on the tiny checkpoint.
+fn gateway_args(lanes: &[&str], extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = ["lane", "--role", "gateway", "--model"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    args.push(tiny().to_str().unwrap().into());
+    args.extend(["--listen".into(), "127.0.0.1:0".into()]);
+    for l in lanes {
+        args.extend(["--lane".into(), l.to_string()]);
+    }
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+/// A gateway process over `lanes`; its host:port.
+fn gateway(lanes: &[&str], extra: &[&str]) -> (Proc, String) {
+    gateway_with(lanes, extra, &["gateway listening on "]).1
+}
+
+/// A gateway process; the process, its host:port and the text after each of `wants`.
+fn gateway_with(lanes: &[&str], extra: &[&str], wants: &[&str]) -> (Vec<String>, (Proc, String)) {
+    let args = gateway_args(lanes, extra);
+    let args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
+    let mut all = wants.to_vec();
+    all.push("gateway listening on ");
+    let (p, v) = start(&args, &all);
+    let addr = hostport(&v[v.len() - 1]);
+    (v, (p, addr))
+}
+
+fn ask(max_tokens: usize, stream: bool) -> serde_json::Value {
+    json!({"model": "tiny", "prompt": "The lane keeps serving", "max_tokens": max_tokens,
+           "temperature": 0, "stream": stream})
+}
+
+/// The whole answer's (status, text, finish reason).
+fn whole(addr: &str, max_tokens: usize) -> (u16, String, String) {
+    let (st, v) = post(addr, "/v1/completions", &ask(max_tokens, false));
+    (
+        st,
+        v["choices"][0]["text"].as_str().unwrap_or_default().into(),
+        v["choices"][0]["finish_reason"]
+            .as_str()
+            .unwrap_or_default()
+            .into(),
+    )
+}
+
+fn ready(addr: &str) -> u16 {
+    request(addr, "GET", "/ready", b"").status
+}
+
+/// The gateway's view of `lane`: its state ("up", "down", "ejected", "draining").
+fn lane_state(gw: &str, lane: &str) -> String {
+    let (_, v) = get(gw, "/v1/stats");
+    v["lanes"]
+        .as_array()
+        .and_then(|ls| ls.iter().find(|l| l["lane"] == lane))
+        .and_then(|l| l["state"].as_str())
+        .unwrap_or("absent")
+        .to_string()
+}
+
+fn lane_count(gw: &str) -> usize {
+    let (_, v) = get(gw, "/v1/stats");
+    v["lanes"].as_array().map_or(0, |l| l.len())
+}
+
+fn dead_url() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    format!("http://{}", l.local_addr().expect("addr"))
+}
+
+#[test]
+fn a_lane_killed_under_load_costs_no_request_that_had_not_started_streaming() {
+    let pace = [("MOELANE_STEP_PACE_MS", "3")];
+    let (mut a, a_url) = primary(&[], &pace);
+    let (mut b, b_url) = primary(&[], &pace);
+    let dead = dead_url();
+    // the dead lane is listed first: it must cost nothing
+    let (_gw, gw) = gateway(&[&dead, &a_url, &b_url], &["--health-interval", "0.2"]);
+    let (st, reference, fin) = whole(&gw, 24);
+    assert_eq!(st, 200);
+    for _ in 0..10 {
+        assert_eq!(whole(&gw, 24), (200, reference.clone(), fin.clone()));
+    }
+    // 4 clients, 25 requests each, streamed and whole in turn; lane a is killed mid-way
+    let done = Arc::new(AtomicUsize::new(0));
+    let results = Arc::new(Mutex::new(Vec::new()));
+    let clients: Vec<_> = (0..4)
+        .map(|c| {
+            let (gw, reference, fin, done, results) = (
+                gw.clone(),
+                reference.clone(),
+                fin.clone(),
+                done.clone(),
+                results.clone(),
+            );
+            std::thread::spawn(move || {
+                for i in 0..25 {
+                    let stream = (i + c) % 2 == 0;
+                    let r = if stream {
+                        let s = stream_completion(&gw, &ask(24, true), |_| {});
+                        if s.ok() {
+                            assert_eq!(s.text, reference, "a finished stream is the whole text");
+                            "ok"
+                        } else {
+                            assert!(s.cut_honestly(), "a failed stream says so: {s:?}");
+                            "cut"
+                        }
+                    } else {
+                        let (st, text, f) = whole(&gw, 24);
+                        if st == 200 {
+                            assert_eq!((&text, &f), (&reference, &fin));
+                            "ok"
+                        } else {
+                            "failed"
+                        }
+                    };
+                    results.lock().expect("results").push((stream, r));
+                    done.fetch_add(1, Ordering::SeqCst);
+                }
+            })
+        })
+        .collect();
+    until(Duration::from_secs(60), "20 requests done", || {
+        done.load(Ordering::SeqCst) >= 20
+    });
+    signal(&a, "KILL");
+    let killed = Instant::now();
+    let _ = wait_exit(&mut a, Duration::from_secs(5));
+    until(Duration::from_secs(5), "lane a marked down", || {
+        lane_state(&gw, &a_url) == "down"
+    });
+    let detected = killed.elapsed();
+    for c in clients {
+        c.join().expect("client");
+    }
+    let r = results.lock().expect("results").clone();
+    let failed_whole = r.iter().filter(|(s, o)| !s && *o != "ok").count();
+    let cut = r.iter().filter(|(s, o)| *s && *o == "cut").count();
+    println!(
+        "lane killed under load: {} requests, whole answers failed {failed_whole}, streams cut {cut}; \
+         the gateway saw the lane down {:.2} s after the kill",
+        r.len(),
+        detected.as_secs_f64()
+    );
+    assert_eq!(r.len(), 100);
+    assert_eq!(failed_whole, 0, "whole answers are retried: none fails");
+    assert!(
+        cut <= 4,
+        "only streams running on the killed lane may be cut: {cut}"
+    );
+    assert_eq!(ready(&gw), 200, "lane b serves");
+    // the last lane killed: not ready, and requests fail at once
+    signal(&b, "KILL");
+    let _ = wait_exit(&mut b, Duration::from_secs(5));
+    until(Duration::from_secs(3), "/ready says 503", || {
+        ready(&gw) == 503
+    });
+    let t = Instant::now();
+    let (st, _, _) = whole(&gw, 4);
+    assert_eq!(st, 503);
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+}
+
+#[test]
+fn sigterm_to_a_primary_finishes_its_streams_refuses_new_ones_and_exits_0() {
+    let pace = [("MOELANE_STEP_PACE_MS", "10")];
+    let (mut p, url) = primary(&[], &pace);
+    let (_gw, gw) = gateway(&[&url], &["--health-interval", "0.2"]);
+    let undisturbed = stream_completion(&gw, &ask(60, true), |_| {});
+    assert!(undisturbed.ok(), "{undisturbed:?}");
+    let mut refused = None;
+    let mut health = None;
+    let s = stream_completion(&gw, &ask(60, true), |n| {
+        if n == 5 {
+            signal(&p, "TERM");
+            // new requests are refused while the stream runs on (the only lane drains)
+            std::thread::sleep(Duration::from_millis(100));
+            refused = Some(whole(&gw, 4).0);
+            health = Some(grpc_health(&url));
+        }
+    });
+    assert!(s.ok(), "the stream finishes: {s:?}");
+    assert_eq!(s.text, undisturbed.text, "as it would have undisturbed");
+    assert_eq!(refused, Some(503), "a new request during the drain");
+    assert_eq!(
+        health,
+        Some(2),
+        "grpc.health.v1 says NOT_SERVING while draining"
+    );
+    assert_eq!(wait_exit(&mut p, Duration::from_secs(10)), Some(0));
+}
+
+/// The primary's grpc.health.v1 status for "" (1 SERVING, 2 NOT_SERVING; 0 on no answer).
+fn grpc_health(url: &str) -> i32 {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        let Ok(ch) = tonic::transport::Endpoint::from_shared(url.to_string()) else {
+            return 0;
+        };
+        let Ok(ch) = ch.connect().await else {
+            return 0;
+        };
+        let mut c = tonic_health::pb::health_client::HealthClient::new(ch);
+        c.check(tonic_health::pb::HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .map(|r| r.into_inner().status)
+        .unwrap_or(0)
+    })
+}
+
+#[test]
+fn a_grace_period_too_short_cuts_with_an_error_never_a_finish() {
+    let pace = [("MOELANE_STEP_PACE_MS", "20")];
+    let (mut p, url) = primary(&["--grace", "0.3"], &pace);
+    let (_gw, gw) = gateway(&[&url], &[]);
+    let gw2 = gw.clone();
+    let whole_req = std::thread::spawn(move || whole(&gw2, 200));
+    let s = stream_completion(&gw, &ask(200, true), |n| {
+        if n == 5 {
+            signal(&p, "TERM");
+        }
+    });
+    assert!(s.cut_honestly(), "{s:?}");
+    let msg = s.error.as_ref().map(|e| e.to_string()).unwrap_or_default();
+    assert!(msg.contains("grace period"), "the error says why: {msg}");
+    let (st, _, fin) = whole_req.join().expect("whole");
+    assert_eq!(st, 503, "a cut whole answer is an error, not a {fin:?}");
+    assert_eq!(wait_exit(&mut p, Duration::from_secs(10)), Some(0));
+}
+
+#[test]
+fn sigterm_to_a_gateway_or_serve_finishes_streams_and_exits_0() {
+    let pace = [("MOELANE_STEP_PACE_MS", "10")];
+    let (_p, url) = primary(&[], &pace);
+    let (mut g, gw) = gateway(&[&url], &[]);
+    let undisturbed = stream_completion(&gw, &ask(40, true), |_| {});
+    let mut refused = false;
+    let s = stream_completion(&gw, &ask(40, true), |n| {
+        if n == 5 {
+            signal(&g, "TERM");
+            std::thread::sleep(Duration::from_millis(100));
+            // it accepts no new connection
+            refused = std::net::TcpStream::connect(&gw).is_err();
+        }
+    });
+    assert!(s.ok(), "{s:?}");
+    assert_eq!(s.text, undisturbed.text);
+    assert!(refused, "a stopping gateway takes no new connection");
+    assert_eq!(wait_exit(&mut g, Duration::from_secs(10)), Some(0));
+
+    // moelane serve: gateway, primary and sidecar in one process
+    let dir = tiny().to_str().unwrap().to_string();
+    let (mut serve, v) = start_env(
+        &["serve", "--model", &dir, "--listen", "127.0.0.1:0"],
+        &["gateway listening on "],
+        &pace,
+    );
+    let addr = hostport(&v[0]);
+    let s = stream_completion(&addr, &ask(40, true), |n| {
+        if n == 5 {
+            signal(&serve, "TERM");
+        }
+    });
+    assert!(s.ok(), "{s:?}");
+    assert_eq!(s.text, undisturbed.text);
+    assert_eq!(wait_exit(&mut serve, Duration::from_secs(10)), Some(0));
+}
+
+#[test]
+fn sigterm_to_a_sidecar_finishes_what_runs_turns_the_lane_unready_and_exits_0() {
+    let pace = [("MOELANE_STEP_PACE_MS", "10")];
+    let (mut procs, gw, _purl) = two_process_lane_env("tcp", &[], &pace);
+    let undisturbed = stream_completion(&gw, &ask(60, true), |_| {});
+    assert!(undisturbed.ok(), "{undisturbed:?}");
+    let s = stream_completion(&gw, &ask(60, true), |n| {
+        if n == 5 {
+            signal(&procs[0], "TERM");
+        }
+    });
+    assert!(s.ok(), "{s:?}");
+    assert_eq!(s.text, undisturbed.text);
+    let t = until(Duration::from_secs(4), "the lane turns unready", || {
+        ready(&gw) == 503
+    });
+    println!(
+        "sidecar draining: the lane unready after {:.2} s",
+        t.as_secs_f64()
+    );
+    assert_eq!(wait_exit(&mut procs[0], Duration::from_secs(15)), Some(0));
+}
+
+#[test]
+fn a_stalled_sidecar_is_detected_in_seconds_and_the_lane_comes_back() {
+    let (procs, gw, _purl) = two_process_lane("tcp", &["--stall-timeout", "1.5"]);
+    let (st, reference, _) = whole(&gw, 16);
+    assert_eq!(st, 200);
+    for _ in 0..3 {
+        assert_eq!(whole(&gw, 16).1, reference);
+    }
+    signal(&procs[0], "STOP");
+    let stopped = Instant::now();
+    // a request sent into the stall fails in seconds (not the 30 s link timeout)
+    let (st, _, _) = whole(&gw, 16);
+    let failed_in = stopped.elapsed();
+    assert_eq!(st, 503);
+    until(Duration::from_secs(6), "the lane turns unready", || {
+        ready(&gw) == 503
+    });
+    let unready = stopped.elapsed();
+    signal(&procs[0], "CONT");
+    let resumed = Instant::now();
+    until(Duration::from_secs(20), "the lane serves again", || {
+        let (st, text, _) = whole(&gw, 16);
+        st == 200 && text == reference
+    });
+    let back = resumed.elapsed();
+    println!(
+        "sidecar stalled: a request failed after {:.2} s, the lane unready within {:.2} s, \
+         serving again {:.2} s after SIGCONT",
+        failed_in.as_secs_f64(),
+        unready.as_secs_f64(),
+        back.as_secs_f64()
+    );
+    assert!(failed_in < Duration::from_secs(8), "{failed_in:?}");
+}
+
+#[test]
+fn a_gateway_hands_its_socket_to_a_successor_and_no_request_fails() {
+    let pace = [("MOELANE_STEP_PACE_MS", "2")];
+    let (_p, url) = primary(&[], &pace);
+    let dir = std::env::temp_dir().join(format!("moelane-handoff-it-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let sock = dir.join("gw.sock");
+    let sock_s = sock.to_str().unwrap().to_string();
+    let (mut g1, gw) = gateway(&[&url], &["--handoff", &sock_s]);
+    let stop = Arc::new(AtomicBool::new(false));
+    let (ok, failed) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let clients: Vec<_> = (0..3)
+        .map(|c| {
+            let (gw, stop, ok, failed) = (gw.clone(), stop.clone(), ok.clone(), failed.clone());
+            std::thread::spawn(move || {
+                let mut i = c;
+                let mut errors = Vec::new();
+                while !stop.load(Ordering::SeqCst) && i < 2000 {
+                    i += 1;
+                    let good = if i % 2 == 0 {
+                        stream_completion(&gw, &ask(12, true), |_| {}).ok()
+                    } else {
+                        whole(&gw, 12).0 == 200
+                    };
+                    if good {
+                        ok.fetch_add(1, Ordering::SeqCst);
+                    } else {
+                        failed.fetch_add(1, Ordering::SeqCst);
+                        errors.push(i);
+                    }
+                }
+                errors
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(800));
+    let before = ok.load(Ordering::SeqCst);
+    let (_, (_g2, addr2)) = gateway_with(
+        &[&url],
+        &["--handoff", &sock_s],
+        &["took the listening socket "],
+    );
+    assert_eq!(addr2, gw, "the successor serves the same address");
+    assert_eq!(wait_exit(&mut g1, Duration::from_secs(20)), Some(0));
+    let at_exit = ok.load(Ordering::SeqCst);
+    std::thread::sleep(Duration::from_millis(800));
+    stop.store(true, Ordering::SeqCst);
+    for c in clients {
+        let errors = c.join().expect("client");
+        assert!(errors.is_empty(), "failed requests: {errors:?}");
+    }
+    let after = ok.load(Ordering::SeqCst);
+    println!(
+        "gateway handoff: {after} requests, {} failed ({before} before the successor started, {} after the old one exited)",
+        failed.load(Ordering::SeqCst),
+        after - at_exit
+    );
+    assert_eq!(failed.load(Ordering::SeqCst), 0);
+    assert!(after > at_exit, "the successor served");
+}
+
+#[test]
+fn lanes_come_and_go_through_a_file_and_dns() {
+    let (_a, a_url) = primary(&[], &[]);
+    let (_b, b_url) = primary(&[], &[]);
+    let dir = std::env::temp_dir().join(format!("moelane-lanesfile-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let file = dir.join("lanes");
+    std::fs::write(&file, format!("# the lanes\n{a_url}\n")).expect("write");
+    let (_g, gw) = gateway(
+        &[],
+        &[
+            "--lanes-file",
+            file.to_str().unwrap(),
+            "--discovery-interval",
+            "0.2",
+            "--health-interval",
+            "0.2",
+        ],
+    );
+    assert_eq!(lane_count(&gw), 1);
+    assert_eq!(whole(&gw, 4).0, 200);
+    std::fs::write(&file, format!("{a_url}\n{b_url}\n")).expect("write");
+    until(Duration::from_secs(5), "lane b added", || {
+        lane_state(&gw, &b_url) == "up"
+    });
+    std::fs::write(&file, format!("{b_url}\n")).expect("write");
+    until(Duration::from_secs(5), "lane a removed", || {
+        lane_count(&gw) == 1
+    });
+    assert_eq!(lane_state(&gw, &b_url), "up");
+    // a file that goes bad keeps the lanes it gave
+    std::fs::write(&file, "this is not a lane\n").expect("write");
+    std::thread::sleep(Duration::from_millis(600));
+    assert_eq!(lane_state(&gw, &b_url), "up");
+    assert_eq!(whole(&gw, 4).0, 200);
+    // a DNS name: every address it resolves to is a lane
+    let port = b_url.rsplit(':').next().unwrap_or_default();
+    let (_g2, gw2) = gateway(&[&format!("dns://localhost:{port}")], &[]);
+    let (_, v) = get(&gw2, "/v1/stats");
+    let lanes = v["lanes"].as_array().cloned().unwrap_or_default();
+    assert!(
+        lanes
+            .iter()
+            .any(|l| l["lane"] == format!("http://127.0.0.1:{port}")
+                && l["source"] == format!("dns://localhost:{port}")),
+        "{v}"
+    );
+    assert_eq!(whole(&gw2, 4).0, 200);
+    // a spec that is wrong at start is refused, naming it
+    let out = std::process::Command::new(bin())
+        .args(gateway_args(&["dns://nameonly"], &[]))
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("dns://nameonly"), "{err}");
+}
+
+#[test]
+fn a_sidecar_refuses_a_primary_of_another_protocol_naming_both_builds() {
+    let dir = tiny().to_str().unwrap().to_string();
+    let (_side, v) = start(
+        &[
+            "lane",
+            "--role",
+            "sidecar",
+            "--model",
+            &dir,
+            "--listen",
+            "127.0.0.1:0",
+            "--data",
+            "127.0.0.1:0",
+        ],
+        &["sidecar control "],
+    );
+    let url = v[0].clone();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let register = |protocol: u32, build: &str| {
+        rt.block_on(async {
+            let mut c = moelane_proto::control::sidecar_client::SidecarClient::connect(url.clone())
+                .await
+                .expect("connect");
+            c.register(moelane_proto::control::RegisterRequest {
+                model: "tiny".into(),
+                link: String::new(),
+                map_epoch: 0,
+                rowmap_json: String::new(),
+                incarnation: 1,
+                protocol,
+                build: build.into(),
+            })
+            .await
+        })
+    };
+    for (p, b, says) in [
+        (0, "", "unversioned"),
+        (moelane_proto::PROTOCOL + 1, "9.9.9", "9.9.9"),
+    ] {
+        let e = register(p, b).expect_err("refused");
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        assert!(
+            e.message().contains(says) && e.message().contains(&format!("protocol {p}")),
+            "{}",
+            e.message()
+        );
+    }
+    // the sidecar is unharmed: a primary of this build pairs with it
+    let (_p, _) = primary(&["--sidecar", &url, "--link", "tcp"], &[]);
+}
