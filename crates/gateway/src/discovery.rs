@@ -217,18 +217,22 @@ pub async fn check_all(
     timeout: Duration,
 ) {
     let checks = lanes.map(|lane| async move {
-        let result = match tokio::time::timeout(timeout, lane.health()).await {
-            Ok(Ok(h)) => Ok(h),
-            Ok(Err(e)) => Err(e.message),
-            Err(_) => Err(format!(
-                "no health answer within {} ms",
-                timeout.as_millis()
-            )),
+        let (result, timed_out) = match tokio::time::timeout(timeout, lane.health()).await {
+            Ok(Ok(h)) => (Ok(h), false),
+            Ok(Err(e)) => (Err(e.message), false),
+            Err(_) => (
+                Err(format!(
+                    "no health answer within {} ms (twice in a row)",
+                    timeout.as_millis()
+                )),
+                true,
+            ),
         };
         let _ = registry
             .ask(Checked {
                 lane: lane.name().to_string(),
                 result,
+                timed_out,
             })
             .await;
     });

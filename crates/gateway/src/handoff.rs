@@ -162,16 +162,29 @@ pub fn take(path: &Path) -> std::io::Result<Option<Taken>> {
     Ok(Some(Taken { listener, conn }))
 }
 
+/// A listening socket offered to successors.
+pub struct Offer {
+    /// Resolves once a successor took the socket and serves on it.
+    pub taken: tokio::sync::oneshot::Receiver<()>,
+    fd: std::sync::Arc<std::sync::Mutex<Option<OwnedFd>>>,
+}
+
+impl Offer {
+    /// Stops offering and closes this process's extra copy of the socket (a drain without a
+    /// successor: once the server drops its own, new connections are refused at once rather
+    /// than left waiting in the queue of a socket nobody accepts on).
+    pub fn withdraw(&self) {
+        self.fd.lock().unwrap_or_else(|p| p.into_inner()).take();
+    }
+}
+
 /// Offers `listener` to successors at `path` (replacing a stale socket file; mode 0600).
-/// The returned receiver resolves once a successor took it and serves on it.
-pub fn offer(
-    path: &Path,
-    listener: &std::net::TcpListener,
-) -> std::io::Result<tokio::sync::oneshot::Receiver<()>> {
+pub fn offer(path: &Path, listener: &std::net::TcpListener) -> std::io::Result<Offer> {
     let fd: OwnedFd = listener
         .try_clone()
         .map_err(|e| io_err("duplicating the listening socket", e))?
         .into();
+    let fd = std::sync::Arc::new(std::sync::Mutex::new(Some(fd)));
     match std::fs::remove_file(path) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -185,12 +198,20 @@ pub fn offer(
     }
     let (tx, rx) = tokio::sync::oneshot::channel();
     let owned: PathBuf = path.to_path_buf();
+    let held = fd.clone();
     std::thread::Builder::new()
         .name("moelane-handoff".into())
         .spawn(move || {
             for conn in ul.incoming() {
                 let Ok(mut c) = conn else { continue };
-                match hand_over(&mut c, fd.as_raw_fd()) {
+                let g = held.lock().unwrap_or_else(|p| p.into_inner());
+                let Some(raw) = g.as_ref().map(|f| f.as_raw_fd()) else {
+                    // draining without a successor: nothing to hand over any more
+                    return;
+                };
+                let r = hand_over(&mut c, raw);
+                drop(g);
+                match r {
                     Ok(()) => {
                         tracing::info!(path = %owned.display(), "a successor took the listening socket; draining");
                         let _ = tx.send(());
@@ -202,7 +223,7 @@ pub fn offer(
                 }
             }
         })?;
-    Ok(rx)
+    Ok(Offer { taken: rx, fd })
 }
 
 /// One successor's handoff: its ask, our descriptor, its word that it serves.
@@ -241,7 +262,8 @@ mod tests {
         assert!(take(&path).expect("nobody there").is_none());
         let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let addr = l.local_addr().expect("addr");
-        let mut taken_rx = offer(&path, &l).expect("offer");
+        let o = offer(&path, &l).expect("offer");
+        let mut taken_rx = o.taken;
         // a client connects before the handoff: it waits in the accept queue
         let mut early = std::net::TcpStream::connect(addr).expect("connect");
         // a successor that hangs up before serving changes nothing
@@ -278,7 +300,7 @@ mod tests {
         // a stranger's bytes are refused without a descriptor
         let p = dir.join("other.sock");
         let l3 = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-        let _rx = offer(&p, &l3).expect("offer");
+        let _o = offer(&p, &l3).expect("offer");
         let mut c = UnixStream::connect(&p).expect("connect");
         c.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
             .expect("write");

@@ -40,6 +40,8 @@ pub struct Health {
     pub link: String,
     /// The lane's build (empty: a build from before it was reported).
     pub build: String,
+    /// Unique per primary process: a restarted lane answers another.
+    pub incarnation: u64,
 }
 
 impl From<HealthReply> for Health {
@@ -52,6 +54,7 @@ impl From<HealthReply> for Health {
             map_epoch: h.map_epoch,
             link: h.link,
             build: h.build,
+            incarnation: h.incarnation,
         }
     }
 }

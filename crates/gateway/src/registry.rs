@@ -52,12 +52,15 @@ pub struct Entry {
     /// Why the last check said down.
     pub down_reason: String,
     pub failures: u32,
+    /// Health checks in a row that had no answer in time.
+    pub misses: u32,
     pub ejections: u32,
     pub ejected_until: Option<Instant>,
     pub inflight: Arc<AtomicUsize>,
     pub model: String,
     pub map_epoch: u64,
     pub build: String,
+    pub incarnation: u64,
 }
 
 impl Entry {
@@ -70,12 +73,14 @@ impl Entry {
             up: true,
             down_reason: String::new(),
             failures: 0,
+            misses: 0,
             ejections: 0,
             ejected_until: None,
             inflight: Arc::new(AtomicUsize::new(0)),
             model: String::new(),
             map_epoch: 0,
             build: String::new(),
+            incarnation: 0,
         }
     }
 
@@ -155,6 +160,9 @@ pub struct Report {
 pub struct Checked {
     pub lane: String,
     pub result: Result<crate::lane::Health, String>,
+    /// The check had no answer in time (not a refusal): a lane is down after two in a row,
+    /// since one may be a long step or a slow network.
+    pub timed_out: bool,
 }
 
 pub struct SetDrain {
@@ -169,6 +177,9 @@ pub struct LaneInfo {
     pub source: String,
     /// up, down, ejected or draining
     pub state: &'static str,
+    /// The last health check said it takes requests (whatever the operator's drain says):
+    /// what a rollout waits for before its canary.
+    pub healthy: bool,
     pub draining: bool,
     pub inflight: usize,
     pub failures: u32,
@@ -180,6 +191,8 @@ pub struct LaneInfo {
     /// The lane's build, from its last health answer (lanes of two builds serve side by side
     /// during a rollout).
     pub build: String,
+    /// The lane's primary process, from its last health answer (0 before one).
+    pub incarnation: u64,
 }
 
 impl Message<AddLane> for Registry {
@@ -233,6 +246,14 @@ impl Message<Report> for Registry {
     type Reply = bool;
     async fn handle(&mut self, m: Report, _: &mut Context<Self, Self::Reply>) -> bool {
         let b = self.breaker.clone();
+        let now = Instant::now();
+        // never eject the last lane that takes requests: a request that fails everywhere
+        // (its own fault) must not take the whole gateway down
+        let others = self
+            .lanes
+            .iter()
+            .filter(|e| e.lane.name() != m.lane && e.eligible(now))
+            .count();
         let Some(e) = self.lanes.iter_mut().find(|e| e.lane.name() == m.lane) else {
             return false;
         };
@@ -242,8 +263,7 @@ impl Message<Report> for Registry {
             return false;
         }
         e.failures += 1;
-        let now = Instant::now();
-        if e.failures >= b.eject_after.max(1) && !e.ejected(now) {
+        if e.failures >= b.eject_after.max(1) && !e.ejected(now) && others > 0 {
             let factor = 1u32 << e.ejections.min(16);
             let len = b.base_ejection.saturating_mul(factor).min(b.max_ejection);
             e.ejected_until = Some(now + len);
@@ -265,6 +285,14 @@ impl Message<Checked> for Registry {
             return;
         };
         let was = e.up;
+        if m.timed_out {
+            e.misses += 1;
+            if e.misses < 2 {
+                return;
+            }
+        } else {
+            e.misses = 0;
+        }
         match m.result {
             Ok(h) => {
                 e.up = h.ok;
@@ -273,6 +301,7 @@ impl Message<Checked> for Registry {
                 e.model = h.model;
                 e.map_epoch = h.map_epoch;
                 e.build = h.build;
+                e.incarnation = h.incarnation;
             }
             Err(why) => {
                 e.up = false;
@@ -313,6 +342,7 @@ impl Message<ListLanes> for Registry {
                         name: e.lane.name().to_string(),
                         source: e.source.clone(),
                         state: e.state(now),
+                        healthy: e.up && !e.remote_draining,
                         draining: e.draining || e.remote_draining,
                         inflight: e.inflight.load(Ordering::Acquire),
                         failures: e.failures,
@@ -321,6 +351,7 @@ impl Message<ListLanes> for Registry {
                         model: e.model.clone(),
                         map_epoch: e.map_epoch,
                         build: e.build.clone(),
+                        incarnation: e.incarnation,
                     },
                     e.lane.clone(),
                 )
@@ -406,6 +437,28 @@ mod tests {
         r.ask(report(true)).await.expect("report");
         assert!(!r.ask(report(false)).await.expect("report"));
         assert_eq!(pick(&r, &["b"]).await.as_deref(), Some("a"));
+        // the last lane that takes requests is never ejected
+        r.ask(SetDrain {
+            lane: "b".into(),
+            draining: true,
+        })
+        .await
+        .expect("drain");
+        for _ in 0..4 {
+            assert!(!r.ask(report(false)).await.expect("report"));
+        }
+        assert_eq!(pick(&r, &[]).await.as_deref(), Some("a"));
+        // one missed health check is not down, two are
+        for (n, state) in [(1, true), (2, false)] {
+            r.ask(Checked {
+                lane: "a".into(),
+                result: Err("no answer".into()),
+                timed_out: true,
+            })
+            .await
+            .expect("checked");
+            assert_eq!(pick(&r, &[]).await.is_some(), state, "after {n} misses");
+        }
     }
 
     #[tokio::test]
@@ -420,11 +473,13 @@ mod tests {
         r.ask(Checked {
             lane: "a".into(),
             result: Err("connection refused".into()),
+            timed_out: false,
         })
         .await
         .expect("checked");
         r.ask(Checked {
             lane: "b".into(),
+            timed_out: false,
             result: Ok(Health {
                 ok: false,
                 draining: true,
@@ -448,6 +503,7 @@ mod tests {
         assert_eq!(pick(&r, &["c"]).await, None, "a is still down");
         r.ask(Checked {
             lane: "a".into(),
+            timed_out: false,
             result: Ok(Health {
                 ok: true,
                 ..Default::default()

@@ -1,6 +1,7 @@
 //! HTTP routes: `POST /v1/completions`, `POST /v1/chat/completions` (streaming as
 //! server-sent events in OpenAI's chunk format, or whole), `GET /v1/models`, `/health`,
-//! `/ready`, `GET /v1/stats` (each lane's counters) and `POST /admin/drain`.
+//! `/ready`, `GET /v1/stats` (each lane's counters), `POST /admin/drain` and
+//! `POST /admin/canary` (one greedy token through one named lane, drained or not).
 //! Requests are parsed and validated into a [`ValidRequest`] before anything is queued.
 //!
 //! A request that fails before its first token is retried on another lane (bounded attempts
@@ -86,6 +87,10 @@ impl Shutdown {
     pub fn abort(&self) {
         self.abort.send_replace(true);
     }
+    /// Whether [`Shutdown::abort`] was called.
+    pub fn is_aborted(&self) -> bool {
+        *self.abort.borrow()
+    }
     /// Resolves once [`Shutdown::abort`] was called.
     pub fn aborted(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
         let mut rx = self.abort.subscribe();
@@ -146,6 +151,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/stats", get(stats))
         .route("/admin/drain", post(drain))
+        .route("/admin/canary", post(canary))
         .route("/health", get(|| async { "ok" }))
         .route("/ready", get(ready))
         .fallback(|req: Request| async move {
@@ -548,6 +554,7 @@ async fn open(
     greq: &GenerateRequest,
     deadline: Instant,
     tried: &mut Vec<String>,
+    blamed: &mut bool,
 ) -> Result<(InFlight, EventStream), ApiError> {
     let mut last: Option<ApiError> = None;
     while tried.len() < st.cfg.max_attempts.max(1)
@@ -586,7 +593,10 @@ async fn open(
                     report(st, &name, true).await;
                     return Err(ApiError::from_lane(e.category, e.message));
                 };
-                if blame {
+                // one request blames one lane at most: a request that fails everywhere (its
+                // own fault) must not eject every lane it was tried on
+                if blame && !*blamed {
+                    *blamed = true;
                     report(st, &name, false).await;
                 }
                 metrics::counter!(n::REQUEST_RETRIES, "reason" => e.category.as_str()).increment(1);
@@ -651,19 +661,37 @@ fn usage(p: usize, c: usize) -> Value {
     json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c})
 }
 
+/// Sends `ev` to a streaming client unless it left or the drain's grace period ended first
+/// (a client that stops reading must not hold the drain); after the abort, only what fits
+/// in the channel goes.
+async fn put(tx: &tokio::sync::mpsc::Sender<SseEvent>, ev: SseEvent, sd: &Shutdown) -> bool {
+    if sd.is_aborted() {
+        return tx.try_send(ev).is_ok();
+    }
+    tokio::select! {
+        r = tx.send(ev) => r.is_ok(),
+        _ = sd.aborted() => false,
+    }
+}
+
 fn shutting_down() -> ApiError {
     ApiError::Unavailable(
         "the gateway is shutting down and its grace period is over; the request was cut".into(),
     )
 }
 
-/// The finish reason a client sees for a lane's: a cancel the gateway made (a stop string)
-/// is a stop.
-fn finish_of(lane: &str) -> String {
+/// The finish reason a client sees for a lane's, or the error of a request the lane
+/// cancelled (the gateway cancels by dropping a stream and never sees this: a `cancelled`
+/// comes from someone's Cancel call, and the answer was cut).
+fn finish_of(lane: &str) -> Result<String, LaneError> {
     if lane == "cancelled" {
-        "stop".into()
+        Err(LaneError {
+            category: Category::Unavailable,
+            message: "the request was cancelled on the lane (a Cancel call) before it finished"
+                .into(),
+        })
     } else {
-        lane.to_string()
+        Ok(lane.to_string())
     }
 }
 
@@ -682,9 +710,10 @@ async fn whole_response(
 ) -> Result<Response, ApiError> {
     let prompt_tokens = vr.prompt.len();
     let mut tried = Vec::new();
+    let mut blamed = false;
     let (text, completion, finish) = loop {
         let mut timing = Timing::new(chat);
-        let (inflight, mut events) = open(st, greq, deadline, &mut tried).await?;
+        let (inflight, mut events) = open(st, greq, deadline, &mut tried, &mut blamed).await?;
         let lane = inflight.lane.name().to_string();
         let mut det = Detokenizer::new(vr.stop.clone());
         let mut text = String::new();
@@ -711,7 +740,10 @@ async fn whole_response(
                 }
             }
             if !ev.finish_reason.is_empty() {
-                finish = Some(finish_of(&ev.finish_reason));
+                match finish_of(&ev.finish_reason) {
+                    Ok(f) => finish = Some(f),
+                    Err(e) => failed = Some(e),
+                }
                 break;
             }
         }
@@ -724,7 +756,8 @@ async fn whole_response(
         }
         let e = failed.unwrap_or_else(stream_ended);
         timing.done(prompt_tokens, completion, "error");
-        if retry_class(e.category) == Some(true) {
+        if retry_class(e.category) == Some(true) && !blamed {
+            blamed = true;
             report(st, &lane, false).await;
         }
         let again = retry_class(e.category).is_some()
@@ -789,8 +822,9 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
     }
     let mut timing = Timing::new(chat);
     let mut tried = Vec::new();
+    let mut blamed = false;
     let (inflight, mut events) = tokio::select! {
-        r = open(&st, &greq, deadline, &mut tried) => r?,
+        r = open(&st, &greq, deadline, &mut tried, &mut blamed) => r?,
         _ = st.shutdown.aborted() => return Err(shutting_down()),
     };
     span.record("moelane.lane", inflight.lane.name());
@@ -808,10 +842,12 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
         let mut completion = 0usize;
         let send = |v: Value| SseEvent::default().data(v.to_string());
         if chat
-            && tx
-                .send(send(out.chunk(&st2, true, None, None, true)))
-                .await
-                .is_err()
+            && !put(
+                &tx,
+                send(out.chunk(&st2, true, None, None, true)),
+                &st2.shutdown,
+            )
+            .await
         {
             return;
         }
@@ -828,7 +864,7 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
             let ev = match next {
                 Some(Ok(ev)) => ev,
                 Some(Err(e)) => {
-                    if retry_class(e.category) == Some(true) {
+                    if retry_class(e.category) == Some(true) && !blamed {
                         report(&st2, &lane, false).await;
                     }
                     failed = Some(ApiError::from_lane(
@@ -838,7 +874,9 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
                     break;
                 }
                 None => {
-                    report(&st2, &lane, false).await;
+                    if !blamed {
+                        report(&st2, &lane, false).await;
+                    }
                     let e = stream_ended();
                     failed = Some(ApiError::from_lane(
                         e.category,
@@ -856,11 +894,17 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
                     det.push(st2.tokenizer.token_bytes(t))
                 };
                 if !piece.is_empty()
-                    && tx
-                        .send(send(out.chunk(&st2, chat, Some(&piece), None, false)))
-                        .await
-                        .is_err()
+                    && !put(
+                        &tx,
+                        send(out.chunk(&st2, chat, Some(&piece), None, false)),
+                        &st2.shutdown,
+                    )
+                    .await
                 {
+                    if st2.shutdown.is_aborted() {
+                        failed = Some(shutting_down());
+                        break;
+                    }
                     return;
                 }
                 if det.stopped() {
@@ -869,7 +913,15 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
                 }
             }
             if !ev.finish_reason.is_empty() {
-                finish = Some(finish_of(&ev.finish_reason));
+                match finish_of(&ev.finish_reason) {
+                    Ok(f) => finish = Some(f),
+                    Err(e) => {
+                        failed = Some(ApiError::from_lane(
+                            e.category,
+                            format!("lane {lane}: {}", e.message),
+                        ))
+                    }
+                }
                 break;
             }
         }
@@ -889,16 +941,18 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
                 _ => "other",
             })
             .increment(1);
-            let _ = tx.send(send(err.body())).await;
-            let _ = tx.send(SseEvent::default().data("[DONE]")).await;
+            put(&tx, send(err.body()), &st2.shutdown).await;
+            put(&tx, SseEvent::default().data("[DONE]"), &st2.shutdown).await;
             return;
         }
         let tail = det.finish();
         if !tail.is_empty()
-            && tx
-                .send(send(out.chunk(&st2, chat, Some(&tail), None, false)))
-                .await
-                .is_err()
+            && !put(
+                &tx,
+                send(out.chunk(&st2, chat, Some(&tail), None, false)),
+                &st2.shutdown,
+            )
+            .await
         {
             return;
         }
@@ -913,16 +967,16 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
             if vr.include_usage {
                 last["usage"] = Value::Null;
             }
-            if tx.send(send(last)).await.is_err() {
+            if !put(&tx, send(last), &st2.shutdown).await {
                 return;
             }
             if vr.include_usage {
                 let u = json!({"id": out.id, "object": if chat { "chat.completion.chunk" } else { "text_completion" }, "created": out.created,
                                "model": st2.cfg.model_name, "choices": [], "usage": usage(prompt_tokens, completion)});
-                let _ = tx.send(send(u)).await;
+                put(&tx, send(u), &st2.shutdown).await;
             }
         }
-        let _ = tx.send(SseEvent::default().data("[DONE]")).await;
+        put(&tx, SseEvent::default().data("[DONE]"), &st2.shutdown).await;
     };
     // the request's span lives until the last chunk is sent
     tokio::spawn(relay.instrument(span));
@@ -989,7 +1043,8 @@ async fn stats(State(st): State<Arc<AppState>>) -> Result<Json<Value>, ApiError>
         };
         out.push(json!({"lane": info.name, "state": info.state, "source": info.source, "draining": info.draining,
                         "inflight": info.inflight, "failures": info.failures, "ejections": info.ejections,
-                        "down_reason": info.down_reason, "map_epoch": info.map_epoch, "build": info.build, "stats": s}));
+                        "down_reason": info.down_reason, "map_epoch": info.map_epoch, "build": info.build,
+                        "healthy": info.healthy, "incarnation": info.incarnation, "stats": s}));
     }
     Ok(Json(json!({"lanes": out})))
 }
@@ -1014,4 +1069,77 @@ async fn drain(State(st): State<Arc<AppState>>, req: Request) -> Result<Json<Val
         return Err(ApiError::bad(format!("no lane {lane:?}"), Some("lane")));
     }
     Ok(Json(json!({"lane": lane, "draining": draining})))
+}
+
+/// `POST /admin/canary {"lane": NAME, "prompt"?: TEXT, "max_tokens"?: N}`: a greedy
+/// generation (1 token by default, at most 64) through that lane only, whatever its drain or
+/// health state: the full path (gateway, primary, sidecar) of a lane a rollout just restarted,
+/// before it gets traffic. 200 with the tokens and the time, or the lane's error.
+async fn canary(State(st): State<Arc<AppState>>, req: Request) -> Result<Json<Value>, ApiError> {
+    let v = read_json(&st, req.into_body()).await?;
+    let name = v
+        .get("lane")
+        .and_then(|l| l.as_str())
+        .ok_or_else(|| ApiError::bad("`lane` is required", Some("lane")))?
+        .to_string();
+    let prompt = v
+        .get("prompt")
+        .and_then(|p| p.as_str())
+        .unwrap_or("The quick brown fox");
+    let max_tokens = match num(&v, "max_tokens")? {
+        Some(x) if !(1.0..=64.0).contains(&x) || x.fract() != 0.0 => {
+            return Err(ApiError::bad(
+                format!("max_tokens must be an integer in 1..=64, got {x}"),
+                Some("max_tokens"),
+            ))
+        }
+        Some(x) => x as u32,
+        None => 1,
+    };
+    let lane = lanes(&st)
+        .await?
+        .into_iter()
+        .find(|(i, _)| i.name == name)
+        .map(|(_, l)| l)
+        .ok_or_else(|| ApiError::bad(format!("no lane {name:?}"), Some("lane")))?;
+    let ids = st
+        .tokenizer
+        .encode(prompt)
+        .map_err(|e| ApiError::Internal(e.to_string()))?;
+    if ids.is_empty() {
+        return Err(ApiError::bad("the canary prompt is empty", Some("prompt")));
+    }
+    let greq = GenerateRequest {
+        request_id: format!("canary-{:016x}", st.next_id.fetch_add(1, Ordering::Relaxed)),
+        prompt: ids,
+        max_tokens,
+        temperature: 0.0,
+        top_p: 1.0,
+        seed: 0,
+        stop_token_ids: vec![],
+        ignore_eos: true,
+    };
+    let t0 = Instant::now();
+    let run = async {
+        let mut events = lane.generate(greq).await?;
+        let mut tokens = Vec::new();
+        while let Some(ev) = events.next().await {
+            let ev = ev?;
+            tokens.extend(ev.token);
+            if !ev.finish_reason.is_empty() {
+                return Ok((tokens, ev.finish_reason));
+            }
+        }
+        Err(stream_ended())
+    };
+    let (tokens, finish) = tokio::time::timeout(std::time::Duration::from_secs(60), run)
+        .await
+        .map_err(|_| ApiError::Unavailable(format!("lane {name}: no canary answer within 60 s")))?
+        .map_err(|e: LaneError| {
+            ApiError::from_lane(e.category, format!("lane {name}: {}", e.message))
+        })?;
+    Ok(Json(
+        json!({"lane": name, "ok": true, "tokens": tokens, "finish_reason": finish,
+                    "seconds": t0.elapsed().as_secs_f64()}),
+    ))
 }

@@ -302,10 +302,27 @@ impl moelane_residency_actor::CounterSource for PrimaryParticipant {
 /// Whether the primary takes new requests: it is not draining and nothing is wrong with its
 /// sidecar (each supervisor sets or clears its own problem: the link down, heartbeats
 /// missed, the sidecar draining). Health, Generate and the gRPC health service read it.
-#[derive(Default)]
 pub struct Readiness {
     draining: std::sync::atomic::AtomicBool,
     problems: std::sync::Mutex<std::collections::BTreeMap<&'static str, String>>,
+    /// This process's start time in ns (Health carries it: a restarted lane is told apart).
+    pub incarnation: u64,
+    /// The step loop's last answered (model, map epoch, link), for a Health asked mid-step.
+    figures: std::sync::Mutex<Option<(String, u64, String)>>,
+}
+
+impl Default for Readiness {
+    fn default() -> Self {
+        Readiness {
+            draining: Default::default(),
+            problems: Default::default(),
+            figures: Default::default(),
+            incarnation: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0),
+        }
+    }
 }
 
 impl Readiness {
@@ -415,17 +432,44 @@ impl Primary for PrimaryService {
     }
 
     async fn health(&self, _: Request<HealthRequest>) -> Result<Response<HealthReply>, Status> {
-        let s = self.client.snapshot().await?;
+        // a step may run for seconds (a long prefill): a busy lane is healthy, so the loop's
+        // figures are waited for briefly and the last ones answered otherwise; a loop that is
+        // gone fails at once
+        let (model, map_epoch, link) = match tokio::time::timeout(
+            std::time::Duration::from_millis(200),
+            self.client.snapshot(),
+        )
+        .await
+        {
+            Ok(s) => {
+                let s = s?;
+                let fig = (s.model, s.epoch, s.link);
+                *self
+                    .readiness
+                    .figures
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner()) = Some(fig.clone());
+                fig
+            }
+            Err(_) => self
+                .readiness
+                .figures
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone()
+                .unwrap_or_default(),
+        };
         let why = self.readiness.not_ready();
         Ok(Response::new(HealthReply {
             ok: why.is_none(),
-            model: s.model,
-            map_epoch: s.epoch,
-            link: s.link,
+            model,
+            map_epoch,
+            link,
             draining: self.readiness.draining(),
             reason: why.unwrap_or_default(),
             build: moelane_proto::BUILD.into(),
             protocol: moelane_proto::PROTOCOL,
+            incarnation: self.readiness.incarnation,
         }))
     }
 
@@ -530,8 +574,9 @@ impl Primary for PrimaryService {
 
 /// The standard gRPC health service (`grpc.health.v1.Health`, for Kubernetes gRPC probes
 /// and load balancers): the overall status ("") and `moelane.lane.v1.Primary` are SERVING
-/// while the step loop answers and [`Readiness`] says ready, NOT_SERVING otherwise;
-/// re-evaluated every 250 ms for as long as the reporter lives.
+/// while the step loop runs and [`Readiness`] says ready, NOT_SERVING otherwise; `liveness`
+/// is SERVING while the step loop runs (busy or not, whatever the sidecar does: a liveness
+/// probe must not restart a primary whose sidecar is away). Re-evaluated every 250 ms.
 pub fn health_reporter(
     readiness: std::sync::Arc<Readiness>,
     client: PrimaryClient,
@@ -549,16 +594,19 @@ pub fn health_reporter(
                     .await
                     .is_ok_and(|s| s.is_ok());
             let serving = answers && readiness.not_ready().is_none();
-            if last != Some(serving) {
-                let status = if serving {
-                    tonic_health::ServingStatus::Serving
-                } else {
-                    tonic_health::ServingStatus::NotServing
+            if last != Some((serving, answers)) {
+                let status = |on: bool| {
+                    if on {
+                        tonic_health::ServingStatus::Serving
+                    } else {
+                        tonic_health::ServingStatus::NotServing
+                    }
                 };
                 for name in ["", "moelane.lane.v1.Primary"] {
-                    r.set_service_status(name, status).await;
+                    r.set_service_status(name, status(serving)).await;
                 }
-                last = Some(serving);
+                r.set_service_status("liveness", status(answers)).await;
+                last = Some((serving, answers));
             }
             // the service ends when its server is dropped: stop with it
             if std::sync::Arc::strong_count(&readiness) <= 1 {

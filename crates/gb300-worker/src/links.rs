@@ -31,11 +31,19 @@ pub struct StallDeadline {
     pub cap: Duration,
     per_pick_ns: f64,
     sent: Option<(std::time::Instant, usize)>,
+    /// Round trips seen on this link (the deadline is the cap until a few were).
+    seen: u32,
+    /// Bumped each time a new link is installed: a new link (a restarted sidecar, warming
+    /// up) starts from the cap again.
+    pub link_gen: Arc<std::sync::atomic::AtomicU64>,
+    gen_seen: u64,
 }
 
 impl StallDeadline {
     /// The margin over the slowest time per pick seen.
     const MARGIN: f64 = 8.0;
+    /// Round trips a link serves at the cap before its own deadline applies.
+    const WARM_UP: u32 = 8;
 
     pub fn new(floor: Duration, cap: Duration) -> Self {
         StallDeadline {
@@ -43,10 +51,19 @@ impl StallDeadline {
             cap,
             per_pick_ns: 0.0,
             sent: None,
+            seen: 0,
+            link_gen: Default::default(),
+            gen_seen: 0,
         }
     }
 
     fn sending(&mut self, picks: usize) {
+        let g = self.link_gen.load(std::sync::atomic::Ordering::Acquire);
+        if g != self.gen_seen {
+            self.gen_seen = g;
+            self.per_pick_ns = 0.0;
+            self.seen = 0;
+        }
         self.sent = Some((std::time::Instant::now(), picks.max(1)));
     }
 
@@ -55,7 +72,7 @@ impl StallDeadline {
         let Some((_, picks)) = self.sent else {
             return self.cap;
         };
-        if self.per_pick_ns <= 0.0 {
+        if self.per_pick_ns <= 0.0 || self.seen < Self::WARM_UP {
             return self.cap;
         }
         let ns = self.per_pick_ns * picks as f64 * Self::MARGIN;
@@ -70,6 +87,7 @@ impl StallDeadline {
             // a decaying maximum: one slow round trip raises it at once, it fades over
             // about a thousand round trips
             self.per_pick_ns = per.max(self.per_pick_ns * 0.999);
+            self.seen = self.seen.saturating_add(1);
         }
     }
 }
@@ -158,14 +176,16 @@ mod deadline_tests {
     #[test]
     fn the_deadline_follows_round_trips_between_floor_and_cap() {
         let mut d = StallDeadline::new(Duration::from_secs(1), Duration::from_secs(30));
-        d.sending(4);
-        assert_eq!(
-            d.for_reply(),
-            Duration::from_secs(30),
-            "nothing seen yet: the cap"
-        );
-        std::thread::sleep(Duration::from_millis(4));
-        d.received();
+        for _ in 0..StallDeadline::WARM_UP {
+            d.sending(4);
+            assert_eq!(
+                d.for_reply(),
+                Duration::from_secs(30),
+                "warming up: the cap"
+            );
+            std::thread::sleep(Duration::from_millis(4));
+            d.received();
+        }
         d.sending(4);
         // ~1 ms a pick x 4 picks x 8 = ~32 ms: the floor
         assert_eq!(d.for_reply(), Duration::from_secs(1));
@@ -174,6 +194,11 @@ mod deadline_tests {
         let big = d.for_reply();
         assert!(big > Duration::from_secs(10), "{big:?}");
         assert!(big <= Duration::from_secs(30), "{big:?}");
+        // a new link starts over at the cap
+        d.received();
+        d.link_gen.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        d.sending(4);
+        assert_eq!(d.for_reply(), Duration::from_secs(30));
     }
 }
 

@@ -21,6 +21,7 @@ mod decode_bench;
 mod loadgen;
 mod ops_cmds;
 mod roles;
+mod rollout;
 mod shift;
 mod telemetry_bench;
 
@@ -315,6 +316,37 @@ enum Cmd {
         /// Write per-layer, per-expert pick counts here (input of `moelane refit`).
         #[arg(long, env = "MOELANE_COUNTS_OUT")]
         counts_out: Option<PathBuf>,
+    },
+    /// Upgrade the lanes behind a gateway one at a time: drain a lane, wait for its requests,
+    /// run --restart (stop the old process, start the new version), wait until a new
+    /// process answers healthy, send a canary generation through that lane, undrain it. A lane
+    /// that does not come back or fails its canary stops the rollout (and is rolled back with
+    /// --rollback).
+    Rollout {
+        /// The gateway's HTTP address.
+        #[arg(long, default_value = "http://127.0.0.1:8000", env = "MOELANE_GATEWAY")]
+        gateway: String,
+        /// A lane to upgrade, as the gateway names it (repeat, in order; default: every lane
+        /// the gateway lists).
+        #[arg(long = "lane")]
+        lanes: Vec<String>,
+        /// Shell command that restarts one lane on the new version: `{lane}` is replaced by
+        /// the lane's name, which is also in MOELANE_LANE. It may return before the lane is up.
+        #[arg(long)]
+        restart: String,
+        /// Shell command that puts a lane back on the old version when it fails to come back
+        /// or fails its canary.
+        #[arg(long)]
+        rollback: Option<String>,
+        /// Seconds to wait for a drained lane's requests to end (then the rollout stops).
+        #[arg(long, default_value_t = 300.0)]
+        drain_timeout: f64,
+        /// Seconds to wait for a restarted lane to answer healthy.
+        #[arg(long, default_value_t = 300.0)]
+        ready_timeout: f64,
+        /// Tokens of the canary generation.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+        canary_tokens: u32,
     },
     /// Move experts between tiers on a running lane, through the two-phase epoch protocol.
     Swap {
@@ -693,6 +725,17 @@ async fn wait_for_signal() -> &'static str {
     "SIGINT"
 }
 
+/// After the first signal started a drain: a second one ends the process at once (exit 130),
+/// for an operator who will not wait for the grace period.
+fn exit_on_second_signal() {
+    tokio::spawn(async {
+        let sig = wait_for_signal().await;
+        eprintln!("moelane: {sig} again: exiting now, without waiting for the drain");
+        moelane_telemetry::shutdown();
+        std::process::exit(130);
+    });
+}
+
 /// Seconds from a flag, within [0, a day].
 fn secs(v: Option<f64>, default: f64) -> std::time::Duration {
     let v = v.unwrap_or(default);
@@ -741,7 +784,11 @@ fn run() -> Result<()> {
     let lane_matches = matches.subcommand_matches("lane").cloned();
     if matches!(
         cli.cmd,
-        Cmd::Serve { .. } | Cmd::Lane(_) | Cmd::Status { .. } | Cmd::Swap { .. }
+        Cmd::Serve { .. }
+            | Cmd::Lane(_)
+            | Cmd::Status { .. }
+            | Cmd::Swap { .. }
+            | Cmd::Rollout { .. }
     ) {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(runtime_threads(cli.runtime_threads))
@@ -820,9 +867,11 @@ fn run() -> Result<()> {
             hot,
             out,
         } => ops_cmds::refit(&counts, &map, hot, &out)?,
-        Cmd::Serve { .. } | Cmd::Lane(_) | Cmd::Status { .. } | Cmd::Swap { .. } => {
-            unreachable_cmd()?
-        }
+        Cmd::Serve { .. }
+        | Cmd::Lane(_)
+        | Cmd::Status { .. }
+        | Cmd::Swap { .. }
+        | Cmd::Rollout { .. } => unreachable_cmd()?,
     }
     Ok(())
 }
@@ -913,6 +962,7 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
             println!("moelane: primary grpc://{paddr}, sidecar {link}");
             println!("moelane: gateway listening on http://{}/v1", gateway.addr);
             let sig = wait_for_signal().await;
+            exit_on_second_signal();
             // stop taking connections, let the primary finish (or cut, with an error) what
             // it runs, then let the gateway send the last events
             let t0 = std::time::Instant::now();
@@ -963,6 +1013,7 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                         println!("moelane: sidecar data tcp {d}");
                     }
                     let sig = wait_for_signal().await;
+                    exit_on_second_signal();
                     let t0 = std::time::Instant::now();
                     // quiet: longer than the primary's heartbeat plus a gateway's health
                     // check, so what was sent before they noticed the drain is served
@@ -1032,6 +1083,7 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                     );
                     metrics_on(a.metrics_listen.as_deref()).await?;
                     let sig = wait_for_signal().await;
+                    exit_on_second_signal();
                     let t0 = std::time::Instant::now();
                     let (running, cut) = roles::drain_primary(&primary, secs(a.grace, 30.0)).await;
                     server.stop(std::time::Duration::from_secs(5)).await;
@@ -1064,6 +1116,7 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                         s = wait_for_signal() => s,
                         _ = g.taken_over() => "handoff",
                     };
+                    exit_on_second_signal();
                     let t0 = std::time::Instant::now();
                     let (active, cut) = g.finish(secs(a.grace, 30.0)).await;
                     println!(
@@ -1078,6 +1131,26 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
             counts_out,
         } => ops_cmds::status(&primary, counts_out.as_deref()).await?,
         Cmd::Swap { primary, moves } => ops_cmds::swap(&primary, &moves).await?,
+        Cmd::Rollout {
+            gateway,
+            lanes,
+            restart,
+            rollback,
+            drain_timeout,
+            ready_timeout,
+            canary_tokens,
+        } => {
+            rollout::rollout(&rollout::RolloutOptions {
+                gateway,
+                lanes,
+                restart,
+                rollback,
+                drain_timeout: secs(Some(drain_timeout), 300.0),
+                ready_timeout: secs(Some(ready_timeout), 300.0),
+                canary_tokens,
+            })
+            .await?
+        }
         _ => bail!("internal: synchronous command dispatched asynchronously"),
     }
     Ok(())

@@ -376,6 +376,8 @@ async fn connect_sidecar(
     let slot = Arc::new(std::sync::Mutex::new(None));
     let (slot2, timeout) = (slot.clone(), o.link_timeout);
     let control_host = control_host(control);
+    let deadline = moelane_gb300_worker::links::StallDeadline::new(o.stall_timeout, o.link_timeout);
+    let link_gen = deadline.link_gen.clone();
     let on_link: OnLink = Arc::new(move |rep| {
         let endpoint = if kind == "tcp" {
             reachable(&rep.endpoint, control_host.as_deref())
@@ -385,6 +387,7 @@ async fn connect_sidecar(
         let t = open_link(kind, &endpoint, timeout, nccl)?;
         // a poisoned slot held a link in an unknown state: it is replaced either way
         *slot2.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
+        link_gen.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         Ok(())
     });
     let inc = Arc::new(std::sync::atomic::AtomicU64::new(incarnation()));
@@ -716,7 +719,8 @@ pub async fn drain_sidecar(core: &SidecarCore, grace: Duration, quiet: Duration)
     while std::time::Instant::now() < until {
         tokio::time::sleep(Duration::from_millis(50)).await;
         let now = core.requests.load(Ordering::Relaxed);
-        if now != seen {
+        // a request inside (a long prefill's layer) is activity too
+        if now != seen || core.in_flight.load(Ordering::SeqCst) > 0 {
             seen = now;
             since = std::time::Instant::now();
         } else if since.elapsed() >= quiet {
@@ -773,15 +777,18 @@ pub struct Gateway {
     pub state: Arc<AppState>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<()>,
-    taken: Option<tokio::sync::oneshot::Receiver<()>>,
+    offer: Option<moelane_gateway::handoff::Offer>,
 }
 
 impl Gateway {
     /// Resolves once a successor took the listening socket (never without a handoff path).
     pub async fn taken_over(&mut self) {
-        match &mut self.taken {
-            Some(rx) => {
-                let _ = rx.await;
+        match &mut self.offer {
+            Some(o) => {
+                if (&mut o.taken).await.is_err() {
+                    // the offering thread ended without a handoff: none will come
+                    std::future::pending::<()>().await;
+                }
             }
             None => std::future::pending().await,
         }
@@ -790,6 +797,9 @@ impl Gateway {
     /// Stops accepting (connections already open are served) and turns /ready to 503.
     pub fn begin_drain(&mut self) {
         self.state.shutdown.start_drain();
+        if let Some(o) = &self.offer {
+            o.withdraw();
+        }
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
         }
@@ -902,11 +912,10 @@ pub async fn start_gateway(o: &GatewayOptions) -> Result<Gateway> {
         }
         None => (bind(&o.listen).await?.into_std()?, None),
     };
-    let offered = match &o.handoff {
-        Some(p) => Some(
-            moelane_gateway::handoff::offer(p, &std_listener)
-                .with_context(|| format!("serving handoffs at {}", p.display()))?,
-        ),
+    // a copy to offer successors once this gateway serves (offering before would take the
+    // handoff path from a predecessor this one may yet fail to replace)
+    let to_offer = match &o.handoff {
+        Some(_) => Some(std_listener.try_clone()?),
         None => None,
     };
     std_listener.set_nonblocking(true)?;
@@ -934,12 +943,19 @@ pub async fn start_gateway(o: &GatewayOptions) -> Result<Gateway> {
             .await?
             .context("telling the previous gateway")?;
     }
+    let offer = match (&o.handoff, to_offer) {
+        (Some(p), Some(l)) => Some(
+            moelane_gateway::handoff::offer(p, &l)
+                .with_context(|| format!("serving handoffs at {}", p.display()))?,
+        ),
+        _ => None,
+    };
     Ok(Gateway {
         addr: a,
         state,
         stop: Some(stop_tx),
         task,
-        taken: offered,
+        offer,
     })
 }
 

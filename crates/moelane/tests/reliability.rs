@@ -538,3 +538,209 @@ fn a_sidecar_refuses_a_primary_of_another_protocol_naming_both_builds() {
     // the sidecar is unharmed: a primary of this build pairs with it
     let (_p, _) = primary(&["--sidecar", &url, "--link", "tcp"], &[]);
 }
+
+/// Primaries started by the rollout's restart script (pid files): killed when dropped.
+struct Pidfiles(Vec<std::path::PathBuf>);
+
+impl Drop for Pidfiles {
+    fn drop(&mut self) {
+        for p in &self.0 {
+            if let Ok(pid) = std::fs::read_to_string(p) {
+                let _ = std::process::Command::new("kill")
+                    .args(["-KILL", pid.trim()])
+                    .status();
+            }
+        }
+    }
+}
+
+/// A free port on 127.0.0.1 (bound and released).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+fn map_epoch(primary: &str) -> u64 {
+    let out = std::process::Command::new(bin())
+        .args(["status", "--primary", primary])
+        .output()
+        .expect("status");
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.split("map epoch ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|e| e.parse().ok())
+        .unwrap_or_else(|| panic!("no epoch in {text}"))
+}
+
+#[test]
+fn a_rollout_upgrades_lanes_one_at_a_time_under_load_and_stops_on_a_failed_canary() {
+    let root = std::env::temp_dir().join(format!("moelane-rollout-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root).expect("dir");
+    let model = tiny().to_str().unwrap().to_string();
+    // two lanes on fixed ports (a lane is named by its URL), each persisting its map
+    let mut lanes = Vec::new();
+    for i in 0..2 {
+        let state = root.join(format!("lane{i}"));
+        std::fs::create_dir_all(&state).expect("state");
+        std::fs::copy(tiny().join("rowmap.json"), state.join("rowmap.json")).expect("map");
+        lanes.push((format!("127.0.0.1:{}", free_port()), state));
+    }
+    // the restart script: SIGTERM the lane's primary (it drains), wait for it, start the
+    // "new build" on the same address with the same map file
+    let script = root.join("restart.sh");
+    let mut case = String::new();
+    for (addr, state) in &lanes {
+        case.push_str(&format!(
+            "  http://{addr}) ADDR={addr}; STATE={} ;;\n",
+            state.display()
+        ));
+    }
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\nset -e\ncase \"$MOELANE_LANE\" in\n{case}  *) echo \"unknown lane $MOELANE_LANE\"; exit 2 ;;\nesac\n\
+             if [ -f \"$STATE/pid\" ]; then PID=$(cat \"$STATE/pid\"); kill -TERM \"$PID\" 2>/dev/null || true;\n\
+               while kill -0 \"$PID\" 2>/dev/null; do sleep 0.05; done; fi\n\
+             MOELANE_STEP_PACE_MS=2 {bin} lane --role primary --model {model} --listen \"$ADDR\" --map \"$STATE/rowmap.json\" >>\"$STATE/log\" 2>&1 &\n\
+             echo $! > \"$STATE/pid\"\n",
+            bin = bin()
+        ),
+    )
+    .expect("script");
+    let _pids = Pidfiles(lanes.iter().map(|(_, s)| s.join("pid")).collect());
+    let run_script = |lane: &str| {
+        let st = std::process::Command::new("sh")
+            .arg(&script)
+            .env("MOELANE_LANE", lane)
+            .status()
+            .expect("script");
+        assert!(st.success());
+    };
+    let urls: Vec<String> = lanes.iter().map(|(a, _)| format!("http://{a}")).collect();
+    for u in &urls {
+        run_script(u);
+    }
+    let (_g, gw) = gateway(&[&urls[0], &urls[1]], &["--health-interval", "0.2"]);
+    until(Duration::from_secs(60), "both lanes up", || {
+        urls.iter().all(|u| lane_state(&gw, u) == "up")
+    });
+    let (st, reference, _) = whole(&gw, 16);
+    assert_eq!(st, 200);
+    // a committed swap on lane 0: the upgraded lane must come back on it
+    let map: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(lanes[0].1.join("rowmap.json")).expect("map"),
+    )
+    .expect("json");
+    let cold = map["layers"][0]["cold"][0].as_u64().expect("a cold expert");
+    let hot = map["layers"][0]["hot"][0].as_u64().expect("a hot expert");
+    let out = std::process::Command::new(bin())
+        .args([
+            "swap",
+            "--primary",
+            &urls[0],
+            "--move",
+            &format!("0:{cold}:hot"),
+            "--move",
+            &format!("0:{hot}:cold"),
+        ])
+        .output()
+        .expect("swap");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let epoch = map_epoch(&urls[0]);
+    assert!(epoch > 0);
+    // steady load while the rollout runs
+    let stop = Arc::new(AtomicBool::new(false));
+    let clients: Vec<_> = (0..4)
+        .map(|c| {
+            let (gw, stop, reference) = (gw.clone(), stop.clone(), reference.clone());
+            std::thread::spawn(move || {
+                let (mut n, mut bad) = (0usize, Vec::new());
+                while !stop.load(Ordering::SeqCst) && n < 5000 {
+                    n += 1;
+                    if (n + c) % 2 == 0 {
+                        let s = stream_completion(&gw, &ask(16, true), |_| {});
+                        if !s.ok() || s.text != reference {
+                            bad.push(format!("{s:?}"));
+                        }
+                    } else {
+                        let (st, text, _) = whole(&gw, 16);
+                        if st != 200 || text != reference {
+                            bad.push(format!("{st} {text:?}"));
+                        }
+                    }
+                }
+                (n, bad)
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let t0 = Instant::now();
+    let out = std::process::Command::new(bin())
+        .args([
+            "rollout",
+            "--gateway",
+            &format!("http://{gw}"),
+            "--restart",
+            &format!("sh {}", script.display()),
+            "--ready-timeout",
+            "60",
+        ])
+        .output()
+        .expect("rollout");
+    let took = t0.elapsed();
+    std::thread::sleep(Duration::from_millis(300));
+    stop.store(true, Ordering::SeqCst);
+    let (mut total, mut bad) = (0, Vec::new());
+    for c in clients {
+        let (n, b) = c.join().expect("client");
+        total += n;
+        bad.extend(b);
+    }
+    let log = String::from_utf8_lossy(&out.stdout).to_string();
+    println!(
+        "{log}rolling upgrade of 2 lanes under load: {total} requests, {} failed, {:.1} s",
+        bad.len(),
+        took.as_secs_f64()
+    );
+    assert!(
+        out.status.success(),
+        "{log}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(log.contains("2 lane(s) upgraded"), "{log}");
+    assert!(bad.is_empty(), "failed or different: {bad:?}");
+    assert_eq!(map_epoch(&urls[0]), epoch, "the committed map carried over");
+    assert_eq!(whole(&gw, 16).1, reference, "greedy output unchanged");
+    // a restart that brings nothing back fails the canary's wait: the rollout stops and the
+    // rollback (the good script) puts the lane back, undrained
+    let out = std::process::Command::new(bin())
+        .args([
+            "rollout",
+            "--gateway",
+            &format!("http://{gw}"),
+            "--lane",
+            &urls[1],
+            "--restart",
+            "true",
+            "--rollback",
+            &format!("sh {}", script.display()),
+            "--ready-timeout",
+            "2",
+        ])
+        .output()
+        .expect("rollout");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("rolled back"), "{err}");
+    until(Duration::from_secs(10), "lane 1 serves again", || {
+        lane_state(&gw, &urls[1]) == "up"
+    });
+}

@@ -17,6 +17,9 @@ pub struct SidecarActor {
     pub(crate) shm_count: u64,
     /// Stops the NCCL link's thread of the last registration (a new one replaces it).
     pub(crate) nccl_stop: Option<Arc<std::sync::atomic::AtomicBool>>,
+    /// The last Health answer, given again while a swap holds the state for writing (a
+    /// heartbeat must not stall behind a GPU upload).
+    pub(crate) last_health: Option<SidecarHealthReply>,
 }
 
 pub struct RegisterMsg(pub RegisterRequest);
@@ -147,22 +150,39 @@ impl SidecarActor {
 impl Message<HealthMsg> for SidecarActor {
     type Reply = Result<SidecarHealthReply, Status>;
     async fn handle(&mut self, _: HealthMsg, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
-        let staged = self.core.staged();
         let draining = self.core.draining.load(std::sync::atomic::Ordering::SeqCst);
-        Ok(SidecarHealthReply {
-            ok: !draining,
-            draining,
-            model: self.core.model.clone(),
-            map_epoch: self.core.epoch(),
-            staged: staged.is_some(),
-            staged_epoch: staged.unwrap_or(0),
-            incarnation: self
-                .core
-                .state
-                .read()
-                .map(|s| s.epochs.incarnation)
-                .unwrap_or(0),
-        })
+        let fresh = match self.core.state.try_read() {
+            Ok(st) => Some(SidecarHealthReply {
+                ok: !draining,
+                draining,
+                model: self.core.model.clone(),
+                map_epoch: st.epochs.epoch,
+                staged: st.epochs.next.is_some(),
+                staged_epoch: st.epochs.next.unwrap_or(0),
+                incarnation: st.epochs.incarnation,
+            }),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+            Err(std::sync::TryLockError::Poisoned(_)) => {
+                return Err(Category::Internal.status("the sidecar's state is poisoned"))
+            }
+        };
+        let reply = match (fresh, &self.last_health) {
+            (Some(r), _) => r,
+            // busy swapping: what it said last, with the drain as it is now
+            (None, Some(last)) => SidecarHealthReply {
+                ok: !draining,
+                draining,
+                ..last.clone()
+            },
+            (None, None) => SidecarHealthReply {
+                ok: !draining,
+                draining,
+                model: self.core.model.clone(),
+                ..Default::default()
+            },
+        };
+        self.last_health = Some(reply.clone());
+        Ok(reply)
     }
 }
 

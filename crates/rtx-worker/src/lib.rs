@@ -173,6 +173,8 @@ pub struct SidecarCore {
     /// unready so gateways send new requests elsewhere) while the layer requests of what
     /// runs are still served.
     pub draining: std::sync::atomic::AtomicBool,
+    /// Layer requests being computed now.
+    pub in_flight: std::sync::atomic::AtomicUsize,
 }
 
 /// Counts of the swap protocol's messages a sidecar has answered, by kind.
@@ -211,6 +213,15 @@ impl SidecarCore {
         compute: impl FnOnce(&ColdState) -> moelane_engine::Result<()>,
     ) -> moelane_engine::Result<()> {
         let t0 = Instant::now();
+        // counted from arrival to answer: a drain waits while any request is inside
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        struct Leave<'a>(&'a std::sync::atomic::AtomicUsize);
+        impl Drop for Leave<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+        let _leave = Leave(&self.in_flight);
         let st = self.read_state()?;
         if !st.epochs.serves(req.epoch) {
             return Err(moelane_engine::Error::EpochMismatch {
@@ -314,6 +325,7 @@ impl SidecarCore {
             host_read_bw: AtomicU64::new(0),
             answered: Answered::default(),
             draining: Default::default(),
+            in_flight: Default::default(),
         })
     }
 
@@ -347,6 +359,7 @@ impl SidecarCore {
             host_read_bw: AtomicU64::new(0),
             answered: Answered::default(),
             draining: Default::default(),
+            in_flight: Default::default(),
         }
     }
 
@@ -604,6 +617,7 @@ pub fn start(opts: &SidecarOptions) -> moelane_engine::Result<Sidecar0> {
         shm_cap: opts.shm_cap,
         shm_count: 0,
         nccl_stop: None,
+        last_health: None,
     });
     Ok(Sidecar0 {
         core,
