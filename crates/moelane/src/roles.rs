@@ -370,9 +370,21 @@ async fn connect_sidecar(
              (--primary-device cuda:N) and the sidecar on another (--sidecar-device cuda:M)"
         );
     }
-    let client = SidecarClient::connect(control.to_string())
-        .await
-        .with_context(|| format!("connecting to the sidecar at {control}"))?;
+    // HTTP/2 pings find a connection a partition left dead (its TCP would wait minutes): the
+    // channel then dials again, resolving the name again
+    let endpoint = tonic::transport::Endpoint::from_shared(control.to_string())
+        .with_context(|| format!("--sidecar {control:?}"))?
+        .connect_timeout(Duration::from_secs(2))
+        .http2_keep_alive_interval(Duration::from_secs(1))
+        .keep_alive_timeout(Duration::from_secs(2))
+        .keep_alive_while_idle(true)
+        .tcp_nodelay(true);
+    let client = SidecarClient::new(
+        endpoint
+            .connect()
+            .await
+            .with_context(|| format!("connecting to the sidecar at {control}"))?,
+    );
     let slot = Arc::new(std::sync::Mutex::new(None));
     let (slot2, timeout) = (slot.clone(), o.link_timeout);
     let control_host = control_host(control);
