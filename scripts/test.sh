@@ -36,6 +36,11 @@ if ! "$VENV/bin/python" -c "import openai" >/dev/null 2>&1; then
     || fail "could not install the Python openai client into $VENV"
   "$VENV/bin/python" -c "import openai" || fail "the openai client in $VENV does not import"
 fi
+# kubernetes-validate (with the Kubernetes schemas it ships) checks deploy/kubernetes offline
+if ! "$VENV/bin/python" -c "import kubernetes_validate" >/dev/null 2>&1; then
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check kubernetes-validate \
+    || fail "could not install kubernetes-validate into $VENV"
+fi
 MOELANE_PYTHON="$(pwd)/$VENV/bin/python"
 export MOELANE_PYTHON
 

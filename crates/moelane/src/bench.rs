@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use moelane_engine::hostmem::{last_level_cache, measure_read_bandwidth, read_probe_bytes};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Subcommand;
 
 use moelane_engine::load::{load_engine, EngineOptions};
@@ -94,6 +94,31 @@ pub enum BenchCmd {
         /// Output directory.
         #[arg(long, default_value = "shift-out")]
         out: PathBuf,
+    },
+    /// What the gateway costs: N primaries in this process behind a gateway, closed-loop
+    /// clients sending short greedy completions straight to the primaries (gRPC) and through
+    /// the gateway (HTTP keep-alive), in alternating rounds: requests per second, p50/p99
+    /// latency, and the latency the gateway adds; for each lane count.
+    Gateway {
+        /// Checkpoint directory (default: generate tiny into the cache: the engine's own time
+        /// stays small beside the gateway's).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// Lane counts to measure (comma-separated).
+        #[arg(long, value_delimiter = ',', default_value = "1,100")]
+        lanes: Vec<usize>,
+        /// Concurrent clients.
+        #[arg(long, default_value_t = 16)]
+        clients: usize,
+        /// Seconds per measurement.
+        #[arg(long, default_value_t = 3.0)]
+        seconds: f64,
+        /// Tokens per request.
+        #[arg(long, default_value_t = 1)]
+        max_tokens: u32,
+        /// Rounds (direct, then through the gateway, each round).
+        #[arg(long, default_value_t = 2)]
+        rounds: usize,
     },
     /// What metrics and tracing cost: three embedded lanes, two with telemetry off and one with
     /// it on (page scraped every second, every span exported over OTLP), loaded one at a time in
@@ -384,6 +409,37 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
                     moves_per_layer.to_string(),
                 ],
             }))?;
+        }
+        BenchCmd::Gateway {
+            model,
+            lanes,
+            clients,
+            seconds,
+            max_tokens,
+            rounds,
+        } => {
+            let model = match model {
+                Some(m) => m,
+                None => default_model("tiny")?,
+            };
+            if lanes.contains(&0) || lanes.iter().any(|&n| n > 1000) {
+                bail!("--lanes: each count must be in 1..=1000");
+            }
+            let rt = runtime()?;
+            rt.block_on(crate::gateway_bench::run(
+                crate::gateway_bench::GatewayBench {
+                    model,
+                    lanes,
+                    clients: clients.clamp(1, 4096),
+                    seconds: if seconds.is_finite() {
+                        seconds.clamp(0.1, 3600.0)
+                    } else {
+                        3.0
+                    },
+                    max_tokens: max_tokens.clamp(1, 4096),
+                    rounds: rounds.clamp(1, 100),
+                },
+            ))?;
         }
         BenchCmd::Telemetry {
             model,

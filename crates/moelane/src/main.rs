@@ -18,6 +18,7 @@ use moelane_engine::synth::{self, Preset};
 mod bench;
 mod client;
 mod decode_bench;
+mod gateway_bench;
 mod loadgen;
 mod ops_cmds;
 mod roles;
@@ -560,6 +561,10 @@ struct LaneArgs {
     /// sized deadline) before the lane turns unready and the step fails (default 2).
     #[arg(long, env = "MOELANE_STALL_TIMEOUT")]
     stall_timeout: Option<f64>,
+    /// Primary: seconds to wait at start for the sidecar process to listen (default 600: it
+    /// opens its port once its experts are loaded).
+    #[arg(long, env = "MOELANE_SIDECAR_WAIT")]
+    sidecar_wait: Option<f64>,
     /// All roles: seconds a stop (SIGTERM, SIGINT) waits for the requests in flight to finish
     /// before ending the rest with an error (default 30). Nothing new is taken meanwhile.
     #[arg(long, env = "MOELANE_GRACE")]
@@ -683,6 +688,7 @@ impl LaneArgs {
             max_running,
             link_timeout,
             stall_timeout,
+            sidecar_wait,
             grace,
             lanes_file,
             discovery_interval,
@@ -936,6 +942,7 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                 cold: ColdLink::InProcess,
                 link_timeout: std::time::Duration::from_secs(30),
                 stall_timeout: std::time::Duration::from_secs(2),
+                sidecar_wait: std::time::Duration::ZERO,
                 adaptive: residency.options(),
                 prepare_timeout: residency.prepare_timeout(),
                 spare_slots: residency.spare_slots.max(1),
@@ -1060,6 +1067,7 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                         ),
                         stall_timeout: secs(a.stall_timeout, 2.0)
                             .max(std::time::Duration::from_millis(100)),
+                        sidecar_wait: secs(a.sidecar_wait, 600.0),
                         adaptive: a.residency.options(),
                         prepare_timeout: a.residency.prepare_timeout(),
                         spare_slots: a.residency.spare_slots.max(1),

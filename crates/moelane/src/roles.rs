@@ -61,6 +61,8 @@ pub struct PrimaryOptions {
     /// A sidecar silent this long (heartbeats, or a step's reply past its sized deadline) is
     /// stalled: the lane turns unready and the step fails.
     pub stall_timeout: Duration,
+    /// How long a starting primary waits for its sidecar process to listen.
+    pub sidecar_wait: Duration,
     pub prepare_timeout: Duration,
     pub spare_slots: usize,
     /// Where the in-process sidecar computes: "cpu" or "cuda:N".
@@ -77,8 +79,19 @@ fn incarnation() -> u64 {
         .unwrap_or(0)
 }
 
+/// The map file a primary serves. A file that does not exist yet (a fresh state volume) is
+/// not an error: the checkpoint's own map is served and the first committed swap writes the
+/// file, so a later start comes back on it. A file that exists must read.
 fn read_map(p: &Option<PathBuf>) -> Result<Option<Rowmap>> {
     Ok(match p {
+        Some(p) if !p.exists() => {
+            println!(
+                "moelane: {} does not exist yet: serving the checkpoint's map; committed swaps \
+                 are written there",
+                p.display()
+            );
+            None
+        }
         Some(p) => Some(Rowmap::read(p).with_context(|| format!("reading map {}", p.display()))?),
         None => None,
     })
@@ -379,12 +392,34 @@ async fn connect_sidecar(
         .keep_alive_timeout(Duration::from_secs(2))
         .keep_alive_while_idle(true)
         .tcp_nodelay(true);
-    let client = SidecarClient::new(
-        endpoint
-            .connect()
-            .await
-            .with_context(|| format!("connecting to the sidecar at {control}"))?,
-    );
+    // the sidecar opens its control port once its experts are loaded: a primary started
+    // first (a pod, a unit, a host) waits for it, up to --sidecar-wait
+    let t0 = std::time::Instant::now();
+    let mut said = false;
+    let channel = loop {
+        match endpoint.connect().await {
+            Ok(ch) => break ch,
+            Err(e) if t0.elapsed() < o.sidecar_wait => {
+                if !said {
+                    println!(
+                        "moelane: waiting for the sidecar at {control} ({e}; up to {:.0} s)",
+                        o.sidecar_wait.as_secs_f64()
+                    );
+                    said = true;
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => {
+                return Err(anyhow::anyhow!(e)).with_context(|| {
+                    format!(
+                        "connecting to the sidecar at {control} (waited {:.0} s)",
+                        t0.elapsed().as_secs_f64()
+                    )
+                })
+            }
+        }
+    };
+    let client = SidecarClient::new(channel);
     let slot = Arc::new(std::sync::Mutex::new(None));
     let (slot2, timeout) = (slot.clone(), o.link_timeout);
     let control_host = control_host(control);

@@ -586,7 +586,11 @@ fn a_rollout_upgrades_lanes_one_at_a_time_under_load_and_stops_on_a_failed_canar
     for i in 0..2 {
         let state = root.join(format!("lane{i}"));
         std::fs::create_dir_all(&state).expect("state");
-        std::fs::copy(tiny().join("rowmap.json"), state.join("rowmap.json")).expect("map");
+        // lane 0's map file does not exist yet: it serves the checkpoint's map and its first
+        // committed swap writes the file
+        if i == 1 {
+            std::fs::copy(tiny().join("rowmap.json"), state.join("rowmap.json")).expect("map");
+        }
         lanes.push((format!("127.0.0.1:{}", free_port()), state));
     }
     // the restart script: SIGTERM the lane's primary (it drains), wait for it, start the
@@ -631,10 +635,10 @@ fn a_rollout_upgrades_lanes_one_at_a_time_under_load_and_stops_on_a_failed_canar
     let (st, reference, _) = whole(&gw, 16);
     assert_eq!(st, 200);
     // a committed swap on lane 0: the upgraded lane must come back on it
-    let map: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(lanes[0].1.join("rowmap.json")).expect("map"),
-    )
-    .expect("json");
+    assert!(!lanes[0].1.join("rowmap.json").exists());
+    let map: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tiny().join("rowmap.json")).expect("map"))
+            .expect("json");
     let cold = map["layers"][0]["cold"][0].as_u64().expect("a cold expert");
     let hot = map["layers"][0]["hot"][0].as_u64().expect("a hot expert");
     let out = std::process::Command::new(bin())
@@ -656,6 +660,10 @@ fn a_rollout_upgrades_lanes_one_at_a_time_under_load_and_stops_on_a_failed_canar
     );
     let epoch = map_epoch(&urls[0]);
     assert!(epoch > 0);
+    assert!(
+        lanes[0].1.join("rowmap.json").exists(),
+        "the commit wrote the map file"
+    );
     // steady load while the rollout runs
     let stop = Arc::new(AtomicBool::new(false));
     let clients: Vec<_> = (0..4)
@@ -742,5 +750,48 @@ fn a_rollout_upgrades_lanes_one_at_a_time_under_load_and_stops_on_a_failed_canar
     assert!(err.contains("rolled back"), "{err}");
     until(Duration::from_secs(10), "lane 1 serves again", || {
         lane_state(&gw, &urls[1]) == "up"
+    });
+}
+
+#[test]
+fn a_primary_started_before_its_sidecar_waits_for_it() {
+    let dir = tiny().to_str().unwrap().to_string();
+    let (sport, pport) = (free_port(), free_port());
+    let side_url = format!("http://127.0.0.1:{sport}");
+    let (_p, _) = start(
+        &[
+            "lane",
+            "--role",
+            "primary",
+            "--model",
+            &dir,
+            "--listen",
+            &format!("127.0.0.1:{pport}"),
+            "--sidecar",
+            &side_url,
+            "--link",
+            "tcp",
+        ],
+        &["waiting for the sidecar"],
+    );
+    std::thread::sleep(Duration::from_millis(700));
+    let (_s, _) = start(
+        &[
+            "lane",
+            "--role",
+            "sidecar",
+            "--model",
+            &dir,
+            "--listen",
+            &format!("127.0.0.1:{sport}"),
+            "--data",
+            "127.0.0.1:0",
+        ],
+        &["sidecar control "],
+    );
+    let purl = format!("http://127.0.0.1:{pport}");
+    let (_g, gw) = gateway(&[&purl], &["--health-interval", "0.2"]);
+    until(Duration::from_secs(30), "the lane serves", || {
+        whole(&gw, 4).0 == 200
     });
 }
