@@ -42,6 +42,8 @@ pub struct Health {
     pub build: String,
     /// Unique per primary process: a restarted lane answers another.
     pub incarnation: u64,
+    /// Why the lane computes its cold experts itself (empty: it does not).
+    pub degraded: String,
 }
 
 impl From<HealthReply> for Health {
@@ -55,6 +57,7 @@ impl From<HealthReply> for Health {
             link: h.link,
             build: h.build,
             incarnation: h.incarnation,
+            degraded: h.degraded,
         }
     }
 }

@@ -61,6 +61,8 @@ pub struct Entry {
     pub map_epoch: u64,
     pub build: String,
     pub incarnation: u64,
+    /// Why the lane serves degraded (empty: it does not): picked after lanes that are not.
+    pub degraded: String,
 }
 
 impl Entry {
@@ -81,6 +83,7 @@ impl Entry {
             map_epoch: 0,
             build: String::new(),
             incarnation: 0,
+            degraded: String::new(),
         }
     }
 
@@ -193,6 +196,9 @@ pub struct LaneInfo {
     pub build: String,
     /// The lane's primary process, from its last health answer (0 before one).
     pub incarnation: u64,
+    /// Why it serves degraded (empty: it does not).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub degraded: String,
 }
 
 impl Message<AddLane> for Registry {
@@ -232,7 +238,8 @@ impl Message<Pick> for Registry {
             .lanes
             .iter()
             .filter(|e| e.eligible(now) && !m.exclude.iter().any(|x| x == e.lane.name()))
-            .min_by_key(|e| e.inflight.load(Ordering::Acquire))?;
+            // a degraded lane (computing its cold experts itself) only when no other will do
+            .min_by_key(|e| (!e.degraded.is_empty(), e.inflight.load(Ordering::Acquire)))?;
         e.inflight.fetch_add(1, Ordering::AcqRel);
         Some(InFlight {
             lane: e.lane.clone(),
@@ -302,6 +309,7 @@ impl Message<Checked> for Registry {
                 e.map_epoch = h.map_epoch;
                 e.build = h.build;
                 e.incarnation = h.incarnation;
+                e.degraded = h.degraded;
             }
             Err(why) => {
                 e.up = false;
@@ -352,6 +360,7 @@ impl Message<ListLanes> for Registry {
                         map_epoch: e.map_epoch,
                         build: e.build.clone(),
                         incarnation: e.incarnation,
+                        degraded: e.degraded.clone(),
                     },
                     e.lane.clone(),
                 )

@@ -1044,7 +1044,7 @@ async fn stats(State(st): State<Arc<AppState>>) -> Result<Json<Value>, ApiError>
         out.push(json!({"lane": info.name, "state": info.state, "source": info.source, "draining": info.draining,
                         "inflight": info.inflight, "failures": info.failures, "ejections": info.ejections,
                         "down_reason": info.down_reason, "map_epoch": info.map_epoch, "build": info.build,
-                        "healthy": info.healthy, "incarnation": info.incarnation, "stats": s}));
+                        "healthy": info.healthy, "incarnation": info.incarnation, "degraded": info.degraded, "stats": s}));
     }
     Ok(Json(json!({"lanes": out})))
 }

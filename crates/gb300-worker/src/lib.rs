@@ -309,6 +309,9 @@ pub struct Readiness {
     pub incarnation: u64,
     /// The step loop's last answered (model, map epoch, link), for a Health asked mid-step.
     figures: std::sync::Mutex<Option<(String, u64, String)>>,
+    /// Why the lane computes its cold experts itself now (`--degraded`: the sidecar is
+    /// lost); None while the sidecar serves them.
+    degraded: std::sync::Mutex<Option<String>>,
 }
 
 impl Default for Readiness {
@@ -317,6 +320,7 @@ impl Default for Readiness {
             draining: Default::default(),
             problems: Default::default(),
             figures: Default::default(),
+            degraded: Default::default(),
             incarnation: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map(|d| d.as_nanos() as u64)
@@ -343,6 +347,24 @@ impl Readiness {
             Some(w) => g.insert(key, w).is_some(),
             None => g.remove(key).is_some(),
         }
+    }
+    /// Marks the lane degraded (`Some(why)`: it computes cold experts itself) or not;
+    /// returns whether that changed.
+    pub fn set_degraded(&self, why: Option<String>) -> bool {
+        let mut g = self.degraded.lock().unwrap_or_else(|p| p.into_inner());
+        let changed = g.is_some() != why.is_some();
+        *g = why;
+        if changed {
+            metrics::gauge!(moelane_telemetry::names::LANE_DEGRADED).set(g.is_some() as u8 as f64);
+        }
+        changed
+    }
+    /// Why the lane is degraded, if it is.
+    pub fn degraded(&self) -> Option<String> {
+        self.degraded
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
     /// Why the primary does not take new requests, if it does not.
     pub fn not_ready(&self) -> Option<String> {
@@ -470,6 +492,7 @@ impl Primary for PrimaryService {
             build: moelane_proto::BUILD.into(),
             protocol: moelane_proto::PROTOCOL,
             incarnation: self.readiness.incarnation,
+            degraded: self.readiness.degraded().unwrap_or_default(),
         }))
     }
 

@@ -18,6 +18,7 @@ use moelane_engine::synth::{self, Preset};
 mod bench;
 mod client;
 mod decode_bench;
+mod degraded;
 mod gateway_bench;
 mod loadgen;
 mod ops_cmds;
@@ -329,24 +330,25 @@ enum Cmd {
         gateway: String,
         /// A lane to upgrade, as the gateway names it (repeat, in order; default: every lane
         /// the gateway lists).
-        #[arg(long = "lane")]
+        #[arg(long = "lane", env = "MOELANE_LANE", value_delimiter = ',')]
         lanes: Vec<String>,
         /// Shell command that restarts one lane on the new version: `{lane}` is replaced by
         /// the lane's name, which is also in MOELANE_LANE. It may return before the lane is up.
-        #[arg(long)]
+        #[arg(long, env = "MOELANE_ROLLOUT_RESTART")]
         restart: String,
         /// Shell command that puts a lane back on the old version when it fails to come back
         /// or fails its canary.
-        #[arg(long)]
+        #[arg(long, env = "MOELANE_ROLLOUT_ROLLBACK")]
         rollback: Option<String>,
         /// Seconds to wait for a drained lane's requests to end (then the rollout stops).
-        #[arg(long, default_value_t = 300.0)]
+        #[arg(long, default_value_t = 300.0, env = "MOELANE_ROLLOUT_DRAIN_TIMEOUT")]
         drain_timeout: f64,
         /// Seconds to wait for a restarted lane to answer healthy.
-        #[arg(long, default_value_t = 300.0)]
+        #[arg(long, default_value_t = 300.0, env = "MOELANE_ROLLOUT_READY_TIMEOUT")]
         ready_timeout: f64,
         /// Tokens of the canary generation.
-        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+        #[arg(long, default_value_t = 1, env = "MOELANE_ROLLOUT_CANARY_TOKENS",
+              value_parser = clap::value_parser!(u32).range(1..=64))]
         canary_tokens: u32,
     },
     /// Move experts between tiers on a running lane, through the two-phase epoch protocol.
@@ -561,6 +563,13 @@ struct LaneArgs {
     /// sized deadline) before the lane turns unready and the step fails (default 2).
     #[arg(long, env = "MOELANE_STALL_TIMEOUT")]
     stall_timeout: Option<f64>,
+    /// Primary: when the sidecar is lost (killed, stalled, partitioned), compute the cold
+    /// experts on this host from the checkpoint until it is back: the lane keeps serving,
+    /// slower, with the same outputs, and says it is degraded (Health, /v1/stats,
+    /// moelane_lane_degraded). Needs the memory of the cold experts free here.
+    #[arg(long, env = "MOELANE_DEGRADED")]
+    #[serde(default)]
+    degraded: bool,
     /// Primary: seconds to wait at start for the sidecar process to listen (default 600: it
     /// opens its port once its experts are loaded).
     #[arg(long, env = "MOELANE_SIDECAR_WAIT")]
@@ -705,6 +714,7 @@ impl LaneArgs {
             calibration_counts
         );
         self.probe_bandwidth |= f.probe_bandwidth;
+        self.degraded |= f.degraded;
         if self.lane.is_empty() {
             self.lane = f.lane;
         }
@@ -943,6 +953,7 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                 link_timeout: std::time::Duration::from_secs(30),
                 stall_timeout: std::time::Duration::from_secs(2),
                 sidecar_wait: std::time::Duration::ZERO,
+                degraded: false,
                 adaptive: residency.options(),
                 prepare_timeout: residency.prepare_timeout(),
                 spare_slots: residency.spare_slots.max(1),
@@ -1068,6 +1079,7 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                         stall_timeout: secs(a.stall_timeout, 2.0)
                             .max(std::time::Duration::from_millis(100)),
                         sidecar_wait: secs(a.sidecar_wait, 600.0),
+                        degraded: a.degraded,
                         adaptive: a.residency.options(),
                         prepare_timeout: a.residency.prepare_timeout(),
                         spare_slots: a.residency.spare_slots.max(1),

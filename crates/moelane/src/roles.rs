@@ -63,6 +63,9 @@ pub struct PrimaryOptions {
     pub stall_timeout: Duration,
     /// How long a starting primary waits for its sidecar process to listen.
     pub sidecar_wait: Duration,
+    /// Compute the cold experts here while the sidecar is lost (the lane stays ready,
+    /// degraded) instead of failing the steps.
+    pub degraded: bool,
     pub prepare_timeout: Duration,
     pub spare_slots: usize,
     /// Where the in-process sidecar computes: "cpu" or "cuda:N".
@@ -208,6 +211,9 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
         (map, None) => resolve_map(&ckpt, read_map(map)?)?,
     };
     let any_cold = map.map.layers.iter().any(|l| !l.cold.is_empty());
+    let readiness = Arc::new(moelane_gb300_worker::Readiness::default());
+    // --degraded: the map the engine routes with, for computing cold experts here
+    let committed: crate::degraded::CommittedMap = Arc::new(std::sync::Mutex::new(map.clone()));
     let mut sidecar: Option<Box<dyn Participant>> = None;
     let mut seen_epoch = 0;
     let mut relink = None;
@@ -233,7 +239,18 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
             seen_epoch = r.seen_epoch;
             relink = Some(r.broken);
             probe = Some(r.probe);
-            (Some(r.tier), r.name)
+            let tier = if o.degraded {
+                let ckpt = Arc::new(Checkpoint::open(&o.model)?);
+                Box::new(crate::degraded::Degradable::new(
+                    r.tier,
+                    ckpt,
+                    committed.clone(),
+                    readiness.clone(),
+                )) as Box<dyn RemoteTier>
+            } else {
+                r.tier
+            };
+            (Some(Metered::wrap(tier)), r.name)
         }
     };
     let eos = ckpt.config.eos_token_ids.clone();
@@ -290,15 +307,20 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
         layers,
         experts,
     };
-    let mut res = Residency::new(
-        residency_map,
-        manifest,
-        Box::new(participant),
-        sidecar,
-        o.map.clone(),
-    )
-    .with_limits(o.prepare_timeout, o.spare_slots)
-    .with_seen_epoch(seen_epoch);
+    let participant: Box<dyn Participant> = if o.degraded {
+        Box::new(crate::degraded::Committed {
+            inner: Box::new(participant),
+            map: committed,
+            model: id.clone(),
+            layers,
+            experts,
+        })
+    } else {
+        Box::new(participant)
+    };
+    let mut res = Residency::new(residency_map, manifest, participant, sidecar, o.map.clone())
+        .with_limits(o.prepare_timeout, o.spare_slots)
+        .with_seen_epoch(seen_epoch);
     if let Some(a) = &o.adaptive {
         let source = PrimaryParticipant {
             client: handle.client.clone(),
@@ -316,7 +338,6 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
         ));
     }
     let residency = Residency::spawn(res);
-    let readiness = Arc::new(moelane_gb300_worker::Readiness::default());
     if let (Some(probe), Some(broken)) = (probe, relink) {
         supervise_link(
             &residency,
@@ -324,6 +345,7 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
             broken,
             readiness.clone(),
             o.stall_timeout,
+            o.degraded,
         );
     }
     if let Some(a) = &o.adaptive {
@@ -459,7 +481,7 @@ async fn connect_sidecar(
         deadline: moelane_gb300_worker::links::StallDeadline::new(o.stall_timeout, o.link_timeout),
     };
     Ok(RemoteLink {
-        tier: Metered::wrap(Box::new(t)),
+        tier: Box::new(t),
         sidecar: Box::new(moelane_residency_actor::Faulty(Arc::new(remote))),
         seen_epoch: rep.highest_epoch,
         broken,
@@ -534,7 +556,29 @@ fn supervise_link(
     broken: Arc<tokio::sync::Notify>,
     readiness: Arc<moelane_gb300_worker::Readiness>,
     stall: Duration,
+    degraded: bool,
 ) {
+    // with --degraded a lost sidecar does not make the lane unready: it computes the cold
+    // experts itself and says degraded instead
+    let problem =
+        move |r: &moelane_gb300_worker::Readiness, key: &'static str, why: Option<String>| {
+            if degraded {
+                match (key, why) {
+                    ("sidecar-draining", _) => {}
+                    // the link is back (re-registered): no longer degraded
+                    ("link", None) => {
+                        r.set_degraded(None);
+                    }
+                    (_, Some(w)) => {
+                        r.set_degraded(Some(w));
+                    }
+                    _ => {}
+                }
+                false
+            } else {
+                r.set_problem(key, why)
+            }
+        };
     let (mut client, inc) = probe;
     {
         let (broken, readiness) = (broken.clone(), readiness.clone());
@@ -553,10 +597,11 @@ fn supervise_link(
                     Ok(Ok(h)) => {
                         let h = h.into_inner();
                         last_answer = std::time::Instant::now();
-                        if readiness.set_problem("heartbeat", None) {
+                        if problem(&readiness, "heartbeat", None) {
                             tracing::info!("the sidecar answers heartbeats again");
                         }
-                        readiness.set_problem(
+                        problem(
+                            &readiness,
                             "sidecar-draining",
                             h.draining
                                 .then(|| "the sidecar is draining (stopping)".to_string()),
@@ -570,7 +615,7 @@ fn supervise_link(
                             "the sidecar has not answered heartbeats for {:.1} s",
                             last_answer.elapsed().as_secs_f64()
                         );
-                        if !readiness.set_problem("heartbeat", Some(why.clone())) {
+                        if !problem(&readiness, "heartbeat", Some(why.clone())) && !degraded {
                             tracing::warn!("{why}: the lane is unready");
                         }
                     }
@@ -585,7 +630,8 @@ fn supervise_link(
             loop {
                 broken.notified().await;
                 tracing::warn!("sidecar link lost; re-registering");
-                readiness.set_problem(
+                problem(
+                    &readiness,
                     "link",
                     Some("the sidecar link is down; reconnecting".into()),
                 );
@@ -594,7 +640,7 @@ fn supervise_link(
                     match r.ask(moelane_residency_actor::Resync).await {
                         Ok(epoch) => {
                             tracing::info!(epoch, "sidecar link restored");
-                            readiness.set_problem("link", None);
+                            problem(&readiness, "link", None);
                             break;
                         }
                         Err(kameo::error::SendError::HandlerError(e)) => {

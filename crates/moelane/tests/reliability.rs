@@ -795,3 +795,104 @@ fn a_primary_started_before_its_sidecar_waits_for_it() {
         whole(&gw, 4).0 == 200
     });
 }
+
+#[test]
+fn with_degraded_a_lost_sidecar_costs_no_request_and_changes_no_output() {
+    let dir = tiny().to_str().unwrap().to_string();
+    let (sport, dport) = (free_port(), free_port());
+    let side_args = [
+        "lane".to_string(),
+        "--role".into(),
+        "sidecar".into(),
+        "--model".into(),
+        dir.clone(),
+        "--listen".into(),
+        format!("127.0.0.1:{sport}"),
+        "--data".into(),
+        format!("127.0.0.1:{dport}"),
+    ];
+    let side_args: Vec<&str> = side_args.iter().map(|s| s.as_str()).collect();
+    let (mut side, _) = start(&side_args, &["sidecar control "]);
+    let pace = [("MOELANE_STEP_PACE_MS", "3")];
+    let (_p, purl) = primary(
+        &[
+            "--sidecar",
+            &format!("http://127.0.0.1:{sport}"),
+            "--link",
+            "tcp",
+            "--degraded",
+        ],
+        &pace,
+    );
+    let (_g, gw) = gateway(&[&purl], &["--health-interval", "0.2"]);
+    let (st, reference, fin) = whole(&gw, 24);
+    assert_eq!(st, 200);
+    let degraded = |gw: &str| {
+        let (_, v) = get(gw, "/v1/stats");
+        v["lanes"][0]["degraded"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    };
+    assert_eq!(degraded(&gw), "");
+    let stop = Arc::new(AtomicBool::new(false));
+    let clients: Vec<_> = (0..4)
+        .map(|c| {
+            let (gw, stop, reference, fin) =
+                (gw.clone(), stop.clone(), reference.clone(), fin.clone());
+            std::thread::spawn(move || {
+                let (mut n, mut bad) = (0usize, Vec::new());
+                while !stop.load(Ordering::SeqCst) && n < 5000 {
+                    n += 1;
+                    if (n + c) % 2 == 0 {
+                        let s = stream_completion(&gw, &ask(24, true), |_| {});
+                        if !s.ok() || s.text != reference {
+                            bad.push(format!("{s:?}"));
+                        }
+                    } else {
+                        let r = whole(&gw, 24);
+                        if r != (200, reference.clone(), fin.clone()) {
+                            bad.push(format!("{r:?}"));
+                        }
+                    }
+                }
+                (n, bad)
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    signal(&side, "KILL");
+    let _ = wait_exit(&mut side, Duration::from_secs(5));
+    let lost = Instant::now();
+    until(Duration::from_secs(5), "the lane says degraded", || {
+        !degraded(&gw).is_empty()
+    });
+    let said = lost.elapsed();
+    std::thread::sleep(Duration::from_millis(800));
+    assert_eq!(ready(&gw), 200, "a degraded lane still serves");
+    let (_side2, _) = start(&side_args, &["sidecar control "]);
+    let back = Instant::now();
+    until(
+        Duration::from_secs(20),
+        "the lane is no longer degraded",
+        || degraded(&gw).is_empty(),
+    );
+    let back = back.elapsed();
+    std::thread::sleep(Duration::from_millis(500));
+    stop.store(true, Ordering::SeqCst);
+    let (mut total, mut bad) = (0, Vec::new());
+    for c in clients {
+        let (n, b) = c.join().expect("client");
+        total += n;
+        bad.extend(b);
+    }
+    println!(
+        "degraded mode: {total} requests, {} failed or different; degraded {:.2} s after the kill, \
+         back {:.2} s after the restart",
+        bad.len(),
+        said.as_secs_f64(),
+        back.as_secs_f64()
+    );
+    assert!(bad.is_empty(), "{bad:?}");
+    assert_eq!(whole(&gw, 24), (200, reference, fin));
+}

@@ -32,6 +32,8 @@ pub const REQUEST_RETRIES: &str = "moelane_request_retries_total";
 pub const STREAMS_CUT: &str = "moelane_streams_cut_total";
 /// gauge 1/0: this process is draining (stopping: it takes nothing new)
 pub const DRAINING: &str = "moelane_draining";
+/// gauge 1/0: the primary computes its cold experts itself (its sidecar is lost, --degraded)
+pub const LANE_DEGRADED: &str = "moelane_lane_degraded";
 
 // primary
 /// gauge: requests waiting for admission
@@ -106,6 +108,7 @@ pub const ALL: &[&str] = &[
     REQUEST_RETRIES,
     STREAMS_CUT,
     DRAINING,
+    LANE_DEGRADED,
     QUEUE_DEPTH,
     BATCH_SIZE,
     KV_BLOCKS_USED,
@@ -172,6 +175,10 @@ pub fn describe() {
     describe_counter!(
         STREAMS_CUT,
         "Requests that ended in an error after tokens were sent (the client got an error, never a finish)"
+    );
+    describe_gauge!(
+        LANE_DEGRADED,
+        "1 while the primary computes its cold experts itself: its sidecar is lost (--degraded)"
     );
     describe_gauge!(
         DRAINING,
