@@ -539,6 +539,54 @@ fn a_sidecar_refuses_a_primary_of_another_protocol_naming_both_builds() {
     let (_p, _) = primary(&["--sidecar", &url, "--link", "tcp"], &[]);
 }
 
+/// Four clients sending greedy completions of `max_tokens` (streamed and whole in turn)
+/// until `stop`; each returns (requests, answers that failed or differ from `reference`).
+fn steady_load(
+    gw: &str,
+    reference: &str,
+    max_tokens: usize,
+    stop: &Arc<AtomicBool>,
+) -> Vec<std::thread::JoinHandle<(usize, Vec<String>)>> {
+    (0..4)
+        .map(|c| {
+            let (gw, stop, reference) = (gw.to_string(), stop.clone(), reference.to_string());
+            std::thread::spawn(move || {
+                let (mut n, mut bad) = (0usize, Vec::new());
+                while !stop.load(Ordering::SeqCst) && n < 5000 {
+                    n += 1;
+                    if (n + c) % 2 == 0 {
+                        let s = stream_completion(&gw, &ask(max_tokens, true), |_| {});
+                        if !s.ok() || s.text != reference {
+                            bad.push(format!("{s:?}"));
+                        }
+                    } else {
+                        let (st, text, _) = whole(&gw, max_tokens);
+                        if st != 200 || text != reference {
+                            bad.push(format!("{st} {text:?}"));
+                        }
+                    }
+                }
+                (n, bad)
+            })
+        })
+        .collect()
+}
+
+/// Stops `steady_load`'s clients: (requests, bad answers).
+fn stop_load(
+    stop: &Arc<AtomicBool>,
+    clients: Vec<std::thread::JoinHandle<(usize, Vec<String>)>>,
+) -> (usize, Vec<String>) {
+    stop.store(true, Ordering::SeqCst);
+    let (mut total, mut bad) = (0, Vec::new());
+    for c in clients {
+        let (n, b) = c.join().expect("client");
+        total += n;
+        bad.extend(b);
+    }
+    (total, bad)
+}
+
 /// Primaries started by the rollout's restart script (pid files): killed when dropped.
 struct Pidfiles(Vec<std::path::PathBuf>);
 
@@ -666,29 +714,7 @@ fn a_rollout_upgrades_lanes_one_at_a_time_under_load_and_stops_on_a_failed_canar
     );
     // steady load while the rollout runs
     let stop = Arc::new(AtomicBool::new(false));
-    let clients: Vec<_> = (0..4)
-        .map(|c| {
-            let (gw, stop, reference) = (gw.clone(), stop.clone(), reference.clone());
-            std::thread::spawn(move || {
-                let (mut n, mut bad) = (0usize, Vec::new());
-                while !stop.load(Ordering::SeqCst) && n < 5000 {
-                    n += 1;
-                    if (n + c) % 2 == 0 {
-                        let s = stream_completion(&gw, &ask(16, true), |_| {});
-                        if !s.ok() || s.text != reference {
-                            bad.push(format!("{s:?}"));
-                        }
-                    } else {
-                        let (st, text, _) = whole(&gw, 16);
-                        if st != 200 || text != reference {
-                            bad.push(format!("{st} {text:?}"));
-                        }
-                    }
-                }
-                (n, bad)
-            })
-        })
-        .collect();
+    let clients = steady_load(&gw, &reference, 16, &stop);
     std::thread::sleep(Duration::from_millis(300));
     let t0 = Instant::now();
     let out = std::process::Command::new(bin())
@@ -705,13 +731,7 @@ fn a_rollout_upgrades_lanes_one_at_a_time_under_load_and_stops_on_a_failed_canar
         .expect("rollout");
     let took = t0.elapsed();
     std::thread::sleep(Duration::from_millis(300));
-    stop.store(true, Ordering::SeqCst);
-    let (mut total, mut bad) = (0, Vec::new());
-    for c in clients {
-        let (n, b) = c.join().expect("client");
-        total += n;
-        bad.extend(b);
-    }
+    let (total, bad) = stop_load(&stop, clients);
     let log = String::from_utf8_lossy(&out.stdout).to_string();
     println!(
         "{log}rolling upgrade of 2 lanes under load: {total} requests, {} failed, {:.1} s",
@@ -836,30 +856,7 @@ fn with_degraded_a_lost_sidecar_costs_no_request_and_changes_no_output() {
     };
     assert_eq!(degraded(&gw), "");
     let stop = Arc::new(AtomicBool::new(false));
-    let clients: Vec<_> = (0..4)
-        .map(|c| {
-            let (gw, stop, reference, fin) =
-                (gw.clone(), stop.clone(), reference.clone(), fin.clone());
-            std::thread::spawn(move || {
-                let (mut n, mut bad) = (0usize, Vec::new());
-                while !stop.load(Ordering::SeqCst) && n < 5000 {
-                    n += 1;
-                    if (n + c) % 2 == 0 {
-                        let s = stream_completion(&gw, &ask(24, true), |_| {});
-                        if !s.ok() || s.text != reference {
-                            bad.push(format!("{s:?}"));
-                        }
-                    } else {
-                        let r = whole(&gw, 24);
-                        if r != (200, reference.clone(), fin.clone()) {
-                            bad.push(format!("{r:?}"));
-                        }
-                    }
-                }
-                (n, bad)
-            })
-        })
-        .collect();
+    let clients = steady_load(&gw, &reference, 24, &stop);
     std::thread::sleep(Duration::from_millis(500));
     signal(&side, "KILL");
     let _ = wait_exit(&mut side, Duration::from_secs(5));
@@ -879,13 +876,7 @@ fn with_degraded_a_lost_sidecar_costs_no_request_and_changes_no_output() {
     );
     let back = back.elapsed();
     std::thread::sleep(Duration::from_millis(500));
-    stop.store(true, Ordering::SeqCst);
-    let (mut total, mut bad) = (0, Vec::new());
-    for c in clients {
-        let (n, b) = c.join().expect("client");
-        total += n;
-        bad.extend(b);
-    }
+    let (total, bad) = stop_load(&stop, clients);
     println!(
         "degraded mode: {total} requests, {} failed or different; degraded {:.2} s after the kill, \
          back {:.2} s after the restart",
