@@ -479,7 +479,83 @@ fn lanes_on_separate_hosts_survive_kills_partitions_stops_and_a_rolling_upgrade(
         "greedy output unchanged"
     );
 
-    // 5. SIGTERM to the gateway mid-stream: the stream finishes, exit 0
+    // 5. degraded mode: primary1 recreated with MOELANE_DEGRADED=true, its sidecar killed
+    // under load (0 failed, the same answers), then restarted (no longer degraded)
+    let o = Command::new(&c.compose[0])
+        .args(&c.compose[1..])
+        .args([
+            "-p",
+            &c.project,
+            "-f",
+            repo()
+                .join("deploy/compose/docker-compose.yml")
+                .to_str()
+                .unwrap(),
+            "up",
+            "-d",
+            "--no-deps",
+            "--force-recreate",
+            "primary1",
+        ])
+        .envs(c.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .env("MOELANE_IMAGE", &c.images[1])
+        .env("MOELANE_DEGRADED", "true")
+        .output()
+        .expect("compose");
+    assert!(o.status.success(), "recreate primary1: {}", out_text(&o));
+    until(Duration::from_secs(60), "lane 1 back", || {
+        lane_state(&gw, l1) == "up"
+    });
+    let degraded = |gw: &str| -> String {
+        let (_, v) = get(gw, "/v1/stats");
+        v["lanes"]
+            .as_array()
+            .and_then(|ls| ls.iter().find(|l| l["lane"] == l1))
+            .and_then(|l| l["degraded"].as_str())
+            .unwrap_or("")
+            .to_string()
+    };
+    // lane 2 drained: the load runs on lane 1 only
+    let (st, _) = post(&gw, "/admin/drain", &json!({"lane": l2, "drain": true}));
+    assert_eq!(st, 200);
+    let load = Load::start(&gw, &reference, 4);
+    std::thread::sleep(Duration::from_millis(500));
+    let side1 = c.container("sidecar1");
+    assert!(docker(&["kill", "-s", "KILL", &side1]).status.success());
+    let t = Instant::now();
+    until(Duration::from_secs(10), "lane 1 degraded", || {
+        !degraded(&gw).is_empty()
+    });
+    let said = t.elapsed();
+    std::thread::sleep(Duration::from_millis(1000));
+    assert_eq!(lane_state(&gw, l1), "up", "a degraded lane serves");
+    assert!(docker(&["start", &side1]).status.success());
+    let t = Instant::now();
+    until(Duration::from_secs(30), "lane 1 no longer degraded", || {
+        degraded(&gw).is_empty()
+    });
+    let back = t.elapsed();
+    std::thread::sleep(Duration::from_millis(500));
+    let r = load.finish();
+    let (st, _) = post(&gw, "/admin/drain", &json!({"lane": l2, "drain": false}));
+    assert_eq!(st, 200);
+    report.push(format!(
+        "degraded mode, sidecar killed: {} requests, {} failed, {} cut, {} different; degraded after {:.2} s, back {:.2} s after the restart",
+        r[0],
+        r[1] + r[2],
+        r[3],
+        r[4],
+        said.as_secs_f64(),
+        back.as_secs_f64()
+    ));
+    assert_eq!(
+        (r[1], r[2], r[3], r[4]),
+        (0, 0, 0, 0),
+        "{}",
+        report.last().unwrap()
+    );
+
+    // 6. SIGTERM to the gateway mid-stream: the stream finishes, exit 0
     let g = c.container("gateway");
     let s = stream_completion(&gw, &ask(48, true), |n| {
         if n == 3 {
