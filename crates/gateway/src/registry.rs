@@ -372,30 +372,12 @@ impl Message<ListLanes> for Registry {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lane::{EventStream, Health, LaneError};
-    use futures::future::BoxFuture;
+    use crate::lane::Health;
     use kameo::actor::Spawn;
-    use moelane_proto::lane::{GenerateRequest, StatsReply};
 
-    /// A lane that is only a name: the registry never calls it.
-    struct Named(String);
-    impl Lane for Named {
-        fn name(&self) -> &str {
-            &self.0
-        }
-        fn generate(&self, _: GenerateRequest) -> BoxFuture<'_, Result<EventStream, LaneError>> {
-            unimplemented!("the registry does not call lanes")
-        }
-        fn health(&self) -> BoxFuture<'_, Result<Health, LaneError>> {
-            unimplemented!("the registry does not call lanes")
-        }
-        fn stats(&self) -> BoxFuture<'_, Result<StatsReply, LaneError>> {
-            unimplemented!("the registry does not call lanes")
-        }
-    }
-
+    /// A real gRPC lane named `n` that is never dialled (the registry only keeps lanes).
     fn lane(n: &str) -> Arc<dyn Lane> {
-        Arc::new(Named(n.into()))
+        Arc::new(crate::lane::GrpcLane::named(n, "http://127.0.0.1:1").expect("lane"))
     }
 
     async fn pick(r: &kameo::actor::ActorRef<Registry>, exclude: &[&str]) -> Option<String> {

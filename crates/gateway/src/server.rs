@@ -530,6 +530,37 @@ async fn report(st: &AppState, lane: &str, ok: bool) {
         .await;
 }
 
+/// One request's tries: the lanes it went to, and whether it blamed one (a request blames
+/// one lane at most: one that fails everywhere, by its own fault, must not eject every lane
+/// it was tried on).
+#[derive(Default)]
+struct Tries {
+    lanes: Vec<String>,
+    blamed: bool,
+}
+
+impl Tries {
+    /// Whether another lane may be tried: attempts left, and the first or within `deadline`.
+    fn more(&self, st: &AppState, deadline: Instant) -> bool {
+        self.lanes.len() < st.cfg.max_attempts.max(1)
+            && (self.lanes.is_empty() || Instant::now() < deadline)
+    }
+
+    /// Counts a failure of category `c` against `lane`'s breaker, when it is the lane's
+    /// fault and this request blamed none yet.
+    async fn blame(&mut self, st: &AppState, lane: &str, c: Category) {
+        if retry_class(c) == Some(true) && !self.blamed {
+            self.blamed = true;
+            report(st, lane, false).await;
+        }
+    }
+}
+
+/// A lane's error as the client sees it, naming the lane.
+fn lane_err(lane: &str, e: &LaneError) -> ApiError {
+    ApiError::from_lane(e.category, format!("lane {lane}: {}", e.message))
+}
+
 fn no_lane() -> ApiError {
     ApiError::Unavailable(
         "no lane is available (none healthy, all draining, or none registered)".into(),
@@ -553,17 +584,14 @@ async fn open(
     st: &AppState,
     greq: &GenerateRequest,
     deadline: Instant,
-    tried: &mut Vec<String>,
-    blamed: &mut bool,
+    tries: &mut Tries,
 ) -> Result<(InFlight, EventStream), ApiError> {
     let mut last: Option<ApiError> = None;
-    while tried.len() < st.cfg.max_attempts.max(1)
-        && (tried.is_empty() || Instant::now() < deadline)
-    {
+    while tries.more(st, deadline) {
         let picked = st
             .registry
             .ask(Pick {
-                exclude: tried.clone(),
+                exclude: tries.lanes.clone(),
             })
             .await
             .map_err(|e| ApiError::Internal(format!("registry: {e}")))?;
@@ -571,7 +599,7 @@ async fn open(
             break;
         };
         let name = inflight.lane.name().to_string();
-        tried.push(name.clone());
+        tries.lanes.push(name.clone());
         let attempt = async {
             let mut s = inflight.lane.generate(greq.clone()).await?;
             match s.next().await {
@@ -589,22 +617,14 @@ async fn open(
                 return Ok((inflight, events));
             }
             Err(e) => {
-                let Some(blame) = retry_class(e.category) else {
+                if retry_class(e.category).is_none() {
                     report(st, &name, true).await;
                     return Err(ApiError::from_lane(e.category, e.message));
-                };
-                // one request blames one lane at most: a request that fails everywhere (its
-                // own fault) must not eject every lane it was tried on
-                if blame && !*blamed {
-                    *blamed = true;
-                    report(st, &name, false).await;
                 }
+                tries.blame(st, &name, e.category).await;
                 metrics::counter!(n::REQUEST_RETRIES, "reason" => e.category.as_str()).increment(1);
                 tracing::warn!(lane = %name, error = %e.message, "request failed before its first token; trying another lane");
-                last = Some(ApiError::from_lane(
-                    e.category,
-                    format!("lane {name}: {}", e.message),
-                ));
+                last = Some(lane_err(&name, &e));
             }
         }
     }
@@ -709,11 +729,10 @@ async fn whole_response(
     chat: bool,
 ) -> Result<Response, ApiError> {
     let prompt_tokens = vr.prompt.len();
-    let mut tried = Vec::new();
-    let mut blamed = false;
+    let mut tries = Tries::default();
     let (text, completion, finish) = loop {
         let mut timing = Timing::new(chat);
-        let (inflight, mut events) = open(st, greq, deadline, &mut tried, &mut blamed).await?;
+        let (inflight, mut events) = open(st, greq, deadline, &mut tries).await?;
         let lane = inflight.lane.name().to_string();
         let mut det = Detokenizer::new(vr.stop.clone());
         let mut text = String::new();
@@ -756,19 +775,10 @@ async fn whole_response(
         }
         let e = failed.unwrap_or_else(stream_ended);
         timing.done(prompt_tokens, completion, "error");
-        if retry_class(e.category) == Some(true) && !blamed {
-            blamed = true;
-            report(st, &lane, false).await;
-        }
-        let again = retry_class(e.category).is_some()
-            && tried.len() < st.cfg.max_attempts.max(1)
-            && Instant::now() < deadline;
-        if !again {
+        tries.blame(st, &lane, e.category).await;
+        if retry_class(e.category).is_none() || !tries.more(st, deadline) {
             metrics::counter!(n::STREAMS_CUT, "reason" => e.category.as_str()).increment(1);
-            return Err(ApiError::from_lane(
-                e.category,
-                format!("lane {lane}: {}", e.message),
-            ));
+            return Err(lane_err(&lane, &e));
         }
         metrics::counter!(n::REQUEST_RETRIES, "reason" => e.category.as_str()).increment(1);
         tracing::warn!(lane = %lane, error = %e.message, "lane lost before the whole answer was sent; starting over on another lane");
@@ -821,10 +831,9 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
         };
     }
     let mut timing = Timing::new(chat);
-    let mut tried = Vec::new();
-    let mut blamed = false;
+    let mut tries = Tries::default();
     let (inflight, mut events) = tokio::select! {
-        r = open(&st, &greq, deadline, &mut tried, &mut blamed) => r?,
+        r = open(&st, &greq, deadline, &mut tries) => r?,
         _ = st.shutdown.aborted() => return Err(shutting_down()),
     };
     span.record("moelane.lane", inflight.lane.name());
@@ -864,24 +873,14 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
             let ev = match next {
                 Some(Ok(ev)) => ev,
                 Some(Err(e)) => {
-                    if retry_class(e.category) == Some(true) && !blamed {
-                        report(&st2, &lane, false).await;
-                    }
-                    failed = Some(ApiError::from_lane(
-                        e.category,
-                        format!("lane {lane}: {}", e.message),
-                    ));
+                    tries.blame(&st2, &lane, e.category).await;
+                    failed = Some(lane_err(&lane, &e));
                     break;
                 }
                 None => {
-                    if !blamed {
-                        report(&st2, &lane, false).await;
-                    }
                     let e = stream_ended();
-                    failed = Some(ApiError::from_lane(
-                        e.category,
-                        format!("lane {lane}: {}", e.message),
-                    ));
+                    tries.blame(&st2, &lane, e.category).await;
+                    failed = Some(lane_err(&lane, &e));
                     break;
                 }
             };
@@ -915,12 +914,7 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
             if !ev.finish_reason.is_empty() {
                 match finish_of(&ev.finish_reason) {
                     Ok(f) => finish = Some(f),
-                    Err(e) => {
-                        failed = Some(ApiError::from_lane(
-                            e.category,
-                            format!("lane {lane}: {}", e.message),
-                        ))
-                    }
+                    Err(e) => failed = Some(lane_err(&lane, &e)),
                 }
                 break;
             }

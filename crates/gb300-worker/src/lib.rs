@@ -600,22 +600,16 @@ impl Primary for PrimaryService {
 /// while the step loop runs and [`Readiness`] says ready, NOT_SERVING otherwise; `liveness`
 /// is SERVING while the step loop runs (busy or not, whatever the sidecar does: a liveness
 /// probe must not restart a primary whose sidecar is away). Re-evaluated every 250 ms.
-pub fn health_reporter(
+pub fn health_service(
     readiness: std::sync::Arc<Readiness>,
     client: PrimaryClient,
-) -> (
-    tonic_health::server::HealthReporter,
-    tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health>,
-) {
-    let (reporter, service) = tonic_health::server::health_reporter();
-    let r = reporter.clone();
+) -> tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health> {
+    let (r, service) = tonic_health::server::health_reporter();
     tokio::spawn(async move {
         let mut last = None;
         loop {
-            let answers =
-                tokio::time::timeout(std::time::Duration::from_secs(1), client.snapshot())
-                    .await
-                    .is_ok_and(|s| s.is_ok());
+            // a busy loop (a step of seconds) is alive; a loop that is gone is not
+            let answers = !client.tx.is_closed();
             let serving = answers && readiness.not_ready().is_none();
             if last != Some((serving, answers)) {
                 let status = |on: bool| {
@@ -638,7 +632,7 @@ pub fn health_reporter(
             tokio::time::sleep(std::time::Duration::from_millis(250)).await;
         }
     });
-    (reporter, service)
+    service
 }
 
 /// Serves the lane API on `listener` until the future is dropped or `stop` resolves (then
@@ -650,8 +644,7 @@ pub async fn serve(
     readiness: std::sync::Arc<Readiness>,
     stop: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
-    let (health, health_service) = health_reporter(readiness.clone(), client.clone());
-    drop(health);
+    let health_service = health_service(readiness.clone(), client.clone());
     tonic::transport::Server::builder()
         .add_service(health_service)
         .add_service(PrimaryServer::new(PrimaryService {

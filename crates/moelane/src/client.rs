@@ -161,10 +161,26 @@ pub async fn stream_post(host: &str, path: &str, body: &str) -> Result<Vec<(Inst
 
 /// GET a path; returns the body (Content-Length or chunked).
 pub async fn stream_get(host: &str, path: &str) -> Result<String> {
+    Ok(request(host, "GET", path, None).await?.1)
+}
+
+/// One request (a JSON body or none) on its own connection: the status and the body
+/// (Content-Length or chunked).
+pub async fn request(
+    host: &str,
+    method: &str,
+    path: &str,
+    json: Option<&str>,
+) -> Result<(u16, String)> {
     let mut s = TcpStream::connect(host)
         .await
         .with_context(|| format!("connecting to {host}"))?;
-    let req = format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+    let body = json.unwrap_or("");
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
     s.write_all(req.as_bytes()).await?;
     let mut raw = Vec::new();
     s.read_to_end(&mut raw).await?;
@@ -173,14 +189,19 @@ pub async fn stream_get(host: &str, path: &str) -> Result<String> {
         .position(|w| w == b"\r\n\r\n")
         .context("no HTTP header")?;
     let head = String::from_utf8_lossy(&raw[..p]).to_ascii_lowercase();
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|x| x.parse().ok())
+        .context("no HTTP status")?;
     let body = &raw[p + 4..];
     if head.contains("transfer-encoding: chunked") {
         let mut d = Chunked::default();
         let mut out = Vec::new();
         d.feed(body, &mut out);
-        return Ok(String::from_utf8_lossy(&out).into_owned());
+        return Ok((status, String::from_utf8_lossy(&out).into_owned()));
     }
-    Ok(String::from_utf8_lossy(body).into_owned())
+    Ok((status, String::from_utf8_lossy(body).into_owned()))
 }
 
 #[cfg(test)]

@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 pub struct RolloutOptions {
     pub gateway: String,
@@ -29,75 +28,17 @@ async fn http(
     path: &str,
     body: Option<&Value>,
 ) -> Result<(u16, Value)> {
-    let hostport = gateway
-        .trim_start_matches("http://")
-        .split('/')
-        .next()
-        .unwrap_or_default()
-        .to_string();
-    if gateway.starts_with("https://") {
-        bail!("--gateway {gateway}: this client speaks plain HTTP (reach the gateway directly)");
-    }
-    let exchange = async {
-        let mut s = tokio::net::TcpStream::connect(&hostport)
-            .await
-            .with_context(|| format!("connecting to the gateway at {hostport}"))?;
-        let body = body.map(|b| b.to_string()).unwrap_or_default();
-        let head = format!(
-            "{method} {path} HTTP/1.1\r\nHost: {hostport}\r\nContent-Type: application/json\r\n\
-             Content-Length: {}\r\nConnection: close\r\n\r\n",
-            body.len()
-        );
-        s.write_all(head.as_bytes()).await?;
-        s.write_all(body.as_bytes()).await?;
-        let mut raw = Vec::new();
-        s.read_to_end(&mut raw).await?;
-        Ok::<_, anyhow::Error>(raw)
-    };
-    let raw = tokio::time::timeout(Duration::from_secs(60), exchange)
-        .await
-        .with_context(|| format!("{method} {path}: no answer from the gateway within 60 s"))??;
-    let split = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .with_context(|| format!("{method} {path}: the gateway's answer has no head"))?;
-    let head = String::from_utf8_lossy(&raw[..split]).to_string();
-    let status: u16 = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .with_context(|| format!("{method} {path}: no status in {head:?}"))?;
-    let mut body = raw[split + 4..].to_vec();
-    if head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked")
-    {
-        body = dechunk(&body);
-    }
-    let v = serde_json::from_slice(&body)
-        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&body).into_owned()));
+    let (host, prefix) =
+        crate::client::split_url(gateway).with_context(|| format!("--gateway {gateway}"))?;
+    let body = body.map(|b| b.to_string());
+    let (status, text) = tokio::time::timeout(
+        Duration::from_secs(60),
+        crate::client::request(&host, method, &format!("{prefix}{path}"), body.as_deref()),
+    )
+    .await
+    .with_context(|| format!("{method} {path}: no answer from the gateway within 60 s"))??;
+    let v = serde_json::from_str(&text).unwrap_or(Value::String(text));
     Ok((status, v))
-}
-
-/// The body of a chunked transfer (a malformed one ends where it breaks).
-fn dechunk(b: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    let mut i = 0;
-    while let Some(p) = b[i..].windows(2).position(|w| w == b"\r\n") {
-        let Ok(n) = usize::from_str_radix(String::from_utf8_lossy(&b[i..i + p]).trim(), 16) else {
-            break;
-        };
-        i += p + 2;
-        if n == 0 || i + n > b.len() {
-            break;
-        }
-        out.extend_from_slice(&b[i..i + n]);
-        i += n + 2;
-        if i > b.len() {
-            break;
-        }
-    }
-    out
 }
 
 /// The gateway's view of every lane.
@@ -272,17 +213,4 @@ pub async fn rollout(o: &RolloutOptions) -> Result<()> {
     }
     println!("moelane rollout: {} lane(s) upgraded", names.len());
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn chunked_bodies_are_joined_and_broken_ones_stop() {
-        assert_eq!(
-            super::dechunk(b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"),
-            b"abcde"
-        );
-        assert_eq!(super::dechunk(b"ff\r\nabc"), b"");
-        assert_eq!(super::dechunk(b"zz\r\nabc"), b"");
-    }
 }

@@ -142,17 +142,6 @@ impl Drop for Cluster {
     }
 }
 
-/// The gateway's view of `lane`: up, down, ejected, draining (absent when not listed).
-fn lane_state(gw: &str, lane: &str) -> String {
-    let (_, v) = get(gw, "/v1/stats");
-    v["lanes"]
-        .as_array()
-        .and_then(|ls| ls.iter().find(|l| l["lane"] == lane))
-        .and_then(|l| l["state"].as_str())
-        .unwrap_or("absent")
-        .to_string()
-}
-
 fn ask(max_tokens: usize, stream: bool) -> serde_json::Value {
     json!({"model": "tiny", "prompt": "Lanes on many hosts", "max_tokens": max_tokens,
            "temperature": 0, "stream": stream})

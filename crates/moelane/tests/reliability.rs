@@ -83,17 +83,6 @@ fn ready(addr: &str) -> u16 {
     request(addr, "GET", "/ready", b"").status
 }
 
-/// The gateway's view of `lane`: its state ("up", "down", "ejected", "draining").
-fn lane_state(gw: &str, lane: &str) -> String {
-    let (_, v) = get(gw, "/v1/stats");
-    v["lanes"]
-        .as_array()
-        .and_then(|ls| ls.iter().find(|l| l["lane"] == lane))
-        .and_then(|l| l["state"].as_str())
-        .unwrap_or("absent")
-        .to_string()
-}
-
 fn lane_count(gw: &str) -> usize {
     let (_, v) = get(gw, "/v1/stats");
     v["lanes"].as_array().map_or(0, |l| l.len())

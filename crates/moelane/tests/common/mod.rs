@@ -214,6 +214,18 @@ pub fn complete(addr: &str, prompt: &str, max_tokens: usize) -> String {
         .to_string()
 }
 
+/// The gateway's view of `lane` in /v1/stats: up, down, ejected, draining (absent when not
+/// listed).
+pub fn lane_state(gw: &str, lane: &str) -> String {
+    let (_, v) = get(gw, "/v1/stats");
+    v["lanes"]
+        .as_array()
+        .and_then(|ls| ls.iter().find(|l| l["lane"] == lane))
+        .and_then(|l| l["state"].as_str())
+        .unwrap_or("absent")
+        .to_string()
+}
+
 /// KV blocks used on the first lane, per /v1/stats.
 pub fn kv_used(addr: &str) -> (u64, u64) {
     let (_, v) = get(addr, "/v1/stats");
