@@ -15,14 +15,16 @@ use crate::rowmap::{Tier, ValidMap};
 /// One expert to stage: (MoE layer, expert, expected checksum).
 pub type Incoming = (usize, usize, u64);
 
-/// Loads and verifies incoming experts (slow: reads the checkpoint; run it off the step loop).
+/// Loads and verifies incoming experts, several at once (slow: reads the checkpoint; a swap
+/// runs it off the step loop).
 pub fn load_verified(
     ckpt: &Checkpoint,
     incoming: &[Incoming],
 ) -> Result<Vec<(usize, usize, Arc<ExpertWeights>)>> {
+    use rayon::prelude::*;
     let moe = ckpt.config.moe_layers();
     incoming
-        .iter()
+        .par_iter()
         .map(|&(l, e, want)| {
             let dl = *moe.get(l).ok_or_else(|| {
                 Error::Rowmap(format!("layer {l} is not a MoE layer of the checkpoint"))

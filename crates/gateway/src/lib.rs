@@ -9,6 +9,7 @@ pub mod discovery;
 pub mod error;
 pub mod handoff;
 pub mod lane;
+pub mod listen;
 pub mod registry;
 pub mod server;
 

@@ -566,10 +566,15 @@ struct LaneArgs {
     /// Primary: when the sidecar is lost (killed, stalled, partitioned), compute the cold
     /// experts on this host from the checkpoint until it is back: the lane keeps serving,
     /// slower, with the same outputs, and says it is degraded (Health, /v1/stats,
-    /// moelane_lane_degraded). Needs the memory of the cold experts free here.
+    /// moelane_lane_degraded). The experts are read on demand from the mapped checkpoint
+    /// (checksums verified) and held up to --degraded-memory.
     #[arg(long, env = "MOELANE_DEGRADED")]
     #[serde(default)]
     degraded: bool,
+    /// Primary with --degraded: most memory the cold experts read while degraded may hold
+    /// (default 4GiB); past it the least recently used are dropped and read again if picked.
+    #[arg(long, env = "MOELANE_DEGRADED_MEMORY")]
+    degraded_memory: Option<Size>,
     /// Primary: seconds to wait at start for the sidecar process to listen (default 600: it
     /// opens its port once its experts are loaded).
     #[arg(long, env = "MOELANE_SIDECAR_WAIT")]
@@ -605,6 +610,15 @@ struct LaneArgs {
     /// ejection, at most 30 s).
     #[arg(long, env = "MOELANE_EJECT_AFTER")]
     eject_after: Option<u32>,
+    /// Gateway: most HTTP connections open at once (default 4096); past it new ones wait in
+    /// the listen backlog.
+    #[arg(long, env = "MOELANE_MAX_CONNECTIONS")]
+    max_connections: Option<usize>,
+    /// Gateway: seconds a client has to send a whole request head, from opening the
+    /// connection or from the previous response (default 30): a slow or silent connection,
+    /// kept-alive ones included, is closed past it.
+    #[arg(long, env = "MOELANE_HEADER_TIMEOUT")]
+    header_timeout: Option<f64>,
     /// Gateway: the model name clients use.
     #[arg(long, env = "MOELANE_SERVED_MODEL_NAME")]
     served_model_name: Option<String>,
@@ -698,6 +712,7 @@ impl LaneArgs {
             link_timeout,
             stall_timeout,
             sidecar_wait,
+            degraded_memory,
             grace,
             lanes_file,
             discovery_interval,
@@ -706,6 +721,8 @@ impl LaneArgs {
             retry_deadline,
             health_interval,
             eject_after,
+            max_connections,
+            header_timeout,
             served_model_name,
             metrics_listen,
             sidecar_device,
@@ -954,6 +971,7 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                 stall_timeout: std::time::Duration::from_secs(2),
                 sidecar_wait: std::time::Duration::ZERO,
                 degraded: false,
+                degraded_memory: 0,
                 adaptive: residency.options(),
                 prepare_timeout: residency.prepare_timeout(),
                 spare_slots: residency.spare_slots.max(1),
@@ -1080,6 +1098,7 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                             .max(std::time::Duration::from_millis(100)),
                         sidecar_wait: secs(a.sidecar_wait, 600.0),
                         degraded: a.degraded,
+                        degraded_memory: a.degraded_memory.map_or(4 << 30, |Size(b)| b),
                         adaptive: a.residency.options(),
                         prepare_timeout: a.residency.prepare_timeout(),
                         spare_slots: a.residency.spare_slots.max(1),
@@ -1130,6 +1149,9 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                         secs(a.health_interval, 1.0).max(std::time::Duration::from_millis(50));
                     go.health_timeout = go.health_interval;
                     go.breaker.eject_after = a.eject_after.unwrap_or(2).max(1);
+                    go.http.max_connections = a.max_connections.unwrap_or(4096).max(1);
+                    go.http.header_timeout =
+                        secs(a.header_timeout, 30.0).max(std::time::Duration::from_millis(100));
                     let mut g = roles::start_gateway(&go).await?;
                     println!("moelane: gateway listening on http://{}/v1", g.addr);
                     let why = tokio::select! {

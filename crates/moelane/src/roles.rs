@@ -66,6 +66,8 @@ pub struct PrimaryOptions {
     /// Compute the cold experts here while the sidecar is lost (the lane stays ready,
     /// degraded) instead of failing the steps.
     pub degraded: bool,
+    /// Most bytes of cold experts held here while degraded.
+    pub degraded_memory: u64,
     pub prepare_timeout: Duration,
     pub spare_slots: usize,
     /// Where the in-process sidecar computes: "cpu" or "cuda:N".
@@ -212,8 +214,16 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
     };
     let any_cold = map.map.layers.iter().any(|l| !l.cold.is_empty());
     let readiness = Arc::new(moelane_gb300_worker::Readiness::default());
-    // --degraded: the map the engine routes with, for computing cold experts here
-    let committed: crate::degraded::CommittedMap = Arc::new(std::sync::Mutex::new(map.clone()));
+    // every expert's checksum at start: what swaps (and a degraded lane's reads) must find
+    let manifest = {
+        let dir = o.model.clone();
+        Arc::new(
+            tokio::task::spawn_blocking(move || {
+                Checkpoint::open(&dir).and_then(|c| moelane_engine::swap::manifest(&c))
+            })
+            .await??,
+        )
+    };
     let mut sidecar: Option<Box<dyn Participant>> = None;
     let mut seen_epoch = 0;
     let mut relink = None;
@@ -244,8 +254,9 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
                 Box::new(crate::degraded::Degradable::new(
                     r.tier,
                     ckpt,
-                    committed.clone(),
+                    manifest.clone(),
                     readiness.clone(),
+                    o.degraded_memory,
                 )) as Box<dyn RemoteTier>
             } else {
                 r.tier
@@ -254,13 +265,6 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
         }
     };
     let eos = ckpt.config.eos_token_ids.clone();
-    let manifest = {
-        let dir = o.model.clone();
-        tokio::task::spawn_blocking(move || {
-            Checkpoint::open(&dir).and_then(|c| moelane_engine::swap::manifest(&c))
-        })
-        .await??
-    };
     let (layers, experts) = (map.layers(), map.experts());
     let residency_map = map.clone();
     #[allow(unused_mut)]
@@ -307,20 +311,15 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
         layers,
         experts,
     };
-    let participant: Box<dyn Participant> = if o.degraded {
-        Box::new(crate::degraded::Committed {
-            inner: Box::new(participant),
-            map: committed,
-            model: id.clone(),
-            layers,
-            experts,
-        })
-    } else {
-        Box::new(participant)
-    };
-    let mut res = Residency::new(residency_map, manifest, participant, sidecar, o.map.clone())
-        .with_limits(o.prepare_timeout, o.spare_slots)
-        .with_seen_epoch(seen_epoch);
+    let mut res = Residency::new(
+        residency_map,
+        manifest.to_vec(),
+        Box::new(participant),
+        sidecar,
+        o.map.clone(),
+    )
+    .with_limits(o.prepare_timeout, o.spare_slots)
+    .with_seen_epoch(seen_epoch);
     if let Some(a) = &o.adaptive {
         let source = PrimaryParticipant {
             client: handle.client.clone(),
@@ -841,6 +840,8 @@ pub struct GatewayOptions {
     /// Unix socket to hand the listening socket to a successor over (and to take it from a
     /// running gateway at start).
     pub handoff: Option<PathBuf>,
+    /// Connection cap, request-head deadline, drain window.
+    pub http: moelane_gateway::listen::HttpLimits,
 }
 
 impl GatewayOptions {
@@ -860,6 +861,7 @@ impl GatewayOptions {
             max_attempts: 3,
             retry_deadline: Duration::from_secs(10),
             handoff: None,
+            http: Default::default(),
         }
     }
 }
@@ -1016,19 +1018,13 @@ pub async fn start_gateway(o: &GatewayOptions) -> Result<Gateway> {
     let a = l.local_addr()?;
     moelane_gateway::server::register_metrics(state.clone());
     let app = moelane_gateway::router(state.clone());
-    // Nagle off: small SSE chunks must not wait for the client's delayed ACK
-    use axum::serve::ListenerExt;
-    let l = l.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let limits = o.http.clone();
     let task = tokio::spawn(async move {
         let stop = async move {
             let _ = stop_rx.await;
         };
-        if let Err(e) = axum::serve(l, app).with_graceful_shutdown(stop).await {
-            tracing::error!(error = %e, "gateway stopped");
-        }
+        moelane_gateway::listen::serve(l, app, limits, stop).await;
     });
     if let Some(t) = taken {
         // the previous gateway stops accepting once told: this one accepts already

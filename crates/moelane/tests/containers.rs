@@ -468,7 +468,8 @@ fn lanes_on_separate_hosts_survive_kills_partitions_stops_and_a_rolling_upgrade(
         "greedy output unchanged"
     );
 
-    // 5. degraded mode: primary1 recreated with MOELANE_DEGRADED=true, its sidecar killed
+    // 5. degraded mode: primary1 recreated with MOELANE_DEGRADED=true (and a budget of a few
+    // experts, so they are read from the checkpoint on demand and dropped), its sidecar killed
     // under load (0 failed, the same answers), then restarted (no longer degraded)
     let o = Command::new(&c.compose[0])
         .args(&c.compose[1..])
@@ -489,6 +490,8 @@ fn lanes_on_separate_hosts_survive_kills_partitions_stops_and_a_rolling_upgrade(
         .envs(c.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
         .env("MOELANE_IMAGE", &c.images[1])
         .env("MOELANE_DEGRADED", "true")
+        // a few experts' worth: read on demand, dropped, read again
+        .env("MOELANE_DEGRADED_MEMORY", "64KiB")
         .output()
         .expect("compose");
     assert!(o.status.success(), "recreate primary1: {}", out_text(&o));

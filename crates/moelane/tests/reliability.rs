@@ -25,7 +25,11 @@ fn primary(extra: &[&str], env: &[(&str, &str)]) -> (Proc, String) {
         "127.0.0.1:0",
     ];
     args.extend_from_slice(extra);
-    let (p, v) = start_env(&args, &["primary grpc "], env);
+    let mut wants = vec!["primary grpc "];
+    if extra.contains(&"--metrics-listen") {
+        wants.push("moelane: metrics ");
+    }
+    let (p, v) = start_env(&args, &wants, env);
     let url = v[0].split(',').next().unwrap_or_default().to_string();
     (p, url)
 }
@@ -823,13 +827,18 @@ fn with_degraded_a_lost_sidecar_costs_no_request_and_changes_no_output() {
     let side_args: Vec<&str> = side_args.iter().map(|s| s.as_str()).collect();
     let (mut side, _) = start(&side_args, &["sidecar control "]);
     let pace = [("MOELANE_STEP_PACE_MS", "3")];
-    let (_p, purl) = primary(
+    let (prim, purl) = primary(
         &[
             "--sidecar",
             &format!("http://127.0.0.1:{sport}"),
             "--link",
             "tcp",
             "--degraded",
+            // a few experts' worth: the cold experts are read, dropped and read again
+            "--degraded-memory",
+            "64KiB",
+            "--metrics-listen",
+            "127.0.0.1:0",
         ],
         &pace,
     );
@@ -856,6 +865,27 @@ fn with_degraded_a_lost_sidecar_costs_no_request_and_changes_no_output() {
     let said = lost.elapsed();
     std::thread::sleep(Duration::from_millis(800));
     assert_eq!(ready(&gw), 200, "a degraded lane still serves");
+    // read on demand within the budget: loads, evictions, and never more than the budget
+    // beyond one layer request's own experts (tiny: 12 KiB each, 16 cold per layer)
+    let page = request(&metrics_addr(&prim), "GET", "/metrics", b"").body;
+    let value = |name: &str| -> f64 {
+        page.lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|r| r.trim().parse().ok()))
+            .unwrap_or(-1.0)
+    };
+    let (loads, evictions, held) = (
+        value("moelane_degraded_expert_loads_total"),
+        value("moelane_degraded_expert_evictions_total"),
+        value("moelane_degraded_resident_bytes"),
+    );
+    assert!(
+        loads > 0.0 && evictions > 0.0,
+        "{loads} loads, {evictions} evictions"
+    );
+    assert!(
+        held > 0.0 && held <= (16 * 12 * 1024) as f64,
+        "{held} bytes held"
+    );
     let (_side2, _) = start(&side_args, &["sidecar control "]);
     let back = Instant::now();
     until(
@@ -868,7 +898,8 @@ fn with_degraded_a_lost_sidecar_costs_no_request_and_changes_no_output() {
     let (total, bad) = stop_load(&stop, clients);
     println!(
         "degraded mode: {total} requests, {} failed or different; degraded {:.2} s after the kill, \
-         back {:.2} s after the restart",
+         back {:.2} s after the restart; {loads} experts read on demand, {evictions} dropped, \
+         {held} bytes held",
         bad.len(),
         said.as_secs_f64(),
         back.as_secs_f64()

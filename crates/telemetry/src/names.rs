@@ -34,6 +34,12 @@ pub const STREAMS_CUT: &str = "moelane_streams_cut_total";
 pub const DRAINING: &str = "moelane_draining";
 /// gauge 1/0: the primary computes its cold experts itself (its sidecar is lost, --degraded)
 pub const LANE_DEGRADED: &str = "moelane_lane_degraded";
+/// counter: cold experts a degraded primary read from its checkpoint
+pub const DEGRADED_LOADS: &str = "moelane_degraded_expert_loads_total";
+/// counter: cold experts a degraded primary dropped to stay within --degraded-memory
+pub const DEGRADED_EVICTIONS: &str = "moelane_degraded_expert_evictions_total";
+/// gauge: bytes of cold experts a degraded primary holds
+pub const DEGRADED_BYTES: &str = "moelane_degraded_resident_bytes";
 
 // primary
 /// gauge: requests waiting for admission
@@ -109,6 +115,9 @@ pub const ALL: &[&str] = &[
     STREAMS_CUT,
     DRAINING,
     LANE_DEGRADED,
+    DEGRADED_LOADS,
+    DEGRADED_EVICTIONS,
+    DEGRADED_BYTES,
     QUEUE_DEPTH,
     BATCH_SIZE,
     KV_BLOCKS_USED,
@@ -179,6 +188,19 @@ pub fn describe() {
     describe_gauge!(
         LANE_DEGRADED,
         "1 while the primary computes its cold experts itself: its sidecar is lost (--degraded)"
+    );
+    describe_counter!(
+        DEGRADED_LOADS,
+        "Cold experts a degraded primary read from its checkpoint (on demand, checksums verified)"
+    );
+    describe_counter!(
+        DEGRADED_EVICTIONS,
+        "Cold experts a degraded primary dropped, least recently used first, to stay within --degraded-memory"
+    );
+    describe_gauge!(
+        DEGRADED_BYTES,
+        Unit::Bytes,
+        "Bytes of cold experts a degraded primary holds (0 when its sidecar answers)"
     );
     describe_gauge!(
         DRAINING,

@@ -1,0 +1,303 @@
+//! The gateway's HTTP/1.1 listener: its own accept loop over hyper, so every connection is
+//! bounded (a cap on open connections, a deadline for each request head, which is also how
+//! long a kept-alive connection may sit idle) and a stop drains without dropping a request.
+//!
+//! A stop (or a handoff to a successor, which accepts on the same socket from then on) stops
+//! accepting at once. For `drain_window` after it, the connections already open stay open and
+//! every response carries `Connection: close`, so a request a client had just sent on a fresh
+//! or kept-alive connection is answered rather than lost; then the connections still idle
+//! are closed and those with a request in flight close after its response (the streams
+//! themselves end within the gateway's grace period: [`crate::server::Shutdown`]).
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::http::{header, HeaderValue, Response};
+use axum::Router;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Semaphore};
+use tokio::task::JoinSet;
+
+/// Bounds on the HTTP connections.
+#[derive(Clone, Debug)]
+pub struct HttpLimits {
+    /// Most connections open at once; past it new ones wait in the listen backlog.
+    pub max_connections: usize,
+    /// A request head must arrive whole within this long of the connection opening or of the
+    /// previous response: a slow or silent client is closed.
+    pub header_timeout: Duration,
+    /// After a stop: how long the open connections are still served (each response then
+    /// closes its connection) before idle ones are closed.
+    pub drain_window: Duration,
+}
+
+impl Default for HttpLimits {
+    fn default() -> Self {
+        HttpLimits {
+            max_connections: 4096,
+            header_timeout: Duration::from_secs(30),
+            drain_window: Duration::from_secs(1),
+        }
+    }
+}
+
+/// Serves `app` on `listener` until `stop` resolves, then drains (module docs); returns once
+/// every connection has closed.
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    limits: HttpLimits,
+    stop: impl Future<Output = ()>,
+) {
+    let closing = Arc::new(AtomicBool::new(false));
+    let app = {
+        let closing = closing.clone();
+        app.layer(axum::middleware::map_response(
+            move |mut r: Response<axum::body::Body>| {
+                let closing = closing.load(Ordering::SeqCst);
+                async move {
+                    if closing {
+                        r.headers_mut()
+                            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                    }
+                    r
+                }
+            },
+        ))
+    };
+    let (drain_tx, drain_rx) = watch::channel(false);
+    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let mut conns = JoinSet::new();
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout)
+        .keep_alive(true);
+    let builder = Arc::new(builder);
+    tokio::pin!(stop);
+    loop {
+        // finished connections are reaped as they go, not held until the stop
+        while conns.try_join_next().is_some() {}
+        let slot = tokio::select! {
+            _ = &mut stop => break,
+            s = slots.clone().acquire_owned() => match s {
+                Ok(s) => s,
+                Err(_) => break,
+            },
+        };
+        let tcp = tokio::select! {
+            _ = &mut stop => break,
+            r = listener.accept() => match r {
+                Ok((tcp, _)) => tcp,
+                Err(e) => {
+                    // out of descriptors (or a connection reset before it was taken): wait a
+                    // little rather than spin; the connections open are unaffected
+                    tracing::warn!(error = %e, "accepting a connection failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        // Nagle off: small SSE chunks must not wait for the client's delayed ACK
+        let _ = tcp.set_nodelay(true);
+        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+        let (builder, mut drain) = (builder.clone(), drain_rx.clone());
+        conns.spawn(async move {
+            let _slot = slot;
+            let conn = builder.serve_connection(TokioIo::new(tcp), svc);
+            tokio::pin!(conn);
+            tokio::select! {
+                r = conn.as_mut() => return log_end(r),
+                _ = drain.wait_for(|d| *d) => {}
+            }
+            conn.as_mut().graceful_shutdown();
+            log_end(conn.await)
+        });
+    }
+    // the successor (or nobody) accepts from here on
+    drop(listener);
+    closing.store(true, Ordering::SeqCst);
+    let open = conns.len();
+    if open > 0 {
+        tracing::info!(
+            open,
+            window_s = limits.drain_window.as_secs_f64(),
+            "stopped accepting: serving the open connections, each response closing its own"
+        );
+        let window = tokio::time::sleep(limits.drain_window);
+        tokio::pin!(window);
+        loop {
+            tokio::select! {
+                _ = &mut window => break,
+                next = conns.join_next() => if next.is_none() { break },
+            }
+        }
+    }
+    let _ = drain_tx.send(true);
+    while conns.join_next().await.is_some() {}
+}
+
+fn log_end(r: Result<(), hyper::Error>) {
+    if let Err(e) = r {
+        // a client that went away or timed out its head: routine, not an error of ours
+        tracing::debug!(error = %e, "HTTP connection ended");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
+    async fn start(
+        limits: HttpLimits,
+    ) -> (
+        std::net::SocketAddr,
+        tokio::sync::oneshot::Sender<()>,
+        tokio::task::JoinHandle<()>,
+    ) {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let a = l.local_addr().unwrap();
+        let app = Router::new().route("/x", axum::routing::get(|| async { "ok" }));
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(serve(l, app, limits, async move {
+            let _ = rx.await;
+        }));
+        (a, tx, task)
+    }
+
+    /// Sends one GET /x on `s`; the response head and body as text (up to the body "ok").
+    async fn get(s: &mut TcpStream) -> String {
+        s.write_all(b"GET /x HTTP/1.1\r\nHost: t\r\n\r\n")
+            .await
+            .unwrap();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 1024];
+        while !got.ends_with(b"ok") {
+            let n = s.read(&mut buf).await.unwrap();
+            assert!(
+                n > 0,
+                "closed before the response: {:?}",
+                String::from_utf8_lossy(&got)
+            );
+            got.extend_from_slice(&buf[..n]);
+        }
+        String::from_utf8_lossy(&got).to_lowercase()
+    }
+
+    /// Seconds until the server closes `s` (reads nothing but the close).
+    async fn closed_after(s: &mut TcpStream, limit: Duration) -> Option<f64> {
+        let t0 = Instant::now();
+        let mut buf = [0u8; 64];
+        match tokio::time::timeout(limit, s.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => Some(t0.elapsed().as_secs_f64()),
+            Ok(Ok(n)) => panic!("unexpected bytes {:?}", &buf[..n]),
+            Err(_) => None,
+        }
+    }
+
+    #[tokio::test]
+    async fn silent_slow_and_idle_connections_are_closed_at_the_head_deadline() {
+        let limits = HttpLimits {
+            header_timeout: Duration::from_millis(400),
+            ..Default::default()
+        };
+        let (a, _stop, _t) = start(limits).await;
+        // silent from the start
+        let mut s = TcpStream::connect(a).await.unwrap();
+        let t = closed_after(&mut s, Duration::from_secs(5))
+            .await
+            .expect("closed");
+        assert!(
+            (0.3..2.0).contains(&t),
+            "silent connection closed after {t} s"
+        );
+        // a head sent a byte at a time, slower than the deadline
+        let mut s = TcpStream::connect(a).await.unwrap();
+        let t0 = Instant::now();
+        let mut cut = false;
+        for b in b"GET /x HTTP/1.1\r\nHost: t\r\n".iter() {
+            if s.write_all(&[*b]).await.is_err() {
+                cut = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(60)).await;
+            if t0.elapsed() > Duration::from_secs(3) {
+                break;
+            }
+        }
+        let t = closed_after(&mut s, Duration::from_secs(1)).await;
+        assert!(cut || t.is_some(), "a slow head was not closed");
+        assert!(t0.elapsed() < Duration::from_secs(3));
+        // kept alive after a response, then idle
+        let mut s = TcpStream::connect(a).await.unwrap();
+        assert!(get(&mut s).await.starts_with("http/1.1 200"));
+        let t = closed_after(&mut s, Duration::from_secs(5))
+            .await
+            .expect("closed");
+        assert!(
+            (0.3..2.0).contains(&t),
+            "idle kept-alive connection closed after {t} s"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_request_sent_just_after_the_stop_on_an_open_connection_is_answered() {
+        let limits = HttpLimits {
+            drain_window: Duration::from_millis(800),
+            ..Default::default()
+        };
+        let (a, stop, task) = start(limits).await;
+        // one fresh connection, one kept alive after a response
+        let mut fresh = TcpStream::connect(a).await.unwrap();
+        let mut kept = TcpStream::connect(a).await.unwrap();
+        assert!(!get(&mut kept).await.contains("connection: close"));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        stop.send(()).unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        // new connections are refused (nobody accepts: the listener is closed)
+        assert!(TcpStream::connect(a).await.is_err());
+        for s in [&mut fresh, &mut kept] {
+            let r = get(s).await;
+            assert!(
+                r.starts_with("http/1.1 200") && r.contains("connection: close"),
+                "{r}"
+            );
+            assert!(closed_after(s, Duration::from_secs(2)).await.is_some());
+        }
+        tokio::time::timeout(Duration::from_secs(3), task)
+            .await
+            .expect("the server ends once its connections are closed")
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn past_the_connection_cap_a_client_waits_for_a_free_slot() {
+        let limits = HttpLimits {
+            max_connections: 2,
+            ..Default::default()
+        };
+        let (a, _stop, _t) = start(limits).await;
+        let mut one = TcpStream::connect(a).await.unwrap();
+        let mut two = TcpStream::connect(a).await.unwrap();
+        get(&mut one).await;
+        get(&mut two).await;
+        // the third sits in the backlog: no answer while both slots are held
+        let mut three = TcpStream::connect(a).await.unwrap();
+        let waited = tokio::time::timeout(Duration::from_millis(400), get(&mut three)).await;
+        assert!(
+            waited.is_err(),
+            "a third connection was served past a cap of 2"
+        );
+        drop(one);
+        let r = tokio::time::timeout(Duration::from_secs(3), get(&mut three))
+            .await
+            .expect("served once a slot is free");
+        assert!(r.starts_with("http/1.1 200"));
+    }
+}
