@@ -96,30 +96,7 @@ impl Rowmap {
 
     /// Writes atomically: a temporary file in the same directory, fsync, rename.
     pub fn write_atomic(&self, path: &Path) -> Result<()> {
-        let text = serde_json::to_string_pretty(self).map_err(|e| Error::Json {
-            path: path.into(),
-            reason: e.to_string(),
-        })?;
-        let dir = path
-            .parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(Path::new("."));
-        let tmp = dir.join(format!(
-            ".{}.tmp{}",
-            path.file_name()
-                .map(|s| s.to_string_lossy())
-                .unwrap_or_default(),
-            std::process::id()
-        ));
-        {
-            use std::io::Write;
-            let mut f = std::fs::File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
-            f.write_all(text.as_bytes())
-                .map_err(|e| Error::io(&tmp, e))?;
-            f.sync_all().map_err(|e| Error::io(&tmp, e))?;
-        }
-        std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))?;
-        Ok(())
+        write_json_atomic(path, self)
     }
 
     /// Checks the whole map against a model: version, model id, layer count, every expert
@@ -319,6 +296,35 @@ impl ValidMap {
             cold as f64 / all as f64
         }
     }
+}
+
+/// Writes `value` as JSON atomically: a temporary file in the same directory, fsync, rename
+/// (a reader sees the old file or the new one, never a part).
+pub fn write_json_atomic<T: serde::Serialize>(path: &Path, value: &T) -> Result<()> {
+    let text = serde_json::to_string_pretty(value).map_err(|e| Error::Json {
+        path: path.into(),
+        reason: e.to_string(),
+    })?;
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let tmp = dir.join(format!(
+        ".{}.tmp{}",
+        path.file_name()
+            .map(|s| s.to_string_lossy())
+            .unwrap_or_default(),
+        std::process::id()
+    ));
+    {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
+        f.write_all(text.as_bytes())
+            .map_err(|e| Error::io(&tmp, e))?;
+        f.sync_all().map_err(|e| Error::io(&tmp, e))?;
+    }
+    std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))?;
+    Ok(())
 }
 
 #[cfg(test)]

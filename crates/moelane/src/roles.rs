@@ -336,6 +336,12 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
             a.dry_run,
         ));
     }
+    if let Some(p) = res.rates_from() {
+        println!(
+            "moelane: adaptive residency goes on from the pick rates saved at {}",
+            p.display()
+        );
+    }
     let residency = Residency::spawn(res);
     if let (Some(probe), Some(broken)) = (probe, relink) {
         supervise_link(
@@ -765,6 +771,12 @@ pub async fn drain_primary(p: &Primary, grace: Duration) -> (usize, usize) {
     } else {
         0
     };
+    // the process that replaces this one goes on from the adaptive policy's pick rates
+    match p.residency.ask(moelane_residency_actor::SaveRates).await {
+        Ok(Some(path)) => println!("moelane: adaptive pick rates saved to {}", path.display()),
+        Ok(None) => {}
+        Err(e) => tracing::warn!("saving the adaptive pick rates: {e}"),
+    }
     (before, cut)
 }
 

@@ -213,3 +213,57 @@ fn adaptive_residency_follows_an_unseen_language_and_dry_run_moves_nothing() {
         }
     }
 }
+
+#[test]
+fn adaptive_pick_rates_carry_over_a_restart_beside_the_map() {
+    let dir = tempfile::tempdir().unwrap();
+    let map = dir.path().join("map.json");
+    let rates = dir.path().join("map.rates.json");
+    let m = map.to_str().unwrap();
+    let flags = ["--map", m, "--dry-run", "--residency-interval-ms", "100"];
+    let (mut p, _, gw) = serve_lane(tiny(), &flags);
+    assert!(
+        !p.lines.iter().any(|l| l.contains("goes on from")),
+        "nothing to take up at the first start"
+    );
+    for _ in 0..6 {
+        complete(&gw, "이른 아침 강 위에는 짙은 안개가", 24);
+    }
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    signal(&p, "TERM");
+    assert_eq!(
+        wait_exit(&mut p, std::time::Duration::from_secs(20)),
+        Some(0)
+    );
+    let saved: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&rates).expect("rates saved at the stop"))
+            .unwrap();
+    let rate = saved["rate"].as_array().unwrap();
+    assert_eq!(rate.len(), 2, "tiny's MoE layers");
+    let busy = rate
+        .iter()
+        .flat_map(|l| l.as_array().unwrap())
+        .filter(|r| r.as_f64().unwrap() > 0.0)
+        .count();
+    assert!(busy > 0, "no expert has a rate: {saved}");
+    // the next process takes them up
+    let (p2, _, _) = serve_lane(tiny(), &flags);
+    assert!(
+        p2.lines
+            .iter()
+            .any(|l| l.contains("goes on from the pick rates saved at")),
+        "{:?}",
+        p2.lines
+    );
+    drop(p2);
+    // rates of another shape (or model) are refused, and serving starts anyway
+    std::fs::write(
+        &rates,
+        serde_json::json!({"model": saved["model"], "saved_unix_s": 0.0, "rate": [[1.0]]})
+            .to_string(),
+    )
+    .unwrap();
+    let (p3, _, gw3) = serve_lane(tiny(), &flags);
+    assert!(!p3.lines.iter().any(|l| l.contains("goes on from")));
+    assert!(!complete(&gw3, "hello", 4).is_empty());
+}

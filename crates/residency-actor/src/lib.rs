@@ -169,6 +169,8 @@ pub struct Adaptive {
     pub dry_run: bool,
     scores: policy::Scores,
     last: Option<Instant>,
+    /// When the rates were last saved beside the map file.
+    saved: Option<Instant>,
     pub ledger: Vec<LedgerEntry>,
 }
 
@@ -180,6 +182,7 @@ impl Adaptive {
             dry_run,
             scores: policy::Scores::default(),
             last: None,
+            saved: None,
             ledger: Vec::new(),
         }
     }
@@ -221,13 +224,115 @@ pub struct Residency {
     /// The highest epoch ever proposed or heard of: each attempt takes the one above.
     attempted: u64,
     adaptive: Option<Adaptive>,
+    /// The file the adaptive pick rates were taken up from, if any.
+    rates_from: Option<PathBuf>,
+}
+
+/// The adaptive policy's learnt pick rates as saved beside the map file, so a restarted
+/// primary (a rolling upgrade) goes on from what the previous one learnt.
+#[derive(serde::Serialize, serde::Deserialize)]
+pub struct SavedRates {
+    pub model: String,
+    /// Seconds since the Unix epoch when saved: the rates decay over the time since.
+    pub saved_unix_s: f64,
+    /// Decayed picks per second, `[layer][expert]`.
+    pub rate: Vec<Vec<f64>>,
+}
+
+/// Where the rates of the map at `map` are kept: `NAME.rates.json` beside `NAME.json`.
+pub fn rates_path(map: &std::path::Path) -> PathBuf {
+    map.with_extension("rates.json")
+}
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
 }
 
 impl Residency {
-    /// Turns on adaptive decisions (driven by [`Tick`] messages).
-    pub fn with_adaptive(mut self, a: Adaptive) -> Self {
+    /// Turns on adaptive decisions (driven by [`Tick`] messages). With a map file, the pick
+    /// rates a previous process saved beside it are taken up (decayed over the time since),
+    /// when they are for this model and shape.
+    pub fn with_adaptive(mut self, mut a: Adaptive) -> Self {
+        if let Some(p) = self.map_path.as_deref().map(rates_path) {
+            match self.read_rates(&p, &a.policy) {
+                Ok(Some(rate)) => {
+                    a.scores.seed(rate);
+                    self.rates_from = Some(p);
+                }
+                Ok(None) => {}
+                Err(why) => tracing::warn!(path = %p.display(), "saved pick rates not used: {why}"),
+            }
+        }
         self.adaptive = Some(a);
         self
+    }
+
+    /// The file the adaptive policy's pick rates were taken up from at start, if any.
+    pub fn rates_from(&self) -> Option<&std::path::Path> {
+        self.rates_from.as_deref()
+    }
+
+    /// The rates saved at `p`, decayed to now; None when there is no file.
+    fn read_rates(
+        &self,
+        p: &std::path::Path,
+        policy: &policy::Policy,
+    ) -> Result<Option<Vec<Vec<f64>>>, String> {
+        let text = match std::fs::read_to_string(p) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e.to_string()),
+        };
+        let saved: SavedRates = serde_json::from_str(&text).map_err(|e| e.to_string())?;
+        if saved.model != self.model {
+            return Err(format!(
+                "they are for model {:?}, this is {:?}",
+                saved.model, self.model
+            ));
+        }
+        let (layers, experts) = (self.map.layers(), self.map.experts());
+        if saved.rate.len() != layers || saved.rate.iter().any(|l| l.len() != experts) {
+            return Err(format!("they are not {layers} layers of {experts} experts"));
+        }
+        if saved
+            .rate
+            .iter()
+            .flatten()
+            .any(|r| !r.is_finite() || *r < 0.0)
+        {
+            return Err("a rate is negative or not a number".into());
+        }
+        let age = (unix_now() - saved.saved_unix_s).max(0.0);
+        let decay = 0.5f64.powf(age / policy.half_life.as_secs_f64().max(1e-3));
+        Ok(Some(
+            saved
+                .rate
+                .into_iter()
+                .map(|l| l.into_iter().map(|r| r * decay).collect())
+                .collect(),
+        ))
+    }
+
+    /// Saves the adaptive policy's pick rates beside the map file (nothing without either);
+    /// returns where.
+    fn save_rates(&self) -> Result<Option<PathBuf>, String> {
+        let (Some(map), Some(a)) = (&self.map_path, &self.adaptive) else {
+            return Ok(None);
+        };
+        if a.scores.rates().is_empty() {
+            return Ok(None);
+        }
+        let p = rates_path(map);
+        let saved = SavedRates {
+            model: self.model.clone(),
+            saved_unix_s: unix_now(),
+            rate: a.scores.rates().to_vec(),
+        };
+        moelane_engine::rowmap::write_json_atomic(&p, &saved).map_err(|e| e.to_string())?;
+        Ok(Some(p))
     }
 
     pub fn new(
@@ -252,6 +357,7 @@ impl Residency {
             swaps_done: 0,
             swaps_aborted: 0,
             adaptive: None,
+            rates_from: None,
         }
     }
 
@@ -591,8 +697,37 @@ impl Message<Tick> for Residency {
                 report.decision = Some(decision);
             }
         }
+        let due = a
+            .saved
+            .is_none_or(|t| now.duration_since(t) >= RATES_SAVE_INTERVAL);
         self.adaptive = Some(a);
+        if due {
+            if let Err(e) = self.save_rates() {
+                tracing::warn!("saving the adaptive pick rates: {e}");
+            }
+            if let Some(a) = &mut self.adaptive {
+                a.saved = Some(now);
+            }
+        }
         report
+    }
+}
+
+/// How often a tick saves the adaptive pick rates beside the map file (a stop saves too).
+pub const RATES_SAVE_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Saves the adaptive pick rates beside the map file now (a stop does it, so the process that
+/// replaces this one goes on from them); where, if anywhere.
+pub struct SaveRates;
+
+impl Message<SaveRates> for Residency {
+    type Reply = Result<Option<PathBuf>, String>;
+    async fn handle(
+        &mut self,
+        _: SaveRates,
+        _: &mut Context<Self, Self::Reply>,
+    ) -> Result<Option<PathBuf>, String> {
+        self.save_rates()
     }
 }
 

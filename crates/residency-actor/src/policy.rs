@@ -94,11 +94,27 @@ pub struct Decision {
 }
 
 impl Scores {
+    /// The decayed picks per second, `[layer][expert]` (empty before the first sample).
+    pub fn rates(&self) -> &[Vec<f64>] {
+        &self.rate
+    }
+
+    /// Starts from rates learnt before (a previous process's, carried over a restart); the
+    /// first sample keeps them when its shape matches.
+    pub fn seed(&mut self, rate: Vec<Vec<f64>>) {
+        self.recent = rate.iter().map(|l| vec![0.0; l.len()]).collect();
+        self.rate = rate;
+    }
+
     /// Folds a new sample in; `None` on the first sample (nothing to compare yet).
     pub fn update(&mut self, s: Sample, dt: Duration, p: &Policy) -> Option<Vec<Vec<u64>>> {
         let Some(last) = self.last.replace(s.clone()) else {
-            self.rate = s.picks.iter().map(|l| vec![0.0; l.len()]).collect();
-            self.recent = self.rate.clone();
+            let shape = |r: &[Vec<f64>]| r.iter().map(|l| l.len()).collect::<Vec<_>>();
+            let want: Vec<usize> = s.picks.iter().map(|l| l.len()).collect();
+            if shape(&self.rate) != want {
+                self.rate = s.picks.iter().map(|l| vec![0.0; l.len()]).collect();
+            }
+            self.recent = s.picks.iter().map(|l| vec![0.0; l.len()]).collect();
             return None;
         };
         let secs = dt.as_secs_f64().max(1e-3);
