@@ -26,6 +26,11 @@ pub enum ApiError {
     Internal(String),
     #[error("no route {0}")]
     NotFound(String),
+    #[error("{0}: this path does not take that method")]
+    MethodNotAllowed(String),
+    /// No credential, or one that is not a configured key.
+    #[error("{0}")]
+    Unauthorized(String),
 }
 
 impl ApiError {
@@ -54,6 +59,8 @@ impl ApiError {
         match self {
             ApiError::BadRequest { .. } | ApiError::ContextLength(_) => StatusCode::BAD_REQUEST,
             ApiError::UnknownModel(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            ApiError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -80,6 +87,10 @@ impl ApiError {
             ApiError::Unavailable(_) => ("server_error", Some("unavailable"), None),
             ApiError::Internal(_) => ("server_error", None, None),
             ApiError::NotFound(_) => ("invalid_request_error", Some("not_found"), None),
+            ApiError::Unauthorized(_) => ("invalid_request_error", Some("invalid_api_key"), None),
+            ApiError::MethodNotAllowed(_) => {
+                ("invalid_request_error", Some("method_not_allowed"), None)
+            }
         };
         json!({"error": {"message": self.to_string(), "type": kind, "param": param, "code": code}})
     }
@@ -87,6 +98,13 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status(), axum::Json(self.body())).into_response()
+        let mut r = (self.status(), axum::Json(self.body())).into_response();
+        if let ApiError::Unauthorized(_) = self {
+            r.headers_mut().insert(
+                axum::http::header::WWW_AUTHENTICATE,
+                axum::http::HeaderValue::from_static("Bearer"),
+            );
+        }
+        r
     }
 }

@@ -13,4 +13,4 @@ pub mod listen;
 pub mod registry;
 pub mod server;
 
-pub use server::{router, AppState, GatewayConfig, Shutdown};
+pub use server::{admin_router, router, AppState, GatewayConfig, Shutdown};

@@ -234,12 +234,31 @@ impl Message<Pick> for Registry {
     type Reply = Option<InFlight>;
     async fn handle(&mut self, m: Pick, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
         let now = Instant::now();
+        let open = |e: &&Entry| !m.exclude.iter().any(|x| x == e.lane.name());
+        let least = |e: &&Entry| (!e.degraded.is_empty(), e.inflight.load(Ordering::Acquire));
         let e = self
             .lanes
             .iter()
-            .filter(|e| e.eligible(now) && !m.exclude.iter().any(|x| x == e.lane.name()))
+            .filter(|e| e.eligible(now) && open(e))
             // a degraded lane (computing its cold experts itself) only when no other will do
-            .min_by_key(|e| (!e.degraded.is_empty(), e.inflight.load(Ordering::Acquire)))?;
+            .min_by_key(least)
+            // panic mode: with no lane eligible, a lane down only because its health checks
+            // timed out (slow under load, or stopped: its stream's keep-alive ends the wait)
+            // is tried rather than failing for certain; a refused, draining or ejected one is
+            // not
+            .or_else(|| {
+                self.lanes
+                    .iter()
+                    .filter(|e| {
+                        !e.up
+                            && e.misses >= 2
+                            && !e.draining
+                            && !e.remote_draining
+                            && !e.ejected(now)
+                            && open(e)
+                    })
+                    .min_by_key(least)
+            })?;
         e.inflight.fetch_add(1, Ordering::AcqRel);
         Some(InFlight {
             lane: e.lane.clone(),
@@ -440,7 +459,10 @@ mod tests {
         }
         assert_eq!(pick(&r, &[]).await.as_deref(), Some("a"));
         // one missed health check is not down, two are
-        for (n, state) in [(1, true), (2, false)] {
+        let state = |r: kameo::actor::ActorRef<Registry>| async move {
+            r.ask(ListLanes).await.expect("list")[0].0.state
+        };
+        for (n, want) in [(1, "up"), (2, "down")] {
             r.ask(Checked {
                 lane: "a".into(),
                 result: Err("no answer".into()),
@@ -448,8 +470,28 @@ mod tests {
             })
             .await
             .expect("checked");
-            assert_eq!(pick(&r, &[]).await.is_some(), state, "after {n} misses");
+            assert_eq!(state(r.clone()).await, want, "after {n} misses");
         }
+        // down by missed checks only, with no other lane to take it: still tried (panic
+        // mode), but not once another lane is up
+        assert_eq!(pick(&r, &[]).await.as_deref(), Some("a"));
+        r.ask(SetDrain {
+            lane: "b".into(),
+            draining: false,
+        })
+        .await
+        .expect("undrain");
+        assert_eq!(pick(&r, &[]).await.as_deref(), Some("b"));
+        assert_eq!(pick(&r, &["b"]).await.as_deref(), Some("a"));
+        // a refused check means gone: never tried
+        r.ask(Checked {
+            lane: "a".into(),
+            result: Err("connection refused".into()),
+            timed_out: false,
+        })
+        .await
+        .expect("checked");
+        assert_eq!(pick(&r, &["b"]).await, None);
     }
 
     #[tokio::test]

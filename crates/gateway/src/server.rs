@@ -117,8 +117,18 @@ impl Drop for ActiveGuard {
     }
 }
 
+/// The secrets the gateway's listeners accept.
+#[derive(Clone, Debug, Default)]
+pub struct Auth {
+    /// Keys of the OpenAI API (`--api-key-file`); None: the API is open.
+    pub api_keys: Option<Arc<moelane_proto::auth::Keys>>,
+    /// The admin token (`--admin-token-file`); None: the admin listener is loopback-only.
+    pub admin: Option<Arc<moelane_proto::auth::Keys>>,
+}
+
 pub struct AppState {
     pub cfg: GatewayConfig,
+    pub auth: Auth,
     pub tokenizer: Tokenizer,
     pub template: ChatTemplate,
     pub registry: ActorRef<Registry>,
@@ -135,6 +145,7 @@ impl AppState {
     ) -> Self {
         AppState {
             cfg,
+            auth: Auth::default(),
             tokenizer,
             template,
             registry,
@@ -142,24 +153,172 @@ impl AppState {
             next_id: AtomicU64::new(1),
         }
     }
+
+    /// With these secrets required (see [`Access`]).
+    pub fn with_auth(mut self, auth: Auth) -> Self {
+        self.auth = auth;
+        self
+    }
 }
 
-pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
-        .route("/v1/completions", post(completions))
-        .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/models", get(models))
-        .route("/v1/stats", get(stats))
-        .route("/admin/drain", post(drain))
-        .route("/admin/canary", post(canary))
-        .route("/health", get(|| async { "ok" }))
-        .route("/ready", get(ready))
+/// The listener a route is served on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Listener {
+    /// `--listen`: the API clients use.
+    Public,
+    /// `--admin-listen`: operators and their tools (loopback unless an admin token is set).
+    Admin,
+}
+
+/// Who may call a route.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    /// Anyone who reaches the port (liveness and readiness probes).
+    Open,
+    /// A client presenting one of the `--api-key-file` keys (everyone when none is set).
+    ApiKey,
+    /// An operator presenting the `--admin-token-file` token (everyone who reaches the admin
+    /// listener when none is set: it then binds loopback only).
+    AdminToken,
+}
+
+/// One HTTP route: where it is served, who may call it, and its handler.
+pub struct Route {
+    pub listener: Listener,
+    pub method: &'static str,
+    pub path: &'static str,
+    pub access: Access,
+    handler: fn() -> axum::routing::MethodRouter<Arc<AppState>>,
+}
+
+/// Every HTTP route the gateway serves. A route is served only through this table, so none
+/// exists without a policy (docs/SECURITY.md lists it; a test checks each entry).
+pub fn routes() -> Vec<Route> {
+    use Access::*;
+    use Listener::*;
+    let r = |listener, method, path, access, handler| Route {
+        listener,
+        method,
+        path,
+        access,
+        handler,
+    };
+    vec![
+        r(Public, "POST", "/v1/completions", ApiKey, || {
+            post(completions)
+        }),
+        r(Public, "POST", "/v1/chat/completions", ApiKey, || {
+            post(chat_completions)
+        }),
+        r(Public, "GET", "/v1/models", ApiKey, || get(models)),
+        r(Public, "GET", "/v1/stats", ApiKey, || get(stats)),
+        r(Public, "GET", "/metrics", ApiKey, || {
+            get(moelane_telemetry::metrics_page)
+        }),
+        r(Public, "GET", "/health", Open, || get(|| async { "ok" })),
+        r(Public, "GET", "/ready", Open, || get(ready)),
+        r(Admin, "POST", "/admin/drain", AdminToken, || post(drain)),
+        r(Admin, "POST", "/admin/canary", AdminToken, || post(canary)),
+        r(Admin, "GET", "/v1/stats", AdminToken, || get(stats)),
+        r(Admin, "GET", "/metrics", AdminToken, || {
+            get(moelane_telemetry::metrics_page)
+        }),
+        r(Admin, "GET", "/health", Open, || get(|| async { "ok" })),
+    ]
+}
+
+/// The router of one listener: its routes from [`routes`], each behind its access check.
+pub fn router_for(state: Arc<AppState>, listener: Listener) -> Router {
+    let mut router = Router::new();
+    for route in routes().into_iter().filter(|r| r.listener == listener) {
+        let mut m = (route.handler)();
+        match route.access {
+            Access::Open => {}
+            Access::ApiKey => {
+                m = m.route_layer(axum::middleware::from_fn_with_state(
+                    state.clone(),
+                    require_api_key,
+                ))
+            }
+            Access::AdminToken => {
+                m = m.route_layer(axum::middleware::from_fn_with_state(
+                    state.clone(),
+                    require_admin,
+                ))
+            }
+        }
+        router = router.route(route.path, m);
+    }
+    router
         .fallback(|req: Request| async move {
             ApiError::NotFound(format!("{} {}", req.method(), req.uri().path()))
         })
+        .method_not_allowed_fallback(|req: Request| async move {
+            ApiError::MethodNotAllowed(format!("{} {}", req.method(), req.uri().path()))
+        })
         .with_state(state)
-        .merge(moelane_telemetry::router())
         .layer(axum::middleware::from_fn(count_requests))
+}
+
+/// The public API's router.
+pub fn router(state: Arc<AppState>) -> Router {
+    router_for(state, Listener::Public)
+}
+
+/// The admin listener's router.
+pub fn admin_router(state: Arc<AppState>) -> Router {
+    router_for(state, Listener::Admin)
+}
+
+/// The credential of a request: `Authorization: Bearer K`, or `x-api-key: K` (the header
+/// Anthropic's clients send).
+fn credential(req: &Request) -> Option<&str> {
+    let h = req.headers();
+    h.get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(moelane_proto::auth::bearer)
+        .or_else(|| h.get("x-api-key").and_then(|v| v.to_str().ok()))
+}
+
+async fn require_api_key(
+    State(st): State<Arc<AppState>>,
+    req: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if let Some(keys) = &st.auth.api_keys {
+        match credential(&req) {
+            None => {
+                return ApiError::Unauthorized(
+                    "You didn't provide an API key: send Authorization: Bearer YOUR_KEY".into(),
+                )
+                .into_response()
+            }
+            Some(k) if !keys.accepts(k.as_bytes()) => {
+                return ApiError::Unauthorized("Incorrect API key provided".into()).into_response()
+            }
+            Some(_) => {}
+        }
+    }
+    next.run(req).await
+}
+
+async fn require_admin(
+    State(st): State<Arc<AppState>>,
+    req: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if let Some(keys) = &st.auth.admin {
+        let ok = credential(&req).is_some_and(|k| keys.accepts(k.as_bytes()));
+        if !ok {
+            return ApiError::Unauthorized(
+                "the admin endpoints need the admin token: Authorization: Bearer TOKEN \
+                 (--admin-token-file)"
+                    .into(),
+            )
+            .into_response();
+        }
+    }
+    next.run(req).await
 }
 
 /// Counts requests by matched route and status code (unmatched paths share one label).

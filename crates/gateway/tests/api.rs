@@ -65,6 +65,13 @@ async fn primary() -> (PrimaryHandle, String) {
 
 /// A gateway over `lanes` (gRPC URLs); its host:port.
 async fn gateway(lanes: &[&str]) -> String {
+    gateway_serving(Arc::new(gateway_state(lanes).await))
+        .await
+        .0
+}
+
+/// The state of a gateway over `lanes` on the tiny checkpoint.
+async fn gateway_state(lanes: &[&str]) -> AppState {
     let dir = tiny();
     let registry = Registry::spawn(Registry::default());
     for url in lanes {
@@ -88,7 +95,7 @@ async fn gateway(lanes: &[&str]) -> String {
         Duration::from_secs(1),
     );
     let generation = moelane_engine::config::Generation::read(dir).expect("generation config");
-    let state = Arc::new(AppState::new(
+    AppState::new(
         GatewayConfig {
             model_name: "tiny".into(),
             max_context: 2048,
@@ -103,11 +110,29 @@ async fn gateway(lanes: &[&str]) -> String {
         Tokenizer::from_file(&dir.join("tokenizer.json")).expect("tokenizer"),
         ChatTemplate::from_dir(dir).expect("template"),
         registry,
-    ));
+    )
+}
+
+/// Serves `state` on a public and an admin listener; their host:port.
+async fn gateway_serving(state: Arc<AppState>) -> (String, String) {
     let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = l.local_addr().expect("addr").to_string();
+    let a = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let admin = a.local_addr().expect("addr").to_string();
+    ADMIN_OF.lock().unwrap().insert(addr.clone(), admin.clone());
+    let s2 = state.clone();
     tokio::spawn(async move { axum::serve(l, router(state)).await });
-    addr
+    tokio::spawn(async move { axum::serve(a, moelane_gateway::admin_router(s2)).await });
+    (addr, admin)
+}
+
+/// The admin listener of each gateway the tests started, by its public address.
+static ADMIN_OF: std::sync::Mutex<std::collections::BTreeMap<String, String>> =
+    std::sync::Mutex::new(std::collections::BTreeMap::new());
+
+/// The admin listener of the gateway at `gw`.
+fn admin(gw: &str) -> String {
+    ADMIN_OF.lock().unwrap()[gw].clone()
 }
 
 /// One HTTP/1.0 exchange: status and body (an HTTP/1.0 answer is never chunked; the body,
@@ -382,19 +407,131 @@ async fn a_drained_lane_takes_no_requests_until_undrained() {
     let (_p, url) = primary().await;
     let gw = gateway(&[&url]).await;
     let ask = json!({"model": "tiny", "prompt": "hi", "max_tokens": 2});
-    let (st, v) = post(&gw, "/admin/drain", &json!({"lane": url})).await;
+    // the admin endpoints are not on the public listener
+    let (st, _) = post(&gw, "/admin/drain", &json!({"lane": url})).await;
+    assert_eq!(st, 404);
+    let (st, v) = post(&admin(&gw), "/admin/drain", &json!({"lane": url})).await;
     assert_eq!(st, 200, "{v}");
     let (st, v) = post(&gw, "/v1/completions", &ask).await;
     assert_error(st, &v, 503, "server_error", "no lane");
     let (st, _) = http(&gw, "GET", "/ready", b"").await;
     assert_eq!(st, 503);
-    let (st, v) = post(&gw, "/admin/drain", &json!({"lane": url, "drain": false})).await;
+    let (st, v) = post(
+        &admin(&gw),
+        "/admin/drain",
+        &json!({"lane": url, "drain": false}),
+    )
+    .await;
     assert_eq!(st, 200, "{v}");
     let (st, v) = post(&gw, "/v1/completions", &ask).await;
     assert_eq!(st, 200, "{v}");
     let (st, _) = http(&gw, "GET", "/ready", b"").await;
     assert_eq!(st, 200);
     // draining a lane that does not exist is the caller's error
-    let (st, v) = post(&gw, "/admin/drain", &json!({"lane": "http://nowhere"})).await;
+    let (st, v) = post(
+        &admin(&gw),
+        "/admin/drain",
+        &json!({"lane": "http://nowhere"}),
+    )
+    .await;
     assert_error(st, &v, 400, "invalid_request_error", "nowhere");
+}
+
+/// Sends `method path` with `auth` header lines; the status, the body and the head.
+async fn call(addr: &str, method: &str, path: &str, auth: &str) -> (u16, String, String) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let body = if method == "POST" { "{}" } else { "" };
+    let req = format!(
+        "{method} {path} HTTP/1.0\r\nHost: t\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.expect("write");
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).await.expect("read");
+    let text = String::from_utf8_lossy(&raw).to_string();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (status, body.to_string(), head.to_ascii_lowercase())
+}
+
+/// Every route of the table answers by its policy on its listener, and only there: without
+/// a credential, with a wrong one, with the right one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_route_has_a_policy_and_keeps_to_it() {
+    use moelane_gateway::server::{routes, Access, Auth, Listener};
+    use moelane_proto::auth::Keys;
+    let (_p, url) = primary().await;
+    let key = "client-key-0123456789abcdef";
+    let token = "admin-token-0123456789abcdef";
+    let auth = Auth {
+        api_keys: Some(Arc::new(Keys::parse(key, "keys").unwrap())),
+        admin: Some(Arc::new(Keys::parse(token, "token").unwrap())),
+    };
+    let (public, admin) =
+        gateway_serving(Arc::new(gateway_state(&[&url]).await.with_auth(auth))).await;
+    let table = routes();
+    assert!(table.len() >= 12, "the table lists every route");
+    for r in &table {
+        let (here, there) = match r.listener {
+            Listener::Public => (&public, &admin),
+            Listener::Admin => (&admin, &public),
+        };
+        let right = match r.access {
+            Access::Open => String::new(),
+            Access::ApiKey => format!("Authorization: Bearer {key}\r\n"),
+            Access::AdminToken => format!("Authorization: Bearer {token}\r\n"),
+        };
+        let what = format!("{} {} on {:?}", r.method, r.path, r.listener);
+        let (st, body, head) = call(here, r.method, r.path, "").await;
+        if r.access == Access::Open {
+            assert!(st < 400, "{what}: {st} {body}");
+        } else {
+            assert_eq!(st, 401, "{what} without a credential: {body}");
+            let v: Value = serde_json::from_str(&body).expect("an OpenAI error body");
+            assert_eq!(v["error"]["code"], "invalid_api_key", "{what}: {v}");
+            assert!(head.contains("www-authenticate: bearer"), "{what}: {head}");
+            // the other surface's secret is not this one's
+            let wrong = match r.access {
+                Access::ApiKey => format!("Authorization: Bearer {token}\r\n"),
+                _ => format!("Authorization: Bearer {key}\r\n"),
+            };
+            let (st, body, _) = call(here, r.method, r.path, &wrong).await;
+            assert_eq!(st, 401, "{what} with the wrong secret: {body}");
+            // served (a handler's own answer, whatever it is: not the router's no-route)
+            let (st, body, _) = call(here, r.method, r.path, &right).await;
+            assert!(
+                st != 401 && !body.contains("\"not_found\""),
+                "{what} with its secret: {st} {body}"
+            );
+        }
+        // served on its own listener only (unless the table lists it on both)
+        let also = table
+            .iter()
+            .any(|o| o.path == r.path && o.method == r.method && o.listener != r.listener);
+        if !also {
+            let (st, body, _) = call(there, r.method, r.path, &right).await;
+            assert!(
+                st == 404 && body.contains("\"not_found\""),
+                "{what} must not be served on the other listener: {st} {body}"
+            );
+        }
+    }
+    // the key also rides in x-api-key (Anthropic's clients)
+    let (st, body, _) = call(
+        &public,
+        "GET",
+        "/v1/models",
+        &format!("x-api-key: {key}\r\n"),
+    )
+    .await;
+    assert_eq!(st, 200, "{body}");
+    // a wrong method names itself with an OpenAI error body, not an empty 405
+    let (st, body, _) = call(&public, "GET", "/v1/completions", "").await;
+    assert_eq!(st, 405, "{body}");
+    let v: Value = serde_json::from_str(&body).expect("an OpenAI error body");
+    assert_eq!(v["error"]["code"], "method_not_allowed", "{v}");
 }

@@ -172,13 +172,27 @@ pub async fn request(
     path: &str,
     json: Option<&str>,
 ) -> Result<(u16, String)> {
+    request_as(host, method, path, json, None).await
+}
+
+/// [`request`] presenting `bearer` (Authorization: Bearer) when given.
+pub async fn request_as(
+    host: &str,
+    method: &str,
+    path: &str,
+    json: Option<&str>,
+    bearer: Option<&str>,
+) -> Result<(u16, String)> {
     let mut s = TcpStream::connect(host)
         .await
         .with_context(|| format!("connecting to {host}"))?;
     let body = json.unwrap_or("");
+    let auth = bearer
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
     let req = format!(
         "{method} {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+         {auth}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
     s.write_all(req.as_bytes()).await?;

@@ -267,6 +267,16 @@ enum Cmd {
         /// Model name clients use (default: the checkpoint directory's name).
         #[arg(long, env = "MOELANE_SERVED_MODEL_NAME")]
         served_model_name: Option<String>,
+        /// A file of API keys, one per line (16+ characters each): the API answers 401
+        /// without one. MOELANE_API_KEY may hold one key instead.
+        #[arg(long, env = "MOELANE_API_KEY_FILE")]
+        api_key_file: Option<PathBuf>,
+        /// Where the admin endpoints listen (default 127.0.0.1:0, printed at start).
+        #[arg(long, env = "MOELANE_ADMIN_LISTEN")]
+        admin_listen: Option<String>,
+        /// A file holding the admin token (MOELANE_ADMIN_TOKEN may hold it instead).
+        #[arg(long, env = "MOELANE_ADMIN_TOKEN_FILE")]
+        admin_token_file: Option<PathBuf>,
         /// KV cache capacity in tokens.
         #[arg(long, default_value_t = 65536, env = "MOELANE_KV_TOKENS")]
         kv_tokens: usize,
@@ -325,9 +335,13 @@ enum Cmd {
     /// that does not come back or fails its canary stops the rollout (and is rolled back with
     /// --rollback).
     Rollout {
-        /// The gateway's HTTP address.
-        #[arg(long, default_value = "http://127.0.0.1:8000", env = "MOELANE_GATEWAY")]
-        gateway: String,
+        /// The gateway's admin listener (its --admin-listen, printed at its start as
+        /// "gateway admin http://...").
+        #[arg(long, env = "MOELANE_GATEWAY_ADMIN")]
+        admin: String,
+        /// A file holding the gateway's admin token (MOELANE_ADMIN_TOKEN may hold it instead).
+        #[arg(long, env = "MOELANE_ADMIN_TOKEN_FILE")]
+        admin_token_file: Option<PathBuf>,
         /// A lane to upgrade, as the gateway names it (repeat, in order; default: every lane
         /// the gateway lists).
         #[arg(long = "lane", env = "MOELANE_LANE", value_delimiter = ',')]
@@ -610,6 +624,19 @@ struct LaneArgs {
     /// ejection, at most 30 s).
     #[arg(long, env = "MOELANE_EJECT_AFTER")]
     eject_after: Option<u32>,
+    /// Gateway: a file of API keys, one per line (16+ characters each; `#` comments): the
+    /// OpenAI API answers 401 without one (Authorization: Bearer KEY). MOELANE_API_KEY may
+    /// hold one key instead.
+    #[arg(long, env = "MOELANE_API_KEY_FILE")]
+    api_key_file: Option<PathBuf>,
+    /// Gateway: where the admin endpoints listen (drain, canary, stats, metrics; default
+    /// 127.0.0.1:0, printed at start). Not a loopback address only with an admin token.
+    #[arg(long, env = "MOELANE_ADMIN_LISTEN")]
+    admin_listen: Option<String>,
+    /// Gateway: a file holding the admin token the admin endpoints require (MOELANE_ADMIN_TOKEN
+    /// may hold it instead); without one they answer anyone who reaches the admin listener.
+    #[arg(long, env = "MOELANE_ADMIN_TOKEN_FILE")]
+    admin_token_file: Option<PathBuf>,
     /// Gateway: most HTTP connections open at once (default 4096); past it new ones wait in
     /// the listen backlog.
     #[arg(long, env = "MOELANE_MAX_CONNECTIONS")]
@@ -721,6 +748,9 @@ impl LaneArgs {
             retry_deadline,
             health_interval,
             eject_after,
+            api_key_file,
+            admin_listen,
+            admin_token_file,
             max_connections,
             header_timeout,
             served_model_name,
@@ -737,6 +767,23 @@ impl LaneArgs {
         }
         Ok(self)
     }
+}
+
+/// The gateway's secrets: API keys and admin token, from their files or environment.
+fn gateway_auth(
+    api_key_file: Option<&std::path::Path>,
+    admin_token_file: Option<&std::path::Path>,
+) -> Result<moelane_gateway::server::Auth> {
+    use moelane_proto::auth::Keys;
+    let load = |f, env| {
+        Keys::load(f, env)
+            .map(|k| k.map(std::sync::Arc::new))
+            .map_err(|e| anyhow::anyhow!(e))
+    };
+    Ok(moelane_gateway::server::Auth {
+        api_keys: load(api_key_file, "MOELANE_API_KEY")?,
+        admin: load(admin_token_file, "MOELANE_ADMIN_TOKEN")?,
+    })
 }
 
 /// Waits for SIGTERM or SIGINT (Ctrl-C); returns its name.
@@ -947,6 +994,9 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
             map,
             listen,
             served_model_name,
+            api_key_file,
+            admin_listen,
+            admin_token_file,
             kv_tokens,
             max_running,
             sidecar_device,
@@ -989,6 +1039,10 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
             let mut go =
                 GatewayOptions::new(model.clone(), vec![format!("http://{paddr}")], listen);
             go.name = served_model_name.clone();
+            go.auth = gateway_auth(api_key_file.as_deref(), admin_token_file.as_deref())?;
+            if let Some(l) = admin_listen {
+                go.admin_listen = l;
+            }
             let mut gateway = roles::start_gateway(&go).await?;
             println!(
                 "moelane: serving {} as model {:?}",
@@ -1149,6 +1203,11 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                         secs(a.health_interval, 1.0).max(std::time::Duration::from_millis(50));
                     go.health_timeout = go.health_interval;
                     go.breaker.eject_after = a.eject_after.unwrap_or(2).max(1);
+                    go.auth =
+                        gateway_auth(a.api_key_file.as_deref(), a.admin_token_file.as_deref())?;
+                    if let Some(l) = &a.admin_listen {
+                        go.admin_listen = l.clone();
+                    }
                     go.http.max_connections = a.max_connections.unwrap_or(4096).max(1);
                     go.http.header_timeout =
                         secs(a.header_timeout, 30.0).max(std::time::Duration::from_millis(100));
@@ -1174,7 +1233,8 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
         } => ops_cmds::status(&primary, counts_out.as_deref()).await?,
         Cmd::Swap { primary, moves } => ops_cmds::swap(&primary, &moves).await?,
         Cmd::Rollout {
-            gateway,
+            admin,
+            admin_token_file,
             lanes,
             restart,
             rollback,
@@ -1182,8 +1242,12 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
             ready_timeout,
             canary_tokens,
         } => {
+            let token =
+                moelane_proto::auth::Keys::load(admin_token_file.as_deref(), "MOELANE_ADMIN_TOKEN")
+                    .map_err(|e| anyhow::anyhow!(e))?
+                    .map(|k| k.token().to_string());
             rollout::rollout(&rollout::RolloutOptions {
-                gateway,
+                gateway: rollout::Admin { url: admin, token },
                 lanes,
                 restart,
                 rollback,

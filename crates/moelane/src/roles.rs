@@ -854,6 +854,10 @@ pub struct GatewayOptions {
     pub handoff: Option<PathBuf>,
     /// Connection cap, request-head deadline, drain window.
     pub http: moelane_gateway::listen::HttpLimits,
+    /// Where the admin endpoints listen (loopback unless an admin token is set).
+    pub admin_listen: String,
+    /// API keys and the admin token.
+    pub auth: moelane_gateway::server::Auth,
 }
 
 impl GatewayOptions {
@@ -874,6 +878,8 @@ impl GatewayOptions {
             retry_deadline: Duration::from_secs(10),
             handoff: None,
             http: Default::default(),
+            admin_listen: "127.0.0.1:0".into(),
+            auth: Default::default(),
         }
     }
 }
@@ -882,8 +888,9 @@ impl GatewayOptions {
 pub struct Gateway {
     pub addr: SocketAddr,
     pub state: Arc<AppState>,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    stop: tokio::sync::watch::Sender<bool>,
     task: tokio::task::JoinHandle<()>,
+    admin_task: tokio::task::JoinHandle<()>,
     offer: Option<moelane_gateway::handoff::Offer>,
 }
 
@@ -907,9 +914,7 @@ impl Gateway {
         if let Some(o) = &self.offer {
             o.withdraw();
         }
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
+        self.stop.send_replace(true);
     }
 
     /// Drains: stops accepting, lets the requests being answered finish within `grace`,
@@ -934,8 +939,23 @@ impl Gateway {
         {
             self.task.abort();
         }
+        if tokio::time::timeout(Duration::from_secs(2), &mut self.admin_task)
+            .await
+            .is_err()
+        {
+            self.admin_task.abort();
+        }
         (at_start, cut)
     }
+}
+
+/// Whether a listen address is a loopback one (127.0.0.0/8, ::1, localhost).
+pub fn is_loopback(addr: &str) -> bool {
+    if let Ok(a) = addr.parse::<SocketAddr>() {
+        return a.ip().is_loopback();
+    }
+    let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
+    host.eq_ignore_ascii_case("localhost")
 }
 
 /// The served model name: the flag, else the checkpoint directory's name.
@@ -982,22 +1002,40 @@ pub async fn start_gateway(o: &GatewayOptions) -> Result<Gateway> {
         discovery.spawn(registry.clone());
     }
     spawn_health_checks(registry.clone(), o.health_interval, o.health_timeout);
-    let state = Arc::new(AppState::new(
-        GatewayConfig {
-            model_name: model_name(&o.model, &o.name),
-            max_context: cfg.max_position_embeddings,
-            max_body: o.max_body,
-            default_completion_tokens: 16,
-            // the API takes temperatures in [0, 2]: a file's larger value is capped there
-            default_temperature: generation.temperature.unwrap_or(1.0).min(2.0),
-            default_top_p: generation.top_p.unwrap_or(1.0),
-            max_attempts: o.max_attempts.max(1),
-            retry_deadline: o.retry_deadline,
-        },
-        tokenizer,
-        template,
-        registry,
-    ));
+    if o.auth.admin.is_none() && !is_loopback(&o.admin_listen) {
+        bail!(
+            "--admin-listen {} is not a loopback address: set an admin token \
+             (--admin-token-file or MOELANE_ADMIN_TOKEN) so that only operators can drain lanes",
+            o.admin_listen
+        );
+    }
+    if o.auth.api_keys.is_none() && !is_loopback(&o.listen) && o.handoff.is_none() {
+        println!(
+            "moelane: warning: the API listens on {} without API keys: anyone who reaches it \
+             can generate (set --api-key-file or MOELANE_API_KEY, or keep it behind a proxy \
+             that authenticates)",
+            o.listen
+        );
+    }
+    let state = Arc::new(
+        AppState::new(
+            GatewayConfig {
+                model_name: model_name(&o.model, &o.name),
+                max_context: cfg.max_position_embeddings,
+                max_body: o.max_body,
+                default_completion_tokens: 16,
+                // the API takes temperatures in [0, 2]: a file's larger value is capped there
+                default_temperature: generation.temperature.unwrap_or(1.0).min(2.0),
+                default_top_p: generation.top_p.unwrap_or(1.0),
+                max_attempts: o.max_attempts.max(1),
+                retry_deadline: o.retry_deadline,
+            },
+            tokenizer,
+            template,
+            registry,
+        )
+        .with_auth(o.auth.clone()),
+    );
     // the listening socket: a running gateway's, or a new one
     let taken = match &o.handoff {
         Some(p) => {
@@ -1030,13 +1068,44 @@ pub async fn start_gateway(o: &GatewayOptions) -> Result<Gateway> {
     let a = l.local_addr()?;
     moelane_gateway::server::register_metrics(state.clone());
     let app = moelane_gateway::router(state.clone());
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
     let limits = o.http.clone();
-    let task = tokio::spawn(async move {
-        let stop = async move {
-            let _ = stop_rx.await;
+    let task = tokio::spawn(moelane_gateway::listen::serve(
+        l,
+        app,
+        limits.clone(),
+        stopped(stop_rx.clone()),
+    ));
+    // the admin listener: bound now, or, taking over from a running gateway (which holds
+    // the same address until it drains), as soon as that one releases it
+    let admin_app = moelane_gateway::admin_router(state.clone());
+    let admin_addr = o.admin_listen.clone();
+    let wait_for_it = o.handoff.is_some();
+    let admin_task = tokio::spawn(async move {
+        let until = std::time::Instant::now() + Duration::from_secs(120);
+        let l = loop {
+            match tokio::net::TcpListener::bind(&admin_addr).await {
+                Ok(l) => break l,
+                Err(e)
+                    if wait_for_it
+                        && e.kind() == std::io::ErrorKind::AddrInUse
+                        && std::time::Instant::now() < until =>
+                {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => {
+                    tracing::error!(addr = %admin_addr, "the admin listener cannot bind: {e}");
+                    return;
+                }
+            }
         };
-        moelane_gateway::listen::serve(l, app, limits, stop).await;
+        if let Ok(a) = l.local_addr() {
+            println!("moelane: gateway admin http://{a}");
+        }
+        moelane_gateway::listen::serve(l, admin_app, limits, stopped(stop_rx)).await;
     });
     if let Some(t) = taken {
         // the previous gateway stops accepting once told: this one accepts already
@@ -1054,8 +1123,9 @@ pub async fn start_gateway(o: &GatewayOptions) -> Result<Gateway> {
     Ok(Gateway {
         addr: a,
         state,
-        stop: Some(stop_tx),
+        stop: stop_tx,
         task,
+        admin_task,
         offer,
     })
 }

@@ -11,8 +11,20 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
+/// The gateway's admin listener and the token it requires, if any.
+pub struct Admin {
+    pub url: String,
+    pub token: Option<String>,
+}
+
+impl std::fmt::Display for Admin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.url)
+    }
+}
+
 pub struct RolloutOptions {
-    pub gateway: String,
+    pub gateway: Admin,
     pub lanes: Vec<String>,
     pub restart: String,
     pub rollback: Option<String>,
@@ -23,26 +35,35 @@ pub struct RolloutOptions {
 
 /// One HTTP/1.1 exchange with the gateway (JSON in, JSON out), bounded by 60 s.
 async fn http(
-    gateway: &str,
+    gateway: &Admin,
     method: &str,
     path: &str,
     body: Option<&Value>,
 ) -> Result<(u16, Value)> {
     let (host, prefix) =
-        crate::client::split_url(gateway).with_context(|| format!("--gateway {gateway}"))?;
+        crate::client::split_url(&gateway.url).with_context(|| format!("--admin {gateway}"))?;
     let body = body.map(|b| b.to_string());
     let (status, text) = tokio::time::timeout(
         Duration::from_secs(60),
-        crate::client::request(&host, method, &format!("{prefix}{path}"), body.as_deref()),
+        crate::client::request_as(
+            &host,
+            method,
+            &format!("{prefix}{path}"),
+            body.as_deref(),
+            gateway.token.as_deref(),
+        ),
     )
     .await
     .with_context(|| format!("{method} {path}: no answer from the gateway within 60 s"))??;
+    if status == 401 {
+        bail!("{method} {path}: the gateway's admin listener wants its admin token (--admin-token-file or MOELANE_ADMIN_TOKEN): {text}");
+    }
     let v = serde_json::from_str(&text).unwrap_or(Value::String(text));
     Ok((status, v))
 }
 
 /// The gateway's view of every lane.
-async fn lanes(gateway: &str) -> Result<Vec<Value>> {
+async fn lanes(gateway: &Admin) -> Result<Vec<Value>> {
     let (st, v) = http(gateway, "GET", "/v1/stats", None).await?;
     if st != 200 {
         bail!("GET /v1/stats answered {st}: {v}");
@@ -50,7 +71,7 @@ async fn lanes(gateway: &str) -> Result<Vec<Value>> {
     Ok(v["lanes"].as_array().cloned().unwrap_or_default())
 }
 
-async fn lane(gateway: &str, name: &str) -> Result<Value> {
+async fn lane(gateway: &Admin, name: &str) -> Result<Value> {
     lanes(gateway)
         .await?
         .into_iter()
@@ -58,7 +79,7 @@ async fn lane(gateway: &str, name: &str) -> Result<Value> {
         .with_context(|| format!("the gateway no longer lists lane {name}"))
 }
 
-async fn set_drain(gateway: &str, name: &str, drain: bool) -> Result<()> {
+async fn set_drain(gateway: &Admin, name: &str, drain: bool) -> Result<()> {
     let (st, v) = http(
         gateway,
         "POST",
@@ -91,7 +112,7 @@ async fn run(cmd: &str, name: &str) -> Result<()> {
 
 /// Waits until the lane answers healthy from another process than `old` (an incarnation);
 /// returns its build.
-async fn wait_back(gateway: &str, name: &str, old: u64, limit: Duration) -> Result<String> {
+async fn wait_back(gateway: &Admin, name: &str, old: u64, limit: Duration) -> Result<String> {
     let t0 = Instant::now();
     loop {
         if let Ok(l) = lane(gateway, name).await {
@@ -110,7 +131,7 @@ async fn wait_back(gateway: &str, name: &str, old: u64, limit: Duration) -> Resu
     }
 }
 
-async fn canary(gateway: &str, name: &str, tokens: u32) -> Result<f64> {
+async fn canary(gateway: &Admin, name: &str, tokens: u32) -> Result<f64> {
     let (st, v) = http(
         gateway,
         "POST",

@@ -58,7 +58,12 @@ struct Cluster {
     env: Vec<(String, String)>,
     images: Vec<String>,
     gw: String,
+    /// The gateway's admin listener (published on 127.0.0.1).
+    admin: String,
 }
+
+/// The admin token the test's gateway requires.
+const ADMIN_TOKEN: &str = "test-admin-token-0123456789abcdef";
 
 impl Cluster {
     fn compose(&self, args: &[&str]) -> Output {
@@ -273,15 +278,19 @@ fn cluster() -> Option<Cluster> {
             ("MOELANE_MODEL_DIR".into(), tiny().display().to_string()),
             ("MOELANE_STATE_DIR".into(), state.display().to_string()),
             ("MOELANE_SERVED_MODEL_NAME".into(), "tiny".into()),
+            ("MOELANE_ADMIN_TOKEN".into(), ADMIN_TOKEN.into()),
             ("MOELANE_STEP_PACE_MS".into(), "3".into()),
         ],
         images,
         gw: String::new(),
+        admin: String::new(),
     };
     let o = c.compose(&["up", "-d"]);
     assert!(o.status.success(), "compose up: {}", out_text(&o));
     let o = c.compose(&["port", "gateway", "8000"]);
     c.gw = String::from_utf8_lossy(&o.stdout).trim().to_string();
+    let o = c.compose(&["port", "gateway", "8001"]);
+    c.admin = String::from_utf8_lossy(&o.stdout).trim().to_string();
     assert!(
         c.gw.starts_with("127.0.0.1:"),
         "gateway port: {}",
@@ -425,8 +434,8 @@ fn lanes_on_separate_hosts_survive_kills_partitions_stops_and_a_rolling_upgrade(
     let o = Command::new(bin())
         .args([
             "rollout",
-            "--gateway",
-            &format!("http://{gw}"),
+            "--admin",
+            &format!("http://{}", c.admin),
             "--restart",
             &restart,
             "--ready-timeout",
@@ -508,7 +517,12 @@ fn lanes_on_separate_hosts_survive_kills_partitions_stops_and_a_rolling_upgrade(
             .to_string()
     };
     // lane 2 drained: the load runs on lane 1 only
-    let (st, _) = post(&gw, "/admin/drain", &json!({"lane": l2, "drain": true}));
+    let (st, _) = post_as(
+        &c.admin,
+        "/admin/drain",
+        &json!({"lane": l2, "drain": true}),
+        ADMIN_TOKEN,
+    );
     assert_eq!(st, 200);
     let load = Load::start(&gw, &reference, 4);
     std::thread::sleep(Duration::from_millis(500));
@@ -529,7 +543,12 @@ fn lanes_on_separate_hosts_survive_kills_partitions_stops_and_a_rolling_upgrade(
     let back = t.elapsed();
     std::thread::sleep(Duration::from_millis(500));
     let r = load.finish();
-    let (st, _) = post(&gw, "/admin/drain", &json!({"lane": l2, "drain": false}));
+    let (st, _) = post_as(
+        &c.admin,
+        "/admin/drain",
+        &json!({"lane": l2, "drain": false}),
+        ADMIN_TOKEN,
+    );
     assert_eq!(st, 200);
     report.push(format!(
         "degraded mode, sidecar killed: {} requests, {} failed, {} cut, {} different; degraded after {:.2} s, back {:.2} s after the restart",

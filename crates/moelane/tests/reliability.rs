@@ -669,7 +669,12 @@ fn a_rollout_upgrades_lanes_one_at_a_time_under_load_and_stops_on_a_failed_canar
     for u in &urls {
         run_script(u);
     }
-    let (_g, gw) = gateway(&[&urls[0], &urls[1]], &["--health-interval", "0.2"]);
+    let (v, (_g, gw)) = gateway_with(
+        &[&urls[0], &urls[1]],
+        &["--health-interval", "0.2"],
+        &["gateway admin "],
+    );
+    let gw_admin = hostport(&v[0]);
     until(Duration::from_secs(60), "both lanes up", || {
         urls.iter().all(|u| lane_state(&gw, u) == "up")
     });
@@ -713,8 +718,8 @@ fn a_rollout_upgrades_lanes_one_at_a_time_under_load_and_stops_on_a_failed_canar
     let out = std::process::Command::new(bin())
         .args([
             "rollout",
-            "--gateway",
-            &format!("http://{gw}"),
+            "--admin",
+            &format!("http://{gw_admin}"),
             "--restart",
             &format!("sh {}", script.display()),
             "--ready-timeout",
@@ -745,8 +750,8 @@ fn a_rollout_upgrades_lanes_one_at_a_time_under_load_and_stops_on_a_failed_canar
     let out = std::process::Command::new(bin())
         .args([
             "rollout",
-            "--gateway",
-            &format!("http://{gw}"),
+            "--admin",
+            &format!("http://{gw_admin}"),
             "--lane",
             &urls[1],
             "--restart",

@@ -2,6 +2,8 @@
 //! Depends on nothing of ours. Errors crossing gRPC carry a category in the
 //! `moelane-error` metadata key; callers match on [`Category`], never on message text.
 
+pub mod auth;
+
 pub mod lane {
     tonic::include_proto!("moelane.lane.v1");
 }

@@ -267,7 +267,7 @@ pub async fn render() -> Option<String> {
     Some(page)
 }
 
-async fn metrics_page() -> axum::response::Response {
+pub async fn metrics_page() -> axum::response::Response {
     use axum::response::IntoResponse;
     match render().await {
         Some(page) => (

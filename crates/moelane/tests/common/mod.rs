@@ -180,9 +180,20 @@ fn read_response(s: &mut TcpStream) -> HttpResponse {
 }
 
 pub fn request(addr: &str, method: &str, path: &str, body: &[u8]) -> HttpResponse {
+    request_with(addr, method, path, body, "")
+}
+
+/// [`request`] with extra header lines (each ending in \r\n).
+pub fn request_with(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: &[u8],
+    headers: &str,
+) -> HttpResponse {
     let mut s = TcpStream::connect(addr).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(60))).ok();
-    let head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len());
+    let head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n{headers}Content-Length: {}\r\nConnection: close\r\n\r\n", body.len());
     s.write_all(head.as_bytes()).expect("write");
     let _ = s.write_all(body);
     read_response(&mut s)
@@ -190,6 +201,24 @@ pub fn request(addr: &str, method: &str, path: &str, body: &[u8]) -> HttpRespons
 
 pub fn post(addr: &str, path: &str, json: &serde_json::Value) -> (u16, serde_json::Value) {
     let r = request(addr, "POST", path, json.to_string().as_bytes());
+    let v = serde_json::from_str(&r.body).unwrap_or(serde_json::Value::String(r.body.clone()));
+    (r.status, v)
+}
+
+/// [`post`] presenting `token` (Authorization: Bearer).
+pub fn post_as(
+    addr: &str,
+    path: &str,
+    json: &serde_json::Value,
+    token: &str,
+) -> (u16, serde_json::Value) {
+    let r = request_with(
+        addr,
+        "POST",
+        path,
+        json.to_string().as_bytes(),
+        &format!("Authorization: Bearer {token}\r\n"),
+    );
     let v = serde_json::from_str(&r.body).unwrap_or(serde_json::Value::String(r.body.clone()));
     (r.status, v)
 }
