@@ -23,9 +23,22 @@ fn read_frame(s: &mut TcpStream, buf: &mut Vec<u8>) -> std::io::Result<()> {
             format!("frame of {n} bytes exceeds the limit"),
         ));
     }
-    buf.resize(n, 0);
-    s.read_exact(buf)
+    // the buffer grows with the bytes that arrive, not with the length claimed: a prefix of
+    // 1 GiB followed by nothing costs nothing
+    buf.clear();
+    let got = s.take(n as u64).read_to_end(buf)?;
+    if got < n {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            format!("the connection ended after {got} of a frame's {n} bytes"),
+        ));
+    }
+    Ok(())
 }
+
+/// Most connections the sidecar's TCP data port serves at once (a lane needs one; more are
+/// a restarted primary's, or someone else's): past it a new one is closed at once.
+pub const MAX_CONNECTIONS: usize = 16;
 
 fn write_frame(s: &mut TcpStream, buf: &[u8]) -> std::io::Result<()> {
     s.write_all(&(buf.len() as u32).to_le_bytes())?;
@@ -116,12 +129,29 @@ pub fn serve(listener: TcpListener, svc: Arc<dyn ColdService>) {
     std::thread::Builder::new()
         .name("moelane-tcp-accept".into())
         .spawn(move || {
+            let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
             for conn in listener.incoming() {
                 let Ok(mut s) = conn else { continue };
+                if open.fetch_add(1, std::sync::atomic::Ordering::SeqCst) >= MAX_CONNECTIONS {
+                    open.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+                    tracing::warn!(
+                        peer = ?s.peer_addr().ok(),
+                        "the TCP data port already serves {MAX_CONNECTIONS} connections: closing a new one"
+                    );
+                    continue;
+                }
+                struct Leave(Arc<std::sync::atomic::AtomicUsize>);
+                impl Drop for Leave {
+                    fn drop(&mut self) {
+                        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+                    }
+                }
+                let leave = Leave(open.clone());
                 let svc = svc.clone();
                 let _ = std::thread::Builder::new()
                     .name("moelane-tcp-link".into())
                     .spawn(move || {
+                        let _leave = leave;
                         let _ = s.set_nodelay(true);
                         let (mut buf, mut out, mut req) =
                             (Vec::new(), Vec::new(), ColdRequest::default());
@@ -135,4 +165,81 @@ pub fn serve(listener: TcpListener, svc: Arc<dyn ColdService>) {
             }
         })
         .ok();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_huge_length_prefix_allocates_only_what_arrives() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = l.local_addr().unwrap();
+        let t = std::thread::spawn(move || {
+            let mut c = TcpStream::connect(a).unwrap();
+            c.write_all(&((1u32 << 30) as u32).to_le_bytes()).unwrap();
+            c.write_all(&[7u8; 10]).unwrap();
+            // then the connection ends
+        });
+        let (mut s, _) = l.accept().unwrap();
+        let mut buf = Vec::new();
+        let e = read_frame(&mut s, &mut buf).unwrap_err();
+        t.join().unwrap();
+        assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof, "{e}");
+        assert!(e.to_string().contains("10 of"), "{e}");
+        assert!(
+            buf.capacity() < 1 << 20,
+            "{} bytes reserved",
+            buf.capacity()
+        );
+        // a frame over the limit is refused before anything is read
+        let t = std::thread::spawn(move || {
+            let mut c = TcpStream::connect(a).unwrap();
+            c.write_all(&u32::MAX.to_le_bytes()).unwrap();
+        });
+        let (mut s, _) = l.accept().unwrap();
+        t.join().unwrap();
+        let e = read_frame(&mut s, &mut buf).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidData, "{e}");
+    }
+
+    struct Nothing;
+    impl ColdService for Nothing {
+        fn serve(&self, _: &ColdRequest, out: &mut Vec<f32>) -> Result<()> {
+            out.clear();
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn past_the_connection_cap_a_new_connection_is_closed_and_a_freed_slot_serves_again() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = l.local_addr().unwrap();
+        serve(l, Arc::new(Nothing));
+        let held: Vec<TcpStream> = (0..MAX_CONNECTIONS)
+            .map(|_| TcpStream::connect(a).unwrap())
+            .collect();
+        // the one past the cap is closed without an answer
+        let mut extra = TcpStream::connect(a).unwrap();
+        extra
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let mut b = [0u8; 1];
+        assert!(matches!(extra.read(&mut b), Ok(0) | Err(_)));
+        drop(held);
+        // once the held ones are gone, a client is served: a malformed frame gets an answer
+        // (an error reply) rather than a closed connection
+        let until = std::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let mut c = TcpStream::connect(a).unwrap();
+            c.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            write_frame(&mut c, &[1, 2, 3]).unwrap();
+            let mut buf = Vec::new();
+            if read_frame(&mut c, &mut buf).is_ok() {
+                break;
+            }
+            assert!(std::time::Instant::now() < until, "no slot freed");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
 }
