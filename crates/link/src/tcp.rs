@@ -177,7 +177,7 @@ mod tests {
         let a = l.local_addr().unwrap();
         let t = std::thread::spawn(move || {
             let mut c = TcpStream::connect(a).unwrap();
-            c.write_all(&((1u32 << 30) as u32).to_le_bytes()).unwrap();
+            c.write_all(&(1u32 << 30).to_le_bytes()).unwrap();
             c.write_all(&[7u8; 10]).unwrap();
             // then the connection ends
         });
