@@ -73,7 +73,7 @@ pub trait Lane: Send + Sync {
 /// A lane whose primary is reached over gRPC.
 pub struct GrpcLane {
     name: String,
-    client: PrimaryClient<Channel>,
+    client: PrimaryClient<moelane_proto::auth::AuthChannel>,
 }
 
 impl GrpcLane {
@@ -101,7 +101,7 @@ impl GrpcLane {
             .connect_lazy();
         Ok(GrpcLane {
             name: name.to_string(),
-            client: PrimaryClient::new(ch),
+            client: PrimaryClient::new(moelane_proto::auth::attach(ch)),
         })
     }
 }

@@ -647,11 +647,16 @@ pub async fn serve(
     let health_service = health_service(readiness.clone(), client.clone());
     tonic::transport::Server::builder()
         .add_service(health_service)
-        .add_service(PrimaryServer::new(PrimaryService {
-            client,
-            residency,
-            readiness,
-        }))
+        // the lane API needs the cluster token when one is set; the standard health service
+        // stays open for probes (it tells only serving or not)
+        .add_service(PrimaryServer::with_interceptor(
+            PrimaryService {
+                client,
+                residency,
+                readiness,
+            },
+            moelane_proto::auth::Check::cluster(),
+        ))
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener).map(|s| {
                 if let Ok(s) = &s {

@@ -23,7 +23,8 @@ pub type OnLink = Arc<dyn Fn(&RegisterReply) -> Result<(), SwapError> + Send + S
 
 /// A sidecar process, driven over its control API.
 pub struct RemoteSidecar {
-    pub client: moelane_proto::control::sidecar_client::SidecarClient<tonic::transport::Channel>,
+    pub client:
+        moelane_proto::control::sidecar_client::SidecarClient<moelane_proto::auth::AuthChannel>,
     pub model: String,
     /// The fencing token of this coordinator's registration: fresh at every primary start,
     /// and raised at every REGISTER, so that a late REGISTER (or anything sent under an older

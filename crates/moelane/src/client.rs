@@ -218,6 +218,20 @@ pub async fn request_as(
     Ok((status, String::from_utf8_lossy(body).into_owned()))
 }
 
+/// A gRPC client of the primary at `url` that presents this process's cluster token.
+pub async fn primary(
+    url: &str,
+) -> Result<moelane_proto::lane::primary_client::PrimaryClient<moelane_proto::auth::AuthChannel>> {
+    let ch = tonic::transport::Endpoint::from_shared(url.to_string())
+        .with_context(|| format!("{url:?} is not a URL"))?
+        .connect()
+        .await
+        .with_context(|| format!("connecting to the primary at {url}"))?;
+    Ok(moelane_proto::lane::primary_client::PrimaryClient::new(
+        moelane_proto::auth::attach(ch),
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

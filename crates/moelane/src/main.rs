@@ -56,6 +56,13 @@ struct Cli {
         env = "MOELANE_RUNTIME_THREADS"
     )]
     runtime_threads: usize,
+    /// A file holding the cluster token (MOELANE_CLUSTER_TOKEN may hold it instead): every
+    /// gRPC call between moelane processes (gateway to primary, primary to sidecar, the CLI's
+    /// status and swap) presents it, and the primary's and the sidecar's gRPC services
+    /// refuse a call without it (the standard health service stays open for probes). Give
+    /// every process of a deployment the same one.
+    #[arg(long, global = true, env = "MOELANE_CLUSTER_TOKEN_FILE")]
+    cluster_token_file: Option<PathBuf>,
 }
 
 /// The async runtime's worker threads: `asked`, or from the machine's cores (2 to 8).
@@ -862,6 +869,15 @@ fn run() -> Result<()> {
     let matches = Cli::command().get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let lane_matches = matches.subcommand_matches("lane").cloned();
+    match moelane_proto::auth::Keys::load(
+        cli.cluster_token_file.as_deref(),
+        "MOELANE_CLUSTER_TOKEN",
+    ) {
+        Ok(k) => {
+            moelane_proto::auth::set_cluster(k);
+        }
+        Err(e) => bail!("the cluster token: {e}"),
+    }
     if matches!(
         cli.cmd,
         Cmd::Serve { .. }

@@ -4,15 +4,12 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use moelane_engine::rowmap::{Rowmap, Tier};
-use moelane_proto::lane::primary_client::PrimaryClient;
 use moelane_proto::lane::{ResidencyRequest, StatsRequest};
 
 pub use moelane_engine::placement::Counts;
 
 pub async fn status(primary: &str, counts_out: Option<&Path>) -> Result<()> {
-    let mut c = PrimaryClient::connect(primary.to_string())
-        .await
-        .with_context(|| format!("connecting to the primary at {primary}"))?;
+    let mut c = crate::client::primary(primary).await?;
     let s = c
         .stats(StatsRequest {})
         .await
@@ -210,9 +207,7 @@ pub async fn swap(primary: &str, moves: &[String]) -> Result<()> {
         .iter()
         .map(|m| parse_move(m))
         .collect::<Result<Vec<_>>>()?;
-    let mut c = PrimaryClient::connect(primary.to_string())
-        .await
-        .with_context(|| format!("connecting to the primary at {primary}"))?;
+    let mut c = crate::client::primary(primary).await?;
     let r = c
         .swap(moelane_proto::lane::SwapRequest { moves })
         .await

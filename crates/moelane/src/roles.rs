@@ -373,7 +373,7 @@ struct RemoteLink {
     seen_epoch: u64,
     broken: Arc<tokio::sync::Notify>,
     probe: (
-        SidecarClient<tonic::transport::Channel>,
+        SidecarClient<moelane_proto::auth::AuthChannel>,
         Arc<std::sync::atomic::AtomicU64>,
     ),
 }
@@ -446,7 +446,7 @@ async fn connect_sidecar(
             }
         }
     };
-    let client = SidecarClient::new(channel);
+    let client = SidecarClient::new(moelane_proto::auth::attach(channel));
     let slot = Arc::new(std::sync::Mutex::new(None));
     let (slot2, timeout) = (slot.clone(), o.link_timeout);
     let control_host = control_host(control);
@@ -555,7 +555,7 @@ fn attach_primary_device(
 fn supervise_link(
     residency: &ActorRef<Residency>,
     probe: (
-        SidecarClient<tonic::transport::Channel>,
+        SidecarClient<moelane_proto::auth::AuthChannel>,
         Arc<std::sync::atomic::AtomicU64>,
     ),
     broken: Arc<tokio::sync::Notify>,

@@ -17,7 +17,6 @@ use moelane_engine::tokenizer::Tokenizer;
 use moelane_proto::lane::primary_client::PrimaryClient;
 use moelane_proto::lane::{GenerateRequest, ResidencyRequest, StatsReply, StatsRequest};
 use serde::Serialize;
-use tonic::transport::Channel;
 
 pub const PHASES: [(&str, &[&str]); 4] = [
     ("en", &["en"]),
@@ -201,7 +200,7 @@ async fn user(
     t0: Instant,
     max_tokens: usize,
 ) -> Result<()> {
-    let mut c = PrimaryClient::connect(url).await?;
+    let mut c = crate::client::primary(&url).await?;
     let mut k = id * 7;
     loop {
         let t = t0.elapsed().as_secs_f64();
@@ -232,7 +231,7 @@ async fn user(
     }
 }
 
-async fn stats(c: &mut PrimaryClient<Channel>) -> Result<StatsReply> {
+async fn stats(c: &mut PrimaryClient<moelane_proto::auth::AuthChannel>) -> Result<StatsReply> {
     Ok(c.stats(StatsRequest {})
         .await
         .map_err(|e| anyhow::anyhow!("stats: {}", e.message()))?
@@ -258,7 +257,7 @@ async fn run_one(
     let run_map = o.out.join(format!("map-{mode}-{users}.json"));
     std::fs::copy(map, &run_map).with_context(|| format!("copying {}", map.display()))?;
     let lane = start_lane(&o.model, &run_map, &extra)?;
-    let mut c = PrimaryClient::connect(lane.url.clone()).await?;
+    let mut c = crate::client::primary(&lane.url).await?;
     let mut ends = Vec::new();
     let mut acc = 0.0;
     for d in &o.phase_s {

@@ -279,6 +279,10 @@ fn cluster() -> Option<Cluster> {
             ("MOELANE_STATE_DIR".into(), state.display().to_string()),
             ("MOELANE_SERVED_MODEL_NAME".into(), "tiny".into()),
             ("MOELANE_ADMIN_TOKEN".into(), ADMIN_TOKEN.into()),
+            (
+                "MOELANE_CLUSTER_TOKEN".into(),
+                "test-cluster-token-0123456789abcdef".into(),
+            ),
             ("MOELANE_STEP_PACE_MS".into(), "3".into()),
         ],
         images,

@@ -912,3 +912,98 @@ fn with_degraded_a_lost_sidecar_costs_no_request_and_changes_no_output() {
     assert!(bad.is_empty(), "{bad:?}");
     assert_eq!(whole(&gw, 24), (200, reference, fin));
 }
+
+#[test]
+fn a_cluster_token_keeps_the_grpc_surfaces_to_the_deployment() {
+    const TOKEN: &str = "cluster-token-0123456789abcdef";
+    let token = [("MOELANE_CLUSTER_TOKEN", TOKEN)];
+    let dir = tiny().to_str().unwrap().to_string();
+    let sport = free_port();
+    let side_args = [
+        "lane".to_string(),
+        "--role".into(),
+        "sidecar".into(),
+        "--model".into(),
+        dir.clone(),
+        "--listen".into(),
+        format!("127.0.0.1:{sport}"),
+    ];
+    let side_args: Vec<&str> = side_args.iter().map(|s| s.as_str()).collect();
+    let (_side, _) = start_env(&side_args, &["sidecar control "], &token);
+    let sidecar = format!("http://127.0.0.1:{sport}");
+    // every process of the deployment holds the token: the lane serves through a gateway
+    let (_p, purl) = primary(&["--sidecar", &sidecar, "--link", "shm"], &token);
+    let args = gateway_args(&[&purl], &["--health-interval", "0.2"]);
+    let args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
+    let (_g, v) = start_env(&args, &["gateway listening on "], &token);
+    let gw = hostport(&v[0]);
+    until(Duration::from_secs(20), "the lane serves", || {
+        whole(&gw, 4).0 == 200
+    });
+    // a gateway without it: the lane's Health is refused, so the lane is down and nothing
+    // reaches it
+    let (_g2, gw2) = gateway(&[&purl], &["--health-interval", "0.2"]);
+    until(Duration::from_secs(10), "the lane is down for it", || {
+        let (_, v) = get(&gw2, "/v1/stats");
+        v["lanes"][0]["state"] == "down"
+            && v["lanes"][0]["down_reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("cluster token"))
+    });
+    assert_eq!(whole(&gw2, 4).0, 503);
+    // the CLI: refused without it, served with it
+    let status = |env: &[(&str, &str)]| {
+        std::process::Command::new(bin())
+            .args(["status", "--primary", &purl])
+            .env_remove("MOELANE_CLUSTER_TOKEN")
+            .envs(env.iter().copied())
+            .output()
+            .expect("status")
+    };
+    let out = status(&[]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cluster token"), "{err}");
+    let out = status(&token);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // a primary without it cannot register with the sidecar: it says why and exits
+    let dir2 = tiny().to_str().unwrap().to_string();
+    let out = std::process::Command::new(bin())
+        .args([
+            "lane",
+            "--role",
+            "primary",
+            "--model",
+            &dir2,
+            "--listen",
+            "127.0.0.1:0",
+            "--sidecar",
+            &sidecar,
+            "--link",
+            "shm",
+            "--sidecar-wait",
+            "2",
+        ])
+        .output()
+        .expect("primary");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cluster token"), "{err}");
+    // the standard health service stays open for probes
+    assert_eq!(grpc_health(&purl), 1);
+    // a token file shorter than a secret is refused at start, naming the line
+    let bad = std::env::temp_dir().join(format!("moelane-short-token-{}", std::process::id()));
+    std::fs::write(&bad, "# ops\nshort\n").unwrap();
+    let out = std::process::Command::new(bin())
+        .args(["status", "--primary", &purl, "--cluster-token-file"])
+        .arg(&bad)
+        .output()
+        .expect("status");
+    let _ = std::fs::remove_file(&bad);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("line 2"), "{err}");
+}

@@ -104,10 +104,32 @@ pub fn bearer(value: &str) -> Option<&str> {
         .filter(|t| !t.is_empty())
 }
 
+/// The cluster token of this process (`--cluster-token-file` / `MOELANE_CLUSTER_TOKEN`): what
+/// its gRPC servers require and its gRPC clients present. Set once at start, before any
+/// server or client is made; unset, gRPC is open (bind it to loopback or a private network).
+static CLUSTER: std::sync::OnceLock<Option<Arc<Keys>>> = std::sync::OnceLock::new();
+
+/// Sets the cluster token (the first call wins; later ones are ignored and return false).
+pub fn set_cluster(keys: Option<Keys>) -> bool {
+    CLUSTER.set(keys.map(Arc::new)).is_ok()
+}
+
+/// The cluster token, if one was set.
+pub fn cluster() -> Option<Arc<Keys>> {
+    CLUSTER.get().cloned().flatten()
+}
+
 /// A gRPC server's check: every call carries `authorization: Bearer <cluster token>`;
 /// with no keys configured, everything passes.
 #[derive(Clone)]
 pub struct Check(pub Option<Arc<Keys>>);
+
+impl Check {
+    /// The check of this process's cluster token.
+    pub fn cluster() -> Check {
+        Check(cluster())
+    }
+}
 
 impl tonic::service::Interceptor for Check {
     fn call(&mut self, req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
@@ -141,6 +163,16 @@ impl Attach {
     pub fn new(keys: Option<&Keys>) -> Attach {
         Attach(keys.and_then(|k| format!("Bearer {}", k.token()).parse().ok()))
     }
+
+    /// Presents this process's cluster token.
+    pub fn cluster() -> Attach {
+        Attach::new(cluster().as_deref())
+    }
+}
+
+/// A channel that presents this process's cluster token.
+pub fn attach(ch: tonic::transport::Channel) -> AuthChannel {
+    tonic::service::interceptor::InterceptedService::new(ch, Attach::cluster())
 }
 
 impl tonic::service::Interceptor for Attach {

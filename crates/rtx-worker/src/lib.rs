@@ -657,7 +657,10 @@ pub async fn serve_control(
     }
     tonic::transport::Server::builder()
         .add_service(health)
-        .add_service(SidecarServer::new(SidecarService { actor, core }))
+        .add_service(SidecarServer::with_interceptor(
+            SidecarService { actor, core },
+            moelane_proto::auth::Check::cluster(),
+        ))
         .serve_with_incoming(
             tokio_stream::wrappers::TcpListenerStream::new(listener).map(|s| {
                 if let Ok(s) = &s {
