@@ -595,6 +595,18 @@ impl Drop for Pidfiles {
     }
 }
 
+/// The arguments of a sidecar process on the tiny checkpoint, its control port `port`.
+fn sidecar_args(port: u16, extra: &[&str]) -> Vec<String> {
+    let mut a: Vec<String> = ["lane", "--role", "sidecar", "--model"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    a.push(tiny().to_str().unwrap().into());
+    a.extend(["--listen".into(), format!("127.0.0.1:{port}")]);
+    a.extend(extra.iter().map(|s| s.to_string()));
+    a
+}
+
 /// A free port on 127.0.0.1 (bound and released).
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -816,19 +828,8 @@ fn a_primary_started_before_its_sidecar_waits_for_it() {
 
 #[test]
 fn with_degraded_a_lost_sidecar_costs_no_request_and_changes_no_output() {
-    let dir = tiny().to_str().unwrap().to_string();
     let (sport, dport) = (free_port(), free_port());
-    let side_args = [
-        "lane".to_string(),
-        "--role".into(),
-        "sidecar".into(),
-        "--model".into(),
-        dir.clone(),
-        "--listen".into(),
-        format!("127.0.0.1:{sport}"),
-        "--data".into(),
-        format!("127.0.0.1:{dport}"),
-    ];
+    let side_args = sidecar_args(sport, &["--data", &format!("127.0.0.1:{dport}")]);
     let side_args: Vec<&str> = side_args.iter().map(|s| s.as_str()).collect();
     let (mut side, _) = start(&side_args, &["sidecar control "]);
     let pace = [("MOELANE_STEP_PACE_MS", "3")];
@@ -917,17 +918,8 @@ fn with_degraded_a_lost_sidecar_costs_no_request_and_changes_no_output() {
 fn a_cluster_token_keeps_the_grpc_surfaces_to_the_deployment() {
     const TOKEN: &str = "cluster-token-0123456789abcdef";
     let token = [("MOELANE_CLUSTER_TOKEN", TOKEN)];
-    let dir = tiny().to_str().unwrap().to_string();
     let sport = free_port();
-    let side_args = [
-        "lane".to_string(),
-        "--role".into(),
-        "sidecar".into(),
-        "--model".into(),
-        dir.clone(),
-        "--listen".into(),
-        format!("127.0.0.1:{sport}"),
-    ];
+    let side_args = sidecar_args(sport, &[]);
     let side_args: Vec<&str> = side_args.iter().map(|s| s.as_str()).collect();
     let (_side, _) = start_env(&side_args, &["sidecar control "], &token);
     let sidecar = format!("http://127.0.0.1:{sport}");
