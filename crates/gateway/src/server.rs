@@ -129,6 +129,10 @@ pub struct Auth {
 pub struct AppState {
     pub cfg: GatewayConfig,
     pub auth: Auth,
+    /// Bytes of the vocabulary's longest token: a text of N bytes holds at least N / this.
+    max_token_bytes: usize,
+    /// Requests being rendered and tokenised at once (one per core).
+    tokenizing: tokio::sync::Semaphore,
     pub tokenizer: Tokenizer,
     pub template: ChatTemplate,
     pub registry: ActorRef<Registry>,
@@ -143,9 +147,17 @@ impl AppState {
         template: ChatTemplate,
         registry: ActorRef<Registry>,
     ) -> Self {
+        let max_token_bytes = (0..tokenizer.vocab_size() as u32)
+            .map(|t| tokenizer.token_bytes(t).len())
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
         AppState {
             cfg,
             auth: Auth::default(),
+            max_token_bytes,
+            tokenizing: tokio::sync::Semaphore::new(cores),
             tokenizer,
             template,
             registry,
@@ -484,6 +496,41 @@ fn text_of(v: &Value) -> Option<String> {
     }
 }
 
+/// 128 bits from the operating system's random source (a counter mixed with the time only if
+/// that fails, which it does not on Linux).
+fn random_id(st: &AppState) -> u128 {
+    let mut b = [0u8; 16];
+    match getrandom::fill(&mut b) {
+        Ok(()) => u128::from_le_bytes(b),
+        Err(_) => {
+            let n = st.next_id.fetch_add(1, Ordering::Relaxed) as u128;
+            (n << 64)
+                ^ SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(0, |d| d.as_nanos())
+        }
+    }
+}
+
+/// Tokenises `text`, refusing first, without tokenising, a text that holds more tokens than
+/// the context for certain. No token is longer than the vocabulary's longest, and a
+/// tokenizer's normaliser shrinks a character at most from 4 UTF-8 bytes to 1, so a text of
+/// N bytes holds at least N / (4 x longest) tokens.
+fn encode_bounded(st: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
+    let ctx = st.cfg.max_context;
+    let least = text.len() / (4 * st.max_token_bytes.max(1));
+    if least >= ctx {
+        return Err(ApiError::ContextLength(format!(
+            "This model's maximum context length is {ctx} tokens; the prompt is {} bytes, at \
+             least {least} tokens",
+            text.len()
+        )));
+    }
+    st.tokenizer
+        .encode(text)
+        .map_err(|e| ApiError::Internal(e.to_string()))
+}
+
 /// The request's prompt as token ids: the chat messages rendered by the template, or the
 /// completion's `prompt` (a string, one string in a list, or token ids inside the vocabulary).
 fn prompt_tokens(st: &AppState, v: &Value, chat: bool) -> Result<Vec<u32>, ApiError> {
@@ -515,19 +562,13 @@ fn prompt_tokens(st: &AppState, v: &Value, chat: bool) -> Result<Vec<u32>, ApiEr
             .template
             .render(&out)
             .map_err(|e| ApiError::bad(e.to_string(), Some("messages")))?;
-        st.tokenizer
-            .encode(&text)
-            .map_err(|e| ApiError::Internal(e.to_string()))?
+        encode_bounded(st, &text)?
     } else {
         match v.get("prompt") {
-            Some(Value::String(s)) => st
-                .tokenizer
-                .encode(s)
-                .map_err(|e| ApiError::Internal(e.to_string()))?,
-            Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => st
-                .tokenizer
-                .encode(a[0].as_str().unwrap_or_default())
-                .map_err(|e| ApiError::Internal(e.to_string()))?,
+            Some(Value::String(s)) => encode_bounded(st, s)?,
+            Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
+                encode_bounded(st, a[0].as_str().unwrap_or_default())?
+            }
             Some(Value::Array(a)) if a.iter().all(|x| x.is_u64()) => {
                 let ids: Vec<u32> = a
                     .iter()
@@ -958,15 +999,28 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
     let arrived = Instant::now();
     let active = st.shutdown.enter();
     let v = read_json(&st, req.into_body()).await?;
-    let vr = validate(&st, &v, chat)?;
+    // rendering and tokenising take CPU in proportion to the prompt: off the async runtime
+    // (which answers /health and every stream), at most one per core at a time
+    let vr = {
+        let _turn = st
+            .tokenizing
+            .acquire()
+            .await
+            .map_err(|_| ApiError::Unavailable("the gateway is stopping".into()))?;
+        let st2 = st.clone();
+        tokio::task::spawn_blocking(move || validate(&st2, &v, chat))
+            .await
+            .map_err(|e| ApiError::Internal(format!("validating the request: {e}")))??
+    };
     let span = tracing::Span::current();
     span.record("gen_ai.usage.input_tokens", vr.prompt.len());
-    let id_n = st.next_id.fetch_add(1, Ordering::Relaxed);
     let out = Out {
+        // 128 random bits: an id names a request on the lane (its cancel among others), so
+        // it must not be guessable from another one
         id: format!(
-            "{}-{:016x}",
+            "{}-{:032x}",
             if chat { "chatcmpl" } else { "cmpl" },
-            id_n ^ (now_secs() << 20)
+            random_id(&st)
         ),
         created: now_secs(),
     };
@@ -1263,7 +1317,7 @@ async fn canary(State(st): State<Arc<AppState>>, req: Request) -> Result<Json<Va
         return Err(ApiError::bad("the canary prompt is empty", Some("prompt")));
     }
     let greq = GenerateRequest {
-        request_id: format!("canary-{:016x}", st.next_id.fetch_add(1, Ordering::Relaxed)),
+        request_id: format!("canary-{:032x}", random_id(&st)),
         prompt: ids,
         max_tokens,
         temperature: 0.0,

@@ -535,3 +535,67 @@ async fn every_route_has_a_policy_and_keeps_to_it() {
     let v: Value = serde_json::from_str(&body).expect("an OpenAI error body");
     assert_eq!(v["error"]["code"], "method_not_allowed", "{v}");
 }
+
+/// A prompt certainly longer than the context is refused before it is tokenised: fast, and
+/// with the size that gave it away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_longer_than_the_context_for_certain_is_refused_before_tokenising() {
+    let (_p, url) = primary().await;
+    let gw = gateway(&[&url]).await;
+    // tiny's context is 2048 tokens; 700 KB of text holds far more whatever the tokenizer
+    let long = "word ".repeat(140_000);
+    let t0 = std::time::Instant::now();
+    let (st, v) = post(
+        &gw,
+        "/v1/completions",
+        &json!({"model": "tiny", "prompt": long, "max_tokens": 1}),
+    )
+    .await;
+    assert_error(st, &v, 400, "invalid_request_error", "at least");
+    assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    // under the bound it is tokenised and counted as before
+    let (st, v) = post(
+        &gw,
+        "/v1/completions",
+        &json!({"model": "tiny", "prompt": "word ".repeat(3000), "max_tokens": 1}),
+    )
+    .await;
+    assert_error(st, &v, 400, "invalid_request_error", "tokens");
+    let (st, v) = post(
+        &gw,
+        "/v1/chat/completions",
+        &json!({"model": "tiny", "messages": [{"role": "user", "content": long}]}),
+    )
+    .await;
+    assert_error(st, &v, 400, "invalid_request_error", "at least");
+}
+
+/// Request ids carry 128 random bits: not a counter another client could step through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_ids_are_128_random_bits() {
+    let (_p, url) = primary().await;
+    let gw = gateway(&[&url]).await;
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let (st, v) = post(
+            &gw,
+            "/v1/completions",
+            &json!({"model": "tiny", "prompt": "hi", "max_tokens": 1}),
+        )
+        .await;
+        assert_eq!(st, 200, "{v}");
+        let id = v["id"].as_str().unwrap().to_string();
+        let hex = id.strip_prefix("cmpl-").expect("cmpl- prefix");
+        assert_eq!(hex.len(), 32, "{id}");
+        ids.push(u128::from_str_radix(hex, 16).expect("hex"));
+    }
+    // consecutive ids differ in about half their bits, not in the last few
+    for w in ids.windows(2) {
+        let differ = (w[0] ^ w[1]).count_ones();
+        assert!(
+            (20..=108).contains(&differ),
+            "{differ} bits differ: {ids:x?}"
+        );
+    }
+}
