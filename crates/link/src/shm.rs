@@ -269,13 +269,18 @@ fn map_file(path: &Path, create: Option<u64>) -> Result<Mapping> {
             format!("{}: {e}", path.display()),
         )
     };
-    let f = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(create.is_some())
-        .truncate(create.is_some())
-        .open(path)
-        .map_err(io)?;
+    let f = {
+        use std::os::unix::fs::OpenOptionsExt;
+        OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(create.is_some())
+            .truncate(create.is_some())
+            // only this user's processes may map the activations, from the first instant
+            .mode(0o600)
+            .open(path)
+            .map_err(io)?
+    };
     if let Some(cap) = create {
         f.set_len(DATA as u64 + 2 * cap).map_err(io)?;
     }
@@ -380,8 +385,23 @@ impl Drop for ShmTier {
 /// Creates a mapping at `path` with rings of `cap` bytes and serves it on a thread until the
 /// primary closes it or exits. The file is removed once the primary has attached (both
 /// processes keep their mappings) or when serving ends.
+/// How long a new segment waits for its primary to attach before it is removed (the primary
+/// attaches right after REGISTER answers; a registration nobody follows leaves nothing).
+pub const ATTACH_DEADLINE: Duration = Duration::from_secs(30);
+
 pub fn serve(path: &Path, cap: u64, svc: Arc<dyn ColdService>) -> Result<()> {
+    serve_within(path, cap, svc, ATTACH_DEADLINE)
+}
+
+/// [`serve`] with the attach deadline given.
+pub fn serve_within(
+    path: &Path,
+    cap: u64,
+    svc: Arc<dyn ColdService>,
+    attach: Duration,
+) -> Result<()> {
     let m = map_file(path, Some(cap.max(1 << 16)))?;
+    let made = Instant::now();
     std::thread::Builder::new()
         .name("moelane-shm-link".into())
         .spawn(move || {
@@ -396,8 +416,27 @@ pub fn serve(path: &Path, cap: u64, svc: Arc<dyn ColdService>) -> Result<()> {
                     let _ = std::fs::remove_file(&m.path);
                     unlinked = true;
                 }
-                if m.read(0, &mut buf, None, &peer).is_err() {
-                    break;
+                // until a primary attaches, wait in short reads no longer than the attach
+                // deadline in all; once attached, as long as the link lives
+                let attached = peer().is_some();
+                let r = if attached {
+                    m.read(0, &mut buf, None, &peer)
+                } else {
+                    let left = attach.saturating_sub(made.elapsed());
+                    if left.is_zero() {
+                        break;
+                    }
+                    m.read(
+                        0,
+                        &mut buf,
+                        Some(left.min(Duration::from_millis(200))),
+                        &peer,
+                    )
+                };
+                match r {
+                    Ok(()) => {}
+                    Err(e) if !attached && e.fault() == Fault::Timeout => continue,
+                    Err(_) => break,
                 }
                 if !unlinked {
                     let _ = std::fs::remove_file(&m.path);
@@ -424,6 +463,21 @@ pub fn serve(path: &Path, cap: u64, svc: Arc<dyn ColdService>) -> Result<()> {
 mod tests {
     use super::*;
     use moelane_engine::bank::Pick;
+
+    #[test]
+    fn a_segment_is_private_from_creation_and_removed_when_nobody_attaches() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("seg");
+        serve_within(&path, 1 << 16, Arc::new(Echo), Duration::from_millis(300)).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "mode {mode:o}");
+        let t0 = Instant::now();
+        while path.exists() {
+            assert!(t0.elapsed() < Duration::from_secs(5), "the segment stayed");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
 
     struct Echo;
     impl ColdService for Echo {

@@ -267,3 +267,44 @@ fn adaptive_pick_rates_carry_over_a_restart_beside_the_map() {
     assert!(!p3.lines.iter().any(|l| l.contains("goes on from")));
     assert!(!complete(&gw3, "hello", 4).is_empty());
 }
+
+/// A swap with no moves, or with moves that cannot be made, is answered at once: no epoch
+/// taken, nothing sent to the tiers, counted as rejected (not aborted).
+#[test]
+fn an_empty_or_impossible_swap_is_a_no_op_not_an_abort() {
+    let (_p, purl, _gw) = serve_lane(tiny(), &[]);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let swap = |moves: Vec<Move>| {
+        rt.block_on(async {
+            let mut c = PrimaryClient::connect(purl.clone()).await.unwrap();
+            c.swap(SwapRequest { moves }).await.unwrap().into_inner()
+        })
+    };
+    let r = swap(vec![]);
+    assert!(!r.committed && r.abort_reason.contains("no moves"), "{r:?}");
+    assert_eq!(r.map_epoch, 0);
+    let r = swap(vec![Move {
+        layer: 0,
+        expert: 9999,
+        to_hot: true,
+    }]);
+    assert!(
+        !r.committed && r.abort_reason.starts_with("rejected"),
+        "{r:?}"
+    );
+    assert_eq!(r.map_epoch, 0);
+    // `moelane status` reports no swap done and none aborted
+    let out = std::process::Command::new(bin())
+        .args(["status", "--primary", &purl])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("residency "))
+        .unwrap_or_else(|| panic!("no residency line in {text}"));
+    assert!(line.contains("swaps done 0, aborted 0"), "{line}");
+}

@@ -438,6 +438,29 @@ impl Residency {
             moves.iter().filter(|m| m.to == Tier::Hot).count() as u64,
             moves.iter().filter(|m| m.to == Tier::Cold).count() as u64,
         );
+        // nothing to move, or moves that cannot be made: answered at once, no epoch taken,
+        // nothing sent to the tiers, and not counted as an aborted swap
+        let refused = if moves.is_empty() {
+            Some(format!(
+                "no moves: nothing to swap (the map stays at epoch {})",
+                self.map.epoch()
+            ))
+        } else {
+            self.next_map(&moves)
+                .err()
+                .map(|e| format!("rejected: {e}"))
+        };
+        if let Some(reason) = refused {
+            span.record("moelane.outcome", "rejected");
+            metrics::counter!(n::SWAPS, "outcome" => "rejected").increment(1);
+            return SwapOutcome {
+                epoch: self.map.epoch(),
+                committed: false,
+                abort_reason: reason,
+                prepare: Duration::ZERO,
+                total: Duration::ZERO,
+            };
+        }
         let o = self.run_inner(moves).instrument(span.clone()).await;
         span.record("moelane.epoch", o.epoch);
         span.record(

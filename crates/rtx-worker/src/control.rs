@@ -220,6 +220,32 @@ impl Message<LoadMapMsg> for SidecarActor {
         let valid = map
             .validate(&ckpt.id, c.moe_layers().len(), c.num_experts, None)
             .map_err(|e| bad(e.to_string()))?;
+        {
+            // an epoch never goes backwards, and a prepared swap is finished or aborted first
+            let st = self
+                .core
+                .state
+                .read()
+                .map_err(|_| Category::Internal.status("state poisoned"))?;
+            if valid.map == st.map.map {
+                // the map it serves already: nothing to load
+                return Ok(LoadMapReply {
+                    map_epoch: valid.epoch(),
+                });
+            }
+            if valid.epoch() <= st.epochs.highest() {
+                return Err(Category::EpochMismatch.status(format!(
+                    "a new map must carry an epoch above {}, the highest this sidecar has heard of \
+                     (this one has {}): epochs never go backwards or name two maps",
+                    st.epochs.highest(),
+                    valid.epoch()
+                )));
+            }
+            if st.next.is_some() {
+                return Err(Category::Unavailable
+                    .status("a swap is prepared: LoadMap waits until it is released or aborted"));
+            }
+        }
         let bank = ExpertBank::load(&ckpt, &valid, Tier::Cold, &c.moe_layers(), None)
             .map_err(|e| Category::Internal.status(e.to_string()))?;
         let mut st = self

@@ -313,3 +313,55 @@ fn prepare_refuses_a_wrong_checksum_and_another_incarnation() {
         1
     );
 }
+
+/// LoadMap: the map it serves is a no-op; a new map needs an epoch above every one heard of
+/// (it once rolled the epoch back from 1 to 0).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_map_never_moves_the_epoch_backwards_or_names_two_maps_one_epoch() {
+    use moelane_rtx_worker::{LoadMapMsg, SidecarOptions};
+    let s = moelane_rtx_worker::start(&SidecarOptions {
+        model: tiny().to_path_buf(),
+        map: None,
+        data: None,
+        shm_dir: std::env::temp_dir(),
+        shm_cap: 1 << 16,
+        device: "cpu".into(),
+        probe_bandwidth: false,
+    })
+    .expect("start the sidecar");
+    let now = s.core.state.read().unwrap().map.map.clone();
+    let e0 = now.epoch;
+    let ask = |m: &Rowmap| s.actor.ask(LoadMapMsg(m.to_json().unwrap()));
+    // the map it serves already
+    assert_eq!(ask(&now).await.expect("same map").map_epoch, e0);
+    // a different map at a new epoch
+    let mut next = now.clone();
+    next.epoch = e0 + 1;
+    // one expert of layer 0 changes tier (whichever way the current map allows)
+    let l = &mut next.layers[0];
+    if let Some(e) = l.hot.pop() {
+        l.cold.push(e);
+    } else if let Some(e) = l.cold.pop() {
+        l.hot.push(e);
+    }
+    l.hot.sort_unstable();
+    l.cold.sort_unstable();
+    assert_eq!(ask(&next).await.expect("newer map").map_epoch, e0 + 1);
+    assert_eq!(s.core.epoch(), e0 + 1);
+    // the old map again, at its old epoch: refused, nothing moves
+    for (m, what) in [
+        (&now, "older"),
+        (
+            &{
+                let mut same = now.clone();
+                same.epoch = e0 + 1;
+                same
+            },
+            "same epoch, other map",
+        ),
+    ] {
+        let e = ask(m).await.expect_err(what);
+        assert!(e.to_string().contains("never go backwards"), "{what}: {e}");
+        assert_eq!(s.core.epoch(), e0 + 1, "{what}");
+    }
+}

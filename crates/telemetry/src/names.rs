@@ -77,7 +77,7 @@ pub const LINK_ROUND_TRIP: &str = "moelane_link_round_trip_seconds";
 pub const MAP_EPOCH: &str = "moelane_map_epoch";
 /// counter: swap phases; labels: phase (prepare, commit, release, abort), outcome (ok, error)
 pub const SWAP_PHASES: &str = "moelane_swap_phases_total";
-/// counter: swap batches; labels: outcome (committed, aborted)
+/// counter: swap batches; labels: outcome (committed, aborted, rejected: no moves or moves that cannot be made)
 pub const SWAPS: &str = "moelane_swaps_total";
 /// histogram: one swap batch, PREPARE to RELEASE
 pub const SWAP_DURATION: &str = "moelane_swap_duration_seconds";
