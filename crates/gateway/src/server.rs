@@ -517,6 +517,14 @@ fn random_id(st: &AppState) -> u128 {
 /// tokenizer's normaliser shrinks a character at most from 4 UTF-8 bytes to 1, so a text of
 /// N bytes holds at least N / (4 x longest) tokens.
 fn encode_bounded(st: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
+    encode_bounded_check(st, text)?;
+    st.tokenizer
+        .encode(text)
+        .map_err(|e| ApiError::Internal(e.to_string()))
+}
+
+/// [`encode_bounded`]'s check alone.
+fn encode_bounded_check(st: &AppState, text: &str) -> Result<(), ApiError> {
     let ctx = st.cfg.max_context;
     let least = text.len() / (4 * st.max_token_bytes.max(1));
     if least >= ctx {
@@ -526,9 +534,59 @@ fn encode_bounded(st: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
             text.len()
         )));
     }
-    st.tokenizer
-        .encode(text)
-        .map_err(|e| ApiError::Internal(e.to_string()))
+    Ok(())
+}
+
+/// A rendered chat as tokens, where only the template's own markers become control tokens:
+/// a message whose content holds a special token's text (`<|im_end|>` typed by a user, which
+/// would otherwise forge a turn) is found in the rendered text and tokenised as plain text.
+/// Chats without such text tokenise as one string, as transformers does.
+fn encode_chat(st: &AppState, text: &str, msgs: &[ChatMessage]) -> Result<Vec<u32>, ApiError> {
+    let flagged: Vec<(usize, &str)> = msgs
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| st.tokenizer.find_special(&m.content).is_some())
+        .map(|(i, m)| (i, m.content.as_str()))
+        .collect();
+    if flagged.is_empty() {
+        return encode_bounded(st, text);
+    }
+    // the size check on the whole first, then the pieces in order
+    encode_bounded_check(st, text)?;
+    let mut ids = Vec::new();
+    let mut at = 0;
+    for (i, content) in flagged {
+        let Some(off) = text[at..].find(content) else {
+            return Err(ApiError::bad(
+                format!(
+                    "messages[{i}].content holds the control-token text {:?}, and this model's \
+                     chat template changes the content, so it cannot be sent as plain text",
+                    st.tokenizer.find_special(content).unwrap_or_default()
+                ),
+                Some("messages"),
+            ));
+        };
+        let start = at + off;
+        ids.extend(encode_piece(st, &text[at..start], false)?);
+        ids.extend(encode_piece(st, content, true)?);
+        at = start + content.len();
+    }
+    ids.extend(encode_piece(st, &text[at..], false)?);
+    Ok(ids)
+}
+
+/// One piece of a rendered chat: the template's (special tokens recognised) or a user's
+/// content (`plain`: as written).
+fn encode_piece(st: &AppState, piece: &str, plain: bool) -> Result<Vec<u32>, ApiError> {
+    if piece.is_empty() {
+        return Ok(Vec::new());
+    }
+    let r = if plain {
+        st.tokenizer.encode_plain(piece)
+    } else {
+        st.tokenizer.encode(piece)
+    };
+    r.map_err(|e| ApiError::Internal(e.to_string()))
 }
 
 /// The request's prompt as token ids: the chat messages rendered by the template, or the
@@ -547,6 +605,15 @@ fn prompt_tokens(st: &AppState, v: &Value, chat: bool) -> Result<Vec<u32>, ApiEr
             let role = m.get("role").and_then(|r| r.as_str()).ok_or_else(|| {
                 ApiError::bad(format!("messages[{i}].role is missing"), Some("messages"))
             })?;
+            if !["system", "developer", "user", "assistant", "tool"].contains(&role) {
+                return Err(ApiError::bad(
+                    format!(
+                        "messages[{i}].role {role:?} is not one of system, developer, user, \
+                         assistant, tool"
+                    ),
+                    Some("messages"),
+                ));
+            }
             let content = m.get("content").and_then(text_of).ok_or_else(|| {
                 ApiError::bad(
                     format!("messages[{i}].content must be a string or text parts"),
@@ -562,7 +629,7 @@ fn prompt_tokens(st: &AppState, v: &Value, chat: bool) -> Result<Vec<u32>, ApiEr
             .template
             .render(&out)
             .map_err(|e| ApiError::bad(e.to_string(), Some("messages")))?;
-        encode_bounded(st, &text)?
+        encode_chat(st, &text, &out)?
     } else {
         match v.get("prompt") {
             Some(Value::String(s)) => encode_bounded(st, s)?,
@@ -597,6 +664,73 @@ fn prompt_tokens(st: &AppState, v: &Value, chat: bool) -> Result<Vec<u32>, ApiEr
     })
 }
 
+/// Parameters of the OpenAI API that are not built yet: a 400 naming them when set to
+/// anything but their neutral value, rather than an answer that silently ignores them.
+fn refuse_unbuilt(v: &Value) -> Result<(), ApiError> {
+    let neutral = |k: &str, ok: &dyn Fn(&Value) -> bool| match v.get(k) {
+        None | Some(Value::Null) => true,
+        Some(x) => ok(x),
+    };
+    let not_yet = |k: &'static str, what: &str| -> Result<(), ApiError> {
+        Err(ApiError::bad(
+            format!("`{k}` is not supported by this server yet ({what}); leave it out"),
+            Some(k),
+        ))
+    };
+    if !neutral("tools", &|x| x.as_array().is_some_and(|a| a.is_empty())) {
+        return not_yet("tools", "tool calls");
+    }
+    if !neutral("tool_choice", &|x| x == "none" || x == "auto") {
+        return not_yet("tool_choice", "tool calls");
+    }
+    if !neutral("response_format", &|x| x["type"] == "text") {
+        return not_yet("response_format", "structured output");
+    }
+    if !neutral("logprobs", &|x| x == false) {
+        return not_yet("logprobs", "token log-probabilities");
+    }
+    if !neutral("top_logprobs", &|x| x == 0) {
+        return not_yet("top_logprobs", "token log-probabilities");
+    }
+    if !neutral("echo", &|x| x == false) {
+        return not_yet("echo", "echoing the prompt");
+    }
+    if !neutral("best_of", &|x| x == 1) {
+        return not_yet("best_of", "several candidates per answer");
+    }
+    if !neutral("suffix", &|x| x == "") {
+        return not_yet("suffix", "insertion");
+    }
+    if !neutral("logit_bias", &|x| {
+        x.as_object().is_some_and(|o| o.is_empty())
+    }) {
+        return not_yet("logit_bias", "biased sampling");
+    }
+    for k in ["presence_penalty", "frequency_penalty"] {
+        match num(v, k)? {
+            Some(p) if !(-2.0..=2.0).contains(&p) => {
+                return Err(ApiError::bad(
+                    format!("{k} {p} is outside [-2, 2]"),
+                    Some(if k == "presence_penalty" {
+                        "presence_penalty"
+                    } else {
+                        "frequency_penalty"
+                    }),
+                ))
+            }
+            Some(p) if p != 0.0 => {
+                return if k == "presence_penalty" {
+                    not_yet("presence_penalty", "repetition penalties")
+                } else {
+                    not_yet("frequency_penalty", "repetition penalties")
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequest, ApiError> {
     let model = v
         .get("model")
@@ -610,6 +744,7 @@ fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequest, ApiErr
             return Err(ApiError::bad("only n = 1 is supported", Some("n")));
         }
     }
+    refuse_unbuilt(v)?;
     let prompt = prompt_tokens(st, v, chat)?;
     if prompt.is_empty() {
         return Err(ApiError::bad(
@@ -657,8 +792,18 @@ fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequest, ApiErr
             Some("top_p"),
         ));
     }
-    let seed = match num(v, "seed")? {
-        Some(s) => s as i64 as u64,
+    let seed = match v.get("seed") {
+        None | Some(Value::Null) => None,
+        // every integer a client may send, exactly (negative ones as their 64 bits)
+        Some(x) => Some(x.as_u64().or(x.as_i64().map(|i| i as u64)).ok_or_else(|| {
+            ApiError::bad(
+                format!("seed must be an integer between -2^63 and 2^64 - 1, got {x}"),
+                Some("seed"),
+            )
+        })?),
+    };
+    let seed = match seed {
+        Some(s) => s,
         None => SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_nanos() as u64)

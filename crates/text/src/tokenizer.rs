@@ -18,6 +18,10 @@ pub type Result<T> = std::result::Result<T, Error>;
 
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// The same tokenizer with special tokens read as plain text (for what users wrote).
+    plain: tokenizers::Tokenizer,
+    /// The text of every special token, longest first.
+    special_texts: Vec<String>,
     /// `bytes[id]`: the bytes token `id` stands for.
     bytes: Vec<Vec<u8>>,
     pub eos_ids: Vec<u32>,
@@ -115,8 +119,19 @@ impl Tokenizer {
             .iter()
             .filter_map(|t| inner.token_to_id(t))
             .collect();
+        let mut special_texts: Vec<String> = added
+            .values()
+            .filter(|a| a.special && !a.content.is_empty())
+            .map(|a| a.content.clone())
+            .collect();
+        special_texts.sort_by(|a, b| b.len().cmp(&a.len()).then(a.cmp(b)));
+        special_texts.dedup();
+        let mut plain = inner.clone();
+        plain.set_encode_special_tokens(true);
         Tokenizer {
             inner,
+            plain,
+            special_texts,
             bytes,
             eos_ids,
             special,
@@ -135,6 +150,44 @@ impl Tokenizer {
             .map_err(|e| Error {
                 path: "tokenizer.json".into(),
                 reason: e.to_string(),
+            })
+    }
+
+    /// Encodes text as written: a special token's text in it (`<|im_end|>` typed by a user) is
+    /// plain text, never the control token.
+    pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
+        self.plain
+            .encode(text, false)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| Error {
+                path: "tokenizer.json".into(),
+                reason: e.to_string(),
+            })
+    }
+
+    /// The first special token's text found in `text`, if any.
+    pub fn find_special<'a>(&'a self, text: &str) -> Option<&'a str> {
+        if self.special_texts.is_empty() {
+            return None;
+        }
+        // only where a special token's first character is
+        let firsts: Vec<char> = {
+            let mut f: Vec<char> = self
+                .special_texts
+                .iter()
+                .filter_map(|t| t.chars().next())
+                .collect();
+            f.sort_unstable();
+            f.dedup();
+            f
+        };
+        text.char_indices()
+            .filter(|(_, c)| firsts.binary_search(c).is_ok())
+            .find_map(|(i, _)| {
+                self.special_texts
+                    .iter()
+                    .find(|t| text[i..].starts_with(t.as_str()))
+                    .map(|t| t.as_str())
             })
     }
 
