@@ -14,10 +14,15 @@ use crate::frame::{self, MAX_FRAME};
 use crate::ColdService;
 
 fn read_frame(s: &mut TcpStream, buf: &mut Vec<u8>) -> std::io::Result<()> {
+    read_frame_max(s, buf, MAX_FRAME)
+}
+
+/// [`read_frame`] refusing frames over `max` bytes.
+fn read_frame_max(s: &mut TcpStream, buf: &mut Vec<u8>, max: usize) -> std::io::Result<()> {
     let mut len = [0u8; 4];
     s.read_exact(&mut len)?;
     let n = u32::from_le_bytes(len) as usize;
-    if n > MAX_FRAME {
+    if n > max {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
             format!("frame of {n} bytes exceeds the limit"),
@@ -45,6 +50,28 @@ fn write_frame(s: &mut TcpStream, buf: &[u8]) -> std::io::Result<()> {
     s.write_all(buf)
 }
 
+/// The first frame of a connection when the deployment has a cluster token: these bytes,
+/// then the token. The sidecar answers [`AUTH_OK`]; a connection that does not open with a
+/// token it accepts, within [`AUTH_DEADLINE`], is closed unanswered.
+pub const AUTH_MAGIC: &[u8] = b"moelane-link-auth-1\0";
+pub const AUTH_OK: &[u8] = b"ok";
+pub const AUTH_DEADLINE: Duration = Duration::from_secs(5);
+
+/// Presents `token` on a new connection and waits for the sidecar's acceptance.
+fn authenticate(s: &mut TcpStream, token: &str, buf: &mut Vec<u8>) -> std::io::Result<()> {
+    let mut f = AUTH_MAGIC.to_vec();
+    f.extend_from_slice(token.as_bytes());
+    write_frame(s, &f)?;
+    read_frame_max(s, buf, 64)?;
+    if buf.as_slice() != AUTH_OK {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            "the sidecar refused the cluster token",
+        ));
+    }
+    Ok(())
+}
+
 /// The primary's end of a TCP link.
 pub struct TcpTier {
     stream: TcpStream,
@@ -55,7 +82,14 @@ pub struct TcpTier {
 }
 
 impl TcpTier {
+    /// Connects, presenting this process's cluster token when one is set.
     pub fn connect(addr: &str, timeout: Duration) -> Result<Self> {
+        let token = moelane_proto::auth::cluster();
+        Self::connect_as(addr, timeout, token.as_deref().map(|k| k.token()))
+    }
+
+    /// Connects, presenting `token` first when given.
+    pub fn connect_as(addr: &str, timeout: Duration, token: Option<&str>) -> Result<Self> {
         let to_err =
             |e: std::io::Error| Error::link("tcp", crate::io_fault(&e), format!("{addr}: {e}"));
         let sa: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(addr)
@@ -72,9 +106,20 @@ impl TcpTier {
         stream.set_nodelay(true).map_err(to_err)?;
         stream.set_read_timeout(Some(timeout)).map_err(to_err)?;
         stream.set_write_timeout(Some(timeout)).map_err(to_err)?;
+        let mut stream = stream;
+        let mut buf = Vec::new();
+        if let Some(t) = token {
+            authenticate(&mut stream, t, &mut buf).map_err(|e| {
+                Error::link(
+                    "tcp",
+                    Fault::Unavailable,
+                    format!("{addr}: presenting the cluster token: {e}"),
+                )
+            })?;
+        }
         Ok(TcpTier {
             stream,
-            buf: Vec::new(),
+            buf,
             pending: None,
             read_timeout: timeout,
         })
@@ -124,8 +169,40 @@ impl RemoteTier for TcpTier {
     }
 }
 
-/// Serves every connection of `listener` on its own thread until the listener fails.
+/// Serves every connection of `listener` on its own thread until the listener fails; with
+/// this process's cluster token set, only connections that present it.
 pub fn serve(listener: TcpListener, svc: Arc<dyn ColdService>) {
+    serve_with(listener, svc, moelane_proto::auth::cluster())
+}
+
+/// Whether a new connection opens with a token `keys` accepts (nothing to check without keys).
+fn admitted(
+    s: &mut TcpStream,
+    keys: Option<&moelane_proto::auth::Keys>,
+    buf: &mut Vec<u8>,
+) -> bool {
+    let Some(k) = keys else { return true };
+    let _ = s.set_read_timeout(Some(AUTH_DEADLINE));
+    let ok = read_frame_max(s, buf, AUTH_MAGIC.len() + 1024).is_ok()
+        && buf.starts_with(AUTH_MAGIC)
+        && k.accepts(&buf[AUTH_MAGIC.len()..])
+        && write_frame(s, AUTH_OK).is_ok();
+    let _ = s.set_read_timeout(None);
+    if !ok {
+        tracing::warn!(
+            peer = ?s.peer_addr().ok(),
+            "a connection to the TCP data port did not present the cluster token: closed"
+        );
+    }
+    ok
+}
+
+/// [`serve`] with the keys given (None: every connection is served).
+pub fn serve_with(
+    listener: TcpListener,
+    svc: Arc<dyn ColdService>,
+    keys: Option<Arc<moelane_proto::auth::Keys>>,
+) {
     std::thread::Builder::new()
         .name("moelane-tcp-accept".into())
         .spawn(move || {
@@ -147,7 +224,7 @@ pub fn serve(listener: TcpListener, svc: Arc<dyn ColdService>) {
                     }
                 }
                 let leave = Leave(open.clone());
-                let svc = svc.clone();
+                let (svc, keys) = (svc.clone(), keys.clone());
                 let _ = std::thread::Builder::new()
                     .name("moelane-tcp-link".into())
                     .spawn(move || {
@@ -155,6 +232,9 @@ pub fn serve(listener: TcpListener, svc: Arc<dyn ColdService>) {
                         let _ = s.set_nodelay(true);
                         let (mut buf, mut out, mut req) =
                             (Vec::new(), Vec::new(), ColdRequest::default());
+                        if !admitted(&mut s, keys.as_deref(), &mut buf) {
+                            return;
+                        }
                         while read_frame(&mut s, &mut buf).is_ok() {
                             crate::handle_frame(&svc, &mut buf, &mut req, &mut out);
                             if write_frame(&mut s, &buf).is_err() {
@@ -209,6 +289,29 @@ mod tests {
             out.clear();
             Ok(())
         }
+    }
+
+    #[test]
+    fn with_a_cluster_token_only_connections_that_present_it_are_served() {
+        let keys = moelane_proto::auth::Keys::parse("link-token-0123456789abcdef", "t").unwrap();
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = l.local_addr().unwrap().to_string();
+        serve_with(l, Arc::new(Nothing), Some(Arc::new(keys)));
+        let to = Duration::from_secs(5);
+        // the right token: served
+        let mut t = TcpTier::connect_as(&a, to, Some("link-token-0123456789abcdef")).unwrap();
+        t.send(ColdRequest::default()).unwrap();
+        let r = t.recv();
+        assert!(r.is_ok(), "{:?}", r.err());
+        // a wrong token: refused at connect
+        let e = TcpTier::connect_as(&a, to, Some("wrong-token-0123456789abcdef")).err();
+        assert!(e.is_some_and(|e| e.to_string().contains("cluster token")));
+        // no token: the first frame is not one, the connection is closed unanswered
+        let mut c = TcpStream::connect(&a).unwrap();
+        c.set_read_timeout(Some(to)).unwrap();
+        write_frame(&mut c, &[1, 2, 3]).unwrap();
+        let mut buf = Vec::new();
+        assert!(read_frame(&mut c, &mut buf).is_err());
     }
 
     #[test]

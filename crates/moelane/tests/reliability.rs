@@ -918,13 +918,14 @@ fn with_degraded_a_lost_sidecar_costs_no_request_and_changes_no_output() {
 fn a_cluster_token_keeps_the_grpc_surfaces_to_the_deployment() {
     const TOKEN: &str = "cluster-token-0123456789abcdef";
     let token = [("MOELANE_CLUSTER_TOKEN", TOKEN)];
-    let sport = free_port();
-    let side_args = sidecar_args(sport, &[]);
+    let (sport, dport) = (free_port(), free_port());
+    let side_args = sidecar_args(sport, &["--data", &format!("127.0.0.1:{dport}")]);
     let side_args: Vec<&str> = side_args.iter().map(|s| s.as_str()).collect();
     let (_side, _) = start_env(&side_args, &["sidecar control "], &token);
     let sidecar = format!("http://127.0.0.1:{sport}");
-    // every process of the deployment holds the token: the lane serves through a gateway
-    let (_p, purl) = primary(&["--sidecar", &sidecar, "--link", "shm"], &token);
+    // every process of the deployment holds the token: the lane serves through a gateway,
+    // its activations over the TCP link (which opens with the token)
+    let (_p, purl) = primary(&["--sidecar", &sidecar, "--link", "tcp"], &token);
     let args = gateway_args(&[&purl], &["--health-interval", "0.2"]);
     let args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
     let (_g, v) = start_env(&args, &["gateway listening on "], &token);
@@ -987,6 +988,19 @@ fn a_cluster_token_keeps_the_grpc_surfaces_to_the_deployment() {
     assert!(err.contains("cluster token"), "{err}");
     // the standard health service stays open for probes
     assert_eq!(grpc_health(&purl), 1);
+    // the data port closes a connection that does not open with the token, unanswered
+    {
+        use std::io::{Read, Write};
+        let mut c = std::net::TcpStream::connect(("127.0.0.1", dport)).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        c.write_all(&3u32.to_le_bytes()).unwrap();
+        c.write_all(&[1, 2, 3]).unwrap();
+        let mut b = [0u8; 8];
+        assert!(
+            matches!(c.read(&mut b), Ok(0) | Err(_)),
+            "answered without a token"
+        );
+    }
     // a token file shorter than a secret is refused at start, naming the line
     let bad = std::env::temp_dir().join(format!("moelane-short-token-{}", std::process::id()));
     std::fs::write(&bad, "# ops\nshort\n").unwrap();
