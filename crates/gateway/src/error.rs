@@ -26,6 +26,8 @@ pub enum ApiError {
     Internal(String),
     #[error("no route {0}")]
     NotFound(String),
+    #[error("{0}")]
+    RequestTimeout(String),
     #[error("{0}: this path does not take that method")]
     MethodNotAllowed(String),
     /// No credential, or one that is not a configured key.
@@ -61,6 +63,7 @@ impl ApiError {
             ApiError::UnknownModel(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -88,6 +91,7 @@ impl ApiError {
             ApiError::Internal(_) => ("server_error", None, None),
             ApiError::NotFound(_) => ("invalid_request_error", Some("not_found"), None),
             ApiError::Unauthorized(_) => ("invalid_request_error", Some("invalid_api_key"), None),
+            ApiError::RequestTimeout(_) => ("invalid_request_error", Some("timeout"), None),
             ApiError::MethodNotAllowed(_) => {
                 ("invalid_request_error", Some("method_not_allowed"), None)
             }

@@ -54,6 +54,8 @@ pub struct GatewayConfig {
     pub max_attempts: usize,
     /// No new attempt starts later than this after the request arrived.
     pub retry_deadline: std::time::Duration,
+    /// A request's whole body must arrive within this (408 past it).
+    pub body_timeout: std::time::Duration,
 }
 
 /// The gateway's stopping state: draining (nothing new is taken: /ready says 503) and, once
@@ -446,9 +448,29 @@ pub struct ValidRequest {
 }
 
 async fn read_json(st: &AppState, body: Body) -> Result<Value, ApiError> {
-    let bytes: Bytes = axum::body::to_bytes(body, st.cfg.max_body)
-        .await
-        .map_err(|_| ApiError::TooLarge(st.cfg.max_body))?;
+    // the whole body within the deadline: a client sending it a byte at a time is cut off
+    let read = tokio::time::timeout(
+        st.cfg.body_timeout,
+        axum::body::to_bytes(body, st.cfg.max_body),
+    );
+    let bytes: Bytes = match read.await {
+        Err(_) => {
+            return Err(ApiError::RequestTimeout(format!(
+                "the request body did not arrive within {:.0} s",
+                st.cfg.body_timeout.as_secs_f64()
+            )))
+        }
+        Ok(Err(e)) if format!("{e:?}").contains("LengthLimitError") => {
+            return Err(ApiError::TooLarge(st.cfg.max_body))
+        }
+        Ok(Err(e)) => {
+            return Err(ApiError::bad(
+                format!("reading the request body: {e}"),
+                None,
+            ))
+        }
+        Ok(Ok(b)) => b,
+    };
     let v: Value = serde_json::from_slice(&bytes)
         .map_err(|e| ApiError::bad(format!("malformed JSON body: {e}"), None))?;
     if !v.is_object() {

@@ -106,6 +106,7 @@ async fn gateway_state(lanes: &[&str]) -> AppState {
             default_top_p: generation.top_p.unwrap_or(1.0),
             max_attempts: 3,
             retry_deadline: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(2),
         },
         Tokenizer::from_file(&dir.join("tokenizer.json")).expect("tokenizer"),
         ChatTemplate::from_dir(dir).expect("template"),
@@ -707,4 +708,32 @@ async fn parameters_not_built_are_refused_by_name_and_seeds_are_exact() {
         "a seed repeats"
     );
     assert_ne!(a, b, "seeds 2^63 and 2^64-1 gave the same text");
+}
+
+/// A body sent slower than the body deadline (2 s in these tests) is cut with a 408 and an
+/// OpenAI error body, so a trickling client does not hold its connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_slower_than_its_deadline_gets_a_408() {
+    let (_p, url) = primary().await;
+    let gw = gateway(&[&url]).await;
+    let body = json!({"model": "tiny", "prompt": "hi", "max_tokens": 1}).to_string();
+    let mut s = tokio::net::TcpStream::connect(&gw).await.expect("connect");
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    let t0 = std::time::Instant::now();
+    // one byte, then silence
+    s.write_all(&body.as_bytes()[..1]).await.unwrap();
+    let mut raw = vec![0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut raw))
+        .await
+        .expect("an answer before 10 s")
+        .unwrap();
+    let text = String::from_utf8_lossy(&raw[..n]).to_string();
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(text.contains("\"timeout\""), "{text}");
+    let took = t0.elapsed();
+    assert!(took >= Duration::from_millis(1900) && took < Duration::from_secs(6), "{took:?}");
 }

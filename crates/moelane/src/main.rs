@@ -653,6 +653,10 @@ struct LaneArgs {
     /// kept-alive ones included, is closed past it.
     #[arg(long, env = "MOELANE_HEADER_TIMEOUT")]
     header_timeout: Option<f64>,
+    /// Gateway: seconds a client has to send a request's whole body once its head arrived
+    /// (default 30; 408 past it).
+    #[arg(long, env = "MOELANE_BODY_TIMEOUT")]
+    body_timeout: Option<f64>,
     /// Gateway: the model name clients use.
     #[arg(long, env = "MOELANE_SERVED_MODEL_NAME")]
     served_model_name: Option<String>,
@@ -760,6 +764,7 @@ impl LaneArgs {
             admin_token_file,
             max_connections,
             header_timeout,
+            body_timeout,
             served_model_name,
             metrics_listen,
             sidecar_device,
@@ -1227,6 +1232,8 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                     go.http.max_connections = a.max_connections.unwrap_or(4096).max(1);
                     go.http.header_timeout =
                         secs(a.header_timeout, 30.0).max(std::time::Duration::from_millis(100));
+                    go.body_timeout =
+                        secs(a.body_timeout, 30.0).max(std::time::Duration::from_millis(100));
                     let mut g = roles::start_gateway(&go).await?;
                     println!("moelane: gateway listening on http://{}/v1", g.addr);
                     let why = tokio::select! {

@@ -856,6 +856,8 @@ pub struct GatewayOptions {
     pub http: moelane_gateway::listen::HttpLimits,
     /// Where the admin endpoints listen (loopback unless an admin token is set).
     pub admin_listen: String,
+    /// A request's whole body must arrive within this.
+    pub body_timeout: Duration,
     /// API keys and the admin token.
     pub auth: moelane_gateway::server::Auth,
 }
@@ -879,6 +881,7 @@ impl GatewayOptions {
             handoff: None,
             http: Default::default(),
             admin_listen: "127.0.0.1:0".into(),
+            body_timeout: Duration::from_secs(30),
             auth: Default::default(),
         }
     }
@@ -1029,6 +1032,7 @@ pub async fn start_gateway(o: &GatewayOptions) -> Result<Gateway> {
                 default_top_p: generation.top_p.unwrap_or(1.0),
                 max_attempts: o.max_attempts.max(1),
                 retry_deadline: o.retry_deadline,
+                body_timeout: o.body_timeout,
             },
             tokenizer,
             template,
