@@ -63,3 +63,6 @@ if [ "${MOELANE_SKIP_DOCKER:-0}" != 1 ]; then
 fi
 
 cargo test --workspace --profile test "$@"
+
+# a short run of every fuzz target (a crash fails the test command)
+scripts/fuzz.sh 10
