@@ -246,20 +246,11 @@ pub fn router_for(state: Arc<AppState>, listener: Listener) -> Router {
     let mut router = Router::new();
     for route in routes().into_iter().filter(|r| r.listener == listener) {
         let mut m = (route.handler)();
-        match route.access {
-            Access::Open => {}
-            Access::ApiKey => {
-                m = m.route_layer(axum::middleware::from_fn_with_state(
-                    state.clone(),
-                    require_api_key,
-                ))
-            }
-            Access::AdminToken => {
-                m = m.route_layer(axum::middleware::from_fn_with_state(
-                    state.clone(),
-                    require_admin,
-                ))
-            }
+        if route.access != Access::Open {
+            m = m.route_layer(axum::middleware::from_fn_with_state(
+                (state.clone(), route.access),
+                require,
+            ));
         }
         router = router.route(route.path, m);
     }
@@ -294,42 +285,30 @@ fn credential(req: &Request) -> Option<&str> {
         .or_else(|| h.get("x-api-key").and_then(|v| v.to_str().ok()))
 }
 
-async fn require_api_key(
-    State(st): State<Arc<AppState>>,
+/// The check of a route's [`Access`] (an `Open` route has none): the secret it needs, if the
+/// deployment set one, or a 401 saying what is missing.
+async fn require(
+    State((st, access)): State<(Arc<AppState>, Access)>,
     req: Request,
     next: axum::middleware::Next,
 ) -> Response {
-    if let Some(keys) = &st.auth.api_keys {
-        match credential(&req) {
-            None => {
-                return ApiError::Unauthorized(
-                    "You didn't provide an API key: send Authorization: Bearer YOUR_KEY".into(),
-                )
-                .into_response()
-            }
-            Some(k) if !keys.accepts(k.as_bytes()) => {
-                return ApiError::Unauthorized("Incorrect API key provided".into()).into_response()
-            }
-            Some(_) => {}
-        }
-    }
-    next.run(req).await
-}
-
-async fn require_admin(
-    State(st): State<Arc<AppState>>,
-    req: Request,
-    next: axum::middleware::Next,
-) -> Response {
-    if let Some(keys) = &st.auth.admin {
-        let ok = credential(&req).is_some_and(|k| keys.accepts(k.as_bytes()));
-        if !ok {
-            return ApiError::Unauthorized(
+    let keys = match access {
+        Access::Open => None,
+        Access::ApiKey => st.auth.api_keys.as_deref(),
+        Access::AdminToken => st.auth.admin.as_deref(),
+    };
+    if let Some(keys) = keys {
+        let refused = match (credential(&req), access) {
+            (Some(k), _) if keys.accepts(k.as_bytes()) => None,
+            (_, Access::AdminToken) => Some(
                 "the admin endpoints need the admin token: Authorization: Bearer TOKEN \
-                 (--admin-token-file)"
-                    .into(),
-            )
-            .into_response();
+                 (--admin-token-file)",
+            ),
+            (None, _) => Some("You didn't provide an API key: send Authorization: Bearer YOUR_KEY"),
+            (Some(_), _) => Some("Incorrect API key provided"),
+        };
+        if let Some(why) = refused {
+            return ApiError::Unauthorized(why.into()).into_response();
         }
     }
     next.run(req).await

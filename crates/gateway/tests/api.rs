@@ -735,5 +735,8 @@ async fn a_body_slower_than_its_deadline_gets_a_408() {
     assert!(text.starts_with("HTTP/1.1 408"), "{text}");
     assert!(text.contains("\"timeout\""), "{text}");
     let took = t0.elapsed();
-    assert!(took >= Duration::from_millis(1900) && took < Duration::from_secs(6), "{took:?}");
+    assert!(
+        took >= Duration::from_millis(1900) && took < Duration::from_secs(6),
+        "{took:?}"
+    );
 }

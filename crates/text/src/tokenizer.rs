@@ -22,10 +22,22 @@ pub struct Tokenizer {
     plain: tokenizers::Tokenizer,
     /// The text of every special token, longest first.
     special_texts: Vec<String>,
+    /// The first characters of those texts, sorted (where [`Tokenizer::find_special`] looks).
+    special_firsts: Vec<char>,
     /// `bytes[id]`: the bytes token `id` stands for.
     bytes: Vec<Vec<u8>>,
     pub eos_ids: Vec<u32>,
     pub special: Vec<bool>,
+}
+
+/// The ids of `text` through `t`, special tokens added by no template.
+fn ids(t: &tokenizers::Tokenizer, text: &str) -> Result<Vec<u32>> {
+    t.encode(text, false)
+        .map(|e| e.get_ids().to_vec())
+        .map_err(|e| Error {
+            path: "tokenizer.json".into(),
+            reason: e.to_string(),
+        })
 }
 
 /// GPT-2's byte-to-unicode table, inverted: char -> byte.
@@ -126,12 +138,19 @@ impl Tokenizer {
             .collect();
         special_texts.sort_by(|a, b| b.len().cmp(&a.len()).then(a.cmp(b)));
         special_texts.dedup();
+        let mut special_firsts: Vec<char> = special_texts
+            .iter()
+            .filter_map(|t| t.chars().next())
+            .collect();
+        special_firsts.sort_unstable();
+        special_firsts.dedup();
         let mut plain = inner.clone();
         plain.set_encode_special_tokens(true);
         Tokenizer {
             inner,
             plain,
             special_texts,
+            special_firsts,
             bytes,
             eos_ids,
             special,
@@ -144,45 +163,19 @@ impl Tokenizer {
 
     /// Encodes text; special tokens written in the text (e.g. `<|im_start|>`) are recognised.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        self.inner
-            .encode(text, false)
-            .map(|e| e.get_ids().to_vec())
-            .map_err(|e| Error {
-                path: "tokenizer.json".into(),
-                reason: e.to_string(),
-            })
+        ids(&self.inner, text)
     }
 
     /// Encodes text as written: a special token's text in it (`<|im_end|>` typed by a user) is
     /// plain text, never the control token.
     pub fn encode_plain(&self, text: &str) -> Result<Vec<u32>> {
-        self.plain
-            .encode(text, false)
-            .map(|e| e.get_ids().to_vec())
-            .map_err(|e| Error {
-                path: "tokenizer.json".into(),
-                reason: e.to_string(),
-            })
+        ids(&self.plain, text)
     }
 
     /// The first special token's text found in `text`, if any.
     pub fn find_special<'a>(&'a self, text: &str) -> Option<&'a str> {
-        if self.special_texts.is_empty() {
-            return None;
-        }
-        // only where a special token's first character is
-        let firsts: Vec<char> = {
-            let mut f: Vec<char> = self
-                .special_texts
-                .iter()
-                .filter_map(|t| t.chars().next())
-                .collect();
-            f.sort_unstable();
-            f.dedup();
-            f
-        };
         text.char_indices()
-            .filter(|(_, c)| firsts.binary_search(c).is_ok())
+            .filter(|(_, c)| self.special_firsts.binary_search(c).is_ok())
             .find_map(|(i, _)| {
                 self.special_texts
                     .iter()
