@@ -1,9 +1,17 @@
 //! Continuous batching (Orca, Yu et al. OSDI'22): requests join and leave at every step.
 //! The scheduler thread owns the engine. Each step it drains commands, admits waiting
-//! requests while their whole KV budget (prompt + max_tokens) fits and the step's prefill
-//! budget lasts, runs one step over every running sequence (decodes) and the admitted ones
-//! (prefills), samples, and streams a token event to each request. A request whose
-//! receiver is gone (the client left) is cancelled and its KV blocks are freed at once.
+//! requests while their prompt fits the KV cache and the step's prefill budget lasts, runs
+//! one step over every running sequence (decodes) and the admitted ones (prefills), samples,
+//! and streams a token event to each request. A request whose receiver is gone (the client
+//! left) is cancelled and its KV blocks are freed at once.
+//!
+//! KV is taken on demand (vLLM's paged attention, Kwon et al. SOSP'23): a sequence holds the
+//! blocks of the positions it has written, one more block as it crosses a block boundary,
+//! never its whole `max_tokens` up front. When the cache cannot hold every running
+//! sequence's next token, the latest arrivals are preempted: their blocks are freed and they
+//! wait, ahead of new requests, to be admitted again with their prompt and the tokens they
+//! generated recomputed in one prefill. The step is batch-invariant and the sampler keeps
+//! its place, so a preempted request's stream is the one it would have produced unpreempted.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -67,6 +75,8 @@ pub struct Snapshot {
     pub finished: u64,
     pub cancelled: u64,
     pub failed: u64,
+    /// Sequences preempted because the KV cache was full.
+    pub preemptions: u64,
     pub max_context: usize,
     pub model: String,
     pub epoch: u64,
@@ -107,7 +117,13 @@ struct Running {
     tx: UnboundedSender<Event>,
     kv: SeqKv,
     sampler: Sampler,
+    /// The tokens the next step feeds: the prompt (and, after a preemption, the tokens
+    /// generated so far) at admission, then the last generated token.
     next: Vec<u32>,
+    /// Every token generated so far, for the recompute after a preemption.
+    out: Vec<u32>,
+    /// Arrival order: the latest arrivals are preempted first and readmitted last.
+    arrival: u64,
     generated: u32,
     admitted: Instant,
     /// "prefill" until the first token, then "decode"
@@ -121,6 +137,7 @@ struct Meters {
     batch: metrics::Gauge,
     kv_used: metrics::Gauge,
     kv_free: metrics::Gauge,
+    preemptions: metrics::Counter,
 }
 
 impl Meters {
@@ -132,6 +149,7 @@ impl Meters {
             batch: metrics::gauge!(n::BATCH_SIZE),
             kv_used: metrics::gauge!(n::KV_BLOCKS_USED),
             kv_free: metrics::gauge!(n::KV_BLOCKS_FREE),
+            preemptions: metrics::counter!(n::KV_PREEMPTIONS),
         }
     }
 }
@@ -162,6 +180,9 @@ pub struct Scheduler {
     cfg: SchedulerConfig,
     waiting: VecDeque<(ValidGen, UnboundedSender<Event>, tracing::Span)>,
     running: Vec<Running>,
+    /// Preempted sequences, oldest arrival first: admitted again before any new request.
+    preempted: VecDeque<Running>,
+    arrivals: u64,
     model: String,
     stats: Snapshot,
     max_iter_ns: u64,
@@ -178,6 +199,8 @@ impl Scheduler {
             cfg,
             waiting: VecDeque::new(),
             running: Vec::new(),
+            preempted: VecDeque::new(),
+            arrivals: 0,
             model,
             stats: Snapshot::default(),
             max_iter_ns: 0,
@@ -194,7 +217,7 @@ impl Scheduler {
         let c = &self.engine.counters;
         Snapshot {
             running: self.running.len(),
-            waiting: self.waiting.len(),
+            waiting: self.waiting.len() + self.preempted.len(),
             kv_used: self.engine.kv.used_blocks(),
             kv_total: self.engine.kv.blocks,
             steps: c.steps,
@@ -226,12 +249,15 @@ impl Scheduler {
             let _ = tx.send(Event::Error { category: Category::ContextOverflow, message: format!("prompt of {} tokens plus max_tokens {} exceeds the context of {max_ctx} tokens", req.prompt.len(), req.max_tokens) });
             return;
         }
-        let blocks = KvCache::blocks_for(need);
+        // the prompt and the first generated token must fit the whole cache; past that the
+        // sequence grows as it generates, and ends with "length" if alone it fills the cache
+        let blocks = KvCache::blocks_for(req.prompt.len() + 1);
         if blocks > self.engine.kv.blocks {
             let _ = tx.send(Event::Error {
                 category: Category::ContextOverflow,
                 message: format!(
-                    "request needs {blocks} KV blocks ({need} tokens), the cache has {} in all",
+                    "a prompt of {} tokens needs {blocks} KV blocks, the lane's cache has {} in all",
+                    req.prompt.len(),
                     self.engine.kv.blocks
                 ),
             });
@@ -249,7 +275,7 @@ impl Scheduler {
     }
 
     fn cancel(&mut self, id: &str) -> bool {
-        let before = self.running.len() + self.waiting.len();
+        let before = self.running.len() + self.waiting.len() + self.preempted.len();
         self.waiting.retain(|(r, tx, _)| {
             let keep = r.id != id;
             if !keep {
@@ -263,7 +289,7 @@ impl Scheduler {
             keep
         });
         let mut found = false;
-        self.running.retain(|r| {
+        let mut end = |r: &Running| {
             let keep = r.req.id != id;
             if !keep {
                 found = true;
@@ -275,8 +301,10 @@ impl Scheduler {
                 });
             }
             keep
-        });
-        let gone = before - self.running.len() - self.waiting.len();
+        };
+        self.running.retain(&mut end);
+        self.preempted.retain(end);
+        let gone = before - self.running.len() - self.waiting.len() - self.preempted.len();
         self.stats.cancelled += gone as u64;
         found || gone > 0
     }
@@ -293,7 +321,7 @@ impl Scheduler {
             let _ = tx.send(err());
             n += 1;
         }
-        for r in self.running.drain(..) {
+        for r in self.running.drain(..).chain(self.preempted.drain(..)) {
             r.req.span.record("moelane.finish_reason", "error");
             let _ = r.tx.send(err());
             n += 1;
@@ -302,59 +330,137 @@ impl Scheduler {
         n
     }
 
-    /// Admits waiting requests: FIFO, while KV and the prefill budget allow.
+    /// Admits preempted sequences (oldest first), then waiting requests (FIFO), while the
+    /// batch has room, the prefill budget lasts (one prefill past it), and the cache holds the
+    /// prefill, its first generated token and a block of growth for each running sequence.
+    /// Nothing is admitted past a candidate that does not fit, so no one starves.
     fn admit(&mut self) -> usize {
         let mut budget = self.cfg.prefill_budget;
         let mut admitted = 0;
-        while let Some((req, _, _)) = self.waiting.front() {
-            if self.running.len() >= self.cfg.max_running {
+        while self.running.len() < self.cfg.max_running {
+            let len = match (self.preempted.front(), self.waiting.front()) {
+                (Some(r), _) => r.next.len(),
+                (None, Some((req, _, _))) => req.prompt.len(),
+                (None, None) => break,
+            };
+            if admitted > 0 && len > budget {
                 break;
             }
-            if admitted > 0 && req.prompt.len() > budget {
-                break;
-            }
-            let need = req.prompt.len() + req.max_tokens;
-            let mut kv = self.engine.kv.new_seq();
-            if self.engine.kv.reserve(&mut kv, need).is_err() {
+            let fits = KvCache::blocks_for(len + 1) + self.running.len();
+            if fits > self.engine.kv.free_blocks() {
+                if self.running.is_empty() && KvCache::blocks_for(len + 1) > self.engine.kv.blocks {
+                    // a preempted sequence that outgrew the whole cache: the lane's capacity
+                    if let Some(r) = self.preempted.pop_front() {
+                        self.finish(r, "length");
+                        continue;
+                    }
+                }
                 break; // waits for blocks to free up
             }
-            let Some((req, tx, queue)) = self.waiting.pop_front() else {
+            let mut kv = self.engine.kv.new_seq();
+            if self.engine.kv.reserve(&mut kv, len).is_err() {
                 break;
-            };
-            drop(queue);
-            if tx.is_closed() {
-                self.stats.cancelled += 1;
-                continue;
             }
-            budget = budget.saturating_sub(req.prompt.len());
-            let sampler = Sampler::new(req.sampling.clone());
-            let next = req.prompt.clone();
-            let phase = tracing::info_span!(
-                parent: &req.span,
-                "prefill",
-                gen_ai.usage.input_tokens = req.prompt.len()
-            );
-            self.running.push(Running {
-                phase,
-                req,
-                tx,
-                kv,
-                sampler,
-                next,
-                generated: 0,
-                admitted: Instant::now(),
-            });
+            let r = match self.preempted.pop_front() {
+                Some(mut r) => {
+                    r.kv = kv;
+                    r
+                }
+                None => {
+                    let Some((req, tx, queue)) = self.waiting.pop_front() else {
+                        break;
+                    };
+                    drop(queue);
+                    if tx.is_closed() {
+                        self.stats.cancelled += 1;
+                        continue;
+                    }
+                    let phase = tracing::info_span!(
+                        parent: &req.span,
+                        "prefill",
+                        gen_ai.usage.input_tokens = req.prompt.len()
+                    );
+                    self.arrivals += 1;
+                    Running {
+                        phase,
+                        sampler: Sampler::new(req.sampling.clone()),
+                        next: req.prompt.clone(),
+                        out: Vec::new(),
+                        arrival: self.arrivals,
+                        req,
+                        tx,
+                        kv,
+                        generated: 0,
+                        admitted: Instant::now(),
+                    }
+                }
+            };
+            budget = budget.saturating_sub(len);
+            self.running.push(r);
             admitted += 1;
         }
         admitted
     }
 
+    /// Makes room in the cache for every running sequence's next tokens: while it cannot
+    /// hold them all, the latest arrival is preempted (its blocks freed, its tokens kept for
+    /// the recompute). A sequence that alone fills the cache ends with "length".
+    fn make_room(&mut self) {
+        loop {
+            let need: usize = self
+                .running
+                .iter()
+                .map(|r| {
+                    KvCache::blocks_for(r.kv.len + r.next.len()).saturating_sub(r.kv.blocks.len())
+                })
+                .sum();
+            if need <= self.engine.kv.free_blocks() {
+                return;
+            }
+            let Some(v) = (0..self.running.len()).max_by_key(|&i| self.running[i].arrival) else {
+                return;
+            };
+            let mut r = self.running.remove(v);
+            if self.running.is_empty() {
+                self.finish(r, "length");
+                return;
+            }
+            // its blocks go back now; it comes back with everything it has seen to recompute
+            r.kv = self.engine.kv.new_seq();
+            r.next = r.req.prompt.iter().chain(&r.out).copied().collect();
+            self.stats.preemptions += 1;
+            self.meters.preemptions.increment(1);
+            let at = self
+                .preempted
+                .iter()
+                .position(|p| p.arrival > r.arrival)
+                .unwrap_or(self.preempted.len());
+            self.preempted.insert(at, r);
+        }
+    }
+
+    /// Ends `r` with `reason` (a finish it reached: its tokens were all sent).
+    fn finish(&mut self, r: Running, reason: &'static str) {
+        r.phase.record("gen_ai.usage.output_tokens", r.generated);
+        r.req.span.record("moelane.finish_reason", reason);
+        r.req.span.record("gen_ai.usage.output_tokens", r.generated);
+        let _ = r.tx.send(Event::Finish {
+            reason,
+            prompt_tokens: r.req.prompt.len() as u32,
+            completion_tokens: r.generated,
+            elapsed_ns: r.admitted.elapsed().as_nanos() as u64,
+        });
+        self.stats.finished += 1;
+    }
+
     fn step(&mut self) {
         // drop requests whose client left, before spending compute on them
-        let before = self.running.len();
+        let before = self.running.len() + self.preempted.len();
         self.running.retain(|r| !r.tx.is_closed());
-        self.stats.cancelled += (before - self.running.len()) as u64;
+        self.preempted.retain(|r| !r.tx.is_closed());
+        self.stats.cancelled += (before - self.running.len() - self.preempted.len()) as u64;
         self.admit();
+        self.make_room();
         if self.running.is_empty() {
             return;
         }
@@ -391,7 +497,7 @@ impl Scheduler {
             }
         };
         let mut keep = Vec::with_capacity(self.running.len());
-        for (i, mut r) in self.running.drain(..).enumerate() {
+        for (i, mut r) in std::mem::take(&mut self.running).into_iter().enumerate() {
             if r.generated == 0 {
                 self.stats.prompt_tokens += r.req.prompt.len() as u64;
             }
@@ -428,20 +534,11 @@ impl Scheduler {
                 None
             };
             match done {
-                Some(reason) => {
-                    r.phase.record("gen_ai.usage.output_tokens", r.generated);
-                    r.req.span.record("moelane.finish_reason", reason);
-                    r.req.span.record("gen_ai.usage.output_tokens", r.generated);
-                    let _ = r.tx.send(Event::Finish {
-                        reason,
-                        prompt_tokens: r.req.prompt.len() as u32,
-                        completion_tokens: r.generated,
-                        elapsed_ns,
-                    });
-                    self.stats.finished += 1;
-                }
+                Some(reason) => self.finish(r, reason),
                 None => {
-                    r.next = vec![tok];
+                    r.next.clear();
+                    r.next.push(tok);
+                    r.out.push(tok);
                     keep.push(r);
                 }
             }
@@ -457,7 +554,8 @@ impl Scheduler {
             if stop.load(Ordering::Acquire) {
                 return;
             }
-            let idle = self.running.is_empty() && self.waiting.is_empty();
+            let idle =
+                self.running.is_empty() && self.waiting.is_empty() && self.preempted.is_empty();
             let first = if idle {
                 match rx.blocking_recv() {
                     Some(c) => Some(c),

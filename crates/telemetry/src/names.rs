@@ -50,6 +50,9 @@ pub const BATCH_SIZE: &str = "moelane_running_batch_sequences";
 pub const KV_BLOCKS_USED: &str = "moelane_kv_cache_used_blocks";
 /// gauge
 pub const KV_BLOCKS_FREE: &str = "moelane_kv_cache_free_blocks";
+/// counter: running sequences preempted because the KV cache was full (their blocks freed,
+/// their prompt and generated tokens recomputed when they are admitted again)
+pub const KV_PREEMPTIONS: &str = "moelane_kv_preemptions_total";
 /// histogram: one engine step (every running sequence advanced one token)
 pub const STEP_DURATION: &str = "moelane_step_duration_seconds";
 /// counter: tokens the primary generated (lane side)
@@ -122,6 +125,7 @@ pub const ALL: &[&str] = &[
     BATCH_SIZE,
     KV_BLOCKS_USED,
     KV_BLOCKS_FREE,
+    KV_PREEMPTIONS,
     STEP_DURATION,
     LANE_TOKENS,
     LANE_REQUESTS,
@@ -210,6 +214,10 @@ pub fn describe() {
     describe_gauge!(BATCH_SIZE, "Sequences in the running batch");
     describe_gauge!(KV_BLOCKS_USED, "KV cache blocks in use");
     describe_gauge!(KV_BLOCKS_FREE, "KV cache blocks free");
+    describe_counter!(
+        KV_PREEMPTIONS,
+        "Running sequences preempted when the KV cache filled (recomputed on readmission)"
+    );
     describe_histogram!(
         STEP_DURATION,
         Unit::Seconds,

@@ -129,18 +129,28 @@ impl Seen {
     }
 }
 
-/// KV blocks the running requests reserved: each reserves prompt + max_tokens at admission.
+/// KV blocks the running requests hold, checking that none holds more than its positions
+/// so far and its next tokens need (KV is taken on demand), and that preempted ones hold none.
 fn reserved(s: &Scheduler) -> usize {
-    s.running
-        .iter()
-        .map(|r| KvCache::blocks_for(r.req.prompt.len() + r.req.max_tokens))
-        .sum()
+    for r in &s.running {
+        let most = KvCache::blocks_for(r.kv.len + r.next.len());
+        assert!(
+            r.kv.blocks.len() <= most,
+            "{} holds {} blocks for {} + {} positions",
+            r.req.id,
+            r.kv.blocks.len(),
+            r.kv.len,
+            r.next.len()
+        );
+    }
+    assert!(s.preempted.iter().all(|r| r.kv.blocks.is_empty()));
+    s.running.iter().map(|r| r.kv.blocks.len()).sum()
 }
 
 /// Steps until nothing runs or waits (at most `limit` steps), checking the KV invariant.
 fn run_idle(s: &mut Scheduler, limit: usize) -> usize {
     for n in 0..limit {
-        if s.running.is_empty() && s.waiting.is_empty() {
+        if s.running.is_empty() && s.waiting.is_empty() && s.preempted.is_empty() {
             return n;
         }
         s.step();
@@ -214,8 +224,9 @@ fn oversized_requests_are_refused_as_context_overflow() {
     let max_ctx = s.engine.cfg.max_position_embeddings;
     // longer than the model's context
     let mut a = submit(&mut s, req("ctx", prompt(&mut rng, 10), max_ctx));
-    // fits the context but not the whole KV cache (256 positions)
-    let mut b = submit(&mut s, req("kv", prompt(&mut rng, 10), 300));
+    // a prompt that fits the context but not the whole KV cache (256 positions)
+    assert!(max_ctx > 300);
+    let mut b = submit(&mut s, req("kv", prompt(&mut rng, 256), 10));
     for rx in [&mut a, &mut b] {
         match drain(rx).as_slice() {
             [Event::Error { category, .. }] => assert_eq!(*category, Category::ContextOverflow),
@@ -226,36 +237,131 @@ fn oversized_requests_are_refused_as_context_overflow() {
 }
 
 #[test]
-fn a_request_waits_for_kv_blocks_and_they_return() {
-    // 20 blocks; each request reserves 12 (10 prompt + 182 tokens = 192 positions)
+fn a_full_cache_preempts_the_latest_arrival_and_its_stream_is_unchanged() {
+    // 20 blocks; each request grows to 12 (10 prompt + 182 tokens = 192 positions): both
+    // start, b is preempted when the cache fills, and resumes once a is done
+    let mut rng = Rng::new(14);
+    let (pa, pb) = (prompt(&mut rng, 10), prompt(&mut rng, 10));
+    let alone = |p: &[u32]| {
+        let mut s = sched(4096, cfg(8, 8));
+        let mut rx = submit(&mut s, req("alone", p.to_vec(), 182));
+        run_idle(&mut s, 400);
+        let mut v = Seen::default();
+        v.take(&mut rx);
+        v.tokens
+    };
     let mut s = sched(20 * BLOCK, cfg(8, 8));
     let total = s.engine.kv.blocks;
     assert_eq!(total, 20);
-    let mut rng = Rng::new(14);
-    let mut a = submit(&mut s, req("a", prompt(&mut rng, 10), 182));
-    let mut b = submit(&mut s, req("b", prompt(&mut rng, 10), 182));
+    let mut a = submit(&mut s, req("a", pa.clone(), 182));
+    let mut b = submit(&mut s, req("b", pb.clone(), 182));
     s.step();
-    assert_eq!(s.running.len(), 1, "only one fits the cache");
-    assert_eq!(s.waiting.len(), 1, "the other waits, not refused");
-    assert_eq!(s.engine.kv.free_blocks(), total - 12);
+    assert_eq!(s.running.len(), 2, "both start: KV is taken as they grow");
+    assert_eq!(s.engine.kv.used_blocks(), 2);
     let (mut sa, mut sb) = (Seen::default(), Seen::default());
-    let mut b_started_after = None;
-    for n in 0..400 {
-        if s.running.is_empty() && s.waiting.is_empty() {
+    let mut preempted_at = None;
+    for n in 0..600 {
+        if s.running.is_empty() && s.waiting.is_empty() && s.preempted.is_empty() {
             break;
         }
         s.step();
         sa.take(&mut a);
         sb.take(&mut b);
-        if b_started_after.is_none() && !sb.tokens.is_empty() {
-            b_started_after = Some(n);
-            assert_eq!(sa.finish, Some("length"), "b ran before a freed its blocks");
+        if preempted_at.is_none() && !s.preempted.is_empty() {
+            preempted_at = Some(n);
+            assert_eq!(s.preempted[0].req.id, "b", "the latest arrival goes first");
+            assert!(sa.finish.is_none());
         }
         assert_eq!(s.engine.kv.used_blocks(), reserved(&s));
     }
-    assert!(b_started_after.is_some(), "b never ran");
-    assert_eq!(sb.finish, Some("length"));
+    assert!(preempted_at.is_some(), "the cache never filled");
+    assert_eq!(s.snapshot().preemptions, 1);
+    assert_eq!((sa.finish, sb.finish), (Some("length"), Some("length")));
+    assert_eq!(sa.tokens, alone(&pa), "a changed");
+    assert_eq!(
+        sb.tokens,
+        alone(&pb),
+        "b's stream changed by its preemption"
+    );
     assert_eq!(s.engine.kv.free_blocks(), total, "every block back");
+}
+
+#[test]
+fn chats_without_max_tokens_all_run_and_preemption_keeps_every_stream() {
+    // the gateway gives a chat without max_tokens the whole context: with KV reserved up
+    // front one such request filled this cache; now all 12 run at once, and as they grow
+    // the cache fills, sequences are preempted and readmitted, and every stream (greedy and
+    // seeded) is the one it produces with a cache that never fills
+    let ctx = {
+        let s = sched(BLOCK, cfg(1, 1));
+        s.engine.cfg.max_position_embeddings
+    };
+    let mut rng = Rng::new(21);
+    let reqs: Vec<ValidGen> = (0..12)
+        .map(|i| {
+            let len = 1 + rng.below(30);
+            let mut r = req(&format!("c{i}"), prompt(&mut rng, len), ctx - len);
+            if i % 2 == 1 {
+                r.sampling = SamplingParams {
+                    temperature: 0.8,
+                    top_p: 0.95,
+                    seed: 100 + i as u64,
+                };
+            }
+            r
+        })
+        .collect();
+    let steps = 60;
+    let run = |kv_tokens: usize| {
+        let mut s = sched(kv_tokens, cfg(16, 64));
+        let mut rxs: Vec<_> = reqs.iter().map(|r| submit(&mut s, r.clone())).collect();
+        let mut seen: Vec<Seen> = (0..reqs.len()).map(|_| Seen::default()).collect();
+        s.step();
+        let first = s.running.len();
+        for _ in 0..steps {
+            s.step();
+            assert_eq!(s.engine.kv.used_blocks(), reserved(&s));
+            assert!(s.engine.kv.used_blocks() <= s.engine.kv.blocks);
+        }
+        for (v, rx) in seen.iter_mut().zip(&mut rxs) {
+            v.take(rx);
+            assert!(v.error.is_none(), "{v:?}");
+        }
+        (first, s.snapshot().preemptions, seen)
+    };
+    let (first, preempted, small) = run(32 * BLOCK);
+    let (_, none, big) = run(4096 * BLOCK);
+    assert_eq!(first, 12, "every chat runs from the first step");
+    assert!(preempted > 0, "the small cache never filled");
+    assert_eq!(none, 0);
+    let mut behind = 0;
+    for (i, (a, b)) in small.iter().zip(&big).enumerate() {
+        assert!(!a.tokens.is_empty(), "c{i} got no token");
+        assert_eq!(
+            a.tokens,
+            b.tokens[..a.tokens.len()],
+            "c{i} differs after preemption"
+        );
+        behind += b.tokens.len() - a.tokens.len();
+    }
+    assert!(
+        behind > 0,
+        "preemption cost no steps: the cache was not full"
+    );
+}
+
+#[test]
+fn a_sequence_alone_that_fills_the_cache_ends_with_length() {
+    let mut s = sched(4 * BLOCK, cfg(4, 4));
+    let mut rng = Rng::new(22);
+    let mut rx = submit(&mut s, req("big", prompt(&mut rng, 10), 500));
+    run_idle(&mut s, 200);
+    let mut v = Seen::default();
+    v.take(&mut rx);
+    assert_eq!(v.finish, Some("length"));
+    // 64 positions: the prompt's 10 and 54 generated (the last one never written)
+    assert_eq!(v.tokens.len(), 4 * BLOCK - 10 + 1);
+    assert_eq!(s.engine.kv.free_blocks(), 4);
 }
 
 #[test]
@@ -304,7 +410,7 @@ fn cancel_stops_a_running_request_and_frees_its_kv() {
         s.step();
     }
     assert_eq!((s.running.len(), s.waiting.len()), (1, 1));
-    assert_eq!(s.engine.kv.used_blocks(), KvCache::blocks_for(512));
+    assert_eq!(s.engine.kv.used_blocks(), KvCache::blocks_for(12 + 3));
     assert!(s.cancel("long"));
     let mut v = Seen::default();
     v.take(&mut long);
