@@ -85,6 +85,79 @@ impl Sampler {
     }
 }
 
+/// What a request asks of its logits beyond the draw: OpenAI's presence and frequency
+/// penalties (over the tokens it generated so far), a bias per token id, and the
+/// log-probabilities of the picked token and of the `top_logprobs` most likely ones.
+/// A request that asks none of these keeps its logits where they are computed.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LogitRules {
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    /// (token id, added to its logit); ids inside the vocabulary, checked by the caller.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// `Some(k)`: the picked token's log-probability and the k most likely tokens'.
+    pub logprobs: Option<u32>,
+}
+
+impl LogitRules {
+    /// Whether the logits must come to the host for this request.
+    pub fn on_host(&self) -> bool {
+        self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || !self.logit_bias.is_empty()
+            || self.logprobs.is_some()
+    }
+
+    /// Applies the bias, then the penalties: `l -= frequency * count + presence` for every
+    /// token generated `count > 0` times (`counts` as (id, count)).
+    pub fn apply(&self, logits: &mut [f32], counts: &[(u32, u32)]) {
+        for &(t, b) in &self.logit_bias {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l += b;
+            }
+        }
+        if self.presence_penalty == 0.0 && self.frequency_penalty == 0.0 {
+            return;
+        }
+        for &(t, c) in counts {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l -= self.frequency_penalty * c as f32 + self.presence_penalty;
+            }
+        }
+    }
+}
+
+/// The picked token's log-probability under `logits` (log-softmax, in f64) and the `k`
+/// most likely tokens' (ties by id), most likely first.
+pub fn logprobs(logits: &[f32], picked: u32, k: usize) -> (f32, Vec<(u32, f32)>) {
+    let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    if !m.is_finite() {
+        return (f32::NEG_INFINITY, Vec::new());
+    }
+    let sum: f64 = logits.iter().map(|&l| (l as f64 - m).exp()).sum();
+    let lse = m + sum.ln();
+    let lp = |t: u32| {
+        logits
+            .get(t as usize)
+            .map_or(f32::NEG_INFINITY, |&l| (l as f64 - lse) as f32)
+    };
+    let mut top: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
+    if k > 0 {
+        for (i, &l) in logits.iter().enumerate() {
+            let worse = |x: &(u32, f32)| l > x.1 || (l == x.1 && (i as u32) < x.0);
+            if top.len() < k || top.last().is_some_and(worse) {
+                let at = top.iter().position(worse).unwrap_or(top.len());
+                top.insert(at, (i as u32, l));
+                top.truncate(k);
+            }
+        }
+    }
+    for x in &mut top {
+        x.1 = lp(x.0);
+    }
+    (lp(picked), top)
+}
+
 /// The token `pick` takes from `logits`: the argmax (ties to the lower id) when greedy;
 /// else probabilities exp((l - max) / t), the most probable tokens (ties by id) until their
 /// share reaches top_p, and the token where their running mass, in that order, reaches u
@@ -141,6 +214,34 @@ pub fn pick_token(logits: &[f32], pick: TokenPick, scratch: &mut Vec<(f32, u32)>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn logprobs_are_a_log_softmax_and_top_k_is_ordered() {
+        let l = [1.0f32, 3.0, 2.0, 3.0, -1.0];
+        let (lp, top) = logprobs(&l, 2, 3);
+        let z: f64 = l.iter().map(|&x| (x as f64).exp()).sum();
+        assert!((lp as f64 - (2.0 - z.ln())).abs() < 1e-6);
+        assert_eq!(top.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 3, 2]);
+        assert!((top[0].1 as f64 - (3.0 - z.ln())).abs() < 1e-6);
+        let total: f64 = (0..5).map(|t| (logprobs(&l, t, 0).0 as f64).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6);
+        assert!(logprobs(&l, 9, 0).0.is_infinite(), "an id outside the row");
+    }
+
+    #[test]
+    fn bias_and_penalties_move_the_right_logits() {
+        let rules = LogitRules {
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            logit_bias: vec![(0, 10.0), (99, 1.0)],
+            logprobs: None,
+        };
+        assert!(rules.on_host());
+        assert!(!LogitRules::default().on_host());
+        let mut l = vec![0.0f32; 4];
+        rules.apply(&mut l, &[(1, 4), (3, 1)]);
+        assert_eq!(l, vec![10.0, -1.5, 0.0, -0.75]);
+    }
 
     #[test]
     fn greedy_and_seeded_sampling() {

@@ -424,6 +424,15 @@ pub struct ValidRequest {
     pub stop: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
+    /// Choices asked (`n`), each its own generation with seed `seed + i`.
+    pub n: usize,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    pub logit_bias: std::collections::HashMap<u32, f32>,
+    /// `Some(k)`: each token's log-probability and the k most likely tokens'.
+    pub logprobs: Option<u32>,
+    /// Completions' `echo`: the prompt's text, put before each choice's text.
+    pub echo: Option<String>,
 }
 
 async fn read_json(st: &AppState, body: Body) -> Result<Value, ApiError> {
@@ -687,49 +696,115 @@ fn refuse_unbuilt(v: &Value) -> Result<(), ApiError> {
     if !neutral("response_format", &|x| x["type"] == "text") {
         return not_yet("response_format", "structured output");
     }
-    if !neutral("logprobs", &|x| x == false) {
-        return not_yet("logprobs", "token log-probabilities");
-    }
-    if !neutral("top_logprobs", &|x| x == 0) {
-        return not_yet("top_logprobs", "token log-probabilities");
-    }
-    if !neutral("echo", &|x| x == false) {
-        return not_yet("echo", "echoing the prompt");
-    }
     if !neutral("best_of", &|x| x == 1) {
         return not_yet("best_of", "several candidates per answer");
     }
     if !neutral("suffix", &|x| x == "") {
         return not_yet("suffix", "insertion");
     }
-    if !neutral("logit_bias", &|x| {
-        x.as_object().is_some_and(|o| o.is_empty())
-    }) {
-        return not_yet("logit_bias", "biased sampling");
+    Ok(())
+}
+
+/// Most choices one request may ask (`n`).
+pub const MAX_N: usize = 16;
+
+fn penalty(v: &Value, k: &'static str) -> Result<f32, ApiError> {
+    match num(v, k)? {
+        None => Ok(0.0),
+        Some(p) if (-2.0..=2.0).contains(&p) => Ok(p as f32),
+        Some(p) => Err(ApiError::bad(
+            format!("{k} {p} is outside [-2, 2]"),
+            Some(k),
+        )),
     }
-    for k in ["presence_penalty", "frequency_penalty"] {
-        match num(v, k)? {
-            Some(p) if !(-2.0..=2.0).contains(&p) => {
+}
+
+/// `logit_bias`: `{"token id": bias}`, ids inside the vocabulary, biases in [-100, 100].
+fn logit_bias(st: &AppState, v: &Value) -> Result<std::collections::HashMap<u32, f32>, ApiError> {
+    let bad = |m: String| ApiError::bad(m, Some("logit_bias"));
+    let o = match v.get("logit_bias") {
+        None | Some(Value::Null) => return Ok(Default::default()),
+        Some(Value::Object(o)) => o,
+        Some(x) => return Err(bad(format!("`logit_bias` must be an object, got {x}"))),
+    };
+    if o.len() > 1024 {
+        return Err(bad(format!(
+            "`logit_bias` has {} entries, at most 1024",
+            o.len()
+        )));
+    }
+    o.iter()
+        .map(|(k, b)| {
+            let t = k
+                .parse::<u32>()
+                .ok()
+                .filter(|&t| (t as usize) < st.tokenizer.vocab_size())
+                .ok_or_else(|| {
+                    bad(format!(
+                        "logit_bias key {k:?} is not a token id below {}",
+                        st.tokenizer.vocab_size()
+                    ))
+                })?;
+            let b = b
+                .as_f64()
+                .filter(|b| (-100.0..=100.0).contains(b))
+                .ok_or_else(|| {
+                    bad(format!(
+                        "logit_bias {k}: {b} is not a number in [-100, 100]"
+                    ))
+                })?;
+            Ok((t, b as f32))
+        })
+        .collect()
+}
+
+/// Log-probabilities asked, as the most likely tokens to list (`Some(0)`: the picked token's
+/// alone). Chat: `logprobs: true` and `top_logprobs` 0..=20; completions: `logprobs` 0..=5.
+fn logprobs_asked(v: &Value, chat: bool) -> Result<Option<u32>, ApiError> {
+    if chat {
+        let on = match v.get("logprobs") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(x) => {
                 return Err(ApiError::bad(
-                    format!("{k} {p} is outside [-2, 2]"),
-                    Some(if k == "presence_penalty" {
-                        "presence_penalty"
-                    } else {
-                        "frequency_penalty"
-                    }),
+                    format!("`logprobs` must be a boolean, got {x}"),
+                    Some("logprobs"),
                 ))
             }
-            Some(p) if p != 0.0 => {
-                return if k == "presence_penalty" {
-                    not_yet("presence_penalty", "repetition penalties")
-                } else {
-                    not_yet("frequency_penalty", "repetition penalties")
-                }
+        };
+        let top = match num(v, "top_logprobs")? {
+            None => 0,
+            Some(k) if k.fract() == 0.0 && (0.0..=20.0).contains(&k) => k as u32,
+            Some(k) => {
+                return Err(ApiError::bad(
+                    format!("top_logprobs must be an integer in 0..=20, got {k}"),
+                    Some("top_logprobs"),
+                ))
             }
+        };
+        if top > 0 && !on {
+            return Err(ApiError::bad(
+                "top_logprobs needs logprobs: true",
+                Some("top_logprobs"),
+            ));
+        }
+        Ok(on.then_some(top))
+    } else {
+        // the legacy integer; a boolean as some clients send it (true: the picked token's)
+        match v.get("logprobs") {
+            Some(Value::Bool(false)) => return Ok(None),
+            Some(Value::Bool(true)) => return Ok(Some(0)),
             _ => {}
         }
+        match num(v, "logprobs")? {
+            None => Ok(None),
+            Some(k) if k.fract() == 0.0 && (0.0..=5.0).contains(&k) => Ok(Some(k as u32)),
+            Some(k) => Err(ApiError::bad(
+                format!("logprobs must be an integer in 0..=5, got {k}"),
+                Some("logprobs"),
+            )),
+        }
     }
-    Ok(())
 }
 
 fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequest, ApiError> {
@@ -740,12 +815,46 @@ fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequest, ApiErr
     if model != st.cfg.model_name {
         return Err(ApiError::UnknownModel(model.to_string()));
     }
-    if let Some(n) = num(v, "n")? {
-        if n != 1.0 {
-            return Err(ApiError::bad("only n = 1 is supported", Some("n")));
+    let n = match num(v, "n")? {
+        None => 1,
+        Some(n) if n.fract() == 0.0 && (1.0..=MAX_N as f64).contains(&n) => n as usize,
+        Some(n) => {
+            return Err(ApiError::bad(
+                format!("n must be an integer in 1..={MAX_N}, got {n}"),
+                Some("n"),
+            ))
         }
-    }
+    };
     refuse_unbuilt(v)?;
+    let (presence_penalty, frequency_penalty) = (
+        penalty(v, "presence_penalty")?,
+        penalty(v, "frequency_penalty")?,
+    );
+    let logit_bias = logit_bias(st, v)?;
+    let logprobs = logprobs_asked(v, chat)?;
+    let echo = match v.get("echo") {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+        Some(Value::Bool(true)) if !chat => true,
+        Some(Value::Bool(true)) => {
+            return Err(ApiError::bad(
+                "`echo` belongs to /v1/completions",
+                Some("echo"),
+            ))
+        }
+        Some(x) => {
+            return Err(ApiError::bad(
+                format!("`echo` must be a boolean, got {x}"),
+                Some("echo"),
+            ))
+        }
+    };
+    if echo && logprobs.is_some() {
+        return Err(ApiError::bad(
+            "`echo` with `logprobs` would need the prompt's log-probabilities, which this server \
+             does not compute yet; ask for one or the other",
+            Some("echo"),
+        ));
+    }
     let prompt = prompt_tokens(st, v, chat)?;
     if prompt.is_empty() {
         return Err(ApiError::bad(
@@ -834,7 +943,14 @@ fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequest, ApiErr
         .and_then(|o| o.get("include_usage"))
         .and_then(|b| b.as_bool())
         .unwrap_or(false);
+    let echo = echo.then(|| st.tokenizer.decode_lossy(&prompt));
     Ok(ValidRequest {
+        n,
+        presence_penalty,
+        frequency_penalty,
+        logit_bias,
+        logprobs,
+        echo,
         chat,
         prompt,
         max_tokens,
@@ -996,14 +1112,74 @@ struct Out {
     created: u64,
 }
 
+/// A generated token's log-probabilities, as the lane sent them.
+#[derive(Clone, Debug)]
+struct Lp {
+    token: u32,
+    logprob: f32,
+    top: Vec<(u32, f32)>,
+}
+
+impl Lp {
+    fn of(ev: &moelane_proto::lane::GenerateEvent) -> Option<Lp> {
+        Some(Lp {
+            token: ev.token?,
+            logprob: ev.logprob?,
+            top: ev
+                .top_logprobs
+                .iter()
+                .map(|t| (t.token, t.logprob))
+                .collect(),
+        })
+    }
+}
+
+/// `lps` in the shape of the endpoint: chat's `{"content": [{token, logprob, bytes,
+/// top_logprobs}]}`, or completions' `{tokens, token_logprobs, top_logprobs, text_offset}`
+/// (offsets in characters from `offset`, the text already sent before these tokens).
+fn render_logprobs(st: &AppState, chat: bool, lps: &[Lp], offset: usize) -> Value {
+    let text = |t: u32| String::from_utf8_lossy(st.tokenizer.token_bytes(t)).into_owned();
+    if chat {
+        let entry = |t: u32, lp: f32| json!({"token": text(t), "logprob": lp, "bytes": st.tokenizer.token_bytes(t)});
+        let content: Vec<Value> = lps
+            .iter()
+            .map(|l| {
+                let mut e = entry(l.token, l.logprob);
+                e["top_logprobs"] =
+                    Value::Array(l.top.iter().map(|&(t, lp)| entry(t, lp)).collect());
+                e
+            })
+            .collect();
+        json!({"content": content})
+    } else {
+        let mut at = offset;
+        let mut offsets = Vec::with_capacity(lps.len());
+        for l in lps {
+            offsets.push(at);
+            at += text(l.token).chars().count();
+        }
+        json!({
+            "tokens": lps.iter().map(|l| text(l.token)).collect::<Vec<_>>(),
+            "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
+            "top_logprobs": lps.iter().map(|l| {
+                l.top.iter().map(|&(t, lp)| (text(t), json!(lp))).collect::<serde_json::Map<String, Value>>()
+            }).collect::<Vec<_>>(),
+            "text_offset": offsets,
+        })
+    }
+}
+
 impl Out {
+    #[allow(clippy::too_many_arguments)]
     fn chunk(
         &self,
         st: &AppState,
         chat: bool,
+        index: usize,
         text: Option<&str>,
         finish: Option<&str>,
         first: bool,
+        logprobs: Value,
     ) -> Value {
         if chat {
             let mut delta = json!({});
@@ -1015,10 +1191,10 @@ impl Out {
                 delta["content"] = json!(t);
             }
             json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": st.cfg.model_name,
-                   "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}]})
+                   "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
         } else {
             json!({"id": self.id, "object": "text_completion", "created": self.created, "model": st.cfg.model_name,
-                   "choices": [{"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish}]})
+                   "choices": [{"index": index, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish}]})
         }
     }
 }
@@ -1061,27 +1237,45 @@ fn finish_of(lane: &str) -> Result<String, LaneError> {
     }
 }
 
-/// A non-streamed answer: the lane's tokens detokenised into one text (stop strings cut it,
-/// which cancels the request on the lane), in the completion or chat completion shape.
-/// Nothing reaches the client before the end, so a lane lost midway is retried from the
-/// start on another (within the attempts and the deadline); a request that cannot finish
-/// gets an error, never a finish reason it did not reach.
-async fn whole_response(
+/// One choice of a whole answer.
+struct Choice {
+    text: String,
+    completion: usize,
+    finish: String,
+    lps: Vec<Lp>,
+}
+
+/// The lane request of choice `i`: its own id and seed (`n` choices are `n` generations).
+fn choice_request(greq: &GenerateRequest, i: usize) -> GenerateRequest {
+    let mut g = greq.clone();
+    if i > 0 {
+        g.request_id = format!("{}-{i}", greq.request_id);
+        g.seed = greq.seed.wrapping_add(i as u64);
+    }
+    g
+}
+
+/// One choice of a non-streamed answer: the lane's tokens detokenised into one text (stop
+/// strings cut it, which cancels the request on the lane). Nothing reaches the client before
+/// the end, so a lane lost midway is retried from the start on another (within the attempts
+/// and the deadline); a request that cannot finish gets an error, never a finish reason it
+/// did not reach.
+async fn whole_choice(
     st: &AppState,
     vr: &ValidRequest,
     greq: &GenerateRequest,
     deadline: Instant,
-    out: &Out,
     chat: bool,
-) -> Result<Response, ApiError> {
+) -> Result<Choice, ApiError> {
     let prompt_tokens = vr.prompt.len();
     let mut tries = Tries::default();
-    let (text, completion, finish) = loop {
+    loop {
         let mut timing = Timing::new(chat);
         let (inflight, mut events) = open(st, greq, deadline, &mut tries).await?;
         let lane = inflight.lane.name().to_string();
         let mut det = Detokenizer::new(vr.stop.clone());
-        let mut text = String::new();
+        let mut text = vr.echo.clone().unwrap_or_default();
+        let mut lps = Vec::new();
         let mut completion = 0usize;
         let mut finish: Option<String> = None;
         let mut failed: Option<LaneError> = None;
@@ -1096,6 +1290,7 @@ async fn whole_response(
             if let Some(t) = ev.token {
                 timing.token();
                 completion += 1;
+                lps.extend(Lp::of(&ev));
                 if !st.tokenizer.is_special(t) {
                     text.push_str(&det.push(st.tokenizer.token_bytes(t)));
                 }
@@ -1117,7 +1312,12 @@ async fn whole_response(
         if let Some(f) = finish {
             text.push_str(&det.finish());
             timing.done(prompt_tokens, completion, &f);
-            break (text, completion, f);
+            return Ok(Choice {
+                text,
+                completion,
+                finish: f,
+                lps,
+            });
         }
         let e = failed.unwrap_or_else(stream_ended);
         timing.done(prompt_tokens, completion, "error");
@@ -1128,17 +1328,208 @@ async fn whole_response(
         }
         metrics::counter!(n::REQUEST_RETRIES, "reason" => e.category.as_str()).increment(1);
         tracing::warn!(lane = %lane, error = %e.message, "lane lost before the whole answer was sent; starting over on another lane");
-    };
-    let body = if chat {
-        json!({"id": out.id, "object": "chat.completion", "created": out.created, "model": st.cfg.model_name,
-               "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish}],
-               "usage": usage(prompt_tokens, completion)})
-    } else {
-        json!({"id": out.id, "object": "text_completion", "created": out.created, "model": st.cfg.model_name,
-               "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
-               "usage": usage(prompt_tokens, completion)})
-    };
+    }
+}
+
+/// A non-streamed answer: `n` choices generated side by side, in the completion or chat
+/// completion shape; usage counts the prompt once and every choice's tokens.
+async fn whole_response(
+    st: &AppState,
+    vr: &ValidRequest,
+    greq: &GenerateRequest,
+    deadline: Instant,
+    out: &Out,
+    chat: bool,
+) -> Result<Response, ApiError> {
+    let choices = futures::future::try_join_all((0..vr.n).map(|i| async move {
+        whole_choice(st, vr, &choice_request(greq, i), deadline, chat).await
+    }))
+    .await?;
+    let completion: usize = choices.iter().map(|c| c.completion).sum();
+    let echoed = vr.echo.as_ref().map_or(0, |e| e.chars().count());
+    let body: Vec<Value> = choices
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let lps = if vr.logprobs.is_some() {
+                render_logprobs(st, chat, &c.lps, echoed)
+            } else {
+                Value::Null
+            };
+            if chat {
+                json!({"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": lps, "finish_reason": c.finish})
+            } else {
+                json!({"index": i, "text": c.text, "logprobs": lps, "finish_reason": c.finish})
+            }
+        })
+        .collect();
+    let body = json!({"id": out.id, "object": if chat { "chat.completion" } else { "text_completion" }, "created": out.created,
+                      "model": st.cfg.model_name, "choices": body, "usage": usage(vr.prompt.len(), completion)});
     Ok(Json(body).into_response())
+}
+
+/// How one streamed choice ended.
+struct Streamed {
+    completion: usize,
+    finish: Option<String>,
+    failed: Option<ApiError>,
+    /// The client left: nothing more is sent.
+    left: bool,
+}
+
+/// Relays one choice's lane events as SSE chunks of `index` (the first with the role, then
+/// text pieces with their tokens' log-probabilities, then the finish).
+#[allow(clippy::too_many_arguments)]
+async fn relay_choice(
+    st: &AppState,
+    vr: &ValidRequest,
+    out: &Out,
+    index: usize,
+    lane: &str,
+    mut events: EventStream,
+    tx: &tokio::sync::mpsc::Sender<SseEvent>,
+    mut tries: Tries,
+    chat: bool,
+) -> Streamed {
+    let mut timing = Timing::new(chat);
+    let mut det = Detokenizer::new(vr.stop.clone());
+    let mut r = Streamed {
+        completion: 0,
+        finish: None,
+        failed: None,
+        left: false,
+    };
+    let send = |v: Value| SseEvent::default().data(v.to_string());
+    let mut sent_chars = 0usize;
+    let first = match (chat, &vr.echo) {
+        (true, _) => Some(out.chunk(st, true, index, None, None, true, Value::Null)),
+        (false, Some(e)) => {
+            sent_chars = e.chars().count();
+            Some(out.chunk(st, false, index, Some(e), None, false, Value::Null))
+        }
+        (false, None) => None,
+    };
+    if let Some(c) = first {
+        if !put(tx, send(c), &st.shutdown).await {
+            r.left = true;
+            return r;
+        }
+    }
+    let mut lps: Vec<Lp> = Vec::new();
+    let mut aborted = std::pin::pin!(st.shutdown.aborted());
+    loop {
+        let next = tokio::select! {
+            ev = events.next() => ev,
+            _ = &mut aborted => {
+                r.failed = Some(shutting_down());
+                break;
+            }
+        };
+        let ev = match next {
+            Some(Ok(ev)) => ev,
+            Some(Err(e)) => {
+                tries.blame(st, lane, e.category).await;
+                r.failed = Some(lane_err(lane, &e));
+                break;
+            }
+            None => {
+                let e = stream_ended();
+                tries.blame(st, lane, e.category).await;
+                r.failed = Some(lane_err(lane, &e));
+                break;
+            }
+        };
+        if let Some(t) = ev.token {
+            timing.token();
+            r.completion += 1;
+            lps.extend(Lp::of(&ev));
+            let piece = if st.tokenizer.is_special(t) {
+                String::new()
+            } else {
+                det.push(st.tokenizer.token_bytes(t))
+            };
+            if !piece.is_empty() {
+                let lp = if vr.logprobs.is_some() {
+                    render_logprobs(st, chat, &lps, sent_chars)
+                } else {
+                    Value::Null
+                };
+                lps.clear();
+                sent_chars += piece.chars().count();
+                if !put(
+                    tx,
+                    send(out.chunk(st, chat, index, Some(&piece), None, false, lp)),
+                    &st.shutdown,
+                )
+                .await
+                {
+                    if st.shutdown.is_aborted() {
+                        r.failed = Some(shutting_down());
+                        break;
+                    }
+                    r.left = true;
+                    return r;
+                }
+            }
+            if det.stopped() {
+                r.finish = Some("stop".into());
+                break;
+            }
+        }
+        if !ev.finish_reason.is_empty() {
+            match finish_of(&ev.finish_reason) {
+                Ok(f) => r.finish = Some(f),
+                Err(e) => r.failed = Some(lane_err(lane, &e)),
+            }
+            break;
+        }
+    }
+    drop(events);
+    timing.done(
+        vr.prompt.len(),
+        r.completion,
+        r.finish.as_deref().unwrap_or("error"),
+    );
+    if r.failed.is_some() {
+        return r;
+    }
+    // what the detokeniser held back, with the log-probabilities of tokens not yet sent
+    let tail = det.finish();
+    if !tail.is_empty() || !lps.is_empty() {
+        let lp = if vr.logprobs.is_some() {
+            render_logprobs(st, chat, &lps, sent_chars)
+        } else {
+            Value::Null
+        };
+        if !put(
+            tx,
+            send(out.chunk(st, chat, index, Some(&tail), None, false, lp)),
+            &st.shutdown,
+        )
+        .await
+        {
+            r.left = true;
+            return r;
+        }
+    }
+    if let Some(f) = &r.finish {
+        let mut last = out.chunk(
+            st,
+            chat,
+            index,
+            if chat { None } else { Some("") },
+            Some(f),
+            false,
+            Value::Null,
+        );
+        if vr.include_usage {
+            last["usage"] = Value::Null;
+        }
+        if !put(tx, send(last), &st.shutdown).await {
+            r.left = true;
+        }
+    }
+    r
 }
 
 async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response, ApiError> {
@@ -1180,6 +1571,11 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
         seed: vr.seed,
         stop_token_ids: vec![],
         ignore_eos: false,
+        presence_penalty: vr.presence_penalty,
+        frequency_penalty: vr.frequency_penalty,
+        logit_bias: vr.logit_bias.clone(),
+        logprobs: vr.logprobs.is_some(),
+        top_logprobs: vr.logprobs.unwrap_or(0),
     };
     let deadline = arrived + st.cfg.retry_deadline;
     let aborted = st.shutdown.aborted();
@@ -1189,102 +1585,48 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
             _ = aborted => Err(shutting_down()),
         };
     }
-    let mut timing = Timing::new(chat);
-    let mut tries = Tries::default();
-    let (inflight, mut events) = tokio::select! {
-        r = open(&st, &greq, deadline, &mut tries) => r?,
-        _ = st.shutdown.aborted() => return Err(shutting_down()),
+    // every choice's lane opened (first event in) before the stream starts: a failure here is
+    // still a plain HTTP error
+    let opened = {
+        let opens = (0..vr.n).map(|i| {
+            let (st, greq) = (&st, choice_request(&greq, i));
+            async move {
+                let mut tries = Tries::default();
+                let (inflight, events) = open(st, &greq, deadline, &mut tries).await?;
+                Ok::<_, ApiError>((inflight, events, tries))
+            }
+        });
+        tokio::select! {
+            r = futures::future::try_join_all(opens) => r?,
+            _ = st.shutdown.aborted() => return Err(shutting_down()),
+        }
     };
-    span.record("moelane.lane", inflight.lane.name());
+    if let Some((inflight, _, _)) = opened.first() {
+        span.record("moelane.lane", inflight.lane.name());
+    }
     let prompt_tokens = vr.prompt.len();
     // Streaming: a task relays lane events into SSE chunks; when the client leaves, the
-    // channel closes, the task ends and drops the lane stream, which cancels the request.
+    // channel closes, the task ends and drops the lane streams, which cancels the requests.
     let (tx, rx) = tokio::sync::mpsc::channel::<SseEvent>(64);
     let st2 = st.clone();
     let relay = async move {
         let _active = active;
-        let lane = inflight.lane.name().to_string();
-        let _inflight = inflight;
-        let mut aborted = std::pin::pin!(aborted);
-        let mut det = Detokenizer::new(vr.stop.clone());
-        let mut completion = 0usize;
+        let (st, vr, out, tx) = (&st2, &vr, &out, &tx);
+        let ends = futures::future::join_all(opened.into_iter().enumerate().map(
+            |(i, (inflight, events, tries))| async move {
+                let lane = inflight.lane.name().to_string();
+                let r = relay_choice(st, vr, out, i, &lane, events, tx, tries, chat).await;
+                drop(inflight);
+                r
+            },
+        ))
+        .await;
         let send = |v: Value| SseEvent::default().data(v.to_string());
-        if chat
-            && !put(
-                &tx,
-                send(out.chunk(&st2, true, None, None, true)),
-                &st2.shutdown,
-            )
-            .await
-        {
+        if ends.iter().any(|e| e.left) {
             return;
         }
-        let mut finish: Option<String> = None;
-        let mut failed: Option<ApiError> = None;
-        loop {
-            let next = tokio::select! {
-                ev = events.next() => ev,
-                _ = &mut aborted => {
-                    failed = Some(shutting_down());
-                    break;
-                }
-            };
-            let ev = match next {
-                Some(Ok(ev)) => ev,
-                Some(Err(e)) => {
-                    tries.blame(&st2, &lane, e.category).await;
-                    failed = Some(lane_err(&lane, &e));
-                    break;
-                }
-                None => {
-                    let e = stream_ended();
-                    tries.blame(&st2, &lane, e.category).await;
-                    failed = Some(lane_err(&lane, &e));
-                    break;
-                }
-            };
-            if let Some(t) = ev.token {
-                timing.token();
-                completion += 1;
-                let piece = if st2.tokenizer.is_special(t) {
-                    String::new()
-                } else {
-                    det.push(st2.tokenizer.token_bytes(t))
-                };
-                if !piece.is_empty()
-                    && !put(
-                        &tx,
-                        send(out.chunk(&st2, chat, Some(&piece), None, false)),
-                        &st2.shutdown,
-                    )
-                    .await
-                {
-                    if st2.shutdown.is_aborted() {
-                        failed = Some(shutting_down());
-                        break;
-                    }
-                    return;
-                }
-                if det.stopped() {
-                    finish = Some("stop".into());
-                    break;
-                }
-            }
-            if !ev.finish_reason.is_empty() {
-                match finish_of(&ev.finish_reason) {
-                    Ok(f) => finish = Some(f),
-                    Err(e) => failed = Some(lane_err(&lane, &e)),
-                }
-                break;
-            }
-        }
-        drop(events);
-        timing.done(
-            prompt_tokens,
-            completion,
-            finish.as_deref().unwrap_or("error"),
-        );
-        if let Some(err) = failed {
+        let completion: usize = ends.iter().map(|e| e.completion).sum();
+        if let Some(err) = ends.into_iter().find_map(|e| e.failed) {
             // an error object, as OpenAI's API sends mid-stream (its clients raise on it),
             // and no finish: the client must not take a cut answer for a whole one
             metrics::counter!(n::STREAMS_CUT, "reason" => match &err {
@@ -1294,42 +1636,16 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
                 _ => "other",
             })
             .increment(1);
-            put(&tx, send(err.body()), &st2.shutdown).await;
-            put(&tx, SseEvent::default().data("[DONE]"), &st2.shutdown).await;
+            put(tx, send(err.body()), &st.shutdown).await;
+            put(tx, SseEvent::default().data("[DONE]"), &st.shutdown).await;
             return;
         }
-        let tail = det.finish();
-        if !tail.is_empty()
-            && !put(
-                &tx,
-                send(out.chunk(&st2, chat, Some(&tail), None, false)),
-                &st2.shutdown,
-            )
-            .await
-        {
-            return;
+        if vr.include_usage {
+            let u = json!({"id": out.id, "object": if chat { "chat.completion.chunk" } else { "text_completion" }, "created": out.created,
+                           "model": st.cfg.model_name, "choices": [], "usage": usage(prompt_tokens, completion)});
+            put(tx, send(u), &st.shutdown).await;
         }
-        if let Some(f) = finish {
-            let mut last = out.chunk(
-                &st2,
-                chat,
-                if chat { None } else { Some("") },
-                Some(&f),
-                false,
-            );
-            if vr.include_usage {
-                last["usage"] = Value::Null;
-            }
-            if !put(&tx, send(last), &st2.shutdown).await {
-                return;
-            }
-            if vr.include_usage {
-                let u = json!({"id": out.id, "object": if chat { "chat.completion.chunk" } else { "text_completion" }, "created": out.created,
-                               "model": st2.cfg.model_name, "choices": [], "usage": usage(prompt_tokens, completion)});
-                put(&tx, send(u), &st2.shutdown).await;
-            }
-        }
-        put(&tx, SseEvent::default().data("[DONE]"), &st2.shutdown).await;
+        put(tx, SseEvent::default().data("[DONE]"), &st.shutdown).await;
     };
     // the request's span lives until the last chunk is sent
     tokio::spawn(relay.instrument(span));
@@ -1471,6 +1787,7 @@ async fn canary(State(st): State<Arc<AppState>>, req: Request) -> Result<Json<Va
         seed: 0,
         stop_token_ids: vec![],
         ignore_eos: true,
+        ..Default::default()
     };
     let t0 = Instant::now();
     let run = async {

@@ -660,14 +660,8 @@ async fn parameters_not_built_are_refused_by_name_and_seeds_are_exact() {
         ),
         ("tool_choice", json!("required")),
         ("response_format", json!({"type": "json_object"})),
-        ("logprobs", json!(true)),
-        ("top_logprobs", json!(3)),
-        ("echo", json!(true)),
         ("best_of", json!(2)),
         ("suffix", json!("end")),
-        ("logit_bias", json!({"5": 10})),
-        ("frequency_penalty", json!(0.5)),
-        ("presence_penalty", json!(-1)),
     ] {
         let (st, v) = post(&gw, "/v1/completions", &ask(json!({k: x}))).await;
         assert_error(st, &v, 400, "invalid_request_error", k);
@@ -680,6 +674,21 @@ async fn parameters_not_built_are_refused_by_name_and_seeds_are_exact() {
     )
     .await;
     assert_error(st, &v, 400, "invalid_request_error", "outside");
+    // what is built is checked: echo with logprobs (prompt log-probabilities), bad ranges
+    for (extra, param) in [
+        (json!({"echo": true, "logprobs": 1}), "echo"),
+        (json!({"logprobs": 6}), "logprobs"),
+        (json!({"logit_bias": {"999999": 1}}), "logit_bias"),
+        (json!({"logit_bias": {"5": 101}}), "logit_bias"),
+        (json!({"logit_bias": {"x": 1}}), "logit_bias"),
+        (json!({"n": 0}), "n"),
+        (json!({"n": 17}), "n"),
+        (json!({"presence_penalty": -2.5}), "presence_penalty"),
+    ] {
+        let (st, v) = post(&gw, "/v1/completions", &ask(extra.clone())).await;
+        assert_error(st, &v, 400, "invalid_request_error", param);
+        assert_eq!(v["error"]["param"], param, "{extra}: {v}");
+    }
     // neutral values are what clients send by default
     let neutral = json!({"tools": [], "tool_choice": "none", "response_format": {"type": "text"},
         "logprobs": false, "echo": false, "best_of": 1, "suffix": null, "logit_bias": {},
@@ -739,4 +748,283 @@ async fn a_body_slower_than_its_deadline_gets_a_408() {
         took >= Duration::from_millis(1900) && took < Duration::from_secs(6),
         "{took:?}"
     );
+}
+
+/// Every token of `v`'s choice `i`, as chat log-probability entries (non-streamed answer).
+fn chat_lps(v: &Value, i: usize) -> Vec<Value> {
+    v["choices"][i]["logprobs"]["content"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no logprobs content: {v}"))
+        .clone()
+}
+
+/// Log-probabilities, `n`, penalties, `logit_bias` and `echo` do what OpenAI's API says,
+/// streamed and whole, on a real lane.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logprobs_n_penalties_bias_and_echo_are_applied() {
+    let (_p, url) = primary().await;
+    let gw = gateway(&[&url]).await;
+    let chat = |extra: Value| {
+        let mut v = json!({"model": "tiny", "messages": [{"role": "user", "content": "Say something"}], "max_tokens": 12, "temperature": 0});
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        v
+    };
+    // chat logprobs: one entry per generated token, greedy picks the most likely, the top
+    // list is ordered and a distribution's head
+    let (st, plain) = post(&gw, "/v1/chat/completions", &chat(json!({}))).await;
+    assert_eq!(st, 200, "{plain}");
+    let (st, v) = post(
+        &gw,
+        "/v1/chat/completions",
+        &chat(json!({"logprobs": true, "top_logprobs": 3})),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(
+        v["choices"][0]["message"], plain["choices"][0]["message"],
+        "asking for logprobs changed the greedy answer"
+    );
+    let lps = chat_lps(&v, 0);
+    assert_eq!(
+        lps.len() as u64,
+        v["usage"]["completion_tokens"].as_u64().unwrap()
+    );
+    let mut joined = Vec::new();
+    for e in &lps {
+        let top = e["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3, "{e}");
+        let lp = e["logprob"].as_f64().unwrap();
+        assert!(lp <= 0.0, "{e}");
+        assert_eq!(
+            top[0]["logprob"].as_f64().unwrap(),
+            lp,
+            "greedy took the top token: {e}"
+        );
+        assert!(top
+            .windows(2)
+            .all(|w| w[0]["logprob"].as_f64() >= w[1]["logprob"].as_f64()));
+        let mass: f64 = top
+            .iter()
+            .map(|t| t["logprob"].as_f64().unwrap().exp())
+            .sum();
+        assert!(mass <= 1.0 + 1e-5, "{e}");
+        joined.extend(
+            e["bytes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|b| b.as_u64().unwrap() as u8),
+        );
+    }
+    assert_eq!(
+        String::from_utf8_lossy(&joined),
+        v["choices"][0]["message"]["content"].as_str().unwrap(),
+        "the tokens' bytes are the answer"
+    );
+    // streamed: the chunks' entries are the same entries
+    let (st, body) = http(
+        &gw,
+        "POST",
+        "/v1/chat/completions",
+        chat(json!({"logprobs": true, "top_logprobs": 3, "stream": true}))
+            .to_string()
+            .as_bytes(),
+    )
+    .await;
+    assert_eq!(st, 200, "{body}");
+    let streamed: Vec<Value> = sse_data(&body)
+        .iter()
+        .filter(|d| *d != "[DONE]")
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .flat_map(|c| {
+            c["choices"][0]["logprobs"]["content"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .collect();
+    assert_eq!(
+        streamed, lps,
+        "streamed log-probabilities differ from the whole answer's"
+    );
+    // completions logprobs: the legacy shape
+    let (st, v) = post(
+        &gw,
+        "/v1/completions",
+        &json!({"model": "tiny", "prompt": "The agent", "max_tokens": 10, "temperature": 0, "logprobs": 2}),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    let l = &v["choices"][0]["logprobs"];
+    let tokens: Vec<&str> = l["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(tokens.len(), 10, "{v}");
+    assert_eq!(l["token_logprobs"].as_array().unwrap().len(), 10);
+    assert!(l["top_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|t| t.as_object().unwrap().len() <= 2));
+    let offsets: Vec<u64> = l["text_offset"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o.as_u64().unwrap())
+        .collect();
+    assert_eq!(offsets[0], 0);
+    assert!(offsets.windows(2).all(|w| w[0] <= w[1]), "{offsets:?}");
+    // n: three sampled choices, seeds apart; greedy choices agree; usage counts them all
+    let (st, v) = post(
+        &gw,
+        "/v1/chat/completions",
+        &chat(json!({"n": 3, "temperature": 1.0, "seed": 7, "max_tokens": 16})),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    let texts: Vec<&str> = choices
+        .iter()
+        .map(|c| c["message"]["content"].as_str().unwrap())
+        .collect();
+    assert!(
+        texts[0] != texts[1] || texts[1] != texts[2],
+        "three draws, one text: {texts:?}"
+    );
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+    }
+    assert_eq!(v["usage"]["completion_tokens"], 48, "{v}");
+    let (st, v) = post(&gw, "/v1/chat/completions", &chat(json!({"n": 2}))).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"], v["choices"][1]["message"]);
+    assert_eq!(v["choices"][0]["message"], plain["choices"][0]["message"]);
+    // n streamed: each index gets its role chunk, its text and one finish; usage once
+    let (st, body) = http(
+        &gw,
+        "POST",
+        "/v1/chat/completions",
+        chat(json!({"n": 2, "stream": true, "stream_options": {"include_usage": true}}))
+            .to_string()
+            .as_bytes(),
+    )
+    .await;
+    assert_eq!(st, 200, "{body}");
+    let data = sse_data(&body);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = data
+        .iter()
+        .filter_map(|d| serde_json::from_str(d).ok())
+        .collect();
+    for i in 0..2 {
+        let mine: Vec<&Value> = chunks
+            .iter()
+            .filter(|c| c["choices"][0]["index"] == i)
+            .collect();
+        let text: String = mine
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(
+            text,
+            plain["choices"][0]["message"]["content"].as_str().unwrap(),
+            "choice {i}"
+        );
+        assert_eq!(
+            mine.iter()
+                .filter(|c| !c["choices"][0]["finish_reason"].is_null())
+                .count(),
+            1
+        );
+    }
+    let usage: Vec<&Value> = chunks.iter().filter(|c| c["usage"].is_object()).collect();
+    assert_eq!(usage.len(), 1);
+    assert_eq!(usage[0]["usage"]["completion_tokens"], 24);
+    // logit_bias +100 makes one token the answer; a frequency and presence penalty stop it
+    let forced = 300u32;
+    let completion = |extra: Value| {
+        let mut v = json!({"model": "tiny", "prompt": "The agent", "max_tokens": 64, "temperature": 0, "logprobs": 0});
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        v
+    };
+    let count = |v: &Value| {
+        v["choices"][0]["logprobs"]["tokens"]
+            .as_array()
+            .unwrap()
+            .len()
+    };
+    let (st, v) = post(
+        &gw,
+        "/v1/completions",
+        &completion(json!({"logit_bias": {forced.to_string(): 100}})),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(count(&v), 64);
+    let forced_text = {
+        let t = &v["choices"][0]["logprobs"]["tokens"][0];
+        t.as_str().unwrap().to_string()
+    };
+    let all_forced = |v: &Value| {
+        v["choices"][0]["logprobs"]["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|t| t.as_str() == Some(forced_text.as_str()))
+            .count()
+    };
+    assert_eq!(
+        all_forced(&v),
+        64,
+        "a bias of +100 did not force the token: {v}"
+    );
+    let (st, p) = post(
+        &gw,
+        "/v1/completions",
+        &completion(json!({"logit_bias": {forced.to_string(): 100}, "frequency_penalty": 2, "presence_penalty": 2})),
+    )
+    .await;
+    assert_eq!(st, 200, "{p}");
+    let n = all_forced(&p);
+    assert!(
+        (40..64).contains(&n),
+        "penalties left {n} of 64 forced tokens: {p}"
+    );
+    // echo puts the prompt before the answer, streamed and whole
+    let (st, v) = post(
+        &gw,
+        "/v1/completions",
+        &json!({"model": "tiny", "prompt": "The agent", "max_tokens": 4, "temperature": 0, "echo": true}),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    let text = v["choices"][0]["text"].as_str().unwrap();
+    assert!(
+        text.starts_with("The agent") && text.len() > "The agent".len(),
+        "{v}"
+    );
+    let (st, body) = http(
+        &gw,
+        "POST",
+        "/v1/completions",
+        json!({"model": "tiny", "prompt": "The agent", "max_tokens": 4, "temperature": 0, "echo": true, "stream": true})
+            .to_string()
+            .as_bytes(),
+    )
+    .await;
+    assert_eq!(st, 200, "{body}");
+    let streamed: String = sse_data(&body)
+        .iter()
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|c| c["choices"][0]["text"].as_str().map(String::from))
+        .collect();
+    assert_eq!(streamed, text);
 }

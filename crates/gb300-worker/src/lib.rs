@@ -107,11 +107,49 @@ impl PrimaryClient {
         if !(r.top_p > 0.0 && r.top_p <= 1.0) {
             return bad(format!("top_p {} must be in (0, 1]", r.top_p));
         }
+        for (k, p) in [
+            ("presence_penalty", r.presence_penalty),
+            ("frequency_penalty", r.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&p) {
+                return bad(format!("{k} {p} is outside [-2, 2]"));
+            }
+        }
+        if r.top_logprobs > 20 {
+            return bad(format!("top_logprobs {} is above 20", r.top_logprobs));
+        }
+        if r.top_logprobs > 0 && !r.logprobs {
+            return bad("top_logprobs needs logprobs".into());
+        }
+        if r.logit_bias.len() > 1024 {
+            return bad(format!(
+                "logit_bias has {} entries, at most 1024",
+                r.logit_bias.len()
+            ));
+        }
+        let mut logit_bias: Vec<(u32, f32)> = r.logit_bias.into_iter().collect();
+        logit_bias.sort_by_key(|b| b.0);
+        if let Some((t, b)) = logit_bias
+            .iter()
+            .find(|(t, b)| *t as usize >= self.vocab || !(-100.0..=100.0).contains(b))
+        {
+            return bad(format!(
+                "logit_bias {t}: {b} needs a token id below {} and a bias in [-100, 100]",
+                self.vocab
+            ));
+        }
+        let rules = moelane_engine::sampling::LogitRules {
+            presence_penalty: r.presence_penalty,
+            frequency_penalty: r.frequency_penalty,
+            logit_bias,
+            logprobs: r.logprobs.then_some(r.top_logprobs),
+        };
         let mut stop_ids = r.stop_token_ids;
         if !r.ignore_eos {
             stop_ids.extend(self.eos.iter());
         }
         Ok(ValidGen {
+            rules,
             id: r.request_id,
             prompt: r.prompt,
             max_tokens: r.max_tokens as usize,
@@ -424,12 +462,25 @@ impl Primary for PrimaryService {
                 token,
                 completion_tokens,
                 elapsed_ns,
+                logprobs,
             } => Ok(GenerateEvent {
                 token: Some(token),
                 finish_reason: String::new(),
                 prompt_tokens: 0,
                 completion_tokens,
                 elapsed_ns,
+                logprob: logprobs.as_ref().map(|l| l.logprob),
+                top_logprobs: logprobs
+                    .map(|l| {
+                        l.top
+                            .iter()
+                            .map(|&(token, logprob)| moelane_proto::lane::TokenLogprob {
+                                token,
+                                logprob,
+                            })
+                            .collect()
+                    })
+                    .unwrap_or_default(),
             }),
             Event::Finish {
                 reason,
@@ -442,6 +493,7 @@ impl Primary for PrimaryService {
                 prompt_tokens,
                 completion_tokens,
                 elapsed_ns,
+                ..Default::default()
             }),
             Event::Error { category, message } => Err(category.status(message)),
         });

@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use moelane_engine::kv::{KvCache, SeqKv};
-use moelane_engine::sampling::{Sampler, SamplingParams, TokenPick};
+use moelane_engine::sampling::{LogitRules, Sampler, SamplingParams, TokenPick};
 use moelane_engine::step::{Engine, SeqStep};
 use moelane_proto::Category;
 use tokio::sync::mpsc::{Receiver, UnboundedSender};
@@ -31,6 +31,8 @@ pub struct ValidGen {
     pub prompt: Vec<u32>,
     pub max_tokens: usize,
     pub sampling: SamplingParams,
+    /// Penalties, bias and log-probabilities: a request with any takes its logits on the host.
+    pub rules: LogitRules,
     pub stop_ids: Vec<u32>,
     /// The request's trace span ("generate"); queue, prefill and decode are its children.
     pub span: tracing::Span,
@@ -43,6 +45,9 @@ pub enum Event {
         token: u32,
         completion_tokens: u32,
         elapsed_ns: u64,
+        /// When asked: the token's log-probability and the most likely tokens' (boxed: most
+        /// requests carry none).
+        logprobs: Option<Box<TokenLogprobs>>,
     },
     Finish {
         reason: &'static str,
@@ -54,6 +59,14 @@ pub enum Event {
         category: Category,
         message: String,
     },
+}
+
+/// A generated token's log-probability and the `top_logprobs` most likely tokens' (id,
+/// log-probability), under the logits after bias and penalties, before temperature and top_p.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprobs {
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
 }
 
 /// A snapshot of the scheduler for stats endpoints.
@@ -122,6 +135,8 @@ struct Running {
     next: Vec<u32>,
     /// Every token generated so far, for the recompute after a preemption.
     out: Vec<u32>,
+    /// (token, times generated), for the penalties; kept only when the request has some.
+    counts: Vec<(u32, u32)>,
     /// Arrival order: the latest arrivals are preempted first and readmitted last.
     arrival: u64,
     generated: u32,
@@ -386,6 +401,7 @@ impl Scheduler {
                         sampler: Sampler::new(req.sampling.clone()),
                         next: req.prompt.clone(),
                         out: Vec::new(),
+                        counts: Vec::new(),
                         arrival: self.arrivals,
                         req,
                         tx,
@@ -471,6 +487,10 @@ impl Scheduler {
             .iter_mut()
             .map(|r| r.sampler.next_pick())
             .collect();
+        // a request with penalties, a bias or log-probabilities takes the logits to the host
+        // for the whole step, where the same rule picks every row's token
+        let host = self.running.iter().any(|r| r.req.rules.on_host());
+        let mut lps: Vec<Option<Box<TokenLogprobs>>> = Vec::new();
         let result = {
             let mut steps: Vec<SeqStep> = self
                 .running
@@ -480,7 +500,13 @@ impl Scheduler {
                     tokens: &r.next,
                 })
                 .collect();
-            self.engine.step_pick(&mut steps, &picks)
+            if host {
+                self.engine
+                    .step(&mut steps)
+                    .map(|logits| self.pick_on_host(logits, &picks, &mut lps))
+            } else {
+                self.engine.step_pick(&mut steps, &picks)
+            }
         };
         let ids = match result {
             Ok(l) => l,
@@ -514,11 +540,18 @@ impl Scheduler {
             if !stop {
                 r.generated += 1;
                 self.stats.tokens_generated += 1;
+                if r.req.rules.presence_penalty != 0.0 || r.req.rules.frequency_penalty != 0.0 {
+                    match r.counts.iter_mut().find(|c| c.0 == tok) {
+                        Some(c) => c.1 += 1,
+                        None => r.counts.push((tok, 1)),
+                    }
+                }
                 if r.tx
                     .send(Event::Token {
                         token: tok,
                         completion_tokens: r.generated,
                         elapsed_ns,
+                        logprobs: lps.get_mut(i).and_then(Option::take),
                     })
                     .is_err()
                 {
@@ -544,6 +577,34 @@ impl Scheduler {
             }
         }
         self.running = keep;
+    }
+
+    /// Every row's token from the step's logits (one row per running sequence, in order):
+    /// each request's bias and penalties applied, then its pick; log-probabilities where asked.
+    fn pick_on_host(
+        &self,
+        mut logits: Vec<f32>,
+        picks: &[TokenPick],
+        lps: &mut Vec<Option<Box<TokenLogprobs>>>,
+    ) -> Vec<u32> {
+        let v = self.engine.cfg.vocab_size;
+        let mut scratch = Vec::new();
+        let mut ids = Vec::with_capacity(self.running.len());
+        for ((r, row), &pick) in self
+            .running
+            .iter()
+            .zip(logits.chunks_exact_mut(v))
+            .zip(picks)
+        {
+            r.req.rules.apply(row, &r.counts);
+            let tok = moelane_engine::sampling::pick_token(row, pick, &mut scratch);
+            lps.push(r.req.rules.logprobs.map(|k| {
+                let (logprob, top) = moelane_engine::sampling::logprobs(row, tok, k as usize);
+                Box::new(TokenLogprobs { logprob, top })
+            }));
+            ids.push(tok);
+        }
+        ids
     }
 
     /// The loop: blocks on the command channel when idle, steps while there is work.

@@ -131,11 +131,11 @@ fn bad_requests_get_openai_errors_with_the_right_status() {
         ),
         (
             "/v1/completions",
-            json!({"model": "tiny", "prompt": "hi", "n": 2})
+            json!({"model": "tiny", "prompt": "hi", "n": 17})
                 .to_string()
                 .into_bytes(),
             400,
-            "n = 1",
+            "n must be an integer in 1..=16",
         ),
         (
             "/v1/completions",

@@ -53,6 +53,30 @@ if cut.strip():
     assert s.choices[0].finish_reason == "stop"
 print("sampling and stop ok")
 
+# log-probabilities, n, penalties, logit_bias and echo through the client's own types
+lp = c.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+content = lp.choices[0].logprobs.content
+assert len(content) == lp.usage.completion_tokens, content
+assert all(t.logprob <= 0 and len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob == t.logprob for t in content), content
+assert lp.choices[0].message.content == text[: len(lp.choices[0].message.content)]
+cl = c.completions.create(model=model, prompt="The agent", max_tokens=6, temperature=0, logprobs=3)
+assert len(cl.choices[0].logprobs.tokens) == 6 and len(cl.choices[0].logprobs.top_logprobs[0]) == 3, cl
+many_choices = c.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=1.0, seed=3, n=3)
+assert [ch.index for ch in many_choices.choices] == [0, 1, 2], many_choices
+assert many_choices.usage.completion_tokens == 24, many_choices.usage
+idx = set()
+for ch in c.chat.completions.create(model=model, messages=msgs, max_tokens=4, temperature=0, n=2, stream=True):
+    for choice in ch.choices:
+        idx.add(choice.index)
+assert idx == {0, 1}, idx
+biased = c.completions.create(model=model, prompt="The agent", max_tokens=8, temperature=0, logit_bias={"300": 100}, logprobs=0)
+assert len(set(biased.choices[0].logprobs.tokens)) == 1, biased
+pen = c.completions.create(model=model, prompt="The agent", max_tokens=8, temperature=0, frequency_penalty=1.5, presence_penalty=0.5)
+assert pen.usage.completion_tokens == 8
+echoed = c.completions.create(model=model, prompt="The agent", max_tokens=4, temperature=0, echo=True)
+assert echoed.choices[0].text.startswith("The agent"), echoed
+print("logprobs, n, penalties, bias, echo ok")
+
 # an error case: the client raises the right exception
 try:
     c.completions.create(model="no-such-model", prompt="x", max_tokens=2)

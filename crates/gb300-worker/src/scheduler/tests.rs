@@ -66,6 +66,7 @@ fn req(id: &str, prompt: Vec<u32>, max_tokens: usize) -> ValidGen {
         prompt,
         max_tokens,
         sampling: SamplingParams::default(),
+        rules: Default::default(),
         stop_ids: vec![],
         span: tracing::Span::none(),
     }
@@ -642,4 +643,55 @@ async fn the_stop_flag_ends_a_busy_loop() {
 
 fn within<T>(what: &str, r: Result<T, tokio::time::error::Elapsed>) -> T {
     r.unwrap_or_else(|_| panic!("{what} in time"))
+}
+
+#[test]
+fn logits_taken_to_the_host_change_no_token_of_any_request() {
+    // one request asks for log-probabilities, so every step of the batch picks on the host:
+    // greedy and seeded neighbours get the tokens they get when the device picks
+    let mut rng = Rng::new(23);
+    let reqs: Vec<ValidGen> = (0..4)
+        .map(|i| {
+            let len = 1 + rng.below(20);
+            let mut r = req(&format!("h{i}"), prompt(&mut rng, len), 10 + i);
+            if i % 2 == 1 {
+                r.sampling = SamplingParams {
+                    temperature: 0.9,
+                    top_p: 0.9,
+                    seed: 40 + i as u64,
+                };
+            }
+            r
+        })
+        .collect();
+    let run = |reqs: &[ValidGen]| {
+        let mut s = sched(4096, cfg(8, 64));
+        let mut rxs: Vec<_> = reqs.iter().map(|r| submit(&mut s, r.clone())).collect();
+        run_idle(&mut s, 100);
+        rxs.iter_mut().map(drain).collect::<Vec<_>>()
+    };
+    let device = run(&reqs);
+    let mut with = reqs.clone();
+    with[0].rules.logprobs = Some(2);
+    let host = run(&with);
+    let tokens = |evs: &[Event]| {
+        evs.iter()
+            .filter_map(|e| match e {
+                Event::Token { token, .. } => Some(*token),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    for i in 0..reqs.len() {
+        assert_eq!(tokens(&host[i]), tokens(&device[i]), "request {i}");
+        for e in &host[i] {
+            if let Event::Token { logprobs, .. } = e {
+                assert_eq!(logprobs.is_some(), i == 0, "request {i}: {e:?}");
+                if let Some(l) = logprobs {
+                    assert_eq!(l.top.len(), 2);
+                    assert!(l.logprob <= 0.0 && l.logprob == l.top[0].1, "greedy: {l:?}");
+                }
+            }
+        }
+    }
 }
