@@ -46,8 +46,7 @@ impl Spec {
         }
         if s.starts_with("http://") || s.starts_with("https://") {
             // tonic refuses what it cannot dial: ask it now, so a typo fails at start
-            tonic::transport::Endpoint::from_shared(s.to_string())
-                .map_err(|e| format!("lane url {s:?}: {e}"))?;
+            moelane_proto::tls::endpoint(s).map_err(|e| format!("lane url {s:?}: {e}"))?;
             return Ok(Spec::Url(s.to_string()));
         }
         Err(format!(

@@ -6,7 +6,6 @@ use futures::StreamExt;
 use moelane_proto::lane::primary_client::PrimaryClient;
 use moelane_proto::lane::*;
 use moelane_proto::Category;
-use tonic::transport::Channel;
 
 #[derive(Clone, Debug)]
 pub struct LaneError {
@@ -88,7 +87,7 @@ impl GrpcLane {
     /// was found under in its label).
     pub fn named(name: &str, url: &str) -> Result<Self, LaneError> {
         use std::time::Duration;
-        let ch = Channel::from_shared(url.to_string())
+        let ch = moelane_proto::tls::endpoint(url)
             .map_err(|e| LaneError {
                 category: Category::BadRequest,
                 message: format!("lane url {url:?}: {e}"),

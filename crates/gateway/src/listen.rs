@@ -21,9 +21,21 @@ use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinSet;
 
-/// Bounds on the HTTP connections.
+/// HTTPS: the TLS handshake every connection makes first (bounded by the head deadline).
+#[derive(Clone)]
+pub struct Tls(pub tokio_rustls::TlsAcceptor);
+
+impl std::fmt::Debug for Tls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Tls")
+    }
+}
+
+/// Bounds on the HTTP connections, and their TLS.
 #[derive(Clone, Debug)]
 pub struct HttpLimits {
+    /// Serve HTTPS with this (none: plain HTTP).
+    pub tls: Option<Tls>,
     /// Most connections open at once; past it new ones wait in the listen backlog.
     pub max_connections: usize,
     /// A request head must arrive whole within this long of the connection opening or of the
@@ -37,6 +49,7 @@ pub struct HttpLimits {
 impl Default for HttpLimits {
     fn default() -> Self {
         HttpLimits {
+            tls: None,
             max_connections: 4096,
             header_timeout: Duration::from_secs(30),
             drain_window: Duration::from_secs(1),
@@ -104,17 +117,22 @@ pub async fn serve(
         // Nagle off: small SSE chunks must not wait for the client's delayed ACK
         let _ = tcp.set_nodelay(true);
         let svc = hyper_util::service::TowerToHyperService::new(app.clone());
-        let (builder, mut drain) = (builder.clone(), drain_rx.clone());
+        let (builder, drain) = (builder.clone(), drain_rx.clone());
+        let (tls, handshake) = (limits.tls.clone(), limits.header_timeout);
         conns.spawn(async move {
             let _slot = slot;
-            let conn = builder.serve_connection(TokioIo::new(tcp), svc);
-            tokio::pin!(conn);
-            tokio::select! {
-                r = conn.as_mut() => return log_end(r),
-                _ = drain.wait_for(|d| *d) => {}
+            match tls {
+                None => serve_io(&builder, tcp, svc, drain).await,
+                // the handshake within the head deadline: a client that opens a connection
+                // and says nothing holds a slot no longer over TLS than without
+                Some(Tls(acceptor)) => {
+                    match tokio::time::timeout(handshake, acceptor.accept(tcp)).await {
+                        Ok(Ok(tls)) => serve_io(&builder, tls, svc, drain).await,
+                        Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
+                        Err(_) => tracing::debug!("TLS handshake past the head deadline"),
+                    }
+                }
             }
-            conn.as_mut().graceful_shutdown();
-            log_end(conn.await)
         });
     }
     // the successor (or nobody) accepts from here on
@@ -138,6 +156,25 @@ pub async fn serve(
     }
     let _ = drain_tx.send(true);
     while conns.join_next().await.is_some() {}
+}
+
+/// One connection served until it ends, or until the drain (then gracefully).
+async fn serve_io<I>(
+    builder: &hyper::server::conn::http1::Builder,
+    io: I,
+    svc: hyper_util::service::TowerToHyperService<Router>,
+    mut drain: watch::Receiver<bool>,
+) where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let conn = builder.serve_connection(TokioIo::new(io), svc);
+    tokio::pin!(conn);
+    tokio::select! {
+        r = conn.as_mut() => return log_end(r),
+        _ = drain.wait_for(|d| *d) => {}
+    }
+    conn.as_mut().graceful_shutdown();
+    log_end(conn.await)
 }
 
 fn log_end(r: Result<(), hyper::Error>) {
@@ -199,6 +236,45 @@ mod tests {
             Ok(Ok(n)) => panic!("unexpected bytes {:?}", &buf[..n]),
             Err(_) => None,
         }
+    }
+
+    /// A TLS acceptor for a fresh self-signed certificate of 127.0.0.1.
+    fn acceptor() -> Tls {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let (c, k) = (dir.path().join("c.pem"), dir.path().join("k.pem"));
+        std::fs::write(&c, cert.pem()).unwrap();
+        std::fs::write(&k, key.serialize_pem()).unwrap();
+        let cfg = moelane_proto::tls::http_server_config(&c, &k).unwrap();
+        Tls(tokio_rustls::TlsAcceptor::from(cfg))
+    }
+
+    #[tokio::test]
+    async fn over_tls_a_silent_connection_is_closed_at_the_head_deadline() {
+        let limits = HttpLimits {
+            header_timeout: Duration::from_millis(400),
+            tls: Some(acceptor()),
+            ..Default::default()
+        };
+        let (a, _stop, _t) = start(limits).await;
+        // no ClientHello: the handshake's deadline is the head's
+        let mut s = TcpStream::connect(a).await.unwrap();
+        let t = closed_after(&mut s, Duration::from_secs(5))
+            .await
+            .expect("a silent TLS client was not closed");
+        assert!((0.3..2.0).contains(&t), "closed after {t:.2} s");
+        // a plain HTTP request is not answered as HTTP
+        let mut s = TcpStream::connect(a).await.unwrap();
+        s.write_all(b"GET /x HTTP/1.1\r\nHost: t\r\n\r\n")
+            .await
+            .unwrap();
+        let mut got = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut got)).await;
+        assert!(!String::from_utf8_lossy(&got).contains("200"), "{got:?}");
     }
 
     #[tokio::test]

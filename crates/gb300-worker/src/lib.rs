@@ -697,7 +697,13 @@ pub async fn serve(
     stop: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
     let health_service = health_service(readiness.clone(), client.clone());
-    tonic::transport::Server::builder()
+    let mut server = match moelane_proto::tls::cluster_tls() {
+        // with the cluster's mutual TLS, a peer without a certificate of the cluster CA does
+        // not get past the handshake
+        Some(t) => tonic::transport::Server::builder().tls_config(t.server())?,
+        None => tonic::transport::Server::builder(),
+    };
+    server
         .add_service(health_service)
         // the lane API needs the cluster token when one is set; the standard health service
         // stays open for probes (it tells only serving or not)

@@ -222,7 +222,8 @@ pub async fn request_as(
 pub async fn primary(
     url: &str,
 ) -> Result<moelane_proto::lane::primary_client::PrimaryClient<moelane_proto::auth::AuthChannel>> {
-    let ch = tonic::transport::Endpoint::from_shared(url.to_string())
+    let ch = moelane_proto::tls::endpoint(url)
+        .map_err(anyhow::Error::msg)
         .with_context(|| format!("{url:?} is not a URL"))?
         .connect()
         .await

@@ -63,6 +63,82 @@ struct Cli {
     /// every process of a deployment the same one.
     #[arg(long, global = true, env = "MOELANE_CLUSTER_TOKEN_FILE")]
     cluster_token_file: Option<PathBuf>,
+    /// HTTPS for the gateway's API and admin listeners (`serve`, `lane --role gateway`): a PEM
+    /// certificate chain, the leaf first. Needs --tls-key.
+    #[arg(long, global = true, env = "MOELANE_TLS_CERT", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The PEM private key (PKCS#8, RSA or EC) of --tls-cert.
+    #[arg(long, global = true, env = "MOELANE_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Mutual TLS between moelane processes: this process's PEM certificate, presented by its
+    /// gRPC clients and served by its gRPC servers (primary, sidecar). Needs
+    /// --cluster-tls-key and --cluster-tls-ca; with them every gRPC URL is dialled over TLS
+    /// (http:// included) and every gRPC server requires a client certificate the cluster CA
+    /// signed. The sidecar's TCP data port is covered by the cluster token, not by TLS.
+    #[arg(
+        long,
+        global = true,
+        env = "MOELANE_CLUSTER_TLS_CERT",
+        requires_all = ["cluster_tls_key", "cluster_tls_ca"]
+    )]
+    cluster_tls_cert: Option<PathBuf>,
+    /// The PEM private key of --cluster-tls-cert.
+    #[arg(
+        long,
+        global = true,
+        env = "MOELANE_CLUSTER_TLS_KEY",
+        requires = "cluster_tls_cert"
+    )]
+    cluster_tls_key: Option<PathBuf>,
+    /// The cluster CA (PEM): the only root a peer's certificate may chain to.
+    #[arg(
+        long,
+        global = true,
+        env = "MOELANE_CLUSTER_TLS_CA",
+        requires = "cluster_tls_cert"
+    )]
+    cluster_tls_ca: Option<PathBuf>,
+    /// The name peers' certificates must carry, instead of the host in each gRPC URL (for a
+    /// cluster whose nodes share one certificate name).
+    #[arg(
+        long,
+        global = true,
+        env = "MOELANE_CLUSTER_TLS_NAME",
+        requires = "cluster_tls_cert"
+    )]
+    cluster_tls_name: Option<String>,
+}
+
+/// The gateway's HTTPS (--tls-cert, --tls-key), set once at start.
+static GATEWAY_TLS: std::sync::OnceLock<Option<moelane_gateway::listen::Tls>> =
+    std::sync::OnceLock::new();
+
+fn gateway_tls() -> Option<moelane_gateway::listen::Tls> {
+    GATEWAY_TLS.get().cloned().flatten()
+}
+
+/// "https" when the gateway serves TLS, else "http".
+fn gateway_scheme() -> &'static str {
+    if gateway_tls().is_some() {
+        "https"
+    } else {
+        "http"
+    }
+}
+
+/// The HTTPS of the gateway's listeners, when --tls-cert and --tls-key are given.
+fn http_tls(
+    cert: Option<&std::path::Path>,
+    key: Option<&std::path::Path>,
+) -> Result<Option<moelane_gateway::listen::Tls>> {
+    let (Some(cert), Some(key)) = (cert, key) else {
+        return Ok(None);
+    };
+    let cfg = moelane_proto::tls::http_server_config(cert, key)
+        .map_err(|e| anyhow::anyhow!("--tls-cert / --tls-key: {e}"))?;
+    Ok(Some(moelane_gateway::listen::Tls(
+        tokio_rustls::TlsAcceptor::from(cfg),
+    )))
 }
 
 /// The async runtime's worker threads: `asked`, or from the machine's cores (2 to 8).
@@ -883,6 +959,22 @@ fn run() -> Result<()> {
         }
         Err(e) => bail!("the cluster token: {e}"),
     }
+    if let (Some(cert), Some(key), Some(ca)) = (
+        cli.cluster_tls_cert.clone(),
+        cli.cluster_tls_key.clone(),
+        cli.cluster_tls_ca.clone(),
+    ) {
+        let files = moelane_proto::tls::ClusterTlsFiles {
+            cert,
+            key,
+            ca,
+            name: cli.cluster_tls_name.clone(),
+        };
+        let tls = moelane_proto::tls::ClusterTls::load(&files)
+            .map_err(|e| anyhow::anyhow!("the cluster TLS: {e}"))?;
+        moelane_proto::tls::set_cluster_tls(Some(tls));
+    }
+    let _ = GATEWAY_TLS.set(http_tls(cli.tls_cert.as_deref(), cli.tls_key.as_deref())?);
     if matches!(
         cli.cmd,
         Cmd::Serve { .. }
@@ -1061,6 +1153,7 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                 GatewayOptions::new(model.clone(), vec![format!("http://{paddr}")], listen);
             go.name = served_model_name.clone();
             go.auth = gateway_auth(api_key_file.as_deref(), admin_token_file.as_deref())?;
+            go.http.tls = gateway_tls();
             if let Some(l) = admin_listen {
                 go.admin_listen = l;
             }
@@ -1071,7 +1164,11 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                 roles::model_name(&model, &served_model_name)
             );
             println!("moelane: primary grpc://{paddr}, sidecar {link}");
-            println!("moelane: gateway listening on http://{}/v1", gateway.addr);
+            println!(
+                "moelane: gateway listening on {}://{}/v1",
+                gateway_scheme(),
+                gateway.addr
+            );
             let sig = wait_for_signal().await;
             exit_on_second_signal();
             // stop taking connections, let the primary finish (or cut, with an error) what
@@ -1230,12 +1327,17 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                         go.admin_listen = l.clone();
                     }
                     go.http.max_connections = a.max_connections.unwrap_or(4096).max(1);
+                    go.http.tls = gateway_tls();
                     go.http.header_timeout =
                         secs(a.header_timeout, 30.0).max(std::time::Duration::from_millis(100));
                     go.body_timeout =
                         secs(a.body_timeout, 30.0).max(std::time::Duration::from_millis(100));
                     let mut g = roles::start_gateway(&go).await?;
-                    println!("moelane: gateway listening on http://{}/v1", g.addr);
+                    println!(
+                        "moelane: gateway listening on {}://{}/v1",
+                        gateway_scheme(),
+                        g.addr
+                    );
                     let why = tokio::select! {
                         s = wait_for_signal() => s,
                         _ = g.taken_over() => "handoff",

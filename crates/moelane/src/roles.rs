@@ -412,7 +412,8 @@ async fn connect_sidecar(
     }
     // HTTP/2 pings find a connection a partition left dead (its TCP would wait minutes): the
     // channel then dials again, resolving the name again
-    let endpoint = tonic::transport::Endpoint::from_shared(control.to_string())
+    let endpoint = moelane_proto::tls::endpoint(control)
+        .map_err(anyhow::Error::msg)
         .with_context(|| format!("--sidecar {control:?}"))?
         .connect_timeout(Duration::from_secs(2))
         .http2_keep_alive_interval(Duration::from_secs(1))
@@ -1020,6 +1021,12 @@ pub async fn start_gateway(o: &GatewayOptions) -> Result<Gateway> {
             o.listen
         );
     }
+    if o.http.tls.is_none() && !is_loopback(&o.listen) && o.handoff.is_none() {
+        println!(
+            "moelane: warning: the API listens on {} over plain HTTP: prompts, answers and API              keys cross the network in clear (set --tls-cert and --tls-key, or terminate TLS              in a proxy in front)",
+            o.listen
+        );
+    }
     let state = Arc::new(
         AppState::new(
             GatewayConfig {
@@ -1087,6 +1094,11 @@ pub async fn start_gateway(o: &GatewayOptions) -> Result<Gateway> {
     // the same address until it drains), as soon as that one releases it
     let admin_app = moelane_gateway::admin_router(state.clone());
     let admin_addr = o.admin_listen.clone();
+    let admin_scheme = if o.http.tls.is_some() {
+        "https"
+    } else {
+        "http"
+    };
     let wait_for_it = o.handoff.is_some();
     let admin_task = tokio::spawn(async move {
         let until = std::time::Instant::now() + Duration::from_secs(120);
@@ -1107,7 +1119,7 @@ pub async fn start_gateway(o: &GatewayOptions) -> Result<Gateway> {
             }
         };
         if let Ok(a) = l.local_addr() {
-            println!("moelane: gateway admin http://{a}");
+            println!("moelane: gateway admin {admin_scheme}://{a}");
         }
         moelane_gateway::listen::serve(l, admin_app, limits, stopped(stop_rx)).await;
     });

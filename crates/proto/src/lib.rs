@@ -3,6 +3,7 @@
 //! `moelane-error` metadata key; callers match on [`Category`], never on message text.
 
 pub mod auth;
+pub mod tls;
 
 pub mod lane {
     tonic::include_proto!("moelane.lane.v1");

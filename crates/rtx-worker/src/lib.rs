@@ -655,7 +655,11 @@ pub async fn serve_control(
             }
         });
     }
-    tonic::transport::Server::builder()
+    let mut server = match moelane_proto::tls::cluster_tls() {
+        Some(t) => tonic::transport::Server::builder().tls_config(t.server())?,
+        None => tonic::transport::Server::builder(),
+    };
+    server
         .add_service(health)
         .add_service(SidecarServer::with_interceptor(
             SidecarService { actor, core },

@@ -106,9 +106,10 @@ pub fn start_env(args: &[&str], wants: &[&str], env: &[(&str, &str)]) -> (Proc, 
     )
 }
 
-/// "http://127.0.0.1:1234/v1" -> "127.0.0.1:1234"
+/// "http://127.0.0.1:1234/v1" (or https://, grpc://) -> "127.0.0.1:1234"
 pub fn hostport(url: &str) -> String {
     url.trim_start_matches("http://")
+        .trim_start_matches("https://")
         .trim_start_matches("grpc://")
         .split('/')
         .next()

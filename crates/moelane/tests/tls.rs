@@ -1,0 +1,259 @@
+//! TLS on real processes: the gateway's API over HTTPS (`--tls-cert`, `--tls-key`), and the
+//! cluster's mutual TLS on every gRPC hop (gateway to primary, primary to sidecar, the CLI
+//! to the primary). Certificates are made here with rcgen: a cluster CA, a node certificate
+//! for 127.0.0.1 it signed, and a rogue CA with its own node certificate.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_rustls::rustls;
+
+struct Pki {
+    _dir: tempfile::TempDir,
+    ca: PathBuf,
+    cert: PathBuf,
+    key: PathBuf,
+    rogue_ca: PathBuf,
+    rogue_cert: PathBuf,
+    rogue_key: PathBuf,
+}
+
+/// A CA and a leaf for 127.0.0.1 and localhost it signed, written as PEM files under `dir`
+/// with the prefix `name`: (ca, cert, key).
+fn ca_and_leaf(dir: &Path, name: &str) -> (PathBuf, PathBuf, PathBuf) {
+    let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
+    p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    p.distinguished_name
+        .push(rcgen::DnType::CommonName, format!("{name} CA"));
+    let ca_key = KeyPair::generate().unwrap();
+    let ca = p.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::new(p, ca_key);
+    let leaf_params =
+        CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()]).unwrap();
+    let leaf_key = KeyPair::generate().unwrap();
+    let leaf = leaf_params.signed_by(&leaf_key, &issuer).unwrap();
+    let w = |f: &str, s: String| {
+        let path = dir.join(format!("{name}-{f}"));
+        std::fs::write(&path, s).unwrap();
+        path
+    };
+    (
+        w("ca.pem", ca.pem()),
+        w("cert.pem", leaf.pem()),
+        w("key.pem", leaf_key.serialize_pem()),
+    )
+}
+
+fn pki() -> Pki {
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = ca_and_leaf(dir.path(), "cluster");
+    let (rogue_ca, rogue_cert, rogue_key) = ca_and_leaf(dir.path(), "rogue");
+    Pki {
+        _dir: dir,
+        ca,
+        cert,
+        key,
+        rogue_ca,
+        rogue_cert,
+        rogue_key,
+    }
+}
+
+/// One HTTPS POST to `addr` trusting only `ca`: (status, body), or the error of the TLS
+/// handshake.
+fn https_post(addr: &str, ca: &Path, path: &str, body: &str) -> Result<(u16, String), String> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut roots = rustls::RootCertStore::empty();
+        for c in moelane_proto::tls::load_certs(ca).unwrap() {
+            roots.add(c).unwrap();
+        }
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let cfg = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let tcp = tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(|e| e.to_string())?;
+        let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
+        let mut s = tokio::time::timeout(
+            Duration::from_secs(10),
+            tokio_rustls::TlsConnector::from(Arc::new(cfg)).connect(name, tcp),
+        )
+        .await
+        .map_err(|_| "handshake timed out".to_string())?
+        .map_err(|e| e.to_string())?;
+        let req = format!(
+            "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        s.write_all(req.as_bytes())
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut raw = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut raw)).await;
+        let raw = String::from_utf8_lossy(&raw).into_owned();
+        let (head, body) = raw
+            .split_once("\r\n\r\n")
+            .ok_or(format!("no head: {raw}"))?;
+        let status = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .ok_or(format!("no status: {head}"))?;
+        Ok((status, body.to_string()))
+    })
+}
+
+/// `moelane status --primary URL` with `tls` (cluster TLS flags); its exit status and output.
+fn status(url: &str, tls: &[&str]) -> (bool, String) {
+    let out = std::process::Command::new(bin())
+        .args(["status", "--primary", url])
+        .args(tls)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+#[test]
+fn https_api_and_mutual_tls_on_every_grpc_hop() {
+    let k = pki();
+    let s = |p: &PathBuf| p.to_str().unwrap().to_string();
+    let (ca, cert, key) = (s(&k.ca), s(&k.cert), s(&k.key));
+    // every process of the lane: the cluster's mutual TLS; the gateway also serves HTTPS
+    // with the same certificate
+    let env = [
+        ("MOELANE_CLUSTER_TLS_CERT", cert.as_str()),
+        ("MOELANE_CLUSTER_TLS_KEY", key.as_str()),
+        ("MOELANE_CLUSTER_TLS_CA", ca.as_str()),
+        ("MOELANE_TLS_CERT", cert.as_str()),
+        ("MOELANE_TLS_KEY", key.as_str()),
+    ];
+    let (_procs, gw, purl) = two_process_lane_env("tcp", &[], &env);
+    let body = serde_json::json!({"model": "tiny", "prompt": "The agent", "max_tokens": 8, "temperature": 0})
+        .to_string();
+    // a completion over HTTPS crossed gateway -> primary -> sidecar, each hop over mTLS
+    let (st, answer) = https_post(&gw, &k.ca, "/v1/completions", &body).expect("HTTPS");
+    assert_eq!(st, 200, "{answer}");
+    let v: serde_json::Value = serde_json::from_str(&answer).unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 8, "{v}");
+    // a client that trusts another CA does not accept the gateway's certificate
+    let e = https_post(&gw, &k.rogue_ca, "/v1/completions", &body).unwrap_err();
+    assert!(e.to_lowercase().contains("certificate"), "{e}");
+    // plain HTTP on the HTTPS port gets no answer
+    {
+        use std::io::{Read, Write};
+        let mut t = std::net::TcpStream::connect(&gw).unwrap();
+        t.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        write!(
+            t,
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .ok(); // the server may close on the first bytes, before the rest is written
+        let mut got = Vec::new();
+        let _ = t.read_to_end(&mut got);
+        assert!(
+            !String::from_utf8_lossy(&got).contains("HTTP/1.1 200"),
+            "plain HTTP was answered on the HTTPS port"
+        );
+    }
+    // the primary's gRPC: the cluster's certificate gets in; none, or a rogue CA's, does not
+    let tls = |c: &str, k: &str, a: &str| {
+        vec![
+            "--cluster-tls-cert".to_string(),
+            c.to_string(),
+            "--cluster-tls-key".to_string(),
+            k.to_string(),
+            "--cluster-tls-ca".to_string(),
+            a.to_string(),
+        ]
+    };
+    let good = tls(&cert, &key, &ca);
+    let good: Vec<&str> = good.iter().map(String::as_str).collect();
+    let (ok, out) = status(&purl, &good);
+    assert!(ok, "status with the cluster's certificate: {out}");
+    assert!(out.contains("map epoch"), "{out}");
+    let (ok, out) = status(&purl, &[]);
+    assert!(!ok, "status without TLS got in: {out}");
+    let rogue = tls(&s(&k.rogue_cert), &s(&k.rogue_key), &ca);
+    let rogue: Vec<&str> = rogue.iter().map(String::as_str).collect();
+    let (ok, out) = status(&purl, &rogue);
+    assert!(!ok, "a certificate of another CA got in: {out}");
+    // and a client that trusts only the rogue CA refuses the primary
+    let wrong_root = tls(&cert, &key, &s(&k.rogue_ca));
+    let wrong_root: Vec<&str> = wrong_root.iter().map(String::as_str).collect();
+    let (ok, out) = status(&purl, &wrong_root);
+    assert!(
+        !ok,
+        "the primary's certificate passed a foreign root: {out}"
+    );
+}
+
+#[test]
+fn bad_tls_files_are_refused_at_start_naming_the_file() {
+    let k = pki();
+    let dir = tempfile::tempdir().unwrap();
+    let junk = dir.path().join("junk.pem");
+    std::fs::write(&junk, "not a certificate").unwrap();
+    let tiny = tiny().to_str().unwrap().to_string();
+    let run = |extra: &[&str]| {
+        let out = std::process::Command::new(bin())
+            .args(["serve", "--model", &tiny, "--listen", "127.0.0.1:0"])
+            .args(extra)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let (junk_s, cert, key, rogue_key) = (s(&junk), s(&k.cert), s(&k.key), s(&k.rogue_key));
+    for (extra, says) in [
+        (vec!["--tls-cert", &junk_s, "--tls-key", &key], "junk.pem"),
+        (
+            vec!["--tls-cert", &cert, "--tls-key", &rogue_key],
+            "does not go with",
+        ),
+        (vec!["--tls-cert", &cert], "--tls-key"),
+        (
+            vec!["--cluster-tls-cert", &cert, "--cluster-tls-key", &key],
+            "--cluster-tls-ca",
+        ),
+        (
+            vec![
+                "--cluster-tls-cert",
+                &cert,
+                "--cluster-tls-key",
+                &key,
+                "--cluster-tls-ca",
+                &junk_s,
+            ],
+            "junk.pem",
+        ),
+    ] {
+        let (ok, err) = run(&extra);
+        assert!(!ok, "{extra:?} started");
+        assert!(err.contains(says), "{extra:?}: {err}");
+    }
+}
