@@ -389,6 +389,31 @@ impl Drop for ShmTier {
 /// attaches right after REGISTER answers; a registration nobody follows leaves nothing).
 pub const ATTACH_DEADLINE: Duration = Duration::from_secs(30);
 
+/// Segments this process serves now (waiting for their primary or attached): a sidecar
+/// bounds them so that registrations cannot pile up threads and files.
+static LIVE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// How many segments this process serves now.
+pub fn live_segments() -> usize {
+    LIVE.load(Ordering::Acquire)
+}
+
+/// Counts a serving thread in [`LIVE`] while it lives.
+struct Live;
+
+impl Live {
+    fn new() -> Live {
+        LIVE.fetch_add(1, Ordering::AcqRel);
+        Live
+    }
+}
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        LIVE.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 pub fn serve(path: &Path, cap: u64, svc: Arc<dyn ColdService>) -> Result<()> {
     serve_within(path, cap, svc, ATTACH_DEADLINE)
 }
@@ -402,9 +427,11 @@ pub fn serve_within(
 ) -> Result<()> {
     let m = map_file(path, Some(cap.max(1 << 16)))?;
     let made = Instant::now();
+    let live = Live::new();
     std::thread::Builder::new()
         .name("moelane-shm-link".into())
         .spawn(move || {
+            let _live = live;
             let (mut buf, mut out, mut req) = (Vec::new(), Vec::new(), ColdRequest::default());
             let mut unlinked = false;
             loop {

@@ -20,7 +20,17 @@ pub struct SidecarActor {
     /// The last Health answer, given again while a swap holds the state for writing (a
     /// heartbeat must not stall behind a GPU upload).
     pub(crate) last_health: Option<SidecarHealthReply>,
+    /// When the recent Register calls came (the last second's), for the rate limit.
+    pub(crate) registers: std::collections::VecDeque<std::time::Instant>,
 }
+
+/// Most Register calls a sidecar answers in one second (a primary registers at start and
+/// after a lost link, a few times a second at most).
+pub const REGISTER_PER_SECOND: usize = 20;
+
+/// Most shared-memory segments a sidecar serves at once (attached or waiting for their
+/// primary): a primary that restarts leaves its old one for the moments until it is seen gone.
+pub const MAX_SHM_SEGMENTS: usize = 8;
 
 pub struct RegisterMsg(pub RegisterRequest);
 pub struct HealthMsg;
@@ -34,6 +44,21 @@ impl Message<RegisterMsg> for SidecarActor {
         RegisterMsg(r): RegisterMsg,
         _: &mut Context<Self, Self::Reply>,
     ) -> Self::Reply {
+        let now = std::time::Instant::now();
+        while self
+            .registers
+            .front()
+            .is_some_and(|t| now.duration_since(*t) >= std::time::Duration::from_secs(1))
+        {
+            self.registers.pop_front();
+        }
+        if self.registers.len() >= REGISTER_PER_SECOND {
+            return Err(Category::Overloaded.status(format!(
+                "more than {REGISTER_PER_SECOND} Register calls in the last second: refused; \
+                 try again in a second"
+            )));
+        }
+        self.registers.push_back(now);
         moelane_proto::check_protocol("primary", r.protocol, &r.build)
             .map_err(|e| Category::BadRequest.status(e))?;
         if r.model != self.core.model {
@@ -89,6 +114,16 @@ impl Message<RegisterMsg> for SidecarActor {
                     .status("this sidecar has no TCP data listener (start it with --data ADDR)")
             })?,
             "shm" => {
+                // a repeated Register of one incarnation never gets here (the protocol refuses
+                // it as late or duplicated, changing nothing); new ones are bounded
+                let live = moelane_link::shm::live_segments();
+                if live >= MAX_SHM_SEGMENTS {
+                    return Err(Category::Overloaded.status(format!(
+                        "{live} shared-memory links are open or waiting for their primary (at \
+                         most {MAX_SHM_SEGMENTS}); one nobody attaches is removed 30 s after it \
+                         was made"
+                    )));
+                }
                 self.shm_count += 1;
                 let path =
                     self.shm_dir

@@ -618,6 +618,7 @@ pub fn start(opts: &SidecarOptions) -> moelane_engine::Result<Sidecar0> {
         shm_count: 0,
         nccl_stop: None,
         last_health: None,
+        registers: Default::default(),
     });
     Ok(Sidecar0 {
         core,

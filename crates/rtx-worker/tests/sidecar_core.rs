@@ -365,3 +365,75 @@ async fn load_map_never_moves_the_epoch_backwards_or_names_two_maps_one_epoch() 
         assert_eq!(s.core.epoch(), e0 + 1, "{what}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn register_is_rate_limited_duplicates_change_nothing_and_segments_are_bounded() {
+    use moelane_proto::control::RegisterRequest;
+    use moelane_rtx_worker::{RegisterMsg, SidecarOptions, MAX_SHM_SEGMENTS, REGISTER_PER_SECOND};
+    let shm = tempfile::tempdir().unwrap();
+    let s = moelane_rtx_worker::start(&SidecarOptions {
+        model: tiny().to_path_buf(),
+        map: None,
+        data: None,
+        shm_dir: shm.path().to_path_buf(),
+        shm_cap: 1 << 16,
+        device: "cpu".into(),
+        probe_bandwidth: false,
+    })
+    .expect("start the sidecar");
+    let reg = |link: &str, incarnation: u64| {
+        s.actor.ask(RegisterMsg(RegisterRequest {
+            model: s.core.model.clone(),
+            link: link.into(),
+            map_epoch: s.core.epoch(),
+            incarnation,
+            protocol: moelane_proto::PROTOCOL,
+            build: moelane_proto::BUILD.into(),
+            ..Default::default()
+        }))
+    };
+    // a burst past the limit: the first REGISTER_PER_SECOND pass, the rest are refused
+    let mut refused = 0;
+    for i in 0..REGISTER_PER_SECOND + 5 {
+        match reg("", 1 + i as u64).await {
+            Ok(_) => assert!(i < REGISTER_PER_SECOND, "call {i} passed the limit"),
+            Err(e) => {
+                assert!(
+                    e.to_string().contains("Register calls in the last second"),
+                    "{e}"
+                );
+                refused += 1;
+            }
+        }
+    }
+    assert_eq!(refused, 5);
+    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+    // a repeated Register of one primary is refused and makes no second segment
+    let a = reg("shm", 70).await.expect("shm").endpoint;
+    let e = reg("shm", 70).await.expect_err("a duplicate");
+    assert!(e.to_string().contains("duplicated"), "{e}");
+    let files = || std::fs::read_dir(shm.path()).unwrap().count();
+    assert_eq!(files(), 1);
+    let b = reg("shm", 80).await.expect("shm").endpoint;
+    assert_ne!(a, b);
+    // at most MAX_SHM_SEGMENTS at once, whoever asks
+    let mut made = 2;
+    let mut err = None;
+    for inc in 100..100 + MAX_SHM_SEGMENTS as u64 {
+        match reg("shm", inc).await {
+            Ok(_) => made += 1,
+            Err(e) => {
+                err = Some(e);
+                break;
+            }
+        }
+    }
+    assert_eq!(made, MAX_SHM_SEGMENTS);
+    let e = err.expect("the cap held");
+    assert!(e.to_string().contains("shared-memory links"), "{e}");
+    assert_eq!(
+        files(),
+        MAX_SHM_SEGMENTS,
+        "segments beyond the cap were made"
+    );
+}
