@@ -459,7 +459,12 @@ async fn read_json(st: &AppState, body: Body) -> Result<Value, ApiError> {
         }
         Ok(Ok(b)) => b,
     };
-    let v: Value = serde_json::from_slice(&bytes)
+    parse_json(&bytes)
+}
+
+/// A request body as a JSON object.
+fn parse_json(bytes: &[u8]) -> Result<Value, ApiError> {
+    let v: Value = serde_json::from_slice(bytes)
         .map_err(|e| ApiError::bad(format!("malformed JSON body: {e}"), None))?;
     if !v.is_object() {
         return Err(ApiError::bad(
@@ -468,6 +473,13 @@ async fn read_json(st: &AppState, body: Body) -> Result<Value, ApiError> {
         ));
     }
     Ok(v)
+}
+
+/// A body of `/v1/chat/completions` (`chat`) or `/v1/completions` parsed and validated as
+/// the routes do before anything is queued: the chat rendered, the prompt tokenised, every
+/// parameter checked. For the fuzz target of request validation (fuzz/).
+pub fn validate_body(st: &AppState, body: &[u8], chat: bool) -> Result<ValidRequest, ApiError> {
+    validate(st, &parse_json(body)?, chat)
 }
 
 fn num(v: &Value, key: &'static str) -> Result<Option<f64>, ApiError> {
