@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every fuzz target (fuzz/fuzz_targets: the lane's frame decoder, rowmaps, config.json,
-# safetensors checkpoints) for SECONDS each (default 10: the test command's short run; a
+# safetensors checkpoints, the gateway's request validation, the tokenizer and detokeniser)
+# for SECONDS each (default 10: the test command's short run; a
 # longer one: scripts/fuzz.sh 3600). cargo-fuzz is installed when missing; its nightly flags
 # run on the stable toolchain through RUSTC_BOOTSTRAP=1. A crash fails the run and leaves its
 # input in fuzz/artifacts/TARGET/ (turn it into a test, then fix it). Prints executions per
