@@ -18,6 +18,8 @@ pub enum ApiError {
     ContextLength(String),
     #[error("request body exceeds {0} bytes")]
     TooLarge(usize),
+    #[error("the request's headers hold {0} bytes, more than the {max} accepted", max = crate::server::MAX_HEADER_BYTES)]
+    HeadersTooLarge(usize),
     #[error("{0}")]
     Overloaded(String),
     #[error("{0}")]
@@ -65,6 +67,7 @@ impl ApiError {
             ApiError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::HeadersTooLarge(_) => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             ApiError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -86,6 +89,9 @@ impl ApiError {
                 Some("messages"),
             ),
             ApiError::TooLarge(_) => ("invalid_request_error", Some("request_too_large"), None),
+            ApiError::HeadersTooLarge(_) => {
+                ("invalid_request_error", Some("headers_too_large"), None)
+            }
             ApiError::Overloaded(_) => ("rate_limit_error", Some("overloaded"), None),
             ApiError::Unavailable(_) => ("server_error", Some("unavailable"), None),
             ApiError::Internal(_) => ("server_error", None, None),

@@ -263,6 +263,24 @@ pub fn router_for(state: Arc<AppState>, listener: Listener) -> Router {
         })
         .with_state(state)
         .layer(axum::middleware::from_fn(count_requests))
+        .layer(axum::middleware::from_fn(limit_headers))
+}
+
+/// Most bytes of request headers (names and values) a request may carry: past it a 431 with
+/// an OpenAI error body. (Past hyper's own limits, ~400 KB of head or more than 100 headers,
+/// hyper answers 431 itself, without a body.)
+pub const MAX_HEADER_BYTES: usize = 32 << 10;
+
+async fn limit_headers(req: Request, next: axum::middleware::Next) -> Response {
+    let bytes: usize = req
+        .headers()
+        .iter()
+        .map(|(k, v)| k.as_str().len() + v.len())
+        .sum();
+    if bytes > MAX_HEADER_BYTES {
+        return ApiError::HeadersTooLarge(bytes).into_response();
+    }
+    next.run(req).await
 }
 
 /// The public API's router.

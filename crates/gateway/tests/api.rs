@@ -1028,3 +1028,41 @@ async fn logprobs_n_penalties_bias_and_echo_are_applied() {
         .collect();
     assert_eq!(streamed, text);
 }
+
+/// Headers past 32 KiB get a 431 with an OpenAI error body, on both listeners; a request
+/// just under the limit is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_headers_get_a_431_with_an_error_body() {
+    let (_p, url) = primary().await;
+    let gw = gateway(&[&url]).await;
+    let send = |addr: String, pad: usize| async move {
+        let mut s = TcpStream::connect(&addr).await.expect("connect");
+        let head = format!(
+            "GET /v1/models HTTP/1.0\r\nHost: {addr}\r\nX-Pad: {}\r\n\r\n",
+            "a".repeat(pad)
+        );
+        s.write_all(head.as_bytes()).await.expect("write");
+        let mut raw = Vec::new();
+        tokio::time::timeout(DEADLINE, s.read_to_end(&mut raw))
+            .await
+            .expect("answer")
+            .expect("read");
+        String::from_utf8_lossy(&raw).into_owned()
+    };
+    for addr in [gw.clone(), admin(&gw)] {
+        let r = send(addr.clone(), 40 << 10).await;
+        assert!(
+            r.starts_with("HTTP/1.0 431") || r.starts_with("HTTP/1.1 431"),
+            "{r}"
+        );
+        let body = r.split_once("\r\n\r\n").map(|x| x.1).unwrap_or_default();
+        let v: Value = serde_json::from_str(body).unwrap_or_else(|_| panic!("no JSON body: {r}"));
+        assert_eq!(v["error"]["code"], "headers_too_large", "{v}");
+    }
+    let r = send(gw.clone(), 16 << 10).await;
+    assert!(
+        r.contains(" 200 ") || r.contains(" 401 "),
+        "{}",
+        &r[..r.len().min(200)]
+    );
+}
