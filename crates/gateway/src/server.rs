@@ -135,7 +135,10 @@ pub struct AppState {
     max_token_bytes: usize,
     /// Requests being rendered and tokenised at once (one per core).
     tokenizing: tokio::sync::Semaphore,
-    pub tokenizer: Tokenizer,
+    pub tokenizer: Arc<Tokenizer>,
+    /// The grammar compiler of structured output (none: the tokenizer has no end-of-sequence
+    /// token to end an answer with).
+    pub grammars: Option<moelane_text::grammar::Grammars>,
     pub template: ChatTemplate,
     pub registry: ActorRef<Registry>,
     pub shutdown: Arc<Shutdown>,
@@ -155,7 +158,13 @@ impl AppState {
             .unwrap_or(1)
             .max(1);
         let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let tokenizer = Arc::new(tokenizer);
+        let grammars = tokenizer
+            .eos_ids
+            .first()
+            .map(|&eos| moelane_text::grammar::Grammars::new(tokenizer.clone(), eos));
         AppState {
+            grammars,
             cfg,
             auth: Auth::default(),
             max_token_bytes,
@@ -451,6 +460,8 @@ pub struct ValidRequest {
     pub logprobs: Option<u32>,
     /// Completions' `echo`: the prompt's text, put before each choice's text.
     pub echo: Option<String>,
+    /// The grammar every choice follows (`response_format`), as llguidance's JSON.
+    pub grammar: Option<String>,
 }
 
 async fn read_json(st: &AppState, body: Body) -> Result<Value, ApiError> {
@@ -723,9 +734,6 @@ fn refuse_unbuilt(v: &Value) -> Result<(), ApiError> {
     if !neutral("tool_choice", &|x| x == "none" || x == "auto") {
         return not_yet("tool_choice", "tool calls");
     }
-    if !neutral("response_format", &|x| x["type"] == "text") {
-        return not_yet("response_format", "structured output");
-    }
     if !neutral("best_of", &|x| x == 1) {
         return not_yet("best_of", "several candidates per answer");
     }
@@ -733,6 +741,53 @@ fn refuse_unbuilt(v: &Value) -> Result<(), ApiError> {
         return not_yet("suffix", "insertion");
     }
     Ok(())
+}
+
+/// `response_format`: none or `text` (no grammar), `json_object` (any JSON object) or
+/// `json_schema` (`{"json_schema": {"name", "schema", "strict"}}`: an answer valid against the
+/// schema), compiled here so that a schema the grammar compiler refuses is a 400 naming why.
+fn response_format(st: &AppState, v: &Value) -> Result<Option<String>, ApiError> {
+    let bad = |m: String| ApiError::bad(m, Some("response_format"));
+    let rf = match v.get("response_format") {
+        None | Some(Value::Null) => return Ok(None),
+        Some(rf) => rf,
+    };
+    let schema = match rf.get("type").and_then(|t| t.as_str()) {
+        Some("text") => return Ok(None),
+        Some("json_object") => json!({"type": "object"}),
+        Some("json_schema") => {
+            let js = rf.get("json_schema").ok_or_else(|| {
+                bad("`response_format.json_schema` is required for type json_schema".into())
+            })?;
+            match js.get("schema") {
+                Some(s @ Value::Object(_)) => s.clone(),
+                // OpenAI's default when no schema is given: any JSON object
+                None | Some(Value::Null) => json!({"type": "object"}),
+                Some(Value::Bool(true)) => json!({}),
+                Some(x) => {
+                    return Err(bad(format!(
+                        "`response_format.json_schema.schema` must be a JSON schema object, got {x}"
+                    )))
+                }
+            }
+        }
+        _ => {
+            return Err(bad(format!(
+                "`response_format.type` must be text, json_object or json_schema, got {}",
+                rf.get("type").unwrap_or(&Value::Null)
+            )))
+        }
+    };
+    let grammar = moelane_text::grammar::json_schema_grammar(&schema);
+    let g = st.grammars.as_ref().ok_or_else(|| {
+        bad(
+            "this model's tokenizer has no end-of-sequence token to end a structured answer with"
+                .into(),
+        )
+    })?;
+    g.compile(&grammar)
+        .map_err(|e| bad(format!("`response_format`: the schema cannot be used: {e}")))?;
+    Ok(Some(grammar))
 }
 
 /// Most choices one request may ask (`n`).
@@ -974,7 +1029,9 @@ fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequest, ApiErr
         .and_then(|b| b.as_bool())
         .unwrap_or(false);
     let echo = echo.then(|| st.tokenizer.decode_lossy(&prompt));
+    let grammar = response_format(st, v)?;
     Ok(ValidRequest {
+        grammar,
         n,
         presence_penalty,
         frequency_penalty,
@@ -1606,6 +1663,7 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
         logit_bias: vr.logit_bias.clone(),
         logprobs: vr.logprobs.is_some(),
         top_logprobs: vr.logprobs.unwrap_or(0),
+        grammar: vr.grammar.clone().unwrap_or_default(),
     };
     let deadline = arrived + st.cfg.retry_deadline;
     let aborted = st.shutdown.aborted();

@@ -48,9 +48,14 @@ async fn primary() -> (PrimaryHandle, String) {
     )
     .expect("load tiny");
     let eos = engine.cfg.eos_token_ids.clone();
+    let grammars = moelane_text::grammar::Grammars::new(
+        Arc::new(Tokenizer::from_dir(dir).expect("tokenizer")),
+        eos[0],
+    );
     let handle =
         moelane_gb300_worker::start(engine, "tiny".into(), eos, SchedulerConfig::default())
-            .expect("start the step loop");
+            .expect("start the step loop")
+            .with_grammars(Arc::new(grammars));
     let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let url = format!("http://{}", l.local_addr().expect("addr"));
     tokio::spawn(moelane_gb300_worker::serve(
@@ -659,7 +664,6 @@ async fn parameters_not_built_are_refused_by_name_and_seeds_are_exact() {
             json!([{"type": "function", "function": {"name": "f"}}]),
         ),
         ("tool_choice", json!("required")),
-        ("response_format", json!({"type": "json_object"})),
         ("best_of", json!(2)),
         ("suffix", json!("end")),
     ] {
@@ -1065,4 +1069,117 @@ async fn oversized_headers_get_a_431_with_an_error_body() {
         "{}",
         &r[..r.len().min(200)]
     );
+}
+
+/// `response_format`: a JSON schema (strict) makes the random weights of the test checkpoint
+/// answer JSON valid against it, whole and streamed, greedy and sampled; `json_object` gives
+/// a JSON object; a schema the compiler refuses, or another type, is a 400 naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn response_format_json_schema_constrains_the_answer() {
+    let (_p, url) = primary().await;
+    let gw = gateway(&[&url]).await;
+    let schema = json!({"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}},
+        "required": ["city", "count", "tags"], "additionalProperties": false});
+    let ask = |extra: Value| {
+        let mut v = json!({"model": "tiny", "messages": [{"role": "user", "content": "Where? Answer in JSON."}],
+            "max_tokens": 300, "response_format": {"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": true}}});
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        v
+    };
+    let check = |text: &str| {
+        let j: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+        let o = j.as_object().expect("an object");
+        assert_eq!(o.len(), 3, "{text}");
+        assert!(
+            o["city"].as_str().is_some_and(|c| c.chars().count() <= 12),
+            "{text}"
+        );
+        assert!(o["count"].as_u64().is_some_and(|c| c <= 99), "{text}");
+        assert!(
+            o["tags"].as_array().is_some_and(|t| t.len() <= 3
+                && t.iter()
+                    .all(|x| ["a", "b", "c"].contains(&x.as_str().unwrap_or("")))),
+            "{text}"
+        );
+    };
+    let (st, v) = post(&gw, "/v1/chat/completions", &ask(json!({"temperature": 0}))).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    let greedy = v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    check(&greedy);
+    for seed in 1..5 {
+        let (st, v) = post(
+            &gw,
+            "/v1/chat/completions",
+            &ask(json!({"temperature": 1.0, "seed": seed, "n": 2})),
+        )
+        .await;
+        assert_eq!(st, 200, "{v}");
+        for c in v["choices"].as_array().unwrap() {
+            assert_eq!(c["finish_reason"], "stop", "{v}");
+            check(c["message"]["content"].as_str().unwrap());
+        }
+    }
+    // streamed: the same answer
+    let (st, body) = http(
+        &gw,
+        "POST",
+        "/v1/chat/completions",
+        ask(json!({"temperature": 0, "stream": true}))
+            .to_string()
+            .as_bytes(),
+    )
+    .await;
+    assert_eq!(st, 200, "{body}");
+    let streamed: String = sse_data(&body)
+        .iter()
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(String::from)
+        })
+        .collect();
+    assert_eq!(streamed, greedy);
+    // json_object: a JSON object whenever the answer completes
+    let (st, v) = post(
+        &gw,
+        "/v1/completions",
+        &json!({"model": "tiny", "prompt": "JSON:", "max_tokens": 400, "temperature": 0,
+                "response_format": {"type": "json_object"}}),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    let text = v["choices"][0]["text"].as_str().unwrap();
+    assert!(text.starts_with('{'), "{text:?}");
+    if v["choices"][0]["finish_reason"] == "stop" {
+        assert!(
+            serde_json::from_str::<Value>(text).unwrap().is_object(),
+            "{text}"
+        );
+    }
+    // refused, naming the parameter
+    for rf in [
+        json!({"type": "xml"}),
+        json!({"type": "json_schema"}),
+        json!({"type": "json_schema", "json_schema": {"schema": 5}}),
+        json!({"type": "json_schema", "json_schema": {"schema": {"type": "no-such-type"}}}),
+    ] {
+        let (st, v) = post(
+            &gw,
+            "/v1/chat/completions",
+            &ask(json!({"response_format": rf})),
+        )
+        .await;
+        assert_error(st, &v, 400, "invalid_request_error", "response_format");
+        assert_eq!(v["error"]["param"], "response_format", "{v}");
+    }
 }

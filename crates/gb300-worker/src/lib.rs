@@ -53,6 +53,9 @@ pub struct PrimaryClient {
     tx: tokio::sync::mpsc::Sender<Command>,
     vocab: usize,
     eos: std::sync::Arc<[u32]>,
+    /// The grammar compiler of the checkpoint's tokenizer (none: a request with a grammar is
+    /// refused, saying why).
+    grammars: Option<std::sync::Arc<moelane_text::grammar::Grammars>>,
 }
 
 /// The command queue's depth: the waiting requests the scheduler may hold, and room for the
@@ -144,11 +147,26 @@ impl PrimaryClient {
             logit_bias,
             logprobs: r.logprobs.then_some(r.top_logprobs),
         };
+        let constraint = match (r.grammar.is_empty(), &self.grammars) {
+            (true, _) => None,
+            (false, None) => {
+                return bad(
+                    "this lane has no tokenizer to compile a grammar with (its checkpoint has \
+                     no tokenizer.json or tiktoken.model)"
+                        .into(),
+                )
+            }
+            (false, Some(g)) => Some(
+                g.compile(&r.grammar)
+                    .map_err(|e| Category::BadRequest.status(format!("the grammar: {e}")))?,
+            ),
+        };
         let mut stop_ids = r.stop_token_ids;
         if !r.ignore_eos {
             stop_ids.extend(self.eos.iter());
         }
         Ok(ValidGen {
+            constraint,
             rules,
             id: r.request_id,
             prompt: r.prompt,
@@ -221,6 +239,12 @@ pub struct PrimaryHandle {
 }
 
 impl PrimaryHandle {
+    /// Compiles requests' grammars (structured output) with `g`, the checkpoint's tokenizer.
+    pub fn with_grammars(mut self, g: std::sync::Arc<moelane_text::grammar::Grammars>) -> Self {
+        self.client.grammars = Some(g);
+        self
+    }
+
     /// Stops the scheduler (running requests end with an error event when their senders drop).
     pub fn shutdown(&mut self) {
         if let Some(t) = self.thread.take() {
@@ -260,6 +284,7 @@ pub fn start(
             tx,
             vocab,
             eos: eos.into(),
+            grammars: None,
         },
         thread: Some(thread),
     })

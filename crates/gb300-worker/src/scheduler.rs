@@ -33,6 +33,8 @@ pub struct ValidGen {
     pub sampling: SamplingParams,
     /// Penalties, bias and log-probabilities: a request with any takes its logits on the host.
     pub rules: LogitRules,
+    /// The grammar its tokens must follow (structured output), picked on the host.
+    pub constraint: Option<moelane_text::grammar::Constraint>,
     pub stop_ids: Vec<u32>,
     /// The request's trace span ("generate"); queue, prefill and decode are its children.
     pub span: tracing::Span,
@@ -62,7 +64,8 @@ pub enum Event {
 }
 
 /// A generated token's log-probability and the `top_logprobs` most likely tokens' (id,
-/// log-probability), under the logits after bias and penalties, before temperature and top_p.
+/// log-probability), under the logits after bias, penalties and the grammar's mask, before
+/// temperature and top_p.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TokenLogprobs {
     pub logprob: f32,
@@ -489,7 +492,10 @@ impl Scheduler {
             .collect();
         // a request with penalties, a bias or log-probabilities takes the logits to the host
         // for the whole step, where the same rule picks every row's token
-        let host = self.running.iter().any(|r| r.req.rules.on_host());
+        let host = self
+            .running
+            .iter()
+            .any(|r| r.req.rules.on_host() || r.req.constraint.is_some());
         let mut lps: Vec<Option<Box<TokenLogprobs>>> = Vec::new();
         let result = {
             let mut steps: Vec<SeqStep> = self
@@ -505,7 +511,9 @@ impl Scheduler {
                     .step(&mut steps)
                     .map(|logits| self.pick_on_host(logits, &picks, &mut lps))
             } else {
-                self.engine.step_pick(&mut steps, &picks)
+                self.engine
+                    .step_pick(&mut steps, &picks)
+                    .map(|ids| ids.into_iter().map(Ok).collect())
             }
         };
         let ids = match result {
@@ -527,7 +535,18 @@ impl Scheduler {
             if r.generated == 0 {
                 self.stats.prompt_tokens += r.req.prompt.len() as u64;
             }
-            let tok = ids[i];
+            let tok = match &ids[i] {
+                Ok(t) => *t,
+                Err(e) => {
+                    r.req.span.record("moelane.finish_reason", "error");
+                    let _ = r.tx.send(Event::Error {
+                        category: Category::BadRequest,
+                        message: format!("the request's grammar: {e}"),
+                    });
+                    self.stats.failed += 1;
+                    continue;
+                }
+            };
             if r.generated == 0 {
                 r.phase = tracing::info_span!(
                     parent: &r.req.span,
@@ -582,27 +601,39 @@ impl Scheduler {
     /// Every row's token from the step's logits (one row per running sequence, in order):
     /// each request's bias and penalties applied, then its pick; log-probabilities where asked.
     fn pick_on_host(
-        &self,
+        &mut self,
         mut logits: Vec<f32>,
         picks: &[TokenPick],
         lps: &mut Vec<Option<Box<TokenLogprobs>>>,
-    ) -> Vec<u32> {
+    ) -> Vec<Result<u32, String>> {
         let v = self.engine.cfg.vocab_size;
         let mut scratch = Vec::new();
         let mut ids = Vec::with_capacity(self.running.len());
         for ((r, row), &pick) in self
             .running
-            .iter()
+            .iter_mut()
             .zip(logits.chunks_exact_mut(v))
             .zip(picks)
         {
             r.req.rules.apply(row, &r.counts);
+            if let Some(c) = &mut r.req.constraint {
+                if let Err(e) = c.mask(row) {
+                    lps.push(None);
+                    ids.push(Err(e));
+                    continue;
+                }
+            }
             let tok = moelane_engine::sampling::pick_token(row, pick, &mut scratch);
             lps.push(r.req.rules.logprobs.map(|k| {
                 let (logprob, top) = moelane_engine::sampling::logprobs(row, tok, k as usize);
                 Box::new(TokenLogprobs { logprob, top })
             }));
-            ids.push(tok);
+            // a stop token ends the request: the grammar need not follow it
+            let followed = match &mut r.req.constraint {
+                Some(c) if !r.req.stop_ids.contains(&tok) => c.consume(tok),
+                _ => Ok(()),
+            };
+            ids.push(followed.map(|()| tok));
         }
         ids
     }

@@ -301,8 +301,18 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
         );
     }
     let id = ckpt.id.clone();
-    let handle = moelane_gb300_worker::start(engine, id.clone(), eos, o.sched.clone())
+    let first_eos = eos.first().copied();
+    let mut handle = moelane_gb300_worker::start(engine, id.clone(), eos, o.sched.clone())
         .context("cannot start the step loop's thread")?;
+    // structured output: grammars compile against the checkpoint's own tokenizer (its trie
+    // is built at the first request that carries one)
+    if let (true, Some(eos)) = (Tokenizer::exists_in(&o.model), first_eos) {
+        let t = Tokenizer::from_dir(&o.model).context("the checkpoint's tokenizer")?;
+        handle = handle.with_grammars(std::sync::Arc::new(moelane_text::grammar::Grammars::new(
+            std::sync::Arc::new(t),
+            eos,
+        )));
+    }
     moelane_gb300_worker::register_metrics(handle.client.clone());
     let participant = PrimaryParticipant {
         client: handle.client.clone(),

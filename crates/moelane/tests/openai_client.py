@@ -77,6 +77,20 @@ echoed = c.completions.create(model=model, prompt="The agent", max_tokens=4, tem
 assert echoed.choices[0].text.startswith("The agent"), echoed
 print("logprobs, n, penalties, bias, echo ok")
 
+# structured output: the random weights answer JSON valid against the schema
+import json as _json
+schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+          "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+for seed in range(3):
+    r = c.chat.completions.create(model=model, messages=msgs, max_tokens=200, temperature=1.0, seed=seed,
+                                  response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}})
+    assert r.choices[0].finish_reason == "stop", r
+    obj = _json.loads(r.choices[0].message.content)
+    assert set(obj) == {"name", "age"} and isinstance(obj["age"], int) and 0 <= obj["age"] <= 120, obj
+    assert isinstance(obj["name"], str) and len(obj["name"]) <= 16, obj
+print("json_schema ok")
+
 # an error case: the client raises the right exception
 try:
     c.completions.create(model="no-such-model", prompt="x", max_tokens=2)

@@ -1,7 +1,9 @@
 //! moelane-text: what the gateway and the engine share about text: the tokenizer and the
 //! raw bytes of each token, an incremental detokeniser that never splits a UTF-8 character,
-//! stop strings, and chat templates (Jinja, rendered with minijinja; ChatML by default).
+//! stop strings, chat templates (Jinja, rendered with minijinja; ChatML by default), and the
+//! grammars of constrained decoding (llguidance).
 
 pub mod chat;
 pub mod detok;
+pub mod grammar;
 pub mod tokenizer;

@@ -67,6 +67,7 @@ fn req(id: &str, prompt: Vec<u32>, max_tokens: usize) -> ValidGen {
         max_tokens,
         sampling: SamplingParams::default(),
         rules: Default::default(),
+        constraint: None,
         stop_ids: vec![],
         span: tracing::Span::none(),
     }
@@ -693,5 +694,108 @@ fn logits_taken_to_the_host_change_no_token_of_any_request() {
                 }
             }
         }
+    }
+}
+
+#[test]
+fn a_grammar_the_free_answer_satisfies_leaves_greedy_output_bitwise_unchanged() {
+    // a grammar of any text: every token the model picks unconstrained is allowed (special
+    // tokens aside, which a text grammar never produces), so the masked step picks the same
+    use moelane_text::grammar::{lark_grammar, Grammars};
+    let tok = moelane_text::tokenizer::Tokenizer::from_dir(tiny()).expect("tokenizer");
+    let eos = tok.eos_ids[0];
+    let special: Vec<bool> = (0..tok.vocab_size() as u32)
+        .map(|i| tok.is_special(i))
+        .collect();
+    let g_tok = std::sync::Arc::new(tok);
+    let g = Grammars::new(g_tok.clone(), eos);
+    let any = lark_grammar("start: /(.|\\n)*/");
+    let mut rng = Rng::new(24);
+    let mut compared = 0;
+    for i in 0..12 {
+        let len = 1 + rng.below(20);
+        let p = prompt(&mut rng, len);
+        let run = |constrained: bool| {
+            let mut s = sched(4096, cfg(4, 4));
+            let mut r = req(&format!("g{i}"), p.clone(), 24);
+            if constrained {
+                r.constraint = Some(g.compile(&any).expect("compile"));
+            }
+            let mut rx = submit(&mut s, r);
+            run_idle(&mut s, 100);
+            let mut v = Seen::default();
+            v.take(&mut rx);
+            assert!(v.error.is_none(), "{v:?}");
+            v.tokens
+        };
+        let free = run(false);
+        let bytes: Vec<u8> = free
+            .iter()
+            .flat_map(|&t| g_tok.token_bytes(t).to_vec())
+            .collect();
+        if free
+            .iter()
+            .any(|&t| special.get(t as usize).copied().unwrap_or(false))
+            || std::str::from_utf8(&bytes).is_err()
+        {
+            // a control token, or bytes that are not UTF-8 (random weights write both): not
+            // in the language of a text grammar
+            continue;
+        }
+        assert_eq!(
+            run(true),
+            free,
+            "prompt {i}: the mask changed a greedy answer"
+        );
+        compared += 1;
+    }
+    assert!(compared >= 4, "only {compared} answers were text");
+}
+
+#[test]
+fn a_json_schema_grammar_makes_random_weights_answer_valid_json() {
+    use moelane_text::grammar::{json_schema_grammar, Grammars};
+    let tok = moelane_text::tokenizer::Tokenizer::from_dir(tiny()).expect("tokenizer");
+    let eos = tok.eos_ids[0];
+    let tok = std::sync::Arc::new(tok);
+    let g = Grammars::new(tok.clone(), eos);
+    let schema = serde_json::json!({"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 10},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "ok": {"type": "boolean"}},
+        "required": ["city", "count", "ok"], "additionalProperties": false});
+    let grammar = json_schema_grammar(&schema);
+    let mut rng = Rng::new(25);
+    let mut s = sched(4096, cfg(8, 64));
+    let mut rxs = Vec::new();
+    for i in 0..6 {
+        let mut r = req(&format!("j{i}"), prompt(&mut rng, 8), 200);
+        r.stop_ids = vec![eos];
+        r.constraint = Some(g.compile(&grammar).expect("compile"));
+        if i % 2 == 1 {
+            r.sampling = SamplingParams {
+                temperature: 1.0,
+                top_p: 1.0,
+                seed: 7 + i as u64,
+            };
+        }
+        rxs.push(submit(&mut s, r));
+    }
+    run_idle(&mut s, 400);
+    for (i, rx) in rxs.iter_mut().enumerate() {
+        let mut v = Seen::default();
+        v.take(rx);
+        assert_eq!(v.finish, Some("stop"), "answer {i} did not complete: {v:?}");
+        let text = tok.decode_lossy(&v.tokens);
+        let j: serde_json::Value =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("answer {i} {text:?}: {e}"));
+        let o = j.as_object().expect("an object");
+        assert_eq!(o.len(), 3, "{text}");
+        assert!(
+            o["city"].as_str().is_some_and(|c| c.chars().count() <= 10),
+            "{text}"
+        );
+        assert!(o["count"].as_u64().is_some_and(|c| c <= 99), "{text}");
+        assert!(o["ok"].is_boolean(), "{text}");
     }
 }
