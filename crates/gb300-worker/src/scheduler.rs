@@ -156,6 +156,7 @@ struct Meters {
     kv_used: metrics::Gauge,
     kv_free: metrics::Gauge,
     preemptions: metrics::Counter,
+    grammar: metrics::Histogram,
 }
 
 impl Meters {
@@ -168,6 +169,7 @@ impl Meters {
             kv_used: metrics::gauge!(n::KV_BLOCKS_USED),
             kv_free: metrics::gauge!(n::KV_BLOCKS_FREE),
             preemptions: metrics::counter!(n::KV_PREEMPTIONS),
+            grammar: metrics::histogram!(n::GRAMMAR_STEP),
         }
     }
 }
@@ -616,6 +618,7 @@ impl Scheduler {
             .zip(picks)
         {
             r.req.rules.apply(row, &r.counts);
+            let t0 = Instant::now();
             if let Some(c) = &mut r.req.constraint {
                 if let Err(e) = c.mask(row) {
                     lps.push(None);
@@ -633,6 +636,9 @@ impl Scheduler {
                 Some(c) if !r.req.stop_ids.contains(&tok) => c.consume(tok),
                 _ => Ok(()),
             };
+            if r.req.constraint.is_some() {
+                self.meters.grammar.record(t0.elapsed().as_secs_f64());
+            }
             ids.push(followed.map(|()| tok));
         }
         ids

@@ -40,6 +40,10 @@ pub enum BenchCmd {
         duration: std::time::Duration,
         #[arg(long, default_value_t = 0.0)]
         temperature: f32,
+        /// A JSON schema file: every request asks for an answer valid against it
+        /// (`response_format` json_schema), to measure constrained decoding's cost.
+        #[arg(long)]
+        json_schema: Option<PathBuf>,
         /// Also report the lane's per-layer exchange cost from moelane's /v1/stats.
         #[arg(long, default_value_t = true)]
         lane_stats: bool,
@@ -363,9 +367,20 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             requests,
             duration,
             temperature,
+            json_schema,
             lane_stats,
             json,
         } => {
+            let json_schema = match json_schema {
+                None => None,
+                Some(p) => Some(
+                    serde_json::from_str(
+                        &std::fs::read_to_string(&p)
+                            .with_context(|| format!("reading {}", p.display()))?,
+                    )
+                    .with_context(|| format!("{} is not JSON", p.display()))?,
+                ),
+            };
             let rt = runtime()?;
             rt.block_on(crate::loadgen::run(crate::loadgen::LoadOptions {
                 url,
@@ -375,6 +390,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
                 requests,
                 duration,
                 temperature,
+                json_schema,
                 lane_stats,
                 json,
             }))?;

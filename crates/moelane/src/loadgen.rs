@@ -29,6 +29,8 @@ pub struct LoadOptions {
     /// ...and keeps sending until this long has passed since the run's start.
     pub duration: Duration,
     pub temperature: f32,
+    /// Every request asks for an answer valid against this JSON schema (structured output).
+    pub json_schema: Option<Value>,
     pub lane_stats: bool,
     pub json: Option<PathBuf>,
 }
@@ -65,8 +67,13 @@ struct One {
 }
 
 async fn one(host: &str, path: &str, model: &str, prompt: &str, o: &LoadOptions) -> Result<One> {
-    let body = json!({"model": model, "prompt": prompt, "max_tokens": o.max_tokens, "temperature": o.temperature, "stream": true,
-                      "stream_options": {"include_usage": true}, "ignore_eos": true}).to_string();
+    let mut body = json!({"model": model, "prompt": prompt, "max_tokens": o.max_tokens, "temperature": o.temperature, "stream": true,
+                      "stream_options": {"include_usage": true}, "ignore_eos": true});
+    if let Some(schema) = &o.json_schema {
+        body["response_format"] =
+            json!({"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}});
+    }
+    let body = body.to_string();
     let t0 = Instant::now();
     let evs = stream_post(host, &format!("{path}/completions"), &body).await?;
     let mut times = Vec::new();
@@ -516,6 +523,7 @@ mod tests {
             requests,
             duration,
             temperature: 0.0,
+            json_schema: None,
             lane_stats: false,
             json: None,
         }

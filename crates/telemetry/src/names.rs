@@ -53,6 +53,9 @@ pub const KV_BLOCKS_FREE: &str = "moelane_kv_cache_free_blocks";
 /// counter: running sequences preempted because the KV cache was full (their blocks freed,
 /// their prompt and generated tokens recomputed when they are admitted again)
 pub const KV_PREEMPTIONS: &str = "moelane_kv_preemptions_total";
+/// histogram: one constrained request's grammar work in a step (its token mask computed and
+/// applied, the picked token followed), on the step loop's thread
+pub const GRAMMAR_STEP: &str = "moelane_grammar_step_seconds";
 /// histogram: one engine step (every running sequence advanced one token)
 pub const STEP_DURATION: &str = "moelane_step_duration_seconds";
 /// counter: tokens the primary generated (lane side)
@@ -126,6 +129,7 @@ pub const ALL: &[&str] = &[
     KV_BLOCKS_USED,
     KV_BLOCKS_FREE,
     KV_PREEMPTIONS,
+    GRAMMAR_STEP,
     STEP_DURATION,
     LANE_TOKENS,
     LANE_REQUESTS,
@@ -214,6 +218,11 @@ pub fn describe() {
     describe_gauge!(BATCH_SIZE, "Sequences in the running batch");
     describe_gauge!(KV_BLOCKS_USED, "KV cache blocks in use");
     describe_gauge!(KV_BLOCKS_FREE, "KV cache blocks free");
+    describe_histogram!(
+        GRAMMAR_STEP,
+        Unit::Seconds,
+        "One constrained request's grammar work in a step: its token mask and the pick followed"
+    );
     describe_counter!(
         KV_PREEMPTIONS,
         "Running sequences preempted when the KV cache filled (recomputed on readmission)"
