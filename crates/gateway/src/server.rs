@@ -462,6 +462,29 @@ pub struct ValidRequest {
     pub echo: Option<String>,
     /// The grammar every choice follows (`response_format`), as llguidance's JSON.
     pub grammar: Option<String>,
+    /// The tools declared (name, parameters' schema) and how the answer may call them.
+    pub tools: Vec<(String, Value)>,
+    pub tool_mode: ToolMode,
+    /// The template knows a thinking block: `<think>...</think>` becomes `reasoning_content`.
+    pub think: bool,
+    /// The prompt opened the thinking block: the answer starts inside it.
+    pub in_reasoning: bool,
+}
+
+impl ValidRequest {
+    /// Whether the answer is split into content, reasoning and calls.
+    fn splits(&self) -> bool {
+        self.chat && (self.think || self.tool_mode != ToolMode::Off)
+    }
+
+    fn splitter(&self) -> moelane_text::agent::Splitter {
+        moelane_text::agent::Splitter::new(
+            moelane_text::agent::HERMES,
+            self.tool_mode != ToolMode::Off,
+            self.think,
+            self.in_reasoning,
+        )
+    }
 }
 
 async fn read_json(st: &AppState, body: Body) -> Result<Value, ApiError> {
@@ -671,14 +694,52 @@ fn prompt_tokens(st: &AppState, v: &Value, chat: bool) -> Result<Vec<u32>, ApiEr
                     Some("messages"),
                 )
             })?;
+            let field = |k: &str| m.get(k).and_then(|x| x.as_str()).map(String::from);
+            let tool_calls = match m.get("tool_calls") {
+                None | Some(Value::Null) => None,
+                Some(Value::Array(calls)) if role == "assistant" => {
+                    for (j, c) in calls.iter().enumerate() {
+                        if c["function"]["name"].as_str().is_none() {
+                            return Err(ApiError::bad(
+                                format!("messages[{i}].tool_calls[{j}].function.name is missing"),
+                                Some("messages"),
+                            ));
+                        }
+                    }
+                    Some(Value::Array(calls.clone()))
+                }
+                Some(_) => {
+                    return Err(ApiError::bad(
+                        format!("messages[{i}].tool_calls must be a list, on an assistant message"),
+                        Some("messages"),
+                    ))
+                }
+            };
             out.push(ChatMessage {
                 role: role.to_string(),
                 content,
+                tool_calls,
+                tool_call_id: field("tool_call_id"),
+                name: field("name"),
+                reasoning_content: field("reasoning_content"),
             });
         }
+        let kwargs = match v.get("chat_template_kwargs") {
+            None | Some(Value::Null) => serde_json::Map::new(),
+            Some(Value::Object(o)) => o.clone(),
+            Some(_) => {
+                return Err(ApiError::bad(
+                    "`chat_template_kwargs` must be an object",
+                    Some("chat_template_kwargs"),
+                ))
+            }
+        };
+        let tools = v
+            .get("tools")
+            .filter(|t| t.as_array().is_some_and(|a| !a.is_empty()));
         let text = st
             .template
-            .render(&out)
+            .render_with(&out, tools, &kwargs)
             .map_err(|e| ApiError::bad(e.to_string(), Some("messages")))?;
         encode_chat(st, &text, &out)?
     } else {
@@ -728,12 +789,6 @@ fn refuse_unbuilt(v: &Value) -> Result<(), ApiError> {
             Some(k),
         ))
     };
-    if !neutral("tools", &|x| x.as_array().is_some_and(|a| a.is_empty())) {
-        return not_yet("tools", "tool calls");
-    }
-    if !neutral("tool_choice", &|x| x == "none" || x == "auto") {
-        return not_yet("tool_choice", "tool calls");
-    }
     if !neutral("best_of", &|x| x == 1) {
         return not_yet("best_of", "several candidates per answer");
     }
@@ -741,6 +796,120 @@ fn refuse_unbuilt(v: &Value) -> Result<(), ApiError> {
         return not_yet("suffix", "insertion");
     }
     Ok(())
+}
+
+/// How a request's answer may call its tools.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ToolMode {
+    /// No tools, or `tool_choice: none`: the answer is text.
+    Off,
+    /// `auto`: the model chooses; calls it writes are parsed.
+    Auto,
+    /// `required`: one or more calls, nothing else (a grammar makes it so).
+    Required,
+    /// One call of this function (a grammar makes it so).
+    Named(String),
+}
+
+/// Most tools one request may declare.
+pub const MAX_TOOLS: usize = 128;
+
+/// Most calls a forced answer (`tool_choice: required`) may make at once.
+pub const MAX_PARALLEL_CALLS: usize = 8;
+
+/// `tools` and `tool_choice`: each tool a function with a name (letters, digits, `_`, `-`;
+/// 64 at most) and a JSON schema of its parameters; the mode the choice asks for.
+fn tools_of(v: &Value, chat: bool) -> Result<(Vec<(String, Value)>, ToolMode), ApiError> {
+    let tools = match v.get("tools") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(a)) if !chat && !a.is_empty() => {
+            return Err(ApiError::bad(
+                "`tools` belongs to /v1/chat/completions",
+                Some("tools"),
+            ))
+        }
+        Some(Value::Array(a)) if a.len() > MAX_TOOLS => {
+            return Err(ApiError::bad(
+                format!("{} tools, at most {MAX_TOOLS}", a.len()),
+                Some("tools"),
+            ))
+        }
+        Some(Value::Array(a)) => {
+            let mut out: Vec<(String, Value)> = Vec::with_capacity(a.len());
+            for (i, t) in a.iter().enumerate() {
+                let bad = |m: String| ApiError::bad(format!("tools[{i}]: {m}"), Some("tools"));
+                if t.get("type").and_then(|x| x.as_str()) != Some("function") {
+                    return Err(bad("`type` must be \"function\"".into()));
+                }
+                let f = &t["function"];
+                let name = f["name"].as_str().unwrap_or_default();
+                if name.is_empty()
+                    || name.len() > 64
+                    || !name
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+                {
+                    return Err(bad(format!(
+                        "function.name {name:?} must be 1 to 64 letters, digits, _ or -"
+                    )));
+                }
+                if out.iter().any(|(n, _)| n == name) {
+                    return Err(bad(format!("function {name:?} is declared twice")));
+                }
+                let params = match f.get("parameters") {
+                    None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
+                    Some(p @ Value::Object(_)) => p.clone(),
+                    Some(x) => {
+                        return Err(bad(format!(
+                            "function.parameters must be a JSON schema object, got {x}"
+                        )))
+                    }
+                };
+                out.push((name.to_string(), params));
+            }
+            out
+        }
+        Some(x) => {
+            return Err(ApiError::bad(
+                format!("`tools` must be a list, got {x}"),
+                Some("tools"),
+            ))
+        }
+    };
+    let bad = |m: String| ApiError::bad(m, Some("tool_choice"));
+    let mode = match v.get("tool_choice") {
+        None | Some(Value::Null) if tools.is_empty() => ToolMode::Off,
+        None | Some(Value::Null) => ToolMode::Auto,
+        Some(Value::String(c)) => match c.as_str() {
+            "none" => ToolMode::Off,
+            "auto" if tools.is_empty() => ToolMode::Off,
+            "auto" => ToolMode::Auto,
+            "required" if tools.is_empty() => {
+                return Err(bad("`tool_choice: required` needs `tools`".into()))
+            }
+            "required" => ToolMode::Required,
+            other => {
+                return Err(bad(format!(
+                    "`tool_choice` must be none, auto, required or a function, got {other:?}"
+                )))
+            }
+        },
+        Some(c @ Value::Object(_)) => {
+            let name = c["function"]["name"].as_str().unwrap_or_default();
+            if !tools.iter().any(|(n, _)| n == name) {
+                return Err(bad(format!(
+                    "`tool_choice` names function {name:?}, which is not among `tools`"
+                )));
+            }
+            ToolMode::Named(name.to_string())
+        }
+        Some(x) => {
+            return Err(bad(format!(
+                "`tool_choice` must be a string or an object, got {x}"
+            )))
+        }
+    };
+    Ok((tools, mode))
 }
 
 /// `response_format`: none or `text` (no grammar), `json_object` (any JSON object) or
@@ -1029,8 +1198,68 @@ fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequest, ApiErr
         .and_then(|b| b.as_bool())
         .unwrap_or(false);
     let echo = echo.then(|| st.tokenizer.decode_lossy(&prompt));
-    let grammar = response_format(st, v)?;
+    let (tools, tool_mode) = tools_of(v, chat)?;
+    if !tools.is_empty() && !st.template.takes_tools() {
+        return Err(ApiError::bad(
+            "this model's chat template does not render tools, so the model would never see \
+             them; leave `tools` out",
+            Some("tools"),
+        ));
+    }
+    // a forced call is a grammar of calls; otherwise response_format's, if any
+    let grammar = match &tool_mode {
+        ToolMode::Required | ToolMode::Named(_) => {
+            let chosen: Vec<(String, Value)> = match &tool_mode {
+                ToolMode::Named(n) => tools.iter().filter(|(t, _)| t == n).cloned().collect(),
+                _ => tools.clone(),
+            };
+            // `parallel_tool_calls` (default true): up to MAX_PARALLEL_CALLS calls, else one
+            let parallel = match v.get("parallel_tool_calls") {
+                None | Some(Value::Null) => true,
+                Some(Value::Bool(b)) => *b,
+                Some(x) => {
+                    return Err(ApiError::bad(
+                        format!("`parallel_tool_calls` must be a boolean, got {x}"),
+                        Some("parallel_tool_calls"),
+                    ))
+                }
+            };
+            let most = if parallel && tool_mode == ToolMode::Required {
+                MAX_PARALLEL_CALLS
+            } else {
+                1
+            };
+            let lark =
+                moelane_text::agent::calls_grammar(&moelane_text::agent::HERMES, &chosen, most);
+            let grammar = moelane_text::grammar::lark_grammar(&lark);
+            let g = st.grammars.as_ref().ok_or_else(|| {
+                ApiError::bad(
+                    "this model's tokenizer has no end-of-sequence token to end a forced call with",
+                    Some("tool_choice"),
+                )
+            })?;
+            g.compile(&grammar).map_err(|e| {
+                ApiError::bad(
+                    format!("the tools' parameter schemas cannot be used: {e}"),
+                    Some("tools"),
+                )
+            })?;
+            Some(grammar)
+        }
+        _ => response_format(st, v)?,
+    };
+    // the prompt's tail: a template that opens the thinking block itself
+    let in_reasoning = chat && st.template.thinks() && {
+        let tail = st
+            .tokenizer
+            .decode_lossy(&prompt[prompt.len().saturating_sub(8)..]);
+        tail.trim_end().ends_with("<think>")
+    };
     Ok(ValidRequest {
+        tools,
+        tool_mode,
+        think: chat && st.template.thinks(),
+        in_reasoning,
         grammar,
         n,
         presence_penalty,
@@ -1332,6 +1561,54 @@ struct Choice {
     lps: Vec<Lp>,
 }
 
+/// A tool call as the OpenAI API gives it, with a fresh id.
+fn tool_call(st: &AppState, index: Option<usize>, name: &str, arguments: &str) -> Value {
+    let mut c = json!({"id": format!("call_{:024x}", random_id(st) >> 32), "type": "function",
+                       "function": {"name": name, "arguments": arguments}});
+    if let Some(i) = index {
+        c["index"] = json!(i);
+    }
+    c
+}
+
+/// A chat answer's message: its text split into content, reasoning and tool calls when the
+/// request asks for that (`finish` becomes `tool_calls` when the answer ended with calls).
+fn chat_message(st: &AppState, vr: &ValidRequest, text: &str, finish: &mut String) -> Value {
+    use moelane_text::agent::{split_whole, Part, HERMES};
+    if !vr.splits() {
+        return json!({"role": "assistant", "content": text});
+    }
+    let parts = split_whole(
+        HERMES,
+        vr.tool_mode != ToolMode::Off,
+        vr.think,
+        vr.in_reasoning,
+        text,
+    );
+    let (mut content, mut reasoning, mut calls) = (String::new(), String::new(), Vec::new());
+    for p in parts {
+        match p {
+            Part::Content(t) => content.push_str(&t),
+            Part::Reasoning(t) => reasoning.push_str(&t),
+            Part::Call { name, arguments } => calls.push(tool_call(st, None, &name, &arguments)),
+        }
+    }
+    let mut m = json!({"role": "assistant", "content": content});
+    if !reasoning.is_empty() {
+        m["reasoning_content"] = json!(reasoning);
+    }
+    if !calls.is_empty() {
+        if content.trim().is_empty() {
+            m["content"] = Value::Null;
+        }
+        m["tool_calls"] = Value::Array(calls);
+        if finish == "stop" {
+            *finish = "tool_calls".into();
+        }
+    }
+    m
+}
+
 /// The lane request of choice `i`: its own id and seed (`n` choices are `n` generations).
 fn choice_request(greq: &GenerateRequest, i: usize) -> GenerateRequest {
     let mut g = greq.clone();
@@ -1437,14 +1714,15 @@ async fn whole_response(
     let body: Vec<Value> = choices
         .into_iter()
         .enumerate()
-        .map(|(i, c)| {
+        .map(|(i, mut c)| {
             let lps = if vr.logprobs.is_some() {
                 render_logprobs(st, chat, &c.lps, echoed)
             } else {
                 Value::Null
             };
             if chat {
-                json!({"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": lps, "finish_reason": c.finish})
+                let message = chat_message(st, vr, &c.text, &mut c.finish);
+                json!({"index": i, "message": message, "logprobs": lps, "finish_reason": c.finish})
             } else {
                 json!({"index": i, "text": c.text, "logprobs": lps, "finish_reason": c.finish})
             }
@@ -1453,6 +1731,53 @@ async fn whole_response(
     let body = json!({"id": out.id, "object": if chat { "chat.completion" } else { "text_completion" }, "created": out.created,
                       "model": st.cfg.model_name, "choices": body, "usage": usage(vr.prompt.len(), completion)});
     Ok(Json(body).into_response())
+}
+
+/// A streamed choice's text as chunks: as it comes, or split into content, reasoning and
+/// tool-call deltas (each call whole, with its index among the choice's calls).
+struct StreamSplit {
+    splitter: Option<moelane_text::agent::Splitter>,
+    calls: usize,
+    chat: bool,
+}
+
+impl StreamSplit {
+    fn chunks(
+        &mut self,
+        st: &AppState,
+        out: &Out,
+        index: usize,
+        text: &str,
+        end: bool,
+    ) -> Vec<Value> {
+        use moelane_text::agent::Part;
+        let Some(sp) = &mut self.splitter else {
+            return if text.is_empty() {
+                Vec::new()
+            } else {
+                vec![out.chunk(st, self.chat, index, Some(text), None, false, Value::Null)]
+            };
+        };
+        let mut parts = sp.push(text);
+        if end {
+            parts.extend(sp.finish());
+        }
+        parts
+            .into_iter()
+            .map(|p| {
+                let delta = match p {
+                    Part::Content(t) => json!({"content": t}),
+                    Part::Reasoning(t) => json!({"reasoning_content": t}),
+                    Part::Call { name, arguments } => {
+                        self.calls += 1;
+                        json!({"tool_calls": [tool_call(st, Some(self.calls - 1), &name, &arguments)]})
+                    }
+                };
+                json!({"id": out.id, "object": "chat.completion.chunk", "created": out.created, "model": st.cfg.model_name,
+                       "choices": [{"index": index, "delta": delta, "logprobs": null, "finish_reason": null}]})
+            })
+            .collect()
+    }
 }
 
 /// How one streamed choice ended.
@@ -1503,6 +1828,11 @@ async fn relay_choice(
         }
     }
     let mut lps: Vec<Lp> = Vec::new();
+    let mut split = StreamSplit {
+        splitter: vr.splits().then(|| vr.splitter()),
+        calls: 0,
+        chat,
+    };
     let mut aborted = std::pin::pin!(st.shutdown.aborted());
     loop {
         let next = tokio::select! {
@@ -1535,28 +1865,28 @@ async fn relay_choice(
             } else {
                 det.push(st.tokenizer.token_bytes(t))
             };
-            if !piece.is_empty() {
-                let lp = if vr.logprobs.is_some() {
-                    render_logprobs(st, chat, &lps, sent_chars)
-                } else {
-                    Value::Null
-                };
-                lps.clear();
-                sent_chars += piece.chars().count();
-                if !put(
-                    tx,
-                    send(out.chunk(st, chat, index, Some(&piece), None, false, lp)),
-                    &st.shutdown,
-                )
-                .await
-                {
-                    if st.shutdown.is_aborted() {
-                        r.failed = Some(shutting_down());
-                        break;
-                    }
-                    r.left = true;
-                    return r;
+            let mut chunks = split.chunks(st, out, index, &piece, false);
+            if let Some(first) = chunks.first_mut() {
+                if vr.logprobs.is_some() {
+                    first["choices"][0]["logprobs"] = render_logprobs(st, chat, &lps, sent_chars);
                 }
+                lps.clear();
+            }
+            sent_chars += piece.chars().count();
+            let mut gone = false;
+            for c in chunks {
+                if !put(tx, send(c), &st.shutdown).await {
+                    gone = true;
+                    break;
+                }
+            }
+            if gone {
+                if st.shutdown.is_aborted() {
+                    r.failed = Some(shutting_down());
+                    break;
+                }
+                r.left = true;
+                return r;
             }
             if det.stopped() {
                 r.finish = Some("stop".into());
@@ -1580,24 +1910,26 @@ async fn relay_choice(
     if r.failed.is_some() {
         return r;
     }
-    // what the detokeniser held back, with the log-probabilities of tokens not yet sent
+    // what the detokeniser (and the splitter) held back, with the log-probabilities of
+    // tokens not yet sent
     let tail = det.finish();
-    if !tail.is_empty() || !lps.is_empty() {
-        let lp = if vr.logprobs.is_some() {
-            render_logprobs(st, chat, &lps, sent_chars)
-        } else {
-            Value::Null
-        };
-        if !put(
-            tx,
-            send(out.chunk(st, chat, index, Some(&tail), None, false, lp)),
-            &st.shutdown,
-        )
-        .await
-        {
+    let mut chunks = split.chunks(st, out, index, &tail, true);
+    if chunks.is_empty() && !lps.is_empty() {
+        chunks.push(out.chunk(st, chat, index, Some(""), None, false, Value::Null));
+    }
+    if let Some(first) = chunks.first_mut() {
+        if vr.logprobs.is_some() {
+            first["choices"][0]["logprobs"] = render_logprobs(st, chat, &lps, sent_chars);
+        }
+    }
+    for c in chunks {
+        if !put(tx, send(c), &st.shutdown).await {
             r.left = true;
             return r;
         }
+    }
+    if split.calls > 0 && r.finish.as_deref() == Some("stop") {
+        r.finish = Some("tool_calls".into());
     }
     if let Some(f) = &r.finish {
         let mut last = out.chunk(

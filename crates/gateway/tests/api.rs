@@ -658,15 +658,7 @@ async fn parameters_not_built_are_refused_by_name_and_seeds_are_exact() {
         }
         v
     };
-    for (k, x) in [
-        (
-            "tools",
-            json!([{"type": "function", "function": {"name": "f"}}]),
-        ),
-        ("tool_choice", json!("required")),
-        ("best_of", json!(2)),
-        ("suffix", json!("end")),
-    ] {
+    for (k, x) in [("best_of", json!(2)), ("suffix", json!("end"))] {
         let (st, v) = post(&gw, "/v1/completions", &ask(json!({k: x}))).await;
         assert_error(st, &v, 400, "invalid_request_error", k);
         assert_eq!(v["error"]["param"], k, "{v}");
@@ -1181,5 +1173,211 @@ async fn response_format_json_schema_constrains_the_answer() {
         .await;
         assert_error(st, &v, 400, "invalid_request_error", "response_format");
         assert_eq!(v["error"]["param"], "response_format", "{v}");
+    }
+}
+
+/// The synthetic checkpoint's template renders tools, calls and tool results in Qwen3's
+/// layout, and a plain chat as ChatML.
+#[test]
+fn the_template_renders_tools_calls_and_results() {
+    use moelane_text::chat::ChatMessage;
+    let t = ChatTemplate::from_dir(tiny()).expect("template");
+    assert!(t.takes_tools() && t.thinks());
+    assert_eq!(
+        t.render(&[ChatMessage::new("user", "hi")]).unwrap(),
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]);
+    let msgs = vec![
+        ChatMessage::new("system", "Be brief."),
+        ChatMessage::new("user", "Weather?"),
+        ChatMessage {
+            role: "assistant".into(),
+            content: String::new(),
+            tool_calls: Some(
+                json!([{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]),
+            ),
+            ..Default::default()
+        },
+        ChatMessage {
+            role: "tool".into(),
+            content: "-3C".into(),
+            tool_call_id: Some("call_1".into()),
+            ..Default::default()
+        },
+    ];
+    let mut kw = serde_json::Map::new();
+    kw.insert("enable_thinking".into(), json!(false));
+    let s = t.render_with(&msgs, Some(&tools), &kw).unwrap();
+    assert!(
+        s.starts_with("<|im_start|>system\nBe brief.\n\n# Tools\n"),
+        "{s}"
+    );
+    assert!(
+        s.contains("<tools>\n{") && s.contains("\"get_weather\""),
+        "{s}"
+    );
+    assert!(s.contains("<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call><|im_end|>\n"), "{s}");
+    assert!(
+        s.contains("<|im_start|>user\n<tool_response>\n-3C\n</tool_response><|im_end|>\n"),
+        "{s}"
+    );
+    assert!(
+        s.ends_with("<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+        "{s}"
+    );
+}
+
+/// Tool calls: `required` and a named function make the random weights call (arguments valid
+/// against the tool's schema), whole and streamed, finish `tool_calls`; a tool result goes back
+/// in; bad tools and choices are a 400 naming them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tool_choice_forces_valid_calls_and_results_go_back() {
+    let (_p, url) = primary().await;
+    let gw = gateway(&[&url]).await;
+    let tools = json!([
+        {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"], "additionalProperties": false}}},
+        {"type": "function", "function": {"name": "add", "parameters": {"type": "object",
+            "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}, "b": {"type": "integer", "minimum": 0, "maximum": 9}},
+            "required": ["a", "b"], "additionalProperties": false}}}]);
+    let ask = |extra: Value| {
+        let mut v = json!({"model": "tiny", "messages": [{"role": "user", "content": "What is the weather in Oslo?"}],
+            "max_tokens": 600, "tools": tools, "temperature": 0});
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        v
+    };
+    let check = |call: &Value| -> String {
+        let name = call["function"]["name"].as_str().unwrap().to_string();
+        assert!(call["id"].as_str().unwrap().starts_with("call_"), "{call}");
+        assert_eq!(call["type"], "function");
+        let args: Value = serde_json::from_str(call["function"]["arguments"].as_str().unwrap())
+            .unwrap_or_else(|e| panic!("{call}: {e}"));
+        match name.as_str() {
+            "get_weather" => {
+                assert!(
+                    args["city"]
+                        .as_str()
+                        .is_some_and(|c| c.chars().count() <= 12),
+                    "{args}"
+                );
+                assert!(args["unit"] == "c" || args["unit"] == "f", "{args}");
+            }
+            "add" => assert!(
+                args["a"].as_u64().is_some_and(|a| a <= 9)
+                    && args["b"].as_u64().is_some_and(|b| b <= 9),
+                "{args}"
+            ),
+            other => panic!("unknown function {other}"),
+        }
+        name
+    };
+    // required: one call or more, sampled and greedy
+    for seed in 0..3 {
+        let (st, v) = post(
+            &gw,
+            "/v1/chat/completions",
+            &ask(json!({"tool_choice": "required", "temperature": 1.0, "seed": seed})),
+        )
+        .await;
+        assert_eq!(st, 200, "{v}");
+        let c = &v["choices"][0];
+        assert_eq!(c["finish_reason"], "tool_calls", "{v}");
+        let calls = c["message"]["tool_calls"].as_array().expect("tool_calls");
+        assert!((1..=8).contains(&calls.len()), "{v}");
+        for call in calls {
+            check(call);
+        }
+    }
+    // parallel_tool_calls false: exactly one
+    let (st, v) = post(
+        &gw,
+        "/v1/chat/completions",
+        &ask(json!({"tool_choice": "required", "parallel_tool_calls": false})),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(
+        v["choices"][0]["message"]["tool_calls"]
+            .as_array()
+            .map(Vec::len),
+        Some(1),
+        "{v}"
+    );
+    // a named function: exactly that one
+    let named = json!({"tool_choice": {"type": "function", "function": {"name": "add"}}});
+    let (st, v) = post(&gw, "/v1/chat/completions", &ask(named.clone())).await;
+    assert_eq!(st, 200, "{v}");
+    let calls = v["choices"][0]["message"]["tool_calls"]
+        .as_array()
+        .expect("calls")
+        .clone();
+    assert_eq!(calls.len(), 1, "{v}");
+    assert_eq!(check(&calls[0]), "add");
+    // streamed: the same call, as one tool_calls delta with its index
+    let mut streamed = named.clone();
+    streamed["stream"] = json!(true);
+    let (st, body) = http(
+        &gw,
+        "POST",
+        "/v1/chat/completions",
+        ask(streamed).to_string().as_bytes(),
+    )
+    .await;
+    assert_eq!(st, 200, "{body}");
+    let chunks: Vec<Value> = sse_data(&body)
+        .iter()
+        .filter_map(|d| serde_json::from_str(d).ok())
+        .collect();
+    let deltas: Vec<&Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array())
+        .flatten()
+        .collect();
+    assert_eq!(deltas.len(), 1, "{body}");
+    assert_eq!(deltas[0]["index"], 0);
+    assert_eq!(
+        deltas[0]["function"], calls[0]["function"],
+        "streamed call differs"
+    );
+    assert_eq!(
+        chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["finish_reason"].as_str())
+            .collect::<Vec<_>>(),
+        vec!["tool_calls"]
+    );
+    // the result goes back in, and the conversation goes on (auto: free text)
+    let round = json!({"model": "tiny", "max_tokens": 8, "tools": tools, "messages": [
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_a", "type": "function",
+            "function": {"name": "add", "arguments": "{\"a\": 2, \"b\": 3}"}}]},
+        {"role": "tool", "tool_call_id": "call_a", "content": "5"}]});
+    let (st, v) = post(&gw, "/v1/chat/completions", &round).await;
+    assert_eq!(st, 200, "{v}");
+    assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > 20, "{v}");
+    // refused, naming the parameter
+    for (extra, param) in [
+        (
+            json!({"tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+            "tool_choice",
+        ),
+        (json!({"tool_choice": "sometimes"}), "tool_choice"),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "bad name"}}]}),
+            "tools",
+        ),
+        (json!({"tools": [{"type": "retrieval"}]}), "tools"),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]}),
+            "tools",
+        ),
+    ] {
+        let (st, v) = post(&gw, "/v1/chat/completions", &ask(extra.clone())).await;
+        assert_error(st, &v, 400, "invalid_request_error", param);
+        assert_eq!(v["error"]["param"], param, "{extra}: {v}");
     }
 }

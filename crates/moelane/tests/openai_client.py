@@ -91,6 +91,36 @@ for seed in range(3):
     assert isinstance(obj["name"], str) and len(obj["name"]) <= 16, obj
 print("json_schema ok")
 
+# tool calls: forced (required, a named function), streamed, and a result round trip
+tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                         "required": ["city"], "additionalProperties": False}}}]
+tc = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=tools,
+                               tool_choice="required", parallel_tool_calls=False, max_tokens=200, temperature=0)
+ch = tc.choices[0]
+assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1, tc
+call = ch.message.tool_calls[0]
+assert call.function.name == "get_weather" and isinstance(_json.loads(call.function.arguments)["city"], str), call
+named = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Weather?"}], tools=tools,
+                                  tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=200, temperature=0)
+assert named.choices[0].message.tool_calls[0].function.name == "get_weather", named
+parts = {}
+for chunk in c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=tools,
+                                       tool_choice="required", parallel_tool_calls=False, max_tokens=200, temperature=0, stream=True):
+    for choice in chunk.choices:
+        for d in choice.delta.tool_calls or []:
+            p = parts.setdefault(d.index, {"name": "", "arguments": ""})
+            p["name"] += d.function.name or ""
+            p["arguments"] += d.function.arguments or ""
+assert parts == {0: {"name": call.function.name, "arguments": call.function.arguments}}, (parts, call)
+follow = c.chat.completions.create(model=model, tools=tools, max_tokens=8, messages=[
+    {"role": "user", "content": "Weather in Oslo?"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": call.id, "type": "function",
+        "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+    {"role": "tool", "tool_call_id": call.id, "content": "-3C, snow"}])
+assert follow.choices[0].message.role == "assistant", follow
+print("tool calls ok")
+
 # an error case: the client raises the right exception
 try:
     c.completions.create(model="no-such-model", prompt="x", max_tokens=2)

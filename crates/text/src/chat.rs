@@ -15,11 +15,35 @@ pub enum ChatError {
     Template(String),
 }
 
-/// One chat message.
-#[derive(Clone, Debug, Serialize)]
+/// One chat message, with the fields agent turns carry (absent, not null, when unset, as
+/// templates test them with `is defined`).
+#[derive(Clone, Debug, Default, Serialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant turn's calls, as the client sent them (`[{id, type, function: {name,
+    /// arguments}}]`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// A tool turn: the call it answers, and the tool's name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// An assistant turn's reasoning, when the client sends it back.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+}
+
+impl ChatMessage {
+    /// A plain message.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> ChatMessage {
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+            ..Default::default()
+        }
+    }
 }
 
 /// A compiled chat template.
@@ -90,18 +114,52 @@ impl ChatTemplate {
 
     /// Renders messages, with the assistant's turn opened.
     pub fn render(&self, messages: &[ChatMessage]) -> Result<String, ChatError> {
+        self.render_with(messages, None, &serde_json::Map::new())
+    }
+
+    /// Renders messages with `tools` (OpenAI's `[{type: function, function: {name,
+    /// description, parameters}}]`) and the template's own variables (`kwargs`, e.g. Qwen3's
+    /// `enable_thinking`), as transformers' `apply_chat_template` passes them.
+    pub fn render_with(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, ChatError> {
         let t = self
             .env
             .get_template("chat")
             .map_err(|e| ChatError::Template(e.to_string()))?;
-        t.render(minijinja::context! {
-            messages => messages,
-            add_generation_prompt => true,
-            bos_token => self.bos,
-            eos_token => self.eos,
-            tools => minijinja::Value::UNDEFINED,
-        })
-        .map_err(|e| ChatError::Template(e.to_string()))
+        let mut ctx: std::collections::BTreeMap<String, minijinja::Value> = kwargs
+            .iter()
+            .map(|(k, v)| (k.clone(), minijinja::Value::from_serialize(v)))
+            .collect();
+        ctx.insert(
+            "messages".into(),
+            minijinja::Value::from_serialize(messages),
+        );
+        ctx.insert("add_generation_prompt".into(), true.into());
+        ctx.insert("bos_token".into(), self.bos.clone().into());
+        ctx.insert("eos_token".into(), self.eos.clone().into());
+        ctx.insert(
+            "tools".into(),
+            tools.map_or(
+                minijinja::Value::UNDEFINED,
+                minijinja::Value::from_serialize,
+            ),
+        );
+        t.render(ctx)
+            .map_err(|e| ChatError::Template(e.to_string()))
+    }
+
+    /// Whether the template knows the tool turns (it reads `tools`).
+    pub fn takes_tools(&self) -> bool {
+        self.source.contains("tools")
+    }
+
+    /// Whether the template knows a thinking block (`<think>`).
+    pub fn thinks(&self) -> bool {
+        self.source.contains("<think>")
     }
 }
 
@@ -112,26 +170,15 @@ mod tests {
     #[test]
     fn chatml_default_and_python_methods() {
         let t = ChatTemplate::new(CHATML.into(), String::new(), String::new()).unwrap();
-        let s = t
-            .render(&[ChatMessage {
-                role: "user".into(),
-                content: "hi".into(),
-            }])
-            .unwrap();
+        let s = t.render(&[ChatMessage::new("user", "hi")]).unwrap();
         assert_eq!(s, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
         // templates from the hub use Python string methods and namespace()
         let src = "{%- set ns = namespace(n=0) %}{%- for m in messages %}{%- if m.content.startswith('x') %}{%- set ns.n = ns.n + 1 %}{%- endif %}{{ m.content.strip() }}{%- endfor %}|{{ ns.n }}";
         let t = ChatTemplate::new(src.into(), String::new(), String::new()).unwrap();
         let s = t
             .render(&[
-                ChatMessage {
-                    role: "user".into(),
-                    content: " xa ".into(),
-                },
-                ChatMessage {
-                    role: "user".into(),
-                    content: "xb".into(),
-                },
+                ChatMessage::new("user", " xa "),
+                ChatMessage::new("user", "xb"),
             ])
             .unwrap();
         assert_eq!(s, "xaxb|1");

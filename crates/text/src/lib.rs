@@ -3,6 +3,7 @@
 //! stop strings, chat templates (Jinja, rendered with minijinja; ChatML by default), and the
 //! grammars of constrained decoding (llguidance).
 
+pub mod agent;
 pub mod chat;
 pub mod detok;
 pub mod grammar;
