@@ -71,6 +71,27 @@ fuzz_target!(|data: &[u8]| {
         "max_tokens": (n as u64) * 16, "stop": [text], "logprobs": n % 3 == 0, "top_logprobs": n % 25,
         "n": n % 20, "logit_bias": {text.to_string(): n as i64 - 128}, "seed": n});
     let _ = validate_body(st, chat.to_string().as_bytes(), true);
+    // agent fields: the text as a tool's name and parameter, as a schema when it parses
+    let schema: serde_json::Value =
+        serde_json::from_slice(data).unwrap_or_else(|_| json!({"type": "object"}));
+    let choice = match n % 4 {
+        0 => json!("auto"),
+        1 => json!("required"),
+        2 => json!({"type": "function", "function": {"name": text}}),
+        _ => json!("none"),
+    };
+    let agent = json!({"model": "tiny", "max_tokens": 8,
+        "messages": [{"role": "user", "content": text},
+                     {"role": "assistant", "content": null, "tool_calls": [{"id": "c", "type": "function",
+                        "function": {"name": text, "arguments": text}}]},
+                     {"role": "tool", "tool_call_id": text, "content": text}],
+        "tools": [{"type": "function", "function": {"name": text, "parameters": schema}},
+                  {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                     "properties": {text.to_string(): {"type": "string"}}}}}],
+        "tool_choice": choice, "parallel_tool_calls": n % 2 == 0,
+        "chat_template_kwargs": {"enable_thinking": n % 3 == 0},
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}});
+    let _ = validate_body(st, agent.to_string().as_bytes(), true);
     let completion = json!({"model": "tiny", "prompt": text, "echo": n % 2 == 0, "logprobs": n % 7,
         "max_tokens": n, "frequency_penalty": (n as f64 - 128.0) / 32.0});
     let _ = validate_body(st, completion.to_string().as_bytes(), false);

@@ -1,7 +1,8 @@
-//! The tokenizer and the incremental detokeniser: any text encodes (with and without special
-//! tokens recognised) and decodes without a panic, plain encoding never yields a control
-//! token, and any token sequence streams through the detokeniser with stop strings to the same
-//! text as decoding it whole, up to the first stop.
+//! The tokenizer, the incremental detokeniser and the agent splitter: any text encodes (with
+//! and without special tokens recognised) and decodes without a panic, plain encoding never
+//! yields a control token, any token sequence streams through the detokeniser with stop strings
+//! to the same text as decoding it whole, up to the first stop, and any text split into
+//! content, reasoning and tool calls in streamed pieces gives the whole text's parts.
 #![no_main]
 use std::sync::OnceLock;
 
@@ -24,6 +25,22 @@ fn tokenizer() -> &'static Tokenizer {
 fuzz_target!(|data: &[u8]| {
     let t = tokenizer();
     let text = String::from_utf8_lossy(data);
+    // the agent splitter: any text, streamed in pieces of any size, gives the whole's parts
+    {
+        use moelane_text::agent::{merge, split_whole, Splitter, HERMES};
+        let step = 1 + data.first().copied().unwrap_or(0) as usize % 7;
+        for (calls, think, open) in [(true, true, false), (true, false, true), (false, true, true)] {
+            let whole = split_whole(HERMES, calls, think, open, &text);
+            let mut s = Splitter::new(HERMES, calls, think, open);
+            let chars: Vec<char> = text.chars().collect();
+            let mut parts = Vec::new();
+            for piece in chars.chunks(step) {
+                parts.extend(s.push(&piece.iter().collect::<String>()));
+            }
+            parts.extend(s.finish());
+            assert_eq!(merge(parts), whole, "the streamed split differs");
+        }
+    }
     let _ = t.encode(&text);
     if let Ok(ids) = t.encode_plain(&text) {
         assert!(
