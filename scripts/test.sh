@@ -36,6 +36,11 @@ if ! "$VENV/bin/python" -c "import openai" >/dev/null 2>&1; then
     || fail "could not install the Python openai client into $VENV"
   "$VENV/bin/python" -c "import openai" || fail "the openai client in $VENV does not import"
 fi
+# the Python anthropic client drives the Messages API (/v1/messages)
+if ! "$VENV/bin/python" -c "import anthropic" >/dev/null 2>&1; then
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check anthropic \
+    || fail "could not install the Python anthropic client into $VENV"
+fi
 # kubernetes-validate (with the Kubernetes schemas it ships) checks deploy/kubernetes offline
 if ! "$VENV/bin/python" -c "import kubernetes_validate" >/dev/null 2>&1; then
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check kubernetes-validate \

@@ -5,6 +5,7 @@
 //! incremental UTF-8-safe detokenisation, and maps every error to OpenAI's JSON in one place
 //! (as TGI's router does). It reaches lanes through the [`lane::Lane`] trait only.
 
+pub mod anthropic;
 pub mod discovery;
 pub mod error;
 pub mod handoff;

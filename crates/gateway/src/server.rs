@@ -104,14 +104,14 @@ impl Shutdown {
     pub fn active(&self) -> usize {
         self.active.load(Ordering::SeqCst)
     }
-    fn enter(self: &Arc<Self>) -> ActiveGuard {
+    pub(crate) fn enter(self: &Arc<Self>) -> ActiveGuard {
         self.active.fetch_add(1, Ordering::SeqCst);
         ActiveGuard(self.clone())
     }
 }
 
 /// Counts one request being answered while alive.
-struct ActiveGuard(Arc<Shutdown>);
+pub(crate) struct ActiveGuard(Arc<Shutdown>);
 
 impl Drop for ActiveGuard {
     fn drop(&mut self) {
@@ -134,7 +134,7 @@ pub struct AppState {
     /// Bytes of the vocabulary's longest token: a text of N bytes holds at least N / this.
     max_token_bytes: usize,
     /// Requests being rendered and tokenised at once (one per core).
-    tokenizing: tokio::sync::Semaphore,
+    pub(crate) tokenizing: tokio::sync::Semaphore,
     pub tokenizer: Arc<Tokenizer>,
     /// The grammar compiler of structured output (none: the tokenizer has no end-of-sequence
     /// token to end an answer with).
@@ -232,6 +232,9 @@ pub fn routes() -> Vec<Route> {
         }),
         r(Public, "POST", "/v1/chat/completions", ApiKey, || {
             post(chat_completions)
+        }),
+        r(Public, "POST", "/v1/messages", ApiKey, || {
+            post(crate::anthropic::messages)
         }),
         r(Public, "GET", "/v1/models", ApiKey, || get(models)),
         r(Public, "GET", "/v1/stats", ApiKey, || get(stats)),
@@ -376,7 +379,7 @@ pub fn register_metrics(st: Arc<AppState>) {
 }
 
 /// The request's span: the root of its trace.
-fn request_span(chat: bool) -> tracing::Span {
+pub(crate) fn request_span(chat: bool) -> tracing::Span {
     let name = if chat {
         "POST /v1/chat/completions"
     } else {
@@ -400,14 +403,14 @@ fn request_span(chat: bool) -> tracing::Span {
 }
 
 /// Per-request latency bookkeeping: first token, gaps between tokens, totals at the end.
-struct Timing {
+pub(crate) struct Timing {
     t0: Instant,
     last: Option<Instant>,
     route: &'static str,
 }
 
 impl Timing {
-    fn new(chat: bool) -> Self {
+    pub(crate) fn new(chat: bool) -> Self {
         Timing {
             t0: Instant::now(),
             last: None,
@@ -418,7 +421,7 @@ impl Timing {
             },
         }
     }
-    fn token(&mut self) {
+    pub(crate) fn token(&mut self) {
         let now = Instant::now();
         match self.last {
             None => {
@@ -428,7 +431,7 @@ impl Timing {
         }
         self.last = Some(now);
     }
-    fn done(&self, prompt: usize, completion: usize, finish: &str) {
+    pub(crate) fn done(&self, prompt: usize, completion: usize, finish: &str) {
         metrics::histogram!(n::REQUEST_DURATION, "route" => self.route)
             .record(self.t0.elapsed().as_secs_f64());
         metrics::counter!(n::GENERATED_TOKENS).increment(completion as u64);
@@ -473,11 +476,11 @@ pub struct ValidRequest {
 
 impl ValidRequest {
     /// Whether the answer is split into content, reasoning and calls.
-    fn splits(&self) -> bool {
+    pub(crate) fn splits(&self) -> bool {
         self.chat && (self.think || self.tool_mode != ToolMode::Off)
     }
 
-    fn splitter(&self) -> moelane_text::agent::Splitter {
+    pub(crate) fn splitter(&self) -> moelane_text::agent::Splitter {
         moelane_text::agent::Splitter::new(
             moelane_text::agent::HERMES,
             self.tool_mode != ToolMode::Off,
@@ -487,7 +490,7 @@ impl ValidRequest {
     }
 }
 
-async fn read_json(st: &AppState, body: Body) -> Result<Value, ApiError> {
+pub(crate) async fn read_json(st: &AppState, body: Body) -> Result<Value, ApiError> {
     // the whole body within the deadline: a client sending it a byte at a time is cut off
     let read = tokio::time::timeout(
         st.cfg.body_timeout,
@@ -572,7 +575,7 @@ fn text_of(v: &Value) -> Option<String> {
 
 /// 128 bits from the operating system's random source (a counter mixed with the time only if
 /// that fails, which it does not on Linux).
-fn random_id(st: &AppState) -> u128 {
+pub(crate) fn random_id(st: &AppState) -> u128 {
     let mut b = [0u8; 16];
     match getrandom::fill(&mut b) {
         Ok(()) => u128::from_le_bytes(b),
@@ -1061,7 +1064,7 @@ fn logprobs_asked(v: &Value, chat: bool) -> Result<Option<u32>, ApiError> {
     }
 }
 
-fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequest, ApiError> {
+pub(crate) fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequest, ApiError> {
     let model = v
         .get("model")
         .and_then(|m| m.as_str())
@@ -1279,7 +1282,7 @@ fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequest, ApiErr
     })
 }
 
-fn now_secs() -> u64 {
+pub(crate) fn now_secs() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
@@ -1312,21 +1315,21 @@ async fn report(st: &AppState, lane: &str, ok: bool) {
 /// one lane at most: one that fails everywhere, by its own fault, must not eject every lane
 /// it was tried on).
 #[derive(Default)]
-struct Tries {
+pub(crate) struct Tries {
     lanes: Vec<String>,
     blamed: bool,
 }
 
 impl Tries {
     /// Whether another lane may be tried: attempts left, and the first or within `deadline`.
-    fn more(&self, st: &AppState, deadline: Instant) -> bool {
+    pub(crate) fn more(&self, st: &AppState, deadline: Instant) -> bool {
         self.lanes.len() < st.cfg.max_attempts.max(1)
             && (self.lanes.is_empty() || Instant::now() < deadline)
     }
 
     /// Counts a failure of category `c` against `lane`'s breaker, when it is the lane's
     /// fault and this request blamed none yet.
-    async fn blame(&mut self, st: &AppState, lane: &str, c: Category) {
+    pub(crate) async fn blame(&mut self, st: &AppState, lane: &str, c: Category) {
         if retry_class(c) == Some(true) && !self.blamed {
             self.blamed = true;
             report(st, lane, false).await;
@@ -1335,7 +1338,7 @@ impl Tries {
 }
 
 /// A lane's error as the client sees it, naming the lane.
-fn lane_err(lane: &str, e: &LaneError) -> ApiError {
+pub(crate) fn lane_err(lane: &str, e: &LaneError) -> ApiError {
     ApiError::from_lane(e.category, format!("lane {lane}: {}", e.message))
 }
 
@@ -1345,7 +1348,7 @@ fn no_lane() -> ApiError {
     )
 }
 
-fn stream_ended() -> LaneError {
+pub(crate) fn stream_ended() -> LaneError {
     LaneError {
         category: Category::Unavailable,
         message: "the lane's stream ended before the request finished (the lane stopped or \
@@ -1358,7 +1361,7 @@ fn stream_ended() -> LaneError {
 /// other lanes while the failure is the lane's or its load's, at most `max_attempts` lanes,
 /// none started past `deadline`. Returns the lane's guard and its events, the first one
 /// included.
-async fn open(
+pub(crate) async fn open(
     st: &AppState,
     greq: &GenerateRequest,
     deadline: Instant,
@@ -1522,7 +1525,11 @@ fn usage(p: usize, c: usize) -> Value {
 /// Sends `ev` to a streaming client unless it left or the drain's grace period ended first
 /// (a client that stops reading must not hold the drain); after the abort, only what fits
 /// in the channel goes.
-async fn put(tx: &tokio::sync::mpsc::Sender<SseEvent>, ev: SseEvent, sd: &Shutdown) -> bool {
+pub(crate) async fn put(
+    tx: &tokio::sync::mpsc::Sender<SseEvent>,
+    ev: SseEvent,
+    sd: &Shutdown,
+) -> bool {
     if sd.is_aborted() {
         return tx.try_send(ev).is_ok();
     }
@@ -1532,7 +1539,7 @@ async fn put(tx: &tokio::sync::mpsc::Sender<SseEvent>, ev: SseEvent, sd: &Shutdo
     }
 }
 
-fn shutting_down() -> ApiError {
+pub(crate) fn shutting_down() -> ApiError {
     ApiError::Unavailable(
         "the gateway is shutting down and its grace period is over; the request was cut".into(),
     )
@@ -1541,7 +1548,7 @@ fn shutting_down() -> ApiError {
 /// The finish reason a client sees for a lane's, or the error of a request the lane
 /// cancelled (the gateway cancels by dropping a stream and never sees this: a `cancelled`
 /// comes from someone's Cancel call, and the answer was cut).
-fn finish_of(lane: &str) -> Result<String, LaneError> {
+pub(crate) fn finish_of(lane: &str) -> Result<String, LaneError> {
     if lane == "cancelled" {
         Err(LaneError {
             category: Category::Unavailable,
@@ -1554,15 +1561,15 @@ fn finish_of(lane: &str) -> Result<String, LaneError> {
 }
 
 /// One choice of a whole answer.
-struct Choice {
-    text: String,
-    completion: usize,
-    finish: String,
+pub(crate) struct Choice {
+    pub(crate) text: String,
+    pub(crate) completion: usize,
+    pub(crate) finish: String,
     lps: Vec<Lp>,
 }
 
 /// A tool call as the OpenAI API gives it, with a fresh id.
-fn tool_call(st: &AppState, index: Option<usize>, name: &str, arguments: &str) -> Value {
+pub(crate) fn tool_call(st: &AppState, index: Option<usize>, name: &str, arguments: &str) -> Value {
     let mut c = json!({"id": format!("call_{:024x}", random_id(st) >> 32), "type": "function",
                        "function": {"name": name, "arguments": arguments}});
     if let Some(i) = index {
@@ -1609,6 +1616,26 @@ fn chat_message(st: &AppState, vr: &ValidRequest, text: &str, finish: &mut Strin
     m
 }
 
+/// The lane request of a validated request, under id `id`.
+pub(crate) fn generate_request(vr: &ValidRequest, id: &str) -> GenerateRequest {
+    GenerateRequest {
+        request_id: id.to_string(),
+        prompt: vr.prompt.clone(),
+        max_tokens: vr.max_tokens as u32,
+        temperature: vr.temperature,
+        top_p: vr.top_p,
+        seed: vr.seed,
+        stop_token_ids: vec![],
+        ignore_eos: false,
+        presence_penalty: vr.presence_penalty,
+        frequency_penalty: vr.frequency_penalty,
+        logit_bias: vr.logit_bias.clone(),
+        logprobs: vr.logprobs.is_some(),
+        top_logprobs: vr.logprobs.unwrap_or(0),
+        grammar: vr.grammar.clone().unwrap_or_default(),
+    }
+}
+
 /// The lane request of choice `i`: its own id and seed (`n` choices are `n` generations).
 fn choice_request(greq: &GenerateRequest, i: usize) -> GenerateRequest {
     let mut g = greq.clone();
@@ -1624,7 +1651,7 @@ fn choice_request(greq: &GenerateRequest, i: usize) -> GenerateRequest {
 /// the end, so a lane lost midway is retried from the start on another (within the attempts
 /// and the deadline); a request that cannot finish gets an error, never a finish reason it
 /// did not reach.
-async fn whole_choice(
+pub(crate) async fn whole_choice(
     st: &AppState,
     vr: &ValidRequest,
     greq: &GenerateRequest,
@@ -1951,23 +1978,30 @@ async fn relay_choice(
     r
 }
 
+/// [`validate`] off the async runtime (which answers /health and every stream): rendering,
+/// tokenising and compiling grammars take CPU in proportion to the request, at most one
+/// request per core at a time.
+pub(crate) async fn validate_off_runtime(
+    st: &Arc<AppState>,
+    v: Value,
+    chat: bool,
+) -> Result<ValidRequest, ApiError> {
+    let _turn = st
+        .tokenizing
+        .acquire()
+        .await
+        .map_err(|_| ApiError::Unavailable("the gateway is stopping".into()))?;
+    let st2 = st.clone();
+    tokio::task::spawn_blocking(move || validate(&st2, &v, chat))
+        .await
+        .map_err(|e| ApiError::Internal(format!("validating the request: {e}")))?
+}
+
 async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let active = st.shutdown.enter();
     let v = read_json(&st, req.into_body()).await?;
-    // rendering and tokenising take CPU in proportion to the prompt: off the async runtime
-    // (which answers /health and every stream), at most one per core at a time
-    let vr = {
-        let _turn = st
-            .tokenizing
-            .acquire()
-            .await
-            .map_err(|_| ApiError::Unavailable("the gateway is stopping".into()))?;
-        let st2 = st.clone();
-        tokio::task::spawn_blocking(move || validate(&st2, &v, chat))
-            .await
-            .map_err(|e| ApiError::Internal(format!("validating the request: {e}")))??
-    };
+    let vr = validate_off_runtime(&st, v, chat).await?;
     let span = tracing::Span::current();
     span.record("gen_ai.usage.input_tokens", vr.prompt.len());
     let out = Out {
@@ -1981,22 +2015,7 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
         created: now_secs(),
     };
     span.record("moelane.request_id", out.id.as_str());
-    let greq = GenerateRequest {
-        request_id: out.id.clone(),
-        prompt: vr.prompt.clone(),
-        max_tokens: vr.max_tokens as u32,
-        temperature: vr.temperature,
-        top_p: vr.top_p,
-        seed: vr.seed,
-        stop_token_ids: vec![],
-        ignore_eos: false,
-        presence_penalty: vr.presence_penalty,
-        frequency_penalty: vr.frequency_penalty,
-        logit_bias: vr.logit_bias.clone(),
-        logprobs: vr.logprobs.is_some(),
-        top_logprobs: vr.logprobs.unwrap_or(0),
-        grammar: vr.grammar.clone().unwrap_or_default(),
-    };
+    let greq = generate_request(&vr, &out.id);
     let deadline = arrived + st.cfg.retry_deadline;
     let aborted = st.shutdown.aborted();
     if !vr.stream {

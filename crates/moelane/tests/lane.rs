@@ -210,16 +210,17 @@ fn openai_python() -> Option<String> {
     }
 }
 
-#[test]
-fn openai_python_client() {
+/// Runs `script` (tests/) with the Python that has the clients, against `serve` on tiny at
+/// `url` (`{addr}` replaced by the gateway's host:port); the script prints ALL OK.
+fn python_client(script: &str, url: &str) {
     let Some(python) = openai_python() else {
         return;
     };
     let (_p, addr) = serve_tiny(&[]);
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py");
+    let script = format!("{}/tests/{script}", env!("CARGO_MANIFEST_DIR"));
     let out = std::process::Command::new(&python)
-        .arg(script)
-        .arg(format!("http://{addr}/v1"))
+        .arg(&script)
+        .arg(url.replace("{addr}", &addr))
         .output()
         .unwrap();
     let text = format!(
@@ -228,8 +229,18 @@ fn openai_python_client() {
         String::from_utf8_lossy(&out.stderr)
     );
     eprintln!("{text}");
-    assert!(out.status.success(), "openai client script failed:\n{text}");
+    assert!(out.status.success(), "{script} failed:\n{text}");
     assert!(text.contains("ALL OK"));
+}
+
+#[test]
+fn openai_python_client() {
+    python_client("openai_client.py", "http://{addr}/v1");
+}
+
+#[test]
+fn anthropic_python_client() {
+    python_client("anthropic_client.py", "http://{addr}");
 }
 
 #[test]

@@ -1,0 +1,493 @@
+//! The Anthropic Messages API (`POST /v1/messages`), on the same validation, lanes, grammars
+//! and answer splitting as the OpenAI routes: a Messages request is translated into a chat
+//! request (system, text, `tool_use` and `tool_result` blocks, `tools` with `input_schema`,
+//! `tool_choice` auto / any / tool / none, `thinking`), and the answer comes back as content
+//! blocks (`text`, `thinking`, `tool_use` with its `input` object) with Anthropic's stop
+//! reasons, whole or as its stream of events.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::extract::{Request, State};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures::StreamExt;
+use moelane_text::agent::Part;
+use moelane_text::detok::Detokenizer;
+use serde_json::{json, Value};
+use tracing::Instrument as _;
+
+use crate::error::ApiError;
+use crate::server::{
+    finish_of, generate_request, lane_err, open, put, random_id, read_json, shutting_down,
+    stream_ended, validate_off_runtime, whole_choice, AppState, Timing, ToolMode, Tries,
+    ValidRequest,
+};
+
+/// An error in Anthropic's shape (`{"type": "error", "error": {"type", "message"}}`).
+fn error_response(e: ApiError) -> Response {
+    let status = e.status();
+    let kind = match status.as_u16() {
+        400 | 413 | 431 => "invalid_request_error",
+        401 => "authentication_error",
+        404 => "not_found_error",
+        429 => "rate_limit_error",
+        503 => "overloaded_error",
+        _ => "api_error",
+    };
+    (
+        status,
+        Json(json!({"type": "error", "error": {"type": kind, "message": e.to_string()}})),
+    )
+        .into_response()
+}
+
+fn bad(m: impl Into<String>) -> ApiError {
+    ApiError::bad(m, Some("messages"))
+}
+
+/// The text of a `content` that is a string or a list of blocks (`text` blocks only).
+fn text_blocks(c: &Value, what: &str) -> Result<String, ApiError> {
+    match c {
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(blocks) => blocks
+            .iter()
+            .map(|b| match b["type"].as_str() {
+                Some("text") => Ok(b["text"].as_str().unwrap_or_default().to_string()),
+                Some(t) => Err(bad(format!("{what}: a {t:?} block is not supported here"))),
+                None => Err(bad(format!("{what}: a block without a type"))),
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(|v| v.concat()),
+        Value::Null => Ok(String::new()),
+        x => Err(bad(format!(
+            "{what} must be a string or a list of blocks, got {x}"
+        ))),
+    }
+}
+
+/// A Messages request as the chat request the OpenAI route validates.
+fn to_chat(v: &Value) -> Result<Value, ApiError> {
+    let max_tokens = v
+        .get("max_tokens")
+        .ok_or_else(|| ApiError::bad("`max_tokens` is required", Some("max_tokens")))?;
+    if v.get("top_k").is_some_and(|k| !k.is_null()) {
+        return Err(ApiError::bad(
+            "`top_k` is not supported by this server yet; leave it out",
+            Some("top_k"),
+        ));
+    }
+    let mut msgs = Vec::new();
+    match v.get("system") {
+        None | Some(Value::Null) => {}
+        Some(s) => msgs.push(json!({"role": "system", "content": text_blocks(s, "system")?})),
+    }
+    let list = v
+        .get("messages")
+        .and_then(|m| m.as_array())
+        .ok_or_else(|| bad("`messages` must be a list"))?;
+    for (i, m) in list.iter().enumerate() {
+        let role = m["role"].as_str().unwrap_or_default();
+        if role != "user" && role != "assistant" {
+            return Err(bad(format!(
+                "messages[{i}].role must be user or assistant, got {role:?}"
+            )));
+        }
+        let blocks = match &m["content"] {
+            Value::String(s) => vec![json!({"type": "text", "text": s})],
+            Value::Array(b) => b.clone(),
+            x => {
+                return Err(bad(format!(
+                    "messages[{i}].content must be a string or blocks, got {x}"
+                )))
+            }
+        };
+        let (mut text, mut calls, mut thinking) = (String::new(), Vec::new(), String::new());
+        for (j, b) in blocks.iter().enumerate() {
+            let at = format!("messages[{i}].content[{j}]");
+            match b["type"].as_str() {
+                Some("text") => text.push_str(b["text"].as_str().unwrap_or_default()),
+                Some("thinking") if role == "assistant" => {
+                    thinking.push_str(b["thinking"].as_str().unwrap_or_default())
+                }
+                Some("redacted_thinking") if role == "assistant" => {}
+                Some("tool_use") if role == "assistant" => calls.push(json!({
+                    "id": b["id"].as_str().unwrap_or_default(), "type": "function",
+                    "function": {"name": b["name"].as_str().unwrap_or_default(),
+                                 "arguments": b.get("input").cloned().unwrap_or(json!({})).to_string()}})),
+                Some("tool_result") if role == "user" => {
+                    // results first, each its own tool turn, then the user's text
+                    let mut content = text_blocks(&b["content"], &at)?;
+                    if b["is_error"].as_bool() == Some(true) {
+                        content = format!("Error: {content}");
+                    }
+                    msgs.push(json!({"role": "tool", "tool_call_id": b["tool_use_id"].as_str().unwrap_or_default(),
+                                     "content": content}));
+                }
+                Some(t) => return Err(bad(format!("{at}: a {t:?} block is not supported in a {role} message"))),
+                None => return Err(bad(format!("{at}: a block without a type"))),
+            }
+        }
+        if role == "assistant" {
+            let mut a = json!({"role": "assistant", "content": text});
+            if !calls.is_empty() {
+                a["tool_calls"] = Value::Array(calls);
+            }
+            if !thinking.is_empty() {
+                a["reasoning_content"] = json!(thinking);
+            }
+            msgs.push(a);
+        } else if !text.is_empty() || !blocks.iter().any(|b| b["type"] == "tool_result") {
+            msgs.push(json!({"role": "user", "content": text}));
+        }
+    }
+    let mut out = json!({"model": v.get("model").cloned().unwrap_or(Value::Null), "messages": msgs,
+                         "max_tokens": max_tokens});
+    for k in ["temperature", "top_p", "stream"] {
+        if let Some(x) = v.get(k) {
+            out[k] = x.clone();
+        }
+    }
+    if let Some(s) = v.get("stop_sequences").filter(|s| !s.is_null()) {
+        out["stop"] = s.clone();
+    }
+    if let Some(tools) = v.get("tools").and_then(|t| t.as_array()) {
+        let mut t = Vec::new();
+        for (i, tool) in tools.iter().enumerate() {
+            if tool
+                .get("type")
+                .and_then(|x| x.as_str())
+                .is_some_and(|x| x != "custom")
+            {
+                return Err(ApiError::bad(
+                    format!(
+                        "tools[{i}]: server tools ({}) are not supported",
+                        tool["type"]
+                    ),
+                    Some("tools"),
+                ));
+            }
+            t.push(json!({"type": "function", "function": {"name": tool["name"], "description": tool.get("description").cloned().unwrap_or(Value::Null),
+                          "parameters": tool.get("input_schema").cloned().unwrap_or(Value::Null)}}));
+        }
+        out["tools"] = Value::Array(t);
+    }
+    if let Some(c) = v.get("tool_choice").filter(|c| !c.is_null()) {
+        out["tool_choice"] = match c["type"].as_str() {
+            Some("auto") => json!("auto"),
+            Some("any") => json!("required"),
+            Some("none") => json!("none"),
+            Some("tool") => json!({"type": "function", "function": {"name": c["name"]}}),
+            _ => {
+                return Err(ApiError::bad(
+                    format!(
+                        "tool_choice.type must be auto, any, tool or none, got {}",
+                        c["type"]
+                    ),
+                    Some("tool_choice"),
+                ))
+            }
+        };
+        if c["disable_parallel_tool_use"].as_bool() == Some(true) {
+            out["parallel_tool_calls"] = json!(false);
+        }
+    }
+    // structured output: output_config.format (a JSON schema)
+    if let Some(f) = v
+        .get("output_config")
+        .and_then(|o| o.get("format"))
+        .filter(|f| !f.is_null())
+    {
+        if f["type"].as_str() != Some("json_schema") {
+            return Err(ApiError::bad(
+                format!(
+                    "output_config.format.type must be json_schema, got {}",
+                    f["type"]
+                ),
+                Some("response_format"),
+            ));
+        }
+        out["response_format"] = json!({"type": "json_schema",
+            "json_schema": {"name": "output", "schema": f.get("schema").cloned().unwrap_or(Value::Null)}});
+    }
+    match v.get("thinking").and_then(|t| t["type"].as_str()) {
+        Some("enabled") => out["chat_template_kwargs"] = json!({"enable_thinking": true}),
+        Some("disabled") => out["chat_template_kwargs"] = json!({"enable_thinking": false}),
+        _ => {}
+    }
+    Ok(out)
+}
+
+/// Anthropic's stop reason for a finish (`tool_use` when the answer ended with calls).
+fn stop_reason(finish: &str, calls: bool, stop_string: Option<&str>) -> (&'static str, Value) {
+    match (finish, calls, stop_string) {
+        ("length", _, _) => ("max_tokens", Value::Null),
+        (_, true, _) => ("tool_use", Value::Null),
+        (_, _, Some(s)) => ("stop_sequence", json!(s)),
+        _ => ("end_turn", Value::Null),
+    }
+}
+
+/// A tool call as a `tool_use` block (its arguments parsed back into the `input` object).
+fn tool_use(st: &AppState, name: &str, arguments: &str) -> Value {
+    let input: Value = serde_json::from_str(arguments).unwrap_or_else(|_| json!({}));
+    json!({"type": "tool_use", "id": format!("toolu_{:024x}", random_id(st) >> 32), "name": name, "input": input})
+}
+
+/// `POST /v1/messages`.
+pub(crate) async fn messages(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    async {
+        match handle(st, req).await {
+            Ok(r) => r,
+            Err(e) => error_response(e),
+        }
+    }
+    .instrument(tracing::info_span!("POST /v1/messages"))
+    .await
+}
+
+async fn handle(st: Arc<AppState>, req: Request) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    let active = st.shutdown.enter();
+    let v = read_json(&st, req.into_body()).await?;
+    let chat = to_chat(&v)?;
+    let vr = validate_off_runtime(&st, chat, true).await?;
+    let id = format!("msg_{:032x}", random_id(&st));
+    let greq = generate_request(&vr, &id);
+    let deadline = arrived + st.cfg.retry_deadline;
+    let model = st.cfg.model_name.clone();
+    if !vr.stream {
+        let c = tokio::select! {
+            r = whole_choice(&st, &vr, &greq, deadline, true) => r?,
+            _ = st.shutdown.aborted() => return Err(shutting_down()),
+        };
+        let parts = moelane_text::agent::split_whole(
+            moelane_text::agent::HERMES,
+            vr.tool_mode != ToolMode::Off,
+            vr.think,
+            vr.in_reasoning,
+            &c.text,
+        );
+        let mut content = Vec::new();
+        let mut calls = false;
+        for p in parts {
+            match p {
+                Part::Content(t) => content.push(json!({"type": "text", "text": t})),
+                Part::Reasoning(t) => {
+                    content.push(json!({"type": "thinking", "thinking": t, "signature": ""}))
+                }
+                Part::Call { name, arguments } => {
+                    calls = true;
+                    content.push(tool_use(&st, &name, &arguments));
+                }
+            }
+        }
+        let (reason, seq) = stop_reason(&c.finish, calls, None);
+        return Ok(Json(json!({"id": id, "type": "message", "role": "assistant", "model": model, "content": content,
+            "stop_reason": reason, "stop_sequence": seq,
+            "usage": {"input_tokens": vr.prompt.len(), "output_tokens": c.completion}}))
+        .into_response());
+    }
+    let mut tries = Tries::default();
+    let (inflight, events) = tokio::select! {
+        r = open(&st, &greq, deadline, &mut tries) => r?,
+        _ = st.shutdown.aborted() => return Err(shutting_down()),
+    };
+    let (tx, rx) = tokio::sync::mpsc::channel::<SseEvent>(64);
+    let st2 = st.clone();
+    let relay = async move {
+        let _active = active;
+        let lane = inflight.lane.name().to_string();
+        let _inflight = inflight;
+        stream(&st2, &vr, &id, &lane, events, &tx, tries).await;
+    };
+    tokio::spawn(relay.instrument(tracing::Span::current()));
+    let stream =
+        tokio_stream::wrappers::ReceiverStream::new(rx).map(Ok::<_, std::convert::Infallible>);
+    Ok(Sse::new(stream)
+        .keep_alive(KeepAlive::default())
+        .into_response())
+}
+
+/// The block being streamed: its index and kind.
+#[derive(PartialEq)]
+enum Open {
+    None,
+    Text,
+    Thinking,
+}
+
+/// Relays a lane's events as Anthropic's stream: message_start, content blocks (start,
+/// deltas, stop), message_delta with the stop reason and usage, message_stop; an `error`
+/// event if the answer is cut.
+async fn stream(
+    st: &AppState,
+    vr: &ValidRequest,
+    id: &str,
+    lane: &str,
+    mut events: crate::lane::EventStream,
+    tx: &tokio::sync::mpsc::Sender<SseEvent>,
+    mut tries: Tries,
+) {
+    let ev = |kind: &str, v: Value| SseEvent::default().event(kind).data(v.to_string());
+    let sd = &st.shutdown;
+    let start = json!({"type": "message_start", "message": {"id": id, "type": "message", "role": "assistant",
+        "model": st.cfg.model_name, "content": [], "stop_reason": null, "stop_sequence": null,
+        "usage": {"input_tokens": vr.prompt.len(), "output_tokens": 0}}});
+    if !put(tx, ev("message_start", start), sd).await {
+        return;
+    }
+    let mut timing = Timing::new(true);
+    let mut det = Detokenizer::new(vr.stop.clone());
+    let mut split = vr.splitter();
+    let (mut index, mut open, mut calls, mut completion) = (0usize, Open::None, false, 0usize);
+    let mut finish: Option<String> = None;
+    let mut failed: Option<ApiError> = None;
+    // sends the parts as block events; false when the client left
+    macro_rules! send_parts {
+        ($parts:expr) => {{
+            let mut ok = true;
+            for p in $parts {
+                let (kind, text) = match &p {
+                    Part::Content(t) => (Open::Text, t.clone()),
+                    Part::Reasoning(t) => (Open::Thinking, t.clone()),
+                    Part::Call { .. } => (Open::None, String::new()),
+                };
+                if open != Open::None && open != kind {
+                    ok &= put(tx, ev("content_block_stop", json!({"type": "content_block_stop", "index": index})), sd).await;
+                    index += 1;
+                    open = Open::None;
+                }
+                match p {
+                    Part::Call { name, arguments } => {
+                        calls = true;
+                        let mut block = tool_use(st, &name, &arguments);
+                        block["input"] = json!({});
+                        ok &= put(tx, ev("content_block_start", json!({"type": "content_block_start", "index": index, "content_block": block})), sd).await;
+                        ok &= put(tx, ev("content_block_delta", json!({"type": "content_block_delta", "index": index,
+                            "delta": {"type": "input_json_delta", "partial_json": arguments}})), sd).await;
+                        ok &= put(tx, ev("content_block_stop", json!({"type": "content_block_stop", "index": index})), sd).await;
+                        index += 1;
+                    }
+                    _ => {
+                        if open == Open::None {
+                            let block = if kind == Open::Text { json!({"type": "text", "text": ""}) } else { json!({"type": "thinking", "thinking": ""}) };
+                            ok &= put(tx, ev("content_block_start", json!({"type": "content_block_start", "index": index, "content_block": block})), sd).await;
+                            open = kind;
+                        }
+                        let delta = if open == Open::Text { json!({"type": "text_delta", "text": text}) } else { json!({"type": "thinking_delta", "thinking": text}) };
+                        ok &= put(tx, ev("content_block_delta", json!({"type": "content_block_delta", "index": index, "delta": delta})), sd).await;
+                    }
+                }
+            }
+            ok
+        }};
+    }
+    let mut aborted = std::pin::pin!(sd.aborted());
+    loop {
+        let next = tokio::select! {
+            e = events.next() => e,
+            _ = &mut aborted => { failed = Some(shutting_down()); break; }
+        };
+        let e = match next {
+            Some(Ok(e)) => e,
+            Some(Err(e)) => {
+                tries.blame(st, lane, e.category).await;
+                failed = Some(lane_err(lane, &e));
+                break;
+            }
+            None => {
+                let e = stream_ended();
+                tries.blame(st, lane, e.category).await;
+                failed = Some(lane_err(lane, &e));
+                break;
+            }
+        };
+        if let Some(t) = e.token {
+            timing.token();
+            completion += 1;
+            let piece = if st.tokenizer.is_special(t) {
+                String::new()
+            } else {
+                det.push(st.tokenizer.token_bytes(t))
+            };
+            if !send_parts!(split.push(&piece)) {
+                return;
+            }
+            if det.stopped() {
+                finish = Some("stop".into());
+                break;
+            }
+        }
+        if !e.finish_reason.is_empty() {
+            match finish_of(&e.finish_reason) {
+                Ok(f) => finish = Some(f),
+                Err(err) => failed = Some(lane_err(lane, &err)),
+            }
+            break;
+        }
+    }
+    drop(events);
+    timing.done(
+        vr.prompt.len(),
+        completion,
+        finish.as_deref().unwrap_or("error"),
+    );
+    if let Some(err) = failed {
+        let kind = if matches!(err, ApiError::Unavailable(_) | ApiError::Overloaded(_)) {
+            "overloaded_error"
+        } else {
+            "api_error"
+        };
+        put(
+            tx,
+            ev(
+                "error",
+                json!({"type": "error", "error": {"type": kind, "message": err.to_string()}}),
+            ),
+            sd,
+        )
+        .await;
+        return;
+    }
+    let mut tail = split.push(&det.finish());
+    tail.extend(split.finish());
+    if !send_parts!(tail) {
+        return;
+    }
+    if open != Open::None
+        && !put(
+            tx,
+            ev(
+                "content_block_stop",
+                json!({"type": "content_block_stop", "index": index}),
+            ),
+            sd,
+        )
+        .await
+    {
+        return;
+    }
+    // the stop string that ended it, when there was one to choose from
+    let stopped_by = (det.stopped() && vr.stop.len() == 1).then(|| vr.stop[0].clone());
+    let (reason, seq) = stop_reason(
+        finish.as_deref().unwrap_or("stop"),
+        calls,
+        stopped_by.as_deref(),
+    );
+    if !put(
+        tx,
+        ev(
+            "message_delta",
+            json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
+        "usage": {"output_tokens": completion}}),
+        ),
+        sd,
+    )
+    .await
+    {
+        return;
+    }
+    put(tx, ev("message_stop", json!({"type": "message_stop"})), sd).await;
+}
