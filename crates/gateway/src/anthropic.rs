@@ -9,20 +9,18 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::extract::{Request, State};
-use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::sse::Event as SseEvent;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use futures::StreamExt;
 use moelane_text::agent::Part;
-use moelane_text::detok::Detokenizer;
 use serde_json::{json, Value};
 use tracing::Instrument as _;
 
 use crate::error::ApiError;
+use crate::relay::{relay_parts, PartSink};
 use crate::server::{
-    finish_of, generate_request, lane_err, open, put, random_id, read_json, shutting_down,
-    stream_ended, validate_off_runtime, whole_choice, AppState, Timing, ToolMode, Tries,
-    ValidRequest,
+    generate_request, put, random_id, read_json, shutting_down, validate_off_runtime, whole_choice,
+    AppState, ToolMode, Tries, ValidRequest,
 };
 
 /// An error in Anthropic's shape (`{"type": "error", "error": {"type", "message"}}`).
@@ -289,25 +287,16 @@ async fn handle(st: Arc<AppState>, req: Request) -> Result<Response, ApiError> {
             "usage": {"input_tokens": vr.prompt.len(), "output_tokens": c.completion}}))
         .into_response());
     }
-    let mut tries = Tries::default();
-    let (inflight, events) = tokio::select! {
-        r = open(&st, &greq, deadline, &mut tries) => r?,
-        _ = st.shutdown.aborted() => return Err(shutting_down()),
-    };
-    let (tx, rx) = tokio::sync::mpsc::channel::<SseEvent>(64);
-    let st2 = st.clone();
-    let relay = async move {
-        let _active = active;
-        let lane = inflight.lane.name().to_string();
-        let _inflight = inflight;
-        stream(&st2, &vr, &id, &lane, events, &tx, tries).await;
-    };
-    tokio::spawn(relay.instrument(tracing::Span::current()));
-    let stream =
-        tokio_stream::wrappers::ReceiverStream::new(rx).map(Ok::<_, std::convert::Infallible>);
-    Ok(Sse::new(stream)
-        .keep_alive(KeepAlive::default())
-        .into_response())
+    crate::relay::open_stream(
+        &st,
+        &greq,
+        deadline,
+        active,
+        move |st, lane, events, tries, tx| async move {
+            stream(&st, &vr, &id, &lane, events, &tx, tries).await
+        },
+    )
+    .await
 }
 
 /// The block being streamed: its index and kind.
@@ -318,6 +307,106 @@ enum Open {
     Thinking,
 }
 
+/// The content blocks of a stream: the one open (text or thinking), its index, and whether
+/// a call was made.
+struct Blocks<'a> {
+    st: &'a AppState,
+    tx: &'a tokio::sync::mpsc::Sender<SseEvent>,
+    index: usize,
+    open: Open,
+    calls: bool,
+}
+
+fn event(kind: &str, v: Value) -> SseEvent {
+    SseEvent::default().event(kind).data(v.to_string())
+}
+
+impl Blocks<'_> {
+    async fn put(&self, kind: &str, v: Value) -> bool {
+        put(self.tx, event(kind, v), &self.st.shutdown).await
+    }
+
+    /// Closes the open text or thinking block.
+    async fn close(&mut self) -> bool {
+        if self.open == Open::None {
+            return true;
+        }
+        self.open = Open::None;
+        let i = self.index;
+        self.index += 1;
+        self.put(
+            "content_block_stop",
+            json!({"type": "content_block_stop", "index": i}),
+        )
+        .await
+    }
+
+    /// Sends the parts as block events; false when the client left.
+    async fn blocks(&mut self, parts: Vec<Part>) -> bool {
+        for p in parts {
+            let kind = match &p {
+                Part::Content(_) => Open::Text,
+                Part::Reasoning(_) => Open::Thinking,
+                Part::Call { .. } => Open::None,
+            };
+            if self.open != kind && !self.close().await {
+                return false;
+            }
+            let ok = match p {
+                Part::Call { name, arguments } => {
+                    self.calls = true;
+                    let mut block = tool_use(self.st, &name, &arguments);
+                    block["input"] = json!({});
+                    let i = self.index;
+                    self.index += 1;
+                    self.put(
+                        "content_block_start",
+                        json!({"type": "content_block_start", "index": i, "content_block": block}),
+                    )
+                    .await
+                        && self
+                            .put(
+                                "content_block_delta",
+                                json!({"type": "content_block_delta", "index": i,
+                            "delta": {"type": "input_json_delta", "partial_json": arguments}}),
+                            )
+                            .await
+                        && self
+                            .put(
+                                "content_block_stop",
+                                json!({"type": "content_block_stop", "index": i}),
+                            )
+                            .await
+                }
+                Part::Content(t) | Part::Reasoning(t) => {
+                    let text = kind == Open::Text;
+                    let started = self.open != Open::None
+                        || self.put("content_block_start", json!({"type": "content_block_start", "index": self.index,
+                            "content_block": if text { json!({"type": "text", "text": ""}) } else { json!({"type": "thinking", "thinking": ""}) }})).await;
+                    self.open = kind;
+                    let delta = if text {
+                        json!({"type": "text_delta", "text": t})
+                    } else {
+                        json!({"type": "thinking_delta", "thinking": t})
+                    };
+                    started
+                        && self.put("content_block_delta", json!({"type": "content_block_delta", "index": self.index, "delta": delta})).await
+                }
+            };
+            if !ok {
+                return false;
+            }
+        }
+        true
+    }
+}
+
+impl PartSink for Blocks<'_> {
+    fn send(&mut self, parts: Vec<Part>) -> impl std::future::Future<Output = bool> + Send {
+        self.blocks(parts)
+    }
+}
+
 /// Relays a lane's events as Anthropic's stream: message_start, content blocks (start,
 /// deltas, stop), message_delta with the stop reason and usage, message_stop; an `error`
 /// event if the answer is cut.
@@ -326,168 +415,53 @@ async fn stream(
     vr: &ValidRequest,
     id: &str,
     lane: &str,
-    mut events: crate::lane::EventStream,
+    events: crate::lane::EventStream,
     tx: &tokio::sync::mpsc::Sender<SseEvent>,
-    mut tries: Tries,
+    tries: Tries,
 ) {
-    let ev = |kind: &str, v: Value| SseEvent::default().event(kind).data(v.to_string());
-    let sd = &st.shutdown;
     let start = json!({"type": "message_start", "message": {"id": id, "type": "message", "role": "assistant",
         "model": st.cfg.model_name, "content": [], "stop_reason": null, "stop_sequence": null,
         "usage": {"input_tokens": vr.prompt.len(), "output_tokens": 0}}});
-    if !put(tx, ev("message_start", start), sd).await {
+    let mut b = Blocks {
+        st,
+        tx,
+        index: 0,
+        open: Open::None,
+        calls: false,
+    };
+    if !b.put("message_start", start).await {
         return;
     }
-    let mut timing = Timing::new(true);
-    let mut det = Detokenizer::new(vr.stop.clone());
-    let mut split = vr.splitter();
-    let (mut index, mut open, mut calls, mut completion) = (0usize, Open::None, false, 0usize);
-    let mut finish: Option<String> = None;
-    let mut failed: Option<ApiError> = None;
-    // sends the parts as block events; false when the client left
-    macro_rules! send_parts {
-        ($parts:expr) => {{
-            let mut ok = true;
-            for p in $parts {
-                let (kind, text) = match &p {
-                    Part::Content(t) => (Open::Text, t.clone()),
-                    Part::Reasoning(t) => (Open::Thinking, t.clone()),
-                    Part::Call { .. } => (Open::None, String::new()),
-                };
-                if open != Open::None && open != kind {
-                    ok &= put(tx, ev("content_block_stop", json!({"type": "content_block_stop", "index": index})), sd).await;
-                    index += 1;
-                    open = Open::None;
-                }
-                match p {
-                    Part::Call { name, arguments } => {
-                        calls = true;
-                        let mut block = tool_use(st, &name, &arguments);
-                        block["input"] = json!({});
-                        ok &= put(tx, ev("content_block_start", json!({"type": "content_block_start", "index": index, "content_block": block})), sd).await;
-                        ok &= put(tx, ev("content_block_delta", json!({"type": "content_block_delta", "index": index,
-                            "delta": {"type": "input_json_delta", "partial_json": arguments}})), sd).await;
-                        ok &= put(tx, ev("content_block_stop", json!({"type": "content_block_stop", "index": index})), sd).await;
-                        index += 1;
-                    }
-                    _ => {
-                        if open == Open::None {
-                            let block = if kind == Open::Text { json!({"type": "text", "text": ""}) } else { json!({"type": "thinking", "thinking": ""}) };
-                            ok &= put(tx, ev("content_block_start", json!({"type": "content_block_start", "index": index, "content_block": block})), sd).await;
-                            open = kind;
-                        }
-                        let delta = if open == Open::Text { json!({"type": "text_delta", "text": text}) } else { json!({"type": "thinking_delta", "thinking": text}) };
-                        ok &= put(tx, ev("content_block_delta", json!({"type": "content_block_delta", "index": index, "delta": delta})), sd).await;
-                    }
-                }
-            }
-            ok
-        }};
+    let end = relay_parts(st, vr, lane, events, tries, &mut b).await;
+    if end.left {
+        return;
     }
-    let mut aborted = std::pin::pin!(sd.aborted());
-    loop {
-        let next = tokio::select! {
-            e = events.next() => e,
-            _ = &mut aborted => { failed = Some(shutting_down()); break; }
-        };
-        let e = match next {
-            Some(Ok(e)) => e,
-            Some(Err(e)) => {
-                tries.blame(st, lane, e.category).await;
-                failed = Some(lane_err(lane, &e));
-                break;
-            }
-            None => {
-                let e = stream_ended();
-                tries.blame(st, lane, e.category).await;
-                failed = Some(lane_err(lane, &e));
-                break;
-            }
-        };
-        if let Some(t) = e.token {
-            timing.token();
-            completion += 1;
-            let piece = if st.tokenizer.is_special(t) {
-                String::new()
-            } else {
-                det.push(st.tokenizer.token_bytes(t))
-            };
-            if !send_parts!(split.push(&piece)) {
-                return;
-            }
-            if det.stopped() {
-                finish = Some("stop".into());
-                break;
-            }
-        }
-        if !e.finish_reason.is_empty() {
-            match finish_of(&e.finish_reason) {
-                Ok(f) => finish = Some(f),
-                Err(err) => failed = Some(lane_err(lane, &err)),
-            }
-            break;
-        }
-    }
-    drop(events);
-    timing.done(
-        vr.prompt.len(),
-        completion,
-        finish.as_deref().unwrap_or("error"),
-    );
-    if let Some(err) = failed {
+    if let Some(err) = end.failed {
         let kind = if matches!(err, ApiError::Unavailable(_) | ApiError::Overloaded(_)) {
             "overloaded_error"
         } else {
             "api_error"
         };
-        put(
-            tx,
-            ev(
-                "error",
-                json!({"type": "error", "error": {"type": kind, "message": err.to_string()}}),
-            ),
-            sd,
+        b.put(
+            "error",
+            json!({"type": "error", "error": {"type": kind, "message": err.to_string()}}),
         )
         .await;
         return;
     }
-    let mut tail = split.push(&det.finish());
-    tail.extend(split.finish());
-    if !send_parts!(tail) {
-        return;
-    }
-    if open != Open::None
-        && !put(
-            tx,
-            ev(
-                "content_block_stop",
-                json!({"type": "content_block_stop", "index": index}),
-            ),
-            sd,
-        )
-        .await
-    {
+    if !b.close().await {
         return;
     }
     // the stop string that ended it, when there was one to choose from
-    let stopped_by = (det.stopped() && vr.stop.len() == 1).then(|| vr.stop[0].clone());
+    let stopped_by = (end.stop_string && vr.stop.len() == 1).then(|| vr.stop[0].clone());
     let (reason, seq) = stop_reason(
-        finish.as_deref().unwrap_or("stop"),
-        calls,
+        end.finish.as_deref().unwrap_or("stop"),
+        b.calls,
         stopped_by.as_deref(),
     );
-    if !put(
-        tx,
-        ev(
-            "message_delta",
-            json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
-        "usage": {"output_tokens": completion}}),
-        ),
-        sd,
-    )
-    .await
-    {
-        return;
+    let delta = json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
+        "usage": {"output_tokens": end.completion}});
+    if b.put("message_delta", delta).await {
+        b.put("message_stop", json!({"type": "message_stop"})).await;
     }
-    put(tx, ev("message_stop", json!({"type": "message_stop"})), sd).await;
 }

@@ -12,6 +12,8 @@ pub mod handoff;
 pub mod lane;
 pub mod listen;
 pub mod registry;
+mod relay;
+pub mod responses;
 pub mod server;
 
 pub use server::{admin_router, router, AppState, GatewayConfig, Shutdown};

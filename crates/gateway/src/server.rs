@@ -236,6 +236,9 @@ pub fn routes() -> Vec<Route> {
         r(Public, "POST", "/v1/messages", ApiKey, || {
             post(crate::anthropic::messages)
         }),
+        r(Public, "POST", "/v1/responses", ApiKey, || {
+            post(crate::responses::responses)
+        }),
         r(Public, "GET", "/v1/models", ApiKey, || get(models)),
         r(Public, "GET", "/v1/stats", ApiKey, || get(stats)),
         r(Public, "GET", "/metrics", ApiKey, || {

@@ -121,6 +121,47 @@ follow = c.chat.completions.create(model=model, tools=tools, max_tokens=8, messa
 assert follow.choices[0].message.role == "assistant", follow
 print("tool calls ok")
 
+# the Responses API: text whole and streamed, a forced function call and its output, a schema
+r = c.responses.create(model=model, input="Guten Morgen, wie geht es?", instructions="You are terse.", max_output_tokens=20)
+assert r.status in ("completed", "incomplete") and r.usage.output_tokens <= 20, r
+events = list(c.responses.create(model=model, input="Guten Morgen, wie geht es?", instructions="You are terse.",
+                                 max_output_tokens=20, stream=True))
+assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete"), events[-1]
+assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text, (events, r.output_text)
+assert events[-1].response.output_text == r.output_text
+# a cut answer ends with response.incomplete, as OpenAI's does
+assert events[-1].type == ("response.incomplete" if r.status == "incomplete" else "response.completed")
+rtools = [{"type": "function", "name": "get_weather", "description": "Weather of a city", "strict": True,
+           "parameters": tools[0]["function"]["parameters"]}]
+# the SDK's stream helper (it rebuilds the response from the events) on an answer that completes
+with c.responses.stream(model=model, input="Weather in Oslo?", tools=rtools, tool_choice="required",
+                        parallel_tool_calls=False, max_output_tokens=200) as s:
+    final = s.get_final_response()
+assert final.status == "completed" and [o.type for o in final.output] == ["function_call"], final
+rt = c.responses.create(model=model, input="Weather in Oslo?", tools=rtools, tool_choice="required",
+                        parallel_tool_calls=False, max_output_tokens=200)
+fcs = [o for o in rt.output if o.type == "function_call"]
+assert len(fcs) == 1 and fcs[0].name == "get_weather" and isinstance(_json.loads(fcs[0].arguments)["city"], str), rt
+streamed_calls = [e for e in c.responses.create(model=model, input="Weather in Oslo?", tools=rtools, tool_choice="required",
+                                               parallel_tool_calls=False, max_output_tokens=200, stream=True)
+                  if e.type == "response.function_call_arguments.done"]
+assert [e.arguments for e in streamed_calls] == [fcs[0].arguments], streamed_calls
+r2 = c.responses.create(model=model, tools=rtools, max_output_tokens=8, input=[
+    {"role": "user", "content": "Weather in Oslo?"},
+    {"type": "function_call", "call_id": fcs[0].call_id, "name": fcs[0].name, "arguments": fcs[0].arguments},
+    {"type": "function_call_output", "call_id": fcs[0].call_id, "output": "-3C, snow"}])
+assert r2.status in ("completed", "incomplete"), r2
+rs = c.responses.create(model=model, input="A person as JSON", max_output_tokens=200,
+                        text={"format": {"type": "json_schema", "name": "person", "schema": schema, "strict": True}})
+obj = _json.loads(rs.output_text)
+assert set(obj) == {"name", "age"}, obj
+try:
+    c.responses.create(model=model, input="x", previous_response_id="resp_nope")
+    raise SystemExit("expected BadRequestError")
+except openai.BadRequestError as e:
+    assert "previous_response_id" in str(e), e
+print("responses ok")
+
 # an error case: the client raises the right exception
 try:
     c.completions.create(model="no-such-model", prompt="x", max_tokens=2)

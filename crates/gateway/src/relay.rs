@@ -1,0 +1,165 @@
+//! What the Anthropic and Responses routes share: a request opened on a lane and relayed to
+//! the client as the parts of its answer (content, reasoning, whole tool calls), each route
+//! writing them as its own events.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use futures::StreamExt;
+use moelane_proto::lane::GenerateRequest;
+use moelane_text::agent::Part;
+use moelane_text::detok::Detokenizer;
+use tracing::Instrument as _;
+
+use crate::error::ApiError;
+use crate::lane::EventStream;
+use crate::server::{
+    finish_of, lane_err, open, shutting_down, stream_ended, ActiveGuard, AppState, Timing, Tries,
+    ValidRequest,
+};
+
+/// Where the parts of an answer go: a route's writer of its own events.
+pub(crate) trait PartSink {
+    /// Sends `parts`; false when the client left.
+    fn send(&mut self, parts: Vec<Part>) -> impl std::future::Future<Output = bool> + Send;
+}
+
+/// How a relayed answer ended.
+pub(crate) struct Ended {
+    pub completion: usize,
+    /// The lane's finish (`stop`, `length`), or `stop` for a stop string; none when failed.
+    pub finish: Option<String>,
+    pub failed: Option<ApiError>,
+    /// A stop string ended it.
+    pub stop_string: bool,
+    /// The client left (the sink said so): nothing more is sent.
+    pub left: bool,
+}
+
+/// Opens `greq` on a lane (retrying before its first token as the chat route does), then
+/// answers with a stream whose events `write` produces from the lane's events; `write` runs
+/// on its own task until the answer ends or the client leaves.
+pub(crate) async fn open_stream<F, Fut>(
+    st: &Arc<AppState>,
+    greq: &GenerateRequest,
+    deadline: Instant,
+    active: ActiveGuard,
+    write: F,
+) -> Result<Response, ApiError>
+where
+    F: FnOnce(
+            Arc<AppState>,
+            String,
+            EventStream,
+            Tries,
+            tokio::sync::mpsc::Sender<SseEvent>,
+        ) -> Fut
+        + Send
+        + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let mut tries = Tries::default();
+    let (inflight, events) = tokio::select! {
+        r = open(st, greq, deadline, &mut tries) => r?,
+        _ = st.shutdown.aborted() => return Err(shutting_down()),
+    };
+    let (tx, rx) = tokio::sync::mpsc::channel::<SseEvent>(64);
+    let st2 = st.clone();
+    let relay = async move {
+        let _active = active;
+        let lane = inflight.lane.name().to_string();
+        let _inflight = inflight;
+        write(st2, lane, events, tries, tx).await;
+    };
+    tokio::spawn(relay.instrument(tracing::Span::current()));
+    let stream =
+        tokio_stream::wrappers::ReceiverStream::new(rx).map(Ok::<_, std::convert::Infallible>);
+    Ok(Sse::new(stream)
+        .keep_alive(KeepAlive::default())
+        .into_response())
+}
+
+/// Relays a lane's events as parts of the answer to `sink` (which returns false when the
+/// client left): tokens detokenised (stop strings honoured), split by the request's markup,
+/// the held-back tail given at the end. A lane that fails mid-answer is blamed.
+pub(crate) async fn relay_parts(
+    st: &AppState,
+    vr: &ValidRequest,
+    lane: &str,
+    mut events: EventStream,
+    mut tries: Tries,
+    sink: &mut impl PartSink,
+) -> Ended {
+    let mut timing = Timing::new(true);
+    let mut det = Detokenizer::new(vr.stop.clone());
+    let mut split = vr.splitter();
+    let mut end = Ended {
+        completion: 0,
+        finish: None,
+        failed: None,
+        stop_string: false,
+        left: false,
+    };
+    let mut aborted = std::pin::pin!(st.shutdown.aborted());
+    loop {
+        let next = tokio::select! {
+            e = events.next() => e,
+            _ = &mut aborted => { end.failed = Some(shutting_down()); break; }
+        };
+        let e = match next {
+            Some(Ok(e)) => e,
+            Some(Err(e)) => {
+                tries.blame(st, lane, e.category).await;
+                end.failed = Some(lane_err(lane, &e));
+                break;
+            }
+            None => {
+                let e = stream_ended();
+                tries.blame(st, lane, e.category).await;
+                end.failed = Some(lane_err(lane, &e));
+                break;
+            }
+        };
+        if let Some(t) = e.token {
+            timing.token();
+            end.completion += 1;
+            let piece = if st.tokenizer.is_special(t) {
+                String::new()
+            } else {
+                det.push(st.tokenizer.token_bytes(t))
+            };
+            if !sink.send(split.push(&piece)).await {
+                end.left = true;
+                return end;
+            }
+            if det.stopped() {
+                end.finish = Some("stop".into());
+                end.stop_string = true;
+                break;
+            }
+        }
+        if !e.finish_reason.is_empty() {
+            match finish_of(&e.finish_reason) {
+                Ok(f) => end.finish = Some(f),
+                Err(err) => end.failed = Some(lane_err(lane, &err)),
+            }
+            break;
+        }
+    }
+    drop(events);
+    timing.done(
+        vr.prompt.len(),
+        end.completion,
+        end.finish.as_deref().unwrap_or("error"),
+    );
+    if end.failed.is_none() {
+        let mut tail = split.push(&det.finish());
+        tail.extend(split.finish());
+        if !sink.send(tail).await {
+            end.left = true;
+        }
+    }
+    end
+}
