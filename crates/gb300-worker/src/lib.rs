@@ -481,7 +481,16 @@ impl Primary for PrimaryService {
                 "the primary is draining (stopping): it takes no new requests; send this one to another lane",
             ));
         }
-        let rx = self.client.generate(r.into_inner(), span)?;
+        let req = r.into_inner();
+        let rx = if req.grammar.is_empty() {
+            self.client.generate(req, span)?
+        } else {
+            // compiling a grammar takes CPU in proportion to it: off the async runtime
+            let client = self.client.clone();
+            tokio::task::spawn_blocking(move || client.generate(req, span))
+                .await
+                .map_err(|e| Category::Internal.status(format!("compiling the grammar: {e}")))??
+        };
         let s = tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(|ev| match ev {
             Event::Token {
                 token,
