@@ -20,7 +20,7 @@ use crate::error::ApiError;
 use crate::relay::{relay_parts, PartSink};
 use crate::server::{
     generate_request, put, random_id, read_json, shutting_down, validate_off_runtime, whole_choice,
-    AppState, ToolMode, Tries, ValidRequest,
+    AppState, Tries, ValidRequest,
 };
 
 /// An error in Anthropic's shape (`{"type": "error", "error": {"type", "message"}}`).
@@ -227,9 +227,13 @@ fn stop_reason(finish: &str, calls: bool, stop_string: Option<&str>) -> (&'stati
     }
 }
 
-/// A tool call as a `tool_use` block (its arguments parsed back into the `input` object).
+/// A tool call as a `tool_use` block: its arguments parsed back into the `input` object (an
+/// `input` must be an object: arguments that are not one become `{}`, whole or streamed).
 fn tool_use(st: &AppState, name: &str, arguments: &str) -> Value {
-    let input: Value = serde_json::from_str(arguments).unwrap_or_else(|_| json!({}));
+    let input: Value = serde_json::from_str(arguments)
+        .ok()
+        .filter(Value::is_object)
+        .unwrap_or_else(|| json!({}));
     json!({"type": "tool_use", "id": format!("toolu_{:024x}", random_id(st) >> 32), "name": name, "input": input})
 }
 
@@ -260,13 +264,7 @@ async fn handle(st: Arc<AppState>, req: Request) -> Result<Response, ApiError> {
             r = whole_choice(&st, &vr, &greq, deadline, true) => r?,
             _ = st.shutdown.aborted() => return Err(shutting_down()),
         };
-        let parts = moelane_text::agent::split_whole(
-            moelane_text::agent::HERMES,
-            vr.tool_mode != ToolMode::Off,
-            vr.think,
-            vr.in_reasoning,
-            &c.text,
-        );
+        let parts = vr.split_answer(&c.text);
         let mut content = Vec::new();
         let mut calls = false;
         for p in parts {
@@ -281,7 +279,7 @@ async fn handle(st: Arc<AppState>, req: Request) -> Result<Response, ApiError> {
                 }
             }
         }
-        let (reason, seq) = stop_reason(&c.finish, calls, None);
+        let (reason, seq) = stop_reason(&c.finish, calls, c.stop_hit.as_deref());
         return Ok(Json(json!({"id": id, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": reason, "stop_sequence": seq,
             "usage": {"input_tokens": vr.prompt.len(), "output_tokens": c.completion}}))
@@ -356,6 +354,8 @@ impl Blocks<'_> {
                 Part::Call { name, arguments } => {
                     self.calls = true;
                     let mut block = tool_use(self.st, &name, &arguments);
+                    // the input as the stream's one JSON delta (normalised like a whole answer's)
+                    let arguments = block["input"].to_string();
                     block["input"] = json!({});
                     let i = self.index;
                     self.index += 1;
@@ -452,12 +452,10 @@ async fn stream(
     if !b.close().await {
         return;
     }
-    // the stop string that ended it, when there was one to choose from
-    let stopped_by = (end.stop_string && vr.stop.len() == 1).then(|| vr.stop[0].clone());
     let (reason, seq) = stop_reason(
         end.finish.as_deref().unwrap_or("stop"),
         b.calls,
-        stopped_by.as_deref(),
+        end.stop_hit.as_deref(),
     );
     let delta = json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
         "usage": {"output_tokens": end.completion}});

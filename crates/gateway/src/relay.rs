@@ -32,8 +32,8 @@ pub(crate) struct Ended {
     /// The lane's finish (`stop`, `length`), or `stop` for a stop string; none when failed.
     pub finish: Option<String>,
     pub failed: Option<ApiError>,
-    /// A stop string ended it.
-    pub stop_string: bool,
+    /// The stop string that ended it, if one did.
+    pub stop_hit: Option<String>,
     /// The client left (the sink said so): nothing more is sent.
     pub left: bool,
 }
@@ -99,7 +99,7 @@ pub(crate) async fn relay_parts(
         completion: 0,
         finish: None,
         failed: None,
-        stop_string: false,
+        stop_hit: None,
         left: false,
     };
     let mut aborted = std::pin::pin!(st.shutdown.aborted());
@@ -136,7 +136,7 @@ pub(crate) async fn relay_parts(
             }
             if det.stopped() {
                 end.finish = Some("stop".into());
-                end.stop_string = true;
+                end.stop_hit = det.stop_hit().map(String::from);
                 break;
             }
         }

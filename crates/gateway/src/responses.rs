@@ -261,13 +261,7 @@ async fn handle(st: Arc<AppState>, req: Request) -> Result<Response, ApiError> {
             r = whole_choice(&st, &vr, &greq, deadline, true) => r?,
             _ = st.shutdown.aborted() => return Err(shutting_down()),
         };
-        let parts = moelane_text::agent::split_whole(
-            moelane_text::agent::HERMES,
-            vr.tool_mode != ToolMode::Off,
-            vr.think,
-            vr.in_reasoning,
-            &c.text,
-        );
+        let parts = vr.split_answer(&c.text);
         let output = items(&st, parts);
         return Ok(Json(response(
             &st,
@@ -299,6 +293,8 @@ struct Events<'a> {
     output: Vec<Value>,
     /// The open message item (its index in `output`) and its text so far.
     text: Option<(usize, String)>,
+    /// The open reasoning item and its text so far.
+    reasoning: Option<(usize, String)>,
 }
 
 impl Events<'_> {
@@ -312,6 +308,27 @@ impl Events<'_> {
             &self.st.shutdown,
         )
         .await
+    }
+
+    /// Closes the open reasoning item.
+    async fn close_reasoning(&mut self) -> bool {
+        let Some((i, text)) = self.reasoning.take() else {
+            return true;
+        };
+        let item_id = self.output[i]["id"].clone();
+        self.output[i]["content"] = json!([{"type": "reasoning_text", "text": text}]);
+        let item = self.output[i].clone();
+        self.emit(
+            "response.reasoning_text.done",
+            json!({"item_id": item_id, "output_index": i, "content_index": 0, "text": text}),
+        )
+        .await
+            && self
+                .emit(
+                    "response.output_item.done",
+                    json!({"output_index": i, "item": item}),
+                )
+                .await
     }
 
     /// Closes the open message item.
@@ -333,6 +350,9 @@ impl Events<'_> {
         for p in parts {
             let ok = match p {
                 Part::Content(t) => {
+                    if !self.close_reasoning().await {
+                        return false;
+                    }
                     if self.text.is_none() {
                         let item = json!({"type": "message", "id": format!("msg_{}", hex(self.st)), "status": "in_progress",
                                           "role": "assistant", "content": []});
@@ -362,24 +382,35 @@ impl Events<'_> {
                     if !self.close_text().await {
                         return false;
                     }
-                    let item = json!({"type": "reasoning", "id": format!("rs_{}", hex(self.st)), "summary": [],
-                                      "content": [{"type": "reasoning_text", "text": t}]});
-                    self.output.push(item.clone());
-                    let i = self.output.len() - 1;
-                    self.emit(
-                        "response.output_item.added",
-                        json!({"output_index": i, "item": item}),
-                    )
-                    .await
-                        && self
+                    if self.reasoning.is_none() {
+                        let item = json!({"type": "reasoning", "id": format!("rs_{}", hex(self.st)),
+                                          "summary": [], "content": []});
+                        self.output.push(item.clone());
+                        let i = self.output.len() - 1;
+                        self.reasoning = Some((i, String::new()));
+                        if !self
                             .emit(
-                                "response.output_item.done",
+                                "response.output_item.added",
                                 json!({"output_index": i, "item": item}),
                             )
                             .await
+                        {
+                            return false;
+                        }
+                    }
+                    let Some((i, text)) = self.reasoning.as_mut() else {
+                        return false;
+                    };
+                    text.push_str(&t);
+                    let i = *i;
+                    self.emit(
+                        "response.reasoning_text.delta",
+                        json!({"item_id": self.output[i]["id"], "output_index": i, "content_index": 0, "delta": t}),
+                    )
+                    .await
                 }
                 Part::Call { name, arguments } => {
-                    if !self.close_text().await {
+                    if !(self.close_text().await && self.close_reasoning().await) {
                         return false;
                     }
                     let mut item = function_call(self.st, &name, &arguments);
@@ -447,6 +478,7 @@ async fn stream(
         seq: 0,
         output: Vec::new(),
         text: None,
+        reasoning: None,
     };
     let created = response(st, id, vr, Vec::new(), None, 0);
     if !(w
@@ -469,7 +501,7 @@ async fn stream(
         .await;
         return;
     }
-    if !w.close_text().await {
+    if !(w.close_text().await && w.close_reasoning().await) {
         return;
     }
     let fin = end.finish.unwrap_or_else(|| "stop".into());

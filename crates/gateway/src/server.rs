@@ -483,13 +483,28 @@ impl ValidRequest {
         self.chat && (self.think || self.tool_mode != ToolMode::Off)
     }
 
+    /// The splitter of this request's answer. A grammar (a forced call, a schema) writes
+    /// from the first token and never closes a thinking block, so then the answer does not
+    /// start in one even where the prompt opened it; a forced answer is only calls.
     pub(crate) fn splitter(&self) -> moelane_text::agent::Splitter {
-        moelane_text::agent::Splitter::new(
+        let s = moelane_text::agent::Splitter::new(
             moelane_text::agent::HERMES,
             self.tool_mode != ToolMode::Off,
             self.think,
-            self.in_reasoning,
-        )
+            self.in_reasoning && self.grammar.is_none(),
+        );
+        match self.tool_mode {
+            ToolMode::Required | ToolMode::Named(_) => s.forced(),
+            _ => s,
+        }
+    }
+
+    /// A whole answer's parts.
+    pub(crate) fn split_answer(&self, text: &str) -> Vec<moelane_text::agent::Part> {
+        let mut s = self.splitter();
+        let mut parts = s.push(text);
+        parts.extend(s.finish());
+        moelane_text::agent::merge(parts)
     }
 }
 
@@ -1568,6 +1583,8 @@ pub(crate) struct Choice {
     pub(crate) text: String,
     pub(crate) completion: usize,
     pub(crate) finish: String,
+    /// The stop string that ended it, if one did.
+    pub(crate) stop_hit: Option<String>,
     lps: Vec<Lp>,
 }
 
@@ -1584,17 +1601,11 @@ pub(crate) fn tool_call(st: &AppState, index: Option<usize>, name: &str, argumen
 /// A chat answer's message: its text split into content, reasoning and tool calls when the
 /// request asks for that (`finish` becomes `tool_calls` when the answer ended with calls).
 fn chat_message(st: &AppState, vr: &ValidRequest, text: &str, finish: &mut String) -> Value {
-    use moelane_text::agent::{split_whole, Part, HERMES};
+    use moelane_text::agent::Part;
     if !vr.splits() {
         return json!({"role": "assistant", "content": text});
     }
-    let parts = split_whole(
-        HERMES,
-        vr.tool_mode != ToolMode::Off,
-        vr.think,
-        vr.in_reasoning,
-        text,
-    );
+    let parts = vr.split_answer(text);
     let (mut content, mut reasoning, mut calls) = (String::new(), String::new(), Vec::new());
     for p in parts {
         match p {
@@ -1710,6 +1721,7 @@ pub(crate) async fn whole_choice(
                 text,
                 completion,
                 finish: f,
+                stop_hit: det.stop_hit().map(String::from),
                 lps,
             });
         }

@@ -21,6 +21,19 @@ with c.messages.stream(model=model, max_tokens=20, messages=msgs, system="You ar
     final = s.get_final_message()
 assert streamed == text, (streamed, text)
 assert final.stop_reason == m.stop_reason and final.usage.output_tokens == m.usage.output_tokens, final
+# a stop sequence ends the answer before it and is named, whole and streamed (two to choose from)
+long = c.messages.create(model=model, max_tokens=30, messages=msgs)
+full = "".join(b.text for b in long.content if b.type == "text")
+cuts = [full[i:i + 3] for i in range(1, len(full) - 3) if full[i:i + 3].strip() and full.index(full[i:i + 3]) == i]
+assert cuts, full
+cut = cuts[0]
+stopped = c.messages.create(model=model, max_tokens=30, messages=msgs, stop_sequences=["\u2603never", cut])
+assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == cut, stopped
+assert "".join(b.text for b in stopped.content if b.type == "text") == full[: full.index(cut)], stopped
+with c.messages.stream(model=model, max_tokens=30, messages=msgs, stop_sequences=["\u2603never", cut]) as s:
+    fin = s.get_final_message()
+assert fin.stop_reason == "stop_sequence" and fin.stop_sequence == cut, fin
+print("stop_sequence ok")
 print("messages ok")
 
 # tool use: forced (any, a named tool), whole and streamed, and the result round trip

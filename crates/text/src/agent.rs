@@ -44,14 +44,23 @@ enum Mode {
     Call,
 }
 
+/// Most bytes of one call's body: past it, what the model wrote is given back as text (a
+/// call that never closes must not grow without bound, nor be searched again and again).
+pub const MAX_CALL_BYTES: usize = 1 << 20;
+
 /// Splits a streamed answer into [`Part`]s.
 pub struct Splitter {
     m: Markup,
     mode: Mode,
     /// Text not yet given out: a possible marker's start, or a call's body.
     buf: String,
+    /// Bytes of `buf` already searched for the closing marker without finding it.
+    scanned: usize,
     calls: bool,
     think: bool,
+    /// Only calls may be written (a forced call): text between them is the grammar's
+    /// separator, not content.
+    forced: bool,
 }
 
 impl Splitter {
@@ -67,9 +76,17 @@ impl Splitter {
                 Mode::Content
             },
             buf: String::new(),
+            scanned: 0,
             calls,
             think,
+            forced: false,
         }
+    }
+
+    /// Drops the text between calls: the answer is only calls (a forced call).
+    pub fn forced(mut self) -> Splitter {
+        self.forced = true;
+        self
     }
 
     /// The markers that may open or close something in the current mode.
@@ -96,16 +113,22 @@ impl Splitter {
         let mut out = Vec::new();
         loop {
             let markers = self.markers();
+            // search only what was not searched yet (and a marker's length before it)
+            let longest = markers.iter().map(|m| m.len()).max().unwrap_or(0);
+            let mut from = self.scanned.saturating_sub(longest);
+            while !self.buf.is_char_boundary(from) {
+                from -= 1;
+            }
             let found = markers
                 .iter()
-                .filter_map(|mk| self.buf.find(mk).map(|at| (at, *mk)))
+                .filter_map(|mk| self.buf[from..].find(mk).map(|at| (from + at, *mk)))
                 .min_by_key(|x| x.0);
             match found {
                 Some((at, mk)) => {
-                    let before: String = self.buf[..at].to_string();
-                    let rest = self.buf[at + mk.len()..].to_string();
+                    let before: String = self.buf.drain(..at).collect();
+                    self.buf.drain(..mk.len());
+                    self.scanned = 0;
                     self.emit(before, &mut out);
-                    self.buf = rest;
                     self.mode = match (self.mode, mk) {
                         (Mode::Content, m) if m == self.m.think_open => Mode::Reasoning,
                         (Mode::Content, _) => Mode::Call,
@@ -114,6 +137,15 @@ impl Splitter {
                 }
                 None => {
                     if self.mode == Mode::Call {
+                        if self.buf.len() > MAX_CALL_BYTES {
+                            // never closed within bounds: what the model wrote, as text
+                            let body = std::mem::take(&mut self.buf);
+                            out.push(Part::Content(format!("{}{body}", self.m.call_open)));
+                            self.mode = Mode::Content;
+                            self.scanned = 0;
+                            continue;
+                        }
+                        self.scanned = self.buf.len();
                         return out; // a call is given out whole
                     }
                     // keep what could still be a marker's start
@@ -136,6 +168,7 @@ impl Splitter {
     /// markup is given back as content).
     pub fn finish(&mut self) -> Vec<Part> {
         let rest = std::mem::take(&mut self.buf);
+        self.scanned = 0;
         let mut out = Vec::new();
         match self.mode {
             Mode::Call => {
@@ -151,6 +184,7 @@ impl Splitter {
 
     fn emit(&mut self, text: String, out: &mut Vec<Part>) {
         match self.mode {
+            Mode::Content if self.forced => {}
             Mode::Content if !text.is_empty() => out.push(Part::Content(text)),
             Mode::Reasoning if !text.is_empty() => out.push(Part::Reasoning(text)),
             Mode::Call => out.push(parse_call(&text).unwrap_or_else(|| {
@@ -285,6 +319,31 @@ mod tests {
         }
         // the unfinished marker at the end is text
         assert_eq!(whole.last(), Some(&Part::Content("B<tool_ca".into())));
+    }
+
+    #[test]
+    fn a_long_unclosed_call_is_bounded_and_forced_answers_drop_separators() {
+        let mut s = Splitter::new(HERMES, true, false, false);
+        let mut parts = s.push("<tool_call>");
+        let chunk = "a".repeat(4096);
+        for _ in 0..(MAX_CALL_BYTES / 4096 + 2) {
+            parts.extend(s.push(&chunk));
+        }
+        parts.extend(s.push("tail"));
+        parts.extend(s.finish());
+        let text: String = merge(parts)
+            .into_iter()
+            .map(|p| match p {
+                Part::Content(t) => t,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert!(text.starts_with("<tool_call>aaa") && text.ends_with("tail"));
+        let forced = "<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>\n<tool_call>{\"name\": \"g\", \"arguments\": {}}</tool_call>";
+        let mut s = Splitter::new(HERMES, true, false, false).forced();
+        let mut parts = s.push(forced);
+        parts.extend(s.finish());
+        assert_eq!(parts, vec![call("f", "{}"), call("g", "{}")]);
     }
 
     #[test]

@@ -14,6 +14,8 @@ pub struct Detokenizer {
     held: String,
     stops: Vec<String>,
     stopped: bool,
+    /// The stop string that ended the stream.
+    hit: Option<String>,
 }
 
 impl Detokenizer {
@@ -27,6 +29,11 @@ impl Detokenizer {
     /// Whether a stop string was seen (nothing more will be emitted).
     pub fn stopped(&self) -> bool {
         self.stopped
+    }
+
+    /// The stop string that ended the stream (the earliest in the text), once stopped.
+    pub fn stop_hit(&self) -> Option<&str> {
+        self.hit.as_deref()
     }
 
     fn decode_pending(&mut self, flush: bool) {
@@ -84,12 +91,13 @@ impl Detokenizer {
 
     fn release(&mut self, all: bool) -> String {
         // a complete stop string: emit up to it, then stop
-        if let Some(pos) = self
+        if let Some((pos, stop)) = self
             .stops
             .iter()
-            .filter_map(|s| self.held.find(s.as_str()))
-            .min()
+            .filter_map(|s| self.held.find(s.as_str()).map(|p| (p, s)))
+            .min_by_key(|x| x.0)
         {
+            self.hit = Some(stop.clone());
             let out = self.held[..pos].to_string();
             self.held.clear();
             self.pending.clear();
