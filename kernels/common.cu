@@ -77,6 +77,20 @@ __device__ __forceinline__ void warp_argmax(float& bv, int& bi) {
     }
 }
 
+// As warp_argmax, for values that are not NaN: the warp's largest value by one reduction
+// over order-keeping keys, then the lowest index holding it by another (sm_80+).
+__device__ __forceinline__ void warp_argmax_fast(float& bv, int& bi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const unsigned u = __float_as_uint(bv);
+    const unsigned key = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    const unsigned top = __reduce_max_sync(0xffffffffu, key);
+    bi = (int)__reduce_min_sync(0xffffffffu, key == top ? (unsigned)bi : 0xffffffffu);
+    bv = __uint_as_float((top & 0x80000000u) ? (top & 0x7fffffffu) : ~top);
+#else
+    warp_argmax(bv, bi);
+#endif
+}
+
 // (value, index) argmax over the block, ties to the lower index; every thread gets it.
 __device__ void block_argmax(float& v, int& i, float* redv, int* redi) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -113,6 +127,18 @@ __device__ __forceinline__ float4 wload4(const bf16_t* p) {
     const uint2 v = *(const uint2*)p;
     return make_float4(bf16_lo(v.x), bf16_hi(v.x), bf16_lo(v.y), bf16_hi(v.y));
 }
+// Eight consecutive weights as two float4s (p 32-byte aligned for f32, 16-byte for bf16):
+// bf16's eight in one 16-byte load, so a warp's round of loads moves as many bytes as f32's.
+__device__ __forceinline__ void wload8(const float* p, float4& a, float4& b) {
+    a = *(const float4*)p;
+    b = *(const float4*)(p + 4);
+}
+// Eight bf16 loaded as 16 bytes, widened to two float4s.
+__device__ __forceinline__ void widen8(uint4 v, float4& a, float4& b) {
+    a = make_float4(bf16_lo(v.x), bf16_hi(v.x), bf16_lo(v.y), bf16_hi(v.y));
+    b = make_float4(bf16_lo(v.z), bf16_hi(v.z), bf16_lo(v.w), bf16_hi(v.w));
+}
+__device__ __forceinline__ void wload8(const bf16_t* p, float4& a, float4& b) { widen8(*(const uint4*)p, a, b); }
 // As wload4, through the read-only data path.
 __device__ __forceinline__ float4 wldg4(const float* p) { return __ldg((const float4*)p); }
 __device__ __forceinline__ float4 wldg4(const bf16_t* p) {
@@ -140,6 +166,11 @@ __device__ __forceinline__ float wload1(const f8_t* p) { return e4m3(*p); }
 __device__ __forceinline__ float4 wload4(const f8_t* p) {
     const unsigned v = *(const unsigned*)p;
     return make_float4(e4m3(v & 0xffu), e4m3((v >> 8) & 0xffu), e4m3((v >> 16) & 0xffu), e4m3(v >> 24));
+}
+// (never reached: FP8 rows take the four-at-a-time paths; defined for the templates)
+__device__ __forceinline__ void wload8(const f8_t* p, float4& a, float4& b) {
+    a = wload4(p);
+    b = wload4(p + 4);
 }
 // (never reached: FP8 rows are not loaded ahead, see moe_down_body; defined for the template)
 __device__ __forceinline__ float4 wldg4(const f8_t* p) { return wload4(p); }

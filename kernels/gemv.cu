@@ -260,6 +260,44 @@ extern "C" __global__ void __launch_bounds__(256, 2) norm_gemv_rows_bf16(const b
     norm_gemv_body(w, x, nw, h, y, out, in, n, eps, vec4, prefetch, preload);
 }
 
+// The router's product on RMSNorm'd rows (norm_gemv_rows, n <= 4 rows, E = out experts)
+// and its softmax top k in one kernel: the last block to finish its logits (counted in
+// `done`, which it sets back to 0) routes every row, warp r row r, as route_topk does with
+// the row in registers (E <= 32 * TOPK_REG, k <= 32): the same picks and weights without a
+// kernel of its own. grid: ceil(E/8); block: 256.
+template <typename W>
+__device__ __forceinline__ void norm_gemv_route_body(const W* __restrict__ w, const float* __restrict__ x,
+                                                     const float* __restrict__ nw, float* __restrict__ h,
+                                                     float* __restrict__ y, int out, int in, int n, float eps,
+                                                     int vec4, int prefetch, int preload,
+                                                     int* __restrict__ idx, float* __restrict__ wts,
+                                                     int k, int norm, unsigned* __restrict__ done) {
+    norm_gemv_body(w, x, nw, h, y, out, in, n, eps, vec4, prefetch, preload);
+    __shared__ int last;
+    // this block's logits are visible to the device before it counts itself done
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const int r = threadIdx.x >> 5;
+    if (r < n) topk_row_regs(y + (size_t)r * out, idx + r * k, wts + r * k, out, k, norm);
+    if (threadIdx.x == 0) *done = 0u;
+}
+
+#define NORM_GEMV_ROUTE_KERNEL(name, W)                                                           \
+    extern "C" __global__ void __launch_bounds__(256, 2) name(                                     \
+        const W* __restrict__ w, const float* __restrict__ x, const float* __restrict__ nw,        \
+        float* __restrict__ h, float* __restrict__ y, int out, int in, int n, float eps, int vec4,  \
+        int prefetch, int preload, int* __restrict__ idx, float* __restrict__ wts, int k, int norm, \
+        unsigned* __restrict__ done) {                                                             \
+        norm_gemv_route_body(w, x, nw, h, y, out, in, n, eps, vec4, prefetch, preload, idx, wts, k, \
+                             norm, done);                                                          \
+    }
+NORM_GEMV_ROUTE_KERNEL(norm_gemv_route, float)
+NORM_GEMV_ROUTE_KERNEL(norm_gemv_route_bf16, bf16_t)
+
 // The activations of a product on bf16 weights through cuBLAS (more than 4 rows), split so
 // that the tensor cores see every bit: x[r] = hi + mid + lo, three bf16 rows 3r, 3r+1, 3r+2
 // of xs whose sum is x[r] exactly (each the top 8 significant bits of what is left, cut by

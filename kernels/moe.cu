@@ -65,7 +65,19 @@ __device__ __forceinline__ void moe_up_body(const int* __restrict__ idx, const u
             mask &= mask - 1;
             const float* x = h + (size_t)(rows ? rows[t] : t / k) * H;
             float sg = 0.f, su = 0.f;
-            if (vec4) {
+            if (!F8 && sizeof(W) == 2 && (H & 7) == 0 && ((size_t)gu & 15) == 0) {
+                // 16-bit weights: eight a lane per load (lane * 8 + 256 i), so the row's
+                // loads go out in one round where four at a time took two
+#pragma unroll 4
+                for (int i = lane * 8; i < H; i += 256) {
+                    float4 g0, g1, u0, u1;
+                    wload8(g + i, g0, g1);
+                    wload8(u + i, u0, u1);
+                    const float4 x0 = *(const float4*)(x + i), x1 = *(const float4*)(x + i + 4);
+                    sg = fma4(g1, x1, fma4(g0, x0, sg));
+                    su = fma4(u1, x1, fma4(u0, x0, su));
+                }
+            } else if (vec4) {
 #pragma unroll 4
                 for (int i = lane * 4; i < H; i += 128) {
                     const float4 gv = scaled4(wload4(g + i), sc, j, i);
@@ -122,9 +134,62 @@ __device__ __forceinline__ void prefetch_down_rows(const int* __restrict__ idx,
     }
 }
 
-// PRE (moe_down_pre, with vec4): each warp loads the first W_AHEAD float4s per lane of its
-// down row into registers before the wait, as gemv_rows (same products, same order); the
-// registers this takes cost occupancy, so large batches take moe_down.
+// PRE (moe_down_pre, with vec4): each warp loads its down row's first weights into
+// registers before the wait (f32: the first W_AHEAD float4s per lane, as gemv_rows; 16-bit:
+// up to B16_AHEAD 16-byte loads of eight per lane, kept unwidened), same products, same
+// order as moe_down; the registers this takes cost occupancy, so large batches take
+// moe_down. 16-bit rows (I a multiple of 8, 16-byte aligned) are read eight a lane
+// (lane * 8 + 256 u) by every down kernel, preloaded or not, so the sums agree bit for bit
+// across batch sizes.
+#define B16_AHEAD 4
+
+// d . a for a 16-bit down row d and an activation row a of I (a multiple of 8) floats, eight
+// weights a lane per load (lane * 8 + 256 u): from the row's loads preloaded into wb when
+// `pre` (I <= 256 * B16_AHEAD), else loaded here. Every 16-bit down product sums this way.
+template <typename W>
+__device__ __forceinline__ float dot8(const uint4 (&wb)[B16_AHEAD], bool pre, const W* __restrict__ d,
+                                      const float* __restrict__ a, int I, int lane) {
+    float sum = 0.f;
+    if (pre) {
+        // the activation row in one round of loads, then the products
+        float4 a0[B16_AHEAD], a1[B16_AHEAD];
+#pragma unroll
+        for (int u = 0; u < B16_AHEAD; u++) {
+            const int i = lane * 8 + u * 256;
+            if (i < I) {
+                a0[u] = *(const float4*)(a + i);
+                a1[u] = *(const float4*)(a + i + 4);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < B16_AHEAD; u++) {
+            if (lane * 8 + u * 256 < I) {
+                float4 d0, d1;
+                widen8(wb[u], d0, d1);
+                sum = fma4(d1, a1[u], fma4(d0, a0[u], sum));
+            }
+        }
+    } else {
+#pragma unroll 4
+        for (int i = lane * 8; i < I; i += 256) {
+            float4 d0, d1;
+            wload8(d + i, d0, d1);
+            const float4 a0 = *(const float4*)(a + i), a1 = *(const float4*)(a + i + 4);
+            sum = fma4(d1, a1, fma4(d0, a0, sum));
+        }
+    }
+    return sum;
+}
+
+// Loads the first B16_AHEAD eights of a lane of a 16-bit row wr of I weights (zero past I).
+template <typename W>
+__device__ __forceinline__ void preload8(uint4 (&wb)[B16_AHEAD], const W* __restrict__ wr, int I, int lane) {
+#pragma unroll
+    for (int u = 0; u < B16_AHEAD; u++) {
+        const int i = lane * 8 + u * 256;
+        wb[u] = i < I ? __ldg((const uint4*)(wr + i)) : make_uint4(0u, 0u, 0u, 0u);
+    }
+}
 template <bool PRE, typename W, bool F8, bool X>
 __device__ __forceinline__ void moe_down_body(const int* __restrict__ idx,
                                               const unsigned long long* __restrict__ dn_tab,
@@ -132,17 +197,27 @@ __device__ __forceinline__ void moe_down_body(const int* __restrict__ idx,
                                               int nk, int H, int I, int vec4, int distinct,
                                               const unsigned long long* __restrict__ ds_tab, int b0, int b1,
                                               const unsigned long long* __restrict__ db_tab) {
+    constexpr bool B16 = sizeof(W) == 2 && !F8;
     const int s = blockIdx.x;
     const int j = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    float4 wa[W_AHEAD];
+    float4 wa[B16 ? 1 : W_AHEAD];
+    uint4 wb[B16_AHEAD];
     bool pre = false;
+    // eight 16-bit weights a lane per load: rows of a multiple of 8, 16-byte aligned
+    const auto by8 = [&](const W* base) { return B16 && vec4 && (I & 7) == 0 && ((size_t)base & 15) == 0; };
     if (PRE) {
         // the picks are final before the wait (see prefetch_down_rows)
         const W* dn = (const W*)dn_tab[idx[s]];
-        pre = !F8 && vec4 && dn != 0 && j < H;
-        if (pre) load_ahead(wa, dn + (size_t)j * I, I, lane);
+        if constexpr (B16) {
+            pre = dn != 0 && j < H && by8(dn) && I <= 256 * B16_AHEAD;
+            if (pre) preload8(wb, dn + (size_t)j * I, I, lane);
+        } else {
+            pre = !F8 && vec4 && dn != 0 && j < H;
+            if (pre) load_ahead(wa, dn + (size_t)j * I, I, lane);
+        }
     }
-    if (!(PRE && !F8 && vec4 && I <= 128 * W_AHEAD)) prefetch_down_rows<W>(idx, dn_tab, H, I);
+    // a row preloaded whole needs no L2 prefetch
+    if (!(PRE && pre && (B16 || (vec4 && I <= 128 * W_AHEAD)))) prefetch_down_rows<W>(idx, dn_tab, H, I);
     PDL_ENTRY();
     __shared__ int flag;
     const int e = idx[s];
@@ -153,6 +228,7 @@ __device__ __forceinline__ void moe_down_body(const int* __restrict__ idx,
     const auto sc = ScalesOf<F8>::make(F8 ? (const float*)ds_tab[e] : 0, b0, b1, I);
     // the expert's down bias [H] (gpt_oss), when its table is given and the entry set
     const float* db = X && db_tab ? (const float*)db_tab[e] : 0;
+    const bool eight = by8(dn);
     const int end = distinct ? s + 1 : nk;
     for (int t0 = s; t0 < end; t0 += 32) {
         unsigned mask = distinct ? 1u : __ballot_sync(0xffffffffu, t0 + lane < nk && idx[t0 + lane] == e);
@@ -161,15 +237,17 @@ __device__ __forceinline__ void moe_down_body(const int* __restrict__ idx,
             mask &= mask - 1;
             const float* a = act + (size_t)t * I;
             float sum = 0.f;
-            if (vec4) {
+            if (eight) {
+                sum = dot8(wb, PRE && pre, d, a, I, lane);
+            } else if (vec4) {
                 int i0 = lane * 4;
-                if (PRE && pre) {
+                if (!B16 && PRE && pre) {
                     // the activation row in one round of loads, then the products
                     float4 ar[W_AHEAD];
                     load_row(ar, a, I, lane);
 #pragma unroll
                     for (int u = 0; u < W_AHEAD; u++, i0 += 128)
-                        if (i0 < I) sum = fma4(wa[u], ar[u], sum);
+                        if (i0 < I) sum = fma4(wa[B16 ? 0 : u], ar[u], sum);
                 }
 #pragma unroll 4
                 for (int i = i0; i < I; i += 128) {
@@ -204,6 +282,73 @@ MOE_DOWN_KERNEL(moe_down_x, false, float, false, true)
 MOE_DOWN_KERNEL(moe_down_x_bf16, false, bf16_t, false, true)
 MOE_DOWN_KERNEL(moe_down_x_f8, false, f8_t, true, true)
 
+// A single row's MoE down-projection and combine in one kernel (every pick of the row on
+// this GPU, k <= K1_MAX distinct experts): one warp per output j takes all k picks, y[s, j]
+// as moe_down computes it (the same products in the same order), then x[j] += sum_s
+// wts[s] y[s, j] as moe_combine (the same order): one kernel and one wave of 8 warps a
+// block instead of k blocks per 8 outputs and a combine. 16-bit rows of up to
+// 256 * B16_AHEAD weights are loaded into registers before the wait (the picks are final
+// then, see prefetch_down_rows). A pick whose expert is not on this GPU adds nothing.
+// grid: ceil(H/8); block: 256.
+#define K1_MAX 8
+template <typename W>
+__device__ __forceinline__ void moe_down_one_body(const int* __restrict__ idx,
+                                                  const unsigned long long* __restrict__ dn_tab,
+                                                  const float* __restrict__ act, float* __restrict__ y,
+                                                  float* __restrict__ x, const float* __restrict__ wts,
+                                                  int k, int H, int I, int vec4) {
+    constexpr bool B16 = sizeof(W) == 2;
+    const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    uint4 wb[K1_MAX][B16_AHEAD];
+    const bool pre = B16 && vec4 && (I & 7) == 0 && I <= 256 * B16_AHEAD && j < H;
+    if (pre) {
+#pragma unroll
+        for (int s = 0; s < K1_MAX; s++) {
+            const W* dn = s < k ? (const W*)dn_tab[idx[s]] : 0;
+            if (dn != 0 && ((size_t)dn & 15) == 0) preload8(wb[s], dn + (size_t)j * I, I, lane);
+        }
+    }
+    PDL_ENTRY();
+    if (j >= H) return;
+    float acc = 0.f;
+#pragma unroll
+    for (int s = 0; s < K1_MAX; s++) {
+        if (s >= k) break;
+        const W* dn = (const W*)dn_tab[idx[s]];
+        if (dn == 0) continue;
+        const W* d = dn + (size_t)j * I;
+        const float* a = act + (size_t)s * I;
+        float sum = 0.f;
+        const bool eight = B16 && vec4 && (I & 7) == 0 && ((size_t)dn & 15) == 0;
+        if (eight) {
+            sum = dot8(wb[s], pre, d, a, I, lane);
+        } else if (vec4) {
+#pragma unroll 4
+            for (int i = lane * 4; i < I; i += 128) sum = fma4(wload4(d + i), *(const float4*)(a + i), sum);
+        } else {
+            for (int i = lane; i < I; i += 32) sum = fmaf(wload1(d + i), a[i], sum);
+        }
+        sum = warp_sum(sum);
+        if (lane == 0) y[(size_t)s * H + j] = sum;
+        acc = fmaf(wts[s], sum, acc);
+    }
+    if (lane == 0) x[j] += acc;
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) moe_down_one(const int* __restrict__ idx, const unsigned long long* __restrict__ dn_tab,
+                                        const float* __restrict__ act, float* __restrict__ y,
+                                        float* __restrict__ x, const float* __restrict__ wts,
+                                        int k, int H, int I, int vec4) {
+    moe_down_one_body<float>(idx, dn_tab, act, y, x, wts, k, H, I, vec4);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) moe_down_one_bf16(const int* __restrict__ idx, const unsigned long long* __restrict__ dn_tab,
+                                             const float* __restrict__ act, float* __restrict__ y,
+                                             float* __restrict__ x, const float* __restrict__ wts,
+                                             int k, int H, int I, int vec4) {
+    moe_down_one_body<bf16_t>(idx, dn_tab, act, y, x, wts, k, H, I, vec4);
+}
+
 // y[slots[i]] = src[i] (the cold tier's outputs into their pick slots). grid: count.
 extern "C" __global__ void scatter_rows(const float* __restrict__ src, const int* __restrict__ slots,
                                         float* __restrict__ y, int H) {
@@ -223,7 +368,7 @@ extern "C" __global__ void moe_combine(float* __restrict__ x, const float* __res
     const int c = blockIdx.y * blockDim.x + threadIdx.x;
     if (c >= H) return;
     float acc = 0.f;
-    for (int j = 0; j < k; j++) acc += wts[r * k + j] * y[((size_t)r * k + j) * H + c];
+    for (int j = 0; j < k; j++) acc = fmaf(wts[r * k + j], y[((size_t)r * k + j) * H + c], acc);
     x[(size_t)r * H + c] += acc;
 }
 

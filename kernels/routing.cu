@@ -14,61 +14,85 @@ __device__ __forceinline__ void keep_pick(int j, int k, float bv, int bi, float&
     }
 }
 
+// The softmax and top k of one row of router logits (E at most 32 * TOPK_REG, k at most 32)
+// by one warp, the row in registers (lane holds entries lane, lane + 32, ...): k rounds of
+// argmax (ties to the lower expert), the picks normalised when `norm`, lane j writing pick
+// j once. The row is read through the L2 (__ldcg): the fused router's last block reads
+// logits other blocks wrote.
+#define TOPK_REG 16
+__device__ __forceinline__ void topk_row_regs(const float* __restrict__ row, int* __restrict__ idx,
+                                              float* __restrict__ wts, int E, int k, int norm) {
+    const int lane = threadIdx.x & 31;
+    float tot = 0.f;
+    float mine = 0.f;  // pick `lane`, written once at the end
+    int mi = 0;
+    float v[TOPK_REG];
+#pragma unroll
+    for (int t = 0; t < TOPK_REG; t++) {
+        const int i = lane + 32 * t;
+        v[t] = i < E ? __ldcg(row + i) : -INFINITY;
+    }
+    float mx = -INFINITY;
+#pragma unroll
+    for (int t = 0; t < TOPK_REG; t++) mx = fmaxf(mx, v[t]);
+    mx = warp_max(mx);
+    float s = 0.f;
+#pragma unroll
+    for (int t = 0; t < TOPK_REG; t++) {
+        if (lane + 32 * t < E) {
+            v[t] = expf(v[t] - mx);
+            s += v[t];
+        }
+    }
+    s = warp_sum(s);
+    const float inv = 1.f / s;
+#pragma unroll
+    for (int t = 0; t < TOPK_REG; t++)
+        if (lane + 32 * t < E) v[t] *= inv;
+    for (int j = 0; j < k; j++) {
+        float bv = -INFINITY;
+        int bi = 0x7fffffff;
+#pragma unroll
+        for (int t = 0; t < TOPK_REG; t++)
+            if (v[t] > bv) { bv = v[t]; bi = lane + 32 * t; }
+        // (bv is never NaN: a NaN never passes the comparison above)
+        warp_argmax_fast(bv, bi);
+        // a row of NaN logits picks nothing above -inf: stay inside the row
+        if (bi >= E) bi = 0;
+#pragma unroll
+        for (int t = 0; t < TOPK_REG; t++)
+            if (lane + 32 * t == bi) v[t] = -1.f;
+        if (lane == j) {
+            mine = bv;
+            mi = bi;
+        }
+        tot += bv;
+    }
+    if (lane < k) {
+        idx[lane] = mi;
+        wts[lane] = norm ? mine / tot : mine;
+    }
+}
+
 // Router: softmax of each row of logits [rows, E], then its top k (descending, ties to the
 // lower expert), renormalised when `norm`. One warp per row (no block barriers: the k
-// rounds of argmax are shuffles). With `regs` (E at most 32 * TOPK_REG) the row stays in
-// registers; else in dynamic shared memory (E floats): the same arithmetic and picks.
-// grid: rows; block: 32.
-#define TOPK_REG 16
+// rounds of argmax are shuffles). With `regs` (E at most 32 * TOPK_REG, k at most 32) the
+// row stays in registers (topk_row_regs); else in dynamic shared memory (E floats): the
+// same arithmetic and picks. grid: rows; block: 32.
 extern "C" __global__ void route_topk(const float* __restrict__ logits, int* __restrict__ idx,
                                       float* __restrict__ wts, int E, int k, int norm, int regs) {
     PDL_ENTRY();
     extern __shared__ float p[];
     const int r = blockIdx.x, lane = threadIdx.x;
     const float* row = logits + (size_t)r * E;
+    if (regs && E <= 32 * TOPK_REG && k <= 32) {
+        topk_row_regs(row, idx + r * k, wts + r * k, E, k, norm);
+        return;
+    }
     float tot = 0.f;
     float mine = 0.f;  // pick `lane` (k <= 32), written once at the end
     int mi = 0;
-    if (regs && E <= 32 * TOPK_REG) {
-        // the row in registers (lane holds entries lane, lane + 32, ...): one round of loads,
-        // then the same arithmetic and the same picks (ties to the lower id) as below
-        float v[TOPK_REG];
-#pragma unroll
-        for (int t = 0; t < TOPK_REG; t++) {
-            const int i = lane + 32 * t;
-            v[t] = i < E ? row[i] : -INFINITY;
-        }
-        float mx = -INFINITY;
-#pragma unroll
-        for (int t = 0; t < TOPK_REG; t++) mx = fmaxf(mx, v[t]);
-        mx = warp_max(mx);
-        float s = 0.f;
-#pragma unroll
-        for (int t = 0; t < TOPK_REG; t++) {
-            if (lane + 32 * t < E) {
-                v[t] = expf(v[t] - mx);
-                s += v[t];
-            }
-        }
-        s = warp_sum(s);
-        const float inv = 1.f / s;
-#pragma unroll
-        for (int t = 0; t < TOPK_REG; t++)
-            if (lane + 32 * t < E) v[t] *= inv;
-        for (int j = 0; j < k; j++) {
-            float bv = -INFINITY;
-            int bi = 0x7fffffff;
-#pragma unroll
-            for (int t = 0; t < TOPK_REG; t++)
-                if (v[t] > bv) { bv = v[t]; bi = lane + 32 * t; }
-            warp_argmax(bv, bi);
-#pragma unroll
-            for (int t = 0; t < TOPK_REG; t++)
-                if (lane + 32 * t == bi) v[t] = -1.f;
-            keep_pick(j, k, bv, bi, mine, mi, idx + r * k, wts + r * k);
-            tot += bv;
-        }
-    } else {
+    {
         float mx = -INFINITY;
         for (int i = lane; i < E; i += 32) mx = fmaxf(mx, row[i]);
         mx = warp_max(mx);
@@ -88,6 +112,7 @@ extern "C" __global__ void route_topk(const float* __restrict__ logits, int* __r
             for (int i = lane; i < E; i += 32)
                 if (p[i] > bv) { bv = p[i]; bi = i; }
             warp_argmax(bv, bi);
+            if (bi >= E) bi = 0;
             keep_pick(j, k, bv, bi, mine, mi, idx + r * k, wts + r * k);
             if (lane == 0) p[bi] = -1.f;
             tot += bv;
@@ -103,7 +128,6 @@ extern "C" __global__ void route_topk(const float* __restrict__ logits, int* __r
         for (int j = 0; j < k; j++) wts[r * k + j] /= tot;
     }
 }
-
 
 // Sigmoid router (glm4_moe, deepseek_v3), one warp per row of logits [rows, E]: p = sigmoid,
 // the choice ranks p + bias (bias null: none) among the experts of the topk_group best of

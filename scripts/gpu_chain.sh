@@ -8,9 +8,7 @@
 # scripts/gpu_build.sh in .gpu/.
 source "$(dirname "$0")/gpu_env.sh"
 if [ -z "${SKIP_TESTS:-}" ]; then
-  echo "== gpu_dense"; timeout 240 ./.gpu/gpu_dense --nocapture --test-threads 1 2>&1 | tee "$OUT/gpu_dense.log" | grep -E "SKIP|cosine|identical|test result|panicked"
-  echo "== gpu_parity"; timeout 120 ./.gpu/gpu_parity --nocapture --test-threads 1 2>&1 | tee "$OUT/gpu_parity.log" | grep -E "SKIP|cosine|test result|panicked"
-  echo "== gpu_lane"; timeout 200 ./.gpu/gpu_lane --nocapture --test-threads 1 2>&1 | tee "$OUT/gpu_lane.log" | grep -E "SKIP|identical|test result|panicked"
+  gpu_tests
 fi
 echo "== station one-gpu: preload"
 timeout 240 ./.gpu/moelane bench decode --model station --placements one-gpu --batch ${BATCH:-1,4,16,64} --steps 16 --reps 3 --compare-preload --json "$OUT/station-chain.json" 2>&1 | grep -E "one-gpu|measured|rror" | tee -a "$OUT/station.txt"

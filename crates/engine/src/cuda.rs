@@ -25,6 +25,30 @@ pub const EXPERTS_CU: &str = concat!(
     include_str!("../../../kernels/experts.cu"),
 );
 
+/// The source of a kernel module: `embedded` (the files of `kernels/` built in), or, where
+/// `MOELANE_KERNELS_DIR` names a folder, the same `files` read from there, so kernels can
+/// be changed and measured on a GPU machine without a new binary (a development aid: the
+/// Rust side's launches must still match the kernels' signatures).
+pub fn kernel_source(
+    embedded: &'static str,
+    files: &[&str],
+) -> Result<std::borrow::Cow<'static, str>> {
+    let Some(dir) = std::env::var_os("MOELANE_KERNELS_DIR") else {
+        return Ok(std::borrow::Cow::Borrowed(embedded));
+    };
+    let dir = PathBuf::from(dir);
+    let mut src = String::new();
+    for f in files {
+        let path = dir.join(f);
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        src.push_str(&text);
+    }
+    Ok(std::borrow::Cow::Owned(src))
+}
+
+/// The files [`EXPERTS_CU`] is made of, in its order.
+pub const EXPERTS_FILES: &[&str] = &["common.cu", "experts.cu"];
+
 /// Compiles `src` to PTX for `arch` ("sm_90") with NVRTC; a clear error where the NVRTC
 /// library cannot be loaded (cudarc would panic).
 pub fn nvrtc_compile(name: &str, src: &str, arch: &str) -> Result<Ptx> {

@@ -84,7 +84,8 @@ fn grow<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
 
 impl GpuExperts {
     pub fn new(gpu: Arc<Gpu>, hidden: usize, inter: usize) -> Result<Self> {
-        let m = gpu.module("experts", EXPERTS_CU)?;
+        let src = crate::cuda::kernel_source(EXPERTS_CU, crate::cuda::EXPERTS_FILES)?;
+        let m = gpu.module("experts", &src)?;
         let load = |n: &str| {
             m.load_function(n)
                 .map_err(|e| gpu_err(&format!("loading {n}"), e))

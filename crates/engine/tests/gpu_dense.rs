@@ -506,8 +506,10 @@ fn rows_longer_than_one_round_of_loads_match_the_cpu() {
 fn preloaded_weights_leave_the_logits_unchanged() {
     // weight rows loaded into registers before the previous kernel ends (the small-batch
     // products and the down-projection) give the same logits, bit for bit, as loading them
-    // after (with one row: no check that a block leads its expert), and the router's top-k
-    // in registers the same as in shared memory (the path past 512 experts), at 1, 3 and 8
+    // after (with one row: no check that a block leads its expert), the router's top-k
+    // in registers the same as in shared memory (the path past 512 experts), the router's
+    // product and top-k in one kernel and one row's down-projection and combine in one (the
+    // fused kernels) the same as in two, at 1, 3 and 8
     // rows (prefill and decode, graphs captured and replayed), under the
     // all-hot map and the split one; the hollow diagnostic does change them, and turning it
     // off restores them
@@ -520,6 +522,7 @@ fn preloaded_weights_leave_the_logits_unchanged() {
             let g = e.gpu_mut().unwrap();
             g.set_preload(preload);
             g.set_register_topk(preload);
+            g.set_fuse(preload);
             g.set_hollow(hollow.iter().map(|s| s.to_string()).collect());
             greedy_batches(e, &ps, &[1, 3, 8], 5)
         };

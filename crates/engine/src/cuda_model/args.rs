@@ -166,6 +166,25 @@ kernel_args! {
 }
 
 kernel_args! {
+    /// `norm_gemv_route` (gemv.cu): the router's product on normed rows and its softmax
+    /// top-k, routed by the last block to finish.
+    NormGemvRoute {
+        w: u64, x: u64, nw: u64, h: u64, y: u64, out: i32, inp: i32, n: i32, eps: f32,
+        vec4: i32, prefetch: i32, preload: i32, idx: u64, wts: u64, k: i32, norm: i32,
+        done: u64,
+    }
+}
+
+kernel_args! {
+    /// `moe_down_one` (moe.cu): a single row's down-projections and combine, x += the
+    /// picks' outputs weighted.
+    MoeDownOne {
+        idx: u64, dn_tab: u64, act: u64, y: u64, x: u64, wts: u64, k: i32, hidden: i32,
+        inter: i32, vec4: i32,
+    }
+}
+
+kernel_args! {
     /// `scatter_rows` (moe.cu): y[slots[i]] = src[i].
     ScatterRows { src: u64, slots: u64, y: u64, h: i32 }
 }

@@ -47,6 +47,19 @@ pub const DENSE_CU: &str = concat!(
     include_str!("../../../../kernels/generator.cu"),
 );
 
+/// The files [`DENSE_CU`] is made of, in its order.
+const DENSE_FILES: &[&str] = &[
+    "common.cu",
+    "norm.cu",
+    "attention.cu",
+    "mla.cu",
+    "routing.cu",
+    "gemv.cu",
+    "moe.cu",
+    "sampling.cu",
+    "generator.cu",
+];
+
 pub(crate) mod args;
 mod generate;
 mod launch;
@@ -125,6 +138,11 @@ pub struct GpuOptions {
     /// Weight rows loaded into registers before the wait, up to 4 rows
     /// (`MOELANE_CUDA_PRELOAD=0`).
     pub preload: bool,
+    /// Kernels fused at small batches (`MOELANE_CUDA_FUSE=1`; off by default until they
+    /// are measured on a GPU; the same sums either way): up to 4 rows, the router's product
+    /// and its top-k in one; a single row, the MoE down-projection and the combine when
+    /// every pick is on this GPU.
+    pub fuse: bool,
     /// Step kernels launched hollow, a diagnostic (`MOELANE_CUDA_HOLLOW`, see
     /// [`GpuModel::set_hollow`]); empty in serving.
     pub hollow: Vec<String>,
@@ -171,6 +189,7 @@ impl Default for GpuOptions {
             tiled_prefill: true,
             split_attention: true,
             preload: true,
+            fuse: false,
             hollow: Vec::new(),
             weights: WeightMode::Stored,
         }
@@ -187,6 +206,7 @@ impl GpuOptions {
             tiled_prefill: env_on("MOELANE_CUDA_TILED_PREFILL"),
             split_attention: env_on("MOELANE_CUDA_ATTN_SPLIT"),
             preload: env_on("MOELANE_CUDA_PRELOAD"),
+            fuse: std::env::var("MOELANE_CUDA_FUSE").is_ok_and(|v| v == "1"),
             hollow: std::env::var("MOELANE_CUDA_HOLLOW")
                 .map(|v| hollow_list(&v))
                 .unwrap_or_default(),
@@ -519,6 +539,7 @@ struct Funcs {
     moe_up: ByDt,
     moe_down: ByDt,
     moe_down_pre: ByDt,
+    moe_down_one: ByDt,
     scatter: CudaFunction,
     combine: CudaFunction,
     silu_mul: CudaFunction,
@@ -530,6 +551,7 @@ struct Funcs {
     read_probe: CudaFunction,
     gemv: ByDt,
     norm_gemv: ByDt,
+    norm_gemv_route: ByDt,
     hollow: CudaFunction,
     moe_up_f8: CudaFunction,
     moe_down_f8: CudaFunction,
@@ -546,7 +568,8 @@ struct Funcs {
 }
 
 fn funcs(gpu: &Gpu) -> Result<Funcs> {
-    let m = gpu.module("dense", DENSE_CU)?;
+    let src = crate::cuda::kernel_source(DENSE_CU, DENSE_FILES)?;
+    let m = gpu.module("dense", &src)?;
     let f = |n: &str| {
         m.load_function(n)
             .map_err(|e| gerr(&format!("loading kernel {n}"), e))
@@ -573,6 +596,7 @@ fn funcs(gpu: &Gpu) -> Result<Funcs> {
         moe_up: both("moe_up")?,
         moe_down: both("moe_down")?,
         moe_down_pre: both("moe_down_pre")?,
+        moe_down_one: both("moe_down_one")?,
         scatter: f("scatter_rows")?,
         combine: f("moe_combine")?,
         silu_mul: f("silu_mul")?,
@@ -584,6 +608,7 @@ fn funcs(gpu: &Gpu) -> Result<Funcs> {
         read_probe: f("read_probe")?,
         gemv: both("gemv_rows")?,
         norm_gemv: both("norm_gemv_rows")?,
+        norm_gemv_route: both("norm_gemv_route")?,
         hollow: f("hollow_step")?,
         moe_up_f8: f("moe_up_f8")?,
         moe_down_f8: f("moe_down_f8")?,
@@ -804,6 +829,12 @@ pub struct GpuModel {
     /// previous kernel, and rows that fit there stay in registers through the product
     /// (`MOELANE_CUDA_PRELOAD=0` or `set_preload` turns it off)
     preload: bool,
+    /// the router's product and top-k in one kernel (`norm_gemv_route`, up to 4 rows), a
+    /// single row's down-projection and combine in one (`moe_down_one`) when the layer's
+    /// picks are all on this GPU (`MOELANE_CUDA_FUSE=1` turns both on)
+    fuse: bool,
+    /// the fused router's count of blocks done (its last block routes and sets it to 0)
+    route_done: Buf<i32>,
     /// the router's top-k keeps a row in registers when it has at most 32 * TOPK_REG
     /// experts (`set_register_topk(false)`: in shared memory, the same picks; for tests)
     register_topk: bool,
@@ -838,6 +869,8 @@ const ATT_WARPS: usize = 16;
 
 /// Router logits per lane the top-k keeps in registers (TOPK_REG of kernels/routing.cu).
 const TOPK_REG: usize = 16;
+/// Picks a row's fused down-projection and combine takes at most (K1_MAX of kernels/moe.cu).
+const K1_MAX: usize = 8;
 
 /// A captured run: (rows, logit rows, decode only, attention splits, prefill tiles, scratch
 /// generation, the ops).
@@ -908,6 +941,9 @@ pub enum Op {
     /// decoder layer, MoE layer
     Route(usize, usize),
     Moe(usize),
+    /// MoE layer `ml`'s experts and the combine in one (a single row, every pick on this
+    /// GPU: [`GpuModel::fuses_combine`])
+    MoeOne(usize),
     Combine,
     DenseMlp(usize),
     /// the shared expert of decoder layer l (qwen2_moe gated, glm4_moe not)
@@ -1221,6 +1257,7 @@ impl GpuModel {
             att: Buf::zeros(&st, 1)?,
             mla_s: Buf::zeros(&st, 1)?,
             rlog: Buf::zeros(&st, 1)?,
+            route_done: Buf::zeros(&st, 1)?,
             idx: Buf::zeros(&st, 1)?,
             wts: Buf::zeros(&st, 1)?,
             act: Buf::zeros(&st, 1)?,
@@ -1261,6 +1298,7 @@ impl GpuModel {
             att_part: Buf::zeros(&st, 1)?,
             att_wave,
             preload: opts.preload,
+            fuse: opts.fuse,
             register_topk: true,
             hollow: opts.hollow,
             layers,
@@ -1780,11 +1818,29 @@ impl GpuModel {
             }
             Op::Attention(l) => self.attention(l),
             Op::Route(l, ml) => self.route(l, ml),
-            Op::Moe(ml) => self.moe(ml),
+            Op::Moe(ml) => self.moe(ml, false),
+            Op::MoeOne(ml) => self.moe(ml, true),
             Op::Combine => self.combine(),
             Op::DenseMlp(l) => self.dense_mlp(l),
             Op::Shared(l) => self.shared_expert(l),
             Op::Head(out) => self.head(out),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The file lists that `MOELANE_KERNELS_DIR` reads make the embedded sources exactly.
+    #[test]
+    fn kernel_file_lists_match_the_embedded_sources() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../kernels");
+        let read = |files: &[&str]| -> String {
+            files
+                .iter()
+                .map(|f| std::fs::read_to_string(dir.join(f)).expect("kernel file"))
+                .collect()
+        };
+        assert_eq!(read(super::DENSE_FILES), super::DENSE_CU);
+        assert_eq!(read(crate::cuda::EXPERTS_FILES), crate::cuda::EXPERTS_CU);
     }
 }

@@ -154,6 +154,16 @@ impl StepBackend for GpuStep {
     }
 
     fn combine(&mut self) -> Result<()> {
+        // a layer whose experts ran in this run with nothing after them (no cold outputs
+        // scattered, no shared expert) combines in its down-projection's kernel when the
+        // model can
+        if let Some(&Op::Moe(ml)) = self.ops.last() {
+            if self.model.fuses_combine(ml) {
+                self.ops.pop();
+                self.ops.push(Op::MoeOne(ml));
+                return Ok(());
+            }
+        }
         self.ops.push(Op::Combine);
         Ok(())
     }

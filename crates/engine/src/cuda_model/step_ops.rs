@@ -480,6 +480,48 @@ impl GpuModel {
             .ok_or_else(|| Error::Internal(format!("layer {l} is not a MoE layer")))?;
         let idx = self.idx.p + (4 * ml * n * k) as u64;
         let (e, ki, norm) = (ne as i32, k as i32, c.norm_topk_prob as i32);
+        if self.fuse
+            && n <= 4
+            && router.w().dt != Wdt::F8
+            && lw.router_logit_bias.is_none()
+            && c.routing == Routing::Softmax
+            && self.register_topk
+            && ne <= TOPK_REG * 32
+            && k <= 32
+        {
+            let hs = c.hidden_size;
+            let mut a = args::NormGemvRoute {
+                w: router.w().p,
+                x: self.x.p,
+                nw: lw.post_norm.p,
+                h: self.h.p,
+                y: self.rlog.p,
+                out: e,
+                inp: hs as i32,
+                n: n as i32,
+                eps: c.rms_norm_eps,
+                vec4: hs.is_multiple_of(4) as i32,
+                prefetch: self.prefetch as i32,
+                preload: self.preload as i32,
+                idx,
+                wts: self.wts.p,
+                k: ki,
+                norm,
+                done: self.route_done.p,
+            };
+            // SAFETY: the router holds E rows of H; x and h n <= 4 rows of H, the norm
+            // weights H; rlog n rows of E; idx and wts room for the ml-th layer's n*k picks
+            // (k <= 32, E <= 32 * TOPK_REG: the register top-k); done one counter at 0
+            // between launches (the last block sets it back).
+            return unsafe {
+                self.launch(
+                    self.f.norm_gemv_route.of(router.w().dt),
+                    "norm_gemv_route:router",
+                    &mut a.params(),
+                    grid(ne.div_ceil(8), 1, 256, 0),
+                )
+            };
+        }
         // h (the normed rows) feeds the experts: written by the fused kernel or the norm
         self.normed_product(
             "norm_gemv_rows:router",
@@ -554,8 +596,25 @@ impl GpuModel {
         self.fetch_picks(ml, idx)
     }
 
-    /// The hot experts' outputs of MoE layer `ml` into their pick slots.
-    pub fn moe(&mut self, ml: usize) -> Result<()> {
+    /// Whether MoE layer `ml`'s down-projection can also do the combine
+    /// ([`Op::MoeOne`]): a single row, 16-bit or f32 experts without biases or gpt_oss's
+    /// activation, at most K1_MAX picks (kernels/moe.cu), and the fusion on. The caller
+    /// vouches that every pick is on this GPU and that nothing is added to the slots or
+    /// the rows between the experts and the combine.
+    pub fn fuses_combine(&self, ml: usize) -> bool {
+        let c = &self.cfg;
+        let edt = self.expert_dt.get(ml).copied().flatten();
+        self.fuse
+            && self.n == 1
+            && matches!(edt, Some(Wdt::F32) | Some(Wdt::Bf16))
+            && !c.expert_bias
+            && c.expert_glu == crate::config::Glu::Silu
+            && (1..=K1_MAX).contains(&c.num_experts_per_tok)
+    }
+
+    /// The hot experts' outputs of MoE layer `ml` into their pick slots; with `combined`
+    /// ([`Self::fuses_combine`]) added into the rows as the combine does, in one kernel.
+    pub fn moe(&mut self, ml: usize, combined: bool) -> Result<()> {
         let c = &self.cfg;
         let (n, k, hs, i, ne) = (
             self.n,
@@ -623,6 +682,31 @@ impl GpuModel {
                 grid(nk, i.div_ceil(8), 256, 0),
             )
         }?;
+        if combined {
+            let mut a = args::MoeDownOne {
+                idx,
+                dn_tab: dn,
+                act: self.act.p,
+                y: self.y.p,
+                x: self.x.p,
+                wts: self.wts.p,
+                k: ki,
+                hidden: hi,
+                inter: ii,
+                vec4: v_dn,
+            };
+            // SAFETY: one row: ids < E, k <= K1_MAX (fuses_combine), down [H, I] of every
+            // pick resident (null entries add nothing); act holds k rows of I, y k rows of
+            // H, x one row of H, wts k weights.
+            return unsafe {
+                self.launch(
+                    self.f.moe_down_one.of(edt),
+                    "moe_down_one",
+                    &mut a.params(),
+                    grid(hs.div_ceil(8), 1, 256, 0),
+                )
+            };
+        }
         let mut a = args::MoeDown {
             idx,
             dn_tab: dn,
@@ -771,6 +855,16 @@ impl GpuModel {
     pub fn set_preload(&mut self, on: bool) {
         if on != self.preload {
             self.preload = on;
+            self.drop_graphs();
+        }
+    }
+
+    /// Fuses the router's product with its top-k (up to 4 rows) and a single row's
+    /// down-projection with the combine ([`Self::fuses_combine`]) where it can, or launches
+    /// the kernels apart (the default): the same sums.
+    pub fn set_fuse(&mut self, on: bool) {
+        if on != self.fuse {
+            self.fuse = on;
             self.drop_graphs();
         }
     }
