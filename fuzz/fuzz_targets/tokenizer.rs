@@ -2,7 +2,8 @@
 //! and without special tokens recognised) and decodes without a panic, plain encoding never
 //! yields a control token, any token sequence streams through the detokeniser with stop strings
 //! to the same text as decoding it whole, up to the first stop, and any text split into
-//! content, reasoning and tool calls in streamed pieces gives the whole text's parts.
+//! content, reasoning and tool calls (each family's markup) in streamed pieces gives the whole
+//! text's parts.
 #![no_main]
 use std::sync::OnceLock;
 
@@ -27,11 +28,21 @@ fuzz_target!(|data: &[u8]| {
     let text = String::from_utf8_lossy(data);
     // the agent splitter: any text, streamed in pieces of any size, gives the whole's parts
     {
-        use moelane_text::agent::{merge, split_whole, Splitter, HERMES};
+        use moelane_text::agent::{
+            merge, split_whole, Splitter, DEEPSEEK_V3, GLM45, HARMONY, HERMES, KIMI_K2,
+        };
         let step = 1 + data.first().copied().unwrap_or(0) as usize % 7;
-        for (calls, think, open) in [(true, true, false), (true, false, true), (false, true, true)] {
-            let whole = split_whole(HERMES, calls, think, open, &text);
-            let mut s = Splitter::new(HERMES, calls, think, open);
+        // each family's markup, picked by the second byte
+        let m = [HERMES, DEEPSEEK_V3, GLM45, HARMONY, KIMI_K2]
+            [data.get(1).copied().unwrap_or(0) as usize % 5]
+            .clone();
+        for (calls, think, open) in [
+            (true, true, false),
+            (true, false, true),
+            (false, true, true),
+        ] {
+            let whole = split_whole(m.clone(), calls, think, open, &text);
+            let mut s = Splitter::new(m.clone(), calls, think, open);
             let chars: Vec<char> = text.chars().collect();
             let mut parts = Vec::new();
             for piece in chars.chunks(step) {
@@ -57,7 +68,11 @@ fuzz_target!(|data: &[u8]| {
         .map(|c| u16::from_le_bytes([c[0], *c.get(1).unwrap_or(&0)]) as u32 % v)
         .collect();
     let stop: String = text.chars().take(3).collect();
-    let mut d = Detokenizer::new(if stop.is_empty() { vec![] } else { vec![stop.clone()] });
+    let mut d = Detokenizer::new(if stop.is_empty() {
+        vec![]
+    } else {
+        vec![stop.clone()]
+    });
     let mut streamed = String::new();
     for &i in &ids {
         streamed.push_str(&d.push(t.token_bytes(i)));
@@ -68,7 +83,11 @@ fuzz_target!(|data: &[u8]| {
     if !d.stopped() {
         streamed.push_str(&d.finish());
         let whole = t.decode_lossy(&ids);
-        let cut = if stop.is_empty() { None } else { whole.find(&stop) };
+        let cut = if stop.is_empty() {
+            None
+        } else {
+            whole.find(&stop)
+        };
         if cut.is_none() {
             assert_eq!(streamed, whole, "streamed text differs from the whole");
         }

@@ -584,44 +584,12 @@ fn write_safetensors_shown(
 }
 
 /// The synthetic checkpoints' chat template: ChatML in the layout of Qwen3's own (written
-/// for moelane, not copied): tools declared in the system turn between `<tools></tools>`,
-/// calls as `<tool_call>{"name": .., "arguments": ..}</tool_call>`, tool results as
-/// `<tool_response>` in a user turn, reasoning in `<think></think>`, and `enable_thinking:
-/// false` closing an empty thinking block in the generation prompt. A chat without tools
-/// renders as plain ChatML.
-const CHAT_TEMPLATE: &str = r#"{%- if tools %}
-{{- '<|im_start|>system\n' }}
-{%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
-{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
-{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
-{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' }}
-{%- elif messages[0].role == 'system' %}
-{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
-{%- endif %}
-{%- for message in messages %}
-{%- if message.role == 'system' and loop.first %}
-{%- elif message.role in ['user', 'system', 'developer'] %}
-{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
-{%- elif message.role == 'assistant' %}
-{{- '<|im_start|>assistant\n' }}
-{%- if message.reasoning_content %}{{- '<think>\n' + message.reasoning_content + '\n</think>\n\n' }}{%- endif %}
-{{- message.content }}
-{%- if message.tool_calls %}{%- for tc in message.tool_calls %}
-{%- if not loop.first or message.content %}{{- '\n' }}{%- endif %}
-{{- '<tool_call>\n{"name": "' + tc.function.name + '", "arguments": ' }}
-{%- if tc.function.arguments is string %}{{- tc.function.arguments }}{%- else %}{{- tc.function.arguments | tojson }}{%- endif %}
-{{- '}\n</tool_call>' }}
-{%- endfor %}{%- endif %}
-{{- '<|im_end|>\n' }}
-{%- elif message.role == 'tool' %}
-{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
-{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
-{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
-{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}
-{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}
-{%- endif %}"#;
+/// for moelane, not copied; [`moelane_text::templates::QWEN3_MOE`]): tools declared in the
+/// system turn between `<tools></tools>`, calls as `<tool_call>{"name": .., "arguments": ..}
+/// </tool_call>`, tool results as `<tool_response>` in a user turn, reasoning in
+/// `<think></think>`, and `enable_thinking: false` closing an empty thinking block in the
+/// generation prompt. A chat without tools renders as plain ChatML.
+const CHAT_TEMPLATE: &str = moelane_text::templates::QWEN3_MOE;
 
 fn config_json(preset: &Preset, seed: u64, vocab: usize, bos: u32, eos: u32) -> serde_json::Value {
     let theta = 10000.0f32;

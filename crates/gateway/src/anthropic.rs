@@ -210,8 +210,13 @@ fn to_chat(v: &Value) -> Result<Value, ApiError> {
             "json_schema": {"name": "output", "schema": f.get("schema").cloned().unwrap_or(Value::Null)}});
     }
     match v.get("thinking").and_then(|t| t["type"].as_str()) {
-        Some("enabled") => out["chat_template_kwargs"] = json!({"enable_thinking": true}),
-        Some("disabled") => out["chat_template_kwargs"] = json!({"enable_thinking": false}),
+        // the two names families' templates read (Qwen3's and GLM's; DeepSeek's)
+        Some("enabled") => {
+            out["chat_template_kwargs"] = json!({"enable_thinking": true, "thinking": true})
+        }
+        Some("disabled") => {
+            out["chat_template_kwargs"] = json!({"enable_thinking": false, "thinking": false})
+        }
         _ => {}
     }
     Ok(out)

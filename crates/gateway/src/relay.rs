@@ -125,11 +125,7 @@ pub(crate) async fn relay_parts(
         if let Some(t) = e.token {
             timing.token();
             end.completion += 1;
-            let piece = if st.tokenizer.is_special(t) {
-                String::new()
-            } else {
-                det.push(st.tokenizer.token_bytes(t))
-            };
+            let piece = det.push(vr.token_text(st, t));
             if !sink.send(split.push(&piece)).await {
                 end.left = true;
                 return end;

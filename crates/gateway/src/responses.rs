@@ -158,6 +158,11 @@ fn to_chat(v: &Value) -> Result<Value, ApiError> {
             ))
         }
     }
+    if let Some(e) = v.get("reasoning").and_then(|r| r.get("effort")) {
+        if !e.is_null() {
+            out["reasoning_effort"] = e.clone();
+        }
+    }
     if let Some(f) = v
         .get("text")
         .and_then(|t| t.get("format"))

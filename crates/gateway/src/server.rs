@@ -159,10 +159,12 @@ impl AppState {
             .max(1);
         let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
         let tokenizer = Arc::new(tokenizer);
-        let grammars = tokenizer
-            .eos_ids
-            .first()
-            .map(|&eos| moelane_text::grammar::Grammars::new(tokenizer.clone(), eos));
+        let grammars = tokenizer.eos_ids.first().map(|&eos| {
+            // the vocabulary's trie built now, off the request path
+            let g = moelane_text::grammar::Grammars::new(tokenizer.clone(), eos);
+            g.warm();
+            g
+        });
         AppState {
             grammars,
             cfg,
@@ -475,6 +477,8 @@ pub struct ValidRequest {
     pub think: bool,
     /// The prompt opened the thinking block: the answer starts inside it.
     pub in_reasoning: bool,
+    /// The family's reasoning and tool-call markup (the template's).
+    pub markup: moelane_text::agent::Markup,
 }
 
 impl ValidRequest {
@@ -488,7 +492,7 @@ impl ValidRequest {
     /// start in one even where the prompt opened it; a forced answer is only calls.
     pub(crate) fn splitter(&self) -> moelane_text::agent::Splitter {
         let s = moelane_text::agent::Splitter::new(
-            moelane_text::agent::HERMES,
+            self.markup.clone(),
             self.tool_mode != ToolMode::Off,
             self.think,
             self.in_reasoning && self.grammar.is_none(),
@@ -496,6 +500,19 @@ impl ValidRequest {
         match self.tool_mode {
             ToolMode::Required | ToolMode::Named(_) => s.forced(),
             _ => s,
+        }
+    }
+
+    /// The text token `t` adds to the answer: its bytes, none for a special token unless it
+    /// is one of the markup's markers the splitter reads (harmony's `<|channel|>`...).
+    pub fn token_text<'a>(&self, st: &'a AppState, t: u32) -> &'a [u8] {
+        let bytes = st.tokenizer.token_bytes(t);
+        if !st.tokenizer.is_special(t)
+            || (self.splits() && std::str::from_utf8(bytes).is_ok_and(|s| self.markup.marks(s)))
+        {
+            bytes
+        } else {
+            &[]
         }
     }
 
@@ -745,7 +762,7 @@ fn prompt_tokens(st: &AppState, v: &Value, chat: bool) -> Result<Vec<u32>, ApiEr
                 reasoning_content: field("reasoning_content"),
             });
         }
-        let kwargs = match v.get("chat_template_kwargs") {
+        let mut kwargs = match v.get("chat_template_kwargs") {
             None | Some(Value::Null) => serde_json::Map::new(),
             Some(Value::Object(o)) => o.clone(),
             Some(_) => {
@@ -755,6 +772,24 @@ fn prompt_tokens(st: &AppState, v: &Value, chat: bool) -> Result<Vec<u32>, ApiEr
                 ))
             }
         };
+        // OpenAI's `reasoning_effort` reaches the template as the variable of that name
+        // (gpt-oss's template writes it into its system message)
+        match v.get("reasoning_effort") {
+            None | Some(Value::Null) => {}
+            Some(Value::String(e))
+                if ["minimal", "low", "medium", "high"].contains(&e.as_str()) =>
+            {
+                kwargs
+                    .entry("reasoning_effort")
+                    .or_insert_with(|| Value::String(e.clone()));
+            }
+            Some(x) => {
+                return Err(ApiError::bad(
+                    format!("`reasoning_effort` must be minimal, low, medium or high, got {x}"),
+                    Some("reasoning_effort"),
+                ))
+            }
+        }
         let tools = v
             .get("tools")
             .filter(|t| t.as_array().is_some_and(|a| !a.is_empty()));
@@ -1250,8 +1285,13 @@ pub(crate) fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequ
             } else {
                 1
             };
+            let special = |t: &str| {
+                st.tokenizer
+                    .token_to_id(t)
+                    .is_some_and(|i| st.tokenizer.is_special(i))
+            };
             let lark =
-                moelane_text::agent::calls_grammar(&moelane_text::agent::HERMES, &chosen, most);
+                moelane_text::agent::calls_grammar(&st.template.markup, &chosen, most, &special);
             let grammar = moelane_text::grammar::lark_grammar(&lark);
             let g = st.grammars.as_ref().ok_or_else(|| {
                 ApiError::bad(
@@ -1274,13 +1314,15 @@ pub(crate) fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequ
         let tail = st
             .tokenizer
             .decode_lossy(&prompt[prompt.len().saturating_sub(8)..]);
-        tail.trim_end().ends_with("<think>")
+        st.template.markup.style != moelane_text::agent::Style::Harmony
+            && tail.trim_end().ends_with(st.template.markup.think_open)
     };
     Ok(ValidRequest {
         tools,
         tool_mode,
         think: chat && st.template.thinks(),
         in_reasoning,
+        markup: st.template.markup.clone(),
         grammar,
         n,
         presence_penalty,
@@ -1696,8 +1738,9 @@ pub(crate) async fn whole_choice(
                 timing.token();
                 completion += 1;
                 lps.extend(Lp::of(&ev));
-                if !st.tokenizer.is_special(t) {
-                    text.push_str(&det.push(st.tokenizer.token_bytes(t)));
+                let bytes = vr.token_text(st, t);
+                if !bytes.is_empty() {
+                    text.push_str(&det.push(bytes));
                 }
                 if det.stopped() {
                     finish = Some("stop".into());
@@ -1902,11 +1945,7 @@ async fn relay_choice(
             timing.token();
             r.completion += 1;
             lps.extend(Lp::of(&ev));
-            let piece = if st.tokenizer.is_special(t) {
-                String::new()
-            } else {
-                det.push(st.tokenizer.token_bytes(t))
-            };
+            let piece = det.push(vr.token_text(st, t));
             let mut chunks = split.chunks(st, out, index, &piece, false);
             if let Some(first) = chunks.first_mut() {
                 if vr.logprobs.is_some() {

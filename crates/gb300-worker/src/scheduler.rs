@@ -157,6 +157,7 @@ struct Meters {
     kv_free: metrics::Gauge,
     preemptions: metrics::Counter,
     grammar: metrics::Histogram,
+    grammar_mask: metrics::Histogram,
 }
 
 impl Meters {
@@ -170,6 +171,7 @@ impl Meters {
             kv_free: metrics::gauge!(n::KV_BLOCKS_FREE),
             preemptions: metrics::counter!(n::KV_PREEMPTIONS),
             grammar: metrics::histogram!(n::GRAMMAR_STEP),
+            grammar_mask: metrics::histogram!(n::GRAMMAR_MASK),
         }
     }
 }
@@ -207,6 +209,8 @@ pub struct Scheduler {
     stats: Snapshot,
     max_iter_ns: u64,
     meters: Meters,
+    /// Makes the grammars' next masks while the step runs.
+    masks: masks::MaskWorker,
     /// `MOELANE_STEP_PACE_MS`: a sleep after each step that ran requests, for drills and
     /// tests that must land a signal or a fault mid-stream (off unless set).
     pace: Option<std::time::Duration>,
@@ -225,6 +229,7 @@ impl Scheduler {
             stats: Snapshot::default(),
             max_iter_ns: 0,
             meters: Meters::new(),
+            masks: masks::MaskWorker::default(),
             pace: std::env::var("MOELANE_STEP_PACE_MS")
                 .ok()
                 .and_then(|v| v.parse::<u64>().ok())
@@ -499,6 +504,16 @@ impl Scheduler {
             .iter()
             .any(|r| r.req.rules.on_host() || r.req.constraint.is_some());
         let mut lps: Vec<Option<Box<TokenLogprobs>>> = Vec::new();
+        // the grammars' next masks are made on the mask worker while the step runs (they
+        // depend only on the tokens already followed)
+        let pending = host.then(|| {
+            let mut cs: Vec<_> = self
+                .running
+                .iter_mut()
+                .map(|r| &mut r.req.constraint)
+                .collect();
+            self.masks.start(&mut cs)
+        });
         let result = {
             let mut steps: Vec<SeqStep> = self
                 .running
@@ -508,10 +523,16 @@ impl Scheduler {
                     tokens: &r.next,
                 })
                 .collect();
-            if host {
-                self.engine
-                    .step(&mut steps)
-                    .map(|logits| self.pick_on_host(logits, &picks, &mut lps))
+            if let Some(pending) = pending {
+                let logits = self.engine.step(&mut steps);
+                // always: the worker's answer is this step's, and the constraints come back
+                let mut cs: Vec<_> = self
+                    .running
+                    .iter_mut()
+                    .map(|r| &mut r.req.constraint)
+                    .collect();
+                let masks = self.masks.finish(pending, &mut cs);
+                logits.map(|logits| self.pick_on_host(logits, &picks, &mut lps, masks))
             } else {
                 self.engine
                     .step_pick(&mut steps, &picks)
@@ -601,30 +622,43 @@ impl Scheduler {
     }
 
     /// Every row's token from the step's logits (one row per running sequence, in order):
-    /// each request's bias and penalties applied, then its pick; log-probabilities where asked.
+    /// each request's bias and penalties applied, its grammar's mask (`masks`, made while
+    /// the step ran), then its pick; log-probabilities where asked.
     fn pick_on_host(
         &mut self,
         mut logits: Vec<f32>,
         picks: &[TokenPick],
         lps: &mut Vec<Option<Box<TokenLogprobs>>>,
+        mut masks: Vec<Option<(Result<moelane_text::grammar::Mask, String>, f64)>>,
     ) -> Vec<Result<u32, String>> {
         let v = self.engine.cfg.vocab_size;
         let mut scratch = Vec::new();
         let mut ids = Vec::with_capacity(self.running.len());
-        for ((r, row), &pick) in self
+        for (i, ((r, row), &pick)) in self
             .running
             .iter_mut()
             .zip(logits.chunks_exact_mut(v))
             .zip(picks)
+            .enumerate()
         {
             r.req.rules.apply(row, &r.counts);
             let t0 = Instant::now();
-            if let Some(c) = &mut r.req.constraint {
-                if let Err(e) = c.mask(row) {
-                    lps.push(None);
-                    ids.push(Err(e));
-                    continue;
+            let masked = match (
+                masks.get_mut(i).and_then(Option::take),
+                &mut r.req.constraint,
+            ) {
+                (Some((mask, secs)), _) => {
+                    self.meters.grammar_mask.record(secs);
+                    mask.and_then(|m| m.apply(row))
                 }
+                // (every constrained row has its mask: made here should one be missing)
+                (None, Some(c)) => c.mask(row),
+                (None, None) => Ok(()),
+            };
+            if let Err(e) = masked {
+                lps.push(None);
+                ids.push(Err(e));
+                continue;
             }
             let tok = moelane_engine::sampling::pick_token(row, pick, &mut scratch);
             lps.push(r.req.rules.logprobs.map(|k| {
@@ -713,5 +747,6 @@ impl Scheduler {
     }
 }
 
+mod masks;
 #[cfg(test)]
 mod tests;

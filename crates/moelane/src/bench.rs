@@ -51,6 +51,27 @@ pub enum BenchCmd {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// Structured output's cost at a real vocabulary's size: a byte-level BPE of --vocab
+    /// tokens is made, a JSON schema compiled against it and answers followed token by
+    /// token; the trie's build, a compile, one mask (made off the step loop) and one mask
+    /// applied to a row of logits (on it), p50/p90/p99.
+    Grammar {
+        /// Tokens in the vocabulary (Qwen3: 151,669; DeepSeek-V3: 129,280).
+        #[arg(long, default_value_t = 151_669)]
+        vocab: usize,
+        /// A JSON schema file (default: an object of strings, an array, numbers, a boolean
+        /// and an enum).
+        #[arg(long)]
+        schema: Option<PathBuf>,
+        /// Tokens followed (a completed answer starts the next).
+        #[arg(long, default_value_t = 400)]
+        steps: usize,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Write the results as JSON here.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// Round trip of one decode-sized exchange on each link kind (the floor a lane's
     /// per-layer exchange cost is compared with).
     Link {
@@ -527,6 +548,13 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             picks,
             iters,
         } => crate::loadgen::link_floor(hidden, picks, iters)?,
+        BenchCmd::Grammar {
+            vocab,
+            schema,
+            steps,
+            seed,
+            json,
+        } => crate::grammar_bench::run(vocab, schema, steps, seed, json)?,
         BenchCmd::Engine {
             model,
             all_hot,

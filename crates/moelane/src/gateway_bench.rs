@@ -14,6 +14,8 @@ use moelane_proto::lane::primary_client::PrimaryClient;
 use moelane_proto::lane::GenerateRequest;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 
+use crate::loadgen::pct;
+
 pub struct GatewayBench {
     pub model: PathBuf,
     pub lanes: Vec<usize>,
@@ -30,14 +32,6 @@ struct Figures {
     p50: f64,
     p99: f64,
     failed: usize,
-}
-
-fn pct(v: &mut [f64], p: f64) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[((v.len() - 1) as f64 * p).round() as usize]
 }
 
 /// Runs `clients` closed loops of `one` for `secs`.

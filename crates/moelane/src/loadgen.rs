@@ -52,7 +52,8 @@ pub(crate) const PROMPTS: [&str; 5] = [
     "fn main() { let args: Vec<String> = std::env::args().collect();",
 ];
 
-fn pct(v: &mut [f64], p: f64) -> f64 {
+/// The `p` quantile of `v` (sorted here), the nearest rank; NaN when empty.
+pub(crate) fn pct(v: &mut [f64], p: f64) -> f64 {
     if v.is_empty() {
         return f64::NAN;
     }

@@ -20,6 +20,7 @@ mod client;
 mod decode_bench;
 mod degraded;
 mod gateway_bench;
+mod grammar_bench;
 mod loadgen;
 mod ops_cmds;
 mod roles;

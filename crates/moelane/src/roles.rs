@@ -305,13 +305,12 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
     let mut handle = moelane_gb300_worker::start(engine, id.clone(), eos, o.sched.clone())
         .context("cannot start the step loop's thread")?;
     // structured output: grammars compile against the checkpoint's own tokenizer (its trie
-    // is built at the first request that carries one)
+    // built now, off this thread, so the first request with one does not wait for it)
     if let (true, Some(eos)) = (Tokenizer::exists_in(&o.model), first_eos) {
         let t = Tokenizer::from_dir(&o.model).context("the checkpoint's tokenizer")?;
-        handle = handle.with_grammars(std::sync::Arc::new(moelane_text::grammar::Grammars::new(
-            std::sync::Arc::new(t),
-            eos,
-        )));
+        let g = moelane_text::grammar::Grammars::new(std::sync::Arc::new(t), eos);
+        g.warm();
+        handle = handle.with_grammars(std::sync::Arc::new(g));
     }
     moelane_gb300_worker::register_metrics(handle.client.clone());
     let participant = PrimaryParticipant {

@@ -217,10 +217,15 @@ fn python_client(script: &str, url: &str) {
         return;
     };
     let (_p, addr) = serve_tiny(&[]);
+    run_python(&python, script, &[&url.replace("{addr}", &addr)]);
+}
+
+/// Runs `script` (tests/) with `python` and `args`; it must print ALL OK.
+fn run_python(python: &str, script: &str, args: &[&str]) {
     let script = format!("{}/tests/{script}", env!("CARGO_MANIFEST_DIR"));
-    let out = std::process::Command::new(&python)
+    let out = std::process::Command::new(python)
         .arg(&script)
-        .arg(url.replace("{addr}", &addr))
+        .args(args)
         .output()
         .unwrap();
     let text = format!(
@@ -241,6 +246,35 @@ fn openai_python_client() {
 #[test]
 fn anthropic_python_client() {
     python_client("anthropic_client.py", "http://{addr}");
+}
+
+/// Agent traffic with the real `openai` client on two non-Qwen families, each a random
+/// checkpoint served with its family's own template (moelane_text::templates) and so its own
+/// tool-call markup: GLM-4.5's `<arg_key>` pairs and DeepSeek V3's fenced calls. Single,
+/// parallel, named and streamed forced calls validate against the tools' schemas; none and
+/// auto answer; a result goes back in; DeepSeek's `thinking` opens the block, so the answer
+/// is `reasoning_content`, whole and streamed; json_schema answers validate.
+#[test]
+fn openai_python_client_on_glm_and_deepseek_templates() {
+    use moelane_engine::config::Family;
+    let Some(python) = openai_python() else {
+        return;
+    };
+    for (family, think) in [
+        (Family::Glm4Moe, ""),
+        (Family::DeepseekV3, r#"{"thinking": true}"#),
+    ] {
+        let name = family.name();
+        let template = moelane_text::templates::for_family(name).expect("a template");
+        let (dir, _) = family_checkpoint(family, "agent", Some(template));
+        let (_p, _purl, addr) = serve_lane(&dir, &[]);
+        run_python(
+            &python,
+            "openai_agent_client.py",
+            &[&format!("http://{addr}/v1"), name, think],
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
 
 #[test]
@@ -339,6 +373,49 @@ fn bad_primary_device_is_refused_by_name() {
     }
 }
 
+/// A random checkpoint of `family` in its released layout with tiny's tokenizer (deepseek_v3's
+/// as a tiktoken vocabulary, as Kimi K2 ships it) and tiny's tokenizer_config.json, its chat
+/// template replaced by `template` when given (and then 4096 positions); its directory (named
+/// by `tag`) and dimensions.
+fn family_checkpoint(
+    family: moelane_engine::config::Family,
+    tag: &str,
+    template: Option<&str>,
+) -> (std::path::PathBuf, moelane_engine::random_ckpt::Dims) {
+    use moelane_engine::config::Family;
+    use moelane_engine::random_ckpt::{self, Dims};
+    let tiny_cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(tiny().join("config.json")).unwrap()).unwrap();
+    let name = family.name();
+    let dir =
+        std::env::temp_dir().join(format!("moelane-test-{name}-{tag}-{}", std::process::id()));
+    let mut d = Dims {
+        vocab: tiny_cfg["vocab_size"].as_u64().unwrap() as usize,
+        ..Dims::for_family(family)
+    };
+    if template.is_some() {
+        // agent prompts (tools declared in the family's words) are longer than 512 tokens
+        d.max_pos = 4096;
+    }
+    random_ckpt::write(family, &d, 3, &dir).unwrap();
+    let mut tc: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(tiny().join("tokenizer_config.json")).unwrap())
+            .unwrap();
+    if let Some(t) = template {
+        tc["chat_template"] = json!(t);
+    }
+    std::fs::write(dir.join("tokenizer_config.json"), tc.to_string()).unwrap();
+    if family == Family::DeepseekV3 {
+        // as Kimi K2 ships it: a tiktoken vocabulary (tiny's, rewritten), no tokenizer.json
+        use moelane_engine::tokenizer::{tiktoken, Tokenizer};
+        let tok = Tokenizer::from_file(&tiny().join("tokenizer.json")).unwrap();
+        tiktoken::write(&tok, &dir, &tiktoken::GPT2_PATTERN).unwrap();
+    } else {
+        std::fs::copy(tiny().join("tokenizer.json"), dir.join("tokenizer.json")).unwrap();
+    }
+    (dir, d)
+}
+
 #[test]
 fn checkpoints_of_every_family_are_served_through_the_openai_api() {
     // a random checkpoint of each family in its released layout (bf16; mixtral's
@@ -349,9 +426,6 @@ fn checkpoints_of_every_family_are_served_through_the_openai_api() {
     // completions answer, greedy twice the same; then with --hot-experts (the first map from
     // a calibration pass, the rest of the experts on the sidecar) the same greedy answer
     use moelane_engine::config::Family;
-    use moelane_engine::random_ckpt::{self, Dims};
-    let tiny_cfg: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(tiny().join("config.json")).unwrap()).unwrap();
     for family in [
         Family::Mixtral,
         Family::Qwen2Moe,
@@ -359,26 +433,7 @@ fn checkpoints_of_every_family_are_served_through_the_openai_api() {
         Family::DeepseekV3,
     ] {
         let name = family.name();
-        let dir =
-            std::env::temp_dir().join(format!("moelane-test-{name}-serve-{}", std::process::id()));
-        let d = Dims {
-            vocab: tiny_cfg["vocab_size"].as_u64().unwrap() as usize,
-            ..Dims::for_family(family)
-        };
-        random_ckpt::write(family, &d, 3, &dir).unwrap();
-        std::fs::copy(
-            tiny().join("tokenizer_config.json"),
-            dir.join("tokenizer_config.json"),
-        )
-        .unwrap();
-        if family == Family::DeepseekV3 {
-            // as Kimi K2 ships it: a tiktoken vocabulary (tiny's, rewritten), no tokenizer.json
-            use moelane_engine::tokenizer::{tiktoken, Tokenizer};
-            let tok = Tokenizer::from_file(&tiny().join("tokenizer.json")).unwrap();
-            tiktoken::write(&tok, &dir, &tiktoken::GPT2_PATTERN).unwrap();
-        } else {
-            std::fs::copy(tiny().join("tokenizer.json"), dir.join("tokenizer.json")).unwrap();
-        }
+        let (dir, d) = family_checkpoint(family, "serve", None);
         let (p, _purl, addr) = serve_lane(&dir, &[]);
         let (st, models) = get(&addr, "/v1/models");
         assert_eq!(st, 200, "{name}: {models}");

@@ -53,9 +53,12 @@ pub const KV_BLOCKS_FREE: &str = "moelane_kv_cache_free_blocks";
 /// counter: running sequences preempted because the KV cache was full (their blocks freed,
 /// their prompt and generated tokens recomputed when they are admitted again)
 pub const KV_PREEMPTIONS: &str = "moelane_kv_preemptions_total";
-/// histogram: one constrained request's grammar work in a step (its token mask computed and
-/// applied, the picked token followed), on the step loop's thread
+/// histogram: one constrained request's grammar work in a step on the step loop's thread (its
+/// token mask applied, the picked token followed)
 pub const GRAMMAR_STEP: &str = "moelane_grammar_step_seconds";
+/// histogram: one constrained request's next token mask made, on the mask worker while the
+/// step's forward pass runs
+pub const GRAMMAR_MASK: &str = "moelane_grammar_mask_seconds";
 /// histogram: one engine step (every running sequence advanced one token)
 pub const STEP_DURATION: &str = "moelane_step_duration_seconds";
 /// counter: tokens the primary generated (lane side)
@@ -130,6 +133,7 @@ pub const ALL: &[&str] = &[
     KV_BLOCKS_FREE,
     KV_PREEMPTIONS,
     GRAMMAR_STEP,
+    GRAMMAR_MASK,
     STEP_DURATION,
     LANE_TOKENS,
     LANE_REQUESTS,
@@ -221,7 +225,12 @@ pub fn describe() {
     describe_histogram!(
         GRAMMAR_STEP,
         Unit::Seconds,
-        "One constrained request's grammar work in a step: its token mask and the pick followed"
+        "One constrained request's grammar work on the step loop: its mask applied and the pick followed"
+    );
+    describe_histogram!(
+        GRAMMAR_MASK,
+        Unit::Seconds,
+        "One constrained request's next token mask, made while the step runs"
     );
     describe_counter!(
         KV_PREEMPTIONS,

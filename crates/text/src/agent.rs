@@ -1,28 +1,165 @@
 //! What an agent reads out of a model's answer: reasoning (between the family's thinking
-//! markers), tool calls (the family's call markup holding `{"name": ..., "arguments": ...}`),
-//! and the content around them. [`Splitter`] does it as the text streams in, holding back
-//! only what could still be the start of a marker, so a streamed answer gives the same parts
-//! as the whole one.
+//! markers), tool calls (the family's call markup), and the content around them.
+//! [`Splitter`] does it as the text streams in, holding back only what could still be the
+//! start of a marker, so a streamed answer gives the same parts as the whole one.
 //!
-//! The markup is Hermes' as Qwen uses it (`<tool_call>{...}</tool_call>`, `<think>...</think>`),
-//! the format of the families whose templates write it.
+//! Each family writes calls its own way ([`Style`]), chosen from the checkpoint
+//! ([`Markup::detect`]: the template's markers, else config.json's `model_type`):
+//! - Hermes, as Qwen uses it: `<tool_call>{"name": .., "arguments": {..}}</tool_call>`;
+//! - DeepSeek V3: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`, the
+//!   arguments in a fenced JSON block, `<｜tool▁call▁end｜><｜tool▁calls▁end｜>`;
+//! - GLM-4.5: `<tool_call>NAME` then `<arg_key>K</arg_key><arg_value>V</arg_value>` pairs
+//!   (a value is JSON when it parses as JSON, else a string);
+//! - gpt-oss's harmony messages: `<|channel|>analysis<|message|>..<|end|>` is reasoning,
+//!   `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{..}<|call|>` a
+//!   call, other channels (`final`) content;
+//! - Kimi K2: `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0`
+//!   `<|tool_call_argument_begin|>{..}<|tool_call_end|><|tool_calls_section_end|>`.
+//!
+//! All but harmony think between `<think>` and `</think>`.
+
+use serde_json::Value;
+
+/// How a family writes its calls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Style {
+    Hermes,
+    DeepSeek,
+    Glm,
+    Harmony,
+    Kimi,
+}
 
 /// The markers of one family's reasoning and tool calls.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Markup {
+    pub style: Style,
     pub think_open: &'static str,
     pub think_close: &'static str,
+    /// What opens and closes one call (harmony: a message's header and its ends, see
+    /// [`HARMONY`]).
     pub call_open: &'static str,
     pub call_close: &'static str,
+    /// Markers around a group of calls, dropped from the content (DeepSeek's).
+    pub frame: &'static [&'static str],
 }
 
 /// Hermes / Qwen: `<think>...</think>` and `<tool_call>\n{"name": .., "arguments": {..}}\n</tool_call>`.
 pub const HERMES: Markup = Markup {
+    style: Style::Hermes,
     think_open: "<think>",
     think_close: "</think>",
     call_open: "<tool_call>",
     call_close: "</tool_call>",
+    frame: &[],
 };
+
+const DS_CALLS_BEGIN: &str = "<｜tool▁calls▁begin｜>";
+const DS_CALLS_END: &str = "<｜tool▁calls▁end｜>";
+const DS_SEP: &str = "<｜tool▁sep｜>";
+
+/// DeepSeek V3.
+pub const DEEPSEEK_V3: Markup = Markup {
+    style: Style::DeepSeek,
+    think_open: "<think>",
+    think_close: "</think>",
+    call_open: "<｜tool▁call▁begin｜>",
+    call_close: "<｜tool▁call▁end｜>",
+    frame: &[DS_CALLS_BEGIN, DS_CALLS_END],
+};
+
+/// GLM-4.5 (glm4_moe).
+pub const GLM45: Markup = Markup {
+    style: Style::Glm,
+    think_open: "<think>",
+    think_close: "</think>",
+    call_open: "<tool_call>",
+    call_close: "</tool_call>",
+    frame: &[],
+};
+
+const KIMI_SECTION_BEGIN: &str = "<|tool_calls_section_begin|>";
+const KIMI_SECTION_END: &str = "<|tool_calls_section_end|>";
+const KIMI_ARG: &str = "<|tool_call_argument_begin|>";
+
+/// Kimi K2 (a DeepseekV3ForCausalLM checkpoint whose config.json says `kimi_k2`): calls as
+/// `functions.NAME:INDEX` then the JSON arguments, in a section of calls.
+pub const KIMI_K2: Markup = Markup {
+    style: Style::Kimi,
+    think_open: "<think>",
+    think_close: "</think>",
+    call_open: "<|tool_call_begin|>",
+    call_close: "<|tool_call_end|>",
+    frame: &[KIMI_SECTION_BEGIN, KIMI_SECTION_END],
+};
+
+const H_START: &str = "<|start|>";
+const H_CHANNEL: &str = "<|channel|>";
+const H_MESSAGE: &str = "<|message|>";
+const H_END: &str = "<|end|>";
+const H_CALL: &str = "<|call|>";
+const H_RETURN: &str = "<|return|>";
+
+/// gpt-oss's harmony format: a message's header opens at `<|start|>` or `<|channel|>` and
+/// ends at `<|message|>`; its body ends at `<|end|>`, `<|call|>` or `<|return|>` (or where the
+/// next header starts, or at the end of the answer: `<|call|>` and `<|return|>` end it).
+pub const HARMONY: Markup = Markup {
+    style: Style::Harmony,
+    think_open: "<|channel|>analysis",
+    think_close: H_END,
+    call_open: H_CHANNEL,
+    call_close: H_CALL,
+    frame: &[H_START, H_MESSAGE, H_RETURN],
+};
+
+impl Markup {
+    /// The markup of a checkpoint: from its template's markers where they tell, else from
+    /// config.json's `model_type`; Hermes when neither does.
+    pub fn detect(template: &str, model_type: Option<&str>) -> Markup {
+        if template.contains(H_CHANNEL) && template.contains(H_MESSAGE) {
+            HARMONY
+        } else if template.contains(KIMI_K2.call_open) {
+            KIMI_K2
+        } else if template.contains(DEEPSEEK_V3.call_open) {
+            DEEPSEEK_V3
+        } else if template.contains("<arg_key>") {
+            GLM45
+        } else if template.contains(HERMES.call_open) {
+            HERMES
+        } else {
+            match model_type {
+                Some("gpt_oss") => HARMONY,
+                Some("deepseek_v3") => DEEPSEEK_V3,
+                Some("kimi_k2") => KIMI_K2,
+                Some("glm4_moe") => GLM45,
+                _ => HERMES,
+            }
+        }
+    }
+
+    /// Whether `text` (a special token's) is one of this markup's markers: such tokens
+    /// reach the splitter although special tokens are otherwise left out of the text.
+    pub fn marks(&self, text: &str) -> bool {
+        [
+            self.think_open,
+            self.think_close,
+            self.call_open,
+            self.call_close,
+        ]
+        .contains(&text)
+            || self.frame.contains(&text)
+            || (self.style == Style::Harmony && text == H_CHANNEL)
+            || (self.style == Style::Kimi && text == KIMI_ARG)
+    }
+
+    /// Whether a template that is `source` has a thinking block in this markup.
+    pub fn thinks_in(&self, source: &str) -> bool {
+        match self.style {
+            Style::Harmony => source.contains("analysis"),
+            _ => source.contains(self.think_open),
+        }
+    }
+}
 
 /// One part of an answer, in order.
 #[derive(Clone, Debug, PartialEq)]
@@ -42,6 +179,23 @@ enum Mode {
     Content,
     Reasoning,
     Call,
+    /// A harmony message's header (up to `<|message|>`).
+    Header,
+}
+
+/// What a marker does.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Act {
+    Think,
+    Call,
+    /// Dropped; the mode stays.
+    Drop,
+    /// Back to content (the reasoning or the call ends).
+    Close,
+    /// A harmony header starts (ending what was open).
+    Header,
+    /// A harmony header ends: its message's body starts.
+    Body,
 }
 
 /// Most bytes of one call's body: past it, what the model wrote is given back as text (a
@@ -56,6 +210,8 @@ pub struct Splitter {
     buf: String,
     /// Bytes of `buf` already searched for the closing marker without finding it.
     scanned: usize,
+    /// Harmony: the header of the message being read, its markers included.
+    head: String,
     calls: bool,
     think: bool,
     /// Only calls may be written (a forced call): text between them is the grammar's
@@ -69,14 +225,15 @@ impl Splitter {
     /// starts inside it.
     pub fn new(m: Markup, calls: bool, think: bool, in_reasoning: bool) -> Splitter {
         Splitter {
-            m,
-            mode: if think && in_reasoning {
+            mode: if think && in_reasoning && m.style != Style::Harmony {
                 Mode::Reasoning
             } else {
                 Mode::Content
             },
+            m,
             buf: String::new(),
             scanned: 0,
+            head: String::new(),
             calls,
             think,
             forced: false,
@@ -90,21 +247,37 @@ impl Splitter {
     }
 
     /// The markers that may open or close something in the current mode.
-    fn markers(&self) -> Vec<&'static str> {
+    fn markers(&self) -> Vec<(&'static str, Act)> {
+        let mut v = Vec::new();
+        if self.m.style == Style::Harmony {
+            if self.mode == Mode::Header {
+                v.push((H_MESSAGE, Act::Body));
+                return v;
+            }
+            v.extend([(H_START, Act::Header), (H_CHANNEL, Act::Header)]);
+            let end = if self.mode == Mode::Content {
+                Act::Drop
+            } else {
+                Act::Close
+            };
+            v.extend([(H_END, end), (H_CALL, end), (H_RETURN, end)]);
+            return v;
+        }
         match self.mode {
             Mode::Content => {
-                let mut v = Vec::new();
                 if self.think {
-                    v.push(self.m.think_open);
+                    v.push((self.m.think_open, Act::Think));
                 }
                 if self.calls {
-                    v.push(self.m.call_open);
+                    v.push((self.m.call_open, Act::Call));
+                    v.extend(self.m.frame.iter().map(|f| (*f, Act::Drop)));
                 }
-                v
             }
-            Mode::Reasoning => vec![self.m.think_close],
-            Mode::Call => vec![self.m.call_close],
+            Mode::Reasoning => v.push((self.m.think_close, Act::Close)),
+            Mode::Call => v.push((self.m.call_close, Act::Close)),
+            Mode::Header => v.push((H_MESSAGE, Act::Body)),
         }
+        v
     }
 
     /// Takes more text; returns the parts now complete.
@@ -114,33 +287,28 @@ impl Splitter {
         loop {
             let markers = self.markers();
             // search only what was not searched yet (and a marker's length before it)
-            let longest = markers.iter().map(|m| m.len()).max().unwrap_or(0);
+            let longest = markers.iter().map(|m| m.0.len()).max().unwrap_or(0);
             let mut from = self.scanned.saturating_sub(longest);
             while !self.buf.is_char_boundary(from) {
                 from -= 1;
             }
             let found = markers
                 .iter()
-                .filter_map(|mk| self.buf[from..].find(mk).map(|at| (from + at, *mk)))
-                .min_by_key(|x| x.0);
+                .filter_map(|(mk, act)| self.buf[from..].find(mk).map(|at| (from + at, *mk, *act)))
+                .min_by_key(|x| (x.0, std::cmp::Reverse(x.1.len())));
             match found {
-                Some((at, mk)) => {
+                Some((at, mk, act)) => {
                     let before: String = self.buf.drain(..at).collect();
                     self.buf.drain(..mk.len());
                     self.scanned = 0;
-                    self.emit(before, &mut out);
-                    self.mode = match (self.mode, mk) {
-                        (Mode::Content, m) if m == self.m.think_open => Mode::Reasoning,
-                        (Mode::Content, _) => Mode::Call,
-                        (Mode::Reasoning, _) | (Mode::Call, _) => Mode::Content,
-                    };
+                    self.act(before, mk, act, &mut out);
                 }
                 None => {
-                    if self.mode == Mode::Call {
+                    if matches!(self.mode, Mode::Call | Mode::Header) {
                         if self.buf.len() > MAX_CALL_BYTES {
                             // never closed within bounds: what the model wrote, as text
                             let body = std::mem::take(&mut self.buf);
-                            out.push(Part::Content(format!("{}{body}", self.m.call_open)));
+                            out.push(Part::Content(self.unclosed(&body)));
                             self.mode = Mode::Content;
                             self.scanned = 0;
                             continue;
@@ -151,7 +319,7 @@ impl Splitter {
                     // keep what could still be a marker's start
                     let keep = markers
                         .iter()
-                        .map(|mk| partial_suffix(&self.buf, mk))
+                        .map(|mk| partial_suffix(&self.buf, mk.0))
                         .max()
                         .unwrap_or(0);
                     let cut = self.buf.len() - keep;
@@ -164,18 +332,58 @@ impl Splitter {
         }
     }
 
+    /// What marker `mk` found after `before` does.
+    fn act(&mut self, before: String, mk: &str, act: Act, out: &mut Vec<Part>) {
+        if act == Act::Body {
+            self.head.push_str(&before);
+            self.head.push_str(mk);
+            self.mode = self.body_mode();
+            return;
+        }
+        self.emit(before, out);
+        match act {
+            Act::Think => self.mode = Mode::Reasoning,
+            Act::Call => self.mode = Mode::Call,
+            Act::Drop => {}
+            Act::Close => self.mode = Mode::Content,
+            Act::Header => {
+                self.mode = Mode::Header;
+                self.head = mk.to_string();
+            }
+            Act::Body => {}
+        }
+    }
+
+    /// Harmony: what the message whose header was read is.
+    fn body_mode(&self) -> Mode {
+        let (channel, to) = harmony_header(&self.head);
+        if to.is_some() && self.calls {
+            Mode::Call
+        } else if channel == Some("analysis") && self.think {
+            Mode::Reasoning
+        } else {
+            Mode::Content
+        }
+    }
+
+    /// A call (or harmony header) that never closed, as the text the model wrote.
+    fn unclosed(&self, body: &str) -> String {
+        match (self.m.style, self.mode) {
+            (Style::Harmony, _) | (_, Mode::Header) => format!("{}{body}", self.head),
+            _ => format!("{}{body}", self.m.call_open),
+        }
+    }
+
     /// The end of the answer: whatever is held back, as what it is (an unclosed call's
-    /// markup is given back as content).
+    /// markup is given back as content; harmony's last call is whole, as `<|call|>` ends
+    /// the answer).
     pub fn finish(&mut self) -> Vec<Part> {
         let rest = std::mem::take(&mut self.buf);
         self.scanned = 0;
         let mut out = Vec::new();
         match self.mode {
-            Mode::Call => {
-                // the call never closed: what the model wrote, as text
-                let text = format!("{}{rest}", self.m.call_open);
-                out.push(Part::Content(text));
-            }
+            Mode::Call if self.m.style == Style::Harmony => out.push(self.call_part(&rest)),
+            Mode::Call | Mode::Header => out.push(Part::Content(self.unclosed(&rest))),
             _ => self.emit(rest, &mut out),
         }
         self.mode = Mode::Content;
@@ -187,11 +395,26 @@ impl Splitter {
             Mode::Content if self.forced => {}
             Mode::Content if !text.is_empty() => out.push(Part::Content(text)),
             Mode::Reasoning if !text.is_empty() => out.push(Part::Reasoning(text)),
-            Mode::Call => out.push(parse_call(&text).unwrap_or_else(|| {
-                Part::Content(format!("{}{text}{}", self.m.call_open, self.m.call_close))
-            })),
+            Mode::Call => out.push(self.call_part(&text)),
             _ => {}
         }
+    }
+
+    /// A closed call's body as a call, or as the text the model wrote.
+    fn call_part(&self, body: &str) -> Part {
+        let parsed = match self.m.style {
+            Style::Hermes => parse_call(body),
+            Style::DeepSeek => parse_deepseek(body),
+            Style::Glm => parse_glm(body),
+            Style::Harmony => parse_harmony(&self.head, body),
+            Style::Kimi => parse_kimi(body),
+        };
+        parsed.unwrap_or_else(|| {
+            Part::Content(match self.m.style {
+                Style::Harmony => format!("{}{body}", self.head),
+                _ => format!("{}{body}{}", self.m.call_open, self.m.call_close),
+            })
+        })
     }
 }
 
@@ -203,17 +426,138 @@ fn partial_suffix(s: &str, marker: &str) -> usize {
         .unwrap_or(0)
 }
 
+/// A function name as a call may give it: no spaces, no markup.
+fn valid_name(n: &str) -> bool {
+    !n.is_empty()
+        && n.len() <= 256
+        && !n.contains(|c: char| c.is_whitespace() || c == '<' || c == '>' || c == '`')
+}
+
 /// A call's body: `{"name": "...", "arguments": {...}}` (arguments as an object, or as a
 /// string holding JSON); its arguments given back as JSON text.
 pub fn parse_call(body: &str) -> Option<Part> {
-    let v: serde_json::Value = serde_json::from_str(body.trim()).ok()?;
+    let v: Value = serde_json::from_str(body.trim()).ok()?;
     let name = v.get("name")?.as_str()?.to_string();
     let arguments = match v.get("arguments").or_else(|| v.get("parameters")) {
-        None | Some(serde_json::Value::Null) => "{}".to_string(),
-        Some(serde_json::Value::String(s)) => s.clone(),
+        None | Some(Value::Null) => "{}".to_string(),
+        Some(Value::String(s)) => s.clone(),
         Some(a) => a.to_string(),
     };
     Some(Part::Call { name, arguments })
+}
+
+/// Arguments written as JSON text (nothing: no arguments).
+fn json_arguments(text: &str) -> Option<String> {
+    let t = text.trim();
+    if t.is_empty() {
+        return Some("{}".into());
+    }
+    serde_json::from_str::<Value>(t).ok().map(|v| v.to_string())
+}
+
+/// DeepSeek V3's call body: `function<｜tool▁sep｜>NAME\n```json\n{..}\n```` (or V3.1's
+/// `NAME<｜tool▁sep｜>{..}`).
+fn parse_deepseek(body: &str) -> Option<Part> {
+    let (kind, rest) = body.split_once(DS_SEP)?;
+    let kind = kind.trim();
+    let (name, args) = if kind.is_empty() || kind == "function" {
+        let rest = rest.trim_start();
+        let end = rest
+            .find(|c: char| c.is_whitespace() || c == '`')
+            .unwrap_or(rest.len());
+        rest.split_at(end)
+    } else {
+        (kind, rest)
+    };
+    if !valid_name(name) {
+        return None;
+    }
+    let a = args.trim();
+    let a = a
+        .strip_prefix("```json")
+        .or_else(|| a.strip_prefix("```"))
+        .unwrap_or(a);
+    let a = a.strip_suffix("```").unwrap_or(a);
+    Some(Part::Call {
+        name: name.to_string(),
+        arguments: json_arguments(a)?,
+    })
+}
+
+/// Kimi K2's call body: `functions.NAME:INDEX<|tool_call_argument_begin|>{..}` (the prefix
+/// and the index as the model writes them; only the name is kept).
+fn parse_kimi(body: &str) -> Option<Part> {
+    let (head, args) = body.split_once(KIMI_ARG)?;
+    let head = head.trim();
+    let head = head.strip_prefix("functions.").unwrap_or(head);
+    let name = match head.rsplit_once(':') {
+        Some((n, i)) if !i.is_empty() && i.bytes().all(|b| b.is_ascii_digit()) => n,
+        _ => head,
+    };
+    if !valid_name(name) {
+        return None;
+    }
+    Some(Part::Call {
+        name: name.to_string(),
+        arguments: json_arguments(args)?,
+    })
+}
+
+/// GLM-4.5's call body: `NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>...`, each
+/// value JSON where it parses as JSON, else the text itself.
+fn parse_glm(body: &str) -> Option<Part> {
+    let body = body.trim();
+    let end = body.find("<arg_key>").unwrap_or(body.len());
+    let name = body[..end].trim();
+    if !valid_name(name) {
+        return None;
+    }
+    let mut rest = &body[end..];
+    let mut args = serde_json::Map::new();
+    while !rest.is_empty() {
+        let r = rest.strip_prefix("<arg_key>")?;
+        let (k, r) = r.split_once("</arg_key>")?;
+        let r = r.trim_start().strip_prefix("<arg_value>")?;
+        let (v, r) = r.split_once("</arg_value>")?;
+        let value = serde_json::from_str(v).unwrap_or_else(|_| Value::String(v.to_string()));
+        args.insert(k.trim().to_string(), value);
+        rest = r.trim_start();
+    }
+    Some(Part::Call {
+        name: name.to_string(),
+        arguments: Value::Object(args).to_string(),
+    })
+}
+
+/// A harmony header's channel and recipient (`to=...`), each up to a space or a marker.
+fn harmony_header(head: &str) -> (Option<&str>, Option<&str>) {
+    fn word(s: &str) -> &str {
+        let end = s
+            .find(|c: char| c.is_whitespace() || c == '<')
+            .unwrap_or(s.len());
+        &s[..end]
+    }
+    let channel = head
+        .find(H_CHANNEL)
+        .map(|i| word(&head[i + H_CHANNEL.len()..]));
+    let to = head
+        .find("to=")
+        .map(|i| word(&head[i + 3..]))
+        .filter(|w| !w.is_empty());
+    (channel, to)
+}
+
+/// A harmony call: the recipient in `head` (`functions.NAME`), the arguments in the body.
+fn parse_harmony(head: &str, body: &str) -> Option<Part> {
+    let to = harmony_header(head).1?;
+    let name = to.strip_prefix("functions.").unwrap_or(to);
+    if !valid_name(name) {
+        return None;
+    }
+    Some(Part::Call {
+        name: name.to_string(),
+        arguments: json_arguments(body)?,
+    })
 }
 
 /// Splits a whole answer at once.
@@ -243,32 +587,205 @@ pub fn merge(parts: Vec<Part>) -> Vec<Part> {
     out
 }
 
-/// The Lark grammar of an answer that is only tool calls (1 to `most`), each naming one of
-/// `tools` (`(name, JSON schema of its parameters)`) with arguments valid against its schema.
-pub fn calls_grammar(m: &Markup, tools: &[(String, serde_json::Value)], most: usize) -> String {
-    let alts: Vec<serde_json::Value> = tools
-        .iter()
-        .map(|(name, params)| {
-            let mut params = params.clone();
-            if !params.is_object() {
-                params = serde_json::json!({"type": "object"});
+/// A schema as a grammar's `%json` takes it: an object schema (anything else: any object),
+/// compact (a random model could otherwise write spaces forever).
+fn compact_schema(params: &Value, fallback: Value) -> Value {
+    let mut s = if params.is_object() {
+        params.clone()
+    } else {
+        fallback
+    };
+    if let Some(o) = s.as_object_mut() {
+        o.insert(
+            "x-guidance".into(),
+            serde_json::json!({"whitespace_flexible": false}),
+        );
+    }
+    s
+}
+
+/// A Lark string literal.
+fn lit(s: &str) -> String {
+    serde_json::to_string(s).unwrap_or_default()
+}
+
+/// GLM's argument pairs of a tool whose parameters are `params`: each property in declared
+/// order (required ones always, the others optionally), its value JSON valid against the
+/// property's schema (which the parser reads back as that value).
+fn glm_args(params: &Value) -> String {
+    let required: Vec<&str> = params
+        .get("required")
+        .and_then(|r| r.as_array())
+        .map(|r| r.iter().filter_map(|x| x.as_str()).collect())
+        .unwrap_or_default();
+    let mut keys: Vec<(String, Value)> = params
+        .get("properties")
+        .and_then(|p| p.as_object())
+        .map(|p| p.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+        .unwrap_or_default();
+    for r in &required {
+        if !keys.iter().any(|(k, _)| k == r) {
+            keys.push((r.to_string(), serde_json::json!({})));
+        }
+    }
+    let mut out = Vec::new();
+    for (k, s) in keys {
+        let mut s = compact_schema(&s, serde_json::json!({}));
+        // the definitions a property's `$ref` may point at
+        for defs in ["$defs", "definitions"] {
+            if let (Some(d), Some(o)) = (params.get(defs), s.as_object_mut()) {
+                o.insert(defs.into(), d.clone());
             }
-            serde_json::json!({"type": "object", "properties": {
-                "name": {"const": name},
-                "arguments": params},
-                "required": ["name", "arguments"], "additionalProperties": false})
-        })
-        .collect();
-    let schema = serde_json::json!({"anyOf": alts, "x-guidance": {"whitespace_flexible": false}});
-    let lit = |s: &str| serde_json::to_string(s).unwrap_or_default();
-    // one call, then up to most - 1 more, each on its own line
-    let more = " (\"\\n\" call)?".repeat(most.max(1) - 1);
-    format!(
-        "start: call{more}\ncall: {} \"\\n\" %json {} \"\\n\" {}\n",
-        lit(m.call_open),
-        schema,
-        lit(m.call_close),
-    )
+        }
+        let one = format!(
+            "{} %json {} {}",
+            lit(&format!("<arg_key>{k}</arg_key>\n<arg_value>")),
+            s,
+            lit("</arg_value>\n")
+        );
+        out.push(if required.contains(&k.as_str()) {
+            one
+        } else {
+            format!("({one})?")
+        });
+    }
+    out.join(" ")
+}
+
+/// Harmony's text `t` as Lark items: each `<|...|>` marker that is a special token of the
+/// vocabulary (`special`) as that token, the text around as string literals.
+fn harmony_items(t: &str, special: &dyn Fn(&str) -> bool) -> String {
+    let mut items = Vec::new();
+    let mut text = String::new();
+    let mut rest = t;
+    while let Some(at) = rest.find("<|") {
+        let Some(len) = rest[at..].find("|>").map(|e| e + 2) else {
+            break;
+        };
+        let marker = &rest[at..at + len];
+        text.push_str(&rest[..at]);
+        if special(marker) {
+            if !text.is_empty() {
+                items.push(lit(&std::mem::take(&mut text)));
+            }
+            items.push(marker.to_string());
+        } else {
+            text.push_str(marker);
+        }
+        rest = &rest[at + len..];
+    }
+    text.push_str(rest);
+    if !text.is_empty() {
+        items.push(lit(&text));
+    }
+    items.join(" ")
+}
+
+/// The Lark grammar of an answer that is only tool calls (1 to `most`) in markup `m`, each
+/// naming one of `tools` (`(name, JSON schema of its parameters)`) with arguments valid
+/// against its schema. `special` says which marker texts are special tokens of the
+/// vocabulary: harmony's are then written as those tokens (gpt-oss's vocabulary has them),
+/// else as text.
+pub fn calls_grammar(
+    m: &Markup,
+    tools: &[(String, Value)],
+    most: usize,
+    special: &dyn Fn(&str) -> bool,
+) -> String {
+    let (open, sep, close) = match m.style {
+        Style::Hermes | Style::Glm => ("", "\n", ""),
+        Style::DeepSeek => (DS_CALLS_BEGIN, "", DS_CALLS_END),
+        Style::Harmony => ("", "<|call|><|start|>assistant", ""),
+        Style::Kimi => (KIMI_SECTION_BEGIN, "", KIMI_SECTION_END),
+    };
+    let mut rules = String::new();
+    if m.style == Style::Hermes {
+        let alts: Vec<Value> = tools
+            .iter()
+            .map(|(name, params)| {
+                let params = if params.is_object() {
+                    params.clone()
+                } else {
+                    serde_json::json!({"type": "object"})
+                };
+                serde_json::json!({"type": "object", "properties": {
+                    "name": {"const": name},
+                    "arguments": params},
+                    "required": ["name", "arguments"], "additionalProperties": false})
+            })
+            .collect();
+        let schema =
+            serde_json::json!({"anyOf": alts, "x-guidance": {"whitespace_flexible": false}});
+        rules.push_str(&format!(
+            "call: {} \"\\n\" %json {} \"\\n\" {}\n",
+            lit(m.call_open),
+            schema,
+            lit(m.call_close),
+        ));
+    } else {
+        let mut alts = Vec::new();
+        for (i, (name, params)) in tools.iter().enumerate() {
+            let args = compact_schema(params, serde_json::json!({"type": "object"}));
+            let body = match m.style {
+                Style::DeepSeek => format!(
+                    "{} %json {} {}",
+                    lit(&format!("{}function{DS_SEP}{name}\n```json\n", m.call_open)),
+                    args,
+                    lit(&format!("\n```{}", m.call_close))
+                ),
+                Style::Kimi => format!(
+                    "{} %json {} {}",
+                    harmony_items(
+                        &format!("{}functions.{name}:0{KIMI_ARG}", m.call_open),
+                        special
+                    ),
+                    args,
+                    harmony_items(m.call_close, special)
+                ),
+                Style::Harmony => format!(
+                    "{} %json {}",
+                    harmony_items(
+                        &format!(
+                            "{H_CHANNEL}commentary to=functions.{name} <|constrain|>json{H_MESSAGE}"
+                        ),
+                        special
+                    ),
+                    args
+                ),
+                _ => format!(
+                    "{} {} {}",
+                    lit(&format!("{}{name}\n", m.call_open)),
+                    glm_args(params),
+                    lit(m.call_close)
+                ),
+            };
+            rules.push_str(&format!("call_{i}: {body}\n"));
+            alts.push(format!("call_{i}"));
+        }
+        rules.push_str(&format!("call: {}\n", alts.join(" | ")));
+    }
+    let sep = if sep.is_empty() {
+        String::new()
+    } else if m.style == Style::Harmony {
+        format!("{} ", harmony_items(sep, special))
+    } else {
+        format!("{} ", lit(sep))
+    };
+    // one call, then up to most - 1 more
+    let more = format!(" ({sep}call)?").repeat(most.max(1) - 1);
+    // (a frame's `<|...|>` markers that are special tokens written as those tokens, as
+    // harmony's: Kimi's section markers)
+    let open = if open.is_empty() {
+        String::new()
+    } else {
+        format!("{} ", harmony_items(open, special))
+    };
+    let close = if close.is_empty() {
+        String::new()
+    } else {
+        format!(" {}", harmony_items(close, special))
+    };
+    format!("start: {open}call{more}{close}\n{rules}")
 }
 
 #[cfg(test)]
@@ -280,6 +797,164 @@ mod tests {
             name: name.into(),
             arguments: args.into(),
         }
+    }
+
+    /// The parts of `text` streamed in pieces of every size from 1 to 8 characters, and cut
+    /// in two at every character boundary: each the same as the whole text's.
+    fn streams_like_whole(m: &Markup, text: &str, forced: bool) -> Vec<Part> {
+        let new = || {
+            let s = Splitter::new(m.clone(), true, true, false);
+            if forced {
+                s.forced()
+            } else {
+                s
+            }
+        };
+        let run = |pieces: Vec<String>| {
+            let mut s = new();
+            let mut parts = Vec::new();
+            for p in pieces {
+                parts.extend(s.push(&p));
+            }
+            parts.extend(s.finish());
+            merge(parts)
+        };
+        let whole = run(vec![text.to_string()]);
+        let chars: Vec<char> = text.chars().collect();
+        for step in 1..=8 {
+            let pieces = chars.chunks(step).map(|c| c.iter().collect()).collect();
+            assert_eq!(run(pieces), whole, "pieces of {step}");
+        }
+        for (at, _) in text.char_indices() {
+            let pieces = vec![text[..at].to_string(), text[at..].to_string()];
+            assert_eq!(run(pieces), whole, "cut at {at}");
+        }
+        whole
+    }
+
+    #[test]
+    fn random_texts_of_marker_pieces_stream_as_they_split_whole_in_every_family() {
+        // seeded: texts strung from markers, their fragments and call bodies, in any order
+        let pieces = [
+            "<think>",
+            "</think>",
+            "<tool_call>",
+            "</tool_call>",
+            "<｜tool▁calls▁begin｜>",
+            "<｜tool▁call▁begin｜>",
+            "<｜tool▁sep｜>",
+            "<｜tool▁call▁end｜>",
+            "<｜tool▁calls▁end｜>",
+            "<|start|>",
+            "<|channel|>",
+            "<|message|>",
+            "<|tool_calls_section_begin|>",
+            "<|tool_call_begin|>",
+            "functions.f:0",
+            "<|tool_call_argument_begin|>",
+            "<|tool_call_end|>",
+            "<|tool_calls_section_end|>",
+            "<|end|>",
+            "<|call|>",
+            "<|return|>",
+            "<arg_key>",
+            "</arg_key>",
+            "<arg_value>",
+            "</arg_value>",
+            "analysis",
+            "final",
+            " to=functions.f",
+            "commentary",
+            "function",
+            "f\n",
+            "```json\n",
+            "\n```",
+            "{\"name\": \"f\", \"arguments\": {}}",
+            "{\"a\": 1}",
+            "{",
+            "}",
+            "<",
+            "<|",
+            "<｜",
+            "|",
+            "｜",
+            "▁",
+            "x",
+            " ",
+            "\n",
+            "é",
+            "🙂",
+        ];
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |n: usize| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % n as u64) as usize
+        };
+        for round in 0..1200 {
+            let text: String = (0..1 + next(24))
+                .map(|_| pieces[next(pieces.len())])
+                .collect();
+            let m = [&HERMES, &DEEPSEEK_V3, &GLM45, &HARMONY, &KIMI_K2][round % 5];
+            for (calls, think, open, forced) in [
+                (true, true, false, false),
+                (true, false, true, true),
+                (false, true, true, false),
+            ] {
+                let new = || {
+                    let s = Splitter::new(m.clone(), calls, think, open);
+                    if forced {
+                        s.forced()
+                    } else {
+                        s
+                    }
+                };
+                let run = |cuts: &[usize]| {
+                    let mut s = new();
+                    let mut parts = Vec::new();
+                    let mut from = 0;
+                    for &c in cuts.iter().chain([text.len()].iter()) {
+                        parts.extend(s.push(&text[from..c]));
+                        from = c;
+                    }
+                    parts.extend(s.finish());
+                    merge(parts)
+                };
+                let whole = run(&[]);
+                let bounds: Vec<usize> = text.char_indices().map(|(i, _)| i).collect();
+                let mut cuts: Vec<usize> =
+                    (0..next(6)).map(|_| bounds[next(bounds.len())]).collect();
+                cuts.sort_unstable();
+                assert_eq!(run(&cuts), whole, "{:?} {text:?} cut at {cuts:?}", m.style);
+            }
+        }
+    }
+
+    #[test]
+    fn the_markup_is_chosen_from_the_template_then_the_model_type() {
+        assert_eq!(Markup::detect("<|channel|>x<|message|>", None), HARMONY);
+        assert_eq!(
+            Markup::detect("{{ '<｜tool▁call▁begin｜>' }}", None),
+            DEEPSEEK_V3
+        );
+        assert_eq!(
+            Markup::detect("<tool_call>{{ n }}<arg_key>", Some("qwen3_moe")),
+            GLM45
+        );
+        assert_eq!(Markup::detect("<tool_call>", Some("glm4_moe")), HERMES);
+        assert_eq!(Markup::detect("", Some("glm4_moe")), GLM45);
+        assert_eq!(Markup::detect("", Some("gpt_oss")), HARMONY);
+        assert_eq!(Markup::detect("", Some("deepseek_v3")), DEEPSEEK_V3);
+        assert_eq!(Markup::detect("", None), HERMES);
+        assert_eq!(
+            Markup::detect("{{ '<|tool_call_begin|>' }}", Some("deepseek_v3")),
+            KIMI_K2
+        );
+        assert_eq!(Markup::detect("", Some("kimi_k2")), KIMI_K2);
+        assert!(KIMI_K2.marks(KIMI_ARG) && KIMI_K2.marks(KIMI_SECTION_END));
+        assert!(HARMONY.marks("<|channel|>") && DEEPSEEK_V3.marks(DS_CALLS_END));
+        assert!(!HERMES.marks("<|im_end|>"));
     }
 
     #[test]
@@ -306,39 +981,236 @@ mod tests {
     #[test]
     fn streaming_in_any_pieces_gives_the_whole_answers_parts() {
         let text = "<think>ok</think>A<tool_call>{\"name\": \"f\", \"arguments\": {\"x\": 1}}</tool_call>B<tool_ca";
-        let whole = split_whole(HERMES, true, true, false, text);
-        for step in 1..8 {
-            let mut s = Splitter::new(HERMES, true, true, false);
-            let mut parts = Vec::new();
-            let chars: Vec<char> = text.chars().collect();
-            for piece in chars.chunks(step) {
-                parts.extend(s.push(&piece.iter().collect::<String>()));
-            }
-            parts.extend(s.finish());
-            assert_eq!(merge(parts), whole, "pieces of {step}");
-        }
+        let whole = streams_like_whole(&HERMES, text, false);
+        assert_eq!(whole, split_whole(HERMES, true, true, false, text));
         // the unfinished marker at the end is text
         assert_eq!(whole.last(), Some(&Part::Content("B<tool_ca".into())));
     }
 
     #[test]
-    fn a_long_unclosed_call_is_bounded_and_forced_answers_drop_separators() {
-        let mut s = Splitter::new(HERMES, true, false, false);
-        let mut parts = s.push("<tool_call>");
-        let chunk = "a".repeat(4096);
-        for _ in 0..(MAX_CALL_BYTES / 4096 + 2) {
-            parts.extend(s.push(&chunk));
+    fn deepseek_calls_split_whole_and_streamed() {
+        let text = "<think>plan</think>Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+        assert_eq!(
+            streams_like_whole(&DEEPSEEK_V3, text, false),
+            vec![
+                Part::Reasoning("plan".into()),
+                Part::Content("Sure.".into()),
+                call("get_weather", "{\"city\":\"Paris\"}"),
+                Part::Content("\n".into()),
+                call("now", "{}"),
+            ]
+        );
+        // V3.1's shorter form; a body that does not parse is text
+        assert_eq!(
+            split_whole(
+                DEEPSEEK_V3,
+                true,
+                false,
+                false,
+                "<｜tool▁call▁begin｜>f<｜tool▁sep｜>{\"a\": [1]}<｜tool▁call▁end｜>"
+            ),
+            vec![call("f", "{\"a\":[1]}")]
+        );
+        let bad =
+            "<｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{oops\n```<｜tool▁call▁end｜>";
+        assert_eq!(
+            split_whole(DEEPSEEK_V3, true, false, false, bad),
+            vec![Part::Content(bad.into())]
+        );
+    }
+
+    #[test]
+    fn kimi_calls_split_whole_and_streamed() {
+        let text = "<think>plan</think>On it.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{\"city\": \"Paris\"}<|tool_call_end|><|tool_call_begin|>functions.now:1<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>";
+        assert_eq!(
+            streams_like_whole(&KIMI_K2, text, false),
+            vec![
+                Part::Reasoning("plan".into()),
+                Part::Content("On it.".into()),
+                call("get_weather", "{\"city\":\"Paris\"}"),
+                call("now", "{}"),
+            ]
+        );
+        // a name without the prefix or the index is still a name; a body without its
+        // argument marker, a bad name or arguments that do not parse are text
+        assert_eq!(
+            split_whole(
+                KIMI_K2,
+                true,
+                false,
+                false,
+                "<|tool_call_begin|>f<|tool_call_argument_begin|>{\"a\": [1]}<|tool_call_end|>"
+            ),
+            vec![call("f", "{\"a\":[1]}")]
+        );
+        for bad in [
+            "<|tool_call_begin|>functions.f:0 {}<|tool_call_end|>",
+            "<|tool_call_begin|>two words:0<|tool_call_argument_begin|>{}<|tool_call_end|>",
+            "<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{oops<|tool_call_end|>",
+        ] {
+            assert_eq!(
+                split_whole(KIMI_K2, true, false, false, bad),
+                vec![Part::Content(bad.into())],
+                "{bad}"
+            );
         }
-        parts.extend(s.push("tail"));
-        parts.extend(s.finish());
-        let text: String = merge(parts)
-            .into_iter()
-            .map(|p| match p {
-                Part::Content(t) => t,
-                other => panic!("{other:?}"),
-            })
-            .collect();
-        assert!(text.starts_with("<tool_call>aaa") && text.ends_with("tail"));
+    }
+
+    #[test]
+    fn glm_calls_split_whole_and_streamed() {
+        let text = "<think>hm</think>\nOK<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>opts</arg_key>\n<arg_value>{\"metric\": true}</arg_value>\n</tool_call><tool_call>now\n</tool_call>";
+        assert_eq!(
+            streams_like_whole(&GLM45, text, false),
+            vec![
+                Part::Reasoning("hm".into()),
+                Part::Content("\nOK".into()),
+                call(
+                    "get_weather",
+                    "{\"city\":\"Paris\",\"days\":3,\"opts\":{\"metric\":true}}"
+                ),
+                call("now", "{}"),
+            ]
+        );
+        for bad in [
+            "<tool_call>two words\n</tool_call>",
+            "<tool_call>f\n<arg_key>a</arg_key>\n</tool_call>",
+            "<tool_call>f\n<arg_key>a</arg_key><arg_value>1</tool_call>",
+        ] {
+            assert_eq!(
+                split_whole(GLM45, true, false, false, bad),
+                vec![Part::Content(bad.into())],
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn harmony_channels_split_whole_and_streamed() {
+        let text = "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>";
+        assert_eq!(
+            streams_like_whole(&HARMONY, text, false),
+            vec![
+                Part::Reasoning("Need weather.".into()),
+                call("get_weather", "{\"city\":\"Paris\"}"),
+            ]
+        );
+        // the recipient in the role's header; the last call's <|call|> left out (it ends
+        // the answer, as an end-of-sequence token); then a final answer
+        let text = "<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{}";
+        assert_eq!(
+            streams_like_whole(&HARMONY, text, false),
+            vec![call("f", "{}")]
+        );
+        let text = "<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>final<|message|>The answer.<|return|>";
+        assert_eq!(
+            streams_like_whole(&HARMONY, text, false),
+            vec![
+                Part::Reasoning("think".into()),
+                Part::Content("The answer.".into())
+            ]
+        );
+        // text outside any message is content; a call whose body does not parse is text
+        let bad = "<|channel|>commentary to=functions.f<|message|>{nope";
+        assert_eq!(
+            split_whole(HARMONY, true, true, false, &format!("hi {bad}")),
+            vec![Part::Content(format!("hi {bad}"))]
+        );
+        // without tools a call's message is content
+        assert_eq!(
+            split_whole(
+                HARMONY,
+                false,
+                true,
+                false,
+                "<|channel|>commentary to=functions.f<|message|>{}<|call|>"
+            ),
+            vec![Part::Content("{}".into())]
+        );
+    }
+
+    #[test]
+    fn forced_answers_in_each_family_are_only_calls() {
+        for (m, text) in [
+            (HERMES, "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n</tool_call>\n<tool_call>\n{\"name\": \"g\", \"arguments\": {}}\n</tool_call>"),
+            (DEEPSEEK_V3, "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a\":1}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>g\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+            (KIMI_K2, "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{\"a\":1}<|tool_call_end|><|tool_call_begin|>functions.g:1<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>"),
+            (GLM45, "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call>\n<tool_call>g\n</tool_call>"),
+            (HARMONY, "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{\"a\":1}<|call|><|start|>assistant<|channel|>commentary to=functions.g <|constrain|>json<|message|>{}"),
+        ] {
+            assert_eq!(
+                streams_like_whole(&m, text, true),
+                vec![call("f", "{\"a\":1}"), call("g", "{}")],
+                "{:?}",
+                m.style
+            );
+        }
+    }
+
+    #[test]
+    fn calls_grammars_name_each_tool_in_the_familys_markup() {
+        let tools = vec![
+            (
+                "get_weather".to_string(),
+                serde_json::json!({"type": "object", "properties": {"city": {"type": "string"},
+                    "days": {"type": "integer"}}, "required": ["city"]}),
+            ),
+            ("now".to_string(), serde_json::json!(null)),
+        ];
+        let g = calls_grammar(&GLM45, &tools, 2, &|_| false);
+        assert!(g.starts_with("start: call (\"\\n\" call)?\n"), "{g}");
+        assert!(g.contains("call_0: \"<tool_call>get_weather\\n\" \"<arg_key>city</arg_key>\\n<arg_value>\" %json {"), "{g}");
+        assert!(g.contains(")?"), "the optional days: {g}");
+        let g = calls_grammar(&DEEPSEEK_V3, &tools, 1, &|_| false);
+        assert!(
+            g.starts_with("start: \"<｜tool▁calls▁begin｜>\" call \"<｜tool▁calls▁end｜>\"\n"),
+            "{g}"
+        );
+        // Kimi K2: its markers as its vocabulary's control tokens, or as text
+        let g = calls_grammar(&KIMI_K2, &tools, 2, &|_| false);
+        assert!(g.starts_with("start: \"<|tool_calls_section_begin|>\" call (call)? \"<|tool_calls_section_end|>\"\n"), "{g}");
+        assert!(g.contains("call_0: \"<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>\" %json {"), "{g}");
+        let g = calls_grammar(&KIMI_K2, &tools, 1, &|_| true);
+        assert!(
+            g.starts_with("start: <|tool_calls_section_begin|> call <|tool_calls_section_end|>\n"),
+            "{g}"
+        );
+        assert!(g.contains("call_1: <|tool_call_begin|> \"functions.now:0\" <|tool_call_argument_begin|> %json {\"type\":\"object\""), "{g}");
+        assert!(
+            g.contains("} <|tool_call_end|>\ncall: call_0 | call_1"),
+            "{g}"
+        );
+        let g = calls_grammar(&HARMONY, &tools, 2, &|_| false);
+        assert!(g.contains("\"<|channel|>commentary to=functions.now <|constrain|>json<|message|>\" %json {\"type\":\"object\""), "{g}");
+        assert!(g.contains("(\"<|call|><|start|>assistant\" call)?"), "{g}");
+        // with gpt-oss's vocabulary the markers are its control tokens
+        let g = calls_grammar(&HARMONY, &tools, 2, &|t| t != "<|constrain|>");
+        assert!(g.contains("call_1: <|channel|> \"commentary to=functions.now <|constrain|>json\" <|message|> %json {"), "{g}");
+        assert!(
+            g.contains("(<|call|> <|start|> \"assistant\" call)?"),
+            "{g}"
+        );
+    }
+
+    #[test]
+    fn a_long_unclosed_call_is_bounded_and_forced_answers_drop_separators() {
+        for (m, open) in [(HERMES, "<tool_call>"), (HARMONY, "<|channel|>x")] {
+            let mut s = Splitter::new(m, true, false, false);
+            let mut parts = s.push(open);
+            let chunk = "a".repeat(4096);
+            for _ in 0..(MAX_CALL_BYTES / 4096 + 2) {
+                parts.extend(s.push(&chunk));
+            }
+            parts.extend(s.push("tail"));
+            parts.extend(s.finish());
+            let text: String = merge(parts)
+                .into_iter()
+                .map(|p| match p {
+                    Part::Content(t) => t,
+                    other => panic!("{other:?}"),
+                })
+                .collect();
+            assert!(text.starts_with(&format!("{open}aaa")) && text.ends_with("tail"));
+        }
         let forced = "<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>\n<tool_call>{\"name\": \"g\", \"arguments\": {}}</tool_call>";
         let mut s = Splitter::new(HERMES, true, false, false).forced();
         let mut parts = s.push(forced);

@@ -1,10 +1,19 @@
 //! Chat templates: `chat_template.jinja` or `tokenizer_config.json`'s `chat_template`
 //! (a string, or a list of named templates: "default" is used), rendered with minijinja
-//! and Python-compatible string methods; ChatML when the checkpoint has none.
+//! the way transformers' `apply_chat_template` renders them with Jinja2: blocks trimmed
+//! (`trim_blocks`, `lstrip_blocks`), Python's string methods, `tojson` as Python's
+//! `json.dumps` writes (`", "` and `": "`, no HTML escaping, `indent`), `raise_exception`,
+//! `strftime_now`, dictionaries in their insertion order, lists and dicts printed as Python's
+//! `repr`; a call's `arguments` sent as JSON text are given to the template as the object
+//! they hold (templates iterate them). Not matched: Python's `%` string formatting (an error
+//! here). ChatML when the checkpoint has none. [`crate::templates`] holds templates of each
+//! family.
 
 use std::path::Path;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
+
+use crate::agent::Markup;
 
 /// ChatML, the format Qwen models use.
 pub const CHATML: &str = "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
@@ -17,7 +26,7 @@ pub enum ChatError {
 
 /// One chat message, with the fields agent turns carry (absent, not null, when unset, as
 /// templates test them with `is defined`).
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
@@ -52,6 +61,9 @@ pub struct ChatTemplate {
     pub source: String,
     bos: String,
     eos: String,
+    /// The family's reasoning and tool-call markup, chosen from the template (and the
+    /// checkpoint's `model_type`).
+    pub markup: Markup,
 }
 
 fn token_text(v: Option<&serde_json::Value>) -> String {
@@ -86,13 +98,34 @@ impl ChatTemplate {
         }
         let bos = token_text(cfg.as_ref().and_then(|c| c.get("bos_token")));
         let eos = token_text(cfg.as_ref().and_then(|c| c.get("eos_token")));
-        Self::new(src.unwrap_or_else(|| CHATML.to_string()), bos, eos)
+        let model_type: Option<String> = std::fs::read(dir.join("config.json"))
+            .ok()
+            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+            .and_then(|c| c.get("model_type")?.as_str().map(String::from));
+        let mut t = Self::new(src.unwrap_or_else(|| CHATML.to_string()), bos, eos)?;
+        t.markup = Markup::detect(&t.source, model_type.as_deref());
+        Ok(t)
     }
 
+    /// A template from its source; the markup from its markers alone.
     pub fn new(source: String, bos: String, eos: String) -> Result<Self, ChatError> {
         let mut env = minijinja::Environment::new();
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        // as transformers sets up Jinja2 for chat templates
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.add_filter("tojson", tojson);
+        // lists and dicts print as Python's repr (`{'a': [True, None]}`), as in Jinja2
+        env.set_formatter(|out, state, value| match value.kind() {
+            minijinja::value::ValueKind::Seq | minijinja::value::ValueKind::Map => {
+                let mut text = String::new();
+                py_repr(value, &mut text, 0);
+                out.write_str(&text).map_err(minijinja::Error::from)
+            }
+            _ => minijinja::escape_formatter(out, state, value),
+        });
+        env.add_function("strftime_now", |fmt: String| strftime(&fmt, now_secs()));
         env.add_function(
             "raise_exception",
             |msg: String| -> Result<String, minijinja::Error> {
@@ -106,6 +139,7 @@ impl ChatTemplate {
             .map_err(|e| ChatError::Template(e.to_string()))?;
         Ok(ChatTemplate {
             env,
+            markup: Markup::detect(&source, None),
             source,
             bos,
             eos,
@@ -126,6 +160,18 @@ impl ChatTemplate {
         tools: Option<&serde_json::Value>,
         kwargs: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String, ChatError> {
+        self.render_full(messages, tools, kwargs, true)
+    }
+
+    /// [`ChatTemplate::render_with`], the assistant's turn opened or not
+    /// (`add_generation_prompt`).
+    pub fn render_full(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String, ChatError> {
         let t = self
             .env
             .get_template("chat")
@@ -134,11 +180,11 @@ impl ChatTemplate {
             .iter()
             .map(|(k, v)| (k.clone(), minijinja::Value::from_serialize(v)))
             .collect();
-        ctx.insert(
-            "messages".into(),
-            minijinja::Value::from_serialize(messages),
-        );
-        ctx.insert("add_generation_prompt".into(), true.into());
+        let mut msgs = serde_json::to_value(messages)
+            .map_err(|e| ChatError::Template(format!("the messages: {e}")))?;
+        arguments_as_objects(&mut msgs);
+        ctx.insert("messages".into(), minijinja::Value::from_serialize(&msgs));
+        ctx.insert("add_generation_prompt".into(), add_generation_prompt.into());
         ctx.insert("bos_token".into(), self.bos.clone().into());
         ctx.insert("eos_token".into(), self.eos.clone().into());
         ctx.insert(
@@ -157,10 +203,302 @@ impl ChatTemplate {
         self.source.contains("tools")
     }
 
-    /// Whether the template knows a thinking block (`<think>`).
+    /// Whether the template knows a thinking block (`<think>`, harmony's analysis channel).
     pub fn thinks(&self) -> bool {
-        self.source.contains("<think>")
+        self.markup.thinks_in(&self.source)
     }
+}
+
+/// Each assistant call's `function.arguments` sent as JSON text holding an object, as that
+/// object (templates iterate the arguments or write them with `tojson`).
+fn arguments_as_objects(messages: &mut serde_json::Value) {
+    let Some(list) = messages.as_array_mut() else {
+        return;
+    };
+    for m in list {
+        let Some(calls) = m.get_mut("tool_calls").and_then(|c| c.as_array_mut()) else {
+            continue;
+        };
+        for c in calls {
+            let Some(f) = c.get_mut("function").and_then(|f| f.as_object_mut()) else {
+                continue;
+            };
+            let parsed = match f.get("arguments") {
+                Some(serde_json::Value::String(s)) => {
+                    serde_json::from_str::<serde_json::Value>(s).ok()
+                }
+                _ => None,
+            };
+            if let Some(obj @ serde_json::Value::Object(_)) = parsed {
+                f.insert("arguments".into(), obj);
+            }
+        }
+    }
+}
+
+/// Jinja's `tojson` as transformers defines it: Python's `json.dumps(x, ensure_ascii=False,
+/// indent=None, separators=None, sort_keys=False)`, no HTML escaping.
+fn tojson(
+    v: minijinja::Value,
+    kwargs: minijinja::value::Kwargs,
+) -> Result<minijinja::Value, minijinja::Error> {
+    let indent: Option<i64> = kwargs.get("indent")?;
+    let ascii: Option<bool> = kwargs.get("ensure_ascii")?;
+    let sort: Option<bool> = kwargs.get("sort_keys")?;
+    let seps: Option<Vec<String>> = kwargs.get("separators")?;
+    kwargs.assert_all_used()?;
+    let mut j = serde_json::to_value(&v).map_err(|e| {
+        minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e.to_string())
+    })?;
+    if sort == Some(true) {
+        sort_keys(&mut j);
+    }
+    let indent = indent.map(|n| " ".repeat(n.clamp(0, 64) as usize));
+    let (item, key) = match seps.as_deref() {
+        Some([a, b]) => (a.clone(), b.clone()),
+        _ if indent.is_some() => (",".to_string(), ": ".to_string()),
+        _ => (", ".to_string(), ": ".to_string()),
+    };
+    let mut out = String::new();
+    py_dumps(
+        &j,
+        &PyStyle {
+            indent,
+            item,
+            key,
+            ascii: ascii == Some(true),
+        },
+        0,
+        &mut out,
+    );
+    Ok(minijinja::Value::from(out))
+}
+
+fn sort_keys(v: &mut serde_json::Value) {
+    match v {
+        serde_json::Value::Object(o) => {
+            let mut items: Vec<(String, serde_json::Value)> =
+                std::mem::take(o).into_iter().collect();
+            items.sort_by(|a, b| a.0.cmp(&b.0));
+            for (k, mut x) in items {
+                sort_keys(&mut x);
+                o.insert(k, x);
+            }
+        }
+        serde_json::Value::Array(a) => a.iter_mut().for_each(sort_keys),
+        _ => {}
+    }
+}
+
+struct PyStyle {
+    indent: Option<String>,
+    item: String,
+    key: String,
+    ascii: bool,
+}
+
+/// A JSON string as Python writes it (`ensure_ascii`: non-ASCII as `\uXXXX`).
+fn py_string(s: &str, ascii: bool, out: &mut String) {
+    let quoted = serde_json::to_string(s).unwrap_or_default();
+    if !ascii {
+        out.push_str(&quoted);
+        return;
+    }
+    for c in quoted.chars() {
+        if c.is_ascii() {
+            out.push(c);
+        } else {
+            let mut buf = [0u16; 2];
+            for u in c.encode_utf16(&mut buf) {
+                out.push_str(&format!("\\u{u:04x}"));
+            }
+        }
+    }
+}
+
+fn py_dumps(v: &serde_json::Value, st: &PyStyle, depth: usize, out: &mut String) {
+    let newline = |out: &mut String, d: usize| {
+        if let Some(ind) = &st.indent {
+            out.push('\n');
+            out.push_str(&ind.repeat(d));
+        }
+    };
+    match v {
+        serde_json::Value::String(s) => py_string(s, st.ascii, out),
+        serde_json::Value::Array(a) if !a.is_empty() => {
+            out.push('[');
+            for (i, x) in a.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(&st.item);
+                }
+                newline(out, depth + 1);
+                py_dumps(x, st, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push(']');
+        }
+        serde_json::Value::Object(o) if !o.is_empty() => {
+            out.push('{');
+            for (i, (k, x)) in o.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(&st.item);
+                }
+                newline(out, depth + 1);
+                py_string(k, st.ascii, out);
+                out.push_str(&st.key);
+                py_dumps(x, st, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push('}');
+        }
+        other => out.push_str(&other.to_string()),
+    }
+}
+
+/// Most bytes one printed list or dict may take (a template could print a namespace that
+/// holds itself): past it, the rest is left out.
+const MAX_REPR_BYTES: usize = 1 << 20;
+
+/// A value as Python's `repr` writes it: strings quoted (single quotes unless the text holds
+/// one and no double quote), lists and dicts with their items' reprs. Nesting past 64 levels
+/// is cut (`...`), and so is what comes past [`MAX_REPR_BYTES`].
+fn py_repr(v: &minijinja::Value, out: &mut String, depth: usize) {
+    use minijinja::value::ValueKind;
+    if out.len() > MAX_REPR_BYTES {
+        return;
+    }
+    if depth > 64 {
+        out.push_str("...");
+        return;
+    }
+    match v.kind() {
+        ValueKind::String => {
+            let s = v.as_str().unwrap_or_default();
+            let q = if s.contains('\'') && !s.contains('"') {
+                '"'
+            } else {
+                '\''
+            };
+            out.push(q);
+            for c in s.chars() {
+                match c {
+                    '\\' => out.push_str("\\\\"),
+                    '\n' => out.push_str("\\n"),
+                    '\r' => out.push_str("\\r"),
+                    '\t' => out.push_str("\\t"),
+                    c if c == q => {
+                        out.push('\\');
+                        out.push(c);
+                    }
+                    c if (c as u32) < 0x20 || c as u32 == 0x7f => {
+                        out.push_str(&format!("\\x{:02x}", c as u32))
+                    }
+                    c => out.push(c),
+                }
+            }
+            out.push(q);
+        }
+        ValueKind::Seq | ValueKind::Map => {
+            let map = v.kind() == ValueKind::Map;
+            out.push(if map { '{' } else { '[' });
+            for (i, x) in v.try_iter().into_iter().flatten().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                py_repr(&x, out, depth + 1);
+                if map {
+                    out.push_str(": ");
+                    py_repr(&v.get_item(&x).unwrap_or_default(), out, depth + 1);
+                }
+            }
+            out.push(if map { '}' } else { ']' });
+        }
+        ValueKind::None | ValueKind::Undefined => out.push_str("None"),
+        ValueKind::Bool => out.push_str(if v.is_true() { "True" } else { "False" }),
+        _ => out.push_str(&v.to_string()),
+    }
+}
+
+fn now_secs() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0)
+}
+
+/// `strftime_now(format)`: the time now (UTC) as Python's `strftime` writes it, for the
+/// directives templates use (`%Y %y %m %d %e %H %M %S %b %B %a %A %j %%`; others as written).
+fn strftime(fmt: &str, secs: i64) -> String {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    const DAYS: [&str; 7] = [
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+        "Thursday",
+        "Friday",
+        "Saturday",
+        "Sunday",
+    ];
+    let days = secs.div_euclid(86_400);
+    let rem = secs.rem_euclid(86_400);
+    // the civil date of a day count (Howard Hinnant's algorithm)
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    let leap = (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
+    let before = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334][(m - 1) as usize];
+    let yday = before + d + i64::from(leap && m > 2);
+    let wday = (days + 3).rem_euclid(7) as usize; // 1970-01-01 was a Thursday
+    let month = MONTHS[(m - 1) as usize];
+    let mut out = String::new();
+    let mut it = fmt.chars();
+    while let Some(c) = it.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match it.next() {
+            Some('Y') => out.push_str(&y.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", y.rem_euclid(100))),
+            Some('m') => out.push_str(&format!("{m:02}")),
+            Some('d') => out.push_str(&format!("{d:02}")),
+            Some('e') => out.push_str(&format!("{d:>2}")),
+            Some('H') => out.push_str(&format!("{:02}", rem / 3600)),
+            Some('M') => out.push_str(&format!("{:02}", rem / 60 % 60)),
+            Some('S') => out.push_str(&format!("{:02}", rem % 60)),
+            Some('B') => out.push_str(month),
+            Some('b') => out.push_str(&month[..3]),
+            Some('A') => out.push_str(DAYS[wday]),
+            Some('a') => out.push_str(&DAYS[wday][..3]),
+            Some('j') => out.push_str(&format!("{yday:03}")),
+            Some('%') => out.push('%'),
+            Some(o) => {
+                out.push('%');
+                out.push(o);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -190,5 +528,31 @@ mod tests {
         )
         .unwrap();
         assert!(t.render(&[]).is_err());
+    }
+
+    #[test]
+    fn tojson_writes_like_python_and_dates_like_strftime() {
+        let src = "{{ x | tojson }}|{{ x | tojson(indent=2) }}|{{ 'é<' | tojson(ensure_ascii=true) }}|{{ x | tojson(sort_keys=true, separators=[',', ':']) }}";
+        let t = ChatTemplate::new(src.into(), String::new(), String::new()).unwrap();
+        let mut kw = serde_json::Map::new();
+        kw.insert(
+            "x".into(),
+            serde_json::json!({"b": [1, "a<'>&"], "a": {}, "c": []}),
+        );
+        assert_eq!(
+            t.render_full(&[], None, &kw, false).unwrap(),
+            "{\"b\": [1, \"a<'>&\"], \"a\": {}, \"c\": []}|{\n  \"b\": [\n    1,\n    \"a<'>&\"\n  ],\n  \"a\": {},\n  \"c\": []\n}|\"\\u00e9<\"|{\"a\":{},\"b\":[1,\"a<'>&\"],\"c\":[]}"
+        );
+        assert_eq!(
+            strftime("%Y-%m-%d %H:%M:%S %a %b %j %%", 1_709_210_096),
+            "2024-02-29 12:34:56 Thu Feb 060 %"
+        );
+        assert_eq!(strftime("%d %B %Y", 0), "01 January 1970");
+        // a namespace that holds itself prints within bounds
+        let src = "{% set ns = namespace(a=1) %}{% set ns.b = ns %}{% set ns.c = ns %}{{ [ns] }}";
+        let t = ChatTemplate::new(src.into(), String::new(), String::new()).unwrap();
+        if let Ok(s) = t.render(&[]) {
+            assert!(s.len() < 2 * MAX_REPR_BYTES, "{}", s.len());
+        }
     }
 }

@@ -31,10 +31,18 @@ impl TokenizerEnv for Env {
     }
 
     fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
-        // forced text is plain text: special-token spellings in it stay text
-        self.tokenizer
-            .encode_plain(&String::from_utf8_lossy(s))
-            .unwrap_or_default()
+        // forced text is plain text: special-token spellings in it stay text. Forced bytes
+        // may end inside a character (a marker such as DeepSeek's `<｜`): its valid text
+        // through the tokenizer, the bytes after through the trie (never U+FFFD in their place)
+        let valid = match std::str::from_utf8(s) {
+            Ok(t) => t,
+            Err(e) => std::str::from_utf8(&s[..e.valid_up_to()]).unwrap_or_default(),
+        };
+        let mut ids = self.tokenizer.encode_plain(valid).unwrap_or_default();
+        if valid.len() < s.len() {
+            ids.extend(self.trie.greedy_tokenize(&s[valid.len()..]));
+        }
+        ids
     }
 }
 
@@ -43,7 +51,35 @@ impl TokenizerEnv for Env {
 pub struct Grammars {
     tokenizer: Arc<Tokenizer>,
     eos: u32,
-    factory: OnceLock<Result<Arc<ParserFactory>, String>>,
+    factory: Arc<OnceLock<Result<Arc<ParserFactory>, String>>>,
+}
+
+/// The grammar compiler of `t`: the trie of its whole vocabulary (special tokens marked, so
+/// text never matches them), ending at `eos`.
+fn build_factory(t: &Arc<Tokenizer>, eos: u32) -> Result<Arc<ParserFactory>, String> {
+    let words: Vec<Vec<u8>> = (0..t.vocab_size() as u32)
+        .map(|i| {
+            let b = t.token_bytes(i);
+            if t.is_special(i) {
+                // llguidance's mark of a special token: never matched as text
+                let mut m = Vec::with_capacity(b.len() + 1);
+                m.push(TokTrie::SPECIAL_TOKEN_MARKER);
+                m.extend_from_slice(b);
+                m
+            } else {
+                b.to_vec()
+            }
+        })
+        .collect();
+    let info = TokRxInfo::new(words.len() as u32, eos);
+    let env: TokEnv = Arc::new(Env {
+        trie: TokTrie::from(&info, &words),
+        tokenizer: t.clone(),
+    });
+    let mut f =
+        ParserFactory::new_simple(&env).map_err(|e| format!("the grammar compiler: {e}"))?;
+    f.set_stderr_log_level(0);
+    Ok(Arc::new(f))
 }
 
 impl Grammars {
@@ -52,38 +88,24 @@ impl Grammars {
         Grammars {
             tokenizer,
             eos,
-            factory: OnceLock::new(),
+            factory: Arc::new(OnceLock::new()),
         }
+    }
+
+    /// Builds the trie of the vocabulary on a thread of its own now, so the first request
+    /// with a grammar does not wait for it (about half a second at 150k tokens).
+    pub fn warm(&self) {
+        let (cell, tokenizer, eos) = (self.factory.clone(), self.tokenizer.clone(), self.eos);
+        let _ = std::thread::Builder::new()
+            .name("moelane-grammar-trie".into())
+            .spawn(move || {
+                cell.get_or_init(|| build_factory(&tokenizer, eos));
+            });
     }
 
     fn factory(&self) -> Result<Arc<ParserFactory>, String> {
         self.factory
-            .get_or_init(|| {
-                let t = &self.tokenizer;
-                let words: Vec<Vec<u8>> = (0..t.vocab_size() as u32)
-                    .map(|i| {
-                        let b = t.token_bytes(i);
-                        if t.is_special(i) {
-                            // llguidance's mark of a special token: never matched as text
-                            let mut m = Vec::with_capacity(b.len() + 1);
-                            m.push(TokTrie::SPECIAL_TOKEN_MARKER);
-                            m.extend_from_slice(b);
-                            m
-                        } else {
-                            b.to_vec()
-                        }
-                    })
-                    .collect();
-                let info = TokRxInfo::new(words.len() as u32, self.eos);
-                let env: TokEnv = Arc::new(Env {
-                    trie: TokTrie::from(&info, &words),
-                    tokenizer: t.clone(),
-                });
-                let mut f = ParserFactory::new_simple(&env)
-                    .map_err(|e| format!("the grammar compiler: {e}"))?;
-                f.set_stderr_log_level(0);
-                Ok(Arc::new(f))
-            })
+            .get_or_init(|| build_factory(&self.tokenizer, self.eos))
             .clone()
     }
 
@@ -136,25 +158,66 @@ impl std::fmt::Debug for Constraint {
     }
 }
 
-impl Constraint {
-    /// Sets every logit the grammar does not allow next to -inf (only end-of-sequence once
-    /// the grammar is complete).
-    pub fn mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
-        let allowed = self.0.compute_mask_or_eos().map_err(|e| e.to_string())?;
-        let n = allowed.len();
+/// The tokens a grammar allows next: computed from the tokens followed so far
+/// ([`Constraint::next_mask`]), so it can be made while the step that yields the logits runs,
+/// then applied to them ([`Mask::apply`]).
+pub struct Mask(llguidance::toktrie::SimpleVob);
+
+impl Mask {
+    /// Whether token `id` may come next.
+    pub fn allows(&self, id: u32) -> bool {
+        (id as usize) < self.0.len() && self.0.is_allowed(id)
+    }
+
+    /// Sets every logit the mask does not allow to -inf; an error when no token the model
+    /// can produce (a finite logit) is left.
+    pub fn apply(&self, logits: &mut [f32]) -> Result<(), String> {
+        let (words, n) = (self.0.as_slice(), self.0.len());
         let mut any = false;
-        for (i, l) in logits.iter_mut().enumerate() {
+        // a word of 32 ids at a time: none allowed (most of a row where JSON's punctuation
+        // comes next) is a fill, all allowed (inside a string) only a look for a live logit
+        for (c, chunk) in logits.chunks_mut(32).enumerate() {
+            let base = c * 32;
             // ids past the tokenizer's vocabulary (a padded head) are never allowed
-            if i < n && allowed.is_allowed(i as TokenId) {
-                any |= *l > f32::NEG_INFINITY;
+            let live = match n.saturating_sub(base) {
+                0 => 0,
+                k if k >= 32 => u32::MAX,
+                k => (1u32 << k) - 1,
+            };
+            let w = words.get(c).copied().unwrap_or(0) & live;
+            if w == 0 {
+                chunk.fill(f32::NEG_INFINITY);
+            } else if w == u32::MAX && chunk.len() == 32 {
+                any = any || chunk.iter().any(|l| *l > f32::NEG_INFINITY);
             } else {
-                *l = f32::NEG_INFINITY;
+                // (no branch per id: a mixed word's bits are unpredictable)
+                for (b, l) in chunk.iter_mut().enumerate() {
+                    let keep = (w >> b) & 1 == 1;
+                    any |= keep & (*l > f32::NEG_INFINITY);
+                    *l = if keep { *l } else { f32::NEG_INFINITY };
+                }
             }
         }
         if !any {
             return Err("the grammar allows no token the model can produce here".into());
         }
         Ok(())
+    }
+}
+
+impl Constraint {
+    /// Sets every logit the grammar does not allow next to -inf (only end-of-sequence once
+    /// the grammar is complete).
+    pub fn mask(&mut self, logits: &mut [f32]) -> Result<(), String> {
+        self.next_mask()?.apply(logits)
+    }
+
+    /// The tokens the grammar allows next (only end-of-sequence once it is complete).
+    pub fn next_mask(&mut self) -> Result<Mask, String> {
+        self.0
+            .compute_mask_or_eos()
+            .map(Mask)
+            .map_err(|e| e.to_string())
     }
 
     /// Follows the token picked.

@@ -7,4 +7,5 @@ pub mod agent;
 pub mod chat;
 pub mod detok;
 pub mod grammar;
+pub mod templates;
 pub mod tokenizer;

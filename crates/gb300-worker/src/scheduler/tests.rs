@@ -799,3 +799,62 @@ fn a_json_schema_grammar_makes_random_weights_answer_valid_json() {
         assert!(o["ok"].is_boolean(), "{text}");
     }
 }
+
+#[test]
+fn the_mask_worker_gives_each_constraint_the_mask_made_inline_and_gives_them_back() {
+    // constrained and unconstrained slots mixed, over several steps: every mask the worker
+    // makes masks a row as the same grammar followed inline does, the constraints come back
+    // where they were, and the worker stays in step with the loop
+    use moelane_text::grammar::{json_schema_grammar, Grammars};
+    let tok = moelane_text::tokenizer::Tokenizer::from_dir(tiny()).expect("tokenizer");
+    let (eos, v) = (tok.eos_ids[0], tok.vocab_size());
+    let g = Grammars::new(std::sync::Arc::new(tok), eos);
+    // the trie built on its own thread; the first compile waits for it
+    g.warm();
+    let grammar = json_schema_grammar(&serde_json::json!({"type": "array",
+        "items": {"type": "integer"}, "minItems": 50}));
+    let mut slots: Vec<Option<moelane_text::grammar::Constraint>> = (0..5)
+        .map(|i| (i % 2 == 0).then(|| g.compile(&grammar).expect("compile")))
+        .collect();
+    let mut inline = slots.clone();
+    let mut w = super::masks::MaskWorker::default();
+    let mut rng = Rng::new(3);
+    for step in 0..12 {
+        let mut cs: Vec<_> = slots.iter_mut().collect();
+        let p = w.start(&mut cs);
+        assert!(cs.iter().all(|c| c.is_none()), "step {step}: not sent");
+        let masks = w.finish(p, &mut cs);
+        for (i, (m, c)) in masks.into_iter().zip(inline.iter_mut()).enumerate() {
+            let Some(c) = c else {
+                assert!(m.is_none() && slots[i].is_none(), "slot {i}");
+                continue;
+            };
+            let (m, _) = m.expect("a constrained slot's mask");
+            let m = m.expect("mask");
+            // a padded head: ids past the vocabulary are never allowed
+            let row: Vec<f32> = (0..v + 37).map(|_| rng.uniform()).collect();
+            let want: Vec<f32> = (0..row.len())
+                .map(|t| {
+                    if m.allows(t as u32) {
+                        row[t]
+                    } else {
+                        f32::NEG_INFINITY
+                    }
+                })
+                .collect();
+            let (mut a, mut b) = (row.clone(), row);
+            m.apply(&mut a).expect("apply");
+            c.mask(&mut b).expect("inline");
+            assert!(a == b, "step {step} slot {i}: the masks differ");
+            assert!(a == want, "step {step} slot {i}: applied unlike allows()");
+            // both follow the lowest allowed token
+            let t = a.iter().position(|x| x.is_finite()).expect("a token") as u32;
+            c.consume(t).expect("inline follows");
+            slots[i]
+                .as_mut()
+                .expect("given back")
+                .consume(t)
+                .expect("follows");
+        }
+    }
+}
