@@ -282,6 +282,8 @@ async fn handle(st: Arc<AppState>, req: Request) -> Result<Response, ApiError> {
                     calls = true;
                     content.push(tool_use(&st, &name, &arguments));
                 }
+                // merged into calls
+                Part::CallStart { .. } | Part::CallArgs(_) | Part::CallEnd => {}
             }
         }
         let (reason, seq) = stop_reason(&c.finish, calls, c.stop_hit.as_deref());
@@ -308,6 +310,8 @@ enum Open {
     None,
     Text,
     Thinking,
+    /// A tool_use block whose input streams.
+    Tool,
 }
 
 /// The content blocks of a stream: the one open (text or thinking), its index, and whether
@@ -346,43 +350,40 @@ impl Blocks<'_> {
 
     /// Sends the parts as block events; false when the client left.
     async fn blocks(&mut self, parts: Vec<Part>) -> bool {
-        for p in parts {
+        for p in moelane_text::agent::as_streamed(parts) {
             let kind = match &p {
                 Part::Content(_) => Open::Text,
                 Part::Reasoning(_) => Open::Thinking,
-                Part::Call { .. } => Open::None,
+                Part::Call { .. } | Part::CallStart { .. } => Open::None,
+                Part::CallArgs(_) | Part::CallEnd => Open::Tool,
             };
             if self.open != kind && !self.close().await {
                 return false;
             }
             let ok = match p {
-                Part::Call { name, arguments } => {
+                Part::CallStart { name } => {
                     self.calls = true;
-                    let mut block = tool_use(self.st, &name, &arguments);
-                    // the input as the stream's one JSON delta (normalised like a whole answer's)
-                    let arguments = block["input"].to_string();
+                    let mut block = tool_use(self.st, &name, "{}");
                     block["input"] = json!({});
-                    let i = self.index;
-                    self.index += 1;
+                    self.open = Open::Tool;
                     self.put(
                         "content_block_start",
-                        json!({"type": "content_block_start", "index": i, "content_block": block}),
+                        json!({"type": "content_block_start", "index": self.index, "content_block": block}),
                     )
                     .await
-                        && self
-                            .put(
-                                "content_block_delta",
-                                json!({"type": "content_block_delta", "index": i,
-                            "delta": {"type": "input_json_delta", "partial_json": arguments}}),
-                            )
-                            .await
-                        && self
-                            .put(
-                                "content_block_stop",
-                                json!({"type": "content_block_stop", "index": i}),
-                            )
-                            .await
                 }
+                Part::CallArgs(a) => {
+                    self.put(
+                        "content_block_delta",
+                        json!({"type": "content_block_delta", "index": self.index,
+                            "delta": {"type": "input_json_delta", "partial_json": a}}),
+                    )
+                    .await
+                }
+                // the tool_use block closes
+                Part::CallEnd => self.close().await,
+                // whole calls come as streamed ones (as_streamed)
+                Part::Call { .. } => true,
                 Part::Content(t) | Part::Reasoning(t) => {
                     let text = kind == Open::Text;
                     let started = self.open != Open::None

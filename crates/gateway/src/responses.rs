@@ -210,6 +210,8 @@ fn items(st: &AppState, parts: Vec<Part>) -> Vec<Value> {
                 flush(&mut text, &mut out);
                 out.push(function_call(st, &name, &arguments));
             }
+            // merged into calls
+            Part::CallStart { .. } | Part::CallArgs(_) | Part::CallEnd => {}
         }
     }
     flush(&mut text, &mut out);
@@ -300,6 +302,8 @@ struct Events<'a> {
     text: Option<(usize, String)>,
     /// The open reasoning item and its text so far.
     reasoning: Option<(usize, String)>,
+    /// The function call whose arguments are streaming, and its arguments so far.
+    call: Option<(usize, String)>,
 }
 
 impl Events<'_> {
@@ -336,6 +340,28 @@ impl Events<'_> {
                 .await
     }
 
+    /// Ends the function call whose arguments were streaming.
+    async fn close_call(&mut self) -> bool {
+        let Some((i, args)) = self.call.take() else {
+            return true;
+        };
+        self.output[i]["arguments"] = json!(args);
+        self.output[i]["status"] = json!("completed");
+        let id = self.output[i]["id"].clone();
+        let done = self.output[i].clone();
+        self.emit(
+            "response.function_call_arguments.done",
+            json!({"item_id": id, "output_index": i, "arguments": args}),
+        )
+        .await
+            && self
+                .emit(
+                    "response.output_item.done",
+                    json!({"output_index": i, "item": done}),
+                )
+                .await
+    }
+
     /// Closes the open message item.
     async fn close_text(&mut self) -> bool {
         let Some((i, text)) = self.text.take() else {
@@ -352,10 +378,10 @@ impl Events<'_> {
     }
 
     async fn parts(&mut self, parts: Vec<Part>) -> bool {
-        for p in parts {
+        for p in moelane_text::agent::as_streamed(parts) {
             let ok = match p {
                 Part::Content(t) => {
-                    if !self.close_reasoning().await {
+                    if !(self.close_reasoning().await && self.close_call().await) {
                         return false;
                     }
                     if self.text.is_none() {
@@ -384,7 +410,7 @@ impl Events<'_> {
                     .await
                 }
                 Part::Reasoning(t) => {
-                    if !self.close_text().await {
+                    if !(self.close_text().await && self.close_call().await) {
                         return false;
                     }
                     if self.reasoning.is_none() {
@@ -414,42 +440,40 @@ impl Events<'_> {
                     )
                     .await
                 }
-                Part::Call { name, arguments } => {
-                    if !(self.close_text().await && self.close_reasoning().await) {
+                Part::CallStart { name } => {
+                    if !(self.close_text().await
+                        && self.close_reasoning().await
+                        && self.close_call().await)
+                    {
                         return false;
                     }
-                    let mut item = function_call(self.st, &name, &arguments);
+                    let mut item = function_call(self.st, &name, "");
+                    item["status"] = json!("in_progress");
                     self.output.push(item.clone());
                     let i = self.output.len() - 1;
-                    item["arguments"] = json!("");
-                    item["status"] = json!("in_progress");
-                    let id = item["id"].clone();
+                    self.call = Some((i, String::new()));
                     self.emit(
                         "response.output_item.added",
                         json!({"output_index": i, "item": item}),
                     )
                     .await
-                        && self
-                            .emit(
-                                "response.function_call_arguments.delta",
-                                json!({"item_id": id, "output_index": i, "delta": arguments}),
-                            )
-                            .await
-                        && self
-                            .emit(
-                                "response.function_call_arguments.done",
-                                json!({"item_id": id, "output_index": i, "arguments": arguments}),
-                            )
-                            .await
-                        && {
-                            let done = self.output[i].clone();
-                            self.emit(
-                                "response.output_item.done",
-                                json!({"output_index": i, "item": done}),
-                            )
-                            .await
-                        }
                 }
+                Part::CallArgs(a) => {
+                    let Some((i, args)) = self.call.as_mut() else {
+                        continue;
+                    };
+                    args.push_str(&a);
+                    let i = *i;
+                    let id = self.output[i]["id"].clone();
+                    self.emit(
+                        "response.function_call_arguments.delta",
+                        json!({"item_id": id, "output_index": i, "delta": a}),
+                    )
+                    .await
+                }
+                Part::CallEnd => self.close_call().await,
+                // whole calls come as streamed ones (as_streamed)
+                Part::Call { .. } => true,
             };
             if !ok {
                 return false;
@@ -484,6 +508,7 @@ async fn stream(
         output: Vec::new(),
         text: None,
         reasoning: None,
+        call: None,
     };
     let created = response(st, id, vr, Vec::new(), None, 0);
     if !(w
@@ -506,7 +531,7 @@ async fn stream(
         .await;
         return;
     }
-    if !(w.close_text().await && w.close_reasoning().await) {
+    if !(w.close_text().await && w.close_reasoning().await && w.close_call().await) {
         return;
     }
     let fin = end.finish.unwrap_or_else(|| "stop".into());

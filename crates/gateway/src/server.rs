@@ -1654,6 +1654,8 @@ fn chat_message(st: &AppState, vr: &ValidRequest, text: &str, finish: &mut Strin
             Part::Content(t) => content.push_str(&t),
             Part::Reasoning(t) => reasoning.push_str(&t),
             Part::Call { name, arguments } => calls.push(tool_call(st, None, &name, &arguments)),
+            // merged into calls
+            Part::CallStart { .. } | Part::CallArgs(_) | Part::CallEnd => {}
         }
     }
     let mut m = json!({"role": "assistant", "content": content});
@@ -1819,7 +1821,8 @@ async fn whole_response(
 }
 
 /// A streamed choice's text as chunks: as it comes, or split into content, reasoning and
-/// tool-call deltas (each call whole, with its index among the choice's calls).
+/// tool-call deltas (a call's first delta has its index among the choice's calls, its id and
+/// name; its arguments follow in pieces under the same index).
 struct StreamSplit {
     splitter: Option<moelane_text::agent::Splitter>,
     calls: usize,
@@ -1847,19 +1850,22 @@ impl StreamSplit {
         if end {
             parts.extend(sp.finish());
         }
-        parts
-            .into_iter()
-            .map(|p| {
+        moelane_text::agent::as_streamed(parts)
+            .filter_map(|p| {
                 let delta = match p {
                     Part::Content(t) => json!({"content": t}),
                     Part::Reasoning(t) => json!({"reasoning_content": t}),
-                    Part::Call { name, arguments } => {
+                    Part::CallStart { name } => {
                         self.calls += 1;
-                        json!({"tool_calls": [tool_call(st, Some(self.calls - 1), &name, &arguments)]})
+                        json!({"tool_calls": [tool_call(st, Some(self.calls - 1), &name, "")]})
                     }
+                    Part::CallArgs(a) => {
+                        json!({"tool_calls": [{"index": self.calls.saturating_sub(1), "function": {"arguments": a}}]})
+                    }
+                    Part::CallEnd | Part::Call { .. } => return None,
                 };
-                json!({"id": out.id, "object": "chat.completion.chunk", "created": out.created, "model": st.cfg.model_name,
-                       "choices": [{"index": index, "delta": delta, "logprobs": null, "finish_reason": null}]})
+                Some(json!({"id": out.id, "object": "chat.completion.chunk", "created": out.created, "model": st.cfg.model_name,
+                       "choices": [{"index": index, "delta": delta, "logprobs": null, "finish_reason": null}]}))
             })
             .collect()
     }

@@ -1344,7 +1344,7 @@ async fn forced_calls_validate(gw: &str, label: &str) {
         .clone();
     assert_eq!(calls.len(), 1, "{label}: {v}");
     assert_eq!(check_call(label, &calls[0]), "add");
-    // streamed: the same call, as one tool_calls delta with its index
+    // streamed: the same call, its arguments in pieces under its index
     let mut streamed = named.clone();
     streamed["stream"] = json!(true);
     let (st, body) = http(
@@ -1364,10 +1364,22 @@ async fn forced_calls_validate(gw: &str, label: &str) {
         .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array())
         .flatten()
         .collect();
-    assert_eq!(deltas.len(), 1, "{label}: {body}");
-    assert_eq!(deltas[0]["index"], 0);
+    assert!(deltas.len() > 2, "{label}: arguments not streamed: {body}");
+    assert!(deltas.iter().all(|d| d["index"] == 0), "{label}: {body}");
+    // the first has the id and name; the rest only arguments
+    assert!(deltas[0]["id"]
+        .as_str()
+        .is_some_and(|i| i.starts_with("call_")));
+    assert_eq!(deltas[0]["function"]["name"], calls[0]["function"]["name"]);
+    assert!(deltas[1..]
+        .iter()
+        .all(|d| d.get("id").is_none() && d["function"].get("name").is_none()));
+    let arguments: String = deltas
+        .iter()
+        .map(|d| d["function"]["arguments"].as_str().unwrap_or_default())
+        .collect();
     assert_eq!(
-        deltas[0]["function"], calls[0]["function"],
+        arguments, calls[0]["function"]["arguments"],
         "{label}: streamed call differs"
     );
     assert_eq!(

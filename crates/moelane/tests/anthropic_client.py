@@ -50,9 +50,12 @@ named = c.messages.create(model=model, max_tokens=200, messages=[{"role": "user"
 assert [b.name for b in named.content if b.type == "tool_use"] == ["get_weather"], named
 with c.messages.stream(model=model, max_tokens=200, messages=[{"role": "user", "content": "Weather in Oslo?"}],
                        tools=tools, tool_choice={"type": "any", "disable_parallel_tool_use": True}) as s:
+    pieces = [e.partial_json for e in s if e.type == "input_json"]
     fm = s.get_final_message()
 su = [b for b in fm.content if b.type == "tool_use"]
 assert fm.stop_reason == "tool_use" and len(su) == 1 and su[0].input == uses[0].input, (fm, uses)
+# the input arrives as it is written, in pieces that add up to it
+assert len(pieces) > 2 and json.loads("".join(pieces)) == uses[0].input, pieces
 follow = c.messages.create(model=model, max_tokens=8, tools=tools, messages=[
     {"role": "user", "content": "Weather in Oslo?"},
     {"role": "assistant", "content": [{"type": "tool_use", "id": uses[0].id, "name": "get_weather", "input": uses[0].input}]},

@@ -248,14 +248,15 @@ fn anthropic_python_client() {
     python_client("anthropic_client.py", "http://{addr}");
 }
 
-/// Agent traffic with the real `openai` client on two non-Qwen families, each a random
+/// Agent traffic with the real `openai` client on three non-Qwen families, each a random
 /// checkpoint served with its family's own template (moelane_text::templates) and so its own
-/// tool-call markup: GLM-4.5's `<arg_key>` pairs and DeepSeek V3's fenced calls. Single,
+/// tool-call markup: GLM-4.5's `<arg_key>` pairs, DeepSeek V3's fenced calls and gpt-oss's
+/// harmony messages (calls on the commentary channel). Single,
 /// parallel, named and streamed forced calls validate against the tools' schemas; none and
 /// auto answer; a result goes back in; DeepSeek's `thinking` opens the block, so the answer
 /// is `reasoning_content`, whole and streamed; json_schema answers validate.
 #[test]
-fn openai_python_client_on_glm_and_deepseek_templates() {
+fn openai_python_client_on_glm_deepseek_and_gpt_oss_templates() {
     use moelane_engine::config::Family;
     let Some(python) = openai_python() else {
         return;
@@ -263,6 +264,7 @@ fn openai_python_client_on_glm_and_deepseek_templates() {
     for (family, think) in [
         (Family::Glm4Moe, ""),
         (Family::DeepseekV3, r#"{"thinking": true}"#),
+        (Family::GptOss, ""),
     ] {
         let name = family.name();
         let template = moelane_text::templates::for_family(name).expect("a template");

@@ -76,7 +76,7 @@ r = c.chat.completions.create(model=model, messages=ask, tools=tools, tool_choic
                               max_tokens=400, temperature=0)
 calls = r.choices[0].message.tool_calls
 assert len(calls) == 1 and valid(calls[0]) == "add", r
-parts, finish = {}, None
+parts, finish, pieces = {}, None, 0
 for chunk in c.chat.completions.create(model=model, messages=ask, tools=tools, tool_choice=named,
                                        max_tokens=400, temperature=0, stream=True):
     for choice in chunk.choices:
@@ -85,8 +85,25 @@ for chunk in c.chat.completions.create(model=model, messages=ask, tools=tools, t
             p = parts.setdefault(d.index, {"name": "", "arguments": ""})
             p["name"] += d.function.name or ""
             p["arguments"] += d.function.arguments or ""
+            pieces += bool(d.function.arguments)
 assert parts == {0: {"name": "add", "arguments": calls[0].function.arguments}}, (parts, calls)
 assert finish == "tool_calls", finish
+# the arguments arrive as they are written, not whole at the end
+assert pieces > 2, pieces
+# the SDK's stream helper (strict tools only): its argument delta events, and the call
+# parsed at the end, the same as the whole answer's
+strict = [{"type": "function", "function": dict(t["function"], strict=True)} for t in tools]
+weather = {"type": "function", "function": {"name": "get_weather"}}
+whole = c.chat.completions.create(model=model, messages=ask, tools=strict, tool_choice=weather,
+                                  max_tokens=400, temperature=0).choices[0].message.tool_calls[0]
+with c.chat.completions.stream(model=model, messages=ask, tools=strict, tool_choice=weather,
+                               max_tokens=400, temperature=0) as s:
+    deltas = [e for e in s if e.type == "tool_calls.function.arguments.delta"]
+    done = s.get_final_completion()
+assert len(deltas) > 2 and "".join(d.arguments_delta for d in deltas) == whole.function.arguments, deltas
+got = done.choices[0].message.tool_calls[0]
+assert got.function.parsed_arguments == json.loads(whole.function.arguments), (got, whole)
+valid(got)
 print(label, "named and streamed ok")
 
 # none and auto: free text answers (random weights: whatever they write)

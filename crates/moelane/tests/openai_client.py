@@ -142,10 +142,13 @@ rt = c.responses.create(model=model, input="Weather in Oslo?", tools=rtools, too
                         parallel_tool_calls=False, max_output_tokens=200)
 fcs = [o for o in rt.output if o.type == "function_call"]
 assert len(fcs) == 1 and fcs[0].name == "get_weather" and isinstance(_json.loads(fcs[0].arguments)["city"], str), rt
-streamed_calls = [e for e in c.responses.create(model=model, input="Weather in Oslo?", tools=rtools, tool_choice="required",
-                                               parallel_tool_calls=False, max_output_tokens=200, stream=True)
-                  if e.type == "response.function_call_arguments.done"]
+rev = list(c.responses.create(model=model, input="Weather in Oslo?", tools=rtools, tool_choice="required",
+                              parallel_tool_calls=False, max_output_tokens=200, stream=True))
+streamed_calls = [e for e in rev if e.type == "response.function_call_arguments.done"]
 assert [e.arguments for e in streamed_calls] == [fcs[0].arguments], streamed_calls
+# the arguments arrive in pieces as they are written
+arg_deltas = [e.delta for e in rev if e.type == "response.function_call_arguments.delta"]
+assert len(arg_deltas) > 2 and "".join(arg_deltas) == fcs[0].arguments, arg_deltas
 r2 = c.responses.create(model=model, tools=rtools, max_output_tokens=8, input=[
     {"role": "user", "content": "Weather in Oslo?"},
     {"type": "function_call", "call_id": fcs[0].call_id, "name": fcs[0].name, "arguments": fcs[0].arguments},

@@ -166,13 +166,51 @@ impl Markup {
 pub enum Part {
     Content(String),
     Reasoning(String),
-    /// A whole tool call: its function's name and its arguments as JSON text (a call whose
-    /// body does not parse is given back as content, markup and all).
+    /// A whole tool call: its function's name and its arguments as JSON text. [`merge`]
+    /// makes one of each streamed call; [`Splitter`] gives one whole only for a call not in
+    /// its family's usual shape (read at its close; one that does not parse then is given
+    /// back as content, markup and all).
     Call {
         name: String,
         arguments: String,
     },
+    /// A streamed call starts: its name is read. Its arguments follow as [`Part::CallArgs`]
+    /// pieces (their concatenation is always one valid JSON object: see [`Splitter`]), then
+    /// [`Part::CallEnd`].
+    CallStart {
+        name: String,
+    },
+    CallArgs(String),
+    CallEnd,
 }
+
+/// Where the call being read is.
+enum CallSt {
+    /// Its head (the name, up to where the arguments start) is not read yet: the body is
+    /// held.
+    Head,
+    /// Not in the family's usual shape: read whole at its close.
+    Whole,
+    /// Its arguments, streamed.
+    Args(JsonOut),
+    /// GLM's argument pairs, streamed a pair at a time (how many were given).
+    Pairs(usize),
+    /// The arguments ended: the rest of the body up to the close is dropped.
+    Tail,
+}
+
+/// What a call's head says so far.
+#[derive(Debug, PartialEq)]
+enum Head {
+    More,
+    Whole,
+    /// The name, and where the arguments start in the body.
+    Start(String, usize),
+}
+
+/// Most bytes of a call's body searched for its head: a call whose arguments do not start
+/// within them is read whole.
+const HEAD_MAX: usize = 4096;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Mode {
@@ -217,6 +255,7 @@ pub struct Splitter {
     /// Only calls may be written (a forced call): text between them is the grammar's
     /// separator, not content.
     forced: bool,
+    call: CallSt,
 }
 
 impl Splitter {
@@ -237,6 +276,7 @@ impl Splitter {
             calls,
             think,
             forced: false,
+            call: CallSt::Head,
         }
     }
 
@@ -304,12 +344,33 @@ impl Splitter {
                     self.act(before, mk, act, &mut out);
                 }
                 None => {
+                    if self.mode == Mode::Call {
+                        // read what cannot be the start of a closing marker
+                        let keep = markers
+                            .iter()
+                            .map(|mk| partial_suffix(&self.buf, mk.0))
+                            .max()
+                            .unwrap_or(0);
+                        let buf = std::mem::take(&mut self.buf);
+                        let used = self.read_call(&buf[..buf.len() - keep], false, &mut out);
+                        self.buf = buf;
+                        self.buf.drain(..used);
+                        if let CallSt::Pairs(_) = self.call {
+                            if self.buf.len() > MAX_CALL_BYTES {
+                                // an argument that never ends: the call ends here
+                                out.push(Part::CallArgs("}".into()));
+                                self.call = CallSt::Tail;
+                                self.buf.clear();
+                            }
+                        }
+                    }
                     if matches!(self.mode, Mode::Call | Mode::Header) {
                         if self.buf.len() > MAX_CALL_BYTES {
                             // never closed within bounds: what the model wrote, as text
                             let body = std::mem::take(&mut self.buf);
                             out.push(Part::Content(self.unclosed(&body)));
                             self.mode = Mode::Content;
+                            self.call = CallSt::Head;
                             self.scanned = 0;
                             continue;
                         }
@@ -340,7 +401,11 @@ impl Splitter {
             self.mode = self.body_mode();
             return;
         }
-        self.emit(before, out);
+        if self.mode == Mode::Call {
+            self.close_call(before, out);
+        } else {
+            self.emit(before, out);
+        }
         match act {
             Act::Think => self.mode = Mode::Reasoning,
             Act::Call => self.mode = Mode::Call,
@@ -381,13 +446,125 @@ impl Splitter {
         let rest = std::mem::take(&mut self.buf);
         self.scanned = 0;
         let mut out = Vec::new();
+        let started = matches!(self.call, CallSt::Args(_) | CallSt::Pairs(_) | CallSt::Tail);
         match self.mode {
-            Mode::Call if self.m.style == Style::Harmony => out.push(self.call_part(&rest)),
+            // a started call ends with the answer (harmony's last call always does)
+            Mode::Call if started || self.m.style == Style::Harmony => {
+                self.close_call(rest, &mut out)
+            }
             Mode::Call | Mode::Header => out.push(Part::Content(self.unclosed(&rest))),
             _ => self.emit(rest, &mut out),
         }
         self.mode = Mode::Content;
+        self.call = CallSt::Head;
         out
+    }
+
+    /// Reads what of a call's body `text` can be read now (`fin`: the body is whole);
+    /// returns how many of its bytes were used.
+    fn read_call(&mut self, text: &str, fin: bool, out: &mut Vec<Part>) -> usize {
+        let mut used = 0;
+        loop {
+            let rest = &text[used..];
+            match &mut self.call {
+                CallSt::Head => match self.head(rest, fin) {
+                    Head::More => return used,
+                    Head::Whole => {
+                        self.call = CallSt::Whole;
+                        return used;
+                    }
+                    Head::Start(name, at) => {
+                        out.push(Part::CallStart { name });
+                        used += at;
+                        self.call = if self.m.style == Style::Glm {
+                            out.push(Part::CallArgs("{".into()));
+                            CallSt::Pairs(0)
+                        } else {
+                            CallSt::Args(JsonOut::new())
+                        };
+                    }
+                },
+                CallSt::Whole => return used,
+                CallSt::Args(j) => {
+                    let got = j.feed(rest);
+                    if !got.is_empty() {
+                        out.push(Part::CallArgs(got));
+                    }
+                    if j.ended() {
+                        let close = j.close();
+                        if !close.is_empty() {
+                            out.push(Part::CallArgs(close));
+                        }
+                        self.call = CallSt::Tail;
+                    }
+                    return text.len();
+                }
+                CallSt::Pairs(n) => match glm_pair(rest) {
+                    Ok(Some((key, value, len))) => {
+                        let value = serde_json::from_str(value)
+                            .unwrap_or_else(|_| Value::String(value.to_string()));
+                        let comma = if *n > 0 { "," } else { "" };
+                        out.push(Part::CallArgs(format!(
+                            "{comma}{}:{value}",
+                            Value::String(key.trim().to_string())
+                        )));
+                        *n += 1;
+                        used += len;
+                    }
+                    Ok(None) => return used,
+                    Err(()) => {
+                        out.push(Part::CallArgs("}".into()));
+                        self.call = CallSt::Tail;
+                        return text.len();
+                    }
+                },
+                CallSt::Tail => return text.len(),
+            }
+        }
+    }
+
+    /// A call closed (or the answer ended in it) after `body`: the rest of it read, then the
+    /// call ended (its arguments closed to valid JSON), or read whole.
+    fn close_call(&mut self, body: String, out: &mut Vec<Part>) {
+        let used = self.read_call(&body, true, out);
+        match std::mem::replace(&mut self.call, CallSt::Head) {
+            CallSt::Head | CallSt::Whole => out.push(self.call_part(&body[used..])),
+            CallSt::Args(mut j) => {
+                let close = j.close();
+                if !close.is_empty() {
+                    out.push(Part::CallArgs(close));
+                }
+                out.push(Part::CallEnd);
+            }
+            CallSt::Pairs(_) => {
+                out.push(Part::CallArgs("}".into()));
+                out.push(Part::CallEnd);
+            }
+            CallSt::Tail => out.push(Part::CallEnd),
+        }
+    }
+
+    /// What a call's body so far says of its head (`fin`: the body is whole).
+    fn head(&self, text: &str, fin: bool) -> Head {
+        let mut cut = text.len().min(HEAD_MAX);
+        while !text.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let t = &text[..cut];
+        let h = match self.m.style {
+            Style::Hermes => hermes_head(t),
+            Style::DeepSeek => deepseek_head(t),
+            Style::Kimi => kimi_head(t),
+            Style::Glm => glm_head(t),
+            Style::Harmony => {
+                let to = harmony_header(&self.head).1.unwrap_or_default();
+                args_start(to.strip_prefix("functions.").unwrap_or(to), t, 0)
+            }
+        };
+        match h {
+            Head::More if fin || text.len() > HEAD_MAX => Head::Whole,
+            h => h,
+        }
     }
 
     fn emit(&mut self, text: String, out: &mut Vec<Part>) {
@@ -395,7 +572,6 @@ impl Splitter {
             Mode::Content if self.forced => {}
             Mode::Content if !text.is_empty() => out.push(Part::Content(text)),
             Mode::Reasoning if !text.is_empty() => out.push(Part::Reasoning(text)),
-            Mode::Call => out.push(self.call_part(&text)),
             _ => {}
         }
     }
@@ -426,6 +602,180 @@ fn partial_suffix(s: &str, marker: &str) -> usize {
         .unwrap_or(0)
 }
 
+/// A cursor over a call's head: each step fails with [`Head::More`] at the end of the text
+/// and [`Head::Whole`] where the text is not the head's shape.
+struct Cur<'a> {
+    t: &'a str,
+    i: usize,
+}
+
+impl Cur<'_> {
+    fn ws(&mut self) {
+        let rest = &self.t[self.i..];
+        self.i += rest.len() - rest.trim_start().len();
+    }
+
+    fn lit(&mut self, l: &str) -> Result<(), Head> {
+        let rest = &self.t[self.i..];
+        if rest.starts_with(l) {
+            self.i += l.len();
+            Ok(())
+        } else if l.starts_with(rest) {
+            Err(Head::More)
+        } else {
+            Err(Head::Whole)
+        }
+    }
+
+    /// A JSON string.
+    fn string(&mut self) -> Result<String, Head> {
+        let from = self.i;
+        self.lit("\"")?;
+        let mut esc = false;
+        for (k, c) in self.t[self.i..].char_indices() {
+            if esc {
+                esc = false;
+            } else if c == '\\' {
+                esc = true;
+            } else if c == '"' {
+                let end = self.i + k + 1;
+                let s = serde_json::from_str(&self.t[from..end]).map_err(|_| Head::Whole)?;
+                self.i = end;
+                return Ok(s);
+            }
+        }
+        Err(Head::More)
+    }
+}
+
+/// Where a call's arguments start: after blanks, at `{` (else the call is read whole).
+fn args_start(name: &str, t: &str, at: usize) -> Head {
+    if !valid_name(name) {
+        return Head::Whole;
+    }
+    let rest = t[at..].trim_start();
+    match rest.chars().next() {
+        None => Head::More,
+        Some('{') => Head::Start(name.to_string(), t.len() - rest.len()),
+        Some(_) => Head::Whole,
+    }
+}
+
+/// Hermes: `{"name": "NAME", "arguments": {` (or `"parameters"`).
+fn hermes_head(t: &str) -> Head {
+    let mut c = Cur { t, i: 0 };
+    let head = (|| {
+        c.ws();
+        c.lit("{")?;
+        c.ws();
+        if c.string()? != "name" {
+            return Err(Head::Whole);
+        }
+        c.ws();
+        c.lit(":")?;
+        c.ws();
+        let name = c.string()?;
+        c.ws();
+        c.lit(",")?;
+        c.ws();
+        let key = c.string()?;
+        if key != "arguments" && key != "parameters" {
+            return Err(Head::Whole);
+        }
+        c.ws();
+        c.lit(":")?;
+        Ok(args_start(&name, t, c.i))
+    })();
+    head.unwrap_or_else(|h| h)
+}
+
+/// DeepSeek V3: `function<｜tool▁sep｜>NAME` then an optional ```` ```json ```` fence before
+/// `{`; V3.1: `NAME<｜tool▁sep｜>{`.
+fn deepseek_head(t: &str) -> Head {
+    let Some(sep) = t.find(DS_SEP) else {
+        return Head::More;
+    };
+    let kind = t[..sep].trim();
+    let from = sep + DS_SEP.len();
+    if !(kind.is_empty() || kind == "function") {
+        return args_start(kind, t, from);
+    }
+    let rest = t[from..].trim_start();
+    let Some(end) = rest.find(|c: char| c.is_whitespace() || c == '`') else {
+        return Head::More;
+    };
+    let name = &rest[..end];
+    let mut c = Cur {
+        t,
+        i: t.len() - rest.len() + end,
+    };
+    c.ws();
+    if t[c.i..].starts_with('`') {
+        if let Err(h) = c.lit("```") {
+            return h;
+        }
+        // the fence's language: `json`, or none
+        let lang = &t[c.i..];
+        if lang.starts_with("json") {
+            c.i += 4;
+        } else if "json".starts_with(lang) {
+            return Head::More;
+        }
+    }
+    args_start(name, t, c.i)
+}
+
+/// Kimi K2: `functions.NAME:INDEX<|tool_call_argument_begin|>{`.
+fn kimi_head(t: &str) -> Head {
+    let Some(at) = t.find(KIMI_ARG) else {
+        return Head::More;
+    };
+    let head = t[..at].trim();
+    let head = head.strip_prefix("functions.").unwrap_or(head);
+    let name = match head.rsplit_once(':') {
+        Some((n, i)) if !i.is_empty() && i.bytes().all(|b| b.is_ascii_digit()) => n,
+        _ => head,
+    };
+    args_start(name, t, at + KIMI_ARG.len())
+}
+
+/// GLM-4.5: `NAME` then the first `<arg_key>` (where the pairs start).
+fn glm_head(t: &str) -> Head {
+    match t.find("<arg_key>") {
+        None => Head::More,
+        Some(at) if valid_name(t[..at].trim()) => Head::Start(t[..at].trim().to_string(), at),
+        Some(_) => Head::Whole,
+    }
+}
+
+/// `t` after `tag`: `Ok(Some(rest))`; `Ok(None)` while `t` is still the start of `tag`;
+/// `Err` when it is something else.
+fn after_tag<'a>(t: &'a str, tag: &str) -> Result<Option<&'a str>, ()> {
+    match t.strip_prefix(tag) {
+        Some(rest) => Ok(Some(rest)),
+        None if tag.starts_with(t) => Ok(None),
+        None => Err(()),
+    }
+}
+
+/// One GLM pair at the start of `s` (after blanks): `Ok(Some((key, value, bytes used)))`,
+/// `Ok(None)` when it is not whole yet, `Err` when `s` is not a pair.
+fn glm_pair(s: &str) -> Result<Option<(&str, &str, usize)>, ()> {
+    let Some(r) = after_tag(s.trim_start(), "<arg_key>")? else {
+        return Ok(None);
+    };
+    let Some((key, r)) = r.split_once("</arg_key>") else {
+        return Ok(None);
+    };
+    let Some(r) = after_tag(r.trim_start(), "<arg_value>")? else {
+        return Ok(None);
+    };
+    let Some((value, r)) = r.split_once("</arg_value>") else {
+        return Ok(None);
+    };
+    Ok(Some((key, value, s.len() - r.len())))
+}
+
 /// A function name as a call may give it: no spaces, no markup.
 fn valid_name(n: &str) -> bool {
     !n.is_empty()
@@ -440,19 +790,23 @@ pub fn parse_call(body: &str) -> Option<Part> {
     let name = v.get("name")?.as_str()?.to_string();
     let arguments = match v.get("arguments").or_else(|| v.get("parameters")) {
         None | Some(Value::Null) => "{}".to_string(),
-        Some(Value::String(s)) => s.clone(),
-        Some(a) => a.to_string(),
+        Some(Value::String(s)) => json_arguments(s)?,
+        Some(a) if a.is_object() => a.to_string(),
+        Some(_) => return None,
     };
     Some(Part::Call { name, arguments })
 }
 
-/// Arguments written as JSON text (nothing: no arguments).
+/// Arguments written as JSON text: an object (nothing: no arguments).
 fn json_arguments(text: &str) -> Option<String> {
     let t = text.trim();
     if t.is_empty() {
         return Some("{}".into());
     }
-    serde_json::from_str::<Value>(t).ok().map(|v| v.to_string())
+    serde_json::from_str::<Value>(t)
+        .ok()
+        .filter(Value::is_object)
+        .map(|v| v.to_string())
 }
 
 /// DeepSeek V3's call body: `function<｜tool▁sep｜>NAME\n```json\n{..}\n```` (or V3.1's
@@ -574,14 +928,44 @@ pub fn split_whole(
     merge(parts)
 }
 
-/// Joins neighbouring content (and reasoning) parts.
+/// The parts with each whole call as a streamed one (its start, its arguments, its end):
+/// what a stream's writer takes, so it writes every call one way.
+pub fn as_streamed(parts: Vec<Part>) -> impl Iterator<Item = Part> {
+    parts.into_iter().flat_map(|p| match p {
+        Part::Call { name, arguments } => vec![
+            Part::CallStart { name },
+            Part::CallArgs(arguments),
+            Part::CallEnd,
+        ],
+        p => vec![p],
+    })
+}
+
+/// Joins neighbouring content (and reasoning) parts, and each streamed call's pieces into
+/// one [`Part::Call`].
 pub fn merge(parts: Vec<Part>) -> Vec<Part> {
     let mut out: Vec<Part> = Vec::new();
+    let mut open = false;
     for p in parts {
         match (out.last_mut(), p) {
+            (_, Part::CallStart { name }) => {
+                out.push(Part::Call {
+                    name,
+                    arguments: String::new(),
+                });
+                open = true;
+            }
+            (Some(Part::Call { arguments, .. }), Part::CallArgs(a)) if open => {
+                arguments.push_str(&a)
+            }
+            (_, Part::CallArgs(_)) => {}
+            (_, Part::CallEnd) => open = false,
             (Some(Part::Content(a)), Part::Content(b)) => a.push_str(&b),
             (Some(Part::Reasoning(a)), Part::Reasoning(b)) => a.push_str(&b),
-            (_, p) => out.push(p),
+            (_, p) => {
+                open = false;
+                out.push(p)
+            }
         }
     }
     out
@@ -788,9 +1172,379 @@ pub fn calls_grammar(
     format!("start: {open}call{more}{close}\n{rules}")
 }
 
+/// Where [`JsonOut`] is in the value it reads.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum J {
+    /// A value is expected (`true`: right after `[`, so `]` may come).
+    Value(bool),
+    /// Right after `{`: a key or `}`.
+    ObjFirst,
+    /// After a comma in an object: a key.
+    KeyNext,
+    /// Inside a key (`true`: after a backslash).
+    Key(bool),
+    /// After a key: its colon.
+    Colon,
+    /// Inside a string value.
+    Str,
+    /// Inside a string value's escape sequence (held in `esc`).
+    Esc,
+    Num,
+    Lit,
+    /// After a value inside a container: a comma or the container's end.
+    After,
+    Done,
+    Failed,
+}
+
+/// One JSON value read as the model writes it and given out as it comes: whitespace outside
+/// strings dropped, and only so far as what was given can still be closed to valid JSON (a
+/// comma and the key after it, a number, a literal or an escape sequence are held until they
+/// are whole). Where the text stops being JSON, or ends first, [`JsonOut::close`] gives what
+/// closes the value, so what was given plus that always parses.
+struct JsonOut {
+    /// Open containers, innermost last: true for an object.
+    stack: Vec<bool>,
+    st: J,
+    /// Read but not given yet.
+    held: String,
+    /// Where the number or literal being read starts in `held`.
+    from: usize,
+    /// An escape sequence being read.
+    esc: String,
+    /// It stopped being JSON inside a string.
+    in_str: bool,
+}
+
+impl JsonOut {
+    fn new() -> JsonOut {
+        JsonOut {
+            stack: Vec::new(),
+            st: J::Value(false),
+            held: String::new(),
+            from: 0,
+            esc: String::new(),
+            in_str: false,
+        }
+    }
+
+    /// The value is whole, or what came stopped being JSON: nothing more is read.
+    fn ended(&self) -> bool {
+        matches!(self.st, J::Done | J::Failed)
+    }
+
+    /// Reads `text`; returns what can be given now.
+    fn feed(&mut self, text: &str) -> String {
+        let mut out = String::new();
+        for c in text.chars() {
+            if self.ended() {
+                break;
+            }
+            self.step(c, &mut out);
+        }
+        out
+    }
+
+    /// What closes the value given so far (a number that the end of the text completes is
+    /// given first); nothing more is read after.
+    fn close(&mut self) -> String {
+        let mut out = String::new();
+        match self.st {
+            J::Num if json_number(&self.held[self.from..]) => {
+                out.push_str(&self.held);
+            }
+            J::Str | J::Esc => out.push('"'),
+            J::Failed if self.in_str => out.push('"'),
+            _ => {}
+        }
+        self.held.clear();
+        while let Some(obj) = self.stack.pop() {
+            out.push(if obj { '}' } else { ']' });
+        }
+        self.st = J::Done;
+        out
+    }
+
+    fn give(&mut self, s: &str, out: &mut String) {
+        out.push_str(&self.held);
+        self.held.clear();
+        out.push_str(s);
+    }
+
+    fn fail(&mut self) {
+        self.in_str = matches!(self.st, J::Str | J::Esc);
+        self.st = J::Failed;
+    }
+
+    fn after_value(&mut self) {
+        self.st = if self.stack.is_empty() {
+            J::Done
+        } else {
+            J::After
+        };
+    }
+
+    fn step(&mut self, c: char, out: &mut String) {
+        let ws = matches!(c, ' ' | '\t' | '\n' | '\r');
+        match self.st {
+            J::Value(first) => match c {
+                _ if ws => {}
+                '{' => {
+                    self.give("{", out);
+                    self.stack.push(true);
+                    self.st = J::ObjFirst;
+                }
+                '[' => {
+                    self.give("[", out);
+                    self.stack.push(false);
+                    self.st = J::Value(true);
+                }
+                ']' if first => {
+                    self.give("]", out);
+                    self.stack.pop();
+                    self.after_value();
+                }
+                '"' => {
+                    self.give("\"", out);
+                    self.st = J::Str;
+                }
+                '-' | '0'..='9' => {
+                    self.from = self.held.len();
+                    self.held.push(c);
+                    self.st = J::Num;
+                }
+                't' | 'f' | 'n' => {
+                    self.from = self.held.len();
+                    self.held.push(c);
+                    self.st = J::Lit;
+                }
+                _ => self.fail(),
+            },
+            J::ObjFirst | J::KeyNext => match c {
+                _ if ws => {}
+                '}' if self.st == J::ObjFirst => {
+                    self.give("}", out);
+                    self.stack.pop();
+                    self.after_value();
+                }
+                '"' => {
+                    self.from = self.held.len();
+                    self.held.push('"');
+                    self.st = J::Key(false);
+                }
+                _ => self.fail(),
+            },
+            J::Key(escaped) => {
+                if (c as u32) < 0x20 {
+                    // a raw control character, written as its escape
+                    if escaped {
+                        self.fail();
+                    } else {
+                        self.held.push_str(&control_escape(c));
+                    }
+                    return;
+                }
+                self.held.push(c);
+                self.st = if escaped {
+                    J::Key(false)
+                } else if c == '\\' {
+                    J::Key(true)
+                } else if c == '"' {
+                    // a key is given whole: its escapes checked
+                    if serde_json::from_str::<String>(&self.held[self.from..]).is_ok() {
+                        J::Colon
+                    } else {
+                        J::Failed
+                    }
+                } else {
+                    J::Key(false)
+                };
+            }
+            J::Colon => match c {
+                _ if ws => {}
+                ':' => {
+                    self.held.push(':');
+                    self.st = J::Value(false);
+                }
+                _ => self.fail(),
+            },
+            J::Str => match c {
+                '"' => {
+                    out.push('"');
+                    self.after_value();
+                }
+                '\\' => {
+                    self.esc = "\\".into();
+                    self.st = J::Esc;
+                }
+                // a raw control character (not JSON), written as its escape
+                c if (c as u32) < 0x20 => out.push_str(&control_escape(c)),
+                c => out.push(c),
+            },
+            J::Esc => {
+                self.esc.push(c);
+                match escape_state(&self.esc) {
+                    Some(true) => {
+                        out.push_str(&self.esc);
+                        self.esc.clear();
+                        self.st = J::Str;
+                    }
+                    Some(false) => {}
+                    None => self.fail(),
+                }
+            }
+            J::Num => {
+                if matches!(c, '0'..='9' | '.' | 'e' | 'E' | '+' | '-') {
+                    self.held.push(c);
+                } else if json_number(&self.held[self.from..]) {
+                    let held = std::mem::take(&mut self.held);
+                    out.push_str(&held);
+                    self.after_value();
+                    self.step(c, out);
+                } else {
+                    self.fail();
+                }
+            }
+            J::Lit => {
+                self.held.push(c);
+                let lit = &self.held[self.from..];
+                if ["true", "false", "null"].contains(&lit) {
+                    let held = std::mem::take(&mut self.held);
+                    out.push_str(&held);
+                    self.after_value();
+                } else if !["true", "false", "null"].iter().any(|l| l.starts_with(lit)) {
+                    self.fail();
+                }
+            }
+            J::After => match (c, self.stack.last()) {
+                _ if ws => {}
+                (',', Some(true)) => {
+                    self.held.push(',');
+                    self.st = J::KeyNext;
+                }
+                (',', Some(false)) => {
+                    self.held.push(',');
+                    self.st = J::Value(false);
+                }
+                ('}', Some(true)) | (']', Some(false)) => {
+                    self.give(if c == '}' { "}" } else { "]" }, out);
+                    self.stack.pop();
+                    self.after_value();
+                }
+                _ => self.fail(),
+            },
+            J::Done | J::Failed => {}
+        }
+    }
+}
+
+/// An escape sequence read so far (`\` and what follows): `Some(true)` whole, `Some(false)`
+/// not yet, `None` not JSON. A `\u` high surrogate must be followed by its low one.
+fn escape_state(e: &str) -> Option<bool> {
+    let b = e.as_bytes();
+    match b.get(1) {
+        None => Some(false),
+        Some(b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't') => Some(true),
+        Some(b'u') => {
+            let hex = |s: &[u8]| s.iter().all(u8::is_ascii_hexdigit);
+            let unit = |s: &[u8]| u16::from_str_radix(std::str::from_utf8(s).ok()?, 16).ok();
+            if b.len() <= 6 {
+                if !hex(&b[2..]) {
+                    return None;
+                }
+                if b.len() < 6 {
+                    return Some(false);
+                }
+                return match unit(&b[2..6])? {
+                    0xd800..=0xdbff => Some(false),
+                    0xdc00..=0xdfff => None,
+                    _ => Some(true),
+                };
+            }
+            // the low surrogate after a high one
+            let want = b"\\u";
+            let tail = &b[6..];
+            if tail.len() <= 2 {
+                return want.starts_with(tail).then_some(false);
+            }
+            if !hex(&tail[2..]) {
+                return None;
+            }
+            if tail.len() < 6 {
+                return Some(false);
+            }
+            match unit(&tail[2..6])? {
+                0xdc00..=0xdfff => Some(true),
+                _ => None,
+            }
+        }
+        Some(_) => None,
+    }
+}
+
+/// A control character as a JSON escape.
+fn control_escape(c: char) -> String {
+    match c {
+        '\n' => "\\n".into(),
+        '\r' => "\\r".into(),
+        '\t' => "\\t".into(),
+        c => format!("\\u{:04x}", c as u32),
+    }
+}
+
+/// Whether `s` is a JSON number.
+fn json_number(s: &str) -> bool {
+    let b = s.as_bytes();
+    let mut i = 0;
+    if b.get(i) == Some(&b'-') {
+        i += 1;
+    }
+    // the digits from `i` on: how many
+    let digits = |i: &mut usize| {
+        let at = *i;
+        while b.get(*i).is_some_and(u8::is_ascii_digit) {
+            *i += 1;
+        }
+        *i - at
+    };
+    match b.get(i) {
+        Some(b'0') => i += 1,
+        Some(b'1'..=b'9') => {
+            digits(&mut i);
+        }
+        _ => return false,
+    }
+    if b.get(i) == Some(&b'.') {
+        i += 1;
+        if digits(&mut i) == 0 {
+            return false;
+        }
+    }
+    if matches!(b.get(i), Some(b'e' | b'E')) {
+        i += 1;
+        if matches!(b.get(i), Some(b'+' | b'-')) {
+            i += 1;
+        }
+        if digits(&mut i) == 0 {
+            return false;
+        }
+    }
+    i == b.len()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A seeded generator of numbers below its argument.
+    fn xorshift(mut state: u64) -> impl FnMut(usize) -> usize {
+        move |n| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % n as u64) as usize
+        }
+    }
 
     fn call(name: &str, args: &str) -> Part {
         Part::Call {
@@ -871,6 +1625,16 @@ mod tests {
             "\n```",
             "{\"name\": \"f\", \"arguments\": {}}",
             "{\"a\": 1}",
+            "{\"name\": \"f\", \"arguments\": ",
+            "{\"b\": \"",
+            "\\",
+            "\"",
+            ",",
+            ":",
+            "[",
+            "]",
+            "-1.5e3",
+            "tru",
             "{",
             "}",
             "<",
@@ -885,13 +1649,7 @@ mod tests {
             "é",
             "🙂",
         ];
-        let mut state = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = |n: usize| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state % n as u64) as usize
-        };
+        let mut next = xorshift(0x9e37_79b9_7f4a_7c15u64);
         for round in 0..1200 {
             let text: String = (0..1 + next(24))
                 .map(|_| pieces[next(pieces.len())])
@@ -927,7 +1685,111 @@ mod tests {
                     (0..next(6)).map(|_| bounds[next(bounds.len())]).collect();
                 cuts.sort_unstable();
                 assert_eq!(run(&cuts), whole, "{:?} {text:?} cut at {cuts:?}", m.style);
+                // every call's arguments are a JSON object
+                for p in &whole {
+                    if let Part::Call { arguments, .. } = p {
+                        let v: Result<Value, _> = serde_json::from_str(arguments);
+                        assert!(
+                            v.as_ref().is_ok_and(Value::is_object),
+                            "{:?} {text:?}: {arguments:?}",
+                            m.style
+                        );
+                    }
+                }
             }
+        }
+    }
+
+    #[test]
+    fn json_out_gives_valid_json_in_any_pieces_and_the_same_value_when_whole() {
+        let whole = [
+            r#"{}"#,
+            r#"{"a": 1, "b": [true, false, null, -0.5, 2e10, 1E-3], "c": {"d": []}}"#,
+            r#"{"s": "line\nnext \"quoted\" \\ \/ \u00e9 \ud83d\ude42 é🙂", "t": ""}"#,
+            "{ \"k\\\"ey\" :\n\t[ [ ], { } , \"x\" ] }",
+        ];
+        for w in whole {
+            let mut j = JsonOut::new();
+            let mut out = j.feed(w);
+            assert!(j.ended(), "{w}");
+            out.push_str(&j.close());
+            let got: Value = serde_json::from_str(&out).expect(&out);
+            assert_eq!(got, serde_json::from_str::<Value>(w).expect(w), "{w}");
+            // compact: no blank outside strings
+            assert!(!out.contains(": ") && !out.contains(", "), "{out}");
+        }
+        // a raw control character in a string is written as its escape
+        let mut j = JsonOut::new();
+        let mut out = j.feed("{\"a\": \"x\ny\t\u{1}");
+        out.push_str(&j.close());
+        assert_eq!(out, r#"{"a":"x\ny\t\u0001"}"#);
+        // cut anywhere, or broken anywhere: what was given plus the close parses, and the
+        // pieces do not change it
+        let mut next = xorshift(0x2545_f491_4f6c_dd1du64);
+        let bits = [
+            "{", "}", "[", "]", "\"", "\\", "\\u", "d83d", "\\ude42", "00e9", ":", ",", " ", "\n",
+            "1", "-", ".", "e", "true", "fal", "null", "x", "é", "\"k\":",
+        ];
+        for _ in 0..3000 {
+            let text: String = std::iter::once("{")
+                .chain((0..next(20)).map(|_| bits[next(bits.len())]))
+                .collect();
+            let run = |cuts: &[usize]| {
+                let mut j = JsonOut::new();
+                let mut out = String::new();
+                let mut from = 0;
+                for &c in cuts.iter().chain([text.len()].iter()) {
+                    out.push_str(&j.feed(&text[from..c]));
+                    from = c;
+                }
+                out.push_str(&j.close());
+                out
+            };
+            let one = run(&[]);
+            let v: Value =
+                serde_json::from_str(&one).unwrap_or_else(|e| panic!("{text:?}: {one:?}: {e}"));
+            assert!(v.is_object(), "{text:?}: {one:?}");
+            let bounds: Vec<usize> = text.char_indices().map(|(i, _)| i).collect();
+            let mut cuts: Vec<usize> = (0..next(5)).map(|_| bounds[next(bounds.len())]).collect();
+            cuts.sort_unstable();
+            assert_eq!(run(&cuts), one, "{text:?} cut at {cuts:?}");
+        }
+    }
+
+    #[test]
+    fn calls_stream_their_arguments_in_pieces_in_every_family() {
+        let args = r#"{"path": "src/main.rs", "text": "fn main() {}\n"}"#;
+        let glm = "<tool_call>write\n<arg_key>path</arg_key>\n<arg_value>src/main.rs</arg_value>\n<arg_key>text</arg_key>\n<arg_value>fn main() {}\n</arg_value>\n</tool_call>";
+        for (m, text) in [
+            (HERMES, format!("<tool_call>\n{{\"name\": \"write\", \"arguments\": {args}}}\n</tool_call>")),
+            (DEEPSEEK_V3, format!("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>write\n```json\n{args}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>")),
+            (KIMI_K2, format!("<|tool_calls_section_begin|><|tool_call_begin|>functions.write:0<|tool_call_argument_begin|>{args}<|tool_call_end|><|tool_calls_section_end|>")),
+            (HARMONY, format!("<|channel|>commentary to=functions.write <|constrain|>json<|message|>{args}<|call|>")),
+            (GLM45, glm.to_string()),
+        ] {
+            let mut s = Splitter::new(m.clone(), true, true, false);
+            let mut parts = Vec::new();
+            for c in text.chars() {
+                parts.extend(s.push(&c.to_string()));
+            }
+            parts.extend(s.finish());
+            let starts = parts.iter().filter(|p| matches!(p, Part::CallStart { .. })).count();
+            let pieces = parts.iter().filter(|p| matches!(p, Part::CallArgs(_))).count();
+            assert_eq!(starts, 1, "{:?}", m.style);
+            assert!(pieces >= 3, "{:?}: {parts:?}", m.style);
+            assert_eq!(parts.last(), Some(&Part::CallEnd), "{:?}", m.style);
+            let merged = merge(parts);
+            assert_eq!(merged.len(), 1, "{:?}: {merged:?}", m.style);
+            let Part::Call { name, arguments } = &merged[0] else {
+                panic!("{merged:?}")
+            };
+            assert_eq!(name, "write");
+            assert_eq!(
+                serde_json::from_str::<Value>(arguments).unwrap(),
+                serde_json::json!({"path": "src/main.rs", "text": "fn main() {}\n"}),
+                "{:?}",
+                m.style
+            );
         }
     }
 
@@ -1000,7 +1862,7 @@ mod tests {
                 call("now", "{}"),
             ]
         );
-        // V3.1's shorter form; a body that does not parse is text
+        // V3.1's shorter form; arguments that stop being JSON end where they stop
         assert_eq!(
             split_whole(
                 DEEPSEEK_V3,
@@ -1012,7 +1874,14 @@ mod tests {
             vec![call("f", "{\"a\":[1]}")]
         );
         let bad =
-            "<｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{oops\n```<｜tool▁call▁end｜>";
+            "<｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a\": [1, oops\n```<｜tool▁call▁end｜>";
+        assert_eq!(
+            split_whole(DEEPSEEK_V3, true, false, false, bad),
+            vec![call("f", "{\"a\":[1]}")]
+        );
+        // arguments that are not an object: text
+        let bad =
+            "<｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n[1]\n```<｜tool▁call▁end｜>";
         assert_eq!(
             split_whole(DEEPSEEK_V3, true, false, false, bad),
             vec![Part::Content(bad.into())]
@@ -1032,21 +1901,17 @@ mod tests {
             ]
         );
         // a name without the prefix or the index is still a name; a body without its
-        // argument marker, a bad name or arguments that do not parse are text
-        assert_eq!(
-            split_whole(
-                KIMI_K2,
-                true,
-                false,
-                false,
-                "<|tool_call_begin|>f<|tool_call_argument_begin|>{\"a\": [1]}<|tool_call_end|>"
-            ),
-            vec![call("f", "{\"a\":[1]}")]
-        );
+        // argument marker or with a bad name is text; arguments that stop being JSON end
+        // where they stop
+        for (text, args) in [
+            ("<|tool_call_begin|>f<|tool_call_argument_begin|>{\"a\": [1]}<|tool_call_end|>", "{\"a\":[1]}"),
+            ("<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{\"a\": \"x\", oops<|tool_call_end|>", "{\"a\":\"x\"}"),
+        ] {
+            assert_eq!(split_whole(KIMI_K2, true, false, false, text), vec![call("f", args)]);
+        }
         for bad in [
             "<|tool_call_begin|>functions.f:0 {}<|tool_call_end|>",
             "<|tool_call_begin|>two words:0<|tool_call_argument_begin|>{}<|tool_call_end|>",
-            "<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{oops<|tool_call_end|>",
         ] {
             assert_eq!(
                 split_whole(KIMI_K2, true, false, false, bad),
@@ -1071,15 +1936,21 @@ mod tests {
                 call("now", "{}"),
             ]
         );
-        for bad in [
-            "<tool_call>two words\n</tool_call>",
-            "<tool_call>f\n<arg_key>a</arg_key>\n</tool_call>",
-            "<tool_call>f\n<arg_key>a</arg_key><arg_value>1</tool_call>",
+        let bad = "<tool_call>two words\n</tool_call>";
+        assert_eq!(
+            split_whole(GLM45, true, false, false, bad),
+            vec![Part::Content(bad.into())],
+        );
+        // pairs are given whole: one that is cut or broken ends the arguments
+        for cut in [
+            "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1</arg_value><arg_key>b</arg_key>\n</tool_call>",
+            "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>junk<arg_key>b</arg_key><arg_value>2</arg_value></tool_call>",
+            "<tool_call>f\n<arg_key>a</arg_key><arg_value>1</arg_value><arg_key>b</arg_key><arg_value>2",
         ] {
             assert_eq!(
-                split_whole(GLM45, true, false, false, bad),
-                vec![Part::Content(bad.into())],
-                "{bad}"
+                streams_like_whole(&GLM45, cut, false),
+                vec![call("f", "{\"a\":1}")],
+                "{cut}"
             );
         }
     }
@@ -1109,11 +1980,16 @@ mod tests {
                 Part::Content("The answer.".into())
             ]
         );
-        // text outside any message is content; a call whose body does not parse is text
-        let bad = "<|channel|>commentary to=functions.f<|message|>{nope";
+        // text outside any message is content; a call whose body is not an object is text
+        let bad = "<|channel|>commentary to=functions.f<|message|>nope";
         assert_eq!(
             split_whole(HARMONY, true, true, false, &format!("hi {bad}")),
             vec![Part::Content(format!("hi {bad}"))]
+        );
+        let cut = "<|channel|>commentary to=functions.f<|message|>{\"q\": \"a\\nb";
+        assert_eq!(
+            streams_like_whole(&HARMONY, cut, false),
+            vec![call("f", "{\"q\":\"a\\nb\"}")]
         );
         // without tools a call's message is content
         assert_eq!(
@@ -1215,7 +2091,7 @@ mod tests {
         let mut s = Splitter::new(HERMES, true, false, false).forced();
         let mut parts = s.push(forced);
         parts.extend(s.finish());
-        assert_eq!(parts, vec![call("f", "{}"), call("g", "{}")]);
+        assert_eq!(merge(parts), vec![call("f", "{}"), call("g", "{}")]);
     }
 
     #[test]
