@@ -50,6 +50,13 @@ fuzz_target!(|data: &[u8]| {
             }
             parts.extend(s.finish());
             assert_eq!(merge(parts), whole, "the streamed split differs");
+            // a call's arguments are always one JSON object
+            for p in &whole {
+                if let moelane_text::agent::Part::Call { arguments, .. } = p {
+                    let v: Result<serde_json::Value, _> = serde_json::from_str(arguments);
+                    assert!(v.is_ok_and(|v| v.is_object()), "arguments {arguments:?}");
+                }
+            }
         }
     }
     let _ = t.encode(&text);

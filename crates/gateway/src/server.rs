@@ -496,7 +496,8 @@ impl ValidRequest {
             self.tool_mode != ToolMode::Off,
             self.think,
             self.in_reasoning && self.grammar.is_none(),
-        );
+        )
+        .tools(&self.tools);
         match self.tool_mode {
             ToolMode::Required | ToolMode::Named(_) => s.forced(),
             _ => s,

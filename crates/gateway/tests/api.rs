@@ -1234,8 +1234,9 @@ fn call_tools() -> Value {
     json!([
         {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
             "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                "unit": {"enum": ["c", "f"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-                "required": ["city", "unit"], "additionalProperties": false}}},
+                "unit": {"enum": ["c", "f"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                "required": ["city", "unit", "zip"], "additionalProperties": false}}},
         {"type": "function", "function": {"name": "add", "parameters": {"type": "object",
             "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}, "b": {"type": "integer", "minimum": 0, "maximum": 9}},
             "required": ["a", "b"], "additionalProperties": false}}}])
@@ -1243,10 +1244,10 @@ fn call_tools() -> Value {
 
 /// A chat request asking about the weather with [`call_tools`], `extra`'s keys set over it.
 /// (max_tokens: room for 8 calls in the longest markup, Kimi's, whose markers are plain
-/// text in tiny's vocabulary: ~75 tokens a call)
+/// text in tiny's vocabulary: ~90 tokens a call)
 fn call_ask(extra: Value) -> Value {
     let mut v = json!({"model": "tiny", "messages": [{"role": "user", "content": "What is the weather in Oslo?"}],
-        "max_tokens": 1300, "tools": call_tools(), "temperature": 0});
+        "max_tokens": 1250, "tools": call_tools(), "temperature": 0});
     for (k, x) in extra.as_object().expect("an object") {
         v[k] = x.clone();
     }
@@ -1278,13 +1279,21 @@ fn check_call(label: &str, call: &Value) -> String {
                 "{label} {args}"
             );
             assert!(args["unit"] == "c" || args["unit"] == "f", "{label} {args}");
+            // digits, and still a string (GLM writes string values raw)
+            assert!(
+                args["zip"]
+                    .as_str()
+                    .is_some_and(|z| z.len() == 5 && z.bytes().all(|b| b.is_ascii_digit())),
+                "{label} {args}"
+            );
             assert!(
                 args.get("days")
                     .is_none_or(|d| d.as_u64().is_some_and(|d| (1..=7).contains(&d))),
                 "{label} {args}"
             );
             assert!(
-                keys.iter().all(|k| ["city", "unit", "days"].contains(k)),
+                keys.iter()
+                    .all(|k| ["city", "unit", "days", "zip"].contains(k)),
                 "{label} {args}"
             );
         }

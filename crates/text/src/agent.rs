@@ -256,6 +256,10 @@ pub struct Splitter {
     /// separator, not content.
     forced: bool,
     call: CallSt,
+    /// The name of the call being read.
+    name: String,
+    /// Per tool, its parameters whose values are strings (GLM writes them as raw text).
+    texts: Vec<(String, Vec<String>)>,
 }
 
 impl Splitter {
@@ -277,7 +281,27 @@ impl Splitter {
             think,
             forced: false,
             call: CallSt::Head,
+            name: String::new(),
+            texts: Vec::new(),
         }
+    }
+
+    /// The request's tools (name, parameters' schema): GLM's values of string parameters
+    /// are read as the raw text they are (as its template writes them), never as JSON (a
+    /// zip code `94107` stays a string).
+    pub fn tools(mut self, tools: &[(String, Value)]) -> Splitter {
+        self.texts = tools
+            .iter()
+            .map(|(n, p)| (n.clone(), text_props(p)))
+            .collect();
+        self
+    }
+
+    /// Whether `key` of tool `name` is a string parameter.
+    fn is_text(&self, name: &str, key: &str) -> bool {
+        self.texts
+            .iter()
+            .any(|(n, keys)| n == name && keys.iter().any(|k| k == key))
     }
 
     /// Drops the text between calls: the answer is only calls (a forced call).
@@ -474,6 +498,7 @@ impl Splitter {
                         return used;
                     }
                     Head::Start(name, at) => {
+                        self.name.clone_from(&name);
                         out.push(Part::CallStart { name });
                         used += at;
                         self.call = if self.m.style == Style::Glm {
@@ -501,14 +526,14 @@ impl Splitter {
                 }
                 CallSt::Pairs(n) => match glm_pair(rest) {
                     Ok(Some((key, value, len))) => {
-                        let value = serde_json::from_str(value)
-                            .unwrap_or_else(|_| Value::String(value.to_string()));
-                        let comma = if *n > 0 { "," } else { "" };
+                        let n = *n;
+                        let value = glm_value(self.is_text(&self.name, key.trim()), value);
+                        let comma = if n > 0 { "," } else { "" };
                         out.push(Part::CallArgs(format!(
                             "{comma}{}:{value}",
                             Value::String(key.trim().to_string())
                         )));
-                        *n += 1;
+                        self.call = CallSt::Pairs(n + 1);
                         used += len;
                     }
                     Ok(None) => return used,
@@ -581,7 +606,7 @@ impl Splitter {
         let parsed = match self.m.style {
             Style::Hermes => parse_call(body),
             Style::DeepSeek => parse_deepseek(body),
-            Style::Glm => parse_glm(body),
+            Style::Glm => parse_glm(body, &|n, k| self.is_text(n, k)),
             Style::Harmony => parse_harmony(&self.head, body),
             Style::Kimi => parse_kimi(body),
         };
@@ -857,9 +882,47 @@ fn parse_kimi(body: &str) -> Option<Part> {
     })
 }
 
-/// GLM-4.5's call body: `NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>...`, each
-/// value JSON where it parses as JSON, else the text itself.
-fn parse_glm(body: &str) -> Option<Part> {
+/// A GLM value: the raw text for a string parameter (`text`), else JSON where it parses as
+/// JSON, else the text itself.
+fn glm_value(text: bool, v: &str) -> Value {
+    if text {
+        return Value::String(v.to_string());
+    }
+    serde_json::from_str(v).unwrap_or_else(|_| Value::String(v.to_string()))
+}
+
+/// Whether a property's schema says its value is a string: `type` string, or a `const` or
+/// an `enum` of strings only.
+fn is_text_schema(s: &Value) -> bool {
+    match s.get("type") {
+        Some(Value::String(t)) => t == "string",
+        Some(_) => false,
+        None => {
+            s.get("const").is_some_and(Value::is_string)
+                || s.get("enum")
+                    .and_then(Value::as_array)
+                    .is_some_and(|e| !e.is_empty() && e.iter().all(Value::is_string))
+        }
+    }
+}
+
+/// The properties of a tool's parameters whose values are strings.
+fn text_props(params: &Value) -> Vec<String> {
+    params
+        .get("properties")
+        .and_then(Value::as_object)
+        .map(|p| {
+            p.iter()
+                .filter(|(_, s)| is_text_schema(s))
+                .map(|(k, _)| k.clone())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// GLM-4.5's call body: `NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>...`; each
+/// value as [`glm_value`] reads it (`text(name, key)`: a string parameter).
+fn parse_glm(body: &str, text: &dyn Fn(&str, &str) -> bool) -> Option<Part> {
     let body = body.trim();
     let end = body.find("<arg_key>").unwrap_or(body.len());
     let name = body[..end].trim();
@@ -873,8 +936,7 @@ fn parse_glm(body: &str) -> Option<Part> {
         let (k, r) = r.split_once("</arg_key>")?;
         let r = r.trim_start().strip_prefix("<arg_value>")?;
         let (v, r) = r.split_once("</arg_value>")?;
-        let value = serde_json::from_str(v).unwrap_or_else(|_| Value::String(v.to_string()));
-        args.insert(k.trim().to_string(), value);
+        args.insert(k.trim().to_string(), glm_value(text(name, k.trim()), v));
         rest = r.trim_start();
     }
     Some(Part::Call {
@@ -1014,17 +1076,20 @@ fn glm_args(params: &Value) -> String {
     }
     let mut out = Vec::new();
     for (k, s) in keys {
-        let mut s = compact_schema(&s, serde_json::json!({}));
-        // the definitions a property's `$ref` may point at
-        for defs in ["$defs", "definitions"] {
-            if let (Some(d), Some(o)) = (params.get(defs), s.as_object_mut()) {
-                o.insert(defs.into(), d.clone());
+        // a string's raw text, else the value as JSON
+        let value = glm_text(&s).unwrap_or_else(|| {
+            let mut s = compact_schema(&s, serde_json::json!({}));
+            // the definitions a property's `$ref` may point at
+            for defs in ["$defs", "definitions"] {
+                if let (Some(d), Some(o)) = (params.get(defs), s.as_object_mut()) {
+                    o.insert(defs.into(), d.clone());
+                }
             }
-        }
+            format!("%json {s}")
+        });
         let one = format!(
-            "{} %json {} {}",
+            "{} {value} {}",
             lit(&format!("<arg_key>{k}</arg_key>\n<arg_value>")),
-            s,
             lit("</arg_value>\n")
         );
         out.push(if required.contains(&k.as_str()) {
@@ -1034,6 +1099,40 @@ fn glm_args(params: &Value) -> String {
         });
     }
     out.join(" ")
+}
+
+/// A string parameter's value as GLM writes it, raw text, as Lark items: a `const` or an
+/// `enum` as its literals, else text without `<` within the schema's `minLength` /
+/// `maxLength`, or matching its `pattern` (taken as anchored, as llguidance takes JSON
+/// schemas' patterns). `format` is not enforced on raw text. None: not a string parameter.
+fn glm_text(s: &Value) -> Option<String> {
+    if !is_text_schema(s) {
+        return None;
+    }
+    if let Some(c) = s.get("const").and_then(Value::as_str) {
+        return Some(lit(c));
+    }
+    if let Some(e) = s.get("enum").and_then(Value::as_array) {
+        let alts: Vec<String> = e.iter().filter_map(Value::as_str).map(lit).collect();
+        if !alts.is_empty() {
+            return Some(format!("({})", alts.join(" | ")));
+        }
+    }
+    if let Some(p) = s.get("pattern").and_then(Value::as_str) {
+        let p = p.strip_prefix('^').unwrap_or(p);
+        let p = match p.strip_suffix('$') {
+            Some(q) if !q.ends_with('\\') => q,
+            _ => p,
+        };
+        return Some(format!("/{}/", p.replace('/', "\\/")));
+    }
+    let min = s.get("minLength").and_then(Value::as_u64).unwrap_or(0);
+    let rep = match s.get("maxLength").and_then(Value::as_u64) {
+        Some(max) => format!("{{{min},{}}}", max.max(min)),
+        None if min > 0 => format!("{{{min},}}"),
+        None => "*".into(),
+    };
+    Some(format!("/[^<]{rep}/"))
 }
 
 /// Harmony's text `t` as Lark items: each `<|...|>` marker that is a special token of the
@@ -1956,6 +2055,51 @@ mod tests {
     }
 
     #[test]
+    fn glm_string_parameters_are_raw_text_whole_and_streamed() {
+        let tools = [(
+            "ship".to_string(),
+            serde_json::json!({"type": "object", "properties": {
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                "mode": {"enum": ["air", "sea"]},
+                "count": {"type": "integer"},
+                "note": {"type": ["string", "null"]}}}),
+        )];
+        let text = "<tool_call>ship\n<arg_key>zip</arg_key>\n<arg_value>94107</arg_value>\n<arg_key>mode</arg_key>\n<arg_value>air</arg_value>\n<arg_key>count</arg_key>\n<arg_value>3</arg_value>\n<arg_key>note</arg_key>\n<arg_value>null</arg_value>\n</tool_call>";
+        let want = call(
+            "ship",
+            r#"{"zip":"94107","mode":"air","count":3,"note":null}"#,
+        );
+        let run = |chunk: usize| {
+            let mut s = Splitter::new(GLM45, true, true, false).tools(&tools);
+            let chars: Vec<char> = text.chars().collect();
+            let mut parts = Vec::new();
+            for c in chars.chunks(chunk) {
+                parts.extend(s.push(&c.iter().collect::<String>()));
+            }
+            parts.extend(s.finish());
+            merge(parts)
+        };
+        for chunk in [1, 3, 7, text.len()] {
+            assert_eq!(run(chunk), vec![want.clone()], "pieces of {chunk}");
+        }
+        // a tool not declared: values as JSON where they parse
+        let mut s = Splitter::new(GLM45, true, true, false).tools(&tools);
+        let mut parts = s.push(
+            "<tool_call>other\n<arg_key>zip</arg_key><arg_value>94107</arg_value></tool_call>",
+        );
+        parts.extend(s.finish());
+        assert_eq!(merge(parts), vec![call("other", r#"{"zip":94107}"#)]);
+        // the grammar forces the same shapes: the pattern, the enum's literals
+        let g = calls_grammar(&GLM45, &tools, 1, &|_| false);
+        assert!(g.contains("/[0-9]{5}/"), "{g}");
+        assert!(g.contains("(\"air\" | \"sea\")"), "{g}");
+        assert!(
+            g.contains("<arg_key>note</arg_key>\\n<arg_value>\" %json"),
+            "{g}"
+        );
+    }
+
+    #[test]
     fn harmony_channels_split_whole_and_streamed() {
         let text = "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>";
         assert_eq!(
@@ -2034,7 +2178,12 @@ mod tests {
         ];
         let g = calls_grammar(&GLM45, &tools, 2, &|_| false);
         assert!(g.starts_with("start: call (\"\\n\" call)?\n"), "{g}");
-        assert!(g.contains("call_0: \"<tool_call>get_weather\\n\" \"<arg_key>city</arg_key>\\n<arg_value>\" %json {"), "{g}");
+        // a string parameter is raw text, as GLM's template writes it; others JSON
+        assert!(g.contains("call_0: \"<tool_call>get_weather\\n\" \"<arg_key>city</arg_key>\\n<arg_value>\" /[^<]*/ \"</arg_value>\\n\""), "{g}");
+        assert!(
+            g.contains("\"<arg_key>days</arg_key>\\n<arg_value>\" %json {\"type\":\"integer\""),
+            "{g}"
+        );
         assert!(g.contains(")?"), "the optional days: {g}");
         let g = calls_grammar(&DEEPSEEK_V3, &tools, 1, &|_| false);
         assert!(
