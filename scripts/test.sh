@@ -69,5 +69,20 @@ fi
 
 cargo test --workspace --profile test "$@"
 
+# The CPU engine on aarch64 (the GB300's host is ARM): its NEON kernels, the parity against
+# transformers and across maps, cross-built and run under qemu-user (installed when missing).
+if ! command -v qemu-aarch64 >/dev/null 2>&1 || ! command -v aarch64-linux-gnu-gcc >/dev/null 2>&1; then
+  apt_install qemu-user gcc-aarch64-linux-gnu libc6-dev-arm64-cross \
+    || fail "could not install qemu-user and the aarch64 cross compiler through apt-get"
+fi
+command -v rustup >/dev/null 2>&1 || fail "rustup is needed to add the aarch64-unknown-linux-gnu target"
+rustup target list --installed | grep -qx aarch64-unknown-linux-gnu \
+  || rustup target add aarch64-unknown-linux-gnu \
+  || fail "could not add the aarch64-unknown-linux-gnu target (rustup target add)"
+CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
+CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu" \
+  cargo test --profile test --target aarch64-unknown-linux-gnu -p moelane-engine \
+  --lib --test map_parity --test hf_parity --test families
+
 # a short run of every fuzz target (a crash fails the test command)
 scripts/fuzz.sh 10

@@ -16,6 +16,11 @@ pub mod kv;
 pub mod load;
 pub mod model;
 pub mod ops;
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[macro_use]
+mod ops_tiles;
+#[cfg(target_arch = "aarch64")]
+mod ops_arm;
 #[cfg(target_arch = "x86_64")]
 mod ops_x86;
 pub mod placement;

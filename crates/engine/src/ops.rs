@@ -493,7 +493,12 @@ fn has_fma() -> bool {
                 && is_x86_feature_detected!("fma")
                 && is_x86_feature_detected!("f16c")
         }
-        #[cfg(not(target_arch = "x86_64"))]
+        // every aarch64 CPU has NEON and fused multiply-add
+        #[cfg(target_arch = "aarch64")]
+        {
+            std::env::var_os("MOELANE_NO_FMA").is_none()
+        }
+        #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
         {
             false
         }
@@ -502,17 +507,11 @@ fn has_fma() -> bool {
 
 /// 512-bit registers for the matrix products (`MOELANE_NO_AVX512` turns them off; the
 /// results are the same bits either way).
+#[cfg(target_arch = "x86_64")]
 fn has_avx512() -> bool {
     static AVX512: OnceLock<bool> = OnceLock::new();
     *AVX512.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            std::env::var_os("MOELANE_NO_AVX512").is_none() && is_x86_feature_detected!("avx512f")
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
+        std::env::var_os("MOELANE_NO_AVX512").is_none() && is_x86_feature_detected!("avx512f")
     })
 }
 
@@ -522,6 +521,10 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     if has_fma() {
         // SAFETY: the CPU supports avx2 and fma (checked at run time).
         return unsafe { dot_fma(a, b) };
+    }
+    #[cfg(target_arch = "aarch64")]
+    if has_fma() {
+        return dot_body::<true, f32>(a, b);
     }
     dot_body::<false, f32>(a, b)
 }
@@ -540,9 +543,11 @@ fn run_block(
     y: SyncPtr,
     ldy: usize,
 ) {
+    #[cfg(target_arch = "aarch64")]
+    use crate::ops_arm::Wide;
     #[cfg(target_arch = "x86_64")]
     use crate::ops_x86::Wide;
-    #[cfg(not(target_arch = "x86_64"))]
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     use Elem as Wide;
     fn wide<E: Wide>(
         x: &[f32],
@@ -569,6 +574,17 @@ fn run_block(
             }
             return;
         }
+        #[cfg(target_arch = "aarch64")]
+        if has_fma() {
+            debug_assert!(x.len() >= n * k && w.len() >= outs.end * k);
+            // SAFETY: NEON is part of aarch64; x holds n rows of k, w at least outs.end rows
+            // of k, and y n rows of ldy >= outs.end (checked by `matmul`); each (i, o) is
+            // written by this task alone.
+            unsafe {
+                crate::ops_arm::block_neon(x.as_ptr(), n, w.as_ptr(), k, outs, y.0, ldy);
+            }
+            return;
+        }
         block_body::<false, E>(x, n, w, k, outs, y, ldy)
     }
     let k = w.cols;
@@ -582,6 +598,10 @@ fn run_block(
                 // SAFETY: the CPU supports avx2 and fma (checked at run time).
                 unsafe { block_f8_fma(x, n, q, outs, y, ldy) };
                 return;
+            }
+            #[cfg(target_arch = "aarch64")]
+            if has_fma() {
+                return block_f8::<true>(x, n, q, outs, y, ldy);
             }
             block_f8::<false>(x, n, q, outs, y, ldy)
         }
@@ -977,61 +997,52 @@ mod tests {
                 let mut y = vec![0.0; n * rows];
                 matmul(&x, n, &w, &mut y);
                 assert_eq!(y, want, "matmul {} n {n} rows {rows} k {k}", w.data.dtype());
-                #[cfg(target_arch = "x86_64")]
+                #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
                 if has_fma() {
-                    fn both<E: crate::ops_x86::Wide>(
-                        x: &[f32],
-                        n: usize,
-                        w: &[E],
-                        rows: usize,
-                        k: usize,
-                        want: &[f32],
-                    ) {
-                        for wide512 in [false, true] {
-                            if wide512 && !is_x86_feature_detected!("avx512f") {
-                                continue;
-                            }
-                            // rows split unevenly, as the team's chunks split them
-                            let mut y = vec![f32::NAN; n * rows];
-                            for (a, b) in [(0, rows / 3), (rows / 3, rows)] {
-                                // SAFETY: the features are present (checked); x, w and y
-                                // hold n x k, rows x k and n x rows.
-                                unsafe {
-                                    if wide512 {
-                                        crate::ops_x86::block512(
-                                            x.as_ptr(),
-                                            n,
-                                            w.as_ptr(),
-                                            k,
-                                            a..b,
-                                            y.as_mut_ptr(),
-                                            rows,
-                                        )
-                                    } else {
-                                        crate::ops_x86::block256(
-                                            x.as_ptr(),
-                                            n,
-                                            w.as_ptr(),
-                                            k,
-                                            a..b,
-                                            y.as_mut_ptr(),
-                                            rows,
-                                        )
-                                    }
-                                }
-                            }
-                            let same = y.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits());
-                            assert!(same, "512-bit {wide512}: n {n} rows {rows} k {k}");
-                        }
-                    }
                     match &w.data {
-                        Elems::F32(v) => both(&x, n, v, rows, k, &want),
-                        Elems::Bf16(v) => both(&x, n, v, rows, k, &want),
-                        Elems::F16(v) => both(&x, n, v, rows, k, &want),
+                        Elems::F32(v) => each_kernel(&x, n, v, rows, k, &want),
+                        Elems::Bf16(v) => each_kernel(&x, n, v, rows, k, &want),
+                        Elems::F16(v) => each_kernel(&x, n, v, rows, k, &want),
                         Elems::F8(_) => {}
                     }
                 }
             }
+        }
+    }
+
+    #[cfg(target_arch = "aarch64")]
+    use crate::ops_arm::Wide;
+    #[cfg(target_arch = "x86_64")]
+    use crate::ops_x86::Wide;
+
+    /// A product kernel's entry point.
+    #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+    type Kernel<E> =
+        unsafe fn(*const f32, usize, *const E, usize, std::ops::Range<usize>, *mut f32, usize);
+
+    /// Each register-width kernel this CPU has, with the weight rows split unevenly (as the
+    /// team's chunks split them): each output `want`'s bits.
+    #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+    fn each_kernel<E: Wide>(x: &[f32], n: usize, w: &[E], rows: usize, k: usize, want: &[f32]) {
+        let mut kernels: Vec<(&str, Kernel<E>)> = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            kernels.push(("256-bit", crate::ops_x86::block256::<E>));
+            if is_x86_feature_detected!("avx512f") {
+                kernels.push(("512-bit", crate::ops_x86::block512::<E>));
+            }
+        }
+        #[cfg(target_arch = "aarch64")]
+        kernels.push(("neon", crate::ops_arm::block_neon::<E>));
+        for (name, kernel) in kernels {
+            let mut y = vec![f32::NAN; n * rows];
+            for (a, b) in [(0, rows / 3), (rows / 3, rows)] {
+                // SAFETY: the CPU has the kernel's features (has_fma and the check above);
+                // x, w and y hold n x k, rows x k and n x rows.
+                unsafe { kernel(x.as_ptr(), n, w.as_ptr(), k, a..b, y.as_mut_ptr(), rows) }
+            }
+            let same = y.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{name}: n {n} rows {rows} k {k}");
         }
     }
 
