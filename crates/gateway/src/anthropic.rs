@@ -167,7 +167,8 @@ fn to_chat(v: &Value) -> Result<Value, ApiError> {
                 ));
             }
             t.push(json!({"type": "function", "function": {"name": tool["name"], "description": tool.get("description").cloned().unwrap_or(Value::Null),
-                          "parameters": tool.get("input_schema").cloned().unwrap_or(Value::Null)}}));
+                          "parameters": tool.get("input_schema").cloned().unwrap_or(Value::Null),
+                          "strict": tool.get("strict").cloned().unwrap_or(Value::Null)}}));
         }
         out["tools"] = Value::Array(t);
     }

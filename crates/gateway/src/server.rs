@@ -473,6 +473,9 @@ pub struct ValidRequest {
     /// The tools declared (name, parameters' schema) and how the answer may call them.
     pub tools: Vec<(String, Value)>,
     pub tool_mode: ToolMode,
+    /// The grammar leaves the text free (strict tools in `auto` mode: only calls are
+    /// constrained), so the answer may start inside a thinking block the prompt opened.
+    pub free_grammar: bool,
     /// The template knows a thinking block: `<think>...</think>` becomes `reasoning_content`.
     pub think: bool,
     /// The prompt opened the thinking block: the answer starts inside it.
@@ -495,7 +498,7 @@ impl ValidRequest {
             self.markup.clone(),
             self.tool_mode != ToolMode::Off,
             self.think,
-            self.in_reasoning && self.grammar.is_none(),
+            self.in_reasoning && (self.grammar.is_none() || self.free_grammar),
         )
         .tools(&self.tools);
         match self.tool_mode {
@@ -876,7 +879,13 @@ pub const MAX_PARALLEL_CALLS: usize = 8;
 
 /// `tools` and `tool_choice`: each tool a function with a name (letters, digits, `_`, `-`;
 /// 64 at most) and a JSON schema of its parameters; the mode the choice asks for.
-fn tools_of(v: &Value, chat: bool) -> Result<(Vec<(String, Value)>, ToolMode), ApiError> {
+/// The tools a request declares: each one's name and parameters' schema.
+type Tools = Vec<(String, Value)>;
+
+/// The request's tools, how the answer may call them, and whether any is `strict` (its calls
+/// must be valid even where the model chooses to call).
+fn tools_of(v: &Value, chat: bool) -> Result<(Tools, ToolMode, bool), ApiError> {
+    let mut strict = false;
     let tools = match v.get("tools") {
         None | Some(Value::Null) => Vec::new(),
         Some(Value::Array(a)) if !chat && !a.is_empty() => {
@@ -913,6 +922,13 @@ fn tools_of(v: &Value, chat: bool) -> Result<(Vec<(String, Value)>, ToolMode), A
                 if out.iter().any(|(n, _)| n == name) {
                     return Err(bad(format!("function {name:?} is declared twice")));
                 }
+                strict |= match f.get("strict") {
+                    None | Some(Value::Null) => false,
+                    Some(Value::Bool(b)) => *b,
+                    Some(x) => {
+                        return Err(bad(format!("function.strict must be a boolean, got {x}")))
+                    }
+                };
                 let params = match f.get("parameters") {
                     None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
                     Some(p @ Value::Object(_)) => p.clone(),
@@ -966,7 +982,7 @@ fn tools_of(v: &Value, chat: bool) -> Result<(Vec<(String, Value)>, ToolMode), A
             )))
         }
     };
-    Ok((tools, mode))
+    Ok((tools, mode, strict))
 }
 
 /// `response_format`: none or `text` (no grammar), `json_object` (any JSON object) or
@@ -1255,7 +1271,7 @@ pub(crate) fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequ
         .and_then(|b| b.as_bool())
         .unwrap_or(false);
     let echo = echo.then(|| st.tokenizer.decode_lossy(&prompt));
-    let (tools, tool_mode) = tools_of(v, chat)?;
+    let (tools, tool_mode, strict) = tools_of(v, chat)?;
     if !tools.is_empty() && !st.template.takes_tools() {
         return Err(ApiError::bad(
             "this model's chat template does not render tools, so the model would never see \
@@ -1263,23 +1279,43 @@ pub(crate) fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequ
             Some("tools"),
         ));
     }
-    // a forced call is a grammar of calls; otherwise response_format's, if any
+    // `parallel_tool_calls` (default true): up to MAX_PARALLEL_CALLS calls, else one
+    let parallel = match v.get("parallel_tool_calls") {
+        None | Some(Value::Null) => true,
+        Some(Value::Bool(b)) => *b,
+        Some(x) => {
+            return Err(ApiError::bad(
+                format!("`parallel_tool_calls` must be a boolean, got {x}"),
+                Some("parallel_tool_calls"),
+            ))
+        }
+    };
+    // the tools' grammar as llguidance's JSON, checked to compile
+    let compiled = |lark: String| -> Result<String, ApiError> {
+        let grammar = moelane_text::grammar::lark_grammar(&lark);
+        let g = st.grammars.as_ref().ok_or_else(|| {
+            ApiError::bad(
+                "this model's tokenizer has no end-of-sequence token to end a constrained answer with",
+                Some("tool_choice"),
+            )
+        })?;
+        g.compile(&grammar).map_err(|e| {
+            ApiError::bad(
+                format!("the tools' parameter schemas cannot be used: {e}"),
+                Some("tools"),
+            )
+        })?;
+        Ok(grammar)
+    };
+    // a forced call is a grammar of calls; `auto` with strict tools a grammar of free text
+    // whose calls, once begun, are valid (where the family's calls begin with a text marker);
+    // otherwise response_format's, if any
+    let mut free_grammar = false;
     let grammar = match &tool_mode {
         ToolMode::Required | ToolMode::Named(_) => {
             let chosen: Vec<(String, Value)> = match &tool_mode {
                 ToolMode::Named(n) => tools.iter().filter(|(t, _)| t == n).cloned().collect(),
                 _ => tools.clone(),
-            };
-            // `parallel_tool_calls` (default true): up to MAX_PARALLEL_CALLS calls, else one
-            let parallel = match v.get("parallel_tool_calls") {
-                None | Some(Value::Null) => true,
-                Some(Value::Bool(b)) => *b,
-                Some(x) => {
-                    return Err(ApiError::bad(
-                        format!("`parallel_tool_calls` must be a boolean, got {x}"),
-                        Some("parallel_tool_calls"),
-                    ))
-                }
             };
             let most = if parallel && tool_mode == ToolMode::Required {
                 MAX_PARALLEL_CALLS
@@ -1291,22 +1327,22 @@ pub(crate) fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequ
                     .token_to_id(t)
                     .is_some_and(|i| st.tokenizer.is_special(i))
             };
-            let lark =
-                moelane_text::agent::calls_grammar(&st.template.markup, &chosen, most, &special);
-            let grammar = moelane_text::grammar::lark_grammar(&lark);
-            let g = st.grammars.as_ref().ok_or_else(|| {
-                ApiError::bad(
-                    "this model's tokenizer has no end-of-sequence token to end a forced call with",
-                    Some("tool_choice"),
-                )
-            })?;
-            g.compile(&grammar).map_err(|e| {
-                ApiError::bad(
-                    format!("the tools' parameter schemas cannot be used: {e}"),
-                    Some("tools"),
-                )
-            })?;
-            Some(grammar)
+            Some(compiled(moelane_text::agent::calls_grammar(
+                &st.template.markup,
+                &chosen,
+                most,
+                &special,
+            ))?)
+        }
+        ToolMode::Auto if strict && v.get("response_format").is_none_or(Value::is_null) => {
+            let most = if parallel { MAX_PARALLEL_CALLS } else { 1 };
+            match moelane_text::agent::auto_calls_grammar(&st.template.markup, &tools, most) {
+                Some(lark) => {
+                    free_grammar = true;
+                    Some(compiled(lark)?)
+                }
+                None => None,
+            }
         }
         _ => response_format(st, v)?,
     };
@@ -1321,6 +1357,7 @@ pub(crate) fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequ
     Ok(ValidRequest {
         tools,
         tool_mode,
+        free_grammar,
         think: chat && st.template.thinks(),
         in_reasoning,
         markup: st.template.markup.clone(),

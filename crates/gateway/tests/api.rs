@@ -1503,6 +1503,100 @@ async fn special_tokens_that_are_the_familys_markers_reach_the_splitter() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `tool_choice: auto` with `strict` tools: the text stays free (any text, and the answer may
+/// end there), but a call the model begins must be valid against its tool's schema; without
+/// `strict` nothing is constrained.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strict_tools_in_auto_mode_keep_the_text_free_and_calls_valid() {
+    use moelane_text::templates;
+    let mut st = gateway_state(&[]).await;
+    let mut tools = call_tools();
+    let free = json!({"model": "tiny", "messages": [{"role": "user", "content": "Weather?"}],
+        "tools": tools.clone()});
+    let vr = moelane_gateway::server::validate_body(&st, free.to_string().as_bytes(), true)
+        .unwrap_or_else(|e| panic!("{e:?}"));
+    assert!(vr.grammar.is_none(), "no strict tool: no grammar");
+    for t in tools.as_array_mut().unwrap() {
+        t["function"]["strict"] = json!(true);
+    }
+    let eos = st.tokenizer.eos_ids[0];
+    for (family, source) in [
+        ("qwen3_moe", templates::QWEN3_MOE),
+        ("glm4_moe", templates::GLM4_MOE),
+    ] {
+        st.template = ChatTemplate::new(source.into(), String::new(), "<|im_end|>".into()).unwrap();
+        let body = json!({"model": "tiny", "messages": [{"role": "user", "content": "Weather?"}],
+            "tools": tools.clone(), "parallel_tool_calls": false});
+        let vr = moelane_gateway::server::validate_body(&st, body.to_string().as_bytes(), true)
+            .unwrap_or_else(|e| panic!("{family}: {e:?}"));
+        let grammar = vr.grammar.clone().expect("a grammar for strict tools");
+        let compile = || st.grammars.as_ref().unwrap().compile(&grammar).unwrap();
+        // follows `text` token by token; false where the grammar refuses a token
+        let follow = |c: &mut moelane_text::grammar::Constraint, text: &str| {
+            for id in st.tokenizer.encode_plain(text).unwrap() {
+                if !c.next_mask().unwrap().allows(id) {
+                    return false;
+                }
+                c.consume(id).unwrap();
+            }
+            true
+        };
+        // free text, and the answer may end after it
+        let mut c = compile();
+        assert!(
+            follow(&mut c, "Let me think: rain {maybe} <tool or not."),
+            "{family}"
+        );
+        assert!(c.next_mask().unwrap().allows(eos), "{family}");
+        // a call: valid arguments go through, a value off the schema is refused
+        let (open, good, bad) = if family == "glm4_moe" {
+            (
+                "Checking.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>",
+                "Oslo</arg_value>\n<arg_key>unit</arg_key>\n<arg_value>c</arg_value>\n<arg_key>zip</arg_key>\n<arg_value>12345</arg_value>\n</tool_call>",
+                "Oslo</arg_value>\n<arg_key>unit</arg_key>\n<arg_value>kelvin",
+            )
+        } else {
+            (
+                "Checking.<tool_call>\n{\"name\":\"get_weather\",\"arguments\":{\"city\":\"",
+                "Oslo\",\"unit\":\"c\",\"zip\":\"12345\"}}\n</tool_call>",
+                "Oslo\",\"unit\":\"kelvin",
+            )
+        };
+        let mut c = compile();
+        assert!(follow(&mut c, open), "{family}: the call's start");
+        let mut refused = c.clone();
+        assert!(
+            !follow(&mut refused, bad),
+            "{family}: an off-schema unit was followed"
+        );
+        assert!(follow(&mut c, good), "{family}: a valid call was refused");
+        // then free text without another call (parallel_tool_calls false), and the end
+        assert!(follow(&mut c, "\nDone."), "{family}");
+        let mut again = c.clone();
+        assert!(
+            !follow(&mut again, "<tool_call>"),
+            "{family}: a second call"
+        );
+        assert!(c.next_mask().unwrap().allows(eos), "{family}");
+        // the splitter of such a request still starts in a thinking block the prompt opened
+        assert!(vr.free_grammar, "{family}");
+    }
+    // families whose calls do not begin with a text marker: strict is not enforced in auto
+    st.template =
+        ChatTemplate::new(templates::DEEPSEEK_V3.into(), String::new(), String::new()).unwrap();
+    let body = json!({"model": "tiny", "messages": [{"role": "user", "content": "Weather?"}],
+        "tools": tools});
+    let vr = moelane_gateway::server::validate_body(&st, body.to_string().as_bytes(), true)
+        .unwrap_or_else(|e| panic!("{e:?}"));
+    assert!(vr.grammar.is_none());
+    // strict must be a boolean
+    let bad = json!({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+        "tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]});
+    let e = moelane_gateway::server::validate_body(&st, bad.to_string().as_bytes(), true)
+        .expect_err("a bad strict");
+    assert!(format!("{e:?}").contains("strict"), "{e:?}");
+}
+
 /// Each family's markup end to end on the tiny weights with that family's template (the
 /// markup chosen from it): forced calls come back as OpenAI tool calls whose arguments are
 /// valid against the tool's schema, in GLM's `<arg_key>` pairs, DeepSeek's fenced blocks,

@@ -1033,6 +1033,118 @@ pub fn merge(parts: Vec<Part>) -> Vec<Part> {
     out
 }
 
+/// The `call` rule (and a `call_N` per tool) of `tools` in markup `m`, each call beginning
+/// with `open` (the markup's call marker, or nothing where a rule before it wrote it).
+fn call_rules(
+    m: &Markup,
+    tools: &[(String, Value)],
+    special: &dyn Fn(&str) -> bool,
+    open: &str,
+) -> String {
+    let mut rules = String::new();
+    if m.style == Style::Hermes {
+        let alts: Vec<Value> = tools
+            .iter()
+            .map(|(name, params)| {
+                let params = if params.is_object() {
+                    params.clone()
+                } else {
+                    serde_json::json!({"type": "object"})
+                };
+                serde_json::json!({"type": "object", "properties": {
+                    "name": {"const": name},
+                    "arguments": params},
+                    "required": ["name", "arguments"], "additionalProperties": false})
+            })
+            .collect();
+        let schema =
+            serde_json::json!({"anyOf": alts, "x-guidance": {"whitespace_flexible": false}});
+        rules.push_str(&format!(
+            "call: {} \"\\n\" %json {} \"\\n\" {}\n",
+            if open.is_empty() {
+                String::new()
+            } else {
+                lit(open)
+            },
+            schema,
+            lit(m.call_close),
+        ));
+    } else {
+        let mut alts = Vec::new();
+        for (i, (name, params)) in tools.iter().enumerate() {
+            let args = compact_schema(params, serde_json::json!({"type": "object"}));
+            let body = match m.style {
+                Style::DeepSeek => format!(
+                    "{} %json {} {}",
+                    lit(&format!("{open}function{DS_SEP}{name}\n```json\n")),
+                    args,
+                    lit(&format!("\n```{}", m.call_close))
+                ),
+                Style::Kimi => format!(
+                    "{} %json {} {}",
+                    harmony_items(&format!("{open}functions.{name}:0{KIMI_ARG}"), special),
+                    args,
+                    harmony_items(m.call_close, special)
+                ),
+                Style::Harmony => format!(
+                    "{} %json {}",
+                    harmony_items(
+                        &format!(
+                            "{H_CHANNEL}commentary to=functions.{name} <|constrain|>json{H_MESSAGE}"
+                        ),
+                        special
+                    ),
+                    args
+                ),
+                _ => format!(
+                    "{} {} {}",
+                    lit(&format!("{open}{name}\n")),
+                    glm_args(params),
+                    lit(m.call_close)
+                ),
+            };
+            rules.push_str(&format!("call_{i}: {body}\n"));
+            alts.push(format!("call_{i}"));
+        }
+        rules.push_str(&format!("call: {}\n", alts.join(" | ")));
+    }
+    rules
+}
+
+/// A regex matching `s` literally.
+fn regex_lit(s: &str) -> String {
+    s.chars()
+        .map(|c| {
+            if "\\.+*?()|[]{}^$#&-~".contains(c) {
+                format!("\\{c}")
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
+/// The Lark grammar of a free answer whose tool calls, once begun, are valid (`tool_choice:
+/// auto` with `strict` tools): any text up to the family's call marker, then a call naming
+/// one of `tools` with arguments valid against its schema, up to `most` times, then any
+/// text without the marker. The text is free (reasoning included), so an answer without a
+/// call is what the model would write unconstrained. Only for families whose calls begin
+/// with a text marker (Hermes, GLM: `<tool_call>`); None for the others.
+pub fn auto_calls_grammar(m: &Markup, tools: &[(String, Value)], most: usize) -> Option<String> {
+    if !matches!(m.style, Style::Hermes | Style::Glm) {
+        return None;
+    }
+    let rules = call_rules(m, tools, &|_| false, "");
+    let marker = regex_lit(m.call_open);
+    let mut calls = String::new();
+    for _ in 0..most.max(1) {
+        calls = format!("(pre call {calls})?");
+    }
+    Some(format!(
+        "start: {calls} TAIL\npre[lazy]: /(?s:.*){marker}/\nTAIL: /(?s:.*)/ & ~/(?s:.*){marker}(?s:.*)/\n{rules}"
+    ))
+}
+
 /// A schema as a grammar's `%json` takes it: an object schema (anything else: any object),
 /// compact (a random model could otherwise write spaces forever).
 fn compact_schema(params: &Value, fallback: Value) -> Value {
@@ -1175,78 +1287,13 @@ pub fn calls_grammar(
     most: usize,
     special: &dyn Fn(&str) -> bool,
 ) -> String {
+    let rules = call_rules(m, tools, special, m.call_open);
     let (open, sep, close) = match m.style {
         Style::Hermes | Style::Glm => ("", "\n", ""),
         Style::DeepSeek => (DS_CALLS_BEGIN, "", DS_CALLS_END),
         Style::Harmony => ("", "<|call|><|start|>assistant", ""),
         Style::Kimi => (KIMI_SECTION_BEGIN, "", KIMI_SECTION_END),
     };
-    let mut rules = String::new();
-    if m.style == Style::Hermes {
-        let alts: Vec<Value> = tools
-            .iter()
-            .map(|(name, params)| {
-                let params = if params.is_object() {
-                    params.clone()
-                } else {
-                    serde_json::json!({"type": "object"})
-                };
-                serde_json::json!({"type": "object", "properties": {
-                    "name": {"const": name},
-                    "arguments": params},
-                    "required": ["name", "arguments"], "additionalProperties": false})
-            })
-            .collect();
-        let schema =
-            serde_json::json!({"anyOf": alts, "x-guidance": {"whitespace_flexible": false}});
-        rules.push_str(&format!(
-            "call: {} \"\\n\" %json {} \"\\n\" {}\n",
-            lit(m.call_open),
-            schema,
-            lit(m.call_close),
-        ));
-    } else {
-        let mut alts = Vec::new();
-        for (i, (name, params)) in tools.iter().enumerate() {
-            let args = compact_schema(params, serde_json::json!({"type": "object"}));
-            let body = match m.style {
-                Style::DeepSeek => format!(
-                    "{} %json {} {}",
-                    lit(&format!("{}function{DS_SEP}{name}\n```json\n", m.call_open)),
-                    args,
-                    lit(&format!("\n```{}", m.call_close))
-                ),
-                Style::Kimi => format!(
-                    "{} %json {} {}",
-                    harmony_items(
-                        &format!("{}functions.{name}:0{KIMI_ARG}", m.call_open),
-                        special
-                    ),
-                    args,
-                    harmony_items(m.call_close, special)
-                ),
-                Style::Harmony => format!(
-                    "{} %json {}",
-                    harmony_items(
-                        &format!(
-                            "{H_CHANNEL}commentary to=functions.{name} <|constrain|>json{H_MESSAGE}"
-                        ),
-                        special
-                    ),
-                    args
-                ),
-                _ => format!(
-                    "{} {} {}",
-                    lit(&format!("{}{name}\n", m.call_open)),
-                    glm_args(params),
-                    lit(m.call_close)
-                ),
-            };
-            rules.push_str(&format!("call_{i}: {body}\n"));
-            alts.push(format!("call_{i}"));
-        }
-        rules.push_str(&format!("call: {}\n", alts.join(" | ")));
-    }
     let sep = if sep.is_empty() {
         String::new()
     } else if m.style == Style::Harmony {
