@@ -68,6 +68,11 @@ pub enum BenchCmd {
         steps: usize,
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// Follow the grammar of `tool_choice: auto` with a strict tool (the schema as its
+        /// parameters, Hermes markup) instead: free text, a call begun every 32 tokens of
+        /// it; masks in text and in calls reported apart.
+        #[arg(long)]
+        strict_tools: bool,
         /// Write the results as JSON here.
         #[arg(long)]
         json: Option<PathBuf>,
@@ -553,8 +558,9 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             schema,
             steps,
             seed,
+            strict_tools,
             json,
-        } => crate::grammar_bench::run(vocab, schema, steps, seed, json)?,
+        } => crate::grammar_bench::run(vocab, schema, steps, seed, strict_tools, json)?,
         BenchCmd::Engine {
             model,
             all_hot,

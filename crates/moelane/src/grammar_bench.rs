@@ -6,7 +6,9 @@
 //! schema against it and follows answers token by token (each pick the best of random
 //! logits under the mask, a random valid answer): the time to build the token trie, to
 //! compile, to make one mask (the part the mask worker takes off the step loop) and to
-//! apply one to a row of logits (the part left on it).
+//! apply one to a row of logits (the part left on it). With `--strict-tools`, the grammar of
+//! an `auto` answer with a strict tool instead: free text with a call begun every 32 tokens,
+//! the masks in text and in calls apart.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -16,7 +18,7 @@ use anyhow::{Context, Result};
 use moelane_engine::bpe::Bpe;
 use moelane_engine::rng::Rng;
 use moelane_engine::tokenizer::byte_encoder;
-use moelane_text::grammar::{json_schema_grammar, Grammars};
+use moelane_text::grammar::{json_schema_grammar, lark_grammar, Grammars};
 use moelane_text::tokenizer::Tokenizer;
 
 use crate::loadgen::pct;
@@ -84,6 +86,7 @@ pub fn run(
     schema: Option<PathBuf>,
     steps: usize,
     seed: u64,
+    strict_tools: bool,
     json: Option<PathBuf>,
 ) -> Result<()> {
     let schema = match schema {
@@ -107,8 +110,20 @@ pub fn run(
     let eos = tok
         .token_to_id("<|im_end|>")
         .context("the vocabulary's end token")?;
-    let grammars = Grammars::new(Arc::new(tok), eos);
-    let grammar = json_schema_grammar(&schema);
+    let tok = Arc::new(tok);
+    let grammars = Grammars::new(tok.clone(), eos);
+    let grammar = if strict_tools {
+        let tools = [("fill".to_string(), schema.clone())];
+        lark_grammar(
+            &moelane_text::agent::auto_calls_grammar(&moelane_text::agent::HERMES, &tools, 8)
+                .context("Hermes has an auto grammar")?,
+        )
+    } else {
+        json_schema_grammar(&schema)
+    };
+    let marker = tok
+        .encode_plain("<tool_call>")
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
     let t = Instant::now();
     let mut c = grammars
         .compile(&grammar)
@@ -126,15 +141,32 @@ pub fn run(
     );
     let mut rng = Rng::new(seed ^ 0x9e37);
     let (mut masks, mut applies, mut allowed) = (Vec::new(), Vec::new(), Vec::new());
+    // (strict tools) masks made in free text and inside calls; where the answer is
+    let (mut in_text, mut in_call) = (Vec::new(), Vec::new());
+    let (mut calling, mut free_run, mut since) = (false, 0usize, String::new());
     let mut answers = 0usize;
     let mut row = vec![0f32; v];
     for _ in 0..steps {
         for x in row.iter_mut() {
             *x = rng.uniform();
         }
+        if strict_tools && !calling && free_run >= 32 {
+            // the model begins a call
+            for &id in &marker {
+                c.consume(id).map_err(|e| anyhow::anyhow!("{e}"))?;
+            }
+            (calling, free_run) = (true, 0);
+            since.clear();
+        }
         let t = Instant::now();
         let m = c.next_mask().map_err(|e| anyhow::anyhow!("{e}"))?;
-        masks.push(t.elapsed().as_secs_f64() * 1e6);
+        let us = t.elapsed().as_secs_f64() * 1e6;
+        masks.push(us);
+        if calling {
+            in_call.push(us);
+        } else {
+            in_text.push(us);
+        }
         let t = Instant::now();
         m.apply(&mut row).map_err(|e| anyhow::anyhow!("{e}"))?;
         applies.push(t.elapsed().as_secs_f64() * 1e6);
@@ -145,10 +177,33 @@ pub fn run(
             c = grammars
                 .compile(&grammar)
                 .map_err(|e| anyhow::anyhow!("the schema: {e}"))?;
+            (calling, free_run) = (false, 0);
             continue;
         }
         c.consume(pick).map_err(|e| anyhow::anyhow!("{e}"))?;
+        if calling {
+            since.push_str(&String::from_utf8_lossy(tok.token_bytes(pick)));
+            if since.contains("</tool_call>") {
+                calling = false;
+            }
+        } else {
+            free_run += 1;
+        }
     }
+    let split = if strict_tools {
+        let [t50, t99] = [0.5, 0.99].map(|q| pct(&mut in_text, q));
+        let [c50, c99] = [0.5, 0.99].map(|q| pct(&mut in_call, q));
+        println!(
+            "strict tools: in free text ({} masks) p50 {t50:.1} us, p99 {t99:.1}; in calls ({} \
+             masks) p50 {c50:.1} us, p99 {c99:.1}",
+            in_text.len(),
+            in_call.len()
+        );
+        serde_json::json!({"text_us": {"n": in_text.len(), "p50": t50, "p99": t99},
+                           "call_us": {"n": in_call.len(), "p50": c50, "p99": c99}})
+    } else {
+        serde_json::Value::Null
+    };
     let mean_allowed = allowed.iter().sum::<f64>() / allowed.len().max(1) as f64;
     let [m50, m90, m99, mmax] = [0.5, 0.9, 0.99, 1.0].map(|q| pct(&mut masks, q));
     let [a50, a99] = [0.5, 0.99].map(|q| pct(&mut applies, q));
@@ -162,7 +217,7 @@ pub fn run(
         "trie_and_first_compile_ms": first_s * 1e3, "compile_ms": compile_s * 1e3,
         "mask_us": {"p50": m50, "p90": m90, "p99": m99, "max": mmax},
         "apply_us": {"p50": a50, "p99": a99},
-        "mean_allowed_tokens": mean_allowed,
+        "mean_allowed_tokens": mean_allowed, "strict_tools": split,
     });
     if let Some(p) = json {
         std::fs::write(&p, serde_json::to_vec_pretty(&r)?)

@@ -193,8 +193,9 @@ enum CallSt {
     Whole,
     /// Its arguments, streamed.
     Args(JsonOut),
-    /// GLM's argument pairs, streamed a pair at a time (how many were given).
-    Pairs(usize),
+    /// GLM's argument pairs, streamed a pair at a time: how many were given, and how many
+    /// bytes of the pending pair were searched for its end.
+    Pairs { n: usize, seen: usize },
     /// The arguments ended: the rest of the body up to the close is dropped.
     Tail,
 }
@@ -379,17 +380,13 @@ impl Splitter {
                         let used = self.read_call(&buf[..buf.len() - keep], false, &mut out);
                         self.buf = buf;
                         self.buf.drain(..used);
-                        if let CallSt::Pairs(_) = self.call {
-                            if self.buf.len() > MAX_CALL_BYTES {
-                                // an argument that never ends: the call ends here
-                                out.push(Part::CallArgs("}".into()));
-                                self.call = CallSt::Tail;
-                                self.buf.clear();
-                            }
-                        }
                     }
                     if matches!(self.mode, Mode::Call | Mode::Header) {
-                        if self.buf.len() > MAX_CALL_BYTES {
+                        // (a started call holds at most a pair and a marker's start: its
+                        // bounds are read_call's)
+                        let held = self.mode == Mode::Header
+                            || matches!(self.call, CallSt::Head | CallSt::Whole);
+                        if held && self.buf.len() > MAX_CALL_BYTES {
                             // never closed within bounds: what the model wrote, as text
                             let body = std::mem::take(&mut self.buf);
                             out.push(Part::Content(self.unclosed(&body)));
@@ -470,7 +467,10 @@ impl Splitter {
         let rest = std::mem::take(&mut self.buf);
         self.scanned = 0;
         let mut out = Vec::new();
-        let started = matches!(self.call, CallSt::Args(_) | CallSt::Pairs(_) | CallSt::Tail);
+        let started = matches!(
+            self.call,
+            CallSt::Args(_) | CallSt::Pairs { .. } | CallSt::Tail
+        );
         match self.mode {
             // a started call ends with the answer (harmony's last call always does)
             Mode::Call if started || self.m.style == Style::Harmony => {
@@ -503,7 +503,7 @@ impl Splitter {
                         used += at;
                         self.call = if self.m.style == Style::Glm {
                             out.push(Part::CallArgs("{".into()));
-                            CallSt::Pairs(0)
+                            CallSt::Pairs { n: 0, seen: 0 }
                         } else {
                             CallSt::Args(JsonOut::new())
                         };
@@ -524,25 +524,45 @@ impl Splitter {
                     }
                     return text.len();
                 }
-                CallSt::Pairs(n) => match glm_pair(rest) {
-                    Ok(Some((key, value, len))) => {
-                        let n = *n;
-                        let value = glm_value(self.is_text(&self.name, key.trim()), value);
-                        let comma = if n > 0 { "," } else { "" };
-                        out.push(Part::CallArgs(format!(
-                            "{comma}{}:{value}",
-                            Value::String(key.trim().to_string())
-                        )));
-                        self.call = CallSt::Pairs(n + 1);
-                        used += len;
+                CallSt::Pairs { n, seen } => {
+                    let n = *n;
+                    // the pending pair ends at its value's end marker: while it is not in
+                    // what came since the last search, the pair is not whole
+                    let mut from = (*seen).min(rest.len()).saturating_sub(GLM_END.len());
+                    while !rest.is_char_boundary(from) {
+                        from -= 1;
                     }
-                    Ok(None) => return used,
-                    Err(()) => {
-                        out.push(Part::CallArgs("}".into()));
-                        self.call = CallSt::Tail;
-                        return text.len();
+                    let got = if !fin && !rest[from..].contains(GLM_END) {
+                        Ok(None)
+                    } else {
+                        glm_pair(rest)
+                    };
+                    match got {
+                        Ok(Some((key, value, len))) if len <= MAX_CALL_BYTES => {
+                            let value = glm_value(self.is_text(&self.name, key.trim()), value);
+                            let comma = if n > 0 { "," } else { "" };
+                            out.push(Part::CallArgs(format!(
+                                "{comma}{}:{value}",
+                                Value::String(key.trim().to_string())
+                            )));
+                            self.call = CallSt::Pairs { n: n + 1, seen: 0 };
+                            used += len;
+                        }
+                        Ok(None) if rest.len() <= MAX_CALL_BYTES => {
+                            self.call = CallSt::Pairs {
+                                n,
+                                seen: rest.len(),
+                            };
+                            return used;
+                        }
+                        // not a pair, or one past MAX_CALL_BYTES: the arguments end here
+                        _ => {
+                            out.push(Part::CallArgs("}".into()));
+                            self.call = CallSt::Tail;
+                            return text.len();
+                        }
                     }
-                },
+                }
                 CallSt::Tail => return text.len(),
             }
         }
@@ -561,7 +581,7 @@ impl Splitter {
                 }
                 out.push(Part::CallEnd);
             }
-            CallSt::Pairs(_) => {
+            CallSt::Pairs { .. } => {
                 out.push(Part::CallArgs("}".into()));
                 out.push(Part::CallEnd);
             }
@@ -783,6 +803,9 @@ fn after_tag<'a>(t: &'a str, tag: &str) -> Result<Option<&'a str>, ()> {
     }
 }
 
+/// What ends a GLM argument's value.
+const GLM_END: &str = "</arg_value>";
+
 /// One GLM pair at the start of `s` (after blanks): `Ok(Some((key, value, bytes used)))`,
 /// `Ok(None)` when it is not whole yet, `Err` when `s` is not a pair.
 fn glm_pair(s: &str) -> Result<Option<(&str, &str, usize)>, ()> {
@@ -795,7 +818,7 @@ fn glm_pair(s: &str) -> Result<Option<(&str, &str, usize)>, ()> {
     let Some(r) = after_tag(r.trim_start(), "<arg_value>")? else {
         return Ok(None);
     };
-    let Some((value, r)) = r.split_once("</arg_value>") else {
+    let Some((value, r)) = r.split_once(GLM_END) else {
         return Ok(None);
     };
     Ok(Some((key, value, s.len() - r.len())))
@@ -1236,7 +1259,7 @@ fn glm_text(s: &Value) -> Option<String> {
             Some(q) if !q.ends_with('\\') => q,
             _ => p,
         };
-        return Some(format!("/{}/", p.replace('/', "\\/")));
+        return Some(format!("/{}/", slashes_escaped(p)));
     }
     let min = s.get("minLength").and_then(Value::as_u64).unwrap_or(0);
     let rep = match s.get("maxLength").and_then(Value::as_u64) {
@@ -1245,6 +1268,20 @@ fn glm_text(s: &Value) -> Option<String> {
         None => "*".into(),
     };
     Some(format!("/[^<]{rep}/"))
+}
+
+/// A regex with each `/` not already escaped written `\/` (inside a Lark `/.../`).
+fn slashes_escaped(p: &str) -> String {
+    let mut out = String::new();
+    let mut escaped = false;
+    for c in p.chars() {
+        if c == '/' && !escaped {
+            out.push('\\');
+        }
+        escaped = c == '\\' && !escaped;
+        out.push(c);
+    }
+    out
 }
 
 /// Harmony's text `t` as Lark items: each `<|...|>` marker that is a special token of the
@@ -1347,7 +1384,9 @@ enum J {
 /// strings dropped, and only so far as what was given can still be closed to valid JSON (a
 /// comma and the key after it, a number, a literal or an escape sequence are held until they
 /// are whole). Where the text stops being JSON, or ends first, [`JsonOut::close`] gives what
-/// closes the value, so what was given plus that always parses.
+/// closes the value, so what was given plus that always parses (with serde_json: nesting
+/// past [`JSON_DEPTH`], a number out of f64's range and a key or number past [`HELD_MAX`]
+/// bytes end it too).
 struct JsonOut {
     /// Open containers, innermost last: true for an object.
     stack: Vec<bool>,
@@ -1361,6 +1400,12 @@ struct JsonOut {
     /// It stopped being JSON inside a string.
     in_str: bool,
 }
+
+/// Deepest nesting [`JsonOut`] follows (serde_json refuses past 128).
+const JSON_DEPTH: usize = 100;
+
+/// Most bytes [`JsonOut`] holds back (a key, a number): past them the value ends.
+const HELD_MAX: usize = 1 << 16;
 
 impl JsonOut {
     fn new() -> JsonOut {
@@ -1432,6 +1477,13 @@ impl JsonOut {
 
     fn step(&mut self, c: char, out: &mut String) {
         let ws = matches!(c, ' ' | '\t' | '\n' | '\r');
+        let deep = matches!(self.st, J::Value(_))
+            && matches!(c, '{' | '[')
+            && self.stack.len() >= JSON_DEPTH;
+        if deep || self.held.len() > HELD_MAX {
+            self.fail();
+            return;
+        }
         match self.st {
             J::Value(first) => match c {
                 _ if ws => {}
@@ -1675,7 +1727,8 @@ fn json_number(s: &str) -> bool {
             return false;
         }
     }
-    i == b.len()
+    // (serde_json refuses a number out of f64's range)
+    i == b.len() && s.parse::<f64>().is_ok_and(f64::is_finite)
 }
 
 #[cfg(test)]
@@ -1900,6 +1953,88 @@ mod tests {
             cuts.sort_unstable();
             assert_eq!(run(&cuts), one, "{text:?} cut at {cuts:?}");
         }
+    }
+
+    #[test]
+    fn arguments_stay_parseable_and_bounded_on_hostile_text() {
+        let hermes = |args: &str| {
+            split_whole(
+                HERMES,
+                true,
+                false,
+                false,
+                &format!("<tool_call>{{\"name\": \"f\", \"arguments\": {args}</tool_call>after"),
+            )
+        };
+        // nesting past serde_json's limit, a number out of f64's range: still one object
+        for args in [
+            format!("{{\"a\": {}", "[".repeat(300)),
+            "{\"a\": 1e999}".to_string(),
+            "{\"a\": -1e309, \"b\": 2}".to_string(),
+        ] {
+            let parts = hermes(&args);
+            let Part::Call { arguments, .. } = &parts[0] else {
+                panic!("{parts:?}")
+            };
+            let v: Value = serde_json::from_str(arguments).expect(arguments);
+            assert!(v.is_object(), "{arguments}");
+            assert_eq!(parts[1], Part::Content("after".into()));
+        }
+        // a key that never ends holds at most HELD_MAX bytes
+        let mut j = JsonOut::new();
+        j.feed("{\"");
+        let chunk = "k".repeat(1 << 12);
+        for _ in 0..((2 * HELD_MAX) >> 12) {
+            j.feed(&chunk);
+        }
+        assert!(
+            j.ended() && j.held.len() <= HELD_MAX + 1,
+            "{}",
+            j.held.len()
+        );
+        assert_eq!(j.close(), "}");
+    }
+
+    #[test]
+    fn a_long_glm_value_streams_in_linear_time_and_is_bounded() {
+        // a value of nearly 1 MiB in pieces of 4 bytes: each piece searched once
+        let t = std::time::Instant::now();
+        let mut s = Splitter::new(GLM45, true, false, false);
+        let mut parts = s.push("<tool_call>write\n<arg_key>text</arg_key><arg_value>");
+        let piece = "abcd";
+        let n = MAX_CALL_BYTES / 4 - 1024;
+        for _ in 0..n {
+            parts.extend(s.push(piece));
+        }
+        parts.extend(s.push("</arg_value></tool_call>after"));
+        parts.extend(s.finish());
+        // (searching the whole pair again at each piece took ~13 s)
+        assert!(t.elapsed().as_secs() < 5, "{:?}", t.elapsed());
+        let merged = merge(parts);
+        let Part::Call { arguments, .. } = &merged[0] else {
+            panic!("{:?}", &merged[0])
+        };
+        assert_eq!(arguments.len(), "{\"text\":\"\"}".len() + 4 * n);
+        // past MAX_CALL_BYTES the arguments end there, streamed and whole alike, and the
+        // text after the call's close (its marker cut across pieces) is kept
+        let text = format!(
+            "<tool_call>write\n<arg_key>a</arg_key><arg_value>1</arg_value><arg_key>text</arg_key><arg_value>{}</arg_value></tool_call>After the call.",
+            "b".repeat(MAX_CALL_BYTES + 10)
+        );
+        let want = vec![
+            call("write", "{\"a\":1}"),
+            Part::Content("After the call.".into()),
+        ];
+        assert_eq!(split_whole(GLM45, true, false, false, &text), want);
+        let mut s = Splitter::new(GLM45, true, false, false);
+        let cut = text.len() - "all>After the call.".len();
+        let mut parts = Vec::new();
+        for piece in text.as_bytes()[..cut].chunks(4096) {
+            parts.extend(s.push(std::str::from_utf8(piece).unwrap()));
+        }
+        parts.extend(s.push(&text[cut..]));
+        parts.extend(s.finish());
+        assert_eq!(merge(parts), want);
     }
 
     #[test]
@@ -2139,6 +2274,7 @@ mod tests {
         // the grammar forces the same shapes: the pattern, the enum's literals
         let g = calls_grammar(&GLM45, &tools, 1, &|_| false);
         assert!(g.contains("/[0-9]{5}/"), "{g}");
+        assert_eq!(slashes_escaped(r"a\/b/c\\/d"), r"a\/b\/c\\\/d");
         assert!(g.contains("(\"air\" | \"sea\")"), "{g}");
         assert!(
             g.contains("<arg_key>note</arg_key>\\n<arg_value>\" %json"),
