@@ -188,8 +188,15 @@ fn to_chat(v: &Value) -> Result<Value, ApiError> {
                 ))
             }
         };
-        if c["disable_parallel_tool_use"].as_bool() == Some(true) {
-            out["parallel_tool_calls"] = json!(false);
+        match c.get("disable_parallel_tool_use") {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => {}
+            Some(Value::Bool(true)) => out["parallel_tool_calls"] = json!(false),
+            Some(x) => {
+                return Err(ApiError::bad(
+                    format!("tool_choice.disable_parallel_tool_use must be a boolean, got {x}"),
+                    Some("tool_choice"),
+                ))
+            }
         }
     }
     // structured output: output_config.format (a JSON schema)

@@ -931,6 +931,13 @@ fn tools_of(v: &Value, chat: bool) -> Result<(Tools, ToolMode, bool), ApiError> 
                 };
                 let params = match f.get("parameters") {
                     None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
+                    // arguments are an object: a schema of anything else could not be met
+                    Some(Value::Object(p)) if p.get("type").is_some_and(|t| t != "object") => {
+                        return Err(bad(format!(
+                            "function.parameters must describe an object (\"type\": \"object\"), got type {}",
+                            p["type"]
+                        )))
+                    }
                     Some(p @ Value::Object(_)) => p.clone(),
                     Some(x) => {
                         return Err(bad(format!(
@@ -968,7 +975,14 @@ fn tools_of(v: &Value, chat: bool) -> Result<(Tools, ToolMode, bool), ApiError> 
             }
         },
         Some(c @ Value::Object(_)) => {
-            let name = c["function"]["name"].as_str().unwrap_or_default();
+            let name = match (c.get("type").and_then(Value::as_str), c["function"]["name"].as_str()) {
+                (Some("function"), Some(n)) => n,
+                _ => {
+                    return Err(bad(format!(
+                        "`tool_choice` as an object must be {{\"type\": \"function\", \"function\": {{\"name\": NAME}}}}, got {c}"
+                    )))
+                }
+            };
             if !tools.iter().any(|(n, _)| n == name) {
                 return Err(bad(format!(
                     "`tool_choice` names function {name:?}, which is not among `tools`"

@@ -1437,10 +1437,79 @@ async fn tool_choice_forces_valid_calls_and_results_go_back() {
             json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]}),
             "tools",
         ),
+        // arguments are an object: a schema of a string could never be met
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+                   "tool_choice": "required"}),
+            "tools",
+        ),
+        (
+            json!({"tool_choice": {"type": "banana", "function": {"name": "get_weather"}}}),
+            "tool_choice",
+        ),
+        (json!({"tool_choice": {}}), "tool_choice"),
     ] {
         let (st, v) = post(&gw, "/v1/chat/completions", &ask(extra.clone())).await;
         assert_error(st, &v, 400, "invalid_request_error", param);
         assert_eq!(v["error"]["param"], param, "{extra}: {v}");
+    }
+    // schemas whose `$ref`s point into themselves (pydantic's `$defs`, a recursive `#`):
+    // forced calls follow them as they read alone
+    let tools = json!([
+        {"type": "function", "function": {"name": "ship", "strict": true, "parameters": {
+            "type": "object", "properties": {"to": {"$ref": "#/$defs/Addr"}, "n": {"type": "integer", "minimum": 1, "maximum": 9}},
+            "required": ["to", "n"], "additionalProperties": false,
+            "$defs": {"Addr": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                               "required": ["city"], "additionalProperties": false}}}}},
+        {"type": "function", "function": {"name": "tree", "parameters": {
+            "type": "object", "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9},
+                "kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 1}},
+            "required": ["v"], "additionalProperties": false}}}]);
+    // a tree node: v, and kids that are tree nodes
+    fn node(v: &Value) -> bool {
+        let Some(o) = v.as_object() else { return false };
+        o.keys().all(|k| k == "v" || k == "kids")
+            && o["v"].as_u64().is_some_and(|x| x <= 9)
+            && o.get("kids").is_none_or(|k| {
+                k.as_array()
+                    .is_some_and(|a| a.len() <= 1 && a.iter().all(node))
+            })
+    }
+    for name in ["ship", "tree"] {
+        let (st, v) = post(
+            &gw,
+            "/v1/chat/completions",
+            &ask(json!({"tools": tools.clone(),
+            "tool_choice": {"type": "function", "function": {"name": name}}, "max_tokens": 600})),
+        )
+        .await;
+        assert_eq!(st, 200, "{name}: {v}");
+        let c = &v["choices"][0];
+        if name == "tree" && c["finish_reason"] != "tool_calls" {
+            continue; // cut by max_tokens (a deep random tree)
+        }
+        assert_eq!(c["finish_reason"], "tool_calls", "{name}: {v}");
+        let args: Value = serde_json::from_str(
+            c["message"]["tool_calls"][0]["function"]["arguments"]
+                .as_str()
+                .unwrap(),
+        )
+        .unwrap();
+        if name == "ship" {
+            assert!(
+                args["to"]["city"]
+                    .as_str()
+                    .is_some_and(|c| c.chars().count() <= 8),
+                "{args}"
+            );
+            assert!(
+                args["n"].as_u64().is_some_and(|n| (1..=9).contains(&n)),
+                "{args}"
+            );
+        } else {
+            assert!(node(&args), "{args}");
+        }
+        eprintln!("{name}: {args}");
     }
 }
 

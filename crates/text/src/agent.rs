@@ -1077,13 +1077,19 @@ fn call_rules(
 ) -> String {
     let mut rules = String::new();
     if m.style == Style::Hermes {
+        // every tool's schema inside one (the call's JSON names the tool): a schema whose
+        // `$ref`s point into itself moves under the one schema's `$defs`
+        let mut defs = serde_json::Map::new();
         let alts: Vec<Value> = tools
             .iter()
-            .map(|(name, params)| {
-                let params = if params.is_object() {
-                    params.clone()
-                } else {
+            .enumerate()
+            .map(|(i, (name, params))| {
+                let params = if !params.is_object() {
                     serde_json::json!({"type": "object"})
+                } else if has_refs(params) {
+                    hoist(params, &format!("tool{i}"), &mut defs)
+                } else {
+                    params.clone()
                 };
                 serde_json::json!({"type": "object", "properties": {
                     "name": {"const": name},
@@ -1091,8 +1097,11 @@ fn call_rules(
                     "required": ["name", "arguments"], "additionalProperties": false})
             })
             .collect();
-        let schema =
+        let mut schema =
             serde_json::json!({"anyOf": alts, "x-guidance": {"whitespace_flexible": false}});
+        if !defs.is_empty() {
+            schema["$defs"] = Value::Object(defs);
+        }
         rules.push_str(&format!(
             "call: {} \"\\n\" %json {} \"\\n\" {}\n",
             if open.is_empty() {
@@ -1143,6 +1152,71 @@ fn call_rules(
         rules.push_str(&format!("call: {}\n", alts.join(" | ")));
     }
     rules
+}
+
+/// Whether a schema holds a `$ref` (or definitions one may name).
+fn has_refs(v: &Value) -> bool {
+    match v {
+        Value::Object(o) => {
+            o.contains_key("$ref")
+                || o.contains_key("$defs")
+                || o.contains_key("definitions")
+                || o.values().any(has_refs)
+        }
+        Value::Array(a) => a.iter().any(has_refs),
+        _ => false,
+    }
+}
+
+/// Tool schema `params` moved into `defs` under names starting `tag` (itself as
+/// `{tag}_root`, its `$defs` and `definitions` as `{tag}_$defs_NAME` and
+/// `{tag}_definitions_NAME`), each local `$ref` rewritten
+/// to point where its target went, so the references resolve inside a larger schema as they
+/// did alone; returns the reference to it.
+fn hoist(params: &Value, tag: &str, defs: &mut serde_json::Map<String, Value>) -> Value {
+    fn rewrite(v: &mut Value, tag: &str) {
+        match v {
+            Value::Object(o) => {
+                if let Some(Value::String(r)) = o.get_mut("$ref") {
+                    if let Some(pointer) = r.strip_prefix('#') {
+                        let named = ["$defs", "definitions"].iter().find_map(|k| {
+                            pointer
+                                .strip_prefix(&format!("/{k}/"))
+                                .map(|rest| (k, rest))
+                        });
+                        *r = match named {
+                            Some((k, rest)) => format!("#/$defs/{tag}_{k}_{rest}"),
+                            None => format!("#/$defs/{tag}_root{pointer}"),
+                        };
+                    }
+                }
+                for x in o.values_mut() {
+                    rewrite(x, tag);
+                }
+            }
+            Value::Array(a) => a.iter_mut().for_each(|x| rewrite(x, tag)),
+            _ => {}
+        }
+    }
+    let mut root = params.clone();
+    let mut own = Vec::new();
+    if let Some(o) = root.as_object_mut() {
+        for k in ["$defs", "definitions"] {
+            if let Some(Value::Object(d)) = o.remove(k) {
+                own.extend(
+                    d.into_iter()
+                        .map(|(name, s)| (format!("{tag}_{k}_{name}"), s)),
+                );
+            }
+        }
+    }
+    rewrite(&mut root, tag);
+    for (name, mut s) in own {
+        rewrite(&mut s, tag);
+        defs.insert(name, s);
+    }
+    defs.insert(format!("{tag}_root"), root);
+    serde_json::json!({"$ref": format!("#/$defs/{tag}_root")})
 }
 
 /// A regex matching `s` literally.
@@ -2359,6 +2433,44 @@ mod tests {
                 m.style
             );
         }
+    }
+
+    #[test]
+    fn a_tools_refs_move_with_it_into_the_hermes_call_schema() {
+        let tools = [(
+            "ship".to_string(),
+            serde_json::json!({"type": "object", "properties": {
+                "to": {"$ref": "#/$defs/Addr"}, "back": {"$ref": "#/definitions/Addr"},
+                "self": {"$ref": "#"}, "same": {"$ref": "#/properties/to"}},
+                "$defs": {"Addr": {"type": "object", "properties": {"up": {"$ref": "#/$defs/Addr"}}}},
+                "definitions": {"Addr": {"type": "string"}}}),
+        )];
+        let g = calls_grammar(&HERMES, &tools, 1, &|_| false);
+        let json = g.split(" %json ").nth(1).unwrap();
+        let json = &json[..json.rfind(" \"\\n\"").unwrap()];
+        let v: Value = serde_json::from_str(json).unwrap();
+        let defs = &v["$defs"];
+        let root = &defs["tool0_root"];
+        assert_eq!(
+            v["anyOf"][0]["properties"]["arguments"]["$ref"],
+            "#/$defs/tool0_root"
+        );
+        assert_eq!(root["properties"]["to"]["$ref"], "#/$defs/tool0_$defs_Addr");
+        assert_eq!(
+            root["properties"]["back"]["$ref"],
+            "#/$defs/tool0_definitions_Addr"
+        );
+        assert_eq!(root["properties"]["self"]["$ref"], "#/$defs/tool0_root");
+        assert_eq!(
+            root["properties"]["same"]["$ref"],
+            "#/$defs/tool0_root/properties/to"
+        );
+        assert!(root.get("$defs").is_none() && root.get("definitions").is_none());
+        assert_eq!(
+            defs["tool0_$defs_Addr"]["properties"]["up"]["$ref"],
+            "#/$defs/tool0_$defs_Addr"
+        );
+        assert_eq!(defs["tool0_definitions_Addr"]["type"], "string");
     }
 
     #[test]
