@@ -354,6 +354,9 @@ impl Splitter {
         self.buf.push_str(text);
         let mut out = Vec::new();
         loop {
+            if self.mode == Mode::Call && self.read_json_call(&mut out) {
+                return out;
+            }
             let markers = self.markers();
             // search only what was not searched yet (and a marker's length before it)
             let longest = markers.iter().map(|m| m.0.len()).max().unwrap_or(0);
@@ -488,6 +491,44 @@ impl Splitter {
         out
     }
 
+    /// A call's head is read before its close is searched for, and then its JSON arguments
+    /// up to their end: a closing marker inside a JSON string is text of the arguments, not
+    /// the call's end. True when all that is held went into arguments still open.
+    fn read_json_call(&mut self, out: &mut Vec<Part>) -> bool {
+        if matches!(self.call, CallSt::Head) {
+            // up to the first closing marker (or what could be one's start): a head holds none
+            let markers = self.markers();
+            let upto = markers
+                .iter()
+                .filter_map(|(mk, _)| self.buf.find(mk))
+                .min()
+                .unwrap_or_else(|| {
+                    let keep = markers
+                        .iter()
+                        .map(|mk| partial_suffix(&self.buf, mk.0))
+                        .max()
+                        .unwrap_or(0);
+                    self.buf.len() - keep
+                });
+            let buf = std::mem::take(&mut self.buf);
+            let used = self.read_call(&buf[..upto], false, out);
+            self.buf = buf;
+            self.buf.drain(..used);
+            if used > 0 {
+                self.scanned = 0;
+            }
+        }
+        if !matches!(self.call, CallSt::Args(_)) {
+            return false;
+        }
+        let buf = std::mem::take(&mut self.buf);
+        let used = self.read_call(&buf, false, out);
+        self.buf = buf;
+        self.buf.drain(..used);
+        self.scanned = 0;
+        matches!(self.call, CallSt::Args(_))
+    }
+
     /// Reads what of a call's body `text` can be read now (`fin`: the body is whole);
     /// returns how many of its bytes were used.
     fn read_call(&mut self, text: &str, fin: bool, out: &mut Vec<Part>) -> usize {
@@ -515,7 +556,7 @@ impl Splitter {
                 },
                 CallSt::Whole => return used,
                 CallSt::Args(j) => {
-                    let got = j.feed(rest);
+                    let (got, took) = j.read(rest);
                     if !got.is_empty() {
                         out.push(Part::CallArgs(got));
                     }
@@ -526,7 +567,7 @@ impl Splitter {
                         }
                         self.call = CallSt::Tail;
                     }
-                    return text.len();
+                    return used + took;
                 }
                 CallSt::Pairs { n, seen } => {
                     let n = *n;
@@ -1509,15 +1550,25 @@ impl JsonOut {
     }
 
     /// Reads `text`; returns what can be given now.
+    #[cfg(test)]
     fn feed(&mut self, text: &str) -> String {
+        self.read(text).0
+    }
+
+    /// Reads `text` until the value ends; returns what can be given now and how many bytes
+    /// of `text` the value took (a character where it stopped being JSON is not one of them).
+    fn read(&mut self, text: &str) -> (String, usize) {
         let mut out = String::new();
-        for c in text.chars() {
+        for (i, c) in text.char_indices() {
             if self.ended() {
-                break;
+                return (out, i);
             }
             self.step(c, &mut out);
+            if self.st == J::Failed {
+                return (out, i);
+            }
         }
-        out
+        (out, text.len())
     }
 
     /// What closes the value given so far (a number that the end of the text completes is
@@ -2119,6 +2170,39 @@ mod tests {
         parts.extend(s.push(&text[cut..]));
         parts.extend(s.finish());
         assert_eq!(merge(parts), want);
+    }
+
+    #[test]
+    fn a_closing_marker_inside_the_arguments_json_is_text() {
+        for (m, text, args) in [
+            (
+                HERMES,
+                r#"<tool_call>{"name": "f", "arguments": {"x": "a</tool_call>b", "</tool_call>": 1}}</tool_call>after"#,
+                r#"{"x":"a</tool_call>b","</tool_call>":1}"#,
+            ),
+            (
+                DEEPSEEK_V3,
+                "<｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"x\": \"<｜tool▁call▁end｜>\"}\n```<｜tool▁call▁end｜>after",
+                r#"{"x":"<｜tool▁call▁end｜>"}"#,
+            ),
+            (
+                HARMONY,
+                r#"<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"x": "<|call|><|end|><|start|>"}<|call|>"#,
+                r#"{"x":"<|call|><|end|><|start|>"}"#,
+            ),
+        ] {
+            let mut want = vec![call("f", args)];
+            if m.style != Style::Harmony {
+                want.push(Part::Content("after".into()));
+            }
+            assert_eq!(streams_like_whole(&m, text, false), want, "{:?}", m.style);
+        }
+        // where the JSON breaks, the marker closes the call as before
+        let text = r#"<tool_call>{"name": "f", "arguments": {"x": 1 </tool_call>after"#;
+        assert_eq!(
+            streams_like_whole(&HERMES, text, false),
+            vec![call("f", r#"{"x":1}"#), Part::Content("after".into())]
+        );
     }
 
     #[test]
