@@ -483,6 +483,8 @@ impl Splitter {
             Mode::Call if started || self.m.style == Style::Harmony => {
                 self.close_call(rest, &mut out)
             }
+            // (a forced answer cut before a call's arguments began: no content either)
+            Mode::Call | Mode::Header if self.forced => {}
             Mode::Call | Mode::Header => out.push(Part::Content(self.unclosed(&rest))),
             _ => self.emit(rest, &mut out),
         }
@@ -2632,6 +2634,12 @@ mod tests {
         let mut parts = s.push(forced);
         parts.extend(s.finish());
         assert_eq!(merge(parts), vec![call("f", "{}"), call("g", "{}")]);
+        // a forced answer cut inside a call's head: no markup comes back as content
+        let cut = "<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>\n<tool_call>{\"name\": \"lo";
+        let mut s = Splitter::new(HERMES, true, false, false).forced();
+        let mut parts = s.push(cut);
+        parts.extend(s.finish());
+        assert_eq!(merge(parts), vec![call("f", "{}")]);
     }
 
     #[test]
