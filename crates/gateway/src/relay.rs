@@ -1,6 +1,6 @@
 //! What the Anthropic and Responses routes share: a request opened on a lane and relayed to
-//! the client as the parts of its answer (content, reasoning, whole tool calls), each route
-//! writing them as its own events.
+//! the client as the parts of its answer (content, reasoning, tool calls with their arguments
+//! in pieces), each route writing them as its own events.
 
 use std::sync::Arc;
 use std::time::Instant;

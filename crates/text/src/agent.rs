@@ -9,7 +9,8 @@
 //! - DeepSeek V3: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`, the
 //!   arguments in a fenced JSON block, `<｜tool▁call▁end｜><｜tool▁calls▁end｜>`;
 //! - GLM-4.5: `<tool_call>NAME` then `<arg_key>K</arg_key><arg_value>V</arg_value>` pairs
-//!   (a value is JSON when it parses as JSON, else a string);
+//!   (a declared string parameter's value is its text; others JSON when they parse as JSON,
+//!   else a string);
 //! - gpt-oss's harmony messages: `<|channel|>analysis<|message|>..<|end|>` is reasoning,
 //!   `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{..}<|call|>` a
 //!   call, other channels (`final`) content;
@@ -17,6 +18,11 @@
 //!   `<|tool_call_argument_begin|>{..}<|tool_call_end|><|tool_calls_section_end|>`.
 //!
 //! All but harmony think between `<think>` and `</think>`.
+//!
+//! A call streams: once its head is read (the name, up to where its arguments start), the
+//! name is given ([`Part::CallStart`]), then its arguments as they are written
+//! ([`Part::CallArgs`], through [`JsonOut`], so they always add up to one JSON object), then
+//! [`Part::CallEnd`].
 
 use serde_json::Value;
 
@@ -403,7 +409,7 @@ impl Splitter {
                             continue;
                         }
                         self.scanned = self.buf.len();
-                        return out; // a call is given out whole
+                        return out; // a call not streamed is given out whole at its close
                     }
                     // keep what could still be a marker's start
                     let keep = markers
