@@ -1218,13 +1218,14 @@ pub(crate) fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequ
                 Some("max_tokens"),
             ))
         }
+        Some(x) if x > room as f64 => {
+            // (as written: a value past usize is not shown saturated)
+            return Err(ApiError::ContextLength(format!("This model's maximum context length is {ctx} tokens; the prompt has {} tokens and max_tokens is {x}", prompt.len())));
+        }
         Some(x) => Some(x as usize),
         None => None,
     };
     let max_tokens = match asked {
-        Some(m) if m > room => {
-            return Err(ApiError::ContextLength(format!("This model's maximum context length is {ctx} tokens; the prompt has {} tokens and max_tokens is {m}", prompt.len())));
-        }
         Some(m) => m,
         None if chat => room,
         None => st.cfg.default_completion_tokens.min(room),

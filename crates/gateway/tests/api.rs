@@ -560,6 +560,20 @@ async fn a_prompt_longer_than_the_context_for_certain_is_refused_before_tokenisi
     assert_error(st, &v, 400, "invalid_request_error", "at least");
     assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
     assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    // max_tokens past the context is named as written, not saturated to usize
+    let (st, v) = post(
+        &gw,
+        "/v1/completions",
+        &json!({"model": "tiny", "prompt": "hi", "max_tokens": 1e20}),
+    )
+    .await;
+    assert_error(
+        st,
+        &v,
+        400,
+        "invalid_request_error",
+        "100000000000000000000",
+    );
     // under the bound it is tokenised and counted as before
     let (st, v) = post(
         &gw,
