@@ -399,9 +399,17 @@ impl Splitter {
                         // bounds are read_call's)
                         let held = self.mode == Mode::Header
                             || matches!(self.call, CallSt::Head | CallSt::Whole);
-                        if held && self.buf.len() > MAX_CALL_BYTES {
-                            // never closed within bounds: what the model wrote, as text
-                            let body = std::mem::take(&mut self.buf);
+                        // (what could be a closing marker's start is not the body's yet)
+                        let keep = markers
+                            .iter()
+                            .map(|mk| partial_suffix(&self.buf, mk.0))
+                            .max()
+                            .unwrap_or(0);
+                        if held && self.buf.len() - keep > MAX_CALL_BYTES {
+                            // never closed within bounds: its first MAX_CALL_BYTES, as the
+                            // text the model wrote, then the rest read as content
+                            let cut = floor_boundary(&self.buf, MAX_CALL_BYTES);
+                            let body: String = self.buf.drain(..cut).collect();
                             out.push(Part::Content(self.unclosed(&body)));
                             self.mode = Mode::Content;
                             self.call = CallSt::Head;
@@ -429,6 +437,19 @@ impl Splitter {
 
     /// What marker `mk` found after `before` does.
     fn act(&mut self, before: String, mk: &str, act: Act, out: &mut Vec<Part>) {
+        let held = self.mode == Mode::Header
+            || (self.mode == Mode::Call && matches!(self.call, CallSt::Head | CallSt::Whole));
+        if held && before.len() > MAX_CALL_BYTES {
+            // past the bound as a stream would have read it: the first MAX_CALL_BYTES as
+            // text, the rest and the marker read again as content
+            let cut = floor_boundary(&before, MAX_CALL_BYTES);
+            out.push(Part::Content(self.unclosed(&before[..cut])));
+            self.buf.insert_str(0, &format!("{}{mk}", &before[cut..]));
+            self.mode = Mode::Content;
+            self.call = CallSt::Head;
+            self.scanned = 0;
+            return;
+        }
         if act == Act::Body {
             self.head.push_str(&before);
             self.head.push_str(mk);
@@ -690,6 +711,15 @@ impl Splitter {
             })
         })
     }
+}
+
+/// The largest character boundary of `s` at or below `at`.
+fn floor_boundary(s: &str, at: usize) -> usize {
+    let mut cut = at.min(s.len());
+    while !s.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    cut
 }
 
 /// The length of the longest suffix of `s` that is a proper prefix of `marker`.
@@ -2211,6 +2241,43 @@ mod tests {
             streams_like_whole(&HERMES, text, false),
             vec![call("f", r#"{"x":1}"#), Part::Content("after".into())]
         );
+    }
+
+    #[test]
+    fn a_body_past_the_bound_reads_the_same_whole_and_in_pieces() {
+        // a call read whole (its head is not Hermes' usual shape), a harmony header: past
+        // MAX_CALL_BYTES the first MAX_CALL_BYTES are text and the rest is read as content,
+        // whether the closing marker comes in one piece or cut, and a call after it still parses
+        let long = "x".repeat(MAX_CALL_BYTES + 100);
+        for (m, text) in [
+            (
+                HERMES,
+                format!("<tool_call>{{\"name\": \"f\", \"arguments\": \"{{\\\"a\\\": \\\"{long}\\\"}}\"}}</tool_call>mid<tool_call>{{\"name\": \"g\", \"arguments\": {{}}}}</tool_call>"),
+            ),
+            (
+                HARMONY,
+                format!("<|channel|>x{long}<|message|>mid<|channel|>commentary to=functions.g<|message|>{{}}<|call|>"),
+            ),
+        ] {
+            let whole = split_whole(m.clone(), true, false, false, &text);
+            assert_eq!(whole.last(), Some(&call("g", "{}")), "{:?}", m.style);
+            assert!(matches!(&whole[0], Part::Content(t) if t.len() > MAX_CALL_BYTES));
+            for piece in [4096, 4093, 7] {
+                let mut s = Splitter::new(m.clone(), true, false, false);
+                let mut parts = Vec::new();
+                let mut at = 0;
+                while at < text.len() {
+                    let end = floor_boundary(&text, at + piece).max(at + 1);
+                    let end = (at..=text.len().min(end + 3))
+                        .find(|&e| e >= end && text.is_char_boundary(e))
+                        .unwrap_or(text.len());
+                    parts.extend(s.push(&text[at..end]));
+                    at = end;
+                }
+                parts.extend(s.finish());
+                assert_eq!(merge(parts), whole, "{:?} pieces of {piece}", m.style);
+            }
+        }
     }
 
     #[test]
