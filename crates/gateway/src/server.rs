@@ -590,6 +590,18 @@ fn num(v: &Value, key: &'static str) -> Result<Option<f64>, ApiError> {
     }
 }
 
+/// An optional boolean field, `default` when absent or null.
+fn flag(v: &Value, key: &'static str, default: bool) -> Result<bool, ApiError> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(default),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(x) => Err(ApiError::bad(
+            format!("`{key}` must be a boolean, got {x}"),
+            Some(key),
+        )),
+    }
+}
+
 fn text_of(v: &Value) -> Option<String> {
     match v {
         Value::String(s) => Some(s.clone()),
@@ -1103,16 +1115,7 @@ fn logit_bias(st: &AppState, v: &Value) -> Result<std::collections::HashMap<u32,
 /// alone). Chat: `logprobs: true` and `top_logprobs` 0..=20; completions: `logprobs` 0..=5.
 fn logprobs_asked(v: &Value, chat: bool) -> Result<Option<u32>, ApiError> {
     if chat {
-        let on = match v.get("logprobs") {
-            None | Some(Value::Null) => false,
-            Some(Value::Bool(b)) => *b,
-            Some(x) => {
-                return Err(ApiError::bad(
-                    format!("`logprobs` must be a boolean, got {x}"),
-                    Some("logprobs"),
-                ))
-            }
-        };
+        let on = flag(v, "logprobs", false)?;
         let top = match num(v, "top_logprobs")? {
             None => 0,
             Some(k) if k.fract() == 0.0 && (0.0..=20.0).contains(&k) => k as u32,
@@ -1295,16 +1298,7 @@ pub(crate) fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequ
         ));
     }
     // `parallel_tool_calls` (default true): up to MAX_PARALLEL_CALLS calls, else one
-    let parallel = match v.get("parallel_tool_calls") {
-        None | Some(Value::Null) => true,
-        Some(Value::Bool(b)) => *b,
-        Some(x) => {
-            return Err(ApiError::bad(
-                format!("`parallel_tool_calls` must be a boolean, got {x}"),
-                Some("parallel_tool_calls"),
-            ))
-        }
-    };
+    let parallel = flag(v, "parallel_tool_calls", true)?;
     // the tools' grammar as llguidance's JSON, checked to compile
     let compiled = |lark: String| -> Result<String, ApiError> {
         let grammar = moelane_text::grammar::lark_grammar(&lark);
