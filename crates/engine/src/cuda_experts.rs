@@ -47,6 +47,9 @@ pub struct GpuExperts {
     /// the experts' activation (set by the first one uploaded; every expert shares it)
     glu: Option<Glu>,
     tables_dirty: bool,
+    /// entries of every layer's table at least (the ipc link's picks index the tables by
+    /// any of the model's experts, not only resident ones)
+    min_width: usize,
     act: CudaSlice<f32>,
     packed: CudaSlice<u8>,
     staging: Vec<u8>,
@@ -82,6 +85,18 @@ fn grow<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
     Ok(())
 }
 
+/// A layer's six tables on the device.
+fn upload_tables(s: &Arc<CudaStream>, host: &[Vec<u64>; 6]) -> Result<[CudaSlice<u64>; 6]> {
+    let mut up = Vec::with_capacity(6);
+    for v in host {
+        up.push(
+            s.clone_htod(v)
+                .map_err(|e| gpu_err("uploading tables", e))?,
+        );
+    }
+    <[CudaSlice<u64>; 6]>::try_from(up).map_err(|_| Error::Internal("six expert tables".into()))
+}
+
 impl GpuExperts {
     pub fn new(gpu: Arc<Gpu>, hidden: usize, inter: usize) -> Result<Self> {
         let src = crate::cuda::kernel_source(EXPERTS_CU, crate::cuda::EXPERTS_FILES)?;
@@ -108,6 +123,7 @@ impl GpuExperts {
             biases: HashMap::new(),
             glu: None,
             tables_dirty: true,
+            min_width: 0,
             act: z(inter)?,
             packed: s.alloc_zeros(1).map_err(|e| gpu_err("allocating", e))?,
             staging: Vec::new(),
@@ -126,6 +142,49 @@ impl GpuExperts {
             host_dn: Vec::new(),
             gpu,
         })
+    }
+
+    /// The device these experts live on (its stream orders every launch here).
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    /// The ipc link's path: MoE layer `layer`'s picks `[rows, k]` (expert ids below
+    /// `experts`) at `idx` and its normed rows `[rows, H]` at `h`, both device memory here;
+    /// the picks whose experts are resident here computed into `y` (slot s's row at
+    /// `y + 4 H s`), queued on the stream and not waited for. Returns the layer's gate_up
+    /// table (`experts` entries, null where not resident) for the reply kernel to tell
+    /// which slots were computed.
+    ///
+    /// # Safety
+    /// `idx` addresses `rows * k` ids below `experts`, `h` `rows * H` floats, `y`
+    /// `rows * k * H` floats, all on this GPU, unchanged until the stream's work is done.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn compute_slots(
+        &mut self,
+        layer: usize,
+        experts: usize,
+        idx: u64,
+        h: u64,
+        rows: usize,
+        k: usize,
+        y: u64,
+    ) -> Result<u64> {
+        if experts > self.min_width {
+            self.min_width = experts;
+            self.tables_dirty = true;
+        }
+        self.ensure_tables()?;
+        let s = self.gpu.stream.clone();
+        let nk = rows * k;
+        grow(&s, &mut self.act, nk * self.inter)?;
+        if !self.tables.contains_key(&layer) {
+            // nothing resident on this layer: a null table, every slot skipped
+            let zero: [Vec<u64>; 6] = std::array::from_fn(|_| vec![0; self.min_width.max(1)]);
+            self.tables.insert(layer, upload_tables(&s, &zero)?);
+        }
+        // as the primary's step: one row's picks are distinct experts
+        self.launch_moe(&s, [h, 0, idx, layer as u64], nk, k, rows == 1, y)
     }
 
     /// "cuda:N (name, sm_XY)"
@@ -286,7 +345,13 @@ impl GpuExperts {
             return Ok(());
         }
         let s = self.gpu.stream.clone();
-        let width = self.w.keys().map(|k| k.1 + 1).max().unwrap_or(1);
+        let width = self
+            .w
+            .keys()
+            .map(|k| k.1 + 1)
+            .max()
+            .unwrap_or(1)
+            .max(self.min_width);
         let mut host: HashMap<usize, [Vec<u64>; 6]> = HashMap::new();
         for (&(l, e), (gu, dn)) in &self.w {
             let t = host
@@ -303,17 +368,7 @@ impl GpuExperts {
         }
         self.tables.clear();
         for (l, t) in host {
-            let mut up = Vec::with_capacity(6);
-            for v in &t {
-                up.push(
-                    s.clone_htod(v)
-                        .map_err(|e| gpu_err("uploading tables", e))?,
-                );
-            }
-            let Ok(six) = <[CudaSlice<u64>; 6]>::try_from(up) else {
-                return Err(Error::Internal("six expert tables".into()));
-            };
-            self.tables.insert(l, six);
+            self.tables.insert(l, upload_tables(&s, &t)?);
         }
         self.tables_dirty = false;
         Ok(())
@@ -329,9 +384,25 @@ impl GpuExperts {
         n: usize,
         out: u64,
     ) -> Result<()> {
-        let (hi, ii, ni, one) = (self.hidden as i32, self.inter as i32, n as i32, 1i32);
         // the picks of several rows may share an expert: each block checks that it leads
-        let zero = 0i32;
+        self.launch_moe(s, ptrs, n, 1, false, out).map(|_| ())
+    }
+
+    /// The grouped up and down kernels over `n` pick slots: `ptrs` as
+    /// [`Self::launch_grouped`]'s (rows null: slot s reads activation row s / k);
+    /// `distinct`: every slot's expert differs (one row's picks). Returns the layer's
+    /// gate_up table.
+    fn launch_moe(
+        &mut self,
+        s: &Arc<CudaStream>,
+        ptrs: [u64; 4],
+        n: usize,
+        k: usize,
+        distinct: bool,
+        out: u64,
+    ) -> Result<u64> {
+        let (hi, ii, ni, ki) = (self.hidden as i32, self.inter as i32, n as i32, k as i32);
+        let dist = distinct as i32;
         let (v_up, v_dn) = (
             self.hidden.is_multiple_of(4) as i32,
             self.inter.is_multiple_of(4) as i32,
@@ -362,12 +433,12 @@ impl GpuExperts {
             h: acts,
             act,
             nk: ni,
-            k: one,
+            k: ki,
             hidden: hi,
             inter: ii,
             vec4: v_up,
             rows,
-            distinct: zero,
+            distinct: dist,
             gs_tab: gst,
             b0,
             b1,
@@ -394,7 +465,7 @@ impl GpuExperts {
             hidden: hi,
             inter: ii,
             vec4: v_dn,
-            distinct: zero,
+            distinct: dist,
             ds_tab: dst,
             b0,
             b1,
@@ -411,7 +482,7 @@ impl GpuExperts {
             )
         }
         .map_err(|e| gpu_err("launching moe_down", e))?;
-        Ok(())
+        Ok(gt)
     }
 
     /// The resident weights (gate_up, down) pick `p` of `layer` uses, checking its row is

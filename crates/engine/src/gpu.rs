@@ -122,6 +122,22 @@ mod stub {
             let _ = (layer, picks, acts, rows, out);
             match self.0 {}
         }
+        /// # Safety
+        /// None needed: it cannot be called.
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe fn compute_slots(
+            &mut self,
+            layer: usize,
+            experts: usize,
+            idx: u64,
+            h: u64,
+            rows: usize,
+            k: usize,
+            y: u64,
+        ) -> Result<u64> {
+            let _ = (layer, experts, idx, h, rows, k, y);
+            match self.0 {}
+        }
     }
 }
 

@@ -44,6 +44,8 @@ pub mod cuda;
 #[cfg(feature = "cuda")]
 pub mod cuda_experts;
 #[cfg(feature = "cuda")]
+pub mod cuda_link;
+#[cfg(feature = "cuda")]
 pub mod cuda_model;
 #[cfg(feature = "cuda")]
 pub mod cuda_station;

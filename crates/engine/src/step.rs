@@ -21,7 +21,11 @@ use crate::error::{Error, Result};
 use crate::kv::{KvCache, SeqKv};
 use crate::rowmap::{Tier, ValidMap};
 use crate::sampling::TokenPick;
-use crate::tier::{ColdReply, ColdRequest, RemoteTier};
+use crate::tier::{ColdReply, ColdRequest, MailboxPtrs, RemoteTier};
+
+/// The longest a step waits on the device for a layer's reply when the link names no bound
+/// ([`RemoteTier::reply_deadline`]).
+const MAILBOX_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Where a batch row sits: which sequence and which position.
 #[derive(Clone, Copy, Debug)]
@@ -177,6 +181,30 @@ pub trait StepBackend: Send {
             self.describe()
         )))
     }
+    /// Exchanges through `mb`'s device mailbox from now on (None: no longer); false when
+    /// this backend cannot (the step then exchanges through the link's host calls).
+    fn attach_mailbox(&mut self, mb: Option<MailboxPtrs>) -> Result<bool> {
+        let _ = mb;
+        Ok(false)
+    }
+    /// With a mailbox attached, after `begin`: the step's map epoch, engine step and the
+    /// longest a layer may wait for its reply.
+    fn link_begin(&mut self, epoch: u64, step: u64, limit_ns: u64) -> Result<()> {
+        let _ = (epoch, step, limit_ns);
+        Err(Error::Internal("this backend has no device mailbox".into()))
+    }
+    /// With a mailbox attached: MoE layer `ml`'s picks and rows to the sidecar (after
+    /// `route`), and its reply into the cold slots (after `experts`).
+    fn link_layer(&mut self, ml: usize, join: bool) -> Result<()> {
+        let _ = (ml, join);
+        Err(Error::Internal("this backend has no device mailbox".into()))
+    }
+    /// With a mailbox attached, after `head`: the link's status (a failure is the step's
+    /// error) and each MoE layer's wait added to `wait_ns`.
+    fn link_end(&mut self, wait_ns: &mut [u64]) -> Result<()> {
+        let _ = wait_ns;
+        Err(Error::Internal("this backend has no device mailbox".into()))
+    }
     /// x += the layer's pick outputs weighted by the router, in rank order.
     fn combine(&mut self) -> Result<()>;
     /// x += sigmoid(gate . h) * shared_expert(h) on a MoE layer that has a shared expert
@@ -303,6 +331,9 @@ pub struct Engine {
     pub counters: Counters,
     moe_of_layer: Vec<Option<usize>>,
     step_no: u64,
+    /// the generation of the device mailbox the backend exchanges through (the cold
+    /// tier's [`RemoteTier::device_mailbox`]), when it does
+    mailbox: Option<u64>,
     split: Split,
     picks: Vec<i32>,
     acts: Vec<f32>,
@@ -358,6 +389,7 @@ impl Engine {
             counters,
             moe_of_layer,
             step_no: 0,
+            mailbox: None,
             split: Split::default(),
             picks: Vec::new(),
             acts: Vec::new(),
@@ -508,6 +540,7 @@ impl Engine {
             let seq_refs: Vec<&SeqKv> = seqs.iter().map(|s| &*s.kv).collect();
             self.backend
                 .begin(&batch.tokens, &batch.rows, &seq_refs, &batch.logit_rows)?;
+            self.link_begin()?;
             self.backend.embed()?;
             for l in 0..self.cfg.num_hidden_layers {
                 self.backend.attention(l, &seq_refs, &mut self.kv)?;
@@ -530,7 +563,24 @@ impl Engine {
             Some(p) if p.iter().all(|p| *p == TokenPick::Greedy) => HeadOut::Argmax,
             Some(_) => HeadOut::Sample,
         };
-        let out = self.backend.head(head, picks.unwrap_or(&[]))?;
+        let out = self.backend.head(head, picks.unwrap_or(&[]));
+        let out = match (out, self.mailbox.is_some()) {
+            (Ok(o), true) => self
+                .backend
+                .link_end(&mut self.counters.wait_ns)
+                .map(|()| o),
+            (r, _) => r,
+        };
+        let out = match out {
+            Ok(o) => o,
+            Err(e) => {
+                // the step did not happen: its tokens are not in the sequences
+                for s in seqs.iter_mut() {
+                    s.kv.len -= s.tokens.len();
+                }
+                return Err(e);
+            }
+        };
         let k = self.cfg.num_experts_per_tok;
         self.counters
             .add_picks(&self.map, self.backend.step_picks(), n, k, &mut self.seen)?;
@@ -540,11 +590,45 @@ impl Engine {
         Ok(out)
     }
 
+    /// Attaches the cold tier's device mailbox to the backend when it has a new one (or
+    /// detaches it), then starts the step on it.
+    fn link_begin(&mut self) -> Result<()> {
+        let mb = self.cold.as_ref().and_then(|c| c.device_mailbox());
+        let generation = mb.map(|m| m.generation);
+        if generation != self.mailbox {
+            self.mailbox = None;
+            if self.backend.attach_mailbox(mb)? {
+                self.mailbox = generation;
+            }
+        }
+        if self.mailbox.is_none() {
+            return Ok(());
+        }
+        let limit = self
+            .cold
+            .as_ref()
+            .map_or(MAILBOX_WAIT, |c| c.reply_deadline().unwrap_or(MAILBOX_WAIT));
+        self.backend.link_begin(
+            self.map.epoch(),
+            self.step_no,
+            limit.as_nanos().min(u64::MAX as u128) as u64,
+        )
+    }
+
     /// One MoE layer: route, split by the map, cold picks out, hot experts, cold outputs
     /// in, combine.
     fn moe_layer(&mut self, layer: usize, ml: usize, n: usize) -> Result<()> {
         let (k, ne) = (self.cfg.num_experts_per_tok, self.cfg.num_experts);
         self.backend.route(layer, ml)?;
+        if self.mailbox.is_some() {
+            // the device posts the picks and rows, computes the hot ones, and waits for the
+            // cold ones: the host does not look
+            self.backend.link_layer(ml, false)?;
+            self.backend.experts(ml, &self.hot, None)?;
+            self.backend.link_layer(ml, true)?;
+            self.backend.shared_expert(layer)?;
+            return self.backend.combine();
+        }
         let has_cold = !self.map.map.layers[ml].cold.is_empty();
         if !has_cold && !self.backend.host_routes() {
             // every pick is hot: the backend's own map decides, the host need not look

@@ -31,6 +31,87 @@ pub struct ColdReply {
     pub outputs: Vec<f32>,
 }
 
+/// Words of the request box before the layer flags.
+pub const REQ_HEAD_WORDS: usize = 8;
+
+fn round256(n: usize) -> usize {
+    n.div_ceil(256) * 256
+}
+
+/// The shape both ends agree on when the link opens: MoE layers, the most rows one step
+/// may carry, picks per row and the hidden size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BoxLayout {
+    pub layers: usize,
+    pub cap_rows: usize,
+    pub k: usize,
+    pub hidden: usize,
+    /// experts per MoE layer (the picks index them)
+    pub experts: usize,
+}
+
+impl BoxLayout {
+    /// Checks the shape's numbers are usable (they arrive from the other process).
+    pub fn check(&self) -> Result<()> {
+        let ok = self.layers > 0
+            && self.layers <= 4096
+            && self.cap_rows > 0
+            && self.k > 0
+            && self.k <= 64
+            && self.hidden > 0
+            && self.hidden <= 1 << 16
+            && self.experts > 0
+            && self.experts <= 1 << 16
+            && self.cap_rows.saturating_mul(self.k) <= 1 << 20;
+        if !ok {
+            return Err(Error::Invalid(format!(
+                "ipc link shape {self:?}: layers 1..=4096, k 1..=64, hidden and experts 1..=65536, rows x k at most 2^20"
+            )));
+        }
+        Ok(())
+    }
+    /// Byte offset of the picks in the request box.
+    pub fn idx_off(&self) -> usize {
+        round256(8 * (REQ_HEAD_WORDS + self.layers))
+    }
+    /// Byte offset of the normed rows in the request box.
+    pub fn h_off(&self) -> usize {
+        self.idx_off() + round256(4 * self.cap_rows * self.k)
+    }
+    /// Bytes of the request box.
+    pub fn req_bytes(&self) -> usize {
+        self.h_off() + round256(4 * self.cap_rows * self.hidden)
+    }
+    /// Byte offset of the per-slot marks in the reply box (the sequence number of the step
+    /// whose row the sidecar wrote in that slot).
+    pub fn mark_off(&self) -> usize {
+        round256(8 * self.layers)
+    }
+    /// Byte offset of the output rows in the reply box.
+    pub fn y_off(&self) -> usize {
+        self.mark_off() + round256(8 * self.cap_rows * self.k)
+    }
+    /// Bytes of the reply box.
+    pub fn reply_bytes(&self) -> usize {
+        self.y_off() + round256(4 * self.cap_rows * self.k * self.hidden)
+    }
+}
+
+/// What the primary's step backend needs of an open link: the two boxes' addresses on its
+/// GPU and their layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MailboxPtrs {
+    /// the GPU both boxes are addressed on
+    pub ordinal: usize,
+    /// the sidecar's request box, opened here
+    pub req_box: u64,
+    /// this process's reply box
+    pub reply_box: u64,
+    pub layout: BoxLayout,
+    /// changes whenever the link is opened again (the backend re-reads the pointers)
+    pub generation: u64,
+}
+
 /// A link to the tier that holds the cold experts.
 pub trait RemoteTier: Send {
     /// Sends one layer's cold picks; returns at once.
@@ -45,6 +126,12 @@ pub trait RemoteTier: Send {
     /// stops answering fails a step in about that time rather than the link's whole timeout.
     fn set_reply_deadline(&mut self, deadline: std::time::Duration) {
         let _ = deadline;
+    }
+
+    /// The bound last given to `set_reply_deadline`, for a link whose waits run on the
+    /// device (the step's kernels read it); None: the link keeps its own.
+    fn reply_deadline(&self) -> Option<std::time::Duration> {
+        None
     }
 
     /// The GPU whose memory this link sends from and receives into, when it can take a
@@ -78,6 +165,13 @@ pub trait RemoteTier: Send {
             self.kind()
         )))
     }
+
+    /// The device mailbox of an `ipc` link, on [`RemoteTier::device_ordinal`]'s GPU: the
+    /// primary's step then posts every MoE layer's picks and rows and waits for the reply
+    /// on the device, with no host call per layer (`send`/`recv` are not used).
+    fn device_mailbox(&self) -> Option<MailboxPtrs> {
+        None
+    }
 }
 
 /// What a cold tier does with a request: one trait for every server (the sidecar's
@@ -105,6 +199,42 @@ pub trait ColdService: Send + Sync {
         _out: u64,
         _out_len: usize,
     ) -> Option<Result<usize>> {
+        None
+    }
+
+    /// The GPU this service computes on, for the `ipc` link's device path (its kernels run
+    /// on the same stream as the service's).
+    #[cfg(feature = "cuda")]
+    fn cuda(&self) -> Option<Arc<crate::cuda::Gpu>> {
+        None
+    }
+
+    /// Fails unless this tier serves map `epoch` now (the `ipc` link checks once per step).
+    fn check_epoch(&self, epoch: u64) -> Result<()> {
+        let _ = epoch;
+        Ok(())
+    }
+
+    /// The `ipc` link's device path: MoE layer `layer`'s picks `[rows, k]` (ids below
+    /// `experts`) at `idx` and normed rows at `h`, in memory of [`ColdService::cuda`]'s GPU;
+    /// the picks whose experts this tier holds computed into `y` (one row of H per slot),
+    /// queued on the GPU's stream. Returns the layer's gate_up table (`experts` entries,
+    /// null where not held). None: this service does not compute on a GPU.
+    ///
+    /// # Safety
+    /// `idx`, `h` and `y` address that many values on that GPU, unchanged until the
+    /// stream's work is done.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn serve_slots(
+        &self,
+        _layer: usize,
+        _experts: usize,
+        _idx: u64,
+        _h: u64,
+        _rows: usize,
+        _k: usize,
+        _y: u64,
+    ) -> Option<Result<u64>> {
         None
     }
 }
@@ -280,4 +410,34 @@ fn spin_limit() -> u32 {
             .and_then(|v| v.parse().ok())
             .unwrap_or(2000)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_offsets_are_aligned_and_disjoint() {
+        let l = BoxLayout {
+            layers: 48,
+            cap_rows: 64,
+            k: 8,
+            hidden: 2048,
+            experts: 128,
+        };
+        l.check().unwrap();
+        assert_eq!(l.idx_off() % 256, 0);
+        assert!(l.idx_off() >= 8 * (8 + 48));
+        assert!(l.h_off() >= l.idx_off() + 4 * 64 * 8);
+        assert!(l.req_bytes() >= l.h_off() + 4 * 64 * 2048);
+        assert!(l.y_off() >= l.mark_off() + 8 * 64 * 8);
+        assert!(l.reply_bytes() >= l.y_off() + 4 * 64 * 8 * 2048);
+        assert!(BoxLayout { k: 0, ..l }.check().is_err());
+        assert!(BoxLayout {
+            cap_rows: 1 << 20,
+            ..l
+        }
+        .check()
+        .is_err());
+    }
 }

@@ -7,6 +7,8 @@
 
 pub mod frame;
 #[cfg(feature = "cuda")]
+pub mod ipc;
+#[cfg(feature = "cuda")]
 pub mod nccl;
 #[cfg(not(feature = "cuda"))]
 #[path = "nccl_stub.rs"]

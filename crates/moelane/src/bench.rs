@@ -202,7 +202,9 @@ pub enum BenchCmd {
         device: String,
         /// Placements to run, in order: one-gpu (every expert on the primary's GPU), gpu+cpu
         /// (cold experts on this host's CPU), gpu+cuda:N (cold experts on GPU N, this
-        /// process), gpu+nccl:N (cold experts on GPU N in a sidecar process, over NCCL).
+        /// process), gpu+nccl:N (cold experts on GPU N in a sidecar process, over NCCL),
+        /// gpu+ipc:N (the same through a device mailbox in CUDA IPC memory: N may be the
+        /// primary's own GPU).
         #[arg(long, value_delimiter = ',', default_value = "one-gpu,gpu+cpu")]
         placements: Vec<String>,
         /// Concurrent sequences.
@@ -262,6 +264,19 @@ pub enum BenchCmd {
         /// The communicator's id, hex.
         #[arg(long)]
         id: String,
+    },
+    /// The sidecar process of `bench decode --placements gpu+ipc:N` (started by it).
+    #[command(hide = true)]
+    IpcSidecar {
+        #[arg(long)]
+        model: String,
+        #[arg(long)]
+        seed: u64,
+        #[arg(long)]
+        device: String,
+        /// The most rows a step carries.
+        #[arg(long)]
+        rows: usize,
     },
     /// Decode tokens/s at several batch sizes on a checkpoint, bytes of weights read per
     /// token (the stored dtype's), and the implied bandwidth against this machine's read
@@ -548,6 +563,12 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             device,
             id,
         } => crate::decode_bench::nccl_sidecar(&model, seed, &device, &id)?,
+        BenchCmd::IpcSidecar {
+            model,
+            seed,
+            device,
+            rows,
+        } => crate::decode_bench::ipc_sidecar(&model, seed, &device, rows)?,
         BenchCmd::Link {
             hidden,
             picks,

@@ -53,16 +53,21 @@ pub fn run(a: DecodeArgs) -> Result<()> {
         .and_then(|n| n.parse::<usize>().ok())
         .ok_or_else(|| anyhow::anyhow!("--device {:?}: expected cuda:N", a.device))?;
     let gpu = Gpu::open(ordinal)?;
-    // gpu+nccl:N: the cold tier in a sidecar process on cuda:N, over NCCL
-    let placements: Vec<(Placement, Option<usize>)> = a
+    // gpu+nccl:N / gpu+ipc:N: the cold tier in a sidecar process on cuda:N, over NCCL or
+    // the device mailbox
+    let placements: Vec<(Placement, Option<(&'static str, usize)>)> = a
         .placements
         .iter()
-        .map(|p| match p.strip_prefix("gpu+nccl:") {
-            Some(n) => n
-                .parse::<usize>()
-                .map(|n| (Placement::Remote, Some(n)))
-                .map_err(|_| anyhow::anyhow!("placement {p:?}: expected gpu+nccl:N")),
-            None => Ok((Placement::parse(p)?, None)),
+        .map(|p| {
+            for link in ["nccl", "ipc"] {
+                if let Some(n) = p.strip_prefix(&format!("gpu+{link}:")) {
+                    return n
+                        .parse::<usize>()
+                        .map(|n| (Placement::Remote, Some((link, n))))
+                        .map_err(|_| anyhow::anyhow!("placement {p:?}: expected gpu+{link}:N"));
+                }
+            }
+            Ok((Placement::parse(p)?, None))
         })
         .collect::<Result<_>>()?;
     let (copy_bw, read_bw) = cuda_model::bandwidth(&gpu, 4 << 30, 9)?;
@@ -128,13 +133,19 @@ pub fn run(a: DecodeArgs) -> Result<()> {
         let t0 = Instant::now();
         let mut sidecar = None;
         let mut eng: Engine = match (&station, nccl) {
-            (Some(m), Some(n)) => {
+            (Some(m), Some(("nccl", n))) => {
                 let (eng, child) = nccl_engine(m, &a, *n, ordinal, gpu.clone(), kv_tokens)?;
                 sidecar = Some(child);
                 eng
             }
-            (None, Some(_)) => anyhow::bail!(
-                "gpu+nccl:N generates its experts: it takes a preset (station), not a checkpoint"
+            (Some(m), Some((_, n))) => {
+                let rows = max_b * longest.min(PREFILL_CHUNK);
+                let (eng, child) = ipc_engine(m, &a, *n, rows, gpu.clone(), kv_tokens)?;
+                sidecar = Some(child);
+                eng
+            }
+            (None, Some((link, _))) => anyhow::bail!(
+                "gpu+{link}:N generates its experts: it takes a preset (station), not a checkpoint"
             ),
             (Some(m), None) => cuda_station::hashed_engine(m, *pl, gpu.clone(), kv_tokens)?,
             (None, None) => {
@@ -158,7 +169,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
             }
         };
         let name = match nccl {
-            Some(n) => format!("gpu+nccl:{n}"),
+            Some((link, n)) => format!("gpu+{link}:{n}"),
             None => pl.name(),
         };
         let c = eng.cfg.clone();
@@ -475,6 +486,128 @@ fn nccl_engine(
         Some(Box::new(tier)),
     )?;
     Ok((eng, child))
+}
+
+/// The gpu+ipc:N placement: a sidecar process (`moelane bench ipc-sidecar`) generates the
+/// cold experts of the affinity map on cuda:N (this process's GPU too, or a peer) and
+/// serves them through the device mailbox; the handshake's two lines go through its stdout
+/// and stdin. `rows`: the most rows a step carries.
+#[cfg(feature = "cuda")]
+fn ipc_engine(
+    m: &moelane_engine::synth::InMemory,
+    a: &DecodeArgs,
+    sidecar_gpu: usize,
+    rows: usize,
+    gpu: std::sync::Arc<moelane_engine::cuda::Gpu>,
+    kv_tokens: usize,
+) -> Result<(moelane_engine::step::Engine, std::process::Child)> {
+    use std::io::{BufRead, Write};
+    let exe = std::env::current_exe()?;
+    let mut child = std::process::Command::new(exe)
+        .args([
+            "bench",
+            "ipc-sidecar",
+            "--model",
+            &a.model,
+            "--seed",
+            &a.seed.to_string(),
+            "--device",
+            &format!("cuda:{sidecar_gpu}"),
+            "--rows",
+            &rows.to_string(),
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()?;
+    let r = (|| -> Result<moelane_engine::step::Engine> {
+        let out = child
+            .stdout
+            .take()
+            .ok_or_else(|| anyhow::anyhow!("the sidecar's stdout"))?;
+        let mut offer = String::new();
+        std::io::BufReader::new(out).read_line(&mut offer)?;
+        if offer.is_empty() {
+            anyhow::bail!("the ipc sidecar exited before offering its mailbox");
+        }
+        let c = &m.config;
+        let expect = moelane_engine::tier::BoxLayout {
+            layers: c.moe_layers().len(),
+            cap_rows: rows,
+            k: c.num_experts_per_tok,
+            hidden: c.hidden_size,
+            experts: c.num_experts,
+        };
+        let (tier, answer) = moelane_link::ipc::IpcTier::connect(gpu.clone(), &offer, expect)?;
+        let mut inp = child
+            .stdin
+            .take()
+            .ok_or_else(|| anyhow::anyhow!("the sidecar's stdin"))?;
+        writeln!(inp, "{answer}")?;
+        let map = moelane_engine::cuda_station::affinity_map(m, m.hot)?;
+        Ok(moelane_engine::cuda_station::hashed_engine_with_tier(
+            m,
+            map,
+            gpu,
+            kv_tokens,
+            Some(Box::new(tier)),
+        )?)
+    })();
+    match r {
+        Ok(eng) => Ok((eng, child)),
+        Err(e) => {
+            let _ = child.kill();
+            Err(e)
+        }
+    }
+}
+
+/// `moelane bench ipc-sidecar`: the sidecar process of the gpu+ipc:N placement. Prints its
+/// offer on stdout, reads the primary's answer on stdin, serves until the primary is gone.
+#[cfg(feature = "cuda")]
+pub fn ipc_sidecar(model: &str, seed: u64, device: &str, rows: usize) -> Result<()> {
+    use moelane_engine::cuda_station::{affinity_map, tier_experts};
+    use moelane_engine::rowmap::Tier;
+    use std::io::BufRead;
+    let ordinal: usize = device
+        .strip_prefix("cuda:")
+        .and_then(|n| n.parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("--device {device:?}: expected cuda:N"))?;
+    let p = moelane_engine::synth::Preset::by_name(model)
+        .ok_or_else(|| anyhow::anyhow!("--model {model:?}: the sidecar generates a preset"))?;
+    let m = moelane_engine::synth::in_memory(&p, seed)?;
+    let map = affinity_map(&m, m.hot)?;
+    let c = &m.config;
+    let gpu = moelane_engine::cuda::Gpu::open(ordinal)?;
+    let mut ge = moelane_engine::cuda_experts::GpuExperts::new(
+        gpu.clone(),
+        c.hidden_size,
+        c.moe_intermediate_size,
+    )?;
+    ge.generate(seed, &tier_experts(&map, Tier::Cold))?;
+    let svc: std::sync::Arc<dyn moelane_link::ColdService> =
+        std::sync::Arc::new(moelane_rtx_worker::SidecarCore::generated(&m.id, &map, ge));
+    let layout = moelane_engine::tier::BoxLayout {
+        layers: c.moe_layers().len(),
+        cap_rows: rows,
+        k: c.num_experts_per_tok,
+        hidden: c.hidden_size,
+        experts: c.num_experts,
+    };
+    let mut end = moelane_link::ipc::SidecarEnd::new(gpu, layout)?;
+    println!("{}", end.offer()?);
+    let mut answer = String::new();
+    std::io::stdin().lock().read_line(&mut answer)?;
+    end.accept(&answer)?;
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    if let Err(e) = end.serve(&svc, &stop) {
+        eprintln!("ipc-sidecar: link ended: {e}");
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn ipc_sidecar(_model: &str, _seed: u64, _device: &str, _rows: usize) -> Result<()> {
+    anyhow::bail!("bench ipc-sidecar needs the GPU build: --features cuda")
 }
 
 /// `moelane bench nccl-sidecar`: the sidecar process of the gpu+nccl:N placement.

@@ -260,3 +260,166 @@ fn checkpoints_of_every_family_are_served_from_a_gpu_primary() {
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+/// A sidecar process of the ipc link (`moelane bench ipc-sidecar`) on cuda:0 for `mini`,
+/// joined through its stdout and stdin; the primary's end of the link.
+fn ipc_sidecar(
+    m: &moelane_engine::synth::InMemory,
+    gpu: &std::sync::Arc<moelane_engine::cuda::Gpu>,
+    rows: usize,
+) -> (std::process::Child, moelane_link::ipc::IpcTier) {
+    use std::io::{BufRead, Write};
+    let mut child = std::process::Command::new(bin())
+        .args([
+            "bench",
+            "ipc-sidecar",
+            "--model",
+            "mini",
+            "--seed",
+            "1",
+            "--device",
+            "cuda:0",
+            "--rows",
+            &rows.to_string(),
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut offer = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut offer)
+        .unwrap();
+    let c = &m.config;
+    let expect = moelane_engine::tier::BoxLayout {
+        layers: c.moe_layers().len(),
+        cap_rows: rows,
+        k: c.num_experts_per_tok,
+        hidden: c.hidden_size,
+        experts: c.num_experts,
+    };
+    let (tier, answer) = moelane_link::ipc::IpcTier::connect(gpu.clone(), &offer, expect).unwrap();
+    writeln!(child.stdin.take().unwrap(), "{answer}").unwrap();
+    (child, tier)
+}
+
+/// Greedy continuations of `prompts` (one sequence each, stepped together), `n` tokens.
+fn greedy(
+    eng: &mut moelane_engine::step::Engine,
+    prompts: &[Vec<u32>],
+    n: usize,
+) -> moelane_engine::Result<Vec<Vec<u32>>> {
+    use moelane_engine::step::SeqStep;
+    let mut seqs: Vec<_> = prompts.iter().map(|_| eng.kv.new_seq()).collect();
+    let mut next: Vec<Vec<u32>> = prompts.to_vec();
+    let mut out = vec![Vec::new(); prompts.len()];
+    let r = (|| {
+        for _ in 0..n {
+            let mut st: Vec<SeqStep> = seqs
+                .iter_mut()
+                .zip(next.iter())
+                .map(|(kv, t)| SeqStep { kv, tokens: t })
+                .collect();
+            let ids = eng.step_argmax(&mut st)?;
+            for ((o, nx), t) in out.iter_mut().zip(next.iter_mut()).zip(ids) {
+                o.push(t);
+                *nx = vec![t];
+            }
+        }
+        Ok(())
+    })();
+    drop(seqs); // their KV blocks go back
+    r.map(|()| out)
+}
+
+/// The ipc link with primary and sidecar processes on one GPU: the same greedy tokens as
+/// every expert on the GPU (the same kernels compute every pick, the combine in rank
+/// order: bitwise), at one row and at eight; a stalled sidecar fails a step within the
+/// reply deadline (never a hang), the link then refuses until opened again; a killed one
+/// is replaced by a new process and the answers go on identical.
+#[test]
+fn ipc_link_on_one_gpu_matches_one_gpu_and_survives_a_stalled_killed_and_restarted_sidecar() {
+    use moelane_engine::cuda_station::{affinity_map, hashed_engine, hashed_engine_with_tier};
+    let gpu = match moelane_engine::cuda::Gpu::open(0) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("SKIP ipc link: {e}");
+            return;
+        }
+    };
+    let p = moelane_engine::synth::Preset::by_name("mini").unwrap();
+    let m = moelane_engine::synth::in_memory(&p, 1).unwrap();
+    let prompts: Vec<Vec<u32>> = m.prompt_ids().unwrap().into_iter().take(8).collect();
+    let rows: usize = prompts.iter().map(Vec::len).sum::<usize>().max(64);
+    let kv = 8 * 256;
+    let mut one = hashed_engine(
+        &m,
+        moelane_engine::cuda_station::Placement::OneGpu,
+        gpu.clone(),
+        kv,
+    )
+    .unwrap();
+    let want1 = greedy(&mut one, &prompts[..1], 24).unwrap();
+    let want8 = greedy(&mut one, &prompts, 24).unwrap();
+    drop(one);
+    let (mut child, tier) = ipc_sidecar(&m, &gpu, rows);
+    let map = affinity_map(&m, m.hot).unwrap();
+    assert!(map.map.layers.iter().all(|l| !l.cold.is_empty()));
+    let mut eng = hashed_engine_with_tier(&m, map, gpu.clone(), kv, Some(Box::new(tier))).unwrap();
+    let got1 = greedy(&mut eng, &prompts[..1], 24).unwrap();
+    let got8 = greedy(&mut eng, &prompts, 24).unwrap();
+    assert_eq!(got1, want1, "one row through the ipc link");
+    let same = got8.iter().zip(&want8).filter(|(a, b)| a == b).count();
+    eprintln!("ipc link on one GPU: {same}/8 greedy continuations identical to one GPU");
+    assert_eq!(same, 8);
+    assert!(
+        eng.counters.wait_ns.iter().sum::<u64>() > 0,
+        "the device's waits are counted"
+    );
+
+    // stalled: the step fails in about the deadline, and says so
+    eng.cold
+        .as_mut()
+        .unwrap()
+        .set_reply_deadline(std::time::Duration::from_millis(300));
+    let pid = child.id().to_string();
+    let signal = |sig: &str| {
+        let st = std::process::Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .unwrap();
+        assert!(st.success(), "kill {sig} {pid}");
+    };
+    signal("-STOP");
+    let t0 = std::time::Instant::now();
+    let e = greedy(&mut eng, &prompts[..1], 2).expect_err("a stalled sidecar fails the step");
+    let took = t0.elapsed();
+    signal("-CONT");
+    eprintln!("stalled sidecar: {e} after {took:?}");
+    assert!(took < std::time::Duration::from_secs(5), "{took:?}");
+    assert_eq!(e.fault(), moelane_engine::error::Fault::Timeout, "{e}");
+    let again = greedy(&mut eng, &prompts[..1], 1).expect_err("the failed link is not reused");
+    assert!(again.to_string().contains("opened again"), "{again}");
+
+    // killed and restarted: a new process, a new link, the same answers
+    let _ = child.kill();
+    let _ = child.wait();
+    let (mut child2, tier2) = ipc_sidecar(&m, &gpu, rows);
+    eng.cold = Some(Box::new(tier2));
+    let got8 = greedy(&mut eng, &prompts, 24).unwrap();
+    let same = got8.iter().zip(&want8).filter(|(a, b)| a == b).count();
+    eprintln!("ipc link after a restarted sidecar: {same}/8 identical");
+    assert_eq!(same, 8);
+
+    // killed while the primary steps: an error within the deadline, not a hang
+    eng.cold
+        .as_mut()
+        .unwrap()
+        .set_reply_deadline(std::time::Duration::from_millis(300));
+    let _ = child2.kill();
+    let _ = child2.wait();
+    let t0 = std::time::Instant::now();
+    let e = greedy(&mut eng, &prompts[..1], 4).expect_err("a dead sidecar fails the step");
+    eprintln!("killed sidecar: {e} after {:?}", t0.elapsed());
+    assert!(t0.elapsed() < std::time::Duration::from_secs(5));
+}

@@ -300,6 +300,48 @@ impl ColdService for SidecarCore {
             .map(|()| floats),
         )
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda(&self) -> Option<Arc<moelane_engine::cuda::Gpu>> {
+        let g = self.device.gpu()?;
+        let g = g.lock().ok()?;
+        Some(g.gpu().clone())
+    }
+
+    fn check_epoch(&self, epoch: u64) -> moelane_engine::Result<()> {
+        let st = self.read_state()?;
+        if !st.epochs.serves(epoch) {
+            return Err(moelane_engine::Error::EpochMismatch {
+                got: epoch,
+                serves: st.epochs.describe(),
+            });
+        }
+        Ok(())
+    }
+
+    unsafe fn serve_slots(
+        &self,
+        layer: usize,
+        experts: usize,
+        idx: u64,
+        h: u64,
+        rows: usize,
+        k: usize,
+        y: u64,
+    ) -> Option<moelane_engine::Result<u64>> {
+        let g = self.device.gpu()?;
+        let t0 = Instant::now();
+        let r = match g.lock() {
+            // SAFETY: the link's guarantee (see the trait): the pointers on this GPU
+            Ok(mut g) => unsafe { g.compute_slots(layer, experts, idx, h, rows, k, y) },
+            Err(_) => Err(poisoned("the GPU experts")),
+        };
+        // the picks stay on the device: a request is counted, its picks are not
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        self.compute_ns
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        Some(r)
+    }
 }
 
 impl SidecarCore {

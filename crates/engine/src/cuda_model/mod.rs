@@ -63,6 +63,7 @@ const DENSE_FILES: &[&str] = &[
 pub(crate) mod args;
 mod generate;
 mod launch;
+mod link_ops;
 
 mod step;
 mod step_ops;
@@ -841,6 +842,8 @@ pub struct GpuModel {
     /// step kernels launched hollow (`MOELANE_CUDA_HOLLOW`: names or "all"; a diagnostic,
     /// the results are wrong), to time what each one costs in the chain
     hollow: Vec<String>,
+    /// the `ipc` link's device mailbox, when one is attached ([`Self::attach_link`])
+    link: Option<link_ops::LinkState>,
 }
 
 /// Rows of MLA's per-head attention (each head's absorbed query and weighted latent, about
@@ -950,6 +953,12 @@ pub enum Op {
     Shared(usize),
     /// final norm and the LM head for the step's logit rows, then what the step returns
     Head(HeadOut),
+    /// the `ipc` link: the step's head into the sidecar's box
+    LinkStep,
+    /// the `ipc` link: MoE layer ml's picks and normed rows into the sidecar's box
+    LinkPost(usize),
+    /// the `ipc` link: wait for MoE layer ml's reply, its rows into the cold pick slots
+    LinkJoin(usize),
 }
 
 pub use crate::step::HeadOut;
@@ -1301,6 +1310,7 @@ impl GpuModel {
             fuse: opts.fuse,
             register_topk: true,
             hollow: opts.hollow,
+            link: None,
             layers,
             cfg: cfg.clone(),
             f,
@@ -1824,6 +1834,7 @@ impl GpuModel {
             Op::DenseMlp(l) => self.dense_mlp(l),
             Op::Shared(l) => self.shared_expert(l),
             Op::Head(out) => self.head(out),
+            Op::LinkStep | Op::LinkPost(_) | Op::LinkJoin(_) => self.link_op(op),
         }
     }
 }

@@ -10,6 +10,7 @@ use crate::kv::{KvCache, SeqKv};
 use crate::rowmap::ValidMap;
 use crate::sampling::TokenPick;
 use crate::step::{DeviceRows, Engine, HeadOut, RowPos, Split, StepBackend, StepOut};
+use crate::tier::MailboxPtrs;
 
 use super::{GpuModel, Op};
 
@@ -151,6 +152,34 @@ impl StepBackend for GpuStep {
             self.ops.push(Op::Shared(layer));
         }
         Ok(())
+    }
+
+    fn attach_mailbox(&mut self, mb: Option<MailboxPtrs>) -> Result<bool> {
+        if mb.is_some_and(|m| m.ordinal != self.model.gpu.ordinal) {
+            return Ok(false);
+        }
+        let on = mb.is_some();
+        self.model.attach_link(mb)?;
+        Ok(on)
+    }
+
+    fn link_begin(&mut self, epoch: u64, step: u64, limit_ns: u64) -> Result<()> {
+        self.model.link_begin(epoch, step, limit_ns)?;
+        self.ops.push(Op::LinkStep);
+        Ok(())
+    }
+
+    fn link_layer(&mut self, ml: usize, join: bool) -> Result<()> {
+        self.ops.push(if join {
+            Op::LinkJoin(ml)
+        } else {
+            Op::LinkPost(ml)
+        });
+        Ok(())
+    }
+
+    fn link_end(&mut self, wait_ns: &mut [u64]) -> Result<()> {
+        self.model.link_end(wait_ns)
     }
 
     fn combine(&mut self) -> Result<()> {
