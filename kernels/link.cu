@@ -5,17 +5,19 @@
 //
 // request box, the sidecar's memory, written by the primary (u64 words):
 //   [0] the step's sequence number (raised last), [1] rows, [2] map epoch, [3] engine step,
-//   [8 + ml] MoE layer ml's flag (the step's sequence number, raised after its data);
-//   at idx_off the layer's picks [rows * k] (int), at h_off its normed rows [rows * H].
+//   [8 + ml] MoE layer ml's flag, raised after its data: the round's tag, (seq << 16) |
+//   round (a step of more rows than the box holds goes in rounds of at most that many);
+//   at idx_off the round's picks [rows * k] (int), at h_off its normed rows [rows * H].
 // reply box, the primary's memory, written by the sidecar:
-//   [ml] (sequence number << 8) | code (0: done; else the sidecar's error code);
-//   at mark_off one word per pick slot, (seq << 12) | ml where the sidecar wrote that slot's
-//   row; at y_off one output row of H per pick slot (only the slots the sidecar computed).
+//   [ml] (tag << 8) | code (0: done; else the sidecar's error code);
+//   at mark_off one word per pick slot of the round, (tag << 12) | ml where the sidecar
+//   wrote that slot's row; at y_off one output row of H per pick slot (only the slots the
+//   sidecar computed).
 // primary meta (its own memory): [0] seq [1] rows [2] epoch [3] step [4] the longest a
 //   wait may spin (ns) [5] status (0, or (layer + 1) << 16 | code of the first failure)
 //   [8 + ml] nanoseconds the primary spun on layer ml's reply, summed.
 // sidecar meta: [0] the seq being served [1] the longest a wait may spin (ns)
-//   [2] status (as the primary's) [3] set to 1 when the layer program is skipped.
+//   [2] status (as the primary's).
 
 typedef unsigned long long u64;
 
@@ -57,7 +59,8 @@ extern "C" __global__ void link_post_step(u64* box, const u64* meta) {
 // launches (the last block sets it back).
 extern "C" __global__ void link_post(u64* box, int ml, const int* __restrict__ idx, int nk,
                                      const float* __restrict__ h, int nh, long long idx_off,
-                                     long long h_off, const u64* meta, unsigned* done) {
+                                     long long h_off, const u64* meta, unsigned* done,
+                                     int round) {
     int* bi = (int*)((char*)box + idx_off);
     float* bh = (float*)((char*)box + h_off);
     const int tid = blockIdx.x * blockDim.x + threadIdx.x, stride = gridDim.x * blockDim.x;
@@ -72,7 +75,7 @@ extern "C" __global__ void link_post(u64* box, int ml, const int* __restrict__ i
         if (prev == gridDim.x - 1) {
             *done = 0;
             __threadfence_system();
-            st_release_sys(box + 8 + ml, meta[0]);
+            st_release_sys(box + 8 + ml, (meta[0] << 16) | (u64)round);
         }
     }
 }
@@ -85,10 +88,11 @@ extern "C" __global__ void link_post(u64* box, int ml, const int* __restrict__ i
 extern "C" __global__ void link_join(const u64* reply, int ml, u64* meta, const float* cold_y,
                                      float* y, const int* __restrict__ idx,
                                      const u64* __restrict__ gu_tab, int H, const u64* mark,
-                                     int nk) {
+                                     int nk, int round) {
     __shared__ int ok;
+    const u64 seq = (meta[0] << 16) | (u64)round;
     if (threadIdx.x == 0) {
-        const u64 seq = meta[0], limit = meta[4], t0 = now_ns();
+        const u64 limit = meta[4], t0 = now_ns();
         u64 code = 0;
         for (;;) {
             const u64 w = ld_acquire_sys(reply + ml);
@@ -111,7 +115,7 @@ extern "C" __global__ void link_join(const u64* reply, int ml, u64* meta, const 
     }
     __syncthreads();
     if (!ok) return;
-    const u64 want = (meta[0] << 12) | (u64)ml;
+    const u64 want = (seq << 12) | (u64)ml;
     for (int s = blockIdx.x; s < nk; s += gridDim.x) {
         if (gu_tab[idx[s]] != 0) continue;
         if (mark[s] != want) {
@@ -128,9 +132,9 @@ extern "C" __global__ void link_join(const u64* reply, int ml, u64* meta, const 
 // Sidecar, before layer ml's experts: waits until the primary raised the layer's flag with
 // the sequence number being served (or the bound, or an earlier failure: then the status
 // says so and the reply carries it).
-extern "C" __global__ void link_wait(const u64* box, int ml, u64* smeta) {
+extern "C" __global__ void link_wait(const u64* box, int ml, u64* smeta, int round) {
     if (threadIdx.x == 0 && blockIdx.x == 0) {
-        const u64 seq = smeta[0], limit = smeta[1], t0 = now_ns();
+        const u64 seq = (smeta[0] << 16) | (u64)round, limit = smeta[1], t0 = now_ns();
         while (ld_acquire_sys(box + 8 + ml) != seq) {
             if (ld_volatile(smeta + 2) != 0) return;
             if (now_ns() - t0 > limit) {
@@ -147,10 +151,11 @@ extern "C" __global__ void link_wait(const u64* box, int ml, u64* smeta) {
 extern "C" __global__ void link_reply(u64* reply, int ml, const u64* smeta, const float* y,
                                       float* peer_y, const int* __restrict__ idx,
                                       const u64* __restrict__ gu_tab, int H, unsigned* done,
-                                      u64* mark) {
+                                      u64* mark, int round) {
     const u64 st = ld_volatile(smeta + 2);
+    const u64 tag = (smeta[0] << 16) | (u64)round;
     const int s = blockIdx.x;
-    if (st == 0 && gu_tab[idx[s]] != 0) {
+    if (st == 0 && gu_tab != 0 && gu_tab[idx[s]] != 0) {
         const float* src = y + (size_t)s * H;
         float* dst = peer_y + (size_t)s * H;
         if ((H & 3) == 0) {
@@ -159,7 +164,7 @@ extern "C" __global__ void link_reply(u64* reply, int ml, const u64* smeta, cons
         } else {
             for (int i = threadIdx.x; i < H; i += blockDim.x) dst[i] = src[i];
         }
-        if (threadIdx.x == 0) mark[s] = (smeta[0] << 12) | (u64)ml;
+        if (threadIdx.x == 0) mark[s] = (tag << 12) | (u64)ml;
     }
     __threadfence_system();
     __syncthreads();
@@ -169,7 +174,7 @@ extern "C" __global__ void link_reply(u64* reply, int ml, const u64* smeta, cons
             *done = 0;
             __threadfence_system();
             const u64 code = st == 0 ? 0 : ((st & 0xff) == 0 ? LINK_PEER_FAILED : (st & 0xff));
-            st_release_sys(reply + ml, (smeta[0] << 8) | code);
+            st_release_sys(reply + ml, (tag << 8) | code);
         }
     }
 }

@@ -245,11 +245,13 @@ impl LinkKernels {
         nh: usize,
         meta: u64,
         done: u64,
+        round: usize,
     ) -> Result<()> {
         let (mut b, mut l, mut i, mut n, mut hh, mut nhh) =
             (req_box, ml as i32, idx, nk as i32, h, nh as i32);
         let (mut io, mut ho, mut m, mut d) = (lay.idx_off() as i64, lay.h_off() as i64, meta, done);
-        let mut p = params!(b, l, i, n, hh, nhh, io, ho, m, d);
+        let mut r = round as i32;
+        let mut p = params!(b, l, i, n, hh, nhh, io, ho, m, d, r);
         let blocks = (nh / 4).div_ceil(256).clamp(1, 32);
         unsafe { launch_raw(&gpu.stream, &self.post, &mut p, false, cfg(blocks, 256)) }
             .map_err(|e| gpu_err("launching link_post", e))
@@ -273,6 +275,7 @@ impl LinkKernels {
         idx: u64,
         gu_tab: u64,
         nk: usize,
+        round: usize,
     ) -> Result<()> {
         let (mut r, mut l, mut m, mut cy, mut yy) = (
             reply_box,
@@ -287,8 +290,8 @@ impl LinkKernels {
             lay.hidden as i32,
             reply_box + lay.mark_off() as u64,
         );
-        let mut n = nk as i32;
-        let mut p = params!(r, l, m, cy, yy, i, g, h, mk, n);
+        let (mut n, mut rd) = (nk as i32, round as i32);
+        let mut p = params!(r, l, m, cy, yy, i, g, h, mk, n, rd);
         unsafe { launch_raw(&gpu.stream, &self.join, &mut p, false, cfg(nk.min(32), 256)) }
             .map_err(|e| gpu_err("launching link_join", e))
     }
@@ -297,9 +300,16 @@ impl LinkKernels {
     ///
     /// # Safety
     /// `req_box` and `smeta` address a request box and a sidecar meta.
-    pub unsafe fn wait(&self, gpu: &Gpu, req_box: u64, ml: usize, smeta: u64) -> Result<()> {
-        let (mut b, mut l, mut m) = (req_box, ml as i32, smeta);
-        let mut p = params!(b, l, m);
+    pub unsafe fn wait(
+        &self,
+        gpu: &Gpu,
+        req_box: u64,
+        ml: usize,
+        smeta: u64,
+        round: usize,
+    ) -> Result<()> {
+        let (mut b, mut l, mut m, mut r) = (req_box, ml as i32, smeta, round as i32);
+        let mut p = params!(b, l, m, r);
         unsafe { launch_raw(&gpu.stream, &self.wait, &mut p, false, cfg(1, 32)) }
             .map_err(|e| gpu_err("launching link_wait", e))
     }
@@ -322,6 +332,7 @@ impl LinkKernels {
         gu_tab: u64,
         nk: usize,
         done: u64,
+        round: usize,
     ) -> Result<()> {
         let (mut r, mut l, mut m, mut yy, mut py) = (
             reply_box,
@@ -337,7 +348,8 @@ impl LinkKernels {
             done,
             reply_box + lay.mark_off() as u64,
         );
-        let mut p = params!(r, l, m, yy, py, i, g, h, d, mk);
+        let mut rd = round as i32;
+        let mut p = params!(r, l, m, yy, py, i, g, h, d, mk, rd);
         unsafe { launch_raw(&gpu.stream, &self.reply, &mut p, false, cfg(nk, 256)) }
             .map_err(|e| gpu_err("launching link_reply", e))
     }

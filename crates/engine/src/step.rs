@@ -540,7 +540,10 @@ impl Engine {
             let seq_refs: Vec<&SeqKv> = seqs.iter().map(|s| &*s.kv).collect();
             self.backend
                 .begin(&batch.tokens, &batch.rows, &seq_refs, &batch.logit_rows)?;
-            self.link_begin()?;
+            if let Err(e) = self.link_begin() {
+                self.device_failed();
+                return Err(e);
+            }
             self.backend.embed()?;
             for l in 0..self.cfg.num_hidden_layers {
                 self.backend.attention(l, &seq_refs, &mut self.kv)?;
@@ -578,6 +581,9 @@ impl Engine {
                 for s in seqs.iter_mut() {
                     s.kv.len -= s.tokens.len();
                 }
+                if self.mailbox.is_some() {
+                    self.device_failed();
+                }
                 return Err(e);
             }
         };
@@ -590,10 +596,17 @@ impl Engine {
         Ok(out)
     }
 
+    /// The device mailbox failed: the link is told (a supervised one is replaced).
+    fn device_failed(&mut self) {
+        if let Some(c) = self.cold.as_mut() {
+            c.device_failed();
+        }
+    }
+
     /// Attaches the cold tier's device mailbox to the backend when it has a new one (or
     /// detaches it), then starts the step on it.
     fn link_begin(&mut self) -> Result<()> {
-        let mb = self.cold.as_ref().and_then(|c| c.device_mailbox());
+        let mb = self.cold.as_mut().and_then(|c| c.device_mailbox());
         let generation = mb.map(|m| m.generation);
         if generation != self.mailbox {
             self.mailbox = None;

@@ -169,9 +169,14 @@ pub trait RemoteTier: Send {
     /// The device mailbox of an `ipc` link, on [`RemoteTier::device_ordinal`]'s GPU: the
     /// primary's step then posts every MoE layer's picks and rows and waits for the reply
     /// on the device, with no host call per layer (`send`/`recv` are not used).
-    fn device_mailbox(&self) -> Option<MailboxPtrs> {
+    fn device_mailbox(&mut self) -> Option<MailboxPtrs> {
         None
     }
+
+    /// A step through [`RemoteTier::device_mailbox`] failed (the device saw a timeout, the
+    /// sidecar's error or an epoch refusal): a supervised link drops this one and opens a
+    /// new one.
+    fn device_failed(&mut self) {}
 }
 
 /// What a cold tier does with a request: one trait for every server (the sidecar's

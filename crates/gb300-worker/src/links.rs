@@ -143,6 +143,20 @@ impl RemoteTier for Relink {
     fn device_ordinal(&self) -> Option<usize> {
         self.slot.lock().ok()?.as_ref()?.device_ordinal()
     }
+    fn device_mailbox(&mut self) -> Option<moelane_engine::tier::MailboxPtrs> {
+        self.slot.lock().ok()?.as_mut()?.device_mailbox()
+    }
+    fn device_failed(&mut self) {
+        // the device saw the link fail: dropped, and the supervisor re-registers
+        let mut g = self.slot.lock().unwrap_or_else(|p| p.into_inner());
+        if g.take().is_some() {
+            self.broken.notify_one();
+        }
+    }
+    fn reply_deadline(&self) -> Option<Duration> {
+        // the device's waits are per layer: a stall is one past the detection time
+        Some(self.deadline.floor)
+    }
     unsafe fn send_device(
         &mut self,
         req: moelane_engine::tier::ColdRequest,
@@ -263,6 +277,18 @@ impl RemoteTier for Metered {
     }
     fn device_ordinal(&self) -> Option<usize> {
         self.inner.device_ordinal()
+    }
+    fn device_mailbox(&mut self) -> Option<moelane_engine::tier::MailboxPtrs> {
+        self.inner.device_mailbox()
+    }
+    fn device_failed(&mut self) {
+        self.inner.device_failed()
+    }
+    fn set_reply_deadline(&mut self, deadline: Duration) {
+        self.inner.set_reply_deadline(deadline)
+    }
+    fn reply_deadline(&self) -> Option<Duration> {
+        self.inner.reply_deadline()
     }
     unsafe fn send_device(
         &mut self,

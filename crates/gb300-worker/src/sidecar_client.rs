@@ -21,6 +21,9 @@ pub fn swap_error(s: &Status, at: &str) -> SwapError {
 /// Installs a data link that REGISTER answered with (the primary opens it).
 pub type OnLink = Arc<dyn Fn(&RegisterReply) -> Result<(), SwapError> + Send + Sync>;
 
+/// What a link needs sent with REGISTER, made fresh for each (the ipc link's reply box).
+pub type LinkParams = Arc<dyn Fn() -> Result<String, String> + Send + Sync>;
+
 /// A sidecar process, driven over its control API.
 pub struct RemoteSidecar {
     pub client:
@@ -33,6 +36,8 @@ pub struct RemoteSidecar {
     /// The data link to reopen on resync ("tcp"/"shm").
     pub link: String,
     pub on_link: Option<OnLink>,
+    /// Made before every REGISTER, sent as its `link_params`.
+    pub link_params: Option<LinkParams>,
 }
 
 impl RemoteSidecar {
@@ -54,6 +59,10 @@ impl RemoteSidecar {
         let rowmap_json = map
             .to_json()
             .map_err(|e| Category::Internal.status(e.to_string()))?;
+        let link_params = match &self.link_params {
+            Some(f) => f().map_err(|e| Category::Unavailable.status(e))?,
+            None => String::new(),
+        };
         self.client
             .clone()
             .register(RegisterRequest {
@@ -64,6 +73,7 @@ impl RemoteSidecar {
                 incarnation: token,
                 protocol: moelane_proto::PROTOCOL,
                 build: moelane_proto::BUILD.into(),
+                link_params,
             })
             .await
             .map(|r| r.into_inner())

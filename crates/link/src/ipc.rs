@@ -2,12 +2,12 @@
 //! GPUs can reach each other's memory (the same GPU, or two joined by NVLink or PCIe peer
 //! access). Each side allocates a buffer and hands the other a CUDA IPC handle to it:
 //!
-//! 1. the sidecar allocates the request box for a [`BoxLayout`] and offers
-//!    `ipc1:<layers>:<rows>:<k>:<hidden>:<experts>:<pid>:<handle>` ([`SidecarEnd::offer`]);
-//! 2. the primary opens it, allocates the reply box, and answers
-//!    `ipc1:<pid>:<handle>` ([`IpcTier::connect`]);
-//! 3. the sidecar opens the reply box ([`SidecarEnd::accept`]) and serves
-//!    ([`SidecarEnd::serve`]).
+//! 1. the primary allocates the reply box for its [`BoxLayout`] and asks with
+//!    `ipc1:<pid>:<layers>:<rows>:<k>:<hidden>:<experts>:<handle>` ([`PrimaryEnd::params`]);
+//! 2. the sidecar opens it, checks the shape against its model, allocates the request box
+//!    of that shape and offers a line of the same form ([`SidecarEnd::open`],
+//!    [`SidecarEnd::offer`]), then serves ([`SidecarEnd::serve`]);
+//! 3. the primary opens the request box, checking the shape ([`PrimaryEnd::connect`]).
 //!
 //! The handshake's two lines travel over whatever joins the two processes (the control
 //! channel, or a child's stdin and stdout). From then on the primary's step posts each MoE
@@ -56,55 +56,30 @@ pub struct SidecarEnd {
 }
 
 impl SidecarEnd {
-    /// Allocates the request box of `layout` on `gpu` (the GPU the service computes on).
-    pub fn new(gpu: Arc<Gpu>, layout: BoxLayout) -> Result<Self> {
-        layout.check()?;
+    /// Opens the primary's reply box from its `params` and allocates the request box of
+    /// the same shape on `gpu` (the GPU the service computes on). The caller checks the
+    /// shape against its model ([`SidecarEnd::layout`]).
+    pub fn open(gpu: Arc<Gpu>, params: &str) -> Result<Self> {
+        let (pid, layout, h) = parse_line(params, "parameters")?;
+        let reply = IpcMem::open(&gpu, &h, layout.reply_bytes())?;
         let req = IpcMem::alloc(&gpu, layout.req_bytes())?;
         Ok(SidecarEnd {
             gpu,
             layout,
             req,
-            reply: None,
-            peer_pid: None,
+            reply: Some(reply),
+            peer_pid: Some(pid),
         })
+    }
+
+    /// The mailbox's shape (the primary's).
+    pub fn layout(&self) -> BoxLayout {
+        self.layout
     }
 
     /// The line the primary connects with.
     pub fn offer(&self) -> Result<String> {
-        let l = &self.layout;
-        Ok(format!(
-            "ipc1:{}:{}:{}:{}:{}:{}:{}",
-            l.layers,
-            l.cap_rows,
-            l.k,
-            l.hidden,
-            l.experts,
-            std::process::id(),
-            handle_hex(&self.req.handle()?)
-        ))
-    }
-
-    /// Opens the primary's reply box from its answer line.
-    pub fn accept(&mut self, answer: &str) -> Result<()> {
-        let parts: Vec<&str> = answer.trim().split(':').collect();
-        let [tag, pid, handle] = parts[..] else {
-            return Err(Error::Invalid(format!(
-                "ipc answer {:?}: expected ipc1:<pid>:<handle>",
-                short(answer)
-            )));
-        };
-        if tag != "ipc1" {
-            return Err(Error::Invalid(format!(
-                "ipc answer version {tag:?}: this sidecar speaks ipc1"
-            )));
-        }
-        let pid: u32 = pid
-            .parse()
-            .map_err(|_| Error::Invalid(format!("ipc answer: pid {pid:?} is not a number")))?;
-        let h = handle_from_hex(handle)?;
-        self.reply = Some(IpcMem::open(&self.gpu, &h, self.layout.reply_bytes())?);
-        self.peer_pid = Some(pid);
-        Ok(())
+        Ok(line(&self.layout, &self.req.handle()?))
     }
 
     /// Serves `svc` until `stop` is set, the primary's process is gone, or the link fails:
@@ -182,11 +157,8 @@ impl SidecarEnd {
             idle_since = Instant::now();
             let (rows, epoch) = (w(1) as usize, w(2));
             let mut code = 0u64;
-            if rows == 0 || rows > lay.cap_rows {
-                eprintln!(
-                    "moelane sidecar: ipc step {seq} has {rows} rows (the box holds {})",
-                    lay.cap_rows
-                );
+            if rows == 0 || rows > 1 << 24 {
+                eprintln!("moelane sidecar: ipc step {seq} has {rows} rows");
                 code = CODE_FAILED;
             } else if let Err(e) = svc.check_epoch(epoch) {
                 eprintln!("moelane sidecar: ipc step {seq}: {e}");
@@ -194,37 +166,45 @@ impl SidecarEnd {
             }
             st.memcpy_htod(&[seq, limit, code, 0], &mut smeta)
                 .map_err(|e| err(Fault::Internal, format!("copying to the GPU: {e:?}")))?;
-            let rows = rows.clamp(1, lay.cap_rows);
-            let nk = rows * lay.k;
+            // a step of more rows than the box holds comes in rounds of at most that many
+            let rows = rows.clamp(1, 1 << 24);
+            let rounds = rows.div_ceil(lay.cap_rows);
             let (idx, h) = (req + lay.idx_off() as u64, req + lay.h_off() as u64);
             for ml in 0..lay.layers {
-                // SAFETY: the box and the meta have the layout's sizes; smeta holds 4 words.
-                unsafe { kern.wait(&gpu, req, ml, sm) }?;
-                let mut table = 0u64;
-                if code == 0 {
-                    // SAFETY: idx holds rows*k ids (< experts, written by the primary's
-                    // router), h rows rows of H, y nk rows of H, all on this GPU.
-                    match unsafe { svc.serve_slots(ml, lay.experts, idx, h, rows, lay.k, yp) } {
-                        Some(Ok(t)) => table = t,
-                        Some(Err(e)) => {
-                            eprintln!("moelane sidecar: ipc step {seq} layer {ml}: {e}");
-                            code = CODE_FAILED;
+                for r in 0..rounds {
+                    let part = (rows - r * lay.cap_rows).min(lay.cap_rows);
+                    // SAFETY: the box and the meta have the layout's sizes; smeta 4 words.
+                    unsafe { kern.wait(&gpu, req, ml, sm, r) }?;
+                    let mut table = 0u64;
+                    if code == 0 {
+                        // SAFETY: idx holds the round's part*k ids (< experts, from the
+                        // primary's router), h its rows of H, y room for them, all here.
+                        let got =
+                            unsafe { svc.serve_slots(ml, lay.experts, idx, h, part, lay.k, yp) };
+                        match got {
+                            Some(Ok(t)) => table = t,
+                            Some(Err(e)) => {
+                                eprintln!("moelane sidecar: ipc step {seq} layer {ml}: {e}");
+                                code = CODE_FAILED;
+                            }
+                            None => {
+                                eprintln!("moelane sidecar: the service has no GPU path");
+                                code = CODE_FAILED;
+                            }
                         }
-                        None => {
-                            eprintln!("moelane sidecar: the service has no GPU path");
-                            code = CODE_FAILED;
+                        if code != 0 {
+                            st.memcpy_htod(&[seq, limit, code, 0], &mut smeta)
+                                .map_err(|e| {
+                                    err(Fault::Internal, format!("copying to the GPU: {e:?}"))
+                                })?;
                         }
                     }
-                    if code != 0 {
-                        st.memcpy_htod(&[seq, limit, code, 0], &mut smeta)
-                            .map_err(|e| {
-                                err(Fault::Internal, format!("copying to the GPU: {e:?}"))
-                            })?;
-                    }
+                    // SAFETY: the reply box has the layout's sizes; y the round's slots;
+                    // table null or E entries; done a counter at 0.
+                    unsafe {
+                        kern.reply(&gpu, &lay, rep, ml, sm, yp, idx, table, part * lay.k, dn, r)
+                    }?;
                 }
-                // SAFETY: the reply box has the layout's sizes; y nk rows; table null or E
-                // entries; done a counter at 0.
-                unsafe { kern.reply(&gpu, &lay, rep, ml, sm, yp, idx, table, nk, dn) }?;
             }
         }
     }
@@ -232,6 +212,52 @@ impl SidecarEnd {
 
 fn short(s: &str) -> String {
     s.chars().take(48).collect()
+}
+
+/// The handshake's line: `ipc1:<pid>:<layers>:<rows>:<k>:<hidden>:<experts>:<handle>`, this
+/// process's id and the buffer's handle.
+fn line(l: &BoxLayout, handle: &[u8; 64]) -> String {
+    format!(
+        "ipc1:{}:{}:{}:{}:{}:{}:{}",
+        std::process::id(),
+        l.layers,
+        l.cap_rows,
+        l.k,
+        l.hidden,
+        l.experts,
+        handle_hex(handle)
+    )
+}
+
+/// Reads a [`line`] (`what` names it in errors): the peer's pid, the shape (checked) and
+/// the handle.
+fn parse_line(text: &str, what: &str) -> Result<(u32, BoxLayout, [u8; 64])> {
+    let bad = || {
+        Error::Invalid(format!(
+            "ipc link {what} {:?}: expected ipc1:<pid>:<layers>:<rows>:<k>:<hidden>:<experts>:<handle>",
+            short(text)
+        ))
+    };
+    let parts: Vec<&str> = text.trim().split(':').collect();
+    let [tag, pid, layers, rows, k, hidden, experts, handle] = parts[..] else {
+        return Err(bad());
+    };
+    if tag != "ipc1" {
+        return Err(Error::Invalid(format!(
+            "ipc link {what}: version {tag:?}, this build speaks ipc1"
+        )));
+    }
+    let n = |v: &str| v.parse::<usize>().map_err(|_| bad());
+    let pid = pid.parse::<u32>().map_err(|_| bad())?;
+    let layout = BoxLayout {
+        layers: n(layers)?,
+        cap_rows: n(rows)?,
+        k: n(k)?,
+        hidden: n(hidden)?,
+        experts: n(experts)?,
+    };
+    layout.check()?;
+    Ok((pid, layout, handle_from_hex(handle)?))
 }
 
 /// The primary's end: a [`RemoteTier`] whose exchanges run on the device
@@ -246,67 +272,49 @@ pub struct IpcTier {
     peer_pid: u32,
 }
 
-impl IpcTier {
-    /// Opens the sidecar's request box from its `offer` on `gpu` and allocates the reply
-    /// box; returns the tier and the answer line for the sidecar. The offer's shape must
-    /// be `expect`'s except for its rows (the sidecar's box may hold more).
-    pub fn connect(gpu: Arc<Gpu>, offer: &str, expect: BoxLayout) -> Result<(Self, String)> {
-        let parts: Vec<&str> = offer.trim().split(':').collect();
-        let [tag, layers, rows, k, hidden, experts, pid, handle] = parts[..] else {
-            return Err(Error::Invalid(format!(
-                "ipc offer {:?}: expected ipc1:<layers>:<rows>:<k>:<hidden>:<experts>:<pid>:<handle>",
-                short(offer)
-            )));
-        };
-        if tag != "ipc1" {
-            return Err(Error::Invalid(format!(
-                "ipc offer version {tag:?}: this primary speaks ipc1"
-            )));
-        }
-        let num = |what: &str, v: &str| -> Result<usize> {
-            v.parse()
-                .map_err(|_| Error::Invalid(format!("ipc offer: {what} {v:?} is not a number")))
-        };
-        let layout = BoxLayout {
-            layers: num("layers", layers)?,
-            cap_rows: num("rows", rows)?,
-            k: num("k", k)?,
-            hidden: num("hidden", hidden)?,
-            experts: num("experts", experts)?,
-        };
+/// The primary's end before the sidecar's offer: its reply box.
+pub struct PrimaryEnd {
+    gpu: Arc<Gpu>,
+    layout: BoxLayout,
+    reply: IpcMem,
+}
+
+impl PrimaryEnd {
+    /// Allocates the reply box of `layout` on `gpu` (the GPU the step runs on).
+    pub fn new(gpu: Arc<Gpu>, layout: BoxLayout) -> Result<Self> {
         layout.check()?;
-        let same_shape = BoxLayout {
-            cap_rows: expect.cap_rows,
-            ..layout
-        } == expect;
-        if !same_shape {
-            return Err(Error::Invalid(format!(
-                "the sidecar's mailbox is {layout:?}; this model needs {expect:?}"
-            )));
-        }
-        let peer_pid = num("pid", pid)? as u32;
-        let h = handle_from_hex(handle)?;
-        let req = IpcMem::open(&gpu, &h, layout.req_bytes())?;
         let reply = IpcMem::alloc(&gpu, layout.reply_bytes())?;
-        let answer = format!(
-            "ipc1:{}:{}",
-            std::process::id(),
-            handle_hex(&reply.handle()?)
-        );
-        Ok((
-            IpcTier {
-                gpu,
-                _req: req,
-                reply,
-                layout,
-                generation: GENERATION.fetch_add(1, Ordering::Relaxed),
-                deadline: None,
-                peer_pid,
-            },
-            answer,
-        ))
+        Ok(PrimaryEnd { gpu, layout, reply })
     }
 
+    /// The line the sidecar opens its end with.
+    pub fn params(&self) -> Result<String> {
+        Ok(line(&self.layout, &self.reply.handle()?))
+    }
+
+    /// Opens the sidecar's request box from its `offer`, whose shape must be this end's.
+    pub fn connect(self, offer: &str) -> Result<IpcTier> {
+        let (peer_pid, layout, h) = parse_line(offer, "offer")?;
+        if layout != self.layout {
+            return Err(Error::Invalid(format!(
+                "the sidecar's mailbox is {layout:?}; this primary's model needs {:?} (do both serve the same checkpoint?)",
+                self.layout
+            )));
+        }
+        let req = IpcMem::open(&self.gpu, &h, layout.req_bytes())?;
+        Ok(IpcTier {
+            gpu: self.gpu,
+            _req: req,
+            reply: self.reply,
+            layout,
+            generation: GENERATION.fetch_add(1, Ordering::Relaxed),
+            deadline: None,
+            peer_pid,
+        })
+    }
+}
+
+impl IpcTier {
     /// The sidecar's process id (from its offer).
     pub fn peer_pid(&self) -> u32 {
         self.peer_pid
@@ -343,7 +351,7 @@ impl RemoteTier for IpcTier {
     fn device_ordinal(&self) -> Option<usize> {
         Some(self.gpu.ordinal)
     }
-    fn device_mailbox(&self) -> Option<MailboxPtrs> {
+    fn device_mailbox(&mut self) -> Option<MailboxPtrs> {
         Some(MailboxPtrs {
             ordinal: self.gpu.ordinal,
             req_box: self._req.ptr,

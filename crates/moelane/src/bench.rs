@@ -274,9 +274,6 @@ pub enum BenchCmd {
         seed: u64,
         #[arg(long)]
         device: String,
-        /// The most rows a step carries.
-        #[arg(long)]
-        rows: usize,
     },
     /// Decode tokens/s at several batch sizes on a checkpoint, bytes of weights read per
     /// token (the stored dtype's), and the implied bandwidth against this machine's read
@@ -567,8 +564,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             model,
             seed,
             device,
-            rows,
-        } => crate::decode_bench::ipc_sidecar(&model, seed, &device, rows)?,
+        } => crate::decode_bench::ipc_sidecar(&model, seed, &device)?,
         BenchCmd::Link {
             hidden,
             picks,

@@ -513,13 +513,17 @@ fn ipc_engine(
             &a.seed.to_string(),
             "--device",
             &format!("cuda:{sidecar_gpu}"),
-            "--rows",
-            &rows.to_string(),
         ])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .spawn()?;
     let r = (|| -> Result<moelane_engine::step::Engine> {
+        let end = moelane_link::ipc::PrimaryEnd::new(gpu.clone(), box_layout(&m.config, rows))?;
+        let mut inp = child
+            .stdin
+            .take()
+            .ok_or_else(|| anyhow::anyhow!("the sidecar's stdin"))?;
+        writeln!(inp, "{}", end.params()?)?;
         let out = child
             .stdout
             .take()
@@ -529,20 +533,7 @@ fn ipc_engine(
         if offer.is_empty() {
             anyhow::bail!("the ipc sidecar exited before offering its mailbox");
         }
-        let c = &m.config;
-        let expect = moelane_engine::tier::BoxLayout {
-            layers: c.moe_layers().len(),
-            cap_rows: rows,
-            k: c.num_experts_per_tok,
-            hidden: c.hidden_size,
-            experts: c.num_experts,
-        };
-        let (tier, answer) = moelane_link::ipc::IpcTier::connect(gpu.clone(), &offer, expect)?;
-        let mut inp = child
-            .stdin
-            .take()
-            .ok_or_else(|| anyhow::anyhow!("the sidecar's stdin"))?;
-        writeln!(inp, "{answer}")?;
+        let tier = end.connect(&offer)?;
         let map = moelane_engine::cuda_station::affinity_map(m, m.hot)?;
         Ok(moelane_engine::cuda_station::hashed_engine_with_tier(
             m,
@@ -561,10 +552,26 @@ fn ipc_engine(
     }
 }
 
-/// `moelane bench ipc-sidecar`: the sidecar process of the gpu+ipc:N placement. Prints its
-/// offer on stdout, reads the primary's answer on stdin, serves until the primary is gone.
+/// The ipc link's mailbox shape for model `c` with `rows` rows a step.
 #[cfg(feature = "cuda")]
-pub fn ipc_sidecar(model: &str, seed: u64, device: &str, rows: usize) -> Result<()> {
+fn box_layout(
+    c: &moelane_engine::config::ModelConfig,
+    rows: usize,
+) -> moelane_engine::tier::BoxLayout {
+    moelane_engine::tier::BoxLayout {
+        layers: c.moe_layers().len(),
+        cap_rows: rows,
+        k: c.num_experts_per_tok,
+        hidden: c.hidden_size,
+        experts: c.num_experts,
+    }
+}
+
+/// `moelane bench ipc-sidecar`: the sidecar process of the gpu+ipc:N placement. Reads the
+/// primary's parameters on stdin, prints its offer on stdout, serves until the primary is
+/// gone.
+#[cfg(feature = "cuda")]
+pub fn ipc_sidecar(model: &str, seed: u64, device: &str) -> Result<()> {
     use moelane_engine::cuda_station::{affinity_map, tier_experts};
     use moelane_engine::rowmap::Tier;
     use std::io::BufRead;
@@ -586,18 +593,14 @@ pub fn ipc_sidecar(model: &str, seed: u64, device: &str, rows: usize) -> Result<
     ge.generate(seed, &tier_experts(&map, Tier::Cold))?;
     let svc: std::sync::Arc<dyn moelane_link::ColdService> =
         std::sync::Arc::new(moelane_rtx_worker::SidecarCore::generated(&m.id, &map, ge));
-    let layout = moelane_engine::tier::BoxLayout {
-        layers: c.moe_layers().len(),
-        cap_rows: rows,
-        k: c.num_experts_per_tok,
-        hidden: c.hidden_size,
-        experts: c.num_experts,
-    };
-    let mut end = moelane_link::ipc::SidecarEnd::new(gpu, layout)?;
+    let mut params = String::new();
+    std::io::stdin().lock().read_line(&mut params)?;
+    let mut end = moelane_link::ipc::SidecarEnd::open(gpu, &params)?;
+    let got = end.layout();
+    if got != box_layout(c, got.cap_rows) {
+        anyhow::bail!("the primary's mailbox {got:?} is not {model}'s shape");
+    }
     println!("{}", end.offer()?);
-    let mut answer = String::new();
-    std::io::stdin().lock().read_line(&mut answer)?;
-    end.accept(&answer)?;
     let stop = std::sync::atomic::AtomicBool::new(false);
     if let Err(e) = end.serve(&svc, &stop) {
         eprintln!("ipc-sidecar: link ended: {e}");
@@ -606,7 +609,7 @@ pub fn ipc_sidecar(model: &str, seed: u64, device: &str, rows: usize) -> Result<
 }
 
 #[cfg(not(feature = "cuda"))]
-pub fn ipc_sidecar(_model: &str, _seed: u64, _device: &str, _rows: usize) -> Result<()> {
+pub fn ipc_sidecar(_model: &str, _seed: u64, _device: &str) -> Result<()> {
     anyhow::bail!("bench ipc-sidecar needs the GPU build: --features cuda")
 }
 

@@ -252,6 +252,23 @@ impl RemoteTier for Degradable {
     fn set_reply_deadline(&mut self, deadline: std::time::Duration) {
         self.link.set_reply_deadline(deadline)
     }
+
+    // a live device link exchanges on the device; while it is down the engine comes back
+    // to the host path above (computing here, degraded) until a new one is installed
+    fn device_mailbox(&mut self) -> Option<moelane_engine::tier::MailboxPtrs> {
+        let mb = self.link.device_mailbox();
+        if mb.is_some() {
+            // a new link is installed: the lane is no longer degraded
+            self.link_ok();
+        }
+        mb
+    }
+    fn device_failed(&mut self) {
+        self.link.device_failed()
+    }
+    fn reply_deadline(&self) -> Option<std::time::Duration> {
+        self.link.reply_deadline()
+    }
 }
 
 #[cfg(test)]

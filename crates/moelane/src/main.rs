@@ -295,6 +295,10 @@ enum Link {
     Shm,
     /// NCCL, GPU to GPU (the primary on one GPU, the sidecar on another).
     Nccl,
+    /// A device mailbox in CUDA IPC memory: the primary and the sidecar on one GPU (under
+    /// MPS to run side by side) or two GPUs that reach each other's memory; no host call
+    /// per layer.
+    Ipc,
 }
 
 impl Link {
@@ -303,6 +307,7 @@ impl Link {
             Link::Tcp => "tcp",
             Link::Shm => "shm",
             Link::Nccl => "nccl",
+            Link::Ipc => "ipc",
         }
     }
 }

@@ -400,10 +400,11 @@ async fn connect_sidecar(
         "tcp" => "tcp",
         "shm" => "shm",
         "nccl" if cfg!(feature = "cuda") => "nccl",
-        "nccl" => {
-            bail!("--link nccl: this moelane was built without CUDA (build with --features cuda)")
+        "ipc" if cfg!(feature = "cuda") => "ipc",
+        "nccl" | "ipc" => {
+            bail!("--link {link}: this moelane was built without CUDA (build with --features cuda)")
         }
-        other => bail!("--link {other:?}: choose tcp, shm or nccl"),
+        other => bail!("--link {other:?}: choose tcp, shm, nccl or ipc"),
     };
     let nccl = o
         .primary_device
@@ -419,6 +420,15 @@ async fn connect_sidecar(
              (--primary-device cuda:N) and the sidecar on another (--sidecar-device cuda:M)"
         );
     }
+    if kind == "ipc" && nccl.is_none() {
+        bail!(
+            "--link ipc shares device memory with the sidecar: put the primary on a GPU \
+             (--primary-device cuda:N) and the sidecar on the same GPU or one that GPU reaches \
+             (--sidecar-device cuda:M)"
+        );
+    }
+    // the ipc link's reply box, made before each REGISTER and opened on its answer
+    let ipc = std::sync::Arc::new(ipc_lane::Pending::new(ckpt, nccl.map(|n| n.ordinal)));
     // HTTP/2 pings find a connection a partition left dead (its TCP would wait minutes): the
     // channel then dials again, resolving the name again
     let endpoint = moelane_proto::tls::endpoint(control)
@@ -462,13 +472,18 @@ async fn connect_sidecar(
     let control_host = control_host(control);
     let deadline = moelane_gb300_worker::links::StallDeadline::new(o.stall_timeout, o.link_timeout);
     let link_gen = deadline.link_gen.clone();
+    let ipc2 = ipc.clone();
     let on_link: OnLink = Arc::new(move |rep| {
         let endpoint = if kind == "tcp" {
             reachable(&rep.endpoint, control_host.as_deref())
         } else {
             rep.endpoint.clone()
         };
-        let t = open_link(kind, &endpoint, timeout, nccl)?;
+        let t = if kind == "ipc" {
+            ipc2.connect(&endpoint)?
+        } else {
+            open_link(kind, &endpoint, timeout, nccl)?
+        };
         // a poisoned slot held a link in an unknown state: it is replaced either way
         *slot2.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
         link_gen.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
@@ -482,6 +497,7 @@ async fn connect_sidecar(
         incarnation: inc,
         link: link.to_string(),
         on_link: Some(on_link.clone()),
+        link_params: (kind == "ipc").then(|| ipc_lane::params(ipc.clone())),
     };
     let rep = remote
         .register(&map.map)
@@ -506,10 +522,95 @@ async fn connect_sidecar(
                 "nccl (communicator {}..)",
                 rep.endpoint.get(..16).unwrap_or("")
             )
+        } else if kind == "ipc" {
+            format!(
+                "ipc (sidecar pid {})",
+                rep.endpoint.split(':').nth(1).unwrap_or("?")
+            )
         } else {
             format!("{link} {}", rep.endpoint)
         },
     })
+}
+
+/// The primary's end of the `ipc` link in a lane: a reply box made before each REGISTER
+/// (sent as its `link_params`) and opened into a link with the sidecar's answer.
+mod ipc_lane {
+    use moelane_engine::tier::{BoxLayout, RemoteTier};
+    use std::sync::{Arc, Mutex};
+
+    /// Rows the mailbox holds: a step of more goes in rounds (a long prefill).
+    pub const ROWS: usize = 512;
+
+    pub struct Pending {
+        ordinal: Option<usize>,
+        layout: BoxLayout,
+        #[cfg(feature = "cuda")]
+        end: Mutex<Option<moelane_link::ipc::PrimaryEnd>>,
+        #[cfg(not(feature = "cuda"))]
+        end: Mutex<Option<()>>,
+    }
+
+    impl Pending {
+        pub fn new(ckpt: &moelane_engine::checkpoint::Checkpoint, ordinal: Option<usize>) -> Self {
+            let c = &ckpt.config;
+            Pending {
+                ordinal,
+                layout: BoxLayout {
+                    layers: c.moe_layers().len(),
+                    cap_rows: ROWS,
+                    k: c.num_experts_per_tok,
+                    hidden: c.hidden_size,
+                    experts: c.num_experts,
+                },
+                end: Mutex::new(None),
+            }
+        }
+
+        /// A fresh reply box; its parameters for REGISTER.
+        #[cfg(feature = "cuda")]
+        fn make(&self) -> moelane_engine::Result<String> {
+            let ordinal = self.ordinal.ok_or_else(|| {
+                moelane_engine::Error::Invalid("the ipc link needs the primary on a GPU".into())
+            })?;
+            let gpu = moelane_engine::cuda::Gpu::open(ordinal)?;
+            let end = moelane_link::ipc::PrimaryEnd::new(gpu, self.layout)?;
+            let params = end.params()?;
+            *self.end.lock().unwrap_or_else(|p| p.into_inner()) = Some(end);
+            Ok(params)
+        }
+
+        #[cfg(not(feature = "cuda"))]
+        fn make(&self) -> moelane_engine::Result<String> {
+            let _ = (self.ordinal, self.layout, &self.end);
+            Err(moelane_engine::Error::NotCompiledWithCuda)
+        }
+
+        /// The link from the sidecar's answer to the last REGISTER.
+        #[cfg(feature = "cuda")]
+        pub fn connect(&self, offer: &str) -> moelane_engine::Result<Box<dyn RemoteTier>> {
+            let end = self
+                .end
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take()
+                .ok_or_else(|| {
+                    moelane_engine::Error::Internal("an ipc answer without a request".into())
+                })?;
+            Ok(Box::new(end.connect(offer)?))
+        }
+
+        #[cfg(not(feature = "cuda"))]
+        pub fn connect(&self, offer: &str) -> moelane_engine::Result<Box<dyn RemoteTier>> {
+            let _ = offer;
+            Err(moelane_engine::Error::NotCompiledWithCuda)
+        }
+    }
+
+    /// REGISTER's `link_params` for the ipc link.
+    pub fn params(p: Arc<Pending>) -> moelane_gb300_worker::sidecar_client::LinkParams {
+        Arc::new(move || p.make().map_err(|e| e.to_string()))
+    }
 }
 
 /// The host of a control URL (`http://HOST:PORT/...`), brackets kept for IPv6.

@@ -152,23 +152,34 @@ fn nccl_lane_on_two_gpus_matches_the_cpu_lane_and_swaps_losslessly() {
         eprintln!("SKIP nccl lane: {e}");
         return;
     }
-    let want = answers(&[]);
-    let (procs, gw, purl) = two_process_lane_with(
+    let procs = two_process_lane_matches_the_cpu_lane(
         "nccl",
-        &["--sidecar-device", "cuda:1"],
-        &["--primary-device", "cuda:0"],
-        &[],
+        "cuda:1",
+        "NCCL lane (primary cuda:0, sidecar cuda:1)",
     );
-    let got: Vec<String> = prompts50().iter().map(|p| complete(&gw, p, 32)).collect();
-    let same = got.iter().zip(&want).filter(|(a, b)| a == b).count();
-    eprintln!("NCCL lane (primary cuda:0, sidecar cuda:1): {same}/50 greedy answers identical to the CPU lane");
-    assert!(same >= 45, "only {same}/50 identical");
-    // the primary's link metrics are the NCCL link's, and the sidecar served requests
+    // the primary's link metrics are the NCCL link's
     let prim = request(&metrics_addr(&procs[1]), "GET", "/metrics", b"").body;
     assert!(
         prim.contains("link=\"nccl\""),
         "no nccl link metrics:\n{prim}"
     );
+}
+
+/// A lane of two processes over `link` (primary on cuda:0, sidecar on `sidecar`): the 50
+/// greedy answers against the CPU lane, the sidecar's requests counted, live swaps
+/// lossless on it. Returns the processes (sidecar first).
+fn two_process_lane_matches_the_cpu_lane(link: &str, sidecar: &str, name: &str) -> Vec<Proc> {
+    let want = answers(&[]);
+    let (procs, gw, purl) = two_process_lane_with(
+        link,
+        &["--sidecar-device", sidecar],
+        &["--primary-device", "cuda:0"],
+        &[],
+    );
+    let got: Vec<String> = prompts50().iter().map(|p| complete(&gw, p, 32)).collect();
+    let same = got.iter().zip(&want).filter(|(a, b)| a == b).count();
+    eprintln!("{name}: {same}/50 greedy answers identical to the CPU lane");
+    assert!(same >= 45, "only {same}/50 identical");
     let page = request(&metrics_addr(&procs[0]), "GET", "/metrics", b"").body;
     let served: f64 = page
         .lines()
@@ -178,9 +189,10 @@ fn nccl_lane_on_two_gpus_matches_the_cpu_lane_and_swaps_losslessly() {
         .unwrap_or(0.0);
     assert!(
         served > 0.0,
-        "the sidecar served no requests over NCCL:\n{page}"
+        "the sidecar served no requests over {link}:\n{page}"
     );
     swaps::lossless_on(&gw, &purl);
+    procs
 }
 
 #[test]
@@ -279,28 +291,26 @@ fn ipc_sidecar(
             "1",
             "--device",
             "cuda:0",
-            "--rows",
-            &rows.to_string(),
         ])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let mut offer = String::new();
-    std::io::BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut offer)
-        .unwrap();
     let c = &m.config;
-    let expect = moelane_engine::tier::BoxLayout {
+    let layout = moelane_engine::tier::BoxLayout {
         layers: c.moe_layers().len(),
         cap_rows: rows,
         k: c.num_experts_per_tok,
         hidden: c.hidden_size,
         experts: c.num_experts,
     };
-    let (tier, answer) = moelane_link::ipc::IpcTier::connect(gpu.clone(), &offer, expect).unwrap();
-    writeln!(child.stdin.take().unwrap(), "{answer}").unwrap();
-    (child, tier)
+    let end = moelane_link::ipc::PrimaryEnd::new(gpu.clone(), layout).unwrap();
+    writeln!(child.stdin.take().unwrap(), "{}", end.params().unwrap()).unwrap();
+    let mut offer = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut offer)
+        .unwrap();
+    (child, end.connect(&offer).unwrap())
 }
 
 /// Greedy continuations of `prompts` (one sequence each, stepped together), `n` tokens.
@@ -422,4 +432,16 @@ fn ipc_link_on_one_gpu_matches_one_gpu_and_survives_a_stalled_killed_and_restart
     let e = greedy(&mut eng, &prompts[..1], 4).expect_err("a dead sidecar fails the step");
     eprintln!("killed sidecar: {e} after {:?}", t0.elapsed());
     assert!(t0.elapsed() < std::time::Duration::from_secs(5));
+}
+
+/// The lane with `--link ipc`: primary and sidecar processes on cuda:0 (one GPU; both on it
+/// run side by side under MPS, time-sliced without), the 50 answers against the CPU lane,
+/// the sidecar's requests counted, and live swaps lossless on it.
+#[test]
+fn ipc_lane_on_one_gpu_matches_the_cpu_lane_and_swaps_losslessly() {
+    if let Err(e) = moelane_engine::cuda::Gpu::open(0) {
+        eprintln!("SKIP ipc lane: {e}");
+        return;
+    }
+    two_process_lane_matches_the_cpu_lane("ipc", "cuda:0", "ipc lane (one GPU)");
 }

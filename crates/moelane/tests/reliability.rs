@@ -512,6 +512,7 @@ fn a_sidecar_refuses_a_primary_of_another_protocol_naming_both_builds() {
                 incarnation: 1,
                 protocol,
                 build: build.into(),
+                link_params: String::new(),
             })
             .await
         })

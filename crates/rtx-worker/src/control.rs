@@ -133,10 +133,12 @@ impl Message<RegisterMsg> for SidecarActor {
                 path.display().to_string()
             }
             "nccl" => self.open_nccl()?,
+            "ipc" => self.open_ipc(&r.link_params)?,
             "" => String::new(),
             other => {
-                return Err(Category::BadRequest
-                    .status(format!("unknown link kind {other:?} (tcp, shm or nccl)")))
+                return Err(Category::BadRequest.status(format!(
+                    "unknown link kind {other:?} (tcp, shm, nccl or ipc)"
+                )))
             }
         };
         Ok(RegisterReply {
@@ -179,6 +181,66 @@ impl SidecarActor {
         .map_err(|e| Category::Unavailable.status(e.to_string()))?;
         self.nccl_stop = Some(stop);
         Ok(id.to_hex())
+    }
+}
+
+impl SidecarActor {
+    /// The ipc link for a registering primary: its reply box opened from `params`, a
+    /// request box of the same shape (checked against this sidecar's model) offered back,
+    /// and a thread that serves the device mailbox; the link of an earlier registration is
+    /// closed.
+    #[cfg(feature = "cuda")]
+    fn open_ipc(&mut self, params: &str) -> Result<String, Status> {
+        use moelane_engine::tier::ColdService as _;
+        let gpu = self.core.cuda().ok_or_else(|| {
+            Category::BadRequest.status(
+                "the ipc link needs the sidecar on a GPU (start it with --sidecar-device cuda:N)",
+            )
+        })?;
+        let (layers, experts, hidden) = {
+            let st = self
+                .core
+                .state
+                .read()
+                .map_err(|_| Category::Internal.status("state poisoned"))?;
+            (st.map.layers(), st.map.experts(), st.bank.hidden)
+        };
+        let mut end = moelane_link::ipc::SidecarEnd::open(gpu, params)
+            .map_err(|e| Category::BadRequest.status(e.to_string()))?;
+        let l = end.layout();
+        if (l.layers, l.experts, l.hidden) != (layers, experts, hidden) {
+            return Err(Category::BadRequest.status(format!(
+                "the primary's ipc mailbox is for {} MoE layers x {} experts of hidden size {}; \
+                 this sidecar's model has {layers} x {experts} of {hidden}",
+                l.layers, l.experts, l.hidden
+            )));
+        }
+        let offer = end
+            .offer()
+            .map_err(|e| Category::Unavailable.status(e.to_string()))?;
+        if let Some(s) = self.nccl_stop.take() {
+            s.store(true, Ordering::Release);
+        }
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (svc, stop2): (Arc<dyn ColdService>, _) = (self.core.clone(), stop.clone());
+        std::thread::Builder::new()
+            .name("moelane-ipc-link".into())
+            .spawn(move || {
+                if let Err(e) = end.serve(&svc, &stop2) {
+                    if !stop2.load(Ordering::Acquire) {
+                        tracing::warn!("the ipc link ended: {e}");
+                    }
+                }
+            })
+            .map_err(|e| Category::Unavailable.status(format!("starting the link thread: {e}")))?;
+        self.nccl_stop = Some(stop);
+        Ok(offer)
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn open_ipc(&mut self, params: &str) -> Result<String, Status> {
+        let _ = params;
+        Err(engine_status(moelane_engine::Error::NotCompiledWithCuda))
     }
 }
 

@@ -64,8 +64,8 @@ impl GpuModel {
     }
 
     /// Starts the step begun last on the link: its sequence number, rows, map epoch,
-    /// engine step and the longest a layer's wait may spin. Fails when the step has more
-    /// rows than the mailbox holds, or the link failed before.
+    /// engine step and the longest a layer's wait may spin. Fails when the link failed
+    /// before.
     pub fn link_begin(&mut self, epoch: u64, step: u64, limit_ns: u64) -> Result<()> {
         let n = self.n;
         let st = self.st.clone();
@@ -79,12 +79,6 @@ impl GpuModel {
                 Fault::Unavailable,
                 format!("the link failed ({why}); it must be opened again"),
             ));
-        }
-        if n > s.ptrs.layout.cap_rows {
-            return Err(Error::Invalid(format!(
-                "a step of {n} rows, but the ipc link's mailbox holds {} (--ipc-rows)",
-                s.ptrs.layout.cap_rows
-            )));
         }
         s.seq += 1;
         s.epoch = epoch;
@@ -154,6 +148,14 @@ impl GpuModel {
         Err(e)
     }
 
+    /// Rounds of each layer's exchange in the step begun last: a step of more rows than the
+    /// mailbox holds exchanges them a box at a time.
+    pub fn link_rounds(&self) -> usize {
+        self.link
+            .as_ref()
+            .map_or(1, |s| self.n.div_ceil(s.ptrs.layout.cap_rows).max(1))
+    }
+
     /// Runs one of the link's ops (see [`Op::LinkStep`]).
     pub(super) fn link_op(&mut self, op: &Op) -> Result<()> {
         let s = self
@@ -168,14 +170,21 @@ impl GpuModel {
             self.cfg.num_experts,
         );
         let nk = n * k;
+        let cap = lay.cap_rows;
+        // round r carries rows [r cap, min(n, (r + 1) cap))
+        let part = |r: usize| {
+            let first = (r * cap).min(n);
+            (first, (n - first).min(cap))
+        };
         match *op {
             // SAFETY: the request box is the sidecar's, opened with the layout checked at
             // attach; the meta holds the head words.
             Op::LinkStep => unsafe { s.k.post_step(&self.gpu, s.ptrs.req_box, s.meta.p) },
-            Op::LinkPost(ml) => {
-                let idx = self.idx.p + (4 * ml * nk) as u64;
-                // SAFETY: idx holds layer ml's n*k picks, h the n normed rows; n <= the
-                // box's rows (link_begin); done is at 0 between launches.
+            Op::LinkPost(ml, r) => {
+                let (first, rows) = part(r);
+                let idx = self.idx.p + (4 * (ml * nk + first * k)) as u64;
+                // SAFETY: idx holds layer ml's n*k picks, h the n normed rows; the round's
+                // rows <= the box's; done is at 0 between launches.
                 unsafe {
                     s.k.post(
                         &self.gpu,
@@ -183,19 +192,21 @@ impl GpuModel {
                         s.ptrs.req_box,
                         ml,
                         idx,
-                        nk,
-                        self.h.p,
-                        n * hs,
+                        rows * k,
+                        self.h.p + (4 * first * hs) as u64,
+                        rows * hs,
                         s.meta.p,
                         s.done.p,
+                        r,
                     )
                 }
             }
-            Op::LinkJoin(ml) => {
-                let idx = self.idx.p + (4 * ml * nk) as u64;
+            Op::LinkJoin(ml, r) => {
+                let (first, rows) = part(r);
+                let idx = self.idx.p + (4 * (ml * nk + first * k)) as u64;
                 let gu = self.tab_gu.p + (8 * ml * ne) as u64;
                 // SAFETY: y holds n*k slots of H; idx the layer's picks (< E); gu the
-                // layer's table of E entries; the reply box has the layout's rows.
+                // layer's table of E entries; the round's slots fit the reply box.
                 unsafe {
                     s.k.join(
                         &self.gpu,
@@ -203,10 +214,11 @@ impl GpuModel {
                         s.ptrs.reply_box,
                         ml,
                         s.meta.p,
-                        self.y.p,
+                        self.y.p + (4 * first * k * hs) as u64,
                         idx,
                         gu,
-                        nk,
+                        rows * k,
+                        r,
                     )
                 }
             }

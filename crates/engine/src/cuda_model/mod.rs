@@ -955,10 +955,12 @@ pub enum Op {
     Head(HeadOut),
     /// the `ipc` link: the step's head into the sidecar's box
     LinkStep,
-    /// the `ipc` link: MoE layer ml's picks and normed rows into the sidecar's box
-    LinkPost(usize),
-    /// the `ipc` link: wait for MoE layer ml's reply, its rows into the cold pick slots
-    LinkJoin(usize),
+    /// the `ipc` link: MoE layer ml's picks and normed rows of round r into the sidecar's
+    /// box
+    LinkPost(usize, usize),
+    /// the `ipc` link: wait for MoE layer ml's reply of round r, its rows into the cold pick
+    /// slots
+    LinkJoin(usize, usize),
 }
 
 pub use crate::step::HeadOut;
@@ -1834,7 +1836,7 @@ impl GpuModel {
             Op::DenseMlp(l) => self.dense_mlp(l),
             Op::Shared(l) => self.shared_expert(l),
             Op::Head(out) => self.head(out),
-            Op::LinkStep | Op::LinkPost(_) | Op::LinkJoin(_) => self.link_op(op),
+            Op::LinkStep | Op::LinkPost(..) | Op::LinkJoin(..) => self.link_op(op),
         }
     }
 }

@@ -170,11 +170,16 @@ impl StepBackend for GpuStep {
     }
 
     fn link_layer(&mut self, ml: usize, join: bool) -> Result<()> {
-        self.ops.push(if join {
-            Op::LinkJoin(ml)
-        } else {
-            Op::LinkPost(ml)
-        });
+        if !join {
+            self.ops.push(Op::LinkPost(ml, 0));
+            return Ok(());
+        }
+        // the first round's exchange overlaps the hot experts; the rest follow it
+        self.ops.push(Op::LinkJoin(ml, 0));
+        for r in 1..self.model.link_rounds() {
+            self.ops.push(Op::LinkPost(ml, r));
+            self.ops.push(Op::LinkJoin(ml, r));
+        }
         Ok(())
     }
 
