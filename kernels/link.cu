@@ -17,13 +17,17 @@
 //   wait may spin (ns) [5] status (0, or (layer + 1) << 16 | code of the first failure)
 //   [8 + ml] nanoseconds the primary spun on layer ml's reply, summed.
 // sidecar meta: [0] the seq being served [1] the longest a wait may spin (ns)
-//   [2] status (as the primary's).
+//   [2] status: 0, a code the host set for the primary to see (epoch, failure), or one
+//   that stops the program without touching the primary's memory (its own wait ran out,
+//   LINK_PEER_FAILED, or the host cancelled, LINK_CANCELLED: the primary has failed the
+//   step or is gone, and its box may be freed).
 
 typedef unsigned long long u64;
 
 #define LINK_TIMED_OUT 0xFFull
 #define LINK_PEER_FAILED 0xFEull
 #define LINK_NOT_COMPUTED 0xFDull
+#define LINK_CANCELLED 0xFCull
 
 __device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {
     u64 v;
@@ -138,7 +142,7 @@ extern "C" __global__ void link_wait(const u64* box, int ml, u64* smeta, int rou
         while (ld_acquire_sys(box + 8 + ml) != seq) {
             if (ld_volatile(smeta + 2) != 0) return;
             if (now_ns() - t0 > limit) {
-                atomicCAS(smeta + 2, 0ull, ((u64)(ml + 1) << 16) | LINK_TIMED_OUT);
+                atomicCAS(smeta + 2, 0ull, ((u64)(ml + 1) << 16) | LINK_PEER_FAILED);
                 return;
             }
         }
@@ -154,6 +158,8 @@ extern "C" __global__ void link_reply(u64* reply, int ml, const u64* smeta, cons
                                       u64* mark, int round) {
     const u64 st = ld_volatile(smeta + 2);
     const u64 tag = (smeta[0] << 16) | (u64)round;
+    // the primary is not waiting (it failed the step, or is gone): nothing goes there
+    if ((st & 0xff) == LINK_PEER_FAILED || (st & 0xff) == LINK_CANCELLED) return;
     const int s = blockIdx.x;
     if (st == 0 && gu_tab != 0 && gu_tab[idx[s]] != 0) {
         const float* src = y + (size_t)s * H;
@@ -173,24 +179,8 @@ extern "C" __global__ void link_reply(u64* reply, int ml, const u64* smeta, cons
         if (prev == gridDim.x - 1) {
             *done = 0;
             __threadfence_system();
-            const u64 code = st == 0 ? 0 : ((st & 0xff) == 0 ? LINK_PEER_FAILED : (st & 0xff));
+            const u64 code = st & 0xff;
             st_release_sys(reply + ml, (tag << 8) | code);
         }
-    }
-}
-
-// Either side: an empty round trip's floor. The primary raises `out[0] = seq` and spins
-// until `in[0] == seq`; the sidecar's `link_echo` answers. Bounded by `limit` ns.
-extern "C" __global__ void link_ping(u64* out, const u64* in, u64 seq, u64 limit, u64* took) {
-    if (threadIdx.x == 0 && blockIdx.x == 0) {
-        const u64 t0 = now_ns();
-        st_release_sys(out, seq);
-        while (ld_acquire_sys(in) != seq) {
-            if (now_ns() - t0 > limit) {
-                *took = ~0ull;
-                return;
-            }
-        }
-        *took = now_ns() - t0;
     }
 }

@@ -85,6 +85,13 @@ fn grow<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
     Ok(())
 }
 
+impl Drop for GpuExperts {
+    fn drop(&mut self) {
+        // the fields' device memory is freed on this thread after this returns
+        let _ = self.gpu.ctx.bind_to_thread();
+    }
+}
+
 /// A layer's six tables on the device.
 fn upload_tables(s: &Arc<CudaStream>, host: &[Vec<u64>; 6]) -> Result<[CudaSlice<u64>; 6]> {
     let mut up = Vec::with_capacity(6);
@@ -283,6 +290,13 @@ impl GpuExperts {
     /// Makes the GPU hold exactly the experts `bank` holds: uploads the missing ones, frees
     /// the ones it no longer has.
     pub fn sync(&mut self, bank: &ExpertBank) -> Result<()> {
+        // the experts dropped below are freed on this thread: cudarc's free needs the
+        // context current here (a swap's RELEASE runs on any runtime thread), or it fails
+        // and leaves the error for the next call to find
+        self.gpu
+            .ctx
+            .bind_to_thread()
+            .map_err(|e| gpu_err("binding the CUDA context", e))?;
         let mut want = Vec::new();
         for l in 0..bank.layers() {
             for (e, w) in bank.experts_of(l) {

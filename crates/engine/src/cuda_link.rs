@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaFunction, LaunchConfig};
+use cudarc::driver::{sys, CudaFunction, CudaStream, LaunchConfig};
 
 use crate::cuda::{gpu_err, Gpu};
 use crate::cuda_model::launch_raw;
@@ -25,6 +25,9 @@ pub const META_HEAD_WORDS: usize = 8;
 pub const CODE_TIMED_OUT: u64 = 0xFF;
 /// The reply's code when the sidecar's own wait failed (its primary stopped posting).
 pub const CODE_PEER_FAILED: u64 = 0xFE;
+/// The sidecar's status when its host cancelled the program (nothing more is written to
+/// the primary's memory).
+pub const CODE_CANCELLED: u64 = 0xFC;
 /// The reply's code when a pick slot the primary left to the sidecar was not computed
 /// there (the two maps disagree).
 pub const CODE_NOT_COMPUTED: u64 = 0xFD;
@@ -181,7 +184,6 @@ pub struct LinkKernels {
     join: CudaFunction,
     wait: CudaFunction,
     reply: CudaFunction,
-    ping: CudaFunction,
 }
 
 fn cfg(blocks: usize, threads: u32) -> LaunchConfig {
@@ -212,7 +214,6 @@ impl LinkKernels {
             join: f("link_join")?,
             wait: f("link_wait")?,
             reply: f("link_reply")?,
-            ping: f("link_ping")?,
         })
     }
 
@@ -220,10 +221,10 @@ impl LinkKernels {
     ///
     /// # Safety
     /// `req_box` and `meta` address a request box and a primary meta of the link's layout.
-    pub unsafe fn post_step(&self, gpu: &Gpu, req_box: u64, meta: u64) -> Result<()> {
+    pub unsafe fn post_step(&self, st: &Arc<CudaStream>, req_box: u64, meta: u64) -> Result<()> {
         let (mut b, mut m) = (req_box, meta);
         let mut p = params!(b, m);
-        unsafe { launch_raw(&gpu.stream, &self.post_step, &mut p, false, cfg(1, 32)) }
+        unsafe { launch_raw(st, &self.post_step, &mut p, false, cfg(1, 32)) }
             .map_err(|e| gpu_err("launching link_post_step", e))
     }
 
@@ -235,7 +236,7 @@ impl LinkKernels {
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn post(
         &self,
-        gpu: &Gpu,
+        st: &Arc<CudaStream>,
         lay: &BoxLayout,
         req_box: u64,
         ml: usize,
@@ -253,7 +254,7 @@ impl LinkKernels {
         let mut r = round as i32;
         let mut p = params!(b, l, i, n, hh, nhh, io, ho, m, d, r);
         let blocks = (nh / 4).div_ceil(256).clamp(1, 32);
-        unsafe { launch_raw(&gpu.stream, &self.post, &mut p, false, cfg(blocks, 256)) }
+        unsafe { launch_raw(st, &self.post, &mut p, false, cfg(blocks, 256)) }
             .map_err(|e| gpu_err("launching link_post", e))
     }
 
@@ -266,7 +267,7 @@ impl LinkKernels {
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn join(
         &self,
-        gpu: &Gpu,
+        st: &Arc<CudaStream>,
         lay: &BoxLayout,
         reply_box: u64,
         ml: usize,
@@ -292,7 +293,7 @@ impl LinkKernels {
         );
         let (mut n, mut rd) = (nk as i32, round as i32);
         let mut p = params!(r, l, m, cy, yy, i, g, h, mk, n, rd);
-        unsafe { launch_raw(&gpu.stream, &self.join, &mut p, false, cfg(nk.min(32), 256)) }
+        unsafe { launch_raw(st, &self.join, &mut p, false, cfg(nk.min(32), 256)) }
             .map_err(|e| gpu_err("launching link_join", e))
     }
 
@@ -302,7 +303,7 @@ impl LinkKernels {
     /// `req_box` and `smeta` address a request box and a sidecar meta.
     pub unsafe fn wait(
         &self,
-        gpu: &Gpu,
+        st: &Arc<CudaStream>,
         req_box: u64,
         ml: usize,
         smeta: u64,
@@ -310,7 +311,7 @@ impl LinkKernels {
     ) -> Result<()> {
         let (mut b, mut l, mut m, mut r) = (req_box, ml as i32, smeta, round as i32);
         let mut p = params!(b, l, m, r);
-        unsafe { launch_raw(&gpu.stream, &self.wait, &mut p, false, cfg(1, 32)) }
+        unsafe { launch_raw(st, &self.wait, &mut p, false, cfg(1, 32)) }
             .map_err(|e| gpu_err("launching link_wait", e))
     }
 
@@ -322,7 +323,7 @@ impl LinkKernels {
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn reply(
         &self,
-        gpu: &Gpu,
+        st: &Arc<CudaStream>,
         lay: &BoxLayout,
         reply_box: u64,
         ml: usize,
@@ -350,28 +351,8 @@ impl LinkKernels {
         );
         let mut rd = round as i32;
         let mut p = params!(r, l, m, yy, py, i, g, h, d, mk, rd);
-        unsafe { launch_raw(&gpu.stream, &self.reply, &mut p, false, cfg(nk, 256)) }
+        unsafe { launch_raw(st, &self.reply, &mut p, false, cfg(nk, 256)) }
             .map_err(|e| gpu_err("launching link_reply", e))
-    }
-
-    /// Raises `out[0] = seq` and spins until `inw[0] == seq` (at most `limit_ns`), writing
-    /// the nanoseconds taken (or `u64::MAX`) to `took`.
-    ///
-    /// # Safety
-    /// The three pointers address u64 words readable and writable here.
-    pub unsafe fn ping(
-        &self,
-        gpu: &Gpu,
-        out: u64,
-        inw: u64,
-        seq: u64,
-        limit_ns: u64,
-        took: u64,
-    ) -> Result<()> {
-        let (mut o, mut i, mut s, mut l, mut t) = (out, inw, seq, limit_ns, took);
-        let mut p = params!(o, i, s, l, t);
-        unsafe { launch_raw(&gpu.stream, &self.ping, &mut p, false, cfg(1, 32)) }
-            .map_err(|e| gpu_err("launching link_ping", e))
     }
 }
 

@@ -23,10 +23,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaSlice, DevicePtr};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use moelane_engine::cuda::Gpu;
 use moelane_engine::cuda_link::{
-    handle_from_hex, handle_hex, IpcMem, LinkKernels, CODE_EPOCH, CODE_FAILED,
+    handle_from_hex, handle_hex, IpcMem, LinkKernels, CODE_CANCELLED, CODE_EPOCH, CODE_FAILED,
 };
 use moelane_engine::error::Fault;
 use moelane_engine::tier::{BoxLayout, ColdReply, ColdRequest, MailboxPtrs, RemoteTier};
@@ -86,10 +86,11 @@ impl SidecarEnd {
     /// per step, reads the step's head, checks its map epoch, and queues every layer's
     /// wait, experts and reply.
     pub fn serve(&mut self, svc: &Arc<dyn ColdService>, stop: &AtomicBool) -> Result<()> {
-        let reply = self
-            .reply
-            .as_ref()
-            .ok_or_else(|| Error::Internal("serving before the primary's answer".into()))?;
+        if self.reply.is_none() {
+            return Err(Error::Internal(
+                "serving before the primary's answer".into(),
+            ));
+        }
         let gpu = svc
             .cuda()
             .ok_or_else(|| err(Fault::Unavailable, "the sidecar does not compute on a GPU"))?;
@@ -119,17 +120,64 @@ impl SidecarEnd {
             done.device_ptr(&st).0,
             y.device_ptr(&st).0,
         );
-        let (req, rep) = (self.req.ptr, reply.ptr);
-        let mut head = [0u8; 32];
+        // the head is polled on a stream of its own, so the host sees a new step (and the
+        // stop flag, and a dead primary) while a step's program still runs or waits
+        let poll = gpu
+            .ctx
+            .new_stream()
+            .map_err(|e| err(Fault::Internal, format!("creating a stream: {e:?}")))?;
+        let r = self.serve_loop(svc, stop, &gpu, &kern, &poll, [sm, dn, yp], &mut smeta);
+        // whatever ended the loop: the program still queued stops without touching the
+        // primary's memory (which may be gone), and drains before the boxes are freed
+        let cancel = [CODE_CANCELLED];
+        // SAFETY: sm addresses the 4 words of smeta; the source outlives the wait below.
+        let c = unsafe {
+            cudarc::driver::result::memcpy_htod_async(sm + 16, &cancel, poll.cu_stream())
+                .and_then(|()| cudarc::driver::result::stream::synchronize(poll.cu_stream()))
+        };
+        let drained = st.synchronize();
+        if let Err(e) = c
+            .map_err(|e| format!("{e:?}"))
+            .and(drained.map_err(|e| format!("{e:?}")))
+        {
+            tracing::warn!("ipc link: draining the sidecar's program: {e}");
+        }
+        drop((smeta, done, y));
+        r
+    }
+
+    /// The serving loop of [`Self::serve`]: `p` is the sidecar meta's, the done counter's
+    /// and the local rows' addresses.
+    #[allow(clippy::too_many_arguments)]
+    fn serve_loop(
+        &mut self,
+        svc: &Arc<dyn ColdService>,
+        stop: &AtomicBool,
+        gpu: &Arc<Gpu>,
+        kern: &LinkKernels,
+        poll: &Arc<CudaStream>,
+        p: [u64; 3],
+        smeta: &mut CudaSlice<u64>,
+    ) -> Result<()> {
+        let [sm, dn, yp] = p;
+        let lay = self.layout;
+        let st = gpu.stream.clone();
+        let (req, rep) = (self.req.ptr, self.reply.as_ref().map_or(0, |r| r.ptr));
+        let mut head = [0u64; 4];
         let mut last = 0u64;
         let limit = SIDECAR_WAIT.as_nanos() as u64;
         let mut idle_since = Instant::now();
         let mut last_alive = Instant::now();
         loop {
             // the step's head: polled from the host (a small copy on its own stream)
-            self.req.read(0, &mut head)?;
-            let w =
-                |i: usize| u64::from_le_bytes(head[8 * i..8 * i + 8].try_into().unwrap_or([0; 8]));
+            // SAFETY: the request box holds at least the 4 head words; `head` is host memory
+            // waited for before it is read.
+            unsafe {
+                cudarc::driver::result::memcpy_dtoh_async(&mut head, req, poll.cu_stream())
+                    .and_then(|()| cudarc::driver::result::stream::synchronize(poll.cu_stream()))
+            }
+            .map_err(|e| err(Fault::Internal, format!("reading the step's head: {e:?}")))?;
+            let w = |i: usize| head[i];
             let seq = w(0);
             if seq == last {
                 if stop.load(Ordering::Acquire) {
@@ -164,7 +212,7 @@ impl SidecarEnd {
                 eprintln!("moelane sidecar: ipc step {seq}: {e}");
                 code = CODE_EPOCH;
             }
-            st.memcpy_htod(&[seq, limit, code, 0], &mut smeta)
+            st.memcpy_htod(&[seq, limit, code, 0], smeta)
                 .map_err(|e| err(Fault::Internal, format!("copying to the GPU: {e:?}")))?;
             // a step of more rows than the box holds comes in rounds of at most that many
             let rows = rows.clamp(1, 1 << 24);
@@ -174,7 +222,7 @@ impl SidecarEnd {
                 for r in 0..rounds {
                     let part = (rows - r * lay.cap_rows).min(lay.cap_rows);
                     // SAFETY: the box and the meta have the layout's sizes; smeta 4 words.
-                    unsafe { kern.wait(&gpu, req, ml, sm, r) }?;
+                    unsafe { kern.wait(&st, req, ml, sm, r) }?;
                     let mut table = 0u64;
                     if code == 0 {
                         // SAFETY: idx holds the round's part*k ids (< experts, from the
@@ -193,16 +241,15 @@ impl SidecarEnd {
                             }
                         }
                         if code != 0 {
-                            st.memcpy_htod(&[seq, limit, code, 0], &mut smeta)
-                                .map_err(|e| {
-                                    err(Fault::Internal, format!("copying to the GPU: {e:?}"))
-                                })?;
+                            st.memcpy_htod(&[seq, limit, code, 0], smeta).map_err(|e| {
+                                err(Fault::Internal, format!("copying to the GPU: {e:?}"))
+                            })?;
                         }
                     }
                     // SAFETY: the reply box has the layout's sizes; y the round's slots;
                     // table null or E entries; done a counter at 0.
                     unsafe {
-                        kern.reply(&gpu, &lay, rep, ml, sm, yp, idx, table, part * lay.k, dn, r)
+                        kern.reply(&st, &lay, rep, ml, sm, yp, idx, table, part * lay.k, dn, r)
                     }?;
                 }
             }
@@ -265,31 +312,63 @@ fn parse_line(text: &str, what: &str) -> Result<(u32, BoxLayout, [u8; 64])> {
 pub struct IpcTier {
     gpu: Arc<Gpu>,
     _req: IpcMem,
-    reply: IpcMem,
+    reply: ReplyBox,
     layout: BoxLayout,
     generation: u64,
     deadline: Option<Duration>,
     peer_pid: u32,
 }
 
+/// The primary's reply box: when the link is dropped it is kept for [`GRACE`] before it is
+/// freed, since a sidecar's program may still write a late reply into it.
+struct ReplyBox(Option<IpcMem>);
+
+/// How long a dropped link's reply box outlives it: past the sidecar's longest wait, so its
+/// program has ended (or been cancelled) before the memory is freed.
+pub const GRACE: Duration = Duration::from_secs(2 * SIDECAR_WAIT.as_secs());
+
+static GRAVE: std::sync::Mutex<Vec<(Instant, IpcMem)>> = std::sync::Mutex::new(Vec::new());
+
+impl ReplyBox {
+    fn ptr(&self) -> u64 {
+        self.0.as_ref().map_or(0, |m| m.ptr)
+    }
+}
+
+impl Drop for ReplyBox {
+    fn drop(&mut self) {
+        let mut g = GRAVE.lock().unwrap_or_else(|p| p.into_inner());
+        // freed here: those kept past their grace
+        g.retain(|(t, _)| t.elapsed() < GRACE);
+        if let Some(m) = self.0.take() {
+            g.push((Instant::now(), m));
+        }
+    }
+}
+
 /// The primary's end before the sidecar's offer: its reply box.
 pub struct PrimaryEnd {
     gpu: Arc<Gpu>,
     layout: BoxLayout,
-    reply: IpcMem,
+    reply: ReplyBox,
 }
 
 impl PrimaryEnd {
     /// Allocates the reply box of `layout` on `gpu` (the GPU the step runs on).
     pub fn new(gpu: Arc<Gpu>, layout: BoxLayout) -> Result<Self> {
         layout.check()?;
-        let reply = IpcMem::alloc(&gpu, layout.reply_bytes())?;
+        let reply = ReplyBox(Some(IpcMem::alloc(&gpu, layout.reply_bytes())?));
         Ok(PrimaryEnd { gpu, layout, reply })
     }
 
     /// The line the sidecar opens its end with.
     pub fn params(&self) -> Result<String> {
-        Ok(line(&self.layout, &self.reply.handle()?))
+        let m = self
+            .reply
+            .0
+            .as_ref()
+            .ok_or_else(|| Error::Internal("a reply box already given away".into()))?;
+        Ok(line(&self.layout, &m.handle()?))
     }
 
     /// Opens the sidecar's request box from its `offer`, whose shape must be this end's.
@@ -355,7 +434,7 @@ impl RemoteTier for IpcTier {
         Some(MailboxPtrs {
             ordinal: self.gpu.ordinal,
             req_box: self._req.ptr,
-            reply_box: self.reply.ptr,
+            reply_box: self.reply.ptr(),
             layout: self.layout,
             generation: self.generation,
         })

@@ -179,7 +179,7 @@ impl GpuModel {
         match *op {
             // SAFETY: the request box is the sidecar's, opened with the layout checked at
             // attach; the meta holds the head words.
-            Op::LinkStep => unsafe { s.k.post_step(&self.gpu, s.ptrs.req_box, s.meta.p) },
+            Op::LinkStep => unsafe { s.k.post_step(&self.st, s.ptrs.req_box, s.meta.p) },
             Op::LinkPost(ml, r) => {
                 let (first, rows) = part(r);
                 let idx = self.idx.p + (4 * (ml * nk + first * k)) as u64;
@@ -187,7 +187,7 @@ impl GpuModel {
                 // rows <= the box's; done is at 0 between launches.
                 unsafe {
                     s.k.post(
-                        &self.gpu,
+                        &self.st,
                         &lay,
                         s.ptrs.req_box,
                         ml,
@@ -209,7 +209,7 @@ impl GpuModel {
                 // layer's table of E entries; the round's slots fit the reply box.
                 unsafe {
                     s.k.join(
-                        &self.gpu,
+                        &self.st,
                         &lay,
                         s.ptrs.reply_box,
                         ml,

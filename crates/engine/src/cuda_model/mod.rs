@@ -846,6 +846,14 @@ pub struct GpuModel {
     link: Option<link_ops::LinkState>,
 }
 
+impl Drop for GpuModel {
+    fn drop(&mut self) {
+        // the fields' device memory is freed on this thread after this returns: cudarc's
+        // free needs the context current here
+        let _ = self.gpu.ctx.bind_to_thread();
+    }
+}
+
 /// Rows of MLA's per-head attention (each head's absorbed query and weighted latent, about
 /// half a MiB a row at DeepSeek-V3's shape) per launch: a long prefill runs in chunks over
 /// one bounded scratch.
@@ -1469,6 +1477,11 @@ impl GpuModel {
         if self.generated {
             return Ok(());
         }
+        // experts dropped below are freed on this thread (see GpuExperts::sync)
+        self.gpu
+            .ctx
+            .bind_to_thread()
+            .map_err(|e| gerr("binding the CUDA context", e))?;
         let mut keep = std::collections::HashSet::new();
         for l in 0..bank.layers() {
             for (e, w) in bank.experts_of(l) {
