@@ -155,28 +155,6 @@ impl Drop for IpcMem {
     }
 }
 
-/// Hex of a handle (128 digits), as it travels in a link's endpoint.
-pub fn handle_hex(h: &[u8; 64]) -> String {
-    h.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// A handle from [`handle_hex`]'s digits.
-pub fn handle_from_hex(s: &str) -> Result<[u8; 64]> {
-    let b = s.as_bytes();
-    if b.len() != 128 || !b.iter().all(u8::is_ascii_hexdigit) {
-        return Err(Error::Invalid(format!(
-            "an IPC handle is 128 hex digits, got {} characters",
-            s.len()
-        )));
-    }
-    let mut h = [0u8; 64];
-    for (i, c) in b.chunks(2).enumerate() {
-        let t = std::str::from_utf8(c).map_err(|_| Error::Invalid("IPC handle".into()))?;
-        h[i] = u8::from_str_radix(t, 16).map_err(|_| Error::Invalid("IPC handle".into()))?;
-    }
-    Ok(h)
-}
-
 /// The link kernels, loaded on one GPU.
 pub struct LinkKernels {
     post_step: CudaFunction,
@@ -353,21 +331,5 @@ impl LinkKernels {
         let mut p = params!(r, l, m, yy, py, i, g, h, d, mk, rd);
         unsafe { launch_raw(st, &self.reply, &mut p, false, cfg(nk, 256)) }
             .map_err(|e| gpu_err("launching link_reply", e))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn handle_hex_round_trip_and_bad_digits() {
-        let mut h = [0u8; 64];
-        for (i, b) in h.iter_mut().enumerate() {
-            *b = (i * 7) as u8;
-        }
-        assert_eq!(handle_from_hex(&handle_hex(&h)).unwrap(), h);
-        assert!(handle_from_hex("zz").is_err());
-        assert!(handle_from_hex(&"g".repeat(128)).is_err());
     }
 }

@@ -25,13 +25,13 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use moelane_engine::cuda::Gpu;
-use moelane_engine::cuda_link::{
-    handle_from_hex, handle_hex, IpcMem, LinkKernels, CODE_CANCELLED, CODE_EPOCH, CODE_FAILED,
-};
+use moelane_engine::cuda_link::{IpcMem, LinkKernels, CODE_CANCELLED, CODE_EPOCH, CODE_FAILED};
 use moelane_engine::error::Fault;
 use moelane_engine::tier::{BoxLayout, ColdReply, ColdRequest, MailboxPtrs, RemoteTier};
 use moelane_engine::{Error, Result};
 
+pub use crate::ipc_line::line_layout;
+use crate::ipc_line::{line, parse_line};
 use crate::ColdService;
 
 /// The longest the sidecar's kernels wait for one layer's flag once a step has begun (the
@@ -255,56 +255,6 @@ impl SidecarEnd {
             }
         }
     }
-}
-
-fn short(s: &str) -> String {
-    s.chars().take(48).collect()
-}
-
-/// The handshake's line: `ipc1:<pid>:<layers>:<rows>:<k>:<hidden>:<experts>:<handle>`, this
-/// process's id and the buffer's handle.
-fn line(l: &BoxLayout, handle: &[u8; 64]) -> String {
-    format!(
-        "ipc1:{}:{}:{}:{}:{}:{}:{}",
-        std::process::id(),
-        l.layers,
-        l.cap_rows,
-        l.k,
-        l.hidden,
-        l.experts,
-        handle_hex(handle)
-    )
-}
-
-/// Reads a [`line`] (`what` names it in errors): the peer's pid, the shape (checked) and
-/// the handle.
-fn parse_line(text: &str, what: &str) -> Result<(u32, BoxLayout, [u8; 64])> {
-    let bad = || {
-        Error::Invalid(format!(
-            "ipc link {what} {:?}: expected ipc1:<pid>:<layers>:<rows>:<k>:<hidden>:<experts>:<handle>",
-            short(text)
-        ))
-    };
-    let parts: Vec<&str> = text.trim().split(':').collect();
-    let [tag, pid, layers, rows, k, hidden, experts, handle] = parts[..] else {
-        return Err(bad());
-    };
-    if tag != "ipc1" {
-        return Err(Error::Invalid(format!(
-            "ipc link {what}: version {tag:?}, this build speaks ipc1"
-        )));
-    }
-    let n = |v: &str| v.parse::<usize>().map_err(|_| bad());
-    let pid = pid.parse::<u32>().map_err(|_| bad())?;
-    let layout = BoxLayout {
-        layers: n(layers)?,
-        cap_rows: n(rows)?,
-        k: n(k)?,
-        hidden: n(hidden)?,
-        experts: n(experts)?,
-    };
-    layout.check()?;
-    Ok((pid, layout, handle_from_hex(handle)?))
 }
 
 /// The primary's end: a [`RemoteTier`] whose exchanges run on the device

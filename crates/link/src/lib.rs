@@ -8,6 +8,7 @@
 pub mod frame;
 #[cfg(feature = "cuda")]
 pub mod ipc;
+pub mod ipc_line;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 #[cfg(not(feature = "cuda"))]

@@ -205,9 +205,9 @@ impl SidecarActor {
                 .map_err(|_| Category::Internal.status("state poisoned"))?;
             (st.map.layers(), st.map.experts(), st.bank.hidden)
         };
-        let mut end = moelane_link::ipc::SidecarEnd::open(gpu, params)
+        // the shape is checked before anything is opened or allocated
+        let l = moelane_link::ipc::line_layout(params)
             .map_err(|e| Category::BadRequest.status(e.to_string()))?;
-        let l = end.layout();
         if (l.layers, l.experts, l.hidden) != (layers, experts, hidden) {
             return Err(Category::BadRequest.status(format!(
                 "the primary's ipc mailbox is for {} MoE layers x {} experts of hidden size {}; \
@@ -215,6 +215,8 @@ impl SidecarActor {
                 l.layers, l.experts, l.hidden
             )));
         }
+        let mut end = moelane_link::ipc::SidecarEnd::open(gpu, params)
+            .map_err(|e| Category::BadRequest.status(e.to_string()))?;
         let offer = end
             .offer()
             .map_err(|e| Category::Unavailable.status(e.to_string()))?;
