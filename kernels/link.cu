@@ -47,6 +47,15 @@ __device__ __forceinline__ u64 now_ns() {
 
 __device__ __forceinline__ u64 ld_volatile(const u64* p) { return *(volatile const u64*)p; }
 
+// Launched as a programmatic dependent: waits for the kernel before it (its writes
+// visible), then lets the next one be scheduled. A no-op when launched without it.
+__device__ __forceinline__ void pdl_entry() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
 // Primary, at the start of a step: the step's head into the sidecar's box, then its flag.
 extern "C" __global__ void link_post_step(u64* box, const u64* meta) {
     if (threadIdx.x == 0 && blockIdx.x == 0) {
@@ -65,6 +74,7 @@ extern "C" __global__ void link_post(u64* box, int ml, const int* __restrict__ i
                                      const float* __restrict__ h, int nh, long long idx_off,
                                      long long h_off, const u64* meta, unsigned* done,
                                      int round) {
+    pdl_entry();
     int* bi = (int*)((char*)box + idx_off);
     float* bh = (float*)((char*)box + h_off);
     const int tid = blockIdx.x * blockDim.x + threadIdx.x, stride = gridDim.x * blockDim.x;
@@ -156,6 +166,7 @@ extern "C" __global__ void link_reply(u64* reply, int ml, const u64* smeta, cons
                                       float* peer_y, const int* __restrict__ idx,
                                       const u64* __restrict__ gu_tab, int H, unsigned* done,
                                       u64* mark, int round) {
+    pdl_entry();
     const u64 st = ld_volatile(smeta + 2);
     const u64 tag = (smeta[0] << 16) | (u64)round;
     // the primary is not waiting (it failed the step, or is gone): nothing goes there

@@ -161,7 +161,8 @@ impl GpuExperts {
     /// the picks whose experts are resident here computed into `y` (slot s's row at
     /// `y + 4 H s`), queued on the stream and not waited for. Returns the layer's gate_up
     /// table (`experts` entries, null where not resident) for the reply kernel to tell
-    /// which slots were computed.
+    /// which slots were computed. `pdl`: the kernels are launched as programmatic
+    /// dependents of the kernel before them (they wait for it on the device).
     ///
     /// # Safety
     /// `idx` addresses `rows * k` ids below `experts`, `h` `rows * H` floats, `y`
@@ -176,6 +177,7 @@ impl GpuExperts {
         rows: usize,
         k: usize,
         y: u64,
+        pdl: bool,
     ) -> Result<u64> {
         if experts > self.min_width {
             self.min_width = experts;
@@ -191,7 +193,7 @@ impl GpuExperts {
             self.tables.insert(layer, upload_tables(&s, &zero)?);
         }
         // as the primary's step: one row's picks are distinct experts
-        self.launch_moe(&s, [h, 0, idx, layer as u64], nk, k, rows == 1, y)
+        self.launch_moe(&s, [h, 0, idx, layer as u64], nk, k, rows == 1, y, pdl)
     }
 
     /// "cuda:N (name, sm_XY)"
@@ -399,13 +401,15 @@ impl GpuExperts {
         out: u64,
     ) -> Result<()> {
         // the picks of several rows may share an expert: each block checks that it leads
-        self.launch_moe(s, ptrs, n, 1, false, out).map(|_| ())
+        self.launch_moe(s, ptrs, n, 1, false, out, false)
+            .map(|_| ())
     }
 
     /// The grouped up and down kernels over `n` pick slots: `ptrs` as
     /// [`Self::launch_grouped`]'s (rows null: slot s reads activation row s / k);
     /// `distinct`: every slot's expert differs (one row's picks). Returns the layer's
     /// gate_up table.
+    #[allow(clippy::too_many_arguments)]
     fn launch_moe(
         &mut self,
         s: &Arc<CudaStream>,
@@ -414,6 +418,7 @@ impl GpuExperts {
         k: usize,
         distinct: bool,
         out: u64,
+        pdl: bool,
     ) -> Result<u64> {
         let (hi, ii, ni, ki) = (self.hidden as i32, self.inter as i32, n as i32, k as i32);
         let dist = distinct as i32;
@@ -468,7 +473,7 @@ impl GpuExperts {
         // SAFETY: ids are experts resident on this GPU (checked by the caller), so their
         // table entries address [2I, H] and [H, I] weights; rows < activation rows; act
         // holds n rows of I and `out` n rows of H (the caller's guarantee).
-        unsafe { launch_raw(s, &self.k_up[d], &mut up.params(), false, cfg(self.inter)) }
+        unsafe { launch_raw(s, &self.k_up[d], &mut up.params(), pdl, cfg(self.inter)) }
             .map_err(|e| gpu_err("launching moe_up", e))?;
         let mut down = MoeDown {
             idx: ids,
@@ -491,7 +496,7 @@ impl GpuExperts {
                 s,
                 &self.k_down[d],
                 &mut down.params(),
-                false,
+                pdl,
                 cfg(self.hidden),
             )
         }

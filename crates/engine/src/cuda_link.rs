@@ -14,6 +14,14 @@ use crate::cuda_model::launch_raw;
 use crate::error::{Error, Result};
 pub use crate::tier::{BoxLayout, MailboxPtrs};
 
+/// Whether the link's kernels and the sidecar's experts are launched as programmatic
+/// dependents of the kernel before them, so each one's launch overlaps the previous one's
+/// run (`MOELANE_IPC_PDL=0` turns it off; compute capability 9.0 and later).
+pub fn ipc_pdl() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("MOELANE_IPC_PDL").map_or(true, |v| v != "0"))
+}
+
 /// The link's kernels' source, compiled at run time.
 pub const LINK_CU: &str = include_str!("../../../kernels/link.cu");
 /// The files [`LINK_CU`] is made of.
@@ -225,6 +233,7 @@ impl LinkKernels {
         meta: u64,
         done: u64,
         round: usize,
+        pdl: bool,
     ) -> Result<()> {
         let (mut b, mut l, mut i, mut n, mut hh, mut nhh) =
             (req_box, ml as i32, idx, nk as i32, h, nh as i32);
@@ -232,7 +241,7 @@ impl LinkKernels {
         let mut r = round as i32;
         let mut p = params!(b, l, i, n, hh, nhh, io, ho, m, d, r);
         let blocks = (nh / 4).div_ceil(256).clamp(1, 32);
-        unsafe { launch_raw(st, &self.post, &mut p, false, cfg(blocks, 256)) }
+        unsafe { launch_raw(st, &self.post, &mut p, pdl, cfg(blocks, 256)) }
             .map_err(|e| gpu_err("launching link_post", e))
     }
 
@@ -312,6 +321,7 @@ impl LinkKernels {
         nk: usize,
         done: u64,
         round: usize,
+        pdl: bool,
     ) -> Result<()> {
         let (mut r, mut l, mut m, mut yy, mut py) = (
             reply_box,
@@ -329,7 +339,7 @@ impl LinkKernels {
         );
         let mut rd = round as i32;
         let mut p = params!(r, l, m, yy, py, i, g, h, d, mk, rd);
-        unsafe { launch_raw(st, &self.reply, &mut p, false, cfg(nk, 256)) }
+        unsafe { launch_raw(st, &self.reply, &mut p, pdl, cfg(nk, 256)) }
             .map_err(|e| gpu_err("launching link_reply", e))
     }
 }

@@ -134,8 +134,9 @@ mod stub {
             rows: usize,
             k: usize,
             y: u64,
+            pdl: bool,
         ) -> Result<u64> {
-            let _ = (layer, experts, idx, h, rows, k, y);
+            let _ = (layer, experts, idx, h, rows, k, y, pdl);
             match self.0 {}
         }
     }

@@ -224,7 +224,8 @@ pub trait ColdService: Send + Sync {
     /// `experts`) at `idx` and normed rows at `h`, in memory of [`ColdService::cuda`]'s GPU;
     /// the picks whose experts this tier holds computed into `y` (one row of H per slot),
     /// queued on the GPU's stream. Returns the layer's gate_up table (`experts` entries,
-    /// null where not held). None: this service does not compute on a GPU.
+    /// null where not held); `pdl`: launched as programmatic dependents of the kernel
+    /// before them. None: this service does not compute on a GPU.
     ///
     /// # Safety
     /// `idx`, `h` and `y` address that many values on that GPU, unchanged until the
@@ -239,6 +240,7 @@ pub trait ColdService: Send + Sync {
         _rows: usize,
         _k: usize,
         _y: u64,
+        _pdl: bool,
     ) -> Option<Result<u64>> {
         None
     }

@@ -164,6 +164,9 @@ impl SidecarEnd {
         let st = gpu.stream.clone();
         let (req, rep) = (self.req.ptr, self.reply.as_ref().map_or(0, |r| r.ptr));
         let mut head = [0u64; 4];
+        // the experts and the reply launched as programmatic dependents (the wait before
+        // them is not: it is the step's gate)
+        let pdl = gpu.cc.0 >= 9 && moelane_engine::cuda_link::ipc_pdl();
         let mut last = 0u64;
         let limit = SIDECAR_WAIT.as_nanos() as u64;
         let mut idle_since = Instant::now();
@@ -227,8 +230,9 @@ impl SidecarEnd {
                     if code == 0 {
                         // SAFETY: idx holds the round's part*k ids (< experts, from the
                         // primary's router), h its rows of H, y room for them, all here.
-                        let got =
-                            unsafe { svc.serve_slots(ml, lay.experts, idx, h, part, lay.k, yp) };
+                        let got = unsafe {
+                            svc.serve_slots(ml, lay.experts, idx, h, part, lay.k, yp, pdl)
+                        };
                         match got {
                             Some(Ok(t)) => table = t,
                             Some(Err(e)) => {
@@ -249,7 +253,20 @@ impl SidecarEnd {
                     // SAFETY: the reply box has the layout's sizes; y the round's slots;
                     // table null or E entries; done a counter at 0.
                     unsafe {
-                        kern.reply(&st, &lay, rep, ml, sm, yp, idx, table, part * lay.k, dn, r)
+                        kern.reply(
+                            &st,
+                            &lay,
+                            rep,
+                            ml,
+                            sm,
+                            yp,
+                            idx,
+                            table,
+                            part * lay.k,
+                            dn,
+                            r,
+                            pdl,
+                        )
                     }?;
                 }
             }

@@ -328,12 +328,13 @@ impl ColdService for SidecarCore {
         rows: usize,
         k: usize,
         y: u64,
+        pdl: bool,
     ) -> Option<moelane_engine::Result<u64>> {
         let g = self.device.gpu()?;
         let t0 = Instant::now();
         let r = match g.lock() {
             // SAFETY: the link's guarantee (see the trait): the pointers on this GPU
-            Ok(mut g) => unsafe { g.compute_slots(layer, experts, idx, h, rows, k, y) },
+            Ok(mut g) => unsafe { g.compute_slots(layer, experts, idx, h, rows, k, y, pdl) },
             Err(_) => Err(poisoned("the GPU experts")),
         };
         // the picks stay on the device: a request is counted, its picks are not

@@ -198,6 +198,7 @@ impl GpuModel {
                         s.meta.p,
                         s.done.p,
                         r,
+                        self.pdl && crate::cuda_link::ipc_pdl(),
                     )
                 }
             }
