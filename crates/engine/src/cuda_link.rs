@@ -126,24 +126,6 @@ impl IpcMem {
             owned: false,
         })
     }
-
-    /// Copies `n` bytes at `off` to the host (waits).
-    pub fn read(&self, off: usize, out: &mut [u8]) -> Result<()> {
-        if off + out.len() > self.bytes {
-            return Err(Error::Internal(format!(
-                "reading {} bytes at {off} of a {}-byte shared buffer",
-                out.len(),
-                self.bytes
-            )));
-        }
-        self.gpu
-            .ctx
-            .bind_to_thread()
-            .map_err(|e| gpu_err("binding the CUDA context", e))?;
-        // SAFETY: the range lies inside the buffer (checked above); `out` is host memory.
-        unsafe { cudarc::driver::result::memcpy_dtoh_sync(out, self.ptr + off as u64) }
-            .map_err(|e| gpu_err("reading a shared buffer", e))
-    }
 }
 
 impl Drop for IpcMem {

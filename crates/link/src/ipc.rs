@@ -278,7 +278,8 @@ impl SidecarEnd {
 /// ([`RemoteTier::device_mailbox`]).
 pub struct IpcTier {
     gpu: Arc<Gpu>,
-    _req: IpcMem,
+    /// the sidecar's request box, opened here
+    req: IpcMem,
     reply: ReplyBox,
     layout: BoxLayout,
     generation: u64,
@@ -350,7 +351,7 @@ impl PrimaryEnd {
         let req = IpcMem::open(&self.gpu, &h, layout.req_bytes())?;
         Ok(IpcTier {
             gpu: self.gpu,
-            _req: req,
+            req,
             reply: self.reply,
             layout,
             generation: GENERATION.fetch_add(1, Ordering::Relaxed),
@@ -400,7 +401,7 @@ impl RemoteTier for IpcTier {
     fn device_mailbox(&mut self) -> Option<MailboxPtrs> {
         Some(MailboxPtrs {
             ordinal: self.gpu.ordinal,
-            req_box: self._req.ptr,
+            req_box: self.req.ptr,
             reply_box: self.reply.ptr(),
             layout: self.layout,
             generation: self.generation,

@@ -433,6 +433,63 @@ fn context_prompt(prompt: &[u32], len: usize) -> Vec<u32> {
     prompt.iter().copied().cycle().take(len).collect()
 }
 
+/// A sidecar process of the bench (`moelane bench <cmd>`) generating `a`'s preset on
+/// cuda:`gpu`, its stdin and stdout piped (the ipc link's handshake goes through them).
+#[cfg(feature = "cuda")]
+fn spawn_sidecar(
+    cmd: &str,
+    a: &DecodeArgs,
+    gpu: usize,
+    extra: &[&str],
+) -> Result<std::process::Child> {
+    let (seed, device) = (a.seed.to_string(), format!("cuda:{gpu}"));
+    let mut args = vec![
+        "bench", cmd, "--model", &a.model, "--seed", &seed, "--device", &device,
+    ];
+    args.extend_from_slice(extra);
+    Ok(std::process::Command::new(std::env::current_exe()?)
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()?)
+}
+
+/// The sidecar service of the bench's sidecar processes: `model`'s preset generated from
+/// `seed`, the cold experts of its affinity map on `device` (cuda:N), served by the
+/// production `SidecarCore` (epoch check, counters).
+#[cfg(feature = "cuda")]
+fn bench_sidecar(
+    model: &str,
+    seed: u64,
+    device: &str,
+) -> Result<(
+    moelane_engine::synth::InMemory,
+    std::sync::Arc<moelane_engine::cuda::Gpu>,
+    std::sync::Arc<dyn moelane_link::ColdService>,
+)> {
+    use moelane_engine::cuda_station::{affinity_map, tier_experts};
+    use moelane_engine::rowmap::Tier;
+    let ordinal: usize = device
+        .strip_prefix("cuda:")
+        .and_then(|n| n.parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("--device {device:?}: expected cuda:N"))?;
+    let p = moelane_engine::synth::Preset::by_name(model)
+        .ok_or_else(|| anyhow::anyhow!("--model {model:?}: the sidecar generates a preset"))?;
+    let m = moelane_engine::synth::in_memory(&p, seed)?;
+    let map = affinity_map(&m, m.hot)?;
+    let c = &m.config;
+    let gpu = moelane_engine::cuda::Gpu::open(ordinal)?;
+    let mut ge = moelane_engine::cuda_experts::GpuExperts::new(
+        gpu.clone(),
+        c.hidden_size,
+        c.moe_intermediate_size,
+    )?;
+    ge.generate(seed, &tier_experts(&map, Tier::Cold))?;
+    let svc: std::sync::Arc<dyn moelane_link::ColdService> =
+        std::sync::Arc::new(moelane_rtx_worker::SidecarCore::generated(&m.id, &map, ge));
+    Ok((m, gpu, svc))
+}
+
 /// The gpu+nccl:N placement: a sidecar process (`moelane bench nccl-sidecar`) generates the
 /// cold experts of the affinity map on cuda:N and serves them over NCCL; this process's
 /// engine holds the hot ones and sends its cold picks over the link.
@@ -450,21 +507,7 @@ fn nccl_engine(
         anyhow::bail!("gpu+nccl:{sidecar_gpu}: the sidecar needs another GPU than the primary's");
     }
     let id = NcclId::new()?;
-    let exe = std::env::current_exe()?;
-    let mut child = std::process::Command::new(exe)
-        .args([
-            "bench",
-            "nccl-sidecar",
-            "--model",
-            &a.model,
-            "--seed",
-            &a.seed.to_string(),
-            "--device",
-            &format!("cuda:{sidecar_gpu}"),
-            "--id",
-            &id.to_hex(),
-        ])
-        .spawn()?;
+    let mut child = spawn_sidecar("nccl-sidecar", a, sidecar_gpu, &["--id", &id.to_hex()])?;
     let map = moelane_engine::cuda_station::affinity_map(m, m.hot)?;
     let tier = match NcclTier::connect(
         ordinal,
@@ -502,21 +545,7 @@ fn ipc_engine(
     kv_tokens: usize,
 ) -> Result<(moelane_engine::step::Engine, std::process::Child)> {
     use std::io::{BufRead, Write};
-    let exe = std::env::current_exe()?;
-    let mut child = std::process::Command::new(exe)
-        .args([
-            "bench",
-            "ipc-sidecar",
-            "--model",
-            &a.model,
-            "--seed",
-            &a.seed.to_string(),
-            "--device",
-            &format!("cuda:{sidecar_gpu}"),
-        ])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()?;
+    let mut child = spawn_sidecar("ipc-sidecar", a, sidecar_gpu, &[])?;
     let r = (|| -> Result<moelane_engine::step::Engine> {
         let end = moelane_link::ipc::PrimaryEnd::new(gpu.clone(), box_layout(&m.config, rows))?;
         let mut inp = child
@@ -572,27 +601,9 @@ fn box_layout(
 /// gone.
 #[cfg(feature = "cuda")]
 pub fn ipc_sidecar(model: &str, seed: u64, device: &str) -> Result<()> {
-    use moelane_engine::cuda_station::{affinity_map, tier_experts};
-    use moelane_engine::rowmap::Tier;
     use std::io::BufRead;
-    let ordinal: usize = device
-        .strip_prefix("cuda:")
-        .and_then(|n| n.parse().ok())
-        .ok_or_else(|| anyhow::anyhow!("--device {device:?}: expected cuda:N"))?;
-    let p = moelane_engine::synth::Preset::by_name(model)
-        .ok_or_else(|| anyhow::anyhow!("--model {model:?}: the sidecar generates a preset"))?;
-    let m = moelane_engine::synth::in_memory(&p, seed)?;
-    let map = affinity_map(&m, m.hot)?;
+    let (m, gpu, svc) = bench_sidecar(model, seed, device)?;
     let c = &m.config;
-    let gpu = moelane_engine::cuda::Gpu::open(ordinal)?;
-    let mut ge = moelane_engine::cuda_experts::GpuExperts::new(
-        gpu.clone(),
-        c.hidden_size,
-        c.moe_intermediate_size,
-    )?;
-    ge.generate(seed, &tier_experts(&map, Tier::Cold))?;
-    let svc: std::sync::Arc<dyn moelane_link::ColdService> =
-        std::sync::Arc::new(moelane_rtx_worker::SidecarCore::generated(&m.id, &map, ge));
     let mut params = String::new();
     std::io::stdin().lock().read_line(&mut params)?;
     let mut end = moelane_link::ipc::SidecarEnd::open(gpu, &params)?;
@@ -616,25 +627,9 @@ pub fn ipc_sidecar(_model: &str, _seed: u64, _device: &str) -> Result<()> {
 /// `moelane bench nccl-sidecar`: the sidecar process of the gpu+nccl:N placement.
 #[cfg(feature = "cuda")]
 pub fn nccl_sidecar(model: &str, seed: u64, device: &str, id: &str) -> Result<()> {
-    use moelane_engine::cuda_station::{affinity_map, tier_experts};
-    use moelane_engine::rowmap::Tier;
-    let ordinal: usize = device
-        .strip_prefix("cuda:")
-        .and_then(|n| n.parse().ok())
-        .ok_or_else(|| anyhow::anyhow!("--device {device:?}: expected cuda:N"))?;
     let id = moelane_link::nccl::NcclId::from_hex(id)?;
-    let p = moelane_engine::synth::Preset::by_name(model)
-        .ok_or_else(|| anyhow::anyhow!("--model {model:?}: the sidecar generates a preset"))?;
-    let m = moelane_engine::synth::in_memory(&p, seed)?;
-    let map = affinity_map(&m, m.hot)?;
-    let c = &m.config;
-    let gpu = moelane_engine::cuda::Gpu::open(ordinal)?;
-    let mut ge =
-        moelane_engine::cuda_experts::GpuExperts::new(gpu, c.hidden_size, c.moe_intermediate_size)?;
-    ge.generate(seed, &tier_experts(&map, Tier::Cold))?;
-    // the production sidecar's service (epoch check, counters), its experts on the GPU
-    let svc: std::sync::Arc<dyn moelane_link::ColdService> =
-        std::sync::Arc::new(moelane_rtx_worker::SidecarCore::generated(&m.id, &map, ge));
+    let (_m, gpu, svc) = bench_sidecar(model, seed, device)?;
+    let ordinal = gpu.ordinal;
     let stop = std::sync::atomic::AtomicBool::new(false);
     // ends when the primary aborts the link (its engine dropped) or dies
     let r = moelane_link::nccl::serve_blocking(
