@@ -135,7 +135,11 @@ impl ExpertBank {
             };
             let loaded: Vec<Result<ExpertWeights>> = list
                 .par_iter()
-                .map(|&e| ckpt.expert(dl, e as usize))
+                .map(|&e| {
+                    let w = ckpt.expert(dl, e as usize)?;
+                    crate::numa::place_expert(&w, e as usize, c.num_experts);
+                    Ok(w)
+                })
                 .collect();
             for (slot, (w, &e)) in loaded.into_iter().zip(list).enumerate() {
                 bank.slots[l].push(Some(Arc::new(w?)));
@@ -281,8 +285,20 @@ impl ExpertBank {
         // another, each expert's products across the team. Else the groups across the
         // team, each on one thread (the products inside a task run on its thread).
         let per_group = picks.len().div_ceil(groups.len().max(1)) * 3 * h * self.inter;
+        // On several nodes, each node's workers take the groups of the experts on their
+        // node first (the groups are in expert order, and so in node order).
         if groups.len() < team.threads() && per_group >= 2 * crate::ops::PAR_MIN_WORK {
             (0..groups.len()).for_each(run_group);
+        } else if team.nodes() > 1 {
+            let experts = self.slot_of[layer].len();
+            let node = |g: usize| {
+                let e = picks[order[groups[g].0] as usize].expert as usize;
+                crate::numa::expert_node(e, experts, team.nodes())
+            };
+            match crate::numa::node_ranges(groups.len(), team.nodes(), node) {
+                Some(r) => team.run_placed(&r, &run_group),
+                None => team.run(groups.len(), &run_group),
+            }
         } else {
             team.run(groups.len(), &run_group);
         }

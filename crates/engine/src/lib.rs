@@ -15,6 +15,7 @@ pub mod hostmem;
 pub mod kv;
 pub mod load;
 pub mod model;
+pub mod numa;
 pub mod ops;
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 #[macro_use]

@@ -39,6 +39,9 @@ pub fn load_verified(
                     expected: want,
                 });
             }
+            // to its node's memory, on a host of several (before it is staged: this runs
+            // off the step loop)
+            crate::numa::place_expert(&w, e, ckpt.config.num_experts);
             Ok((l, e, Arc::new(w)))
         })
         .collect()

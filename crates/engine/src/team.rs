@@ -13,19 +13,28 @@
 //! job at a time: a caller that finds the team busy (another engine, the in-process
 //! sidecar, or a task of the running job) runs its tasks itself. Workers that have spun
 //! `MOELANE_SPIN_US` (default 200 us) without a job sleep until the next one.
+//!
+//! On a host of several memory nodes ([`crate::numa`]) each worker belongs to a node and a
+//! placed job ([`Team::run_placed`]) gives each node a range of its tasks: a thread claims
+//! its own node's tasks first, then the others', so every task still runs exactly once.
 
 use std::cell::UnsafeCell;
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, TryLockError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// A posted job: `tasks` calls of `f`, by index.
+/// A posted job: `tasks` calls of `f`, by index; for a placed job, each node's range of
+/// them (empty otherwise).
 #[derive(Clone, Copy)]
 struct Job {
     f: *const (dyn Fn(usize) + Sync),
     tasks: usize,
+    ranges: *const [Range<usize>],
 }
+
+static NO_RANGES: [Range<usize>; 0] = [];
 
 fn nothing(_: usize) {}
 static NOTHING: fn(usize) = nothing;
@@ -40,6 +49,8 @@ struct Shared {
     state: AtomicU64,
     job: UnsafeCell<Job>,
     next: AtomicUsize,
+    /// A placed job's claim counters, one per node (node `n` hands out its range's tasks).
+    node_next: Box<[AtomicUsize]>,
     /// The most workers that join the open job (its tasks but the caller's one): more
     /// would only contend for the task counter.
     helpers: AtomicU64,
@@ -58,12 +69,23 @@ struct Shared {
 unsafe impl Sync for Shared {}
 unsafe impl Send for Shared {}
 
+/// Where a spawned worker runs: the CPUs it is kept on (empty: anywhere) and its node.
+#[derive(Clone, Debug, Default)]
+pub struct Seat {
+    pub cpus: Vec<usize>,
+    pub node: usize,
+}
+
 /// A fixed team of worker threads for the step's data-parallel regions.
 pub struct Team {
     shared: Arc<Shared>,
     workers: Vec<JoinHandle<()>>,
     busy: Mutex<()>,
     pinned: bool,
+    /// The node of each spawned worker; the node of each CPU (for the caller's), where
+    /// the team spans several nodes.
+    seats: Vec<usize>,
+    cpu_node: Vec<u16>,
 }
 
 impl Team {
@@ -71,13 +93,31 @@ impl Team {
     /// spawned thread pinned to one CPU of `cpus` when given; idle workers spin `spin`
     /// before they sleep.
     pub fn new(threads: usize, cpus: Option<&[usize]>, spin: Duration) -> Team {
+        // one thread a core: threads past the cores given stay unpinned
+        let seats = (1..threads.max(1))
+            .map(|w| Seat {
+                cpus: cpus.and_then(|c| c.get(w).copied()).into_iter().collect(),
+                node: 0,
+            })
+            .collect();
+        let mut t = Team::seated(seats, 1, Vec::new(), spin);
+        t.pinned = cpus.is_some_and(|c| !c.is_empty());
+        t
+    }
+
+    /// A team of the caller and one spawned worker per seat, over `nodes` nodes;
+    /// `cpu_node[c]` is CPU `c`'s node (the caller's node is looked up there per job).
+    pub fn seated(seats: Vec<Seat>, nodes: usize, cpu_node: Vec<u16>, spin: Duration) -> Team {
+        let nodes = nodes.max(1);
         let shared = Arc::new(Shared {
             state: AtomicU64::new(0),
             job: UnsafeCell::new(Job {
                 f: &NOTHING,
                 tasks: 0,
+                ranges: &NO_RANGES,
             }),
             next: AtomicUsize::new(0),
+            node_next: (0..nodes).map(|_| AtomicUsize::new(0)).collect(),
             helpers: AtomicU64::new(0),
             sleep: Mutex::new(0),
             wake: Condvar::new(),
@@ -86,20 +126,23 @@ impl Team {
             spin,
         });
         let mut workers = Vec::new();
-        for w in 1..threads.max(1) {
+        let mut placed = Vec::new();
+        for (i, seat) in seats.into_iter().enumerate() {
             let s = shared.clone();
-            // one thread a core: threads past the cores given stay unpinned
-            let cpu = cpus.and_then(|c| c.get(w).copied());
+            let node = seat.node.min(nodes - 1);
             let h = std::thread::Builder::new()
-                .name(format!("moelane-team-{w}"))
+                .name(format!("moelane-team-{}", i + 1))
                 .spawn(move || {
-                    if let Some(c) = cpu {
-                        pin_to(c);
+                    if !seat.cpus.is_empty() {
+                        pin_to(&seat.cpus);
                     }
-                    worker(&s)
+                    worker(&s, node)
                 });
             match h {
-                Ok(h) => workers.push(h),
+                Ok(h) => {
+                    workers.push(h);
+                    placed.push(node);
+                }
                 // fewer threads than asked: the team still works, only slower
                 Err(_) => break,
             }
@@ -108,8 +151,30 @@ impl Team {
             shared,
             workers,
             busy: Mutex::new(()),
-            pinned: cpus.is_some_and(|c| !c.is_empty()),
+            pinned: false,
+            seats: placed,
+            cpu_node,
         }
+    }
+
+    /// The memory nodes the team spans (1 on most hosts).
+    pub fn nodes(&self) -> usize {
+        self.shared.node_next.len()
+    }
+
+    /// Spawned workers on node `n` (the caller aside).
+    pub fn workers_on(&self, n: usize) -> usize {
+        self.seats.iter().filter(|&&s| s == n).count()
+    }
+
+    /// The node the calling thread runs on now (0 where it cannot be told).
+    fn caller_node(&self) -> usize {
+        if self.nodes() == 1 {
+            return 0;
+        }
+        current_cpu()
+            .and_then(|c| self.cpu_node.get(c))
+            .map_or(0, |&n| (n as usize).min(self.nodes() - 1))
     }
 
     /// Threads that run a job (the caller included).
@@ -124,6 +189,26 @@ impl Team {
     /// Runs `f(0) .. f(tasks - 1)` across the team and returns when all have run. Runs
     /// them on the calling thread when there is one task, no workers, or the team is busy.
     pub fn run(&self, tasks: usize, f: &(dyn Fn(usize) + Sync)) {
+        self.post(tasks, &NO_RANGES, f)
+    }
+
+    /// Runs the tasks of `ranges` (one per node, together `0..n` in order; node `i`'s
+    /// tasks are `ranges[i]`) across the team, each node's workers taking their own
+    /// node's tasks before the others'. Where the team spans one node, or `ranges` is not
+    /// such a partition, it is [`Team::run`] over every task.
+    pub fn run_placed(&self, ranges: &[Range<usize>], f: &(dyn Fn(usize) + Sync)) {
+        let tasks = ranges.last().map_or(0, |r| r.end);
+        let partition = ranges.len() == self.nodes()
+            && ranges.first().is_some_and(|r| r.start == 0)
+            && ranges.iter().all(|r| r.start <= r.end)
+            && ranges.windows(2).all(|w| w[0].end == w[1].start);
+        if self.nodes() == 1 || !partition {
+            return self.run(tasks, f);
+        }
+        self.post(tasks, ranges, f)
+    }
+
+    fn post(&self, tasks: usize, ranges: &[Range<usize>], f: &(dyn Fn(usize) + Sync)) {
         if tasks == 0 {
             return;
         }
@@ -147,9 +232,13 @@ impl Team {
             *s.job.get() = Job {
                 f: std::mem::transmute::<&(dyn Fn(usize) + Sync), *const (dyn Fn(usize) + Sync)>(f),
                 tasks,
+                ranges: ranges as *const [Range<usize>],
             };
         }
         s.next.store(0, Ordering::Relaxed);
+        for (c, r) in s.node_next.iter().zip(ranges) {
+            c.store(r.start, Ordering::Relaxed);
+        }
         s.helpers.store(tasks as u64 - 1, Ordering::Relaxed);
         s.panicked.store(false, Ordering::Relaxed);
         let number = (s.state.load(Ordering::Relaxed) >> 32).wrapping_add(1) & 0xffff_ffff;
@@ -163,7 +252,10 @@ impl Team {
         }
         // A panicking task must not leave workers inside a job whose closure is gone:
         // the caller's own tasks are caught and the panic resumed after the workers leave.
-        let mine = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| claim(s, f, tasks)));
+        let node = self.caller_node();
+        let mine = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            claim(s, f, tasks, ranges, node)
+        }));
         // every task is claimed: close the job (no worker joins now), then wait for the
         // workers inside to finish theirs
         s.state.fetch_and(!OPEN, Ordering::AcqRel);
@@ -211,17 +303,39 @@ struct ChunkPtr<T>(*mut T);
 // SAFETY: used only to hand disjoint pieces of one slice of Send elements to tasks.
 unsafe impl<T: Send> Sync for ChunkPtr<T> {}
 
-fn claim(s: &Shared, f: &(dyn Fn(usize) + Sync), tasks: usize) {
-    loop {
-        let t = s.next.fetch_add(1, Ordering::Relaxed);
-        if t >= tasks {
-            return;
+/// Claims and runs tasks until none is left: from the one counter, or for a placed job from
+/// `node`'s range first, then from each other node's in turn.
+fn claim(
+    s: &Shared,
+    f: &(dyn Fn(usize) + Sync),
+    tasks: usize,
+    ranges: &[Range<usize>],
+    node: usize,
+) {
+    if ranges.is_empty() {
+        loop {
+            let t = s.next.fetch_add(1, Ordering::Relaxed);
+            if t >= tasks {
+                return;
+            }
+            f(t);
         }
-        f(t);
+    }
+    let n = ranges.len();
+    for j in 0..n {
+        let i = (node + j) % n;
+        let end = ranges[i].end;
+        loop {
+            let t = s.node_next[i].fetch_add(1, Ordering::Relaxed);
+            if t >= end {
+                break;
+            }
+            f(t);
+        }
     }
 }
 
-fn worker(s: &Shared) {
+fn worker(s: &Shared, node: usize) {
     let mut seen = 0u64;
     loop {
         // wait for a new open job: spin, then yield, then sleep
@@ -281,7 +395,10 @@ fn worker(s: &Shared) {
         // written before it opened (release/acquire), and stays valid until it leaves.
         let job = unsafe { *s.job.get() };
         let f = unsafe { &*job.f };
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| claim(s, f, job.tasks)));
+        let ranges = unsafe { &*job.ranges };
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            claim(s, f, job.tasks, ranges, node)
+        }));
         if r.is_err() {
             // the caller panics once every worker has left; this worker keeps serving
             s.panicked.store(true, Ordering::Release);
@@ -311,22 +428,39 @@ fn spin_time() -> Duration {
     Duration::from_micros(us)
 }
 
+/// Keeps the calling thread on `cpus` (those past CPU_SETSIZE ignored; none left: unchanged).
 #[cfg(target_os = "linux")]
-fn pin_to(cpu: usize) {
+fn pin_to(cpus: &[usize]) {
     // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET stays inside it for
     // cpu < CPU_SETSIZE (checked); sched_setaffinity(0) affects this thread only.
     unsafe {
-        if cpu >= libc::CPU_SETSIZE as usize {
-            return;
-        }
         let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
-        let _ = libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+        let mut any = false;
+        for &cpu in cpus.iter().filter(|&&c| c < libc::CPU_SETSIZE as usize) {
+            libc::CPU_SET(cpu, &mut set);
+            any = true;
+        }
+        if any {
+            let _ = libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+        }
     }
 }
 
 #[cfg(not(target_os = "linux"))]
-fn pin_to(_cpu: usize) {}
+fn pin_to(_cpus: &[usize]) {}
+
+/// The CPU the calling thread runs on now.
+#[cfg(target_os = "linux")]
+fn current_cpu() -> Option<usize> {
+    // SAFETY: sched_getcpu has no arguments and no memory effects.
+    let c = unsafe { libc::sched_getcpu() };
+    (c >= 0).then_some(c as usize)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn current_cpu() -> Option<usize> {
+    None
+}
 
 /// The CPUs this process may run on (its affinity mask), one per physical core (the
 /// first hardware thread of each core), in order; None where that cannot be read.
@@ -347,8 +481,9 @@ pub fn physical_cpus() -> Option<Vec<usize>> {
     (!out.is_empty()).then_some(out)
 }
 
+/// Every CPU this process may run on (its affinity mask), in order.
 #[cfg(target_os = "linux")]
-fn allowed_cpus() -> Option<Vec<usize>> {
+pub fn allowed_cpus() -> Option<Vec<usize>> {
     // SAFETY: sched_getaffinity fills the zeroed set it is given (its size passed).
     unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
@@ -363,7 +498,7 @@ fn allowed_cpus() -> Option<Vec<usize>> {
 }
 
 #[cfg(not(target_os = "linux"))]
-fn allowed_cpus() -> Option<Vec<usize>> {
+pub fn allowed_cpus() -> Option<Vec<usize>> {
     None
 }
 
@@ -391,11 +526,14 @@ pub fn parse_cpu_list(s: &str) -> Vec<usize> {
 
 /// The process's team: `MOELANE_THREADS` threads (default: one per physical core this
 /// process may run on, no more than its CPU quota), pinned one per core when `MOELANE_PIN=1` (on a host shared with
-/// other work, unpinned threads move away from busy cores).
+/// other work, unpinned threads move away from busy cores). On a host of several memory
+/// nodes ([`crate::numa::topology`]) the workers are spread over the nodes and each kept on
+/// its node's CPUs (on its core with `MOELANE_PIN=1`).
 pub fn team() -> &'static Team {
     static TEAM: OnceLock<Team> = OnceLock::new();
     TEAM.get_or_init(|| {
-        let phys = physical_cpus();
+        let topo = crate::numa::topology();
+        let phys = physical_cpus().map(|p| topo.map_or_else(|| p.clone(), |t| t.spread(&p)));
         let threads = std::env::var("MOELANE_THREADS")
             .ok()
             .and_then(|v| v.parse::<usize>().ok())
@@ -407,12 +545,56 @@ pub fn team() -> &'static Team {
                 phys.as_ref().map_or(allowed, |p| p.len().min(allowed))
             });
         let pin = std::env::var("MOELANE_PIN").is_ok_and(|v| v == "1");
-        Team::new(
-            threads,
-            if pin { phys.as_deref() } else { None },
-            spin_time(),
-        )
+        match topo {
+            None => Team::new(
+                threads,
+                if pin { phys.as_deref() } else { None },
+                spin_time(),
+            ),
+            Some(t) => {
+                let (seats, cpu_node) = numa_seats(t, phys.as_deref().unwrap_or(&[]), threads, pin);
+                let mut team = Team::seated(seats, t.nodes.len(), cpu_node, spin_time());
+                team.pinned = pin;
+                team
+            }
+        }
     })
+}
+
+/// The spawned workers' seats over `t`: worker `w` takes core `cores[w]` (the caller counts as
+/// core 0's) and is kept on that core (`pin`) or on its node's CPUs; workers past the cores
+/// go round the nodes. Also each CPU's node.
+fn numa_seats(
+    t: &crate::numa::Topology,
+    cores: &[usize],
+    threads: usize,
+    pin: bool,
+) -> (Vec<Seat>, Vec<u16>) {
+    let n = t.nodes.len();
+    let seats = (1..threads.max(1))
+        .map(|w| {
+            let core = cores.get(w).copied();
+            let node = core.and_then(|c| t.node_of_cpu(c)).unwrap_or(w % n);
+            let cpus = match (core, pin) {
+                (Some(c), true) => vec![c],
+                _ => t.nodes[node].cpus.clone(),
+            };
+            Seat { cpus, node }
+        })
+        .collect();
+    let top = t
+        .nodes
+        .iter()
+        .flat_map(|n| n.cpus.iter())
+        .max()
+        .map_or(0, |m| m + 1);
+    let mut cpu_node = vec![0u16; top];
+    for (i, nd) in t.nodes.iter().enumerate() {
+        for &c in &nd.cpus {
+            cpu_node[c] = i as u16;
+        }
+    }
+    (seats, cpu_node)
 }
 
 #[cfg(test)]
@@ -502,6 +684,105 @@ mod tests {
             });
             assert_eq!(v, (1..=len).collect::<Vec<_>>());
         }
+    }
+
+    fn two_nodes(workers: usize) -> Team {
+        let seats = (0..workers)
+            .map(|w| Seat {
+                cpus: Vec::new(),
+                node: w % 2,
+            })
+            .collect();
+        Team::seated(seats, 2, vec![0, 1], Duration::from_micros(200))
+    }
+
+    #[test]
+    #[allow(clippy::single_range_in_vec_init)] // one range for two nodes is the case tested
+    fn placed_jobs_run_every_task_once() {
+        for workers in [0, 1, 3] {
+            let t = two_nodes(workers);
+            assert_eq!(t.nodes(), 2);
+            assert_eq!(t.workers_on(0) + t.workers_on(1), workers);
+            for ranges in [
+                vec![0..5, 5..9],
+                vec![0..0, 0..7],
+                vec![0..7, 7..7],
+                vec![0..1, 1..200],
+                vec![0..0, 0..0],
+                // not a partition of 0..n (or not one range a node): every task of 0..end
+                vec![0..3],
+                vec![1..3, 3..6],
+                vec![0..4, 3..6],
+            ] {
+                let end = ranges.last().map_or(0, |r| r.end);
+                for _ in 0..50 {
+                    let hits: Vec<AtomicU32> = (0..end).map(|_| AtomicU32::new(0)).collect();
+                    t.run_placed(&ranges, &|i| {
+                        hits[i].fetch_add(1, Ordering::Relaxed);
+                    });
+                    assert!(
+                        hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
+                        "{workers} workers, {ranges:?}"
+                    );
+                }
+                // plain jobs still work on a placed team
+                let n = AtomicUsize::new(0);
+                t.run(33, &|_| {
+                    n.fetch_add(1, Ordering::Relaxed);
+                });
+                assert_eq!(n.load(Ordering::Relaxed), 33);
+            }
+        }
+    }
+
+    #[test]
+    fn a_thread_claims_its_own_nodes_tasks_first() {
+        let t = two_nodes(0);
+        let s = &*t.shared;
+        let ranges = [0..3, 3..5];
+        let order = Mutex::new(Vec::new());
+        for node in [0, 1] {
+            for (c, r) in s.node_next.iter().zip(&ranges) {
+                c.store(r.start, Ordering::Relaxed);
+            }
+            order.lock().unwrap().clear();
+            claim(s, &|i| order.lock().unwrap().push(i), 5, &ranges, node);
+            let want = if node == 0 {
+                vec![0, 1, 2, 3, 4]
+            } else {
+                vec![3, 4, 0, 1, 2]
+            };
+            assert_eq!(*order.lock().unwrap(), want);
+        }
+    }
+
+    #[test]
+    fn numa_seats_cover_the_nodes() {
+        let t = crate::numa::Topology {
+            nodes: vec![
+                crate::numa::Node {
+                    id: Some(0),
+                    cpus: vec![0, 1, 4, 5],
+                    pretend: false,
+                },
+                crate::numa::Node {
+                    id: Some(1),
+                    cpus: vec![2, 3, 6, 7],
+                    pretend: false,
+                },
+            ],
+        };
+        let cores = t.spread(&[0, 1, 2, 3]);
+        assert_eq!(cores, vec![0, 2, 1, 3]);
+        let (seats, cpu_node) = numa_seats(&t, &cores, 6, false);
+        let nodes: Vec<usize> = seats.iter().map(|s| s.node).collect();
+        // workers 1..3 on cores 2, 1, 3; workers past the cores round the nodes
+        assert_eq!(nodes, vec![1, 0, 1, 0, 1]);
+        assert_eq!(seats[0].cpus, vec![2, 3, 6, 7]);
+        assert_eq!(cpu_node, vec![0, 0, 1, 1, 0, 0, 1, 1]);
+        let (seats, _) = numa_seats(&t, &cores, 3, true);
+        assert_eq!(seats[0].cpus, vec![2]);
+        assert_eq!(seats[1].cpus, vec![1]);
     }
 
     #[test]

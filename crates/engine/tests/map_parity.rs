@@ -7,8 +7,6 @@ mod common;
 use moelane_engine::checkpoint::Checkpoint;
 use moelane_engine::rng::Rng;
 use moelane_engine::rowmap::{LayerMap, Rowmap};
-use moelane_engine::sampling::argmax;
-use moelane_engine::step::{Engine, SeqStep};
 use moelane_engine::synth::{prompts, LANGS};
 use moelane_engine::tokenizer::Tokenizer;
 
@@ -31,27 +29,6 @@ fn random_map(id: &str, layers: usize, experts: usize, hot: usize, seed: u64) ->
             })
             .collect(),
     }
-}
-
-fn batched(eng: &mut Engine, prompts: &[Vec<u32>]) -> Vec<Vec<u32>> {
-    let mut seqs: Vec<_> = prompts.iter().map(|_| eng.kv.new_seq()).collect();
-    let mut inputs: Vec<Vec<u32>> = prompts.to_vec();
-    let mut out = vec![Vec::new(); prompts.len()];
-    let v = eng.cfg.vocab_size;
-    for _ in 0..NEW {
-        let mut steps: Vec<SeqStep> = seqs
-            .iter_mut()
-            .zip(&inputs)
-            .map(|(s, t)| SeqStep { kv: s, tokens: t })
-            .collect();
-        let logits = eng.step(&mut steps).unwrap();
-        for (i, o) in out.iter_mut().enumerate() {
-            let t = argmax(&logits[i * v..(i + 1) * v]) as u32;
-            o.push(t);
-            inputs[i] = vec![t];
-        }
-    }
-    out
 }
 
 #[test]
@@ -102,7 +79,7 @@ fn greedy_is_bitwise_identical_under_any_map() {
             assert!(cold > 0, "map {name} sent nothing to the cold tier");
         }
         // all prompts decoded together in one batch give the same tokens
-        let got = batched(&mut eng, &ps);
+        let got = common::batched(&mut eng, &ps, NEW);
         let same = got.iter().zip(&want).filter(|(a, b)| a == b).count();
         assert_eq!(
             same,

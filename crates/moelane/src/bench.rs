@@ -631,6 +631,9 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
                     "the checkpoint's map (cold experts in a sidecar thread)"
                 }
             );
+            if let Some(numa) = moelane_engine::numa::summary() {
+                println!("{numa}");
+            }
             println!(
                 "measured: copy {:.1} GB/s (read+write), read {:.1} GB/s ({} threads over {:.0} MiB, \
                  best of 5); last-level cache {}",

@@ -300,6 +300,9 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
             h(ckpt.tensor_bytes() as u64),
         );
     }
+    if let Some(numa) = moelane_engine::numa::summary() {
+        println!("moelane: {numa}");
+    }
     let id = ckpt.id.clone();
     let first_eos = eos.first().copied();
     let mut handle = moelane_gb300_worker::start(engine, id.clone(), eos, o.sched.clone())

@@ -548,7 +548,11 @@ impl SidecarCore {
             (Some(m), RegisterStep::Reload) => {
                 let ckpt = Checkpoint::open(&self.ckpt_dir)?;
                 let moe = ckpt.config.moe_layers();
-                Some(ExpertBank::load(&ckpt, m, Tier::Cold, &moe, None)?)
+                let bank = ExpertBank::load(&ckpt, m, Tier::Cold, &moe, None)?;
+                if let Some(numa) = moelane_engine::numa::summary() {
+                    tracing::info!("{numa}");
+                }
+                Some(bank)
             }
             _ => None,
         };

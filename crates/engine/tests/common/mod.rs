@@ -180,3 +180,25 @@ pub fn against_golden(
     }
     (worst, ok, all)
 }
+
+/// Greedy continuations of `n` tokens of every prompt, decoded together in one batch.
+pub fn batched(eng: &mut Engine, prompts: &[Vec<u32>], n: usize) -> Vec<Vec<u32>> {
+    let mut seqs: Vec<_> = prompts.iter().map(|_| eng.kv.new_seq()).collect();
+    let mut inputs: Vec<Vec<u32>> = prompts.to_vec();
+    let mut out = vec![Vec::new(); prompts.len()];
+    let v = eng.cfg.vocab_size;
+    for _ in 0..n {
+        let mut steps: Vec<SeqStep> = seqs
+            .iter_mut()
+            .zip(&inputs)
+            .map(|(s, t)| SeqStep { kv: s, tokens: t })
+            .collect();
+        let logits = eng.step(&mut steps).unwrap();
+        for (i, o) in out.iter_mut().enumerate() {
+            let t = moelane_engine::sampling::argmax(&logits[i * v..(i + 1) * v]) as u32;
+            o.push(t);
+            inputs[i] = vec![t];
+        }
+    }
+    out
+}
