@@ -136,9 +136,10 @@ impl ExpertBank {
             let loaded: Vec<Result<ExpertWeights>> = list
                 .par_iter()
                 .map(|&e| {
-                    let w = ckpt.expert(dl, e as usize)?;
-                    crate::numa::place_expert(&w, e as usize, c.num_experts);
-                    Ok(w)
+                    // built on its node's memory where the team spans several
+                    crate::numa::load_expert(e as usize, c.num_experts, || {
+                        ckpt.expert(dl, e as usize)
+                    })
                 })
                 .collect();
             for (slot, (w, &e)) in loaded.into_iter().zip(list).enumerate() {

@@ -354,26 +354,20 @@ impl StepBackend for CpuBackend {
             let rp = rows[i];
             let seq = seqs[rp.seq];
             let first = window.map_or(0, |w| (rp.pos + 1).saturating_sub(w));
-            let mut scores = vec![0f32; rp.pos + 1 - first];
+            // each position's K/V row in the paged cache, once for every head
+            let offs: Vec<usize> = (first..=rp.pos).map(|p| seq.offset(p, kvd)).collect();
+            let mut scores = vec![0f32; offs.len()];
             for hh in 0..nh {
-                let g = hh / group;
-                let q = &qkv[i * stride + hh * hd..i * stride + (hh + 1) * hd];
-                for (j, s) in scores.iter_mut().enumerate() {
-                    let off = seq.offset(first + j, kvd) + g * hd;
-                    *s = ops::dot(q, &kc[off..off + hd]) * scale;
-                }
-                match sinks.get(hh) {
-                    Some(&sink) => ops::softmax_with_sink(&mut scores, sink),
-                    None => ops::softmax(&mut scores),
-                }
-                let o = &mut out[hh * hd..(hh + 1) * hd];
-                o.fill(0.0);
-                for (j, &p) in scores.iter().enumerate() {
-                    let off = seq.offset(first + j, kvd) + g * hd;
-                    for (od, &vd) in o.iter_mut().zip(&vc[off..off + hd]) {
-                        *od += p * vd;
-                    }
-                }
+                let a = ops::Attend {
+                    q: &qkv[i * stride + hh * hd..i * stride + (hh + 1) * hd],
+                    kc,
+                    vc,
+                    offs: &offs,
+                    base: (hh / group) * hd,
+                    scale,
+                    sink: sinks.get(hh).copied(),
+                };
+                ops::attend(&a, &mut scores, &mut out[hh * hd..(hh + 1) * hd]);
             }
         });
         matmul(&self.att, n, &lw.o, &mut self.tmp);

@@ -7,10 +7,13 @@
 //! lists several with CPUs this process may use):
 //! - the team's workers are spread over the nodes (round robin, one per physical core) and
 //!   each is kept on its node (on its core with `MOELANE_PIN=1`, else on the node's CPUs);
-//! - expert `e` of a layer of `E` belongs to node `e * nodes / E` (contiguous blocks, so the
-//!   experts loaded one after another share a policy and the kernel's mappings stay few); its
-//!   bytes are moved there when it is loaded ([`place_expert`]: `mbind` with a preferred node
-//!   and `MPOL_MF_MOVE`, off the step loop);
+//! - expert `e` of a layer of `E` belongs to node `e * nodes / E` (contiguous blocks); it is
+//!   built (read from the checkpoint, widened where it must be) by a thread whose memory
+//!   policy prefers that node ([`load_expert`]: `set_mempolicy` around the load), so its
+//!   pages are first touched there: nothing is copied twice and no mapping is split (binding
+//!   each buffer with `mbind` would split the heap's mappings per expert, past the kernel's
+//!   65,530 on a DeepSeek-sized tier). The kernel's answer for a page of each buffer is what
+//!   [`summary`] reports (an allocator may hand back memory first touched elsewhere);
 //! - a layer's expert groups are claimed by the workers of their node first; a worker whose
 //!   node has nothing left takes other nodes' groups, so no core idles while work remains.
 //!
@@ -155,9 +158,12 @@ pub fn topology_for(
             // on the host's node of its first CPU
             let host = read_nodes(root, allowed);
             let n = n.min(phys.len());
+            // a core is named by its first hardware thread on both sides (`phys` holds the
+            // first allowed one, which need not be it)
+            let keys: Vec<usize> = phys.iter().map(|&c| core_of(c)).collect();
             (0..n)
                 .map(|i| {
-                    let cores = &phys[i * phys.len() / n..(i + 1) * phys.len() / n];
+                    let cores = &keys[i * keys.len() / n..(i + 1) * keys.len() / n];
                     let mut cpus: Vec<usize> = allowed
                         .iter()
                         .copied()
@@ -234,9 +240,11 @@ pub fn node_ranges(
     (i == items).then_some(out)
 }
 
-/// Bytes of experts moved to (or found on) each node, and the moves that failed.
+/// Bytes of experts found on their node, per node; found elsewhere; and the policy calls
+/// that failed.
 struct Placed {
     bytes: Vec<AtomicU64>,
+    elsewhere: AtomicU64,
     failed: AtomicU64,
     first_error: Mutex<Option<String>>,
 }
@@ -247,39 +255,79 @@ fn placed() -> &'static Placed {
         bytes: (0..topology().map_or(0, |t| t.nodes.len()))
             .map(|_| AtomicU64::new(0))
             .collect(),
+        elsewhere: AtomicU64::new(0),
         failed: AtomicU64::new(0),
         first_error: Mutex::new(None),
     })
 }
 
-/// Moves the bytes of expert `e` (of `experts` in its layer) to its node's memory, where the
-/// team spans several nodes; nothing on one node. Failures (a kernel
-/// without NUMA calls, a container that forbids them, a full node) are counted and said by
-/// [`summary`], never fatal: the expert then stays where it was loaded.
-pub fn place_expert(w: &crate::checkpoint::ExpertWeights, e: usize, experts: usize) {
-    let Some(t) = topology() else { return };
+/// Builds expert `e` (of `experts` in its layer) with `load`, on a host the team spans
+/// several nodes of: with this thread's memory policy preferring the expert's node while
+/// `load` runs (so the pages it fills are first touched there), then counts where the
+/// kernel says its buffers are. On one node it is `load()`. A refused policy call (a
+/// kernel without NUMA calls, a container's seccomp profile) is counted and said by
+/// [`summary`], never fatal: the expert then lives where the allocator put it.
+pub fn load_expert<E>(
+    e: usize,
+    experts: usize,
+    load: impl FnOnce() -> Result<crate::checkpoint::ExpertWeights, E>,
+) -> Result<crate::checkpoint::ExpertWeights, E> {
+    let Some(t) = topology() else {
+        return load();
+    };
     let n = expert_node(e, experts, t.nodes.len());
-    let Some(id) = t.nodes[n].id else { return };
-    let mut bytes = 0u64;
+    let Some(id) = t.nodes[n].id else {
+        return load();
+    };
+    let p = placed();
+    let note = |err: String| {
+        p.failed.fetch_add(1, Ordering::Relaxed);
+        let mut first = p.first_error.lock().unwrap_or_else(|e| e.into_inner());
+        first.get_or_insert(err);
+    };
+    let w = {
+        // the policy is back to the default when the guard drops, a panic included
+        let _guard = match prefer_node(Some(id)) {
+            Ok(()) => Some(PolicyGuard),
+            Err(err) => {
+                note(err);
+                None
+            }
+        };
+        load()?
+    };
+    let page = page_size();
     for m in [&w.gate_up, &w.down] {
-        for (p, len) in elem_buffers(&m.data) {
-            match bind_to_node(p, len, id) {
-                Ok(b) => bytes += b as u64,
-                Err(err) => {
-                    let p = placed();
-                    p.failed.fetch_add(1, Ordering::Relaxed);
-                    let mut first = p.first_error.lock().unwrap_or_else(|e| e.into_inner());
-                    first.get_or_insert(err);
+        for (ptr, len) in elem_buffers(&m.data) {
+            let Some((start, plen)) = whole_pages(ptr as usize, len, page) else {
+                continue;
+            };
+            match node_of_addr(start as *const u8) {
+                Ok(got) if got == id => {
+                    if let Some(b) = p.bytes.get(n) {
+                        b.fetch_add(plen as u64, Ordering::Relaxed);
+                    }
                 }
+                Ok(_) => {
+                    p.elsewhere.fetch_add(plen as u64, Ordering::Relaxed);
+                }
+                Err(err) => note(err),
             }
         }
     }
-    if let Some(b) = placed().bytes.get(n) {
-        b.fetch_add(bytes, Ordering::Relaxed);
+    Ok(w)
+}
+
+/// Puts the calling thread's memory policy back to the default when dropped.
+struct PolicyGuard;
+
+impl Drop for PolicyGuard {
+    fn drop(&mut self) {
+        let _ = prefer_node(None);
     }
 }
 
-/// Bytes of experts bound to each of the team's nodes so far (empty on one node).
+/// Bytes of experts found on their own node, per node of the team (empty on one node).
 pub fn placed_bytes() -> Vec<u64> {
     placed()
         .bytes
@@ -327,17 +375,22 @@ pub fn summary() -> Option<String> {
         })
         .collect();
     let failed = p.failed.load(Ordering::Relaxed);
+    let elsewhere = p.elsewhere.load(Ordering::Relaxed);
     let first = p
         .first_error
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .clone();
     Some(format!(
-        "NUMA: {}; the stepping thread runs on any of them{}",
+        "NUMA: {}; the stepping thread runs on any of them{}{}",
         nodes.join(", "),
+        match elsewhere {
+            0 => String::new(),
+            b => format!("; {:.1} MB of experts on another node", b as f64 / 1e6),
+        },
         match (failed, first) {
             (0, _) => String::new(),
-            (n, e) => format!("; {n} expert buffers not moved ({})", e.unwrap_or_default()),
+            (n, e) => format!("; {n} NUMA calls refused ({})", e.unwrap_or_default()),
         }
     ))
 }
@@ -361,12 +414,13 @@ fn cpu_list(cpus: &[usize]) -> String {
     parts.join(",")
 }
 
-const MPOL_PREFERRED: i32 = 1;
-const MPOL_MF_MOVE: u32 = 1 << 1;
-const MPOL_F_NODE: u64 = 1;
-const MPOL_F_ADDR: u64 = 1 << 1;
+const MPOL_DEFAULT: libc::c_ulong = 0;
+const MPOL_PREFERRED: libc::c_ulong = 1;
+const MPOL_F_NODE: libc::c_ulong = 1;
+const MPOL_F_ADDR: libc::c_ulong = 1 << 1;
 
-fn page_size() -> usize {
+/// The kernel's page size in bytes.
+pub fn page_size() -> usize {
     // SAFETY: sysconf has no memory effects.
     let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     if p > 0 {
@@ -383,47 +437,56 @@ fn whole_pages(p: usize, len: usize, page: usize) -> Option<(usize, usize)> {
     (end > start).then_some((start, end - start))
 }
 
-/// Moves the whole pages inside `[p, p + len)` to node `node` and prefers it for them from now
-/// on; returns the bytes of those pages. The bytes of partial pages at either end stay where
-/// they are.
+/// Sets the calling thread's memory policy: new pages preferably on `node`, or (None) the
+/// default again.
 #[cfg(target_os = "linux")]
-pub fn bind_to_node(p: *const u8, len: usize, node: u32) -> Result<usize, String> {
-    let Some((start, plen)) = whole_pages(p as usize, len, page_size()) else {
-        return Ok(0);
+pub fn prefer_node(node: Option<u32>) -> Result<(), String> {
+    let mut mask = [0 as libc::c_ulong; 16];
+    let bits = mask.len() * libc::c_ulong::BITS as usize;
+    let mode = match node {
+        None => MPOL_DEFAULT,
+        Some(n) if (n as usize) < bits => {
+            let w = libc::c_ulong::BITS;
+            mask[(n / w) as usize] |= 1 << (n % w);
+            MPOL_PREFERRED
+        }
+        Some(n) => {
+            return Err(format!(
+                "node {n} is past the {bits} nodes this build can name"
+            ))
+        }
     };
-    if node >= 1024 {
-        return Err(format!(
-            "node {node} is past the 1024 nodes this build can name"
-        ));
-    }
-    let mut mask = [0u64; 16];
-    mask[(node / 64) as usize] |= 1 << (node % 64);
-    // SAFETY: mbind changes the policy and placement of pages, not their contents; the
-    // range is whole pages of a live allocation of this process, and the mask holds
-    // 1024 bits (maxnode counts one past them, as the kernel expects).
+    // SAFETY: set_mempolicy reads `bits` bits of `mask` (maxnode counts one past them, as
+    // the kernel expects) and changes only this thread's policy for pages it allocates.
     let r = unsafe {
         libc::syscall(
-            libc::SYS_mbind,
-            start as *mut libc::c_void,
-            plen,
-            MPOL_PREFERRED,
-            mask.as_ptr(),
-            (mask.len() * 64 + 1) as libc::c_ulong,
-            MPOL_MF_MOVE,
+            libc::SYS_set_mempolicy,
+            mode,
+            if node.is_some() {
+                mask.as_ptr()
+            } else {
+                std::ptr::null()
+            },
+            if node.is_some() {
+                bits as libc::c_ulong + 1
+            } else {
+                0
+            },
         )
     };
     if r == 0 {
-        Ok(plen)
+        Ok(())
     } else {
         Err(format!(
-            "mbind to node {node}: {}",
+            "set_mempolicy to prefer {}: {}",
+            node.map_or("the default".to_string(), |n| format!("node {n}")),
             std::io::Error::last_os_error()
         ))
     }
 }
 
 #[cfg(not(target_os = "linux"))]
-pub fn bind_to_node(_p: *const u8, _len: usize, _node: u32) -> Result<usize, String> {
+pub fn prefer_node(_node: Option<u32>) -> Result<(), String> {
     Err("NUMA placement needs Linux".into())
 }
 
@@ -582,26 +645,32 @@ mod tests {
     }
 
     #[test]
-    fn pages_move_to_a_node_the_kernel_has() {
+    fn pages_first_touched_under_a_preferred_node_are_there() {
         // node 0 exists on every Linux host; where the kernel or a container forbids the
-        // calls, say so (the engine then leaves experts where they are)
-        let v = vec![1u8; 1 << 20];
-        match bind_to_node(v.as_ptr(), v.len(), 0) {
-            Ok(b) => {
-                assert!(b >= v.len() - 8192 && b <= v.len(), "{b} bytes bound");
-                let mid = v.as_ptr().wrapping_add(v.len() / 2);
-                assert_eq!(node_of_addr(mid), Ok(0));
-            }
+        // calls, say so (the engine then leaves experts where the allocator puts them)
+        let page = page_size();
+        let got = std::thread::spawn(move || {
+            prefer_node(Some(0))?;
+            let v = vec![1u8; 64 * page];
+            let (start, _) = whole_pages(v.as_ptr() as usize, v.len(), page).unwrap();
+            let n = node_of_addr(start as *const u8);
+            prefer_node(None)?;
+            n
+        })
+        .join()
+        .unwrap();
+        match got {
+            Ok(n) => assert_eq!(n, 0),
             Err(e) => {
-                assert!(e.contains("mbind to node 0"), "{e}");
-                eprintln!("skipped: this host refuses mbind ({e})");
+                assert!(
+                    e.contains("set_mempolicy") || e.contains("get_mempolicy"),
+                    "{e}"
+                );
+                eprintln!("skipped: this host refuses the NUMA calls ({e})");
             }
         }
-        // a node that does not exist is an error that names it, never a crash
-        let e = bind_to_node(v.as_ptr(), v.len(), 1000).unwrap_err();
-        assert!(e.contains("node 1000"), "{e}");
-        assert!(bind_to_node(v.as_ptr(), v.len(), 5000)
-            .unwrap_err()
-            .contains("5000"));
+        // a node past the mask is an error that names it, never a crash
+        let e = prefer_node(Some(5000)).unwrap_err();
+        assert!(e.contains("node 5000"), "{e}");
     }
 }

@@ -529,6 +529,112 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     dot_body::<false, f32>(a, b)
 }
 
+/// One query head's decode attention over cached positions (see [`attend`]).
+#[derive(Clone, Copy)]
+pub struct Attend<'a> {
+    /// The head's query (`head_dim` wide).
+    pub q: &'a [f32],
+    /// The layer's K and V caches.
+    pub kc: &'a [f32],
+    pub vc: &'a [f32],
+    /// Each attended position's start in the caches, in order.
+    pub offs: &'a [usize],
+    /// The KV head's place in a position's row.
+    pub base: usize,
+    pub scale: f32,
+    /// A sink logit joining the softmax (gpt_oss).
+    pub sink: Option<f32>,
+}
+
+/// `a`'s attention: scores `q . k * scale` in `scores` (`offs.len()` long), their softmax
+/// (with the sink where there is one), then `out = sum_j p_j v_j` (`q.len()` wide). The
+/// order of every sum is fixed by the positions alone, so a row gives the same bits
+/// whatever batch it is in.
+pub fn attend(a: &Attend, scores: &mut [f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_fma() {
+        // SAFETY: the CPU supports avx2 and fma (checked at run time).
+        return unsafe { attend_fma(a, scores, out) };
+    }
+    #[cfg(target_arch = "aarch64")]
+    if has_fma() {
+        return attend_body::<true>(a, scores, out);
+    }
+    attend_body::<false>(a, scores, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn attend_fma(a: &Attend, scores: &mut [f32], out: &mut [f32]) {
+    let (hd, base) = (a.q.len(), a.base);
+    // four positions' scores at a time (q loaded once for the four), the same sums as
+    // dot_body's; the rest one by one
+    let whole = a.offs.len() / 4 * 4;
+    for (s4, o4) in scores[..whole]
+        .chunks_exact_mut(4)
+        .zip(a.offs.chunks_exact(4))
+    {
+        let rows: [&[f32]; 4] = std::array::from_fn(|j| &a.kc[o4[j] + base..o4[j] + base + hd]);
+        let d = crate::ops_x86::dots4(a.q.as_ptr(), rows.map(<[f32]>::as_ptr), hd);
+        for (s, d) in s4.iter_mut().zip(d) {
+            *s = d * a.scale;
+        }
+    }
+    for (s, &o) in scores[whole..].iter_mut().zip(&a.offs[whole..]) {
+        *s = dot_body::<true, f32>(a.q, &a.kc[o + base..o + base + hd]) * a.scale;
+    }
+    attend_rest::<true>(a, scores, out)
+}
+
+/// Dimensions of `out` accumulated at once in [`attend`] (kept in registers over the
+/// positions: 8 independent chains of 256 bits).
+const ATT_CHUNK: usize = 64;
+
+#[inline(always)]
+fn attend_body<const FMA: bool>(a: &Attend, scores: &mut [f32], out: &mut [f32]) {
+    let (hd, base) = (a.q.len(), a.base);
+    for (s, &o) in scores.iter_mut().zip(a.offs) {
+        *s = dot_body::<FMA, f32>(a.q, &a.kc[o + base..o + base + hd]) * a.scale;
+    }
+    attend_rest::<FMA>(a, scores, out)
+}
+
+/// [`attend`] after the scores: their softmax and the weighted sum of the V rows.
+#[inline(always)]
+fn attend_rest<const FMA: bool>(a: &Attend, scores: &mut [f32], out: &mut [f32]) {
+    let (hd, base, vc, offs) = (a.q.len(), a.base, a.vc, a.offs);
+    match a.sink {
+        Some(x) => softmax_with_sink(scores, x),
+        None => softmax(scores),
+    }
+    let fma = |p: f32, v: f32, s: f32| if FMA { p.mul_add(v, s) } else { p * v + s };
+    let mut c0 = 0;
+    while c0 < hd {
+        let w = (hd - c0).min(ATT_CHUNK);
+        let mut acc = [0f32; ATT_CHUNK];
+        if w == ATT_CHUNK {
+            for (&p, &o) in scores.iter().zip(offs) {
+                let v: &[f32; ATT_CHUNK] = match vc[o + base + c0..o + base + c0 + w].try_into() {
+                    Ok(v) => v,
+                    Err(_) => unreachable!("a slice of ATT_CHUNK"),
+                };
+                for d in 0..ATT_CHUNK {
+                    acc[d] = fma(p, v[d], acc[d]);
+                }
+            }
+        } else {
+            for (&p, &o) in scores.iter().zip(offs) {
+                let v = &vc[o + base + c0..o + base + c0 + w];
+                for d in 0..w {
+                    acc[d] = fma(p, v[d], acc[d]);
+                }
+            }
+        }
+        out[c0..c0 + w].copy_from_slice(&acc[..w]);
+        c0 += w;
+    }
+}
+
 #[derive(Clone, Copy)]
 struct SyncPtr(*mut f32);
 // SAFETY: SyncPtr is only used to write disjoint elements from parallel tasks.
@@ -918,6 +1024,80 @@ pub fn topk(p: &[f32], k: usize, out: &mut Vec<(usize, f32)>) {
 mod tests {
     use super::*;
     use crate::rng::Rng;
+
+    #[test]
+    fn attention_matches_a_plain_sum_and_one_order_of_sums() {
+        let mut r = Rng::new(5);
+        for (hd, npos, sink) in [
+            (64, 37, None),
+            (64, 4, Some(0.3f32)),
+            (128, 130, None),
+            (48, 9, Some(-1.0)),
+            (16, 1, None),
+            (80, 3, None),
+        ] {
+            // two KV heads a position, positions scattered in a larger cache
+            let kvd = 2 * hd;
+            let slots = 3 * npos + 5;
+            let kc: Vec<f32> = (0..slots * kvd).map(|_| r.uniform() - 0.5).collect();
+            let vc: Vec<f32> = (0..slots * kvd).map(|_| r.uniform() - 0.5).collect();
+            let offs: Vec<usize> = (0..npos).map(|j| ((j * 7 + 3) % slots) * kvd).collect();
+            let q: Vec<f32> = (0..hd).map(|_| r.uniform() * 2.0 - 1.0).collect();
+            let (base, scale) = (hd, 0.125f32);
+            let mut scores = vec![0f32; npos];
+            let mut out = vec![f32::NAN; hd];
+            let a = Attend {
+                q: &q,
+                kc: &kc,
+                vc: &vc,
+                offs: &offs,
+                base,
+                scale,
+                sink,
+            };
+            attend(&a, &mut scores, &mut out);
+            // the plain sum, in f64
+            let s: Vec<f64> = offs
+                .iter()
+                .map(|&o| {
+                    (0..hd)
+                        .map(|d| q[d] as f64 * kc[o + base + d] as f64)
+                        .sum::<f64>()
+                        * scale as f64
+                })
+                .collect();
+            let m = s
+                .iter()
+                .copied()
+                .fold(sink.map_or(f64::MIN, |x| x as f64), f64::max);
+            let z: f64 = s.iter().map(|x| (x - m).exp()).sum::<f64>()
+                + sink.map_or(0.0, |x| (x as f64 - m).exp());
+            for d in 0..hd {
+                let want: f64 = offs
+                    .iter()
+                    .zip(&s)
+                    .map(|(&o, &x)| (x - m).exp() / z * vc[o + base + d] as f64)
+                    .sum();
+                assert!(
+                    (out[d] as f64 - want).abs() < 1e-5,
+                    "hd {hd}, {npos} positions, dim {d}: {} against {want}",
+                    out[d]
+                );
+            }
+            // the dispatched kernel (four positions at a time on x86) gives the bits of the
+            // one-position-at-a-time sums
+            let mut s2 = vec![0f32; npos];
+            let mut o2 = vec![f32::NAN; hd];
+            attend_body::<true>(&a, &mut s2, &mut o2);
+            if has_fma() {
+                assert_eq!(
+                    out.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    o2.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    "hd {hd}, {npos} positions"
+                );
+            }
+        }
+    }
 
     fn naive(x: &[f32], n: usize, w: &Matrix) -> Vec<f32> {
         let mut y = vec![0.0; n * w.rows];

@@ -108,6 +108,17 @@ unsafe fn tile256<E: Wide, const R: usize, const C: usize>(
     out
 }
 
+/// `[dot(q, rows[0]), .., dot(q, rows[3])]` over `k` floats each, the sums of
+/// `ops::dot_body` (decode attention's scores, four cached positions at a time).
+///
+/// # Safety
+/// The CPU has avx2 and fma; `q` and each of `rows` address `k` floats.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn dots4(q: *const f32, rows: [*const f32; 4], k: usize) -> [f32; 4] {
+    let r = tile256::<f32, 4, 1>([q], rows, k);
+    [r[0][0], r[1][0], r[2][0], r[3][0]]
+}
+
 /// `R` weight rows by `C` input rows, 512-bit: the 16 lanes in one register.
 #[inline(always)]
 unsafe fn tile512<E: Wide, const R: usize, const C: usize>(

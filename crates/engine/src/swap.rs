@@ -30,7 +30,9 @@ pub fn load_verified(
                 Error::Rowmap(format!("layer {l} is not a MoE layer of the checkpoint"))
             })?;
             // the checksum of the stored bytes, as the manifest's (Checkpoint::expert_checksum)
-            let w = ckpt.expert(dl, e)?;
+            // built on its node's memory where the team spans several (this runs off the
+            // step loop)
+            let w = crate::numa::load_expert(e, ckpt.config.num_experts, || ckpt.expert(dl, e))?;
             if w.checksum != want {
                 return Err(Error::Checksum {
                     layer: l,
@@ -39,9 +41,6 @@ pub fn load_verified(
                     expected: want,
                 });
             }
-            // to its node's memory, on a host of several (before it is staged: this runs
-            // off the step loop)
-            crate::numa::place_expert(&w, e, ckpt.config.num_experts);
             Ok((l, e, Arc::new(w)))
         })
         .collect()

@@ -94,7 +94,7 @@ impl Team {
     /// before they sleep.
     pub fn new(threads: usize, cpus: Option<&[usize]>, spin: Duration) -> Team {
         // one thread a core: threads past the cores given stay unpinned
-        let seats = (1..threads.max(1))
+        let seats = (1..threads.clamp(1, MAX_THREADS))
             .map(|w| Seat {
                 cpus: cpus.and_then(|c| c.get(w).copied()).into_iter().collect(),
                 node: 0,
@@ -197,7 +197,7 @@ impl Team {
     /// node's tasks before the others'. Where the team spans one node, or `ranges` is not
     /// such a partition, it is [`Team::run`] over every task.
     pub fn run_placed(&self, ranges: &[Range<usize>], f: &(dyn Fn(usize) + Sync)) {
-        let tasks = ranges.last().map_or(0, |r| r.end);
+        let tasks = ranges.iter().map(|r| r.end).max().unwrap_or(0);
         let partition = ranges.len() == self.nodes()
             && ranges.first().is_some_and(|r| r.start == 0)
             && ranges.iter().all(|r| r.start <= r.end)
@@ -420,6 +420,9 @@ impl Drop for Team {
     }
 }
 
+/// The most threads a team spawns (a larger `MOELANE_THREADS` is taken as this).
+const MAX_THREADS: usize = 1024;
+
 fn spin_time() -> Duration {
     let us = std::env::var("MOELANE_SPIN_US")
         .ok()
@@ -571,7 +574,7 @@ fn numa_seats(
     pin: bool,
 ) -> (Vec<Seat>, Vec<u16>) {
     let n = t.nodes.len();
-    let seats = (1..threads.max(1))
+    let seats = (1..threads.clamp(1, MAX_THREADS))
         .map(|w| {
             let core = cores.get(w).copied();
             let node = core.and_then(|c| t.node_of_cpu(c)).unwrap_or(w % n);
@@ -713,8 +716,9 @@ mod tests {
                 vec![0..3],
                 vec![1..3, 3..6],
                 vec![0..4, 3..6],
+                vec![0..5, 2..3],
             ] {
-                let end = ranges.last().map_or(0, |r| r.end);
+                let end = ranges.iter().map(|r| r.end).max().unwrap_or(0);
                 for _ in 0..50 {
                     let hits: Vec<AtomicU32> = (0..end).map(|_| AtomicU32::new(0)).collect();
                     t.run_placed(&ranges, &|i| {

