@@ -434,7 +434,7 @@ pub fn page_size() -> usize {
 fn whole_pages(p: usize, len: usize, page: usize) -> Option<(usize, usize)> {
     let start = p.checked_add(page - 1)? / page * page;
     let end = p.checked_add(len)? / page * page;
-    (end > start).then_some((start, end - start))
+    (end > start).then(|| (start, end - start))
 }
 
 /// Sets the calling thread's memory policy: new pages preferably on `node`, or (None) the
