@@ -298,6 +298,11 @@ pub enum BenchCmd {
         /// Repetitions; the median is reported.
         #[arg(long, default_value_t = 3)]
         reps: usize,
+        /// Tokens of each sequence's prompt, prefilled before the measured steps (the
+        /// sample prompt repeated; 0: the sample prompt as it is, 17 tokens): decode
+        /// after that many positions, as llama-batched-bench's -npp.
+        #[arg(long, default_value_t = 0)]
+        context: usize,
     },
 }
 
@@ -584,6 +589,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             batch,
             steps,
             reps,
+            context,
         } => {
             let dir = match model {
                 Some(m) => m,
@@ -659,7 +665,24 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
                 "{:>6} {:>12} {:>14} {:>16} {:>12} {:>8}",
                 "batch", "tokens/s", "ms/step", "weight MB/token", "GB/s implied", "% read"
             );
-            let prompt = tok.encode(synth::prompts(0)[0])?;
+            let mut prompt = tok.encode(synth::prompts(0)[0])?;
+            if context > 0 && !prompt.is_empty() {
+                // the sample prompt repeated to `context - 1` tokens (each sequence adds one)
+                prompt = prompt
+                    .iter()
+                    .copied()
+                    .cycle()
+                    .take(context.saturating_sub(1).max(1))
+                    .collect();
+                println!("decode after a prompt of {context} tokens a sequence");
+            }
+            if context + steps + 9 > c.max_position_embeddings {
+                anyhow::bail!(
+                    "--context {context} plus {} steps passes the model's {} positions",
+                    steps + 9,
+                    c.max_position_embeddings
+                );
+            }
             for &b in &batch {
                 let mut rates = Vec::new();
                 let mut per_tok = 0f64;
