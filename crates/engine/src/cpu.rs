@@ -350,26 +350,44 @@ impl StepBackend for CpuBackend {
         let window = c.windows[layer];
         let (kc, vc) = (&kv.k[layer], &kv.v[layer]);
         let (qkv, rows, sinks) = (&self.qkv, &self.rows, &lw.sinks);
-        crate::team::team().for_each_chunk(&mut self.att, qd, &|i, out| {
+        // Per row (each position's offset found once for all heads), or, with fewer rows
+        // than threads, per (row, head) so the heads spread over the team. Either way each
+        // head is the same `attend` call, so the split changes no bit.
+        let offsets = |i: usize| -> Vec<usize> {
             let rp = rows[i];
-            let seq = seqs[rp.seq];
             let first = window.map_or(0, |w| (rp.pos + 1).saturating_sub(w));
-            // each position's K/V row in the paged cache, once for every head
-            let offs: Vec<usize> = (first..=rp.pos).map(|p| seq.offset(p, kvd)).collect();
-            let mut scores = vec![0f32; offs.len()];
-            for hh in 0..nh {
-                let a = ops::Attend {
-                    q: &qkv[i * stride + hh * hd..i * stride + (hh + 1) * hd],
-                    kc,
-                    vc,
-                    offs: &offs,
-                    base: (hh / group) * hd,
-                    scale,
-                    sink: sinks.get(hh).copied(),
-                };
-                ops::attend(&a, &mut scores, &mut out[hh * hd..(hh + 1) * hd]);
-            }
-        });
+            (first..=rp.pos)
+                .map(|p| seqs[rp.seq].offset(p, kvd))
+                .collect()
+        };
+        let head = |i: usize, hh: usize, offs: &[usize], scores: &mut Vec<f32>, out: &mut [f32]| {
+            scores.resize(offs.len(), 0.0);
+            let a = ops::Attend {
+                q: &qkv[i * stride + hh * hd..i * stride + (hh + 1) * hd],
+                kc,
+                vc,
+                offs,
+                base: (hh / group) * hd,
+                scale,
+                sink: sinks.get(hh).copied(),
+            };
+            ops::attend(&a, scores, out);
+        };
+        let team = crate::team::team();
+        if n >= team.threads() {
+            team.for_each_chunk(&mut self.att[..n * qd], qd, &|i, out| {
+                let offs = offsets(i);
+                let mut scores = Vec::new();
+                for (hh, o) in out.chunks_exact_mut(hd).enumerate() {
+                    head(i, hh, &offs, &mut scores, o);
+                }
+            });
+        } else {
+            team.for_each_chunk(&mut self.att[..n * qd], hd, &|t, out| {
+                let (i, hh) = (t / nh, t % nh);
+                head(i, hh, &offsets(i), &mut Vec::new(), out);
+            });
+        }
         matmul(&self.att, n, &lw.o, &mut self.tmp);
         for (xv, t) in self.x[..n * hs].iter_mut().zip(&self.tmp) {
             *xv += t;

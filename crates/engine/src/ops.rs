@@ -570,12 +570,26 @@ unsafe fn attend_fma(a: &Attend, scores: &mut [f32], out: &mut [f32]) {
     // four positions' scores at a time (q loaded once for the four), the same sums as
     // dot_body's; the rest one by one
     let whole = a.offs.len() / 4 * 4;
-    for (s4, o4) in scores[..whole]
+    for (c, (s4, o4)) in scores[..whole]
         .chunks_exact_mut(4)
         .zip(a.offs.chunks_exact(4))
+        .enumerate()
     {
-        let rows: [&[f32]; 4] = std::array::from_fn(|j| &a.kc[o4[j] + base..o4[j] + base + hd]);
-        let d = crate::ops_x86::dots4(a.q.as_ptr(), rows.map(<[f32]>::as_ptr), hd);
+        let (k0, k1, k2, k3) = (
+            &a.kc[o4[0] + base..o4[0] + base + hd],
+            &a.kc[o4[1] + base..o4[1] + base + hd],
+            &a.kc[o4[2] + base..o4[2] + base + hd],
+            &a.kc[o4[3] + base..o4[3] + base + hd],
+        );
+        // the rows AHEAD positions on, while these four are summed
+        for &o in a.offs.iter().skip(c * 4 + AHEAD).take(4) {
+            prefetch_row(a.kc, o + base, hd);
+        }
+        let d = crate::ops_x86::dots4(
+            a.q.as_ptr(),
+            [k0.as_ptr(), k1.as_ptr(), k2.as_ptr(), k3.as_ptr()],
+            hd,
+        );
         for (s, d) in s4.iter_mut().zip(d) {
             *s = d * a.scale;
         }
@@ -589,6 +603,30 @@ unsafe fn attend_fma(a: &Attend, scores: &mut [f32], out: &mut [f32]) {
 /// Dimensions of `out` accumulated at once in [`attend`] (kept in registers over the
 /// positions: 8 independent chains of 256 bits).
 const ATT_CHUNK: usize = 64;
+
+/// Positions ahead whose K or V row [`attend`] asks the cache for.
+const AHEAD: usize = 16;
+
+/// Asks the cache for `v[at..at + len]` (a hint: no effect on results; nothing where the
+/// range is not inside `v`).
+#[inline(always)]
+fn prefetch_row(v: &[f32], at: usize, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if at + len <= v.len() {
+        let mut i = 0;
+        while i < len {
+            // SAFETY: a prefetch of an address inside `v` (checked) reads nothing.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    v.as_ptr().add(at + i).cast(),
+                )
+            };
+            i += 16;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (v, at, len);
+}
 
 #[inline(always)]
 fn attend_body<const FMA: bool>(a: &Attend, scores: &mut [f32], out: &mut [f32]) {
@@ -613,7 +651,10 @@ fn attend_rest<const FMA: bool>(a: &Attend, scores: &mut [f32], out: &mut [f32])
         let w = (hd - c0).min(ATT_CHUNK);
         let mut acc = [0f32; ATT_CHUNK];
         if w == ATT_CHUNK {
-            for (&p, &o) in scores.iter().zip(offs) {
+            for (j, (&p, &o)) in scores.iter().zip(offs).enumerate() {
+                if let Some(&ahead) = offs.get(j + AHEAD) {
+                    prefetch_row(vc, ahead + base + c0, w);
+                }
                 let v: &[f32; ATT_CHUNK] = match vc[o + base + c0..o + base + c0 + w].try_into() {
                     Ok(v) => v,
                     Err(_) => unreachable!("a slice of ATT_CHUNK"),
