@@ -160,14 +160,14 @@ pub fn topology_for(
             let n = n.min(phys.len());
             // a core is named by its first hardware thread on both sides (`phys` holds the
             // first allowed one, which need not be it)
-            let keys: Vec<usize> = phys.iter().map(|&c| core_of(c)).collect();
+            let keys: Vec<usize> = phys.iter().map(|&c| crate::team::core_of(c)).collect();
             (0..n)
                 .map(|i| {
                     let cores = &keys[i * keys.len() / n..(i + 1) * keys.len() / n];
                     let mut cpus: Vec<usize> = allowed
                         .iter()
                         .copied()
-                        .filter(|&c| cores.contains(&core_of(c)))
+                        .filter(|&c| cores.contains(&crate::team::core_of(c)))
                         .collect();
                     cpus.sort_unstable();
                     let id = cpus
@@ -184,16 +184,6 @@ pub fn topology_for(
         }
     };
     (nodes.len() >= 2).then_some(Topology { nodes })
-}
-
-/// The first hardware thread of `cpu`'s core (itself where sysfs does not say).
-fn core_of(cpu: usize) -> usize {
-    std::fs::read_to_string(format!(
-        "/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list"
-    ))
-    .ok()
-    .and_then(|s| crate::team::parse_cpu_list(s.trim()).into_iter().next())
-    .unwrap_or(cpu)
 }
 
 /// The process's topology (`MOELANE_NUMA`, read once; a bad value is said on stderr and

@@ -472,16 +472,21 @@ pub fn physical_cpus() -> Option<Vec<usize>> {
     let mut cores = std::collections::BTreeSet::new();
     let mut out = Vec::new();
     for &c in &allowed {
-        let path = format!("/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list");
-        let first = std::fs::read_to_string(&path)
-            .ok()
-            .and_then(|s| parse_cpu_list(s.trim()).into_iter().next())
-            .unwrap_or(c);
-        if cores.insert(first) {
+        if cores.insert(core_of(c)) {
             out.push(c);
         }
     }
     (!out.is_empty()).then_some(out)
+}
+
+/// The first hardware thread of `cpu`'s core (itself where sysfs does not say).
+pub fn core_of(cpu: usize) -> usize {
+    std::fs::read_to_string(format!(
+        "/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list"
+    ))
+    .ok()
+    .and_then(|s| parse_cpu_list(s.trim()).into_iter().next())
+    .unwrap_or(cpu)
 }
 
 /// Every CPU this process may run on (its affinity mask), in order.
