@@ -347,18 +347,20 @@ extern "C" __global__ void __launch_bounds__(256) attention_tiled(
 // row's positions and writes its partial to part [rows, nh, S, hd + 2] (attention_merge
 // then writes out), so a long context is read by S blocks at once, not one.
 // grid: (rows, nh, S); block: 32 * nw; dynamic shared memory: (nw + 3) * hd floats. hd <= 128.
-extern "C" __global__ void __launch_bounds__(512, 2) attention_decode(const float* __restrict__ qkv, const float* __restrict__ qn,
+// (row r, head hh, range z of S) of attention_decode, as a block's body: also the
+// persistent step's (step_one.cu), which reads qkv after a grid barrier (so no __restrict__
+// on it: those loads must not take the read-only path).
+__device__ __forceinline__ void decode_head(const float* qkv, const float* __restrict__ qn,
                                             const float* __restrict__ kn, const float* __restrict__ cos_t,
                                             const float* __restrict__ sin_t, float* __restrict__ kc,
                                             float* __restrict__ vc, const int* __restrict__ row_pos,
                                             const int* __restrict__ row_tab, const int* __restrict__ blocks,
                                             float* __restrict__ out, int nh, int nkv, int hd,
                                             float eps, float scale, float* __restrict__ part, int rd,
-                                            const float* __restrict__ sinks, int window) {
-    PDL_ENTRY();
+                                            const float* __restrict__ sinks, int window, int r, int hh,
+                                            int z, int S) {
     extern __shared__ float sh[];
     __shared__ float sm[32], sl[32];
-    const int r = blockIdx.x, hh = blockIdx.y;
     const int qd = nh * hd, kvd = nkv * hd, group = nh / nkv;
     const int g = hh / group;
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
@@ -376,7 +378,7 @@ extern "C" __global__ void __launch_bounds__(512, 2) attention_decode(const floa
         for (int i = lane; i < hd; i += 32) sv[i] = row[qd + kvd + g * hd + i];
     }
     __syncthreads();
-    if (hh % group == 0 && blockIdx.z == 0) {
+    if (hh % group == 0 && z == 0) {
         const size_t off = ((size_t)tab[pos / KV_BLOCK] * KV_BLOCK + pos % KV_BLOCK) * kvd + g * hd;
         for (int i = threadIdx.x; i < hd; i += blockDim.x) {
             kc[off + i] = sk[i];
@@ -389,37 +391,57 @@ extern "C" __global__ void __launch_bounds__(512, 2) attention_decode(const floa
         qv[d] = i < hd ? sq[i] : 0.f;
     }
     const int first = first_seen(pos, window);
-    const int S = gridDim.z, per = (pos + 1 - first + S - 1) / S;
-    const int lo = min(pos + 1, first + (int)blockIdx.z * per), hi = min(pos + 1, lo + per);
+    const int per = (pos + 1 - first + S - 1) / S;
+    const int lo = min(pos + 1, first + z * per), hi = min(pos + 1, lo + per);
     attend(qv, kc, vc, tab, pos, lo, hi, kvd, g * hd, hd, scale, sk, sv, sh, sm, sl,
            out + (size_t)r * qd + hh * hd,
-           S > 1 ? part + (((size_t)r * nh + hh) * S + blockIdx.z) * (hd + 2) : 0,
+           S > 1 ? part + (((size_t)r * nh + hh) * S + z) * (hd + 2) : 0,
            sinks ? sinks[hh] : -INFINITY);
+}
+
+extern "C" __global__ void __launch_bounds__(512, 2) attention_decode(const float* __restrict__ qkv, const float* __restrict__ qn,
+                                            const float* __restrict__ kn, const float* __restrict__ cos_t,
+                                            const float* __restrict__ sin_t, float* __restrict__ kc,
+                                            float* __restrict__ vc, const int* __restrict__ row_pos,
+                                            const int* __restrict__ row_tab, const int* __restrict__ blocks,
+                                            float* __restrict__ out, int nh, int nkv, int hd,
+                                            float eps, float scale, float* __restrict__ part, int rd,
+                                            const float* __restrict__ sinks, int window) {
+    PDL_ENTRY();
+    decode_head(qkv, qn, kn, cos_t, sin_t, kc, vc, row_pos, row_tab, blocks, out, nh, nkv, hd, eps,
+                scale, part, rd, sinks, window, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.z);
 }
 
 // out[r, head hh] from the S partials of attention_decode: the softmax-weighted values of
 // every range rescaled to the largest score. grid: (rows, nh); block: >= hd threads.
-extern "C" __global__ void attention_merge(const float* __restrict__ part, float* __restrict__ out,
-                                           int nh, int hd, int S, const float* __restrict__ sinks) {
-    PDL_ENTRY();
-    const int r = blockIdx.x, hh = blockIdx.y, i = threadIdx.x;
-    if (i >= hd) return;
+// Thread i (< hd) of attention_merge's (row r, head hh); `part` is read through the L2
+// (__ldcg): the persistent step merges partials other blocks of its grid wrote.
+__device__ __forceinline__ void merge_head(const float* part, float* __restrict__ out, int nh, int hd,
+                                           int S, const float* __restrict__ sinks, int r, int hh, int i) {
     const float* p = part + ((size_t)r * nh + hh) * S * (hd + 2);
     float mx = -INFINITY;
     for (int z = 0; z < S; z++)
-        if (p[(size_t)z * (hd + 2) + 1] > 0.f) mx = fmaxf(mx, p[(size_t)z * (hd + 2)]);
+        if (__ldcg(p + (size_t)z * (hd + 2) + 1) > 0.f) mx = fmaxf(mx, __ldcg(p + (size_t)z * (hd + 2)));
     // head hh's sink logit (none: -inf) joins the sum
     const float sink = sinks ? sinks[hh] : -INFINITY;
     mx = fmaxf(mx, sink);
     float tot = expf(sink - mx), o = 0.f;
     for (int z = 0; z < S; z++) {
         const float* q = p + (size_t)z * (hd + 2);
-        if (q[1] > 0.f) {
-            const float f = expf(q[0] - mx);
-            tot += q[1] * f;
-            o += q[2 + i] * f;
+        const float l = __ldcg(q + 1);
+        if (l > 0.f) {
+            const float f = expf(__ldcg(q) - mx);
+            tot += l * f;
+            o += __ldcg(q + 2 + i) * f;
         }
     }
     out[(size_t)r * nh * hd + hh * hd + i] = o / tot;
 }
 
+extern "C" __global__ void attention_merge(const float* __restrict__ part, float* __restrict__ out,
+                                           int nh, int hd, int S, const float* __restrict__ sinks) {
+    PDL_ENTRY();
+    const int i = threadIdx.x;
+    if (i >= hd) return;
+    merge_head(part, out, nh, hd, S, sinks, blockIdx.x, blockIdx.y, i);
+}

@@ -106,6 +106,25 @@ fn traced(e: &mut Engine, prompt: &[u32], decode: usize) -> (Vec<Vec<f32>>, Vec<
     (e.trace.take().unwrap(), logits)
 }
 
+/// Prefill `prompt`, then `decode` greedy steps (no trace: a step is one run of kernels);
+/// every step's logits.
+fn decoded(e: &mut Engine, prompt: &[u32], decode: usize) -> Vec<Vec<f32>> {
+    let mut seq = e.kv.new_seq();
+    let mut toks = prompt.to_vec();
+    let mut out = Vec::new();
+    for _ in 0..=decode {
+        let l = e
+            .step(&mut [SeqStep {
+                kv: &mut seq,
+                tokens: &toks,
+            }])
+            .unwrap();
+        toks = vec![moelane_engine::sampling::argmax(&l) as u32];
+        out.push(l);
+    }
+    out
+}
+
 #[test]
 fn gpu_step_matches_the_cpu_backend() {
     let Some(gpu) = gpu() else { return };
@@ -766,6 +785,76 @@ fn families_on_the_gpu_match_transformers() {
         assert_eq!(
             ok, all,
             "{name}: GPU greedy picks differ from transformers'"
+        );
+    }
+}
+
+#[test]
+fn one_row_persistent_step_matches_the_chain() {
+    // a single decode row's MoE layers as the persistent kernel (step_one.cu) against the
+    // chain of kernels: `mini` in bf16 as stored and widened to f32, 3 prompts decoded one
+    // at a time for 72 greedy steps (past 64 positions, where decode attention splits into
+    // ranges and the kernel merges them), all hot; the logits of every step the same bit
+    // for bit, and the persistent kernel did run
+    use moelane_engine::cuda_model::{attach_gpu, GpuModel, GpuOptions, WeightMode};
+    let Some(gpu) = gpu() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let p = moelane_engine::synth::Preset::by_name("mini").unwrap();
+    moelane_engine::synth::generate(&p, 1, dir.path()).unwrap();
+    let ckpt = Checkpoint::open(dir.path()).unwrap();
+    let opts = EngineOptions {
+        kv_tokens: 4096,
+        progress: false,
+    };
+    let ps = prompts(ckpt.config.vocab_size, 3);
+    for weights in [WeightMode::Stored, WeightMode::F32] {
+        let (_, map) = maps(&ckpt, p.hot).remove(0);
+        let mut e = engine_from(&ckpt, map, &opts).unwrap();
+        let dense = moelane_engine::model::DenseWeights::load(&ckpt).unwrap();
+        let g = GpuModel::with_options(
+            gpu.clone(),
+            &ckpt.config,
+            &dense,
+            e.kv.blocks,
+            GpuOptions {
+                weights,
+                ..GpuOptions::default()
+            },
+        )
+        .unwrap();
+        if let Err(why) = g.persist_status() {
+            panic!("{weights:?}: mini cannot take the persistent step: {why}");
+        }
+        attach_gpu(&mut e, g).unwrap();
+        let run = |e: &mut Engine, on: bool| -> Vec<Vec<f32>> {
+            e.gpu_mut().unwrap().set_persist(on);
+            ps.iter().flat_map(|p| decoded(e, p, 72)).collect()
+        };
+        let chain = run(&mut e, false);
+        let before = e.gpu_mut().unwrap().persist_runs();
+        let one = run(&mut e, true);
+        let runs = e.gpu_mut().unwrap().persist_runs() - before;
+        let same = chain
+            .iter()
+            .zip(&one)
+            .filter(|(a, b)| {
+                a.iter()
+                    .map(|x| x.to_bits())
+                    .eq(b.iter().map(|x| x.to_bits()))
+            })
+            .count();
+        eprintln!(
+            "{weights:?}: {runs} runs took the persistent step; {same}/{} steps' logits bit-identical to the chain's",
+            chain.len()
+        );
+        assert!(
+            runs >= 3 * 72,
+            "{weights:?}: the persistent step ran {runs} times"
+        );
+        assert_eq!(
+            same,
+            chain.len(),
+            "{weights:?}: logits differ from the chain's"
         );
     }
 }

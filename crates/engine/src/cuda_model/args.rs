@@ -262,3 +262,13 @@ mod tests {
         assert_eq!(Hollow {}.params().len(), 0);
     }
 }
+
+kernel_args! {
+    /// `step_one` (step_one.cu): decoder layers of one decode row as one persistent kernel.
+    StepOne {
+        lay: u64, nl: i32, x: u64, qkv: u64, att: u64, part: u64, h: u64, rlog: u64, act: u64,
+        idx: u64, wts: u64, cos_t: u64, sin_t: u64, row_pos: u64, row_tab: u64, blocks: u64,
+        bar: u64, hid: i32, nh: i32, nkv: i32, hd: i32, rd: i32, experts: i32, k: i32,
+        inter: i32, eps: f32, scale: f32, norm: i32, splits: i32,
+    }
+}

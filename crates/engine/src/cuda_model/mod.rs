@@ -23,7 +23,7 @@ use cudarc::driver::{
 
 use crate::bank::ExpertBank;
 use crate::checkpoint::ExpertWeights;
-use crate::config::{Glu, ModelConfig};
+use crate::config::{Glu, ModelConfig, Routing};
 use crate::cuda::Gpu;
 use crate::error::{Error, Result};
 use crate::kv::{SeqKv, BLOCK};
@@ -45,6 +45,7 @@ pub const DENSE_CU: &str = concat!(
     include_str!("../../../../kernels/moe.cu"),
     include_str!("../../../../kernels/sampling.cu"),
     include_str!("../../../../kernels/generator.cu"),
+    include_str!("../../../../kernels/step_one.cu"),
 );
 
 /// The files [`DENSE_CU`] is made of, in its order.
@@ -58,6 +59,7 @@ const DENSE_FILES: &[&str] = &[
     "moe.cu",
     "sampling.cu",
     "generator.cu",
+    "step_one.cu",
 ];
 
 pub(crate) mod args;
@@ -66,6 +68,7 @@ mod launch;
 mod link_ops;
 
 mod step;
+mod step_one;
 mod step_ops;
 pub use generate::*;
 
@@ -89,10 +92,30 @@ pub(crate) unsafe fn launch_raw(
     cfg: LaunchConfig,
 ) -> std::result::Result<(), cudarc::driver::DriverError> {
     use cudarc::driver::sys;
-    st.context().bind_to_thread()?;
     let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
     attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
     attr.value.programmaticStreamSerializationAllowed = 1;
+    let attrs: &mut [sys::CUlaunchAttribute] = if pdl {
+        std::slice::from_mut(&mut attr)
+    } else {
+        &mut []
+    };
+    launch_ex(st, f, params, attrs, cfg)
+}
+
+/// As [`launch_raw`], with the launch attributes `attrs`.
+///
+/// # Safety
+/// As [`launch_raw`].
+pub(crate) unsafe fn launch_ex(
+    st: &Arc<CudaStream>,
+    f: &CudaFunction,
+    params: &mut [*mut std::ffi::c_void],
+    attrs: &mut [cudarc::driver::sys::CUlaunchAttribute],
+    cfg: LaunchConfig,
+) -> std::result::Result<(), cudarc::driver::DriverError> {
+    use cudarc::driver::sys;
+    st.context().bind_to_thread()?;
     let lc = sys::CUlaunchConfig {
         gridDimX: cfg.grid_dim.0,
         gridDimY: cfg.grid_dim.1,
@@ -102,8 +125,12 @@ pub(crate) unsafe fn launch_raw(
         blockDimZ: cfg.block_dim.2,
         sharedMemBytes: cfg.shared_mem_bytes,
         hStream: st.cu_stream(),
-        attrs: if pdl { &mut attr } else { std::ptr::null_mut() },
-        numAttrs: pdl as u32,
+        attrs: if attrs.is_empty() {
+            std::ptr::null_mut()
+        } else {
+            attrs.as_mut_ptr()
+        },
+        numAttrs: attrs.len() as u32,
     };
     sys::cuLaunchKernelEx(
         &lc,
@@ -144,6 +171,10 @@ pub struct GpuOptions {
     /// and its top-k in one; a single row, the MoE down-projection and the combine when
     /// every pick is on this GPU.
     pub fuse: bool,
+    /// A single decode row's MoE layers as one persistent kernel (`step_one`) where the
+    /// layers allow it (`MOELANE_CUDA_PERSIST=1`; off by default until measured on a GPU:
+    /// the chain of kernels, the same sums).
+    pub persist: bool,
     /// Step kernels launched hollow, a diagnostic (`MOELANE_CUDA_HOLLOW`, see
     /// [`GpuModel::set_hollow`]); empty in serving.
     pub hollow: Vec<String>,
@@ -191,6 +222,7 @@ impl Default for GpuOptions {
             split_attention: true,
             preload: true,
             fuse: false,
+            persist: false,
             hollow: Vec::new(),
             weights: WeightMode::Stored,
         }
@@ -208,6 +240,7 @@ impl GpuOptions {
             split_attention: env_on("MOELANE_CUDA_ATTN_SPLIT"),
             preload: env_on("MOELANE_CUDA_PRELOAD"),
             fuse: std::env::var("MOELANE_CUDA_FUSE").is_ok_and(|v| v == "1"),
+            persist: std::env::var("MOELANE_CUDA_PERSIST").is_ok_and(|v| v == "1"),
             hollow: std::env::var("MOELANE_CUDA_HOLLOW")
                 .map(|v| hollow_list(&v))
                 .unwrap_or_default(),
@@ -553,6 +586,7 @@ struct Funcs {
     gemv: ByDt,
     norm_gemv: ByDt,
     norm_gemv_route: ByDt,
+    step_one: ByDt,
     hollow: CudaFunction,
     moe_up_f8: CudaFunction,
     moe_down_f8: CudaFunction,
@@ -610,6 +644,7 @@ fn funcs(gpu: &Gpu) -> Result<Funcs> {
         gemv: both("gemv_rows")?,
         norm_gemv: both("norm_gemv_rows")?,
         norm_gemv_route: both("norm_gemv_route")?,
+        step_one: both("step_one")?,
         hollow: f("hollow_step")?,
         moe_up_f8: f("moe_up_f8")?,
         moe_down_f8: f("moe_down_f8")?,
@@ -844,6 +879,17 @@ pub struct GpuModel {
     hollow: Vec<String>,
     /// the `ipc` link's device mailbox, when one is attached ([`Self::attach_link`])
     link: Option<link_ops::LinkState>,
+    /// a single decode row's MoE layers as the persistent kernel ([`Op::StepOne`]) where
+    /// they allow it (`MOELANE_CUDA_PERSIST=1` or `set_persist` turns it on)
+    persist: bool,
+    /// the persistent step's blocks (one per SM; 0: it does not fit, the chain runs)
+    one_grid: usize,
+    /// its table of every layer's buffers (built once at load)
+    one_lay: Option<Buf<u64>>,
+    /// its grid barrier's two counters (0 between launches)
+    one_bar: Buf<u32>,
+    /// runs that took it (a diagnostic: tests check it ran)
+    one_runs: u64,
 }
 
 impl Drop for GpuModel {
@@ -969,6 +1015,10 @@ pub enum Op {
     /// the `ipc` link: wait for MoE layer ml's reply of round r, its rows into the cold pick
     /// slots
     LinkJoin(usize, usize),
+    /// decoder layers l0..l0 + count (MoE layers from ml0), each an Attention, Route and
+    /// Moe + Combine (or MoeOne) of a single decode row with every pick on this GPU, as
+    /// one persistent kernel ([`GpuModel::fold_persistent`])
+    StepOne(usize, usize, usize),
 }
 
 pub use crate::step::HeadOut;
@@ -1217,6 +1267,7 @@ impl GpuModel {
         .map_err(|e| gerr("setting the cuBLAS workspace", e))?;
         let pdl = gpu.cc.0 >= 9 && opts.pdl;
         let att_wave = decode_wave(&gpu, &f, cfg.head_dim)?;
+        let one_grid = step_one::one_grid(&gpu, &f.step_one.bf16, cfg.head_dim)?;
         let up = |v: &[f32]| Buf::from_host(&st, v);
         let mode = opts.weights;
         let layers = upload_layers(&st, w, mode)?;
@@ -1321,6 +1372,11 @@ impl GpuModel {
             register_topk: true,
             hollow: opts.hollow,
             link: None,
+            persist: opts.persist,
+            one_grid,
+            one_lay: None,
+            one_bar: Buf::zeros(&st, 2)?,
+            one_runs: 0,
             layers,
             cfg: cfg.clone(),
             f,
@@ -1339,6 +1395,9 @@ impl GpuModel {
             .unwrap_or(0);
         if widest_f8 > 0 {
             m.f8_wide = Buf::zeros(&m.st, widest_f8)?;
+        }
+        if m.persist_unfit().is_none() {
+            m.one_lay = Some(m.one_layers()?);
         }
         m.sync()?;
         Ok(m)
@@ -1766,6 +1825,9 @@ impl GpuModel {
         if ops.is_empty() {
             return Ok(());
         }
+        let folded = self.fold_persistent(ops);
+        self.one_runs += folded.is_some() as u64;
+        let ops = folded.as_deref().unwrap_or(ops);
         if !self.graphs || self.profile.is_some() {
             return ops.iter().try_for_each(|op| self.exec(op));
         }
@@ -1850,6 +1912,7 @@ impl GpuModel {
             Op::Shared(l) => self.shared_expert(l),
             Op::Head(out) => self.head(out),
             Op::LinkStep | Op::LinkPost(..) | Op::LinkJoin(..) => self.link_op(op),
+            Op::StepOne(l0, count, ml0) => self.step_one(l0, count, ml0),
         }
     }
 }

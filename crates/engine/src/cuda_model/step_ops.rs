@@ -869,6 +869,29 @@ impl GpuModel {
         }
     }
 
+    /// Runs a single decode row's MoE layers as the persistent kernel where they allow it
+    /// (the default) or as the chain of kernels: the same sums.
+    pub fn set_persist(&mut self, on: bool) {
+        if on != self.persist {
+            self.persist = on;
+            self.drop_graphs();
+        }
+    }
+
+    /// Runs of the step that took the persistent kernel so far.
+    pub fn persist_runs(&self) -> u64 {
+        self.one_runs
+    }
+
+    /// Whether the persistent step can run this model's layers at all, and if not why.
+    pub fn persist_status(&self) -> std::result::Result<(), &'static str> {
+        match self.persist_unfit() {
+            Some(why) => Err(why),
+            None if !self.persist => Err("turned off"),
+            None => Ok(()),
+        }
+    }
+
     /// Keeps the router's top-k rows in registers (the default, up to 512 experts) or in
     /// shared memory (the path of larger routers): the same picks either way.
     pub fn set_register_topk(&mut self, on: bool) {

@@ -1,0 +1,300 @@
+// The persistent decode step of one row (`step_one`): every MoE layer of a span in one
+// kernel, one block of 16 warps per SM, the phases of a layer separated by grid barriers
+// instead of kernel boundaries. Each phase's weights are asked of the L2 before the barrier
+// that precedes it (the dense rows one or two phases ahead, the picked experts' down rows
+// as soon as the top-k is known, while the up-projection streams), so after a barrier a
+// phase waits only for its activations. The arithmetic is the chain's, kernel for kernel
+// and in the same order (norm_gemv_rows, attention_decode, attention_merge, gemv_rows,
+// route_topk, moe_up, moe_down and moe_combine): the two paths' logits agree bit for bit.
+// Activations written inside the kernel are read through the L2 (__ldcg), never the
+// read-only path.
+//
+// The span's layers are described by `lay` (ONE_FIELDS words each, see OneLayer); the grid
+// must be co-resident (a cooperative launch). bar[0] counts arrivals at the grid barriers,
+// bar[1] blocks done: the last block to finish sets both back to 0 for the next launch.
+// grid: the SM count; block: 32 * ONE_WARPS; dynamic shared memory: (ONE_WARPS + 3) * hd
+// floats (attention's).
+
+#define ONE_WARPS 16
+#define ONE_K 8
+
+struct OneLayer {
+    const void* qkv;           // [q_dim + 2 kv_dim, H]
+    const float* in_norm;      // [H]
+    const float* qn;           // [hd] or null (no q/k norm)
+    const float* kn;
+    float* kc;                 // this layer's KV cache
+    float* vc;
+    const void* o;             // [H, q_dim]
+    const float* post_norm;    // [H]
+    const void* router;        // [E, H]
+    const unsigned long long* gu;  // per expert: gate_up [2I, H] or null
+    const unsigned long long* dn;  // per expert: down [H, I] or null
+    const float* sinks;        // [nh] or null
+    long long window;          // sliding window (0: none)
+};
+
+// The grid barrier: every block's writes before it are visible to every block after it.
+__device__ __forceinline__ void one_sync(unsigned* bar, unsigned& target) {
+    __syncthreads();
+    target += gridDim.x;
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(bar, 1u);
+        unsigned v;
+        do {
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(bar) : "memory");
+        } while (v < target);
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+// This block's share [lo, hi) of `total` items, in contiguous ranges.
+__device__ __forceinline__ void one_range(int total, int& lo, int& hi) {
+    const int per = (total + gridDim.x - 1) / gridDim.x;
+    lo = min(total, (int)blockIdx.x * per);
+    hi = min(total, lo + per);
+}
+
+// Thread 0 asks the L2 for rows [lo, hi) of a matrix of `in` columns.
+template <typename W>
+__device__ __forceinline__ void one_prefetch(const W* w, int lo, int hi, int in) {
+    if (threadIdx.x == 0 && hi > lo) prefetch_l2(w + (size_t)lo * in, (unsigned)((size_t)(hi - lo) * in * sizeof(W)));
+}
+
+// As load_row, through the L2.
+__device__ __forceinline__ void one_row(float4 (&xr)[W_AHEAD], const float* x, int in, int lane) {
+#pragma unroll
+    for (int u = 0; u < W_AHEAD; u++) {
+        const int i = lane * 4 + u * 128;
+        xr[u] = i < in ? __ldcg((const float4*)(x + i)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+}
+
+// 1 / rms(x) as norm_gemv_rows computes it (each warp for itself).
+__device__ __forceinline__ float one_inv(const float* x, int in, float eps, int lane) {
+    float s = 0.f;
+    for (int c = 0; c < in; c += 128 * W_AHEAD) {
+        float4 xc[W_AHEAD];
+        one_row(xc, x + c, in - c, lane);
+#pragma unroll
+        for (int u = 0; u < W_AHEAD; u++)
+            if (lane * 4 + u * 128 < in - c) s = fma4(xc[u], xc[u], s);
+    }
+    s = warp_sum(s);
+    return 1.f / sqrtf(s / (float)in + eps);
+}
+
+// The warp's sum of wr . x, or with nw not null wr . (nw * (x * inv)), in norm_gemv_rows'
+// and gemv_rows' order (rounds of W_AHEAD float4s a lane).
+template <typename W>
+__device__ __forceinline__ float one_dot(const W* __restrict__ wr, const float* __restrict__ nw, float inv,
+                                         const float* x, int in, int lane) {
+    float acc = 0.f;
+    for (int c = 0; c < in; c += 128 * W_AHEAD) {
+        float4 wc[W_AHEAD], gc[W_AHEAD], xc[W_AHEAD];
+        load_wrow(wc, wr + c, in - c, lane);
+        if (nw != 0) load_row(gc, nw + c, in - c, lane);
+        one_row(xc, x + c, in - c, lane);
+#pragma unroll
+        for (int u = 0; u < W_AHEAD; u++)
+            if (lane * 4 + u * 128 < in - c) acc = fma4(wc[u], nw != 0 ? normed4(gc[u], xc[u], inv) : xc[u], acc);
+    }
+    return warp_sum(acc);
+}
+
+// moe_up's sums of one gate row g and up row u against the normed row x (its 16-bit path
+// when the rows allow it, else four at a time), then the activation.
+template <typename W>
+__device__ __forceinline__ float one_up(const W* __restrict__ g, const W* __restrict__ u, const float* x,
+                                        int H, bool eight, int lane) {
+    float sg = 0.f, su = 0.f;
+    if (eight) {
+#pragma unroll 4
+        for (int i = lane * 8; i < H; i += 256) {
+            float4 g0, g1, u0, u1;
+            wload8(g + i, g0, g1);
+            wload8(u + i, u0, u1);
+            const float4 x0 = __ldcg((const float4*)(x + i)), x1 = __ldcg((const float4*)(x + i + 4));
+            sg = fma4(g1, x1, fma4(g0, x0, sg));
+            su = fma4(u1, x1, fma4(u0, x0, su));
+        }
+    } else {
+#pragma unroll 4
+        for (int i = lane * 4; i < H; i += 128) {
+            const float4 gv = wload4(g + i), uv = wload4(u + i);
+            const float4 xv = __ldcg((const float4*)(x + i));
+            sg = fma4(gv, xv, sg);
+            su = fma4(uv, xv, su);
+        }
+    }
+    sg = warp_sum(sg);
+    su = warp_sum(su);
+    return sg / (1.f + expf(-sg)) * su;
+}
+
+// The warp's sum of down row d . activation row a, in dot8's order for 16-bit rows (eight a
+// lane), else moe_down's four at a time.
+template <typename W>
+__device__ __forceinline__ float one_down(const W* __restrict__ d, const float* a, int I, bool eight, int lane) {
+    float sum = 0.f;
+    if (eight) {
+#pragma unroll 4
+        for (int i = lane * 8; i < I; i += 256) {
+            float4 d0, d1;
+            wload8(d + i, d0, d1);
+            const float4 a0 = __ldcg((const float4*)(a + i)), a1 = __ldcg((const float4*)(a + i + 4));
+            sum = fma4(d1, a1, fma4(d0, a0, sum));
+        }
+    } else {
+#pragma unroll 4
+        for (int i = lane * 4; i < I; i += 128) sum = fma4(wload4(d + i), __ldcg((const float4*)(a + i)), sum);
+    }
+    return warp_sum(sum);
+}
+
+template <typename W>
+__device__ __forceinline__ void step_one_body(const OneLayer* __restrict__ lay, int nl, float* x, float* qkv,
+                                              float* att, float* part, float* h, float* rlog, float* act,
+                                              int* idx, float* wts, const float* __restrict__ cos_t,
+                                              const float* __restrict__ sin_t, const int* __restrict__ row_pos,
+                                              const int* __restrict__ row_tab, const int* __restrict__ blocks,
+                                              unsigned* bar, int H, int nh, int nkv, int hd, int rd, int E,
+                                              int K, int I, float eps, float scale, int norm, int S) {
+    __shared__ int s_idx[32];
+    __shared__ float s_wts[32];
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int qd = nh * hd, kvd = nkv * hd, qkv_out = qd + 2 * kvd;
+    unsigned target = 0;
+    int lo, hi;
+    one_range(qkv_out, lo, hi);
+    one_prefetch((const W*)lay[0].qkv, lo, hi, H);
+    PDL_ENTRY();
+    for (int l = 0; l < nl; l++) {
+        const OneLayer& L = lay[l];
+        // q, k and v: the input norm's rows of qkv (norm_gemv_rows)
+        {
+            one_range(qkv_out, lo, hi);
+            if (lo + w < hi) {
+                const float inv = one_inv(x, H, eps, lane);
+                for (int j = lo + w; j < hi; j += ONE_WARPS) {
+                    const float t = one_dot((const W*)L.qkv + (size_t)j * H, L.in_norm, inv, x, H, lane);
+                    if (lane == 0) qkv[j] = t;
+                }
+            }
+            // the o product's and the router's rows, two and three phases ahead
+            one_range(H, lo, hi);
+            one_prefetch((const W*)L.o, lo, hi, qd);
+            one_range(E, lo, hi);
+            one_prefetch((const W*)L.router, lo, hi, H);
+        }
+        one_sync(bar, target);
+        // attention (attention_decode): a block per (head, range)
+        for (int t = blockIdx.x; t < nh * S; t += gridDim.x) {
+            decode_head(qkv, L.qn, L.kn, cos_t, sin_t, L.kc, L.vc, row_pos, row_tab, blocks, att, nh, nkv,
+                        hd, eps, scale, part, rd, L.sinks, (int)L.window, 0, t / S, t % S, S);
+            __syncthreads();
+        }
+        one_sync(bar, target);
+        if (S > 1) {
+            // the ranges' partials merged (attention_merge)
+            for (int hh = blockIdx.x; hh < nh; hh += gridDim.x)
+                if ((int)threadIdx.x < hd) merge_head(part, att, nh, hd, S, L.sinks, 0, hh, threadIdx.x);
+            one_sync(bar, target);
+        }
+        // x += o . att (gemv_rows, beta 1)
+        {
+            one_range(H, lo, hi);
+            for (int j = lo + w; j < hi; j += ONE_WARPS) {
+                const float t = one_dot((const W*)L.o + (size_t)j * qd, (const float*)0, 1.f, att, qd, lane);
+                if (lane == 0) x[j] = 1.f * __ldcg(x + j) + t;
+            }
+        }
+        one_sync(bar, target);
+        // the router's logits on the post-attention norm's rows; block 0 writes the normed
+        // row h the experts take (norm_gemv_rows)
+        {
+            one_range(E, lo, hi);
+            if (lo + w < hi || blockIdx.x == 0) {
+                const float inv = one_inv(x, H, eps, lane);
+                if (blockIdx.x == 0)
+                    for (int i = threadIdx.x; i < H; i += blockDim.x) h[i] = L.post_norm[i] * (__ldcg(x + i) * inv);
+                for (int j = lo + w; j < hi; j += ONE_WARPS) {
+                    const float t = one_dot((const W*)L.router + (size_t)j * H, L.post_norm, inv, x, H, lane);
+                    if (lane == 0) rlog[j] = t;
+                }
+            }
+        }
+        one_sync(bar, target);
+        // every block: the top k (route_topk), then its share of the up-projections (moe_up)
+        {
+            if (w == 0) topk_row_regs(rlog, s_idx, s_wts, E, K, norm);
+            __syncthreads();
+            if (blockIdx.x == 0 && (int)threadIdx.x < K) {
+                idx[threadIdx.x] = s_idx[threadIdx.x];
+                wts[threadIdx.x] = s_wts[threadIdx.x];
+            }
+            // the down rows of phase after next, for every pick, while the up rows stream
+            one_range(H, lo, hi);
+            for (int s = 0; s < K; s++) {
+                const W* dn = (const W*)L.dn[s_idx[s]];
+                if (dn != 0) one_prefetch(dn, lo, hi, I);
+            }
+            one_range(K * I, lo, hi);
+            for (int t = lo + w; t < hi; t += ONE_WARPS) {
+                const int s = t / I, j = t % I;
+                const W* gu = (const W*)L.gu[s_idx[s]];
+                if (gu == 0) continue;
+                const bool eight = sizeof(W) == 2 && (H & 7) == 0 && ((size_t)gu & 15) == 0;
+                const float a = one_up(gu + (size_t)j * H, gu + (size_t)(j + I) * H, h, H, eight, lane);
+                if (lane == 0) act[(size_t)s * I + j] = a;
+            }
+        }
+        one_sync(bar, target);
+        // x += the picks' down-projections in rank order (moe_down, moe_combine)
+        {
+            one_range(H, lo, hi);
+            for (int j = lo + w; j < hi; j += ONE_WARPS) {
+                float acc = 0.f;
+                for (int s = 0; s < K; s++) {
+                    const W* dn = (const W*)L.dn[s_idx[s]];
+                    if (dn == 0) continue;
+                    const bool eight = sizeof(W) == 2 && (I & 7) == 0 && ((size_t)dn & 15) == 0;
+                    const float sum = one_down(dn + (size_t)j * I, act + (size_t)s * I, I, eight, lane);
+                    acc = fmaf(s_wts[s], sum, acc);
+                }
+                if (lane == 0) x[j] = __ldcg(x + j) + acc;
+            }
+            if (l + 1 < nl) {
+                one_range(qkv_out, lo, hi);
+                one_prefetch((const W*)lay[l + 1].qkv, lo, hi, H);
+            }
+        }
+        if (l + 1 < nl) one_sync(bar, target);
+    }
+    // the last block out sets the counters back (no block polls them any more)
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(bar + 1, 1u) == gridDim.x - 1) {
+            bar[0] = 0;
+            bar[1] = 0;
+            __threadfence();
+        }
+    }
+}
+
+#define STEP_ONE_KERNEL(name, W)                                                                      \
+    extern "C" __global__ void __launch_bounds__(32 * ONE_WARPS, 1) name(                             \
+        const unsigned long long* __restrict__ lay, int nl, float* x, float* qkv, float* att, float* part, \
+        float* h, float* rlog, float* act, int* idx, float* wts, const float* __restrict__ cos_t,      \
+        const float* __restrict__ sin_t, const int* __restrict__ row_pos, const int* __restrict__ row_tab, \
+        const int* __restrict__ blocks, unsigned* bar, int H, int nh, int nkv, int hd, int rd, int E,  \
+        int K, int I, float eps, float scale, int norm, int S) {                                      \
+        step_one_body<W>((const OneLayer*)lay, nl, x, qkv, att, part, h, rlog, act, idx, wts, cos_t,  \
+                         sin_t, row_pos, row_tab, blocks, bar, H, nh, nkv, hd, rd, E, K, I, eps, scale, \
+                         norm, S);                                                                    \
+    }
+STEP_ONE_KERNEL(step_one, float)
+STEP_ONE_KERNEL(step_one_bf16, bf16_t)
