@@ -232,7 +232,7 @@ __device__ __forceinline__ void step_one_body(const OneLayer* __restrict__ lay, 
             if (w == 0) topk_row_regs(rlog, s_idx, s_wts, E, K, norm);
             __syncthreads();
             if (blockIdx.x == 0 && (int)threadIdx.x < K) {
-                idx[threadIdx.x] = s_idx[threadIdx.x];
+                idx[(size_t)l * K + threadIdx.x] = s_idx[threadIdx.x];
                 wts[threadIdx.x] = s_wts[threadIdx.x];
             }
             // the down rows of phase after next, for every pick, while the up rows stream

@@ -7,9 +7,9 @@ use std::any::Any;
 use crate::bank::{ExpertBank, Pick};
 use crate::config::{ModelConfig, Routing};
 use crate::error::{Error, Result};
-use crate::kv::{KvCache, SeqKv};
+use crate::kv::{KvCache, KvDtype, SeqKv};
 use crate::model::DenseWeights;
-use crate::ops::{self, matmul, rmsnorm, Rope};
+use crate::ops::{self, matmul, rmsnorm, Bf16, KvElem, Rope};
 use crate::sampling::TokenPick;
 use crate::step::{HeadOut, RowPos, Split, StepBackend, StepOut};
 
@@ -297,10 +297,10 @@ impl StepBackend for CpuBackend {
         let (qd, kvd) = (c.q_dim(), c.kv_dim());
         let n = self.rows.len();
         let lw = &self.w.layers[layer];
-        if kv.k.len() <= layer || kv.kv_dim != kvd {
+        if kv.host_layers() <= layer || kv.kv_dim != kvd {
             return Err(Error::Internal(format!(
                 "the KV cache holds {} layers of {} floats, layer {layer} needs {kvd}",
-                kv.k.len(),
+                kv.host_layers(),
                 kv.kv_dim
             )));
         }
@@ -340,15 +340,27 @@ impl StepBackend for CpuBackend {
                 self.rope.apply(&mut k[hh * hd..hh * hd + rd], rp.pos);
             }
             let off = seqs[rp.seq].offset(rp.pos, kvd);
-            kv.k[layer][off..off + kvd].copy_from_slice(k);
-            kv.v[layer][off..off + kvd].copy_from_slice(v);
+            match kv.dtype {
+                KvDtype::F32 => {
+                    kv.k[layer][off..off + kvd].copy_from_slice(k);
+                    kv.v[layer][off..off + kvd].copy_from_slice(v);
+                }
+                KvDtype::Bf16 => {
+                    let put = |dst: &mut [Bf16], src: &[f32]| {
+                        for (d, &x) in dst.iter_mut().zip(src) {
+                            *d = Bf16::from_f32(x);
+                        }
+                    };
+                    put(&mut kv.k16[layer][off..off + kvd], k);
+                    put(&mut kv.v16[layer][off..off + kvd], v);
+                }
+            }
         }
         // attention per (row, head), in parallel; each output written once. A sliding layer
         // sees the last `window` positions; a sink logit (gpt_oss) joins the softmax.
         let scale = c.attention_scale;
         let group = nh / nkv;
         let window = c.windows[layer];
-        let (kc, vc) = (&kv.k[layer], &kv.v[layer]);
         let (qkv, rows, sinks) = (&self.qkv, &self.rows, &lw.sinks);
         // Per row (each position's offset found once for all heads), or, with fewer rows
         // than threads, per (row, head) so the heads spread over the team. Either way each
@@ -360,33 +372,48 @@ impl StepBackend for CpuBackend {
                 .map(|p| seqs[rp.seq].offset(p, kvd))
                 .collect()
         };
-        let head = |i: usize, hh: usize, offs: &[usize], scores: &mut Vec<f32>, out: &mut [f32]| {
-            scores.resize(offs.len(), 0.0);
-            let a = ops::Attend {
-                q: &qkv[i * stride + hh * hd..i * stride + (hh + 1) * hd],
-                kc,
-                vc,
-                offs,
-                base: (hh / group) * hd,
-                scale,
-                sink: sinks.get(hh).copied(),
-            };
-            ops::attend(&a, scores, out);
-        };
-        let team = crate::team::team();
-        if n >= team.threads() {
-            team.for_each_chunk(&mut self.att[..n * qd], qd, &|i, out| {
-                let offs = offsets(i);
-                let mut scores = Vec::new();
-                for (hh, o) in out.chunks_exact_mut(hd).enumerate() {
-                    head(i, hh, &offs, &mut scores, o);
+        let att = &mut self.att[..n * qd];
+        // the same heads over the cache's f32 or bf16 rows
+        macro_rules! attend_all {
+            ($kc:expr, $vc:expr) => {{
+                let (kc, vc) = ($kc, $vc);
+                let head = |i: usize,
+                            hh: usize,
+                            offs: &[usize],
+                            scores: &mut Vec<f32>,
+                            out: &mut [f32]| {
+                    scores.resize(offs.len(), 0.0);
+                    let a = ops::Attend {
+                        q: &qkv[i * stride + hh * hd..i * stride + (hh + 1) * hd],
+                        kc,
+                        vc,
+                        offs,
+                        base: (hh / group) * hd,
+                        scale,
+                        sink: sinks.get(hh).copied(),
+                    };
+                    ops::attend(&a, scores, out);
+                };
+                let team = crate::team::team();
+                if n >= team.threads() {
+                    team.for_each_chunk(att, qd, &|i, out| {
+                        let offs = offsets(i);
+                        let mut scores = Vec::new();
+                        for (hh, o) in out.chunks_exact_mut(hd).enumerate() {
+                            head(i, hh, &offs, &mut scores, o);
+                        }
+                    });
+                } else {
+                    team.for_each_chunk(att, hd, &|t, out| {
+                        let (i, hh) = (t / nh, t % nh);
+                        head(i, hh, &offsets(i), &mut Vec::new(), out);
+                    });
                 }
-            });
-        } else {
-            team.for_each_chunk(&mut self.att[..n * qd], hd, &|t, out| {
-                let (i, hh) = (t / nh, t % nh);
-                head(i, hh, &offsets(i), &mut Vec::new(), out);
-            });
+            }};
+        }
+        match kv.dtype {
+            KvDtype::F32 => attend_all!(&kv.k[layer][..], &kv.v[layer][..]),
+            KvDtype::Bf16 => attend_all!(&kv.k16[layer][..], &kv.v16[layer][..]),
         }
         matmul(&self.att, n, &lw.o, &mut self.tmp);
         for (xv, t) in self.x[..n * hs].iter_mut().zip(&self.tmp) {

@@ -4,6 +4,7 @@
 use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
+use crate::ops::Bf16;
 
 /// Positions per block.
 pub const BLOCK: usize = 16;
@@ -13,14 +14,55 @@ struct FreeList {
     free: Vec<u32>,
 }
 
+/// What a host KV cache stores per element (`--kv-dtype`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvDtype {
+    /// f32, as computed (the default)
+    F32,
+    /// bf16, rounded to nearest even as written: half the memory and half the bytes
+    /// attention reads, at bf16's precision
+    Bf16,
+}
+
+impl KvDtype {
+    /// "f32" or "bf16".
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "f32" => Ok(KvDtype::F32),
+            "bf16" => Ok(KvDtype::Bf16),
+            other => Err(Error::Invalid(format!(
+                "KV cache dtype {other:?}: expected f32 or bf16"
+            ))),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::F32 => "f32",
+            KvDtype::Bf16 => "bf16",
+        }
+    }
+
+    fn size(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::Bf16 => 2,
+        }
+    }
+}
+
 /// The cache storage of all layers plus the shared free list.
 pub struct KvCache {
     pub layers: usize,
     pub kv_dim: usize,
     pub blocks: usize,
+    /// what `k`/`v` (f32) or `k16`/`v16` (bf16) hold; the other pair is empty
+    pub dtype: KvDtype,
     /// per layer `[blocks * BLOCK * kv_dim]`
     pub k: Vec<Vec<f32>>,
     pub v: Vec<Vec<f32>>,
+    pub k16: Vec<Vec<Bf16>>,
+    pub v16: Vec<Vec<Bf16>>,
     free: Arc<Mutex<FreeList>>,
 }
 
@@ -59,23 +101,56 @@ impl KvCache {
     /// Bytes of K and V this cache holds in host memory (0 for an accounting-only cache,
     /// whose K/V live on a GPU).
     pub fn host_bytes(&self) -> usize {
-        self.k.iter().chain(&self.v).map(|x| x.len() * 4).sum()
+        self.k
+            .iter()
+            .chain(&self.v)
+            .map(|x| x.len() * 4)
+            .sum::<usize>()
+            + self
+                .k16
+                .iter()
+                .chain(&self.v16)
+                .map(|x| x.len() * 2)
+                .sum::<usize>()
+    }
+
+    /// Layers whose K/V this cache holds in host memory (0: accounting only).
+    pub fn host_layers(&self) -> usize {
+        self.k.len().max(self.k16.len())
+    }
+
+    /// Bytes of one position's K and V in one layer.
+    pub fn position_bytes(&self, v_dim: usize) -> usize {
+        (self.kv_dim + v_dim) * self.dtype.size()
     }
 
     /// A cache of `blocks` blocks for `layers` layers of `kv_dim` floats per position.
     pub fn new(layers: usize, kv_dim: usize, blocks: usize) -> Self {
-        Self::with_dims(layers, kv_dim, kv_dim, blocks)
+        Self::with_dims(layers, kv_dim, kv_dim, blocks, KvDtype::F32)
     }
 
-    /// As [`KvCache::new`], with `v_dim` floats of v per position (0: none).
-    fn with_dims(layers: usize, kv_dim: usize, v_dim: usize, blocks: usize) -> Self {
+    /// As [`KvCache::new`], with `v_dim` elements of v per position (0: none), of `dtype`.
+    fn with_dims(
+        layers: usize,
+        kv_dim: usize,
+        v_dim: usize,
+        blocks: usize,
+        dtype: KvDtype,
+    ) -> Self {
         let (pk, pv) = (blocks * BLOCK * kv_dim, blocks * BLOCK * v_dim);
+        let (f, h) = match dtype {
+            KvDtype::F32 => (layers, 0),
+            KvDtype::Bf16 => (0, layers),
+        };
         KvCache {
             layers,
             kv_dim,
             blocks,
-            k: (0..layers).map(|_| vec![0.0; pk]).collect(),
-            v: (0..layers).map(|_| vec![0.0; pv]).collect(),
+            dtype,
+            k: (0..f).map(|_| vec![0.0; pk]).collect(),
+            v: (0..f).map(|_| vec![0.0; pv]).collect(),
+            k16: (0..h).map(|_| vec![Bf16(0); pk]).collect(),
+            v16: (0..h).map(|_| vec![Bf16(0); pv]).collect(),
             free: Arc::new(Mutex::new(FreeList {
                 free: (0..blocks as u32).rev().collect(),
             })),
@@ -86,7 +161,31 @@ impl KvCache {
     /// `kv_dim` floats per position, or MLA's latent in k alone (v empty).
     pub fn for_model(cfg: &crate::config::ModelConfig, blocks: usize) -> Self {
         let (kd, vd) = cfg.cache_dims();
-        Self::with_dims(cfg.num_hidden_layers, kd, vd, blocks)
+        Self::with_dims(cfg.num_hidden_layers, kd, vd, blocks, KvDtype::F32)
+    }
+
+    /// As [`KvCache::for_model`], storing `dtype`; bf16 is refused for MLA's latent cache
+    /// (its attention reads the latent as f32).
+    pub fn for_model_as(
+        cfg: &crate::config::ModelConfig,
+        blocks: usize,
+        dtype: KvDtype,
+    ) -> Result<Self> {
+        if dtype != KvDtype::F32 && cfg.mla.is_some() {
+            return Err(Error::Invalid(format!(
+                "a {} KV cache is not built for multi-head latent attention ({}): use f32",
+                dtype.name(),
+                cfg.family.name()
+            )));
+        }
+        let (kd, vd) = cfg.cache_dims();
+        Ok(Self::with_dims(
+            cfg.num_hidden_layers,
+            kd,
+            vd,
+            blocks,
+            dtype,
+        ))
     }
 
     /// Blocks needed to hold `tokens` positions.
@@ -96,8 +195,11 @@ impl KvCache {
             layers,
             kv_dim,
             blocks,
+            dtype: KvDtype::F32,
             k: Vec::new(),
             v: Vec::new(),
+            k16: Vec::new(),
+            v16: Vec::new(),
             free: Arc::new(Mutex::new(FreeList {
                 free: (0..blocks as u32).rev().collect(),
             })),

@@ -529,14 +529,56 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     dot_body::<false, f32>(a, b)
 }
 
+/// An element of the KV cache: f32, or bf16 (half the bytes; rounded to nearest even as it
+/// is written, widened exactly as it is read).
+pub trait KvElem: Elem + Default {
+    /// `v` as stored in the cache.
+    fn from_f32(v: f32) -> Self;
+
+    /// `[dot(q, rows[0]), .., dot(q, rows[3])]` over `k` elements, `dot_body`'s sums.
+    ///
+    /// # Safety
+    /// The CPU has avx2 and fma; `q` and each of `rows` address `k` elements.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn dots4(q: *const f32, rows: [*const Self; 4], k: usize) -> [f32; 4];
+}
+
+impl KvElem for f32 {
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn dots4(q: *const f32, rows: [*const Self; 4], k: usize) -> [f32; 4] {
+        // SAFETY: the caller's
+        unsafe { crate::ops_x86::dots4(q, rows, k) }
+    }
+}
+
+impl KvElem for Bf16 {
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        Bf16(half::bf16::from_f32(v).to_bits())
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn dots4(q: *const f32, rows: [*const Self; 4], k: usize) -> [f32; 4] {
+        // SAFETY: the caller's
+        unsafe { crate::ops_x86::dots4(q, rows, k) }
+    }
+}
+
 /// One query head's decode attention over cached positions (see [`attend`]).
 #[derive(Clone, Copy)]
-pub struct Attend<'a> {
+pub struct Attend<'a, E: KvElem = f32> {
     /// The head's query (`head_dim` wide).
     pub q: &'a [f32],
     /// The layer's K and V caches.
-    pub kc: &'a [f32],
-    pub vc: &'a [f32],
+    pub kc: &'a [E],
+    pub vc: &'a [E],
     /// Each attended position's start in the caches, in order.
     pub offs: &'a [usize],
     /// The KV head's place in a position's row.
@@ -549,8 +591,9 @@ pub struct Attend<'a> {
 /// `a`'s attention: scores `q . k * scale` in `scores` (`offs.len()` long), their softmax
 /// (with the sink where there is one), then `out = sum_j p_j v_j` (`q.len()` wide). The
 /// order of every sum is fixed by the positions alone, so a row gives the same bits
-/// whatever batch it is in.
-pub fn attend(a: &Attend, scores: &mut [f32], out: &mut [f32]) {
+/// whatever batch it is in; a bf16 cache gives the bits an f32 cache holding the same
+/// (rounded) values gives.
+pub fn attend<E: KvElem>(a: &Attend<E>, scores: &mut [f32], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if has_fma() {
         // SAFETY: the CPU supports avx2 and fma (checked at run time).
@@ -558,14 +601,14 @@ pub fn attend(a: &Attend, scores: &mut [f32], out: &mut [f32]) {
     }
     #[cfg(target_arch = "aarch64")]
     if has_fma() {
-        return attend_body::<true>(a, scores, out);
+        return attend_body::<true, E>(a, scores, out);
     }
-    attend_body::<false>(a, scores, out)
+    attend_body::<false, E>(a, scores, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn attend_fma(a: &Attend, scores: &mut [f32], out: &mut [f32]) {
+unsafe fn attend_fma<E: KvElem>(a: &Attend<E>, scores: &mut [f32], out: &mut [f32]) {
     let (hd, base) = (a.q.len(), a.base);
     // four positions' scores at a time (q loaded once for the four), the same sums as
     // dot_body's; the rest one by one
@@ -585,7 +628,7 @@ unsafe fn attend_fma(a: &Attend, scores: &mut [f32], out: &mut [f32]) {
         for &o in a.offs.iter().skip(c * 4 + AHEAD).take(4) {
             prefetch_row(a.kc, o + base, hd);
         }
-        let d = crate::ops_x86::dots4(
+        let d = E::dots4(
             a.q.as_ptr(),
             [k0.as_ptr(), k1.as_ptr(), k2.as_ptr(), k3.as_ptr()],
             hd,
@@ -595,9 +638,9 @@ unsafe fn attend_fma(a: &Attend, scores: &mut [f32], out: &mut [f32]) {
         }
     }
     for (s, &o) in scores[whole..].iter_mut().zip(&a.offs[whole..]) {
-        *s = dot_body::<true, f32>(a.q, &a.kc[o + base..o + base + hd]) * a.scale;
+        *s = dot_body::<true, E>(a.q, &a.kc[o + base..o + base + hd]) * a.scale;
     }
-    attend_rest::<true>(a, scores, out)
+    attend_rest::<true, E>(a, scores, out)
 }
 
 /// Dimensions of `out` accumulated at once in [`attend`] (kept in registers over the
@@ -610,9 +653,11 @@ const AHEAD: usize = 16;
 /// Asks the cache for `v[at..at + len]` (a hint: no effect on results; nothing where the
 /// range is not inside `v`).
 #[inline(always)]
-fn prefetch_row(v: &[f32], at: usize, len: usize) {
+fn prefetch_row<E>(v: &[E], at: usize, len: usize) {
     #[cfg(target_arch = "x86_64")]
     if at + len <= v.len() {
+        // a 64-byte line at a time
+        let step = (64 / std::mem::size_of::<E>().max(1)).max(1);
         let mut i = 0;
         while i < len {
             // SAFETY: a prefetch of an address inside `v` (checked) reads nothing.
@@ -621,7 +666,7 @@ fn prefetch_row(v: &[f32], at: usize, len: usize) {
                     v.as_ptr().add(at + i).cast(),
                 )
             };
-            i += 16;
+            i += step;
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -629,17 +674,17 @@ fn prefetch_row(v: &[f32], at: usize, len: usize) {
 }
 
 #[inline(always)]
-fn attend_body<const FMA: bool>(a: &Attend, scores: &mut [f32], out: &mut [f32]) {
+fn attend_body<const FMA: bool, E: KvElem>(a: &Attend<E>, scores: &mut [f32], out: &mut [f32]) {
     let (hd, base) = (a.q.len(), a.base);
     for (s, &o) in scores.iter_mut().zip(a.offs) {
-        *s = dot_body::<FMA, f32>(a.q, &a.kc[o + base..o + base + hd]) * a.scale;
+        *s = dot_body::<FMA, E>(a.q, &a.kc[o + base..o + base + hd]) * a.scale;
     }
-    attend_rest::<FMA>(a, scores, out)
+    attend_rest::<FMA, E>(a, scores, out)
 }
 
 /// [`attend`] after the scores: their softmax and the weighted sum of the V rows.
 #[inline(always)]
-fn attend_rest<const FMA: bool>(a: &Attend, scores: &mut [f32], out: &mut [f32]) {
+fn attend_rest<const FMA: bool, E: KvElem>(a: &Attend<E>, scores: &mut [f32], out: &mut [f32]) {
     let (hd, base, vc, offs) = (a.q.len(), a.base, a.vc, a.offs);
     match a.sink {
         Some(x) => softmax_with_sink(scores, x),
@@ -655,19 +700,19 @@ fn attend_rest<const FMA: bool>(a: &Attend, scores: &mut [f32], out: &mut [f32])
                 if let Some(&ahead) = offs.get(j + AHEAD) {
                     prefetch_row(vc, ahead + base + c0, w);
                 }
-                let v: &[f32; ATT_CHUNK] = match vc[o + base + c0..o + base + c0 + w].try_into() {
+                let v: &[E; ATT_CHUNK] = match vc[o + base + c0..o + base + c0 + w].try_into() {
                     Ok(v) => v,
                     Err(_) => unreachable!("a slice of ATT_CHUNK"),
                 };
                 for d in 0..ATT_CHUNK {
-                    acc[d] = fma(p, v[d], acc[d]);
+                    acc[d] = fma(p, v[d].f32(), acc[d]);
                 }
             }
         } else {
             for (&p, &o) in scores.iter().zip(offs) {
                 let v = &vc[o + base + c0..o + base + c0 + w];
                 for d in 0..w {
-                    acc[d] = fma(p, v[d], acc[d]);
+                    acc[d] = fma(p, v[d].f32(), acc[d]);
                 }
             }
         }
@@ -1129,7 +1174,7 @@ mod tests {
             // one-position-at-a-time sums
             let mut s2 = vec![0f32; npos];
             let mut o2 = vec![f32::NAN; hd];
-            attend_body::<true>(&a, &mut s2, &mut o2);
+            attend_body::<true, f32>(&a, &mut s2, &mut o2);
             if has_fma() {
                 assert_eq!(
                     out.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
@@ -1137,6 +1182,47 @@ mod tests {
                     "hd {hd}, {npos} positions"
                 );
             }
+            // a bf16 cache: the bits of an f32 cache holding the same rounded values
+            let k16: Vec<Bf16> = kc.iter().map(|&x| Bf16::from_f32(x)).collect();
+            let v16: Vec<Bf16> = vc.iter().map(|&x| Bf16::from_f32(x)).collect();
+            let (kw, vw): (Vec<f32>, Vec<f32>) = (
+                k16.iter().map(|x| x.f32()).collect(),
+                v16.iter().map(|x| x.f32()).collect(),
+            );
+            let mut o16 = vec![f32::NAN; hd];
+            let mut ow = vec![f32::NAN; hd];
+            let a16 = Attend {
+                kc: &k16,
+                vc: &v16,
+                q: &q,
+                offs: &offs,
+                base,
+                scale,
+                sink,
+            };
+            attend(&a16, &mut vec![0f32; npos], &mut o16);
+            let aw = Attend {
+                kc: &kw,
+                vc: &vw,
+                ..a
+            };
+            attend(&aw, &mut vec![0f32; npos], &mut ow);
+            assert_eq!(
+                o16.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                ow.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                "bf16 cache, hd {hd}, {npos} positions"
+            );
+            // and close to the f32 cache's (bf16 keeps 8 bits of mantissa)
+            for d in 0..hd {
+                assert!(
+                    (o16[d] - out[d]).abs() < 2e-2,
+                    "bf16 cache, dim {d}: {} against {}",
+                    o16[d],
+                    out[d]
+                );
+            }
+            assert_eq!(Bf16::from_f32(1.0 + 1.0 / 256.0).f32(), 1.0, "ties to even");
+            assert_eq!(Bf16::from_f32(1.0 + 3.0 / 256.0).f32(), 1.0 + 4.0 / 256.0);
         }
     }
 

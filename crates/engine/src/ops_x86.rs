@@ -114,8 +114,8 @@ unsafe fn tile256<E: Wide, const R: usize, const C: usize>(
 /// # Safety
 /// The CPU has avx2 and fma; `q` and each of `rows` address `k` floats.
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn dots4(q: *const f32, rows: [*const f32; 4], k: usize) -> [f32; 4] {
-    let r = tile256::<f32, 4, 1>([q], rows, k);
+pub unsafe fn dots4<E: Wide>(q: *const f32, rows: [*const E; 4], k: usize) -> [f32; 4] {
+    let r = tile256::<E, 4, 1>([q], rows, k);
     [r[0][0], r[1][0], r[2][0], r[3][0]]
 }
 

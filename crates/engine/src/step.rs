@@ -18,7 +18,7 @@ use std::time::Instant;
 use crate::bank::{ExpertBank, Pick};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
-use crate::kv::{KvCache, SeqKv};
+use crate::kv::{KvCache, KvDtype, SeqKv};
 use crate::rowmap::{Tier, ValidMap};
 use crate::sampling::TokenPick;
 use crate::tier::{ColdReply, ColdRequest, MailboxPtrs, RemoteTier};
@@ -411,6 +411,28 @@ impl Engine {
         backend.set_map(&self.map)?;
         self.backend = backend;
         self.kv = kv;
+        Ok(())
+    }
+
+    /// Stores the host KV cache as `dtype` from now on (call before the first step: the
+    /// engine must hold no live sequence; the cache keeps its size in positions). An engine
+    /// whose K/V live on a GPU keeps them there as they are: refused.
+    pub fn set_kv_dtype(&mut self, dtype: KvDtype) -> Result<()> {
+        if self.kv.dtype == dtype {
+            return Ok(());
+        }
+        if self.kv.used_blocks() != 0 {
+            return Err(Error::Invalid(
+                "the KV cache's dtype cannot change while sequences are live".into(),
+            ));
+        }
+        if self.kv.host_layers() == 0 {
+            return Err(Error::Invalid(format!(
+                "a {} KV cache is for the CPU backend: this engine's cache is on a GPU (f32)",
+                dtype.name()
+            )));
+        }
+        self.kv = KvCache::for_model_as(&self.cfg, self.kv.blocks, dtype)?;
         Ok(())
     }
 

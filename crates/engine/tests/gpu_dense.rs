@@ -818,6 +818,7 @@ fn one_row_persistent_step_matches_the_chain() {
             e.kv.blocks,
             GpuOptions {
                 weights,
+                persist: true,
                 ..GpuOptions::default()
             },
         )
@@ -826,14 +827,29 @@ fn one_row_persistent_step_matches_the_chain() {
             panic!("{weights:?}: mini cannot take the persistent step: {why}");
         }
         attach_gpu(&mut e, g).unwrap();
-        let run = |e: &mut Engine, on: bool| -> Vec<Vec<f32>> {
+        // every step's logits, and the picks the engine counted (the residency counters
+        // read them from the kernels' pick buffer)
+        let run = |e: &mut Engine, on: bool| -> (Vec<Vec<f32>>, Vec<Vec<u64>>) {
             e.gpu_mut().unwrap().set_persist(on);
-            ps.iter().flat_map(|p| decoded(e, p, 72)).collect()
+            let before = e.counters.picks.clone();
+            let l = ps.iter().flat_map(|p| decoded(e, p, 72)).collect();
+            let picks = e
+                .counters
+                .picks
+                .iter()
+                .zip(&before)
+                .map(|(a, b)| a.iter().zip(b).map(|(x, y)| x - y).collect())
+                .collect();
+            (l, picks)
         };
-        let chain = run(&mut e, false);
+        let (chain, chain_picks) = run(&mut e, false);
         let before = e.gpu_mut().unwrap().persist_runs();
-        let one = run(&mut e, true);
+        let (one, one_picks) = run(&mut e, true);
         let runs = e.gpu_mut().unwrap().persist_runs() - before;
+        assert!(
+            chain_picks == one_picks,
+            "{weights:?}: the persistent step's picks differ from the chain's"
+        );
         let same = chain
             .iter()
             .zip(&one)

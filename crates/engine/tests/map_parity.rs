@@ -89,3 +89,71 @@ fn greedy_is_bitwise_identical_under_any_map() {
         );
     }
 }
+
+#[test]
+fn a_bf16_kv_cache_halves_the_bytes_and_keeps_every_parity() {
+    // the KV cache in bf16 (`--kv-dtype bf16`): half the host bytes; under it, greedy tokens
+    // are the same bitwise whatever the map and whatever the batch (each row's attention
+    // reads the same rounded values in the same order); its prompt logits stay within bf16's
+    // rounding of the f32 cache's (cosine >= 0.999 after 4 decode steps); it cannot change
+    // while a sequence is live
+    use moelane_engine::kv::KvDtype;
+    use moelane_engine::step::SeqStep;
+    let dir = common::tiny();
+    let ckpt = Checkpoint::open(dir).unwrap();
+    let (layers, experts) = (ckpt.config.moe_layers().len(), ckpt.config.num_experts);
+    let tok = Tokenizer::from_file(&dir.join("tokenizer.json")).unwrap();
+    let ps: Vec<Vec<u32>> = (0..LANGS.len())
+        .flat_map(|l| prompts(l).into_iter().take(3))
+        .map(|p| tok.encode(p).unwrap())
+        .collect();
+    let bf16 = |map: Option<Rowmap>| {
+        let mut e = common::engine(dir, map);
+        let f32_bytes = e.kv.host_bytes();
+        e.set_kv_dtype(KvDtype::Bf16).unwrap();
+        assert_eq!(
+            e.kv.host_bytes() * 2,
+            f32_bytes,
+            "bf16 holds half the bytes"
+        );
+        e
+    };
+    let mut hot = bf16(Some(Rowmap::all_hot(&ckpt.id, layers, experts)));
+    let want: Vec<Vec<u32>> = ps.iter().map(|p| hot.greedy(p, NEW).unwrap()).collect();
+    let mut cold = bf16(Some(random_map(&ckpt.id, layers, experts, 5, 2)));
+    let got: Vec<Vec<u32>> = ps.iter().map(|p| cold.greedy(p, NEW).unwrap()).collect();
+    assert!(got == want, "bf16 KV: the map changed the tokens");
+    let got = common::batched(&mut cold, &ps, NEW);
+    assert!(got == want, "bf16 KV: the batch changed the tokens");
+    // against the f32 cache
+    let mut f32e = common::engine(dir, None);
+    let feed: Vec<u32> = want[0][..4].to_vec();
+    let a = common::prompt_logits(&mut f32e, &ps[0], &feed);
+    let b = common::prompt_logits(&mut hot, &ps[0], &feed);
+    let v = ckpt.config.vocab_size;
+    let worst = a
+        .chunks_exact(v)
+        .zip(b.chunks_exact(v))
+        .map(|(x, y)| common::cos(x, y))
+        .fold(1f64, f64::min);
+    let same = want
+        .iter()
+        .zip(&ps)
+        .filter(|(w, p)| f32e.greedy(p, NEW).unwrap() == **w)
+        .count();
+    eprintln!(
+        "bf16 KV: logits cosine vs f32 KV >= {worst:.6}; {same}/{} greedy answers identical to the f32 cache's",
+        ps.len()
+    );
+    assert!(worst >= 0.999, "bf16 KV logits vs f32: cosine {worst}");
+    // no change under a live sequence
+    let mut e = common::engine(dir, None);
+    let mut seq = e.kv.new_seq();
+    e.step(&mut [SeqStep {
+        kv: &mut seq,
+        tokens: &ps[0],
+    }])
+    .unwrap();
+    let err = e.set_kv_dtype(KvDtype::Bf16).unwrap_err().to_string();
+    assert!(err.contains("live"), "{err}");
+}

@@ -303,6 +303,9 @@ pub enum BenchCmd {
         /// after that many positions, as llama-batched-bench's -npp.
         #[arg(long, default_value_t = 0)]
         context: usize,
+        /// What the KV cache stores: f32 or bf16 (as serve's --kv-dtype).
+        #[arg(long, value_enum, default_value_t = crate::KvDtypeArg::F32)]
+        kv_dtype: crate::KvDtypeArg,
     },
 }
 
@@ -590,6 +593,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             steps,
             reps,
             context,
+            kv_dtype,
         } => {
             let dir = match model {
                 Some(m) => m,
@@ -614,6 +618,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
                     progress: true,
                 },
             )?;
+            eng.set_kv_dtype(kv_dtype.dtype())?;
             let tok = Tokenizer::from_dir(&dir)?;
             let c = eng.cfg.clone();
             let bw = measure_bandwidth();
@@ -624,13 +629,14 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             let expert_bytes = ckpt.expert_stored_bytes()?;
             let model_bytes = ckpt.tensor_bytes() as u64;
             println!(
-                "model {} | {} layers, {} experts, {} picked | hidden {} | threads {} | {}",
+                "model {} | {} layers, {} experts, {} picked | hidden {} | threads {} | KV {} | {}",
                 dir.display(),
                 c.num_hidden_layers,
                 c.num_experts,
                 c.num_experts_per_tok,
                 c.hidden_size,
                 team_desc(),
+                eng.kv.dtype.name(),
                 if all_hot {
                     "every expert in this process"
                 } else {

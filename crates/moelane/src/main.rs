@@ -285,6 +285,27 @@ impl Role {
     }
 }
 
+/// What the primary's host KV cache stores (`--kv-dtype`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum KvDtypeArg {
+    /// f32, as computed.
+    #[default]
+    F32,
+    /// bf16 (rounded to nearest even): half the memory per position and half the bytes
+    /// decode attention reads. CPU primaries; not multi-head latent attention.
+    Bf16,
+}
+
+impl KvDtypeArg {
+    pub(crate) fn dtype(self) -> moelane_engine::kv::KvDtype {
+        match self {
+            KvDtypeArg::F32 => moelane_engine::kv::KvDtype::F32,
+            KvDtypeArg::Bf16 => moelane_engine::kv::KvDtype::Bf16,
+        }
+    }
+}
+
 /// The data-plane link between a primary and its sidecar process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -369,6 +390,10 @@ enum Cmd {
         /// KV cache capacity in tokens.
         #[arg(long, default_value_t = 65536, env = "MOELANE_KV_TOKENS")]
         kv_tokens: usize,
+        /// What the KV cache stores: f32, or bf16 (half the memory and the bytes attention
+        /// reads; a CPU primary).
+        #[arg(long, value_enum, default_value_t = KvDtypeArg::F32, env = "MOELANE_KV_DTYPE")]
+        kv_dtype: KvDtypeArg,
         /// Most sequences decoded together.
         #[arg(long, default_value_t = 64, env = "MOELANE_MAX_RUNNING")]
         max_running: usize,
@@ -655,6 +680,10 @@ struct LaneArgs {
     /// Primary: KV cache capacity in tokens (default 65536).
     #[arg(long, env = "MOELANE_KV_TOKENS")]
     kv_tokens: Option<usize>,
+    /// Primary: what the KV cache stores, f32 (default) or bf16 (half the memory and the
+    /// bytes attention reads; a CPU primary).
+    #[arg(long, value_enum, env = "MOELANE_KV_DTYPE")]
+    kv_dtype: Option<KvDtypeArg>,
     /// Primary: most sequences decoded together (default 64).
     #[arg(long, env = "MOELANE_MAX_RUNNING")]
     max_running: Option<usize>,
@@ -1117,6 +1146,7 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
             admin_listen,
             admin_token_file,
             kv_tokens,
+            kv_dtype,
             max_running,
             sidecar_device,
             primary_device,
@@ -1135,6 +1165,7 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                 map,
                 placement: placement.spec(),
                 kv_tokens,
+                kv_dtype: kv_dtype.dtype(),
                 cold: ColdLink::InProcess,
                 link_timeout: std::time::Duration::from_secs(30),
                 stall_timeout: std::time::Duration::from_secs(2),
@@ -1268,6 +1299,7 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                         }
                         .spec(),
                         kv_tokens: a.kv_tokens.unwrap_or(65536),
+                        kv_dtype: a.kv_dtype.unwrap_or_default().dtype(),
                         cold,
                         link_timeout: std::time::Duration::from_secs_f64(
                             a.link_timeout.unwrap_or(30.0).max(0.001),

@@ -56,6 +56,8 @@ pub struct PrimaryOptions {
     pub map: Option<PathBuf>,
     pub placement: Option<PlacementSpec>,
     pub kv_tokens: usize,
+    /// what the host KV cache stores (bf16: a CPU primary only)
+    pub kv_dtype: moelane_engine::kv::KvDtype,
     pub cold: ColdLink,
     pub link_timeout: Duration,
     /// A sidecar silent this long (heartbeats, or a step's reply past its sized deadline) is
@@ -278,6 +280,7 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
         tier,
     )?;
     attach_primary_device(&mut engine, &ckpt, &o.primary_device)?;
+    engine.set_kv_dtype(o.kv_dtype)?;
     {
         let h = moelane_engine::placement::human_bytes;
         let rss = match resident_memory() {
