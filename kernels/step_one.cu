@@ -16,7 +16,6 @@
 // floats (attention's).
 
 #define ONE_WARPS 16
-#define ONE_K 8
 
 struct OneLayer {
     const void* qkv;           // [q_dim + 2 kv_dim, H]
@@ -183,7 +182,7 @@ __device__ __forceinline__ void step_one_body(const OneLayer* __restrict__ lay, 
                     if (lane == 0) qkv[j] = t;
                 }
             }
-            // the o product's and the router's rows, two and three phases ahead
+            // the o product's and the router's rows, for the phases after attention
             one_range(H, lo, hi);
             one_prefetch((const W*)L.o, lo, hi, qd);
             one_range(E, lo, hi);
@@ -235,7 +234,7 @@ __device__ __forceinline__ void step_one_body(const OneLayer* __restrict__ lay, 
                 idx[(size_t)l * K + threadIdx.x] = s_idx[threadIdx.x];
                 wts[threadIdx.x] = s_wts[threadIdx.x];
             }
-            // the down rows of phase after next, for every pick, while the up rows stream
+            // the down rows of the next phase, for every pick, while the up rows stream
             one_range(H, lo, hi);
             for (int s = 0; s < K; s++) {
                 const W* dn = (const W*)L.dn[s_idx[s]];

@@ -1267,7 +1267,7 @@ impl GpuModel {
         .map_err(|e| gerr("setting the cuBLAS workspace", e))?;
         let pdl = gpu.cc.0 >= 9 && opts.pdl;
         let att_wave = decode_wave(&gpu, &f, cfg.head_dim)?;
-        let one_grid = step_one::one_grid(&gpu, &f.step_one.bf16, cfg.head_dim)?;
+        let one_grid = step_one::one_grid(&gpu, [&f.step_one.f32, &f.step_one.bf16], cfg.head_dim)?;
         let up = |v: &[f32]| Buf::from_host(&st, v);
         let mode = opts.weights;
         let layers = upload_layers(&st, w, mode)?;

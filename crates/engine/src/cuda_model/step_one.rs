@@ -11,28 +11,35 @@
 
 use super::*;
 
-/// Warps of a persistent-step block (ONE_WARPS of kernels/step_one.cu).
+/// Warps of a persistent-step block (ONE_WARPS of kernels/step_one.cu): decode attention's,
+/// whose sums' order depends on its warp count.
 const ONE_WARPS: usize = 16;
+const _: () = assert!(ONE_WARPS == ATT_WARPS);
 
 /// Words of a layer's entry in the kernel's layer table (OneLayer of kernels/step_one.cu).
 const ONE_FIELDS: usize = 13;
 
-/// Blocks of the persistent step: one per SM, when one of its blocks fits an SM (else 0:
-/// the step takes the chain).
-pub(super) fn one_grid(gpu: &Gpu, f: &CudaFunction, head_dim: usize) -> Result<usize> {
+/// Blocks of the persistent step: one per SM, when one block of each of its kernels
+/// (`fs`: the f32 and bf16 ones) fits an SM (else 0: the step takes the chain).
+pub(super) fn one_grid(gpu: &Gpu, fs: [&CudaFunction; 2], head_dim: usize) -> Result<usize> {
     use cudarc::driver::sys::CUdevice_attribute_enum as A;
     let sms = gpu
         .ctx
         .attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         .map_err(|e| gerr("reading the SM count", e))? as usize;
-    let per = f
-        .occupancy_max_active_blocks_per_multiprocessor(
-            32 * ONE_WARPS as u32,
-            one_smem(head_dim) as usize,
-            None,
-        )
-        .map_err(|e| gerr("reading the persistent step's occupancy", e))?;
-    Ok(if per >= 1 { sms } else { 0 })
+    for f in fs {
+        let per = f
+            .occupancy_max_active_blocks_per_multiprocessor(
+                32 * ONE_WARPS as u32,
+                one_smem(head_dim) as usize,
+                None,
+            )
+            .map_err(|e| gerr("reading the persistent step's occupancy", e))?;
+        if per < 1 {
+            return Ok(0);
+        }
+    }
+    Ok(sms)
 }
 
 /// The persistent step's dynamic shared memory (decode attention's).
@@ -250,8 +257,24 @@ impl GpuModel {
         // position and block table were checked in `begin`; bar is two counters at 0
         // between launches (the kernel's last block sets them back); the grid is one block
         // per SM, launched cooperatively, so every block is resident at once.
-        unsafe { launch_coop(&self.st, f, &mut a.params(), cfg) }
-            .map_err(|e| gerr("launching step_one", e))?;
+        if let Err(e) = unsafe { launch_coop(&self.st, f, &mut a.params(), cfg) } {
+            // a device that will not hold the whole grid at once (an MPS share of its SMs,
+            // say): the chain from now on, this span included
+            eprintln!(
+                "moelane: the persistent step could not be launched ({e:?}); the chain of \
+                 kernels runs from now on"
+            );
+            self.persist = false;
+            self.one_grid = 0;
+            self.drop_graphs();
+            for i in 0..count {
+                self.attention(l0 + i)?;
+                self.route(l0 + i, ml0 + i)?;
+                self.moe(ml0 + i, false)?;
+                self.combine()?;
+            }
+            return Ok(());
+        }
         self.mark("step_one")
     }
 }
