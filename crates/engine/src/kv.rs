@@ -25,28 +25,10 @@ pub enum KvDtype {
 }
 
 impl KvDtype {
-    /// "f32" or "bf16".
-    pub fn parse(s: &str) -> Result<Self> {
-        match s {
-            "f32" => Ok(KvDtype::F32),
-            "bf16" => Ok(KvDtype::Bf16),
-            other => Err(Error::Invalid(format!(
-                "KV cache dtype {other:?}: expected f32 or bf16"
-            ))),
-        }
-    }
-
     pub fn name(self) -> &'static str {
         match self {
             KvDtype::F32 => "f32",
             KvDtype::Bf16 => "bf16",
-        }
-    }
-
-    fn size(self) -> usize {
-        match self {
-            KvDtype::F32 => 4,
-            KvDtype::Bf16 => 2,
         }
     }
 }
@@ -117,11 +99,6 @@ impl KvCache {
     /// Layers whose K/V this cache holds in host memory (0: accounting only).
     pub fn host_layers(&self) -> usize {
         self.k.len().max(self.k16.len())
-    }
-
-    /// Bytes of one position's K and V in one layer.
-    pub fn position_bytes(&self, v_dim: usize) -> usize {
-        (self.kv_dim + v_dim) * self.dtype.size()
     }
 
     /// A cache of `blocks` blocks for `layers` layers of `kv_dim` floats per position.

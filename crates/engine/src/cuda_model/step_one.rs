@@ -104,7 +104,8 @@ impl GpuModel {
 
     /// `ops` with every run of whole MoE layers the persistent step can take folded into
     /// one [`Op::StepOne`], when this step can take it at all (one decode row, the switch
-    /// on, no hollow diagnostic); None: run `ops` as they are.
+    /// on, no hollow diagnostic, the layer table built: the model fit at load); None: run
+    /// `ops` as they are.
     pub(super) fn fold_persistent(&self, ops: &[Op]) -> Option<Vec<Op>> {
         if !self.persist
             || self.n != 1
@@ -112,7 +113,6 @@ impl GpuModel {
             || !self.hollow.is_empty()
             || !self.register_topk
             || self.one_lay.is_none()
-            || self.persist_unfit().is_some()
         {
             return None;
         }
