@@ -49,6 +49,26 @@ __device__ __forceinline__ void one_sync(unsigned* bar, unsigned& target) {
     __syncthreads();
 }
 
+// A development aid: with ONE_TRACE defined (a copy of kernels/ through MOELANE_KERNELS_DIR),
+// block 0 adds the SM cycles from one barrier's end to the next's to bar[2..] (u64 sums of the
+// phases 0-6 at words 2-17, their counts at 18-33), which `persist_trace` reads back.
+#ifdef ONE_TRACE
+#define ONE_MARK(i)                                                              \
+    do {                                                                         \
+        if (blockIdx.x == 0 && threadIdx.x == 0) {                               \
+            const long long t_ = clock64();                                      \
+            unsigned long long* tr_ = (unsigned long long*)(bar + 2);            \
+            tr_[i] += (unsigned long long)(t_ - t_mark);                         \
+            tr_[8 + i] += 1ull;                                                  \
+            t_mark = t_;                                                         \
+        }                                                                        \
+    } while (0)
+#else
+#define ONE_MARK(i) \
+    do {            \
+    } while (0)
+#endif
+
 // This block's share [lo, hi) of `total` items, in contiguous ranges.
 __device__ __forceinline__ void one_range(int total, int& lo, int& hi) {
     const int per = (total + gridDim.x - 1) / gridDim.x;
@@ -166,6 +186,9 @@ __device__ __forceinline__ void step_one_body(const OneLayer* __restrict__ lay, 
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int qd = nh * hd, kvd = nkv * hd, qkv_out = qd + 2 * kvd;
     unsigned target = 0;
+#ifdef ONE_TRACE
+    long long t_mark = clock64();
+#endif
     int lo, hi;
     one_range(qkv_out, lo, hi);
     one_prefetch((const W*)lay[0].qkv, lo, hi, H);
@@ -189,6 +212,7 @@ __device__ __forceinline__ void step_one_body(const OneLayer* __restrict__ lay, 
             one_prefetch((const W*)L.router, lo, hi, H);
         }
         one_sync(bar, target);
+        ONE_MARK(0);
         // attention (attention_decode): a block per (head, range)
         for (int t = blockIdx.x; t < nh * S; t += gridDim.x) {
             decode_head(qkv, L.qn, L.kn, cos_t, sin_t, L.kc, L.vc, row_pos, row_tab, blocks, att, nh, nkv,
@@ -196,11 +220,13 @@ __device__ __forceinline__ void step_one_body(const OneLayer* __restrict__ lay, 
             __syncthreads();
         }
         one_sync(bar, target);
+        ONE_MARK(1);
         if (S > 1) {
             // the ranges' partials merged (attention_merge)
             for (int hh = blockIdx.x; hh < nh; hh += gridDim.x)
                 if ((int)threadIdx.x < hd) merge_head(part, att, nh, hd, S, L.sinks, 0, hh, threadIdx.x);
             one_sync(bar, target);
+            ONE_MARK(2);
         }
         // x += o . att (gemv_rows, beta 1)
         {
@@ -211,6 +237,7 @@ __device__ __forceinline__ void step_one_body(const OneLayer* __restrict__ lay, 
             }
         }
         one_sync(bar, target);
+        ONE_MARK(3);
         // the router's logits on the post-attention norm's rows; block 0 writes the normed
         // row h the experts take (norm_gemv_rows)
         {
@@ -226,6 +253,7 @@ __device__ __forceinline__ void step_one_body(const OneLayer* __restrict__ lay, 
             }
         }
         one_sync(bar, target);
+        ONE_MARK(4);
         // every block: the top k (route_topk), then its share of the up-projections (moe_up)
         {
             if (w == 0) topk_row_regs(rlog, s_idx, s_wts, E, K, norm);
@@ -251,6 +279,7 @@ __device__ __forceinline__ void step_one_body(const OneLayer* __restrict__ lay, 
             }
         }
         one_sync(bar, target);
+        ONE_MARK(5);
         // x += the picks' down-projections in rank order (moe_down, moe_combine)
         {
             one_range(H, lo, hi);
@@ -270,7 +299,10 @@ __device__ __forceinline__ void step_one_body(const OneLayer* __restrict__ lay, 
                 one_prefetch((const W*)lay[l + 1].qkv, lo, hi, H);
             }
         }
-        if (l + 1 < nl) one_sync(bar, target);
+        if (l + 1 < nl) {
+            one_sync(bar, target);
+            ONE_MARK(6);
+        }
     }
     // the last block out sets the counters back (no block polls them any more)
     __syncthreads();

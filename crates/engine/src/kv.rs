@@ -31,6 +31,14 @@ impl KvDtype {
             KvDtype::Bf16 => "bf16",
         }
     }
+
+    /// Bytes of one stored element.
+    pub fn bytes(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::Bf16 => 2,
+        }
+    }
 }
 
 /// The cache storage of all layers plus the shared free list.

@@ -20,7 +20,7 @@ use crate::bank::ExpertBank;
 use crate::checkpoint::{Checkpoint, ExpertWeights};
 use crate::cpu::CpuBackend;
 use crate::error::{Error, Result};
-use crate::kv::{KvCache, BLOCK};
+use crate::kv::{KvCache, KvDtype, BLOCK};
 use crate::model::DenseWeights;
 use crate::rowmap::{LayerMap, Rowmap, Tier};
 use crate::step::{Engine, SeqStep};
@@ -182,11 +182,13 @@ fn beyond_layers(name: &str, layers: usize) -> bool {
         .is_some_and(|l| l >= layers)
 }
 
-/// The primary's footprint for a checkpoint: `kv_tokens` of KV cache, `spare_slots` per MoE
-/// layer, weights resident as `resident` says; `hot_experts` 0 (set by the plan).
+/// The primary's footprint for a checkpoint: `kv_tokens` of KV cache in `kv_dtype`,
+/// `spare_slots` per MoE layer, weights resident as `resident` says; `hot_experts` 0 (set by
+/// the plan).
 pub fn footprint(
     ckpt: &Checkpoint,
     kv_tokens: usize,
+    kv_dtype: KvDtype,
     spare_slots: usize,
     resident: Resident,
 ) -> Result<Footprint> {
@@ -250,7 +252,7 @@ pub fn footprint(
     };
     let tokens = KvCache::blocks_for(kv_tokens.max(BLOCK)) * BLOCK;
     let (kd, vd) = c.cache_dims();
-    let kv = (tokens * c.num_hidden_layers * (kd + vd) * 4) as u64;
+    let kv = (tokens * c.num_hidden_layers * (kd + vd) * kv_dtype.bytes()) as u64;
     let layers = c.moe_layers().len();
     let spare = (spare_slots.min(c.num_experts) * layers) as u64 * expert;
     Ok(Footprint {
@@ -540,6 +542,8 @@ pub struct Placement {
     /// Pick counts to rank experts by (None: a calibration pass).
     pub counts: Option<Vec<Vec<u64>>>,
     pub kv_tokens: usize,
+    /// What the KV cache stores (its bytes per element).
+    pub kv_dtype: KvDtype,
     pub spare_slots: usize,
     pub resident: Resident,
     /// A progress bar over the calibration pass.
@@ -560,7 +564,7 @@ pub fn initial_map(ckpt: &Checkpoint, p: &Placement) -> Result<Plan> {
             calibrate(&ckpt.dir, &prompts, p.progress)?
         }
     };
-    let fp = footprint(ckpt, p.kv_tokens, p.spare_slots, p.resident)?;
+    let fp = footprint(ckpt, p.kv_tokens, p.kv_dtype, p.spare_slots, p.resident)?;
     plan(ckpt, p.budget, &counts, fp)
 }
 

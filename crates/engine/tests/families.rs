@@ -319,7 +319,31 @@ fn a_budget_makes_the_first_map_of_every_family() {
             .iter()
             .all(|l| l.iter().sum::<u64>() == tokens * k as u64));
 
-        let fp = placement::footprint(&ck, 1024, 2, Resident::Stored).unwrap();
+        let fp = placement::footprint(
+            &ck,
+            1024,
+            moelane_engine::kv::KvDtype::F32,
+            2,
+            Resident::Stored,
+        )
+        .unwrap();
+        // the plan counts the KV cache at the bytes a cache of that dtype holds
+        {
+            use moelane_engine::kv::{KvCache, KvDtype};
+            let blocks = KvCache::blocks_for(1024);
+            assert_eq!(
+                fp.kv as usize,
+                KvCache::for_model(&ck.config, blocks).host_bytes(),
+                "{name}"
+            );
+            if ck.config.mla.is_none() {
+                let half =
+                    placement::footprint(&ck, 1024, KvDtype::Bf16, 2, Resident::Stored).unwrap();
+                let cache = KvCache::for_model_as(&ck.config, blocks, KvDtype::Bf16).unwrap();
+                assert_eq!(half.kv as usize, cache.host_bytes(), "{name}");
+                assert_eq!(2 * half.kv, fp.kv, "{name}");
+            }
+        }
         assert_eq!(
             fp.dense as usize,
             DenseWeights::load(&ck).unwrap().bytes(),
@@ -373,6 +397,7 @@ fn a_budget_makes_the_first_map_of_every_family() {
                 budget: Budget::HotExperts(2),
                 counts: None,
                 kv_tokens: 1024,
+                kv_dtype: moelane_engine::kv::KvDtype::F32,
                 spare_slots: 2,
                 resident: Resident::Stored,
                 progress: false,

@@ -369,6 +369,29 @@ pub fn run(a: DecodeArgs) -> Result<()> {
                 "wait_us_per_step": wait_us, "wait_us_per_layer": wait_us / moe_layers as f64,
             }));
         }
+        if let Some(g) = eng.gpu_mut() {
+            match g.persist_status() {
+                Ok(()) => {
+                    println!(
+                        "-- {name}: the persistent one-row step ran {} times ({} blocks)",
+                        g.persist_runs(),
+                        g.persist_grid()
+                    );
+                    // its phases' cycles where the kernels were built with ONE_TRACE
+                    let t = g.persist_trace()?;
+                    if t.iter().any(|p| p.1 > 0) {
+                        let names = ["qkv", "attention", "merge", "o", "router", "up", "down"];
+                        let parts: Vec<String> = names
+                            .iter()
+                            .zip(t.iter())
+                            .map(|(n, (c, k))| format!("{n} {c:.0} cycles x{k}"))
+                            .collect();
+                        println!("-- {name}: phases (block 0): {}", parts.join(", "));
+                    }
+                }
+                Err(why) => println!("-- {name}: the persistent one-row step is off: {why}"),
+            }
+        }
         drop(eng); // aborts an NCCL link: the sidecar process then exits
         if let Some(mut child) = sidecar {
             let _ = child.kill();

@@ -543,6 +543,10 @@ enum MapCmd {
         /// KV cache capacity in tokens the primary will serve with (counted in --primary-memory).
         #[arg(long, default_value_t = 65536, env = "MOELANE_KV_TOKENS")]
         kv_tokens: usize,
+        /// What the primary's KV cache will store (counted in --primary-memory: bf16 is half
+        /// f32's bytes).
+        #[arg(long, value_enum, default_value_t = KvDtypeArg::F32, env = "MOELANE_KV_DTYPE")]
+        kv_dtype: KvDtypeArg,
         /// Spare expert slots per layer the primary will serve with (counted in
         /// --primary-memory).
         #[arg(long, default_value_t = 8, env = "MOELANE_SPARE_SLOTS")]
@@ -1072,6 +1076,7 @@ fn run() -> Result<()> {
                     model,
                     placement,
                     kv_tokens,
+                    kv_dtype,
                     spare_slots,
                     primary_device,
                     out,
@@ -1084,6 +1089,7 @@ fn run() -> Result<()> {
                 &model,
                 &spec,
                 kv_tokens,
+                kv_dtype.dtype(),
                 spare_slots,
                 primary_device != Device::Cpu,
                 &out,

@@ -236,11 +236,12 @@ pub fn map_init(
     model: &Path,
     spec: &crate::roles::PlacementSpec,
     kv_tokens: usize,
+    kv_dtype: moelane_engine::kv::KvDtype,
     spare_slots: usize,
     gpu: bool,
     out: &Path,
 ) -> Result<()> {
-    let plan = crate::roles::plan_map(model, spec, kv_tokens, spare_slots, gpu)?;
+    let plan = crate::roles::plan_map(model, spec, kv_tokens, kv_dtype, spare_slots, gpu)?;
     let ckpt = moelane_engine::checkpoint::Checkpoint::open(model)?;
     let c = &ckpt.config;
     let layers = plan.map.layers.len();

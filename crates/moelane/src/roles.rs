@@ -114,11 +114,13 @@ pub struct Primary {
 }
 
 /// Makes the first map of `dir` under `spec` (calibrating when no counts are given) for a
-/// primary with `kv_tokens` and `spare_slots` on a GPU or not; prints what it takes.
+/// primary with `kv_tokens` in `kv_dtype` and `spare_slots` on a GPU or not; prints what it
+/// takes.
 pub fn plan_map(
     dir: &Path,
     spec: &PlacementSpec,
     kv_tokens: usize,
+    kv_dtype: moelane_engine::kv::KvDtype,
     spare_slots: usize,
     gpu: bool,
 ) -> Result<moelane_engine::placement::Plan> {
@@ -152,6 +154,7 @@ pub fn plan_map(
             budget: spec.budget,
             counts,
             kv_tokens,
+            kv_dtype,
             spare_slots,
             resident: if gpu { Resident::Gpu } else { Resident::Stored },
             progress: true,
@@ -206,10 +209,12 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
         ),
         (None, Some(spec)) => {
             let (dir, spec) = (o.model.clone(), spec.clone());
-            let (kv, spare) = (o.kv_tokens, o.spare_slots);
+            let (kv, kv_dtype, spare) = (o.kv_tokens, o.kv_dtype, o.spare_slots);
             let gpu = o.primary_device != "cpu";
-            let plan = tokio::task::spawn_blocking(move || plan_map(&dir, &spec, kv, spare, gpu))
-                .await??;
+            let plan = tokio::task::spawn_blocking(move || {
+                plan_map(&dir, &spec, kv, kv_dtype, spare, gpu)
+            })
+            .await??;
             resolve_map(&ckpt, Some(plan.map))?
         }
         (map, None) => resolve_map(&ckpt, read_map(map)?)?,

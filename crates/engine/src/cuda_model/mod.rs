@@ -1375,7 +1375,7 @@ impl GpuModel {
             persist: opts.persist,
             one_grid,
             one_lay: None,
-            one_bar: Buf::zeros(&st, 2)?,
+            one_bar: Buf::zeros(&st, step_one::ONE_BAR_WORDS)?,
             one_runs: 0,
             layers,
             cfg: cfg.clone(),

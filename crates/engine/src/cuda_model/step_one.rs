@@ -19,14 +19,20 @@ const _: () = assert!(ONE_WARPS == ATT_WARPS);
 /// Words of a layer's entry in the kernel's layer table (OneLayer of kernels/step_one.cu).
 const ONE_FIELDS: usize = 13;
 
-/// Blocks of the persistent step: one per SM, when one block of each of its kernels
-/// (`fs`: the f32 and bf16 ones) fits an SM (else 0: the step takes the chain).
+/// Blocks of the persistent step: one per SM (`MOELANE_CUDA_PERSIST_BLOCKS=N`: N per SM, a
+/// measuring aid, fewer where fewer fit), when one block of each of its kernels (`fs`: the
+/// f32 and bf16 ones) fits an SM (else 0: the step takes the chain).
 pub(super) fn one_grid(gpu: &Gpu, fs: [&CudaFunction; 2], head_dim: usize) -> Result<usize> {
     use cudarc::driver::sys::CUdevice_attribute_enum as A;
     let sms = gpu
         .ctx
         .attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         .map_err(|e| gerr("reading the SM count", e))? as usize;
+    let mut blocks = std::env::var("MOELANE_CUDA_PERSIST_BLOCKS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(1)
+        .clamp(1, 8);
     for f in fs {
         let per = f
             .occupancy_max_active_blocks_per_multiprocessor(
@@ -38,8 +44,9 @@ pub(super) fn one_grid(gpu: &Gpu, fs: [&CudaFunction; 2], head_dim: usize) -> Re
         if per < 1 {
             return Ok(0);
         }
+        blocks = blocks.min(per as usize);
     }
-    Ok(sms)
+    Ok(sms * blocks)
 }
 
 /// The persistent step's dynamic shared memory (decode attention's).
@@ -278,6 +285,10 @@ impl GpuModel {
         self.mark("step_one")
     }
 }
+
+/// The persistent step's counter words: the barrier's two, then (kernels built with
+/// `ONE_TRACE`) 16 u64 of phase times and counts.
+pub(super) const ONE_BAR_WORDS: usize = 2 + 2 * 16;
 
 /// A cooperative launch (every block resident at once, or the launch fails): the grid
 /// barriers of kernels/step_one.cu need it.

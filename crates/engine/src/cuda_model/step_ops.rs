@@ -878,9 +878,30 @@ impl GpuModel {
         }
     }
 
+    /// The persistent step's blocks (0: it cannot run here).
+    pub fn persist_grid(&self) -> usize {
+        self.one_grid
+    }
+
     /// Runs of the step that took the persistent kernel so far.
     pub fn persist_runs(&self) -> u64 {
         self.one_runs
+    }
+
+    /// The persistent step's phase times where its kernel was built with `ONE_TRACE` (a
+    /// development aid, through `MOELANE_KERNELS_DIR`): per phase (q/k/v, attention, merge,
+    /// o, router, top-k + up, down + combine), block 0's mean SM cycles from the barrier
+    /// before to the barrier after, and how many times it was counted; zeros otherwise.
+    pub fn persist_trace(&self) -> Result<[(f64, u64); 7]> {
+        let mut w = vec![0u32; super::step_one::ONE_BAR_WORDS];
+        self.one_bar.read(&self.st, &mut w)?;
+        let word = |i: usize| (w[2 + 2 * i] as u64) | ((w[3 + 2 * i] as u64) << 32);
+        let mut out = [(0.0, 0); 7];
+        for (p, o) in out.iter_mut().enumerate() {
+            let n = word(8 + p);
+            *o = (word(p) as f64 / n.max(1) as f64, n);
+        }
+        Ok(out)
     }
 
     /// Whether the persistent step can run this model's layers at all, and if not why.
