@@ -9,6 +9,11 @@
 // Activations written inside the kernel are read through the L2 (__ldcg), never the
 // read-only path.
 //
+// Measured (docs/PERFORMANCE.md): 0.59-0.62x the chain's tok/s at batch 1 on station, so it is
+// off by default. A grid barrier costs ~3 us a phase (arrivals, imbalance, the poll), where a
+// kernel boundary of the chain, with its weights preloaded before the dependent launch's wait,
+// costs ~0.7; two blocks an SM measured slower still.
+//
 // The span's layers are described by `lay` (ONE_FIELDS words each, see OneLayer); the grid
 // must be co-resident (a cooperative launch). bar[0] counts arrivals at the grid barriers,
 // bar[1] blocks done: the last block to finish sets both back to 0 for the next launch.
@@ -33,18 +38,19 @@ struct OneLayer {
     long long window;          // sliding window (0: none)
 };
 
-// The grid barrier: every block's writes before it are visible to every block after it.
+// The grid barrier: every block's writes before it are visible to every block after it (the
+// block's barrier orders its threads' writes before thread 0's release; the release is
+// cumulative, and the poll's acquire orders the reads after it). Measured 1.05x against a
+// __threadfence before an atomicAdd and after the poll.
 __device__ __forceinline__ void one_sync(unsigned* bar, unsigned& target) {
     __syncthreads();
     target += gridDim.x;
     if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(bar, 1u);
+        asm volatile("red.release.gpu.global.add.u32 [%0], 1;" : : "l"(bar) : "memory");
         unsigned v;
         do {
             asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(bar) : "memory");
         } while (v < target);
-        __threadfence();
     }
     __syncthreads();
 }
@@ -155,6 +161,24 @@ __device__ __forceinline__ float one_up(const W* __restrict__ g, const W* __rest
 
 // The warp's sum of down row d . activation row a, in dot8's order for 16-bit rows (eight a
 // lane), else moe_down's four at a time.
+template <typename W>
+__device__ __forceinline__ float one_down_lane(const W* __restrict__ d, const float* a, int I, bool eight, int lane) {
+    float sum = 0.f;
+    if (eight) {
+#pragma unroll 4
+        for (int i = lane * 8; i < I; i += 256) {
+            float4 d0, d1;
+            wload8(d + i, d0, d1);
+            const float4 a0 = __ldcg((const float4*)(a + i)), a1 = __ldcg((const float4*)(a + i + 4));
+            sum = fma4(d1, a1, fma4(d0, a0, sum));
+        }
+    } else {
+#pragma unroll 4
+        for (int i = lane * 4; i < I; i += 128) sum = fma4(wload4(d + i), __ldcg((const float4*)(a + i)), sum);
+    }
+    return sum;
+}
+
 template <typename W>
 __device__ __forceinline__ float one_down(const W* __restrict__ d, const float* a, int I, bool eight, int lane) {
     float sum = 0.f;
@@ -285,12 +309,31 @@ __device__ __forceinline__ void step_one_body(const OneLayer* __restrict__ lay, 
             one_range(H, lo, hi);
             for (int j = lo + w; j < hi; j += ONE_WARPS) {
                 float acc = 0.f;
-                for (int s = 0; s < K; s++) {
-                    const W* dn = (const W*)L.dn[s_idx[s]];
-                    if (dn == 0) continue;
-                    const bool eight = sizeof(W) == 2 && (I & 7) == 0 && ((size_t)dn & 15) == 0;
-                    const float sum = one_down(dn + (size_t)j * I, act + (size_t)s * I, I, eight, lane);
-                    acc = fmaf(s_wts[s], sum, acc);
+                if (K <= 8) {
+                    // every pick's loads issued before any of its sums (the same sums)
+                    float ps[8];
+#pragma unroll
+                    for (int s = 0; s < 8; s++) {
+                        ps[s] = 0.f;
+                        if (s < K) {
+                            const W* dn = (const W*)L.dn[s_idx[s]];
+                            if (dn != 0) {
+                                const bool eight = sizeof(W) == 2 && (I & 7) == 0 && ((size_t)dn & 15) == 0;
+                                ps[s] = one_down_lane(dn + (size_t)j * I, act + (size_t)s * I, I, eight, lane);
+                            }
+                        }
+                    }
+#pragma unroll
+                    for (int s = 0; s < 8; s++)
+                        if (s < K && L.dn[s_idx[s]] != 0) acc = fmaf(s_wts[s], warp_sum(ps[s]), acc);
+                } else {
+                    for (int s = 0; s < K; s++) {
+                        const W* dn = (const W*)L.dn[s_idx[s]];
+                        if (dn == 0) continue;
+                        const bool eight = sizeof(W) == 2 && (I & 7) == 0 && ((size_t)dn & 15) == 0;
+                        const float sum = one_down(dn + (size_t)j * I, act + (size_t)s * I, I, eight, lane);
+                        acc = fmaf(s_wts[s], sum, acc);
+                    }
                 }
                 if (lane == 0) x[j] = __ldcg(x + j) + acc;
             }

@@ -172,8 +172,8 @@ pub struct GpuOptions {
     /// every pick is on this GPU.
     pub fuse: bool,
     /// A single decode row's MoE layers as one persistent kernel (`step_one`) where the
-    /// layers allow it (`MOELANE_CUDA_PERSIST=1`; off by default until measured on a GPU:
-    /// the chain of kernels, the same sums).
+    /// layers allow it (`MOELANE_CUDA_PERSIST=1`; off by default: the chain of kernels, the
+    /// same sums, measured faster).
     pub persist: bool,
     /// Step kernels launched hollow, a diagnostic (`MOELANE_CUDA_HOLLOW`, see
     /// [`GpuModel::set_hollow`]); empty in serving.
