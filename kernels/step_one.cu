@@ -159,8 +159,8 @@ __device__ __forceinline__ float one_up(const W* __restrict__ g, const W* __rest
     return sg / (1.f + expf(-sg)) * su;
 }
 
-// The warp's sum of down row d . activation row a, in dot8's order for 16-bit rows (eight a
-// lane), else moe_down's four at a time.
+// A lane's part of down row d . activation row a, in dot8's order for 16-bit rows (eight a
+// lane), else moe_down's four at a time; one_down is the warp's sum of it.
 template <typename W>
 __device__ __forceinline__ float one_down_lane(const W* __restrict__ d, const float* a, int I, bool eight, int lane) {
     float sum = 0.f;
@@ -181,20 +181,7 @@ __device__ __forceinline__ float one_down_lane(const W* __restrict__ d, const fl
 
 template <typename W>
 __device__ __forceinline__ float one_down(const W* __restrict__ d, const float* a, int I, bool eight, int lane) {
-    float sum = 0.f;
-    if (eight) {
-#pragma unroll 4
-        for (int i = lane * 8; i < I; i += 256) {
-            float4 d0, d1;
-            wload8(d + i, d0, d1);
-            const float4 a0 = __ldcg((const float4*)(a + i)), a1 = __ldcg((const float4*)(a + i + 4));
-            sum = fma4(d1, a1, fma4(d0, a0, sum));
-        }
-    } else {
-#pragma unroll 4
-        for (int i = lane * 4; i < I; i += 128) sum = fma4(wload4(d + i), __ldcg((const float4*)(a + i)), sum);
-    }
-    return warp_sum(sum);
+    return warp_sum(one_down_lane(d, a, I, eight, lane));
 }
 
 template <typename W>
