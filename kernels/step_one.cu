@@ -16,8 +16,9 @@
 //
 // The span's layers are described by `lay` (ONE_FIELDS words each, see OneLayer); the grid
 // must be co-resident (a cooperative launch). bar[0] counts arrivals at the grid barriers,
-// bar[1] blocks done: the last block to finish sets both back to 0 for the next launch.
-// grid: the SM count; block: 32 * ONE_WARPS; dynamic shared memory: (ONE_WARPS + 3) * hd
+// bar[1] blocks done: the last block to finish sets both back to 0 for the next launch
+// (words from bar[2] on are ONE_TRACE's).
+// grid: the SM count (times MOELANE_CUDA_PERSIST_BLOCKS); block: 32 * ONE_WARPS; dynamic shared memory: (ONE_WARPS + 3) * hd
 // floats (attention's).
 
 #define ONE_WARPS 16
@@ -197,13 +198,13 @@ __device__ __forceinline__ void step_one_body(const OneLayer* __restrict__ lay, 
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int qd = nh * hd, kvd = nkv * hd, qkv_out = qd + 2 * kvd;
     unsigned target = 0;
-#ifdef ONE_TRACE
-    long long t_mark = clock64();
-#endif
     int lo, hi;
     one_range(qkv_out, lo, hi);
     one_prefetch((const W*)lay[0].qkv, lo, hi, H);
     PDL_ENTRY();
+#ifdef ONE_TRACE
+    long long t_mark = clock64();
+#endif
     for (int l = 0; l < nl; l++) {
         const OneLayer& L = lay[l];
         // q, k and v: the input norm's rows of qkv (norm_gemv_rows)

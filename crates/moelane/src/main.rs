@@ -544,7 +544,7 @@ enum MapCmd {
         #[arg(long, default_value_t = 65536, env = "MOELANE_KV_TOKENS")]
         kv_tokens: usize,
         /// What the primary's KV cache will store (counted in --primary-memory: bf16 is half
-        /// f32's bytes).
+        /// f32's bytes; a CPU primary only, not multi-head latent attention).
         #[arg(long, value_enum, default_value_t = KvDtypeArg::F32, env = "MOELANE_KV_DTYPE")]
         kv_dtype: KvDtypeArg,
         /// Spare expert slots per layer the primary will serve with (counted in

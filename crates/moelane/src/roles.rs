@@ -126,6 +126,24 @@ pub fn plan_map(
 ) -> Result<moelane_engine::placement::Plan> {
     use moelane_engine::placement::{initial_map, Counts, Placement, Resident};
     let ckpt = Checkpoint::open(dir)?;
+    // refused here, before a calibration pass, as the primary would refuse it at start
+    if kv_dtype != moelane_engine::kv::KvDtype::F32 {
+        if gpu {
+            bail!(
+                "--kv-dtype {}: a primary on a GPU keeps its KV cache there in f32; give \
+                 --kv-dtype f32",
+                kv_dtype.name()
+            );
+        }
+        if ckpt.config.mla.is_some() {
+            bail!(
+                "--kv-dtype {}: {} caches multi-head latent attention's latent in f32; give \
+                 --kv-dtype f32",
+                kv_dtype.name(),
+                ckpt.config.family.name()
+            );
+        }
+    }
     if dir.join("rowmap.json").exists() {
         println!(
             "moelane: {} is not used: the first map is made from the budget given",
@@ -1265,6 +1283,40 @@ pub async fn start_gateway(o: &GatewayOptions) -> Result<Gateway> {
         admin_task,
         offer,
     })
+}
+
+#[cfg(test)]
+mod plan_tests {
+    use moelane_engine::config::Family;
+    use moelane_engine::kv::KvDtype;
+    use moelane_engine::placement::Budget;
+    use moelane_engine::random_ckpt::{self, Dims};
+
+    #[test]
+    fn a_bf16_kv_cache_the_primary_would_refuse_is_refused_before_calibrating() {
+        let tmp = tempfile::tempdir().unwrap();
+        let spec = super::PlacementSpec {
+            budget: Budget::HotExperts(2),
+            counts: None,
+        };
+        for family in [Family::Qwen3Moe, Family::DeepseekV3] {
+            let dir = tmp.path().join(family.name());
+            random_ckpt::write(family, &Dims::for_family(family), 7, &dir).unwrap();
+            let mla = family == Family::DeepseekV3;
+            for gpu in [false, true] {
+                let r = super::plan_map(&dir, &spec, 256, KvDtype::Bf16, 0, gpu);
+                match r {
+                    Ok(_) => assert!(!gpu && !mla, "{family:?} gpu {gpu}: accepted"),
+                    Err(e) => {
+                        let e = format!("{e:#}");
+                        assert!(gpu || mla, "{family:?} gpu {gpu}: {e}");
+                        assert!(e.contains("--kv-dtype bf16"), "{e}");
+                        assert!(e.contains(if gpu { "GPU" } else { "latent" }), "{e}");
+                    }
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]

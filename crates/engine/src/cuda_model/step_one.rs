@@ -262,9 +262,10 @@ impl GpuModel {
         // tables E entries each; null entries add nothing); the scratch is sized for this
         // step's one row (`begin`): qkv, att and att_part (splits partials per head), h,
         // rlog E floats, act k * I, idx the MoE layers' k picks each from ml0, wts k; the
-        // position and block table were checked in `begin`; bar is two counters at 0
-        // between launches (the kernel's last block sets them back); the grid is one block
-        // per SM, launched cooperatively, so every block is resident at once.
+        // position and block table were checked in `begin`; bar is ONE_BAR_WORDS words, its
+        // two counters at 0 between launches (the kernel's last block sets them back); the
+        // grid is as many blocks an SM as occupancy allows (`one_grid`), launched
+        // cooperatively, so every block is resident at once.
         if let Err(e) = unsafe { launch_coop(&self.st, f, &mut a.params(), cfg) } {
             // a device that will not hold the whole grid at once (an MPS share of its SMs,
             // say): the chain from now on, this span included
