@@ -18,8 +18,8 @@
 // must be co-resident (a cooperative launch). bar[0] counts arrivals at the grid barriers,
 // bar[1] blocks done: the last block to finish sets both back to 0 for the next launch
 // (words from bar[2] on are ONE_TRACE's).
-// grid: the SM count (times MOELANE_CUDA_PERSIST_BLOCKS); block: 32 * ONE_WARPS; dynamic shared memory: (ONE_WARPS + 3) * hd
-// floats (attention's).
+// grid: the SM count (times MOELANE_CUDA_PERSIST_BLOCKS); block: 32 * ONE_WARPS; dynamic
+// shared memory: (ONE_WARPS + 3) * hd floats (attention's).
 
 #define ONE_WARPS 16
 
@@ -161,7 +161,7 @@ __device__ __forceinline__ float one_up(const W* __restrict__ g, const W* __rest
 }
 
 // A lane's part of down row d . activation row a, in dot8's order for 16-bit rows (eight a
-// lane), else moe_down's four at a time; one_down is the warp's sum of it.
+// lane), else moe_down's four at a time (the warp's sum of it is moe_down's).
 template <typename W>
 __device__ __forceinline__ float one_down_lane(const W* __restrict__ d, const float* a, int I, bool eight, int lane) {
     float sum = 0.f;
@@ -178,11 +178,6 @@ __device__ __forceinline__ float one_down_lane(const W* __restrict__ d, const fl
         for (int i = lane * 4; i < I; i += 128) sum = fma4(wload4(d + i), __ldcg((const float4*)(a + i)), sum);
     }
     return sum;
-}
-
-template <typename W>
-__device__ __forceinline__ float one_down(const W* __restrict__ d, const float* a, int I, bool eight, int lane) {
-    return warp_sum(one_down_lane(d, a, I, eight, lane));
 }
 
 template <typename W>
@@ -297,31 +292,24 @@ __device__ __forceinline__ void step_one_body(const OneLayer* __restrict__ lay, 
             one_range(H, lo, hi);
             for (int j = lo + w; j < hi; j += ONE_WARPS) {
                 float acc = 0.f;
-                if (K <= 8) {
-                    // every pick's loads issued before any of its sums (the same sums)
+                // eight picks at a time: every pick's loads issued before any of its sums (the
+                // same sums, in rank order)
+                for (int s0 = 0; s0 < K; s0 += 8) {
                     float ps[8];
+                    bool on[8];
 #pragma unroll
-                    for (int s = 0; s < 8; s++) {
-                        ps[s] = 0.f;
-                        if (s < K) {
-                            const W* dn = (const W*)L.dn[s_idx[s]];
-                            if (dn != 0) {
-                                const bool eight = sizeof(W) == 2 && (I & 7) == 0 && ((size_t)dn & 15) == 0;
-                                ps[s] = one_down_lane(dn + (size_t)j * I, act + (size_t)s * I, I, eight, lane);
-                            }
+                    for (int u = 0; u < 8; u++) {
+                        const W* dn = s0 + u < K ? (const W*)L.dn[s_idx[s0 + u]] : (const W*)0;
+                        on[u] = dn != 0;
+                        ps[u] = 0.f;
+                        if (on[u]) {
+                            const bool eight = sizeof(W) == 2 && (I & 7) == 0 && ((size_t)dn & 15) == 0;
+                            ps[u] = one_down_lane(dn + (size_t)j * I, act + (size_t)(s0 + u) * I, I, eight, lane);
                         }
                     }
 #pragma unroll
-                    for (int s = 0; s < 8; s++)
-                        if (s < K && L.dn[s_idx[s]] != 0) acc = fmaf(s_wts[s], warp_sum(ps[s]), acc);
-                } else {
-                    for (int s = 0; s < K; s++) {
-                        const W* dn = (const W*)L.dn[s_idx[s]];
-                        if (dn == 0) continue;
-                        const bool eight = sizeof(W) == 2 && (I & 7) == 0 && ((size_t)dn & 15) == 0;
-                        const float sum = one_down(dn + (size_t)j * I, act + (size_t)s * I, I, eight, lane);
-                        acc = fmaf(s_wts[s], sum, acc);
-                    }
+                    for (int u = 0; u < 8; u++)
+                        if (on[u]) acc = fmaf(s_wts[s0 + u], warp_sum(ps[u]), acc);
                 }
                 if (lane == 0) x[j] = __ldcg(x + j) + acc;
             }
