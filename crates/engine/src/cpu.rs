@@ -40,6 +40,11 @@ pub struct CpuBackend {
     all_hot: Vec<Pick>,
     all_slots: Vec<u32>,
     acc: Vec<f32>,
+    /// `MOELANE_PREDICT_PICKS=1` ([`crate::predict`]): the pre-attention guesses of this
+    /// step's picks `[moe layers, n, k]`, the last step's picks and its rows' sequences
+    guess: Vec<i32>,
+    prev_picks: Vec<i32>,
+    prev_seqs: Vec<usize>,
 }
 
 impl CpuBackend {
@@ -72,6 +77,9 @@ impl CpuBackend {
             all_hot: Vec::new(),
             all_slots: Vec::new(),
             acc: Vec::new(),
+            guess: Vec::new(),
+            prev_picks: Vec::new(),
+            prev_seqs: Vec::new(),
         }
     }
 
@@ -220,6 +228,46 @@ impl CpuBackend {
     }
 }
 
+impl CpuBackend {
+    /// [`crate::predict`]'s pre-attention guess of decoder layer `layer`'s picks (a MoE
+    /// layer with a softmax router; others are not guessed): the layer's router on the
+    /// hidden state before its attention, normed with its post-attention norm.
+    fn guess_picks(&mut self, layer: usize) {
+        let c = &self.cfg;
+        let lw = &self.w.layers[layer];
+        let Some(router) = lw.router.as_ref() else {
+            return;
+        };
+        if c.routing != Routing::Softmax {
+            return;
+        }
+        let ml = self.w.layers[..layer]
+            .iter()
+            .filter(|l| l.router.is_some())
+            .count();
+        let (n, hs, ne, k) = (
+            self.rows.len(),
+            c.hidden_size,
+            c.num_experts,
+            c.num_experts_per_tok,
+        );
+        let mut h = vec![0.0; n * hs];
+        rmsnorm(&self.x[..n * hs], &lw.post_norm, c.rms_norm_eps, &mut h);
+        let mut logits = vec![0.0; n * ne];
+        matmul(&h, n, router, &mut logits);
+        for (r, p) in logits.chunks_exact_mut(ne).enumerate() {
+            for (v, b) in p.iter_mut().zip(&lw.router_logit_bias) {
+                *v += b;
+            }
+            ops::softmax(p);
+            ops::topk(p, k, &mut self.top);
+            for (j, &(e, _)) in self.top.iter().enumerate() {
+                self.guess[ml * n * k + r * k + j] = e as i32;
+            }
+        }
+    }
+}
+
 impl StepBackend for CpuBackend {
     fn describe(&self) -> String {
         "cpu".into()
@@ -260,6 +308,12 @@ impl StepBackend for CpuBackend {
             )));
         }
         let (n, hs, k) = (rows.len(), c.hidden_size, c.num_experts_per_tok);
+        if crate::predict::enabled() {
+            // the last step's picks and its rows' sequences, for the previous-step guess
+            self.prev_picks.clone_from(&self.picks);
+            self.prev_seqs.clear();
+            self.prev_seqs.extend(self.rows.iter().map(|r| r.seq));
+        }
         self.rows.clear();
         self.rows.extend_from_slice(rows);
         self.tokens.clear();
@@ -268,6 +322,10 @@ impl StepBackend for CpuBackend {
         self.logit_rows.extend_from_slice(logit_rows);
         self.x.resize(n * hs, 0.0);
         self.h.resize(n * hs, 0.0);
+        if crate::predict::enabled() {
+            self.guess.clear();
+            self.guess.resize(c.moe_layers().len() * n * k, -1);
+        }
         self.picks.clear();
         self.picks.resize(c.moe_layers().len() * n * k, 0);
         Ok(())
@@ -284,6 +342,9 @@ impl StepBackend for CpuBackend {
     }
 
     fn attention(&mut self, layer: usize, seqs: &[&SeqKv], kv: &mut KvCache) -> Result<()> {
+        if crate::predict::enabled() {
+            self.guess_picks(layer);
+        }
         if self.cfg.mla.is_some() {
             return self.mla_attention(layer, seqs, kv);
         }
@@ -460,6 +521,7 @@ impl StepBackend for CpuBackend {
         self.weights.clear();
         self.weights.resize(n * k, 0.0);
         let picks = &mut self.picks[ml * n * k..(ml + 1) * n * k];
+        let scoring = crate::predict::enabled();
         // the scores, then the top-k per row in rank order
         for (r, p) in self.probs[..n * ne].chunks_exact_mut(ne).enumerate() {
             let w = &mut self.weights[r * k..(r + 1) * k];
@@ -488,6 +550,21 @@ impl StepBackend for CpuBackend {
                     for (j, &(e, _)) in self.top.iter().enumerate() {
                         w[j] = p[e];
                         picks[r * k + j] = e as i32;
+                    }
+                }
+            }
+            if scoring {
+                let row = &picks[r * k..(r + 1) * k];
+                let g = &self.guess[ml * n * k + r * k..ml * n * k + (r + 1) * k];
+                if g[0] >= 0 {
+                    crate::predict::score(0, g, row);
+                }
+                // this row's sequence one step earlier, when that step had it in one row
+                let pn = self.prev_seqs.len();
+                if let Some(pr) = self.prev_seqs.iter().position(|&s| s == self.rows[r].seq) {
+                    if self.prev_picks.len() >= (ml + 1) * pn * k {
+                        let p = &self.prev_picks[ml * pn * k + pr * k..ml * pn * k + (pr + 1) * k];
+                        crate::predict::score(1, p, row);
                     }
                 }
             }

@@ -25,6 +25,7 @@ mod ops_arm;
 #[cfg(target_arch = "x86_64")]
 mod ops_x86;
 pub mod placement;
+pub mod predict;
 pub mod progress;
 pub mod random_ckpt;
 pub mod rng;

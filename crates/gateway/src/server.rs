@@ -530,6 +530,11 @@ impl ValidRequest {
 }
 
 pub(crate) async fn read_json(st: &AppState, body: Body) -> Result<Value, ApiError> {
+    // a Content-Length over the limit is refused before any byte of the body is read (or a
+    // `100 Continue` sent)
+    if axum::body::HttpBody::size_hint(&body).lower() > st.cfg.max_body as u64 {
+        return Err(ApiError::TooLarge(st.cfg.max_body));
+    }
     // the whole body within the deadline: a client sending it a byte at a time is cut off
     let read = tokio::time::timeout(
         st.cfg.body_timeout,
@@ -1444,9 +1449,15 @@ impl Tries {
     }
 }
 
-/// A lane's error as the client sees it, naming the lane.
+/// A lane's error as the client sees it: naming the lane where the lane failed, not where
+/// the request was at fault (the client needs no internal address to fix its request).
 pub(crate) fn lane_err(lane: &str, e: &LaneError) -> ApiError {
-    ApiError::from_lane(e.category, format!("lane {lane}: {}", e.message))
+    match e.category {
+        Category::BadRequest | Category::ContextOverflow => {
+            ApiError::from_lane(e.category, e.message.clone())
+        }
+        _ => ApiError::from_lane(e.category, format!("lane {lane}: {}", e.message)),
+    }
 }
 
 fn no_lane() -> ApiError {

@@ -760,6 +760,27 @@ async fn a_body_slower_than_its_deadline_gets_a_408() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_declared_over_the_limit_gets_a_413_before_it_is_sent() {
+    // the head alone says 50 MB: refused at once, not after the body deadline, and with no
+    // `100 Continue` inviting the client to send it
+    let (_p, url) = primary().await;
+    let gw = gateway(&[&url]).await;
+    let mut s = tokio::net::TcpStream::connect(&gw).await.expect("connect");
+    let head = "POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nExpect: 100-continue\r\nContent-Length: 52428800\r\n\r\n";
+    s.write_all(head.as_bytes()).await.unwrap();
+    let t0 = std::time::Instant::now();
+    let mut raw = vec![0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut raw))
+        .await
+        .expect("an answer before 5 s")
+        .unwrap();
+    let text = String::from_utf8_lossy(&raw[..n]).to_string();
+    assert!(text.starts_with("HTTP/1.1 413"), "{text}");
+    assert!(text.contains("request_too_large"), "{text}");
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+}
+
 /// Every token of `v`'s choice `i`, as chat log-probability entries (non-streamed answer).
 fn chat_lps(v: &Value, i: usize) -> Vec<Value> {
     v["choices"][i]["logprobs"]["content"]
@@ -1188,6 +1209,24 @@ async fn response_format_json_schema_constrains_the_answer() {
         assert_error(st, &v, 400, "invalid_request_error", "response_format");
         assert_eq!(v["error"]["param"], "response_format", "{v}");
     }
+    // a schema no answer can satisfy (a `$ref` to itself) fails when its first mask is
+    // made: a 400 that names the grammar, without the parser's state dump or the address
+    // of the lane that found it
+    let cycle = json!({"type": "json_schema", "json_schema": {"name": "c",
+        "schema": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}}});
+    let (st, v) = post(
+        &gw,
+        "/v1/chat/completions",
+        &ask(json!({"response_format": cycle})),
+    )
+    .await;
+    assert_eq!(st, 400, "{v}");
+    let msg = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(msg.contains("grammar"), "{v}");
+    assert!(
+        !msg.contains("<state>") && !msg.contains("<grammar>") && !msg.contains("http://"),
+        "{msg}"
+    );
 }
 
 /// The synthetic checkpoint's template renders tools, calls and tool results in Qwen3's

@@ -693,6 +693,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
                 let mut rates = Vec::new();
                 let mut per_tok = 0f64;
                 let mut step_ms = Vec::new();
+                moelane_engine::predict::reset();
                 for _ in 0..reps {
                     let mut seqs: Vec<_> = (0..b).map(|_| eng.kv.new_seq()).collect();
                     let mut toks: Vec<Vec<u32>> = (0..b)
@@ -732,6 +733,10 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
                     per_tok * r / 1e9,
                     100.0 * per_tok * r / read_bw
                 );
+                // MOELANE_PREDICT_PICKS=1 (the prompts' prefill counted too)
+                if let Some(s) = moelane_engine::predict::summary() {
+                    println!("{:>6} {s}", "");
+                }
             }
             println!(
                 "implied GB/s = weight bytes per token (the stored dtype's: dense once per step, each \

@@ -343,6 +343,21 @@ fn device_renamed(_: &str) -> std::result::Result<String, String> {
     )
 }
 
+/// A gateway's HTTP bounds from its flags (None: the default; timeouts at least 0.1 s).
+fn http_bounds(
+    go: &mut GatewayOptions,
+    max_connections: Option<usize>,
+    header_timeout: Option<f64>,
+    body_timeout: Option<f64>,
+) {
+    let floor = std::time::Duration::from_millis(100);
+    go.http.max_connections = max_connections.unwrap_or(4096).max(1);
+    go.http.header_timeout = secs(header_timeout, 30.0).max(floor);
+    go.body_timeout = secs(body_timeout, 30.0).max(floor);
+}
+
+// parsed once at start: the size of its largest variant costs nothing
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Cmd {
     /// Write a synthetic qwen3_moe checkpoint (config.json, tokenizer.json,
@@ -422,6 +437,16 @@ enum Cmd {
         /// ending the rest with an error; nothing new is taken meanwhile.
         #[arg(long, default_value_t = 30.0, env = "MOELANE_GRACE")]
         grace: f64,
+        /// The API's bounds, as a gateway's (`lane --role gateway`): most connections open at
+        /// once (default 4096) ...
+        #[arg(long, env = "MOELANE_MAX_CONNECTIONS")]
+        max_connections: Option<usize>,
+        /// ... seconds for a whole request head (default 30) ...
+        #[arg(long, env = "MOELANE_HEADER_TIMEOUT")]
+        header_timeout: Option<f64>,
+        /// ... and for a whole body once the head arrived (default 30; 408 past it).
+        #[arg(long, env = "MOELANE_BODY_TIMEOUT")]
+        body_timeout: Option<f64>,
         #[command(flatten)]
         residency: ResidencyArgs,
         #[command(flatten)]
@@ -711,8 +736,9 @@ struct LaneArgs {
     /// (default 4GiB); past it the least recently used are dropped and read again if picked.
     #[arg(long, env = "MOELANE_DEGRADED_MEMORY")]
     degraded_memory: Option<Size>,
-    /// Primary: seconds to wait at start for the sidecar process to listen (default 600: it
-    /// opens its port once its experts are loaded).
+    /// Primary: seconds to wait at start for the sidecar process to listen and answer the
+    /// registration (default 600: it opens its port once its experts are loaded; a sidecar
+    /// that refuses the registration ends the start at once).
     #[arg(long, env = "MOELANE_SIDECAR_WAIT")]
     sidecar_wait: Option<f64>,
     /// All roles: seconds a stop (SIGTERM, SIGINT) waits for the requests in flight to finish
@@ -1158,6 +1184,9 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
             primary_device,
             old_device: _,
             grace,
+            max_connections,
+            header_timeout,
+            body_timeout,
             residency,
             placement,
         } => {
@@ -1197,6 +1226,7 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
             go.name = served_model_name.clone();
             go.auth = gateway_auth(api_key_file.as_deref(), admin_token_file.as_deref())?;
             go.http.tls = gateway_tls();
+            http_bounds(&mut go, max_connections, header_timeout, body_timeout);
             if let Some(l) = admin_listen {
                 go.admin_listen = l;
             }
@@ -1370,12 +1400,8 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                     if let Some(l) = &a.admin_listen {
                         go.admin_listen = l.clone();
                     }
-                    go.http.max_connections = a.max_connections.unwrap_or(4096).max(1);
                     go.http.tls = gateway_tls();
-                    go.http.header_timeout =
-                        secs(a.header_timeout, 30.0).max(std::time::Duration::from_millis(100));
-                    go.body_timeout =
-                        secs(a.body_timeout, 30.0).max(std::time::Duration::from_millis(100));
+                    http_bounds(&mut go, a.max_connections, a.header_timeout, a.body_timeout);
                     let mut g = roles::start_gateway(&go).await?;
                     println!(
                         "moelane: gateway listening on {}://{}/v1",

@@ -528,10 +528,41 @@ async fn connect_sidecar(
         on_link: Some(on_link.clone()),
         link_params: (kind == "ipc").then(|| ipc_lane::params(ipc.clone())),
     };
-    let rep = remote
-        .register(&map.map)
-        .await
-        .map_err(|s| anyhow::anyhow!("sidecar refused registration: {}", s.message()))?;
+    // a sidecar that answers its port but not the call (stopped, overloaded, restarting) is
+    // asked again, up to --sidecar-wait; one that refuses (another model, a bad token) is not
+    let rep = loop {
+        match remote.register(&map.map).await {
+            Ok(rep) => break rep,
+            Err(s) if registration_transient(s.code()) && t0.elapsed() < o.sidecar_wait => {
+                if !said {
+                    println!(
+                        "moelane: waiting for the sidecar at {control} to answer its registration \
+                         ({}: {}; up to {:.0} s)",
+                        s.code(),
+                        s.message(),
+                        o.sidecar_wait.as_secs_f64()
+                    );
+                    said = true;
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(s) if registration_transient(s.code()) => {
+                return Err(anyhow::anyhow!(
+                "the sidecar at {control} did not answer its registration within {:.0} s ({}: {})",
+                t0.elapsed().as_secs_f64(),
+                s.code(),
+                s.message()
+            ))
+            }
+            Err(s) => {
+                return Err(anyhow::anyhow!(
+                    "the sidecar at {control} refused the registration ({}: {})",
+                    s.code(),
+                    s.message()
+                ))
+            }
+        }
+    };
     on_link(&rep).map_err(|e| anyhow::anyhow!("opening the data link: {e}"))?;
     let broken = Arc::new(tokio::sync::Notify::new());
     let t = Relink {
@@ -560,6 +591,20 @@ async fn connect_sidecar(
             format!("{link} {}", rep.endpoint)
         },
     })
+}
+
+/// Whether a failed REGISTER may pass on its own (the sidecar did not answer, or the
+/// connection broke): asked again while --sidecar-wait lasts. Anything else is a refusal.
+fn registration_transient(code: tonic::Code) -> bool {
+    matches!(
+        code,
+        tonic::Code::Unavailable
+            | tonic::Code::DeadlineExceeded
+            | tonic::Code::Cancelled
+            | tonic::Code::Unknown
+            | tonic::Code::ResourceExhausted
+            | tonic::Code::Aborted
+    )
 }
 
 /// The primary's end of the `ipc` link in a lane: a reply box made before each REGISTER

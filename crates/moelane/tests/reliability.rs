@@ -477,10 +477,10 @@ fn lanes_come_and_go_through_a_file_and_dns() {
     assert!(err.contains("dns://nameonly"), "{err}");
 }
 
-#[test]
-fn a_sidecar_refuses_a_primary_of_another_protocol_naming_both_builds() {
+/// A sidecar process on the tiny checkpoint with a TCP data port; its control URL.
+fn tcp_sidecar() -> (Proc, String) {
     let dir = tiny().to_str().unwrap().to_string();
-    let (_side, v) = start(
+    let (side, v) = start(
         &[
             "lane",
             "--role",
@@ -494,7 +494,51 @@ fn a_sidecar_refuses_a_primary_of_another_protocol_naming_both_builds() {
         ],
         &["sidecar control "],
     );
-    let url = v[0].clone();
+    (side, v[0].clone())
+}
+
+#[test]
+fn a_primary_started_while_its_sidecar_is_stopped_waits_and_registers_once_it_resumes() {
+    // the sidecar's port accepts connections (the kernel does) but nothing answers the
+    // registration: the primary asks again within --sidecar-wait instead of exiting
+    let (side, url) = tcp_sidecar();
+    signal(&side, "STOP");
+    let pid = side.child.id().to_string();
+    let resume = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(12));
+        let st = std::process::Command::new("kill")
+            .args(["-CONT", &pid])
+            .status()
+            .expect("run kill");
+        assert!(st.success(), "kill -CONT failed");
+    });
+    let t0 = Instant::now();
+    let (p, purl) = primary(
+        &["--sidecar", &url, "--link", "tcp", "--sidecar-wait", "60"],
+        &[],
+    );
+    let took = t0.elapsed();
+    resume.join().expect("the resuming thread");
+    assert!(
+        p.lines
+            .iter()
+            .any(|l| l.contains("to answer its registration")),
+        "the primary did not say it waited: {:?}",
+        p.lines
+    );
+    assert!(
+        took >= Duration::from_secs(11),
+        "registered in {took:?} with its sidecar stopped"
+    );
+    // and the lane serves
+    let (_gw, gw) = gateway(&[&purl], &[]);
+    let (st, _, _) = whole(&gw, 8);
+    assert_eq!(st, 200);
+}
+
+#[test]
+fn a_sidecar_refuses_a_primary_of_another_protocol_naming_both_builds() {
+    let (_side, url) = tcp_sidecar();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

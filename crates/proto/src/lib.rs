@@ -99,7 +99,10 @@ impl Category {
         s
     }
 
-    /// The category of a status (from metadata; else from its code).
+    /// The category of a status (from metadata; else from its code). A status without the
+    /// metadata did not come from a moelane service's own answer but from the connection
+    /// (tonic reports a broken HTTP/2 stream, "h2 protocol error", as `Unknown`): the peer
+    /// is unavailable, not failing.
     pub fn of(s: &tonic::Status) -> Category {
         if let Some(v) = s
             .metadata()
@@ -109,7 +112,9 @@ impl Category {
             return Category::parse(v);
         }
         match s.code() {
-            tonic::Code::Unavailable | tonic::Code::Cancelled => Category::Unavailable,
+            tonic::Code::Unavailable | tonic::Code::Cancelled | tonic::Code::Unknown => {
+                Category::Unavailable
+            }
             tonic::Code::DeadlineExceeded => Category::Timeout,
             tonic::Code::ResourceExhausted => Category::Overloaded,
             tonic::Code::InvalidArgument => Category::BadRequest,
@@ -136,6 +141,16 @@ mod tests {
         ] {
             assert_eq!(Category::of(&c.status("x")), c);
         }
+        // a stream the connection broke (no moelane metadata): the peer is unavailable
+        let broken =
+            tonic::Status::unknown("h2 protocol error: error reading a body from connection");
+        assert_eq!(Category::of(&broken), Category::Unavailable);
+        assert_eq!(
+            Category::of(&tonic::Status::internal(
+                "failed to decode Protobuf message"
+            )),
+            Category::Internal
+        );
     }
 }
 

@@ -79,6 +79,9 @@ fn build_factory(t: &Arc<Tokenizer>, eos: u32) -> Result<Arc<ParserFactory>, Str
     let mut f =
         ParserFactory::new_simple(&env).map_err(|e| format!("the grammar compiler: {e}"))?;
     f.set_stderr_log_level(0);
+    // errors name what failed, without the parser's state and the grammar (a client's
+    // error message is no place for a dump of them)
+    f.limits_mut().verbose_errors = false;
     Ok(Arc::new(f))
 }
 
