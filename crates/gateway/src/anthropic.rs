@@ -19,8 +19,8 @@ use tracing::Instrument as _;
 use crate::error::ApiError;
 use crate::relay::{relay_parts, PartSink};
 use crate::server::{
-    generate_request, put, random_id, read_json, shutting_down, validate_off_runtime, whole_choice,
-    AppState, Tries, ValidRequest,
+    generate_request, put, random_id, read_json_turn, shutting_down, validate_off_runtime,
+    whole_choice, AppState, Tries, ValidRequest,
 };
 
 /// An error in Anthropic's shape (`{"type": "error", "error": {"type", "message"}}`).
@@ -265,9 +265,11 @@ pub(crate) async fn messages(State(st): State<Arc<AppState>>, req: Request) -> R
 async fn handle(st: Arc<AppState>, req: Request) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let active = st.shutdown.enter();
-    let v = read_json(&st, req.into_body()).await?;
+    let (v, turn) = read_json_turn(&st, req.into_body()).await?;
     let chat = to_chat(&v)?;
+    drop(v);
     let vr = validate_off_runtime(&st, chat, true).await?;
+    drop(turn);
     let id = format!("msg_{:032x}", random_id(&st));
     let greq = generate_request(&vr, &id);
     let deadline = arrived + st.cfg.retry_deadline;

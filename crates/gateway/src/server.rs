@@ -135,6 +135,10 @@ pub struct AppState {
     max_token_bytes: usize,
     /// Requests being rendered and tokenised at once (one per core).
     pub(crate) tokenizing: tokio::sync::Semaphore,
+    /// Large bodies (over [`BIG_BODY`]) held parsed at once, from their parse to the end of
+    /// their validation (one per core): a JSON tree takes ~10x its text, so this bounds what
+    /// many large bodies at once can hold.
+    pub(crate) parsing: tokio::sync::Semaphore,
     pub tokenizer: Arc<Tokenizer>,
     /// The grammar compiler of structured output (none: the tokenizer has no end-of-sequence
     /// token to end an answer with).
@@ -171,6 +175,7 @@ impl AppState {
             auth: Auth::default(),
             max_token_bytes,
             tokenizing: tokio::sync::Semaphore::new(cores),
+            parsing: tokio::sync::Semaphore::new(cores),
             tokenizer,
             template,
             registry,
@@ -529,7 +534,38 @@ impl ValidRequest {
     }
 }
 
+/// A body over this many bytes is parsed off the async runtime and under a turn of
+/// [`AppState::parsing`].
+pub(crate) const BIG_BODY: usize = 256 << 10;
+
+/// The request body as a JSON object (an admin call's: small, no turn kept).
 pub(crate) async fn read_json(st: &AppState, body: Body) -> Result<Value, ApiError> {
+    Ok(read_json_turn(st, body).await?.0)
+}
+
+/// The request body as a JSON object and, for a large body, its turn of
+/// [`AppState::parsing`]: the caller drops it once the request is validated (the tree
+/// dropped).
+pub(crate) async fn read_json_turn(
+    st: &AppState,
+    body: Body,
+) -> Result<(Value, Option<tokio::sync::SemaphorePermit<'_>>), ApiError> {
+    let bytes = read_bytes(st, body).await?;
+    if bytes.len() <= BIG_BODY {
+        return Ok((parse_json(&bytes)?, None));
+    }
+    let turn = st
+        .parsing
+        .acquire()
+        .await
+        .map_err(|_| ApiError::Unavailable("the gateway is stopping".into()))?;
+    let v = tokio::task::spawn_blocking(move || parse_json(&bytes))
+        .await
+        .map_err(|e| ApiError::Internal(format!("parsing the request: {e}")))??;
+    Ok((v, Some(turn)))
+}
+
+async fn read_bytes(st: &AppState, body: Body) -> Result<Bytes, ApiError> {
     // a Content-Length over the limit is refused before any byte of the body is read (or a
     // `100 Continue` sent)
     if axum::body::HttpBody::size_hint(&body).lower() > st.cfg.max_body as u64 {
@@ -558,7 +594,7 @@ pub(crate) async fn read_json(st: &AppState, body: Body) -> Result<Value, ApiErr
         }
         Ok(Ok(b)) => b,
     };
-    parse_json(&bytes)
+    Ok(bytes)
 }
 
 /// A request body as a JSON object.
@@ -732,6 +768,15 @@ fn prompt_tokens(st: &AppState, v: &Value, chat: bool) -> Result<Vec<u32>, ApiEr
             .ok_or_else(|| ApiError::bad("`messages` must be an array", Some("messages")))?;
         if msgs.is_empty() {
             return Err(ApiError::bad("`messages` is empty", Some("messages")));
+        }
+        // a template writes at least a token a message: a chat of more messages than the
+        // context has positions cannot fit, and is refused before it is copied and rendered
+        if msgs.len() > st.cfg.max_context {
+            return Err(ApiError::ContextLength(format!(
+                "This model's maximum context length is {} tokens; the chat has {} messages",
+                st.cfg.max_context,
+                msgs.len()
+            )));
         }
         let mut out = Vec::with_capacity(msgs.len());
         for (i, m) in msgs.iter().enumerate() {
@@ -2118,8 +2163,9 @@ pub(crate) async fn validate_off_runtime(
 async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let active = st.shutdown.enter();
-    let v = read_json(&st, req.into_body()).await?;
+    let (v, turn) = read_json_turn(&st, req.into_body()).await?;
     let vr = validate_off_runtime(&st, v, chat).await?;
+    drop(turn);
     let span = tracing::Span::current();
     span.record("gen_ai.usage.input_tokens", vr.prompt.len());
     let out = Out {

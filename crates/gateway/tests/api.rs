@@ -589,6 +589,19 @@ async fn a_prompt_longer_than_the_context_for_certain_is_refused_before_tokenisi
     )
     .await;
     assert_error(st, &v, 400, "invalid_request_error", "at least");
+    // more messages than the context has positions (each writes at least a token): refused
+    // by their count, before they are copied and rendered (a 0.9 MB body of 30,000 empty ones)
+    let many = vec![json!({"role": "user", "content": ""}); 30_000];
+    let t0 = std::time::Instant::now();
+    let (st, v) = post(
+        &gw,
+        "/v1/chat/completions",
+        &json!({"model": "tiny", "messages": many}),
+    )
+    .await;
+    assert_error(st, &v, 400, "invalid_request_error", "30000 messages");
+    assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
 }
 
 /// Request ids carry 128 random bits: not a counter another client could step through.

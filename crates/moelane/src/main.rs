@@ -437,14 +437,13 @@ enum Cmd {
         /// ending the rest with an error; nothing new is taken meanwhile.
         #[arg(long, default_value_t = 30.0, env = "MOELANE_GRACE")]
         grace: f64,
-        /// The API's bounds, as a gateway's (`lane --role gateway`): most connections open at
-        /// once (default 4096) ...
+        /// Most HTTP connections open at once (default 4096), as `lane --role gateway`.
         #[arg(long, env = "MOELANE_MAX_CONNECTIONS")]
         max_connections: Option<usize>,
-        /// ... seconds for a whole request head (default 30) ...
+        /// Seconds a client has for a whole request head (default 30), as the gateway role.
         #[arg(long, env = "MOELANE_HEADER_TIMEOUT")]
         header_timeout: Option<f64>,
-        /// ... and for a whole body once the head arrived (default 30; 408 past it).
+        /// Seconds a client has for a whole body once its head arrived (default 30; then 408).
         #[arg(long, env = "MOELANE_BODY_TIMEOUT")]
         body_timeout: Option<f64>,
         #[command(flatten)]
