@@ -1103,7 +1103,7 @@ fn response_format(st: &AppState, v: &Value) -> Result<Option<String>, ApiError>
                 .into(),
         )
     })?;
-    g.compile(&grammar)
+    g.check(&grammar)
         .map_err(|e| bad(format!("`response_format`: the schema cannot be used: {e}")))?;
     Ok(Some(grammar))
 }
@@ -1358,7 +1358,7 @@ pub(crate) fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequ
                 Some("tool_choice"),
             )
         })?;
-        g.compile(&grammar).map_err(|e| {
+        g.check(&grammar).map_err(|e| {
             ApiError::bad(
                 format!("the tools' parameter schemas cannot be used: {e}"),
                 Some("tools"),

@@ -133,6 +133,17 @@ impl Grammars {
         }
         Ok(Constraint(Box::new(m)))
     }
+
+    /// Compiles `grammar` and makes its first mask, as a request's first step will: a
+    /// grammar that compiles but that no answer can satisfy (a schema `$ref` to itself) or
+    /// whose first mask fails is refused here, before the request is queued.
+    pub fn check(&self, grammar: &str) -> Result<(), String> {
+        let mask = self.compile(grammar)?.next_mask()?;
+        if mask.0.is_zero() {
+            return Err("no token can begin an answer".into());
+        }
+        Ok(())
+    }
 }
 
 /// The JSON of a grammar that holds the answer to `schema` (compact: no whitespace between
