@@ -1272,8 +1272,12 @@ pub(crate) fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequ
             ))
         }
         Some(x) if x > room as f64 => {
-            // (as written: a value past usize is not shown saturated)
-            return Err(ApiError::ContextLength(format!("This model's maximum context length is {ctx} tokens; the prompt has {} tokens and max_tokens is {x}", prompt.len())));
+            // an integer as written (past f64's 53 bits too), else the number in full
+            let written = ["max_completion_tokens", "max_tokens"]
+                .iter()
+                .find_map(|k| v.get(*k).and_then(|n| n.as_u64()))
+                .map_or_else(|| x.to_string(), |n| n.to_string());
+            return Err(ApiError::ContextLength(format!("This model's maximum context length is {ctx} tokens; the prompt has {} tokens and max_tokens is {written}", prompt.len())));
         }
         Some(x) => Some(x as usize),
         None => None,
@@ -1291,9 +1295,10 @@ pub(crate) fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequ
         ));
     }
     let top_p = num(v, "top_p")?.unwrap_or(st.cfg.default_top_p as f64);
-    if !(top_p > 0.0 && top_p <= 1.0) {
+    // the lane samples in f32: a value that rounds to 0 there is refused here, by name
+    if !(top_p > 0.0 && top_p <= 1.0 && (top_p as f32) > 0.0) {
         return Err(ApiError::bad(
-            format!("top_p {top_p} is outside (0, 1]"),
+            format!("top_p {top_p} is outside (0, 1] (or rounds to 0 as a 32-bit float)"),
             Some("top_p"),
         ));
     }

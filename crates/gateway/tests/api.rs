@@ -324,6 +324,11 @@ async fn bad_bodies_are_400_with_an_openai_error_naming_the_fault() {
             json!({"model": "tiny", "prompt": "hi", "top_p": 0}),
             "top_p",
         ),
+        // positive, but 0 as the lane's 32-bit float
+        (
+            json!({"model": "tiny", "prompt": "hi", "top_p": 1e-300}),
+            "top_p",
+        ),
         (
             json!({"model": "tiny", "prompt": "hi", "max_tokens": -3}),
             "max_tokens",
@@ -574,6 +579,14 @@ async fn a_prompt_longer_than_the_context_for_certain_is_refused_before_tokenisi
         "invalid_request_error",
         "100000000000000000000",
     );
+    // an integer past f64's 53 bits is named exactly
+    let (st, v) = post(
+        &gw,
+        "/v1/completions",
+        &json!({"model": "tiny", "prompt": "hi", "max_tokens": 9223372036854775808u64}),
+    )
+    .await;
+    assert_error(st, &v, 400, "invalid_request_error", "9223372036854775808");
     // under the bound it is tokenised and counted as before
     let (st, v) = post(
         &gw,
