@@ -226,9 +226,7 @@ impl CpuBackend {
         }
         Ok(())
     }
-}
 
-impl CpuBackend {
     /// [`crate::predict`]'s pre-attention guess of decoder layer `layer`'s picks (a MoE
     /// layer with a softmax router; others are not guessed): the layer's router on the
     /// hidden state before its attention, normed with its post-attention norm.
@@ -261,8 +259,9 @@ impl CpuBackend {
             }
             ops::softmax(p);
             ops::topk(p, k, &mut self.top);
-            for (j, &(e, _)) in self.top.iter().enumerate() {
-                self.guess[ml * n * k + r * k + j] = e as i32;
+            let at = (ml * n + r) * k;
+            for (g, &(e, _)) in self.guess[at..at + k].iter_mut().zip(&self.top) {
+                *g = e as i32;
             }
         }
     }
@@ -555,15 +554,16 @@ impl StepBackend for CpuBackend {
             }
             if scoring {
                 let row = &picks[r * k..(r + 1) * k];
-                let g = &self.guess[ml * n * k + r * k..ml * n * k + (r + 1) * k];
+                let at = (ml * n + r) * k;
+                let g = &self.guess[at..at + k];
                 if g[0] >= 0 {
                     crate::predict::score(0, g, row);
                 }
                 // this row's sequence one step earlier, when that step had it in one row
                 let pn = self.prev_seqs.len();
                 if let Some(pr) = self.prev_seqs.iter().position(|&s| s == self.rows[r].seq) {
-                    if self.prev_picks.len() >= (ml + 1) * pn * k {
-                        let p = &self.prev_picks[ml * pn * k + pr * k..ml * pn * k + (pr + 1) * k];
+                    let at = (ml * pn + pr) * k;
+                    if let Some(p) = self.prev_picks.get(at..at + k) {
                         crate::predict::score(1, p, row);
                     }
                 }

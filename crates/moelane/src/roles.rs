@@ -533,7 +533,16 @@ async fn connect_sidecar(
     let rep = loop {
         match remote.register(&map.map).await {
             Ok(rep) => break rep,
-            Err(s) if registration_transient(s.code()) && t0.elapsed() < o.sidecar_wait => {
+            Err(s) if registration_transient(s.code()) => {
+                if t0.elapsed() >= o.sidecar_wait {
+                    return Err(anyhow::anyhow!(
+                        "the sidecar at {control} did not answer its registration within {:.0} s \
+                         ({}: {})",
+                        t0.elapsed().as_secs_f64(),
+                        s.code(),
+                        s.message()
+                    ));
+                }
                 if !said {
                     println!(
                         "moelane: waiting for the sidecar at {control} to answer its registration \
@@ -545,14 +554,6 @@ async fn connect_sidecar(
                     said = true;
                 }
                 tokio::time::sleep(Duration::from_millis(500)).await;
-            }
-            Err(s) if registration_transient(s.code()) => {
-                return Err(anyhow::anyhow!(
-                "the sidecar at {control} did not answer its registration within {:.0} s ({}: {})",
-                t0.elapsed().as_secs_f64(),
-                s.code(),
-                s.message()
-            ))
             }
             Err(s) => {
                 return Err(anyhow::anyhow!(
