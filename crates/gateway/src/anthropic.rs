@@ -264,12 +264,15 @@ pub(crate) async fn messages(State(st): State<Arc<AppState>>, req: Request) -> R
 
 async fn handle(st: Arc<AppState>, req: Request) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    let active = st.shutdown.enter();
+    let mut active = st.shutdown.enter();
+    let client = crate::server::client_of(&req);
     let (v, turn) = read_json_turn(&st, req.into_body()).await?;
     let chat = to_chat(&v)?;
     drop(v);
-    let vr = validate_off_runtime(&st, chat, true).await?;
+    let mut vr = validate_off_runtime(&st, chat, true).await?;
     drop(turn);
+    active.hold(st.clients.take(&client, vr.n, st.cfg.max_client_requests)?);
+    vr.client = client;
     let id = format!("msg_{:032x}", random_id(&st));
     let greq = generate_request(&vr, &id);
     let deadline = arrived + st.cfg.retry_deadline;

@@ -35,6 +35,9 @@ pub enum ApiError {
     /// No credential, or one that is not a configured key.
     #[error("{0}")]
     Unauthorized(String),
+    /// The client has as many generations in flight as it may (`--max-client-requests`).
+    #[error("{0}")]
+    RateLimited(String),
 }
 
 impl ApiError {
@@ -68,7 +71,7 @@ impl ApiError {
             ApiError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::HeadersTooLarge(_) => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-            ApiError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::Overloaded(_) | ApiError::RateLimited(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -93,6 +96,7 @@ impl ApiError {
                 ("invalid_request_error", Some("headers_too_large"), None)
             }
             ApiError::Overloaded(_) => ("rate_limit_error", Some("overloaded"), None),
+            ApiError::RateLimited(_) => ("rate_limit_error", Some("rate_limit_exceeded"), None),
             ApiError::Unavailable(_) => ("server_error", Some("unavailable"), None),
             ApiError::Internal(_) => ("server_error", None, None),
             ApiError::NotFound(_) => ("invalid_request_error", Some("not_found"), None),
@@ -109,11 +113,21 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut r = (self.status(), axum::Json(self.body())).into_response();
-        if let ApiError::Unauthorized(_) = self {
-            r.headers_mut().insert(
-                axum::http::header::WWW_AUTHENTICATE,
-                axum::http::HeaderValue::from_static("Bearer"),
-            );
+        match self {
+            ApiError::Unauthorized(_) => {
+                r.headers_mut().insert(
+                    axum::http::header::WWW_AUTHENTICATE,
+                    axum::http::HeaderValue::from_static("Bearer"),
+                );
+            }
+            // one of the client's own generations ends within seconds, usually
+            ApiError::RateLimited(_) => {
+                r.headers_mut().insert(
+                    axum::http::header::RETRY_AFTER,
+                    axum::http::HeaderValue::from_static("1"),
+                );
+            }
+            _ => {}
         }
         r
     }

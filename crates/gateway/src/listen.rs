@@ -57,6 +57,51 @@ impl Default for HttpLimits {
     }
 }
 
+/// The address a request's connection came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Peer(pub std::net::IpAddr);
+
+impl Peer {
+    /// The client this address stands for: the address itself (an IPv4 one mapped into
+    /// IPv6 as IPv4), or an IPv6 address's /64, which one host or site usually holds whole.
+    pub fn client(&self) -> String {
+        match self.0.to_canonical() {
+            std::net::IpAddr::V4(a) => a.to_string(),
+            std::net::IpAddr::V6(a) => {
+                let s = a.segments();
+                let net = std::net::Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0);
+                format!("{net}/64")
+            }
+        }
+    }
+}
+
+/// The router, with the connection's [`Peer`] put on each request.
+#[derive(Clone)]
+struct WithPeer {
+    app: Router,
+    peer: Peer,
+}
+
+impl tower::Service<hyper::Request<hyper::body::Incoming>> for WithPeer {
+    type Response = Response<axum::body::Body>;
+    type Error = std::convert::Infallible;
+    type Future = axum::routing::future::RouteFuture<std::convert::Infallible>;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        // a router is always ready
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, mut r: hyper::Request<hyper::body::Incoming>) -> Self::Future {
+        r.extensions_mut().insert(self.peer);
+        tower::Service::call(&mut self.app, r)
+    }
+}
+
 /// Serves `app` on `listener` until `stop` resolves, then drains (module docs); returns once
 /// every connection has closed.
 pub async fn serve(
@@ -101,10 +146,10 @@ pub async fn serve(
                 Err(_) => break,
             },
         };
-        let tcp = tokio::select! {
+        let (tcp, peer) = tokio::select! {
             _ = &mut stop => break,
             r = listener.accept() => match r {
-                Ok((tcp, _)) => tcp,
+                Ok(accepted) => accepted,
                 Err(e) => {
                     // out of descriptors (or a connection reset before it was taken): wait a
                     // little rather than spin; the connections open are unaffected
@@ -116,7 +161,12 @@ pub async fn serve(
         };
         // Nagle off: small SSE chunks must not wait for the client's delayed ACK
         let _ = tcp.set_nodelay(true);
-        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+        // the peer's address on each request: whom a request is accounted to without keys
+        let peer = Peer(peer.ip());
+        let svc = hyper_util::service::TowerToHyperService::new(WithPeer {
+            app: app.clone(),
+            peer,
+        });
         let (builder, drain) = (builder.clone(), drain_rx.clone());
         let (tls, handshake) = (limits.tls.clone(), limits.header_timeout);
         conns.spawn(async move {
@@ -162,7 +212,7 @@ pub async fn serve(
 async fn serve_io<I>(
     builder: &hyper::server::conn::http1::Builder,
     io: I,
-    svc: hyper_util::service::TowerToHyperService<Router>,
+    svc: hyper_util::service::TowerToHyperService<WithPeer>,
     mut drain: watch::Receiver<bool>,
 ) where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
@@ -251,6 +301,16 @@ mod tests {
         std::fs::write(&k, key.serialize_pem()).unwrap();
         let cfg = moelane_proto::tls::http_server_config(&c, &k).unwrap();
         Tls(tokio_rustls::TlsAcceptor::from(cfg))
+    }
+
+    #[test]
+    fn a_peer_is_its_ipv4_address_or_its_ipv6_64() {
+        let c = |a: &str| Peer(a.parse().unwrap()).client();
+        assert_eq!(c("192.0.2.7"), "192.0.2.7");
+        assert_eq!(c("::ffff:192.0.2.7"), "192.0.2.7");
+        assert_eq!(c("2001:db8:1:2:aaaa::1"), "2001:db8:1:2::/64");
+        assert_eq!(c("2001:db8:1:2:bbbb::9"), c("2001:db8:1:2:aaaa::1"));
+        assert_ne!(c("2001:db8:1:3::1"), c("2001:db8:1:2::1"));
     }
 
     #[tokio::test]

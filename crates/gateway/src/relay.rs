@@ -150,7 +150,9 @@ pub(crate) async fn relay_parts(
         end.completion,
         end.finish.as_deref().unwrap_or("error"),
     );
-    if end.failed.is_none() {
+    if let Some(err) = &end.failed {
+        crate::server::count_cut(err);
+    } else {
         let mut tail = split.push(&det.finish());
         tail.extend(split.finish());
         if !sink.send(tail).await {

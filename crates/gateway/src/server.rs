@@ -56,6 +56,10 @@ pub struct GatewayConfig {
     pub retry_deadline: std::time::Duration,
     /// A request's whole body must arrive within this (408 past it).
     pub body_timeout: std::time::Duration,
+    /// Most generations (a request's `n` choices each) one client may have in flight at this
+    /// gateway; past it a 429 `rate_limit_exceeded` with `Retry-After`. 0: no bound (the
+    /// lanes still share their batch and queue fairly among clients).
+    pub max_client_requests: usize,
 }
 
 /// The gateway's stopping state: draining (nothing new is taken: /ready says 503) and, once
@@ -106,12 +110,99 @@ impl Shutdown {
     }
     pub(crate) fn enter(self: &Arc<Self>) -> ActiveGuard {
         self.active.fetch_add(1, Ordering::SeqCst);
-        ActiveGuard(self.clone())
+        ActiveGuard(self.clone(), None)
     }
 }
 
-/// Counts one request being answered while alive.
-pub(crate) struct ActiveGuard(Arc<Shutdown>);
+/// Counts one request being answered while alive, and holds its client's places.
+pub(crate) struct ActiveGuard(Arc<Shutdown>, Option<ClientSlot>);
+
+impl ActiveGuard {
+    /// Holds the client's places until the request's answer ends.
+    pub(crate) fn hold(&mut self, slot: Option<ClientSlot>) {
+        self.1 = slot;
+    }
+}
+
+/// Whom a request is accounted to: `key:I` (the I-th API key) where the gateway has keys,
+/// else `ip:ADDRESS` (an IPv6 client's /64), else empty. Set by the API key check.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Client(pub(crate) String);
+
+/// The client of `req`, as the API key check named it.
+pub(crate) fn client_of(req: &Request) -> String {
+    req.extensions()
+        .get::<Client>()
+        .map(|c| c.0.clone())
+        .unwrap_or_default()
+}
+
+/// Generations each client has in flight at this gateway (`--max-client-requests`).
+#[derive(Debug, Default)]
+pub(crate) struct ClientSlots {
+    held: std::sync::Mutex<std::collections::HashMap<String, usize>>,
+}
+
+/// A client's `n` places, given back when dropped.
+pub(crate) struct ClientSlot {
+    slots: Arc<ClientSlots>,
+    client: String,
+    n: usize,
+}
+
+impl ClientSlots {
+    /// Takes `n` places for `client` if it holds fewer than `max - n` (None when `max` is
+    /// 0: no bound).
+    pub(crate) fn take(
+        self: &Arc<Self>,
+        client: &str,
+        n: usize,
+        max: usize,
+    ) -> Result<Option<ClientSlot>, ApiError> {
+        if max == 0 {
+            return Ok(None);
+        }
+        if n > max {
+            return Err(ApiError::bad(
+                format!(
+                    "n = {n} choices is more than the {max} generations a client may have in \
+                     flight at once"
+                ),
+                Some("n"),
+            ));
+        }
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        let h = held.entry(client.to_string()).or_default();
+        if *h + n > max {
+            let now = *h;
+            if now == 0 {
+                held.remove(client);
+            }
+            return Err(ApiError::RateLimited(format!(
+                "this client has {now} generations in flight, at most {max} at once: retry when \
+                 one ends"
+            )));
+        }
+        *h += n;
+        Ok(Some(ClientSlot {
+            slots: self.clone(),
+            client: client.to_string(),
+            n,
+        }))
+    }
+}
+
+impl Drop for ClientSlot {
+    fn drop(&mut self) {
+        let mut held = self.slots.held.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(h) = held.get_mut(&self.client) {
+            *h = h.saturating_sub(self.n);
+            if *h == 0 {
+                held.remove(&self.client);
+            }
+        }
+    }
+}
 
 impl Drop for ActiveGuard {
     fn drop(&mut self) {
@@ -146,6 +237,8 @@ pub struct AppState {
     pub template: ChatTemplate,
     pub registry: ActorRef<Registry>,
     pub shutdown: Arc<Shutdown>,
+    /// Generations in flight per client, against `cfg.max_client_requests`.
+    pub(crate) clients: Arc<ClientSlots>,
     next_id: AtomicU64,
 }
 
@@ -180,6 +273,7 @@ impl AppState {
             template,
             registry,
             shutdown: Arc::new(Shutdown::default()),
+            clients: Default::default(),
             next_id: AtomicU64::new(1),
         }
     }
@@ -337,9 +431,22 @@ async fn require(
         Access::ApiKey => st.auth.api_keys.as_deref(),
         Access::AdminToken => st.auth.admin.as_deref(),
     };
-    if let Some(keys) = keys {
+    let matched = keys
+        .zip(credential(&req))
+        .and_then(|(k, c)| k.which(c.as_bytes()));
+    let mut req = req;
+    if access == Access::ApiKey {
+        // whom the request is accounted to: its key where there are keys, else its address
+        let client = match (matched, req.extensions().get::<crate::listen::Peer>()) {
+            (Some(i), _) => format!("key:{i}"),
+            (None, Some(p)) => format!("ip:{}", p.client()),
+            (None, None) => String::new(),
+        };
+        req.extensions_mut().insert(Client(client));
+    }
+    if keys.is_some() {
         let refused = match (credential(&req), access) {
-            (Some(k), _) if keys.accepts(k.as_bytes()) => None,
+            (Some(_), _) if matched.is_some() => None,
             (_, Access::AdminToken) => Some(
                 "the admin endpoints need the admin token: Authorization: Bearer TOKEN \
                  (--admin-token-file)",
@@ -487,6 +594,8 @@ pub struct ValidRequest {
     pub in_reasoning: bool,
     /// The family's reasoning and tool-call markup (the template's).
     pub markup: moelane_text::agent::Markup,
+    /// Whom the request is accounted to ([`Client`]; empty: anonymous).
+    pub client: String,
 }
 
 impl ValidRequest {
@@ -1425,6 +1534,7 @@ pub(crate) fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequ
         think: chat && st.template.thinks(),
         in_reasoning,
         markup: st.template.markup.clone(),
+        client: String::new(),
         grammar,
         n,
         presence_penalty,
@@ -1782,6 +1892,17 @@ fn chat_message(st: &AppState, vr: &ValidRequest, text: &str, finish: &mut Strin
     m
 }
 
+/// Counts a stream that ended in an error after its 200 (its status said success).
+pub(crate) fn count_cut(err: &ApiError) {
+    let reason = match err {
+        ApiError::Unavailable(_) => "unavailable",
+        ApiError::Overloaded(_) => "overloaded",
+        ApiError::Internal(_) => "internal",
+        _ => "other",
+    };
+    metrics::counter!(n::STREAMS_CUT, "reason" => reason).increment(1);
+}
+
 /// The lane request of a validated request, under id `id`.
 pub(crate) fn generate_request(vr: &ValidRequest, id: &str) -> GenerateRequest {
     GenerateRequest {
@@ -1799,6 +1920,7 @@ pub(crate) fn generate_request(vr: &ValidRequest, id: &str) -> GenerateRequest {
         logprobs: vr.logprobs.is_some(),
         top_logprobs: vr.logprobs.unwrap_or(0),
         grammar: vr.grammar.clone().unwrap_or_default(),
+        client: vr.client.clone(),
     }
 }
 
@@ -2167,10 +2289,13 @@ pub(crate) async fn validate_off_runtime(
 
 async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    let active = st.shutdown.enter();
+    let mut active = st.shutdown.enter();
+    let client = client_of(&req);
     let (v, turn) = read_json_turn(&st, req.into_body()).await?;
-    let vr = validate_off_runtime(&st, v, chat).await?;
+    let mut vr = validate_off_runtime(&st, v, chat).await?;
     drop(turn);
+    active.hold(st.clients.take(&client, vr.n, st.cfg.max_client_requests)?);
+    vr.client = client;
     let span = tracing::Span::current();
     span.record("gen_ai.usage.input_tokens", vr.prompt.len());
     let out = Out {
@@ -2237,13 +2362,7 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
         if let Some(err) = ends.into_iter().find_map(|e| e.failed) {
             // an error object, as OpenAI's API sends mid-stream (its clients raise on it),
             // and no finish: the client must not take a cut answer for a whole one
-            metrics::counter!(n::STREAMS_CUT, "reason" => match &err {
-                ApiError::Unavailable(_) => "unavailable",
-                ApiError::Overloaded(_) => "overloaded",
-                ApiError::Internal(_) => "internal",
-                _ => "other",
-            })
-            .increment(1);
+            count_cut(&err);
             put(tx, send(err.body()), &st.shutdown).await;
             put(tx, SseEvent::default().data("[DONE]"), &st.shutdown).await;
             return;
@@ -2420,4 +2539,28 @@ async fn canary(State(st): State<Arc<AppState>>, req: Request) -> Result<Json<Va
         json!({"lane": name, "ok": true, "tokens": tokens, "finish_reason": finish,
                     "seconds": t0.elapsed().as_secs_f64()}),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_client_holds_at_most_its_bound_and_gets_places_back_as_answers_end() {
+        let slots = Arc::new(ClientSlots::default());
+        assert!(slots.take("a", 9, 0).unwrap().is_none(), "0: no bound");
+        let a1 = slots.take("a", 2, 3).unwrap();
+        let e = slots.take("a", 2, 3).err().expect("a past its bound");
+        assert_eq!(e.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert!(e.to_string().contains("2 generations in flight"), "{e}");
+        let b = slots.take("b", 3, 3).unwrap();
+        let a2 = slots.take("a", 1, 3).unwrap();
+        assert!(slots.take("a", 1, 3).is_err());
+        drop(a1);
+        let a3 = slots.take("a", 2, 3).unwrap();
+        let n = slots.take("c", 4, 3).err().expect("n over the bound");
+        assert_eq!(n.status(), StatusCode::BAD_REQUEST);
+        drop((a2, a3, b));
+        assert!(slots.held.lock().unwrap().is_empty(), "every place back");
+    }
 }

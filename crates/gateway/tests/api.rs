@@ -112,6 +112,7 @@ async fn gateway_state(lanes: &[&str]) -> AppState {
             max_attempts: 3,
             retry_deadline: Duration::from_secs(10),
             body_timeout: Duration::from_secs(2),
+            max_client_requests: 0,
         },
         Tokenizer::from_file(&dir.join("tokenizer.json")).expect("tokenizer"),
         ChatTemplate::from_dir(dir).expect("template"),

@@ -23,6 +23,9 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use tokio_stream::StreamExt;
 use tonic::{Request, Response, Status};
 
+/// The most bytes of a request's `client` (a gateway sends a short digest or an address).
+pub const MAX_CLIENT_BYTES: usize = 128;
+
 /// The category that crosses gRPC (and from there an HTTP status at the gateway) of an
 /// engine failure: its fault, set where it happened, under the protocol's shared name.
 pub fn category(e: &moelane_engine::Error) -> Category {
@@ -161,6 +164,12 @@ impl PrimaryClient {
                     .map_err(|e| Category::BadRequest.status(format!("the grammar: {e}")))?,
             ),
         };
+        if r.client.len() > MAX_CLIENT_BYTES {
+            return bad(format!(
+                "client is {} bytes, at most {MAX_CLIENT_BYTES}",
+                r.client.len()
+            ));
+        }
         let mut stop_ids = r.stop_token_ids;
         if !r.ignore_eos {
             stop_ids.extend(self.eos.iter());
@@ -178,6 +187,7 @@ impl PrimaryClient {
             },
             stop_ids,
             span,
+            client: r.client,
         })
     }
 

@@ -12,8 +12,17 @@
 //! wait, ahead of new requests, to be admitted again with their prompt and the tokens they
 //! generated recomputed in one prefill. The step is batch-invariant and the sampler keeps
 //! its place, so a preempted request's stream is the one it would have produced unpreempted.
+//!
+//! The batch and the queue are shared fairly among clients (the gateway names each request's
+//! client: a digest of its API key, or its address). The next sequence admitted is the oldest
+//! of the client running the fewest; when a client that runs fewer than its share (the batch
+//! split evenly among the clients with requests here) waits while the batch is full, the
+//! client running the most above its share gives back its latest arrival (preempted, as
+//! above: its stream unchanged); and a full queue refuses the latest request of the client
+//! holding the most places in it rather than another client's. With one client this is
+//! first come, first served.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
@@ -38,6 +47,9 @@ pub struct ValidGen {
     pub stop_ids: Vec<u32>,
     /// The request's trace span ("generate"); queue, prefill and decode are its children.
     pub span: tracing::Span,
+    /// Whom the request is accounted to: the batch and the queue are shared fairly among
+    /// clients (empty: one anonymous client).
+    pub client: String,
 }
 
 /// What a request's stream carries.
@@ -128,6 +140,13 @@ pub enum Command {
     Shutdown,
 }
 
+/// Where the next sequence to admit waits (an index into that queue).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Next {
+    Preempted(usize),
+    Waiting(usize),
+}
+
 struct Running {
     req: ValidGen,
     tx: UnboundedSender<Event>,
@@ -156,6 +175,8 @@ struct Meters {
     kv_used: metrics::Gauge,
     kv_free: metrics::Gauge,
     preemptions: metrics::Counter,
+    fair_preempted: metrics::Counter,
+    fair_refused: metrics::Counter,
     grammar: metrics::Histogram,
     grammar_mask: metrics::Histogram,
 }
@@ -170,6 +191,8 @@ impl Meters {
             kv_used: metrics::gauge!(n::KV_BLOCKS_USED),
             kv_free: metrics::gauge!(n::KV_BLOCKS_FREE),
             preemptions: metrics::counter!(n::KV_PREEMPTIONS),
+            fair_preempted: metrics::counter!(n::FAIR_SHARE, "action" => "preempted"),
+            fair_refused: metrics::counter!(n::FAIR_SHARE, "action" => "refused"),
             grammar: metrics::histogram!(n::GRAMMAR_STEP),
             grammar_mask: metrics::histogram!(n::GRAMMAR_MASK),
         }
@@ -288,7 +311,7 @@ impl Scheduler {
             });
             return;
         }
-        if self.waiting.len() >= self.cfg.max_waiting {
+        if self.waiting.len() >= self.cfg.max_waiting && !self.give_up_a_place(&req.client) {
             let _ = tx.send(Event::Error {
                 category: Category::Overloaded,
                 message: format!("{} requests already waiting", self.waiting.len()),
@@ -297,6 +320,147 @@ impl Scheduler {
         }
         let queue = tracing::info_span!(parent: &req.span, "queue");
         self.waiting.push_back((req, tx, queue));
+    }
+
+    /// The queue is full and `client` asks for a place: the client holding the most places,
+    /// if it holds at least two more than `client`, gives up its latest (refused as
+    /// Overloaded, which a gateway retries on another lane). Whether a place was freed.
+    fn give_up_a_place(&mut self, client: &str) -> bool {
+        let mut held: HashMap<&str, usize> = HashMap::new();
+        for (r, _, _) in &self.waiting {
+            *held.entry(r.client.as_str()).or_default() += 1;
+        }
+        let mine = held.get(client).copied().unwrap_or(0);
+        let Some((hog, most)) = held.into_iter().max_by_key(|&(_, n)| n) else {
+            return false;
+        };
+        if most < mine + 2 {
+            return false;
+        }
+        let hog = hog.to_string();
+        let Some(i) = self.waiting.iter().rposition(|(r, _, _)| r.client == hog) else {
+            return false;
+        };
+        let Some((r, tx, _)) = self.waiting.remove(i) else {
+            return false;
+        };
+        r.span.record("moelane.finish_reason", "error");
+        let _ = tx.send(Event::Error {
+            category: Category::Overloaded,
+            message: format!(
+                "the lane's queue is full ({} waiting) and this request's client holds {most} \
+                 places in it, the most: its latest request gives its place to another client",
+                self.cfg.max_waiting
+            ),
+        });
+        self.stats.failed += 1;
+        self.meters.fair_refused.increment(1);
+        true
+    }
+
+    /// Sequences running per client.
+    fn running_per_client(&self) -> HashMap<&str, usize> {
+        let mut n: HashMap<&str, usize> = HashMap::new();
+        for r in &self.running {
+            *n.entry(r.req.client.as_str()).or_default() += 1;
+        }
+        n
+    }
+
+    /// The next sequence to admit and how many its client runs now: of the clients with a
+    /// sequence waiting (preempted or new), the one running the fewest (the earliest such
+    /// on a tie); its oldest preempted sequence first, else its oldest request.
+    fn next_candidate(&self) -> Option<(Next, usize)> {
+        let running = self.running_per_client();
+        let mut seen: HashSet<&str> = HashSet::new();
+        let mut best: Option<(Next, usize)> = None;
+        let candidates = (self.preempted.iter().enumerate())
+            .map(|(i, r)| (Next::Preempted(i), r.req.client.as_str()))
+            .chain(
+                (self.waiting.iter().enumerate())
+                    .map(|(i, (r, _, _))| (Next::Waiting(i), r.client.as_str())),
+            );
+        for (next, client) in candidates {
+            if !seen.insert(client) {
+                continue;
+            }
+            let n = running.get(client).copied().unwrap_or(0);
+            if best.is_none_or(|(_, b)| n < b) {
+                best = Some((next, n));
+                if n == 0 {
+                    break;
+                }
+            }
+        }
+        best
+    }
+
+    /// Prompt (or recompute) tokens of a candidate.
+    fn candidate_len(&self, next: Next) -> usize {
+        match next {
+            Next::Preempted(i) => self.preempted.get(i).map_or(0, |r| r.next.len()),
+            Next::Waiting(i) => self.waiting.get(i).map_or(0, |(r, _, _)| r.prompt.len()),
+        }
+    }
+
+    /// Whether the cache takes a prefill of `len` tokens now (its first generated token and
+    /// a block of growth for each running sequence included).
+    fn fits(&self, len: usize) -> bool {
+        KvCache::blocks_for(len + 1) + self.running.len() <= self.engine.kv.free_blocks()
+    }
+
+    /// The fair share: when the next candidate's client runs fewer sequences than its share
+    /// (the batch split evenly among the clients with sequences here, at least one) and the
+    /// batch is full or the cache cannot take it, the client running the most, if above its
+    /// share, gives back its latest arrival (preempted: recomputed when admitted again). One
+    /// a step, so a share is reached over a few steps without a burst of recomputes.
+    fn share_fairly(&mut self) {
+        if self.running.is_empty() {
+            return;
+        }
+        let Some((next, n)) = self.next_candidate() else {
+            return;
+        };
+        let clients: HashSet<&str> = (self.running.iter().map(|r| r.req.client.as_str()))
+            .chain(self.preempted.iter().map(|r| r.req.client.as_str()))
+            .chain(self.waiting.iter().map(|(r, _, _)| r.client.as_str()))
+            .collect();
+        let share = (self.cfg.max_running / clients.len().max(1)).max(1);
+        if n >= share
+            || (self.running.len() < self.cfg.max_running && self.fits(self.candidate_len(next)))
+        {
+            return;
+        }
+        let running = self.running_per_client();
+        let Some((hog, most)) = running.into_iter().max_by_key(|&(_, m)| m) else {
+            return;
+        };
+        if most <= share {
+            return;
+        }
+        let Some(v) = (0..self.running.len())
+            .filter(|&i| self.running[i].req.client == hog)
+            .max_by_key(|&i| self.running[i].arrival)
+        else {
+            return;
+        };
+        let r = self.running.remove(v);
+        self.preempt(r);
+        self.meters.fair_preempted.increment(1);
+    }
+
+    /// Frees `r`'s blocks and puts it with the preempted sequences (by arrival), its prompt
+    /// and generated tokens to recompute when it is admitted again.
+    fn preempt(&mut self, mut r: Running) {
+        r.kv = self.engine.kv.new_seq();
+        r.next = r.req.prompt.iter().chain(&r.out).copied().collect();
+        self.stats.preemptions += 1;
+        let at = self
+            .preempted
+            .iter()
+            .position(|p| p.arrival > r.arrival)
+            .unwrap_or(self.preempted.len());
+        self.preempted.insert(at, r);
     }
 
     fn cancel(&mut self, id: &str) -> bool {
@@ -355,29 +519,30 @@ impl Scheduler {
         n
     }
 
-    /// Admits preempted sequences (oldest first), then waiting requests (FIFO), while the
-    /// batch has room, the prefill budget lasts (one prefill past it), and the cache holds the
+    /// Admits the next candidate ([`Self::next_candidate`]: the client running the fewest
+    /// first; a client's preempted sequences before its new requests) while the batch has
+    /// room, the prefill budget lasts (one prefill past it), and the cache holds the
     /// prefill, its first generated token and a block of growth for each running sequence.
     /// Nothing is admitted past a candidate that does not fit, so no one starves.
     fn admit(&mut self) -> usize {
         let mut budget = self.cfg.prefill_budget;
         let mut admitted = 0;
         while self.running.len() < self.cfg.max_running {
-            let len = match (self.preempted.front(), self.waiting.front()) {
-                (Some(r), _) => r.next.len(),
-                (None, Some((req, _, _))) => req.prompt.len(),
-                (None, None) => break,
+            let Some((next, _)) = self.next_candidate() else {
+                break;
             };
+            let len = self.candidate_len(next);
             if admitted > 0 && len > budget {
                 break;
             }
-            let fits = KvCache::blocks_for(len + 1) + self.running.len();
-            if fits > self.engine.kv.free_blocks() {
+            if !self.fits(len) {
                 if self.running.is_empty() && KvCache::blocks_for(len + 1) > self.engine.kv.blocks {
                     // a preempted sequence that outgrew the whole cache: the lane's capacity
-                    if let Some(r) = self.preempted.pop_front() {
-                        self.finish(r, "length");
-                        continue;
+                    if let Next::Preempted(i) = next {
+                        if let Some(r) = self.preempted.remove(i) {
+                            self.finish(r, "length");
+                            continue;
+                        }
                     }
                 }
                 break; // waits for blocks to free up
@@ -386,13 +551,16 @@ impl Scheduler {
             if self.engine.kv.reserve(&mut kv, len).is_err() {
                 break;
             }
-            let r = match self.preempted.pop_front() {
-                Some(mut r) => {
+            let r = match next {
+                Next::Preempted(i) => {
+                    let Some(mut r) = self.preempted.remove(i) else {
+                        break;
+                    };
                     r.kv = kv;
                     r
                 }
-                None => {
-                    let Some((req, tx, queue)) = self.waiting.pop_front() else {
+                Next::Waiting(i) => {
+                    let Some((req, tx, queue)) = self.waiting.remove(i) else {
                         break;
                     };
                     drop(queue);
@@ -446,22 +614,14 @@ impl Scheduler {
             let Some(v) = (0..self.running.len()).max_by_key(|&i| self.running[i].arrival) else {
                 return;
             };
-            let mut r = self.running.remove(v);
+            let r = self.running.remove(v);
             if self.running.is_empty() {
                 self.finish(r, "length");
                 return;
             }
             // its blocks go back now; it comes back with everything it has seen to recompute
-            r.kv = self.engine.kv.new_seq();
-            r.next = r.req.prompt.iter().chain(&r.out).copied().collect();
-            self.stats.preemptions += 1;
             self.meters.preemptions.increment(1);
-            let at = self
-                .preempted
-                .iter()
-                .position(|p| p.arrival > r.arrival)
-                .unwrap_or(self.preempted.len());
-            self.preempted.insert(at, r);
+            self.preempt(r);
         }
     }
 
@@ -485,6 +645,7 @@ impl Scheduler {
         self.running.retain(|r| !r.tx.is_closed());
         self.preempted.retain(|r| !r.tx.is_closed());
         self.stats.cancelled += (before - self.running.len() - self.preempted.len()) as u64;
+        self.share_fairly();
         self.admit();
         self.make_room();
         if self.running.is_empty() {

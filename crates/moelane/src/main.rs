@@ -349,7 +349,9 @@ fn http_bounds(
     max_connections: Option<usize>,
     header_timeout: Option<f64>,
     body_timeout: Option<f64>,
+    max_client_requests: Option<usize>,
 ) {
+    go.max_client_requests = max_client_requests.unwrap_or(0);
     let floor = std::time::Duration::from_millis(100);
     go.http.max_connections = max_connections.unwrap_or(4096).max(1);
     go.http.header_timeout = secs(header_timeout, 30.0).max(floor);
@@ -446,6 +448,11 @@ enum Cmd {
         /// Seconds a client has for a whole body once its head arrived (default 30; then 408).
         #[arg(long, env = "MOELANE_BODY_TIMEOUT")]
         body_timeout: Option<f64>,
+        /// Most generations (each of a request's n choices) one client (an API key, else an
+        /// address) may have in flight; past it 429 with Retry-After. Default 0: no bound
+        /// (the lane still shares its batch and queue fairly among clients).
+        #[arg(long, env = "MOELANE_MAX_CLIENT_REQUESTS")]
+        max_client_requests: Option<usize>,
         #[command(flatten)]
         residency: ResidencyArgs,
         #[command(flatten)]
@@ -797,6 +804,11 @@ struct LaneArgs {
     /// (default 30; 408 past it).
     #[arg(long, env = "MOELANE_BODY_TIMEOUT")]
     body_timeout: Option<f64>,
+    /// Gateway: most generations (each of a request's n choices) one client (an API key,
+    /// else an address) may have in flight; past it 429 with Retry-After. Default 0: no bound
+    /// (the lanes still share their batch and queue fairly among clients).
+    #[arg(long, env = "MOELANE_MAX_CLIENT_REQUESTS")]
+    max_client_requests: Option<usize>,
     /// Gateway: the model name clients use.
     #[arg(long, env = "MOELANE_SERVED_MODEL_NAME")]
     served_model_name: Option<String>,
@@ -905,6 +917,7 @@ impl LaneArgs {
             max_connections,
             header_timeout,
             body_timeout,
+            max_client_requests,
             served_model_name,
             metrics_listen,
             sidecar_device,
@@ -1186,6 +1199,7 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
             max_connections,
             header_timeout,
             body_timeout,
+            max_client_requests,
             residency,
             placement,
         } => {
@@ -1225,7 +1239,13 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
             go.name = served_model_name.clone();
             go.auth = gateway_auth(api_key_file.as_deref(), admin_token_file.as_deref())?;
             go.http.tls = gateway_tls();
-            http_bounds(&mut go, max_connections, header_timeout, body_timeout);
+            http_bounds(
+                &mut go,
+                max_connections,
+                header_timeout,
+                body_timeout,
+                max_client_requests,
+            );
             if let Some(l) = admin_listen {
                 go.admin_listen = l;
             }
@@ -1400,7 +1420,13 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                         go.admin_listen = l.clone();
                     }
                     go.http.tls = gateway_tls();
-                    http_bounds(&mut go, a.max_connections, a.header_timeout, a.body_timeout);
+                    http_bounds(
+                        &mut go,
+                        a.max_connections,
+                        a.header_timeout,
+                        a.body_timeout,
+                        a.max_client_requests,
+                    );
                     let mut g = roles::start_gateway(&go).await?;
                     println!(
                         "moelane: gateway listening on {}://{}/v1",

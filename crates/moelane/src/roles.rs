@@ -1044,6 +1044,8 @@ pub struct GatewayOptions {
     pub admin_listen: String,
     /// A request's whole body must arrive within this.
     pub body_timeout: Duration,
+    /// Most generations one client may have in flight (0: no bound).
+    pub max_client_requests: usize,
     /// API keys and the admin token.
     pub auth: moelane_gateway::server::Auth,
 }
@@ -1068,6 +1070,7 @@ impl GatewayOptions {
             http: Default::default(),
             admin_listen: "127.0.0.1:0".into(),
             body_timeout: Duration::from_secs(30),
+            max_client_requests: 0,
             auth: Default::default(),
         }
     }
@@ -1225,6 +1228,7 @@ pub async fn start_gateway(o: &GatewayOptions) -> Result<Gateway> {
                 max_attempts: o.max_attempts.max(1),
                 retry_deadline: o.retry_deadline,
                 body_timeout: o.body_timeout,
+                max_client_requests: o.max_client_requests,
             },
             tokenizer,
             template,

@@ -1058,3 +1058,187 @@ fn a_cluster_token_keeps_the_grpc_surfaces_to_the_deployment() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("line 2"), "{err}");
 }
+
+/// One POST presenting `key`; the whole raw response (head and body).
+fn raw_post_as(addr: &str, path: &str, body: &serde_json::Value, key: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(30))).ok();
+    let body = body.to_string();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {key}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).expect("write");
+    s.write_all(body.as_bytes()).expect("write");
+    let mut raw = String::new();
+    let _ = s.read_to_string(&mut raw);
+    raw
+}
+
+#[test]
+fn clients_share_a_full_lane_and_a_client_past_its_bound_gets_a_429() {
+    // a lane of two places, paced: client a (one API key) keeps four long answers going (its
+    // bound); client b (another key) asks for a short one, which must get a place at once
+    // and finish while all of a's still run; a's fifth is a 429 with Retry-After
+    let dir = tempfile::tempdir().expect("tempdir");
+    let keys = dir.path().join("keys");
+    let (ka, kb) = ("client-a-key-0123456789", "client-b-key-0123456789");
+    std::fs::write(&keys, format!("{ka}\n{kb}\n")).expect("keys");
+    let model = tiny().to_str().unwrap().to_string();
+    let (_p, v) = start_env(
+        &[
+            "serve",
+            "--model",
+            &model,
+            "--listen",
+            "127.0.0.1:0",
+            "--max-running",
+            "2",
+            "--max-client-requests",
+            "4",
+            "--api-key-file",
+            keys.to_str().unwrap(),
+        ],
+        &["gateway listening on "],
+        &[("MOELANE_STEP_PACE_MS", "20")],
+    );
+    let gw = hostport(&v[0]);
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tiny().join("config.json")).expect("config"))
+            .expect("config json");
+    let eos = config["eos_token_id"].as_u64().expect("eos id");
+    // never the end of sequence: a's answers run their 150 tokens (3 s at the pace)
+    let long = json!({"model": "tiny", "prompt": "The lane keeps serving", "max_tokens": 150,
+                      "temperature": 0, "stream": true, "stream_options": {"include_usage": true},
+                      "logit_bias": {eos.to_string(): -100}});
+    let ended = Arc::new(AtomicUsize::new(0));
+    let a: Vec<_> = (0..4)
+        .map(|_| {
+            let (gw, long, ended) = (gw.clone(), long.clone(), ended.clone());
+            std::thread::spawn(move || {
+                let mut s = Sse::open_with(
+                    &gw,
+                    "/v1/completions",
+                    &long,
+                    &format!("Authorization: Bearer {ka}\r\n"),
+                )
+                .expect("open");
+                assert_eq!(s.status, 200);
+                let mut tokens = 0;
+                let mut finish = None;
+                while let Some(d) = s.next_data() {
+                    if d == "[DONE]" {
+                        break;
+                    }
+                    let v: serde_json::Value = serde_json::from_str(&d).expect("chunk");
+                    assert!(v.get("error").is_none(), "a's stream was cut: {v}");
+                    if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+                        tokens = n;
+                    }
+                    if let Some(f) = v["choices"][0]["finish_reason"].as_str() {
+                        finish = Some(f.to_string());
+                    }
+                }
+                ended.fetch_add(1, Ordering::SeqCst);
+                (tokens, finish)
+            })
+        })
+        .collect();
+    // a holds its four: two running, two waiting
+    until(
+        Duration::from_secs(20),
+        "a's four answers under way",
+        || {
+            let (_, v) = get_as(&gw, "/v1/stats", ka);
+            let load = &v["lanes"][0]["stats"];
+            load["running"].as_u64() == Some(2) && load["waiting"].as_u64() == Some(2)
+        },
+    );
+    let fifth = raw_post_as(&gw, "/v1/completions", &long, ka);
+    let head = fifth
+        .split("\r\n\r\n")
+        .next()
+        .unwrap_or_default()
+        .to_lowercase();
+    assert!(head.starts_with("http/1.1 429"), "{fifth}");
+    assert!(head.contains("retry-after: 1"), "{fifth}");
+    assert!(fifth.contains("rate_limit_exceeded"), "{fifth}");
+    let t = Instant::now();
+    let (st, v) = post_as(
+        &gw,
+        "/v1/completions",
+        &json!({"model": "tiny", "prompt": "b asks", "max_tokens": 8, "temperature": 0}),
+        kb,
+    );
+    let b_took = t.elapsed();
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(
+        ended.load(Ordering::SeqCst),
+        0,
+        "b waited for one of a's answers to end ({b_took:?})"
+    );
+    println!("client b's answer took {b_took:?} while client a held the lane");
+    for h in a {
+        let (tokens, finish) = h.join().expect("a's stream");
+        assert_eq!((tokens, finish.as_deref()), (150, Some("length")));
+    }
+    let (_, page) = get_text_as(&gw, "/metrics", ka);
+    assert!(
+        page.lines()
+            .any(|l| l.starts_with("moelane_fair_share_actions_total{action=\"preempted\"}")),
+        "the fair share's preemption is counted"
+    );
+}
+
+/// GET `path` presenting `key`: status and JSON body.
+fn get_as(addr: &str, path: &str, key: &str) -> (u16, serde_json::Value) {
+    let (st, body) = get_text_as(addr, path, key);
+    (st, serde_json::from_str(&body).unwrap_or_default())
+}
+
+/// GET `path` presenting `key`: status and body text.
+fn get_text_as(addr: &str, path: &str, key: &str) -> (u16, String) {
+    let r = request_with(
+        addr,
+        "GET",
+        path,
+        b"",
+        &format!("Authorization: Bearer {key}\r\n"),
+    );
+    (r.status, r.body)
+}
+
+#[test]
+fn a_stream_cut_mid_answer_is_counted_as_cut_on_the_anthropic_route_too() {
+    // the 200 went out with the stream's head: the cut is counted apart, by its reason
+    let pace = [("MOELANE_STEP_PACE_MS", "50")];
+    let (p, url) = primary(&[], &pace);
+    let (_gw, gw) = gateway(&[&url], &[]);
+    let body = json!({"model": "tiny", "max_tokens": 200, "stream": true,
+                      "messages": [{"role": "user", "content": "The lane keeps serving"}]});
+    let mut s = Sse::open(&gw, "/v1/messages", &body).expect("open");
+    assert_eq!(s.status, 200);
+    let (mut events, mut error, mut stopped) = (0, None, false);
+    while let Some(d) = s.next_data() {
+        events += 1;
+        if events == 1 {
+            signal(&p, "KILL");
+        }
+        let v: serde_json::Value = serde_json::from_str(&d).unwrap_or_default();
+        match v["type"].as_str() {
+            Some("error") => error = Some(v),
+            Some("message_stop") => stopped = true,
+            _ => {}
+        }
+    }
+    let error = error.expect("the cut stream ends with an error event");
+    assert!(!stopped, "a cut answer has no message_stop: {error}");
+    let page = request(&gw, "GET", "/metrics", b"").body;
+    let cut = page
+        .lines()
+        .find(|l| l.starts_with("moelane_streams_cut_total{reason=\"unavailable\"}"))
+        .unwrap_or_else(|| panic!("no cut counted: {page}"));
+    assert!(cut.ends_with(" 1"), "{cut}");
+}

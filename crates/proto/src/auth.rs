@@ -80,13 +80,21 @@ impl Keys {
     /// Whether `presented` is one of the secrets (constant time in which one, and in how
     /// much of it, matches).
     pub fn accepts(&self, presented: &[u8]) -> bool {
+        self.which(presented).is_some()
+    }
+
+    /// Which secret `presented` is (its place among the secrets), if one: every digest is
+    /// compared, without an early exit.
+    pub fn which(&self, presented: &[u8]) -> Option<usize> {
         let d: [u8; 32] = Sha256::digest(presented).into();
-        let mut any = 0u8;
-        for k in &self.digests {
+        let mut found = usize::MAX;
+        for (i, k) in self.digests.iter().enumerate() {
             let diff = k.iter().zip(&d).fold(0u8, |a, (x, y)| a | (x ^ y));
-            any |= (diff == 0) as u8;
+            // branch-free: keeps `i` where the digest matched
+            let hit = ((diff == 0) as usize).wrapping_neg();
+            found = (found & !hit) | (i & hit);
         }
-        any == 1
+        (found != usize::MAX).then_some(found)
     }
 
     /// The secret a client of this surface presents.
@@ -203,6 +211,9 @@ mod tests {
         assert!(k.accepts(b"fedcba9876543210fedc"));
         assert!(!k.accepts(b"0123456789abcdef012"));
         assert!(!k.accepts(b""));
+        assert_eq!(k.which(b"0123456789abcdef0123"), Some(0));
+        assert_eq!(k.which(b"fedcba9876543210fedc"), Some(1));
+        assert_eq!(k.which(b"fedcba9876543210fedd"), None);
         assert_eq!(k.token(), "0123456789abcdef0123");
         assert!(Keys::parse("short", "f").unwrap_err().contains("line 1"));
         assert!(Keys::parse("# nothing\n\n", "f")

@@ -70,6 +70,7 @@ fn req(id: &str, prompt: Vec<u32>, max_tokens: usize) -> ValidGen {
         constraint: None,
         stop_ids: vec![],
         span: tracing::Span::none(),
+        client: String::new(),
     }
 }
 
@@ -857,4 +858,162 @@ fn the_mask_worker_gives_each_constraint_the_mask_made_inline_and_gives_them_bac
                 .expect("follows");
         }
     }
+}
+
+/// [`req`] accounted to `client`.
+fn req_of(client: &str, id: &str, prompt: Vec<u32>, max_tokens: usize) -> ValidGen {
+    ValidGen {
+        client: client.into(),
+        ..req(id, prompt, max_tokens)
+    }
+}
+
+#[test]
+fn a_client_below_its_share_gets_a_place_from_the_client_running_the_most() {
+    // a fills the batch (2) and queues two more; b's one request then takes a's latest
+    // arrival's place within a step and finishes while a's run, and every stream is the one
+    // it makes alone (a's preempted one recomputed)
+    let mut rng = Rng::new(31);
+    let pa: Vec<Vec<u32>> = (0..4).map(|_| prompt(&mut rng, 12)).collect();
+    let pb = prompt(&mut rng, 9);
+    let mut s = sched(4096, cfg(2, 64));
+    let alone: Vec<Vec<u32>> = pa
+        .iter()
+        .chain([&pb])
+        .enumerate()
+        .map(|(i, p)| {
+            let m = if i < 4 { 40 } else { 6 };
+            let mut rx = submit(&mut s, req(&format!("alone{i}"), p.clone(), m));
+            run_idle(&mut s, 100);
+            let mut v = Seen::default();
+            v.take(&mut rx);
+            v.tokens
+        })
+        .collect();
+    let mut rxa: Vec<_> = (pa.iter().enumerate())
+        .map(|(i, p)| submit(&mut s, req_of("a", &format!("a{i}"), p.clone(), 40)))
+        .collect();
+    for _ in 0..3 {
+        s.step();
+    }
+    assert_eq!(s.running.len(), 2);
+    let mut rxb = submit(&mut s, req_of("b", "b", pb.clone(), 6));
+    s.step();
+    let ids: Vec<&str> = s.running.iter().map(|r| r.req.id.as_str()).collect();
+    assert_eq!(
+        ids,
+        ["a0", "b"],
+        "b runs at once, a's latest arrival gave its place"
+    );
+    assert_eq!(s.preempted.len(), 1);
+    assert_eq!(s.preempted[0].req.id, "a1");
+    assert_eq!(s.snapshot().preemptions, 1);
+    let mut sa: Vec<Seen> = (0..4).map(|_| Seen::default()).collect();
+    let mut sb = Seen::default();
+    for _ in 0..400 {
+        if s.running.is_empty() && s.waiting.is_empty() && s.preempted.is_empty() {
+            break;
+        }
+        s.step();
+        assert!(s.running.len() <= 2);
+        assert_eq!(s.engine.kv.used_blocks(), reserved(&s), "KV blocks leaked");
+        for (v, rx) in sa.iter_mut().zip(&mut rxa) {
+            v.take(rx);
+        }
+        let was = sb.finish.is_some();
+        sb.take(&mut rxb);
+        if sb.finish.is_some() && !was {
+            assert!(
+                sa.iter().all(|v| v.finish.is_none()),
+                "b waited for one of a's to end"
+            );
+        }
+    }
+    assert_eq!(sb.finish, Some("length"));
+    assert_eq!(sb.tokens, alone[4], "b's stream");
+    for (i, v) in sa.iter().enumerate() {
+        assert_eq!(v.finish, Some("length"), "a{i}");
+        assert_eq!(v.tokens, alone[i], "a{i}'s stream changed");
+    }
+    // one preemption: once b runs, the two clients are at their share (1 each)
+    assert_eq!(s.snapshot().preemptions, 1);
+}
+
+#[test]
+fn admission_takes_the_client_running_the_fewest_and_one_client_keeps_its_order() {
+    let mut rng = Rng::new(32);
+    let mut s = sched(4096, cfg(3, 64));
+    // one client: first come, first served
+    let _solo: Vec<_> = (0..4)
+        .map(|i| {
+            submit(
+                &mut s,
+                req_of("a", &format!("a{i}"), prompt(&mut rng, 5), 30),
+            )
+        })
+        .collect();
+    s.step();
+    let ids: Vec<&str> = s.running.iter().map(|r| r.req.id.as_str()).collect();
+    assert_eq!(ids, ["a0", "a1", "a2"]);
+    run_idle(&mut s, 200);
+    // a queues 3 while b and c queue one each behind them: a batch of 3 takes one of each
+    let _rx: Vec<_> = ["a0", "a1", "a2", "b0", "c0"]
+        .iter()
+        .map(|id| submit(&mut s, req_of(&id[..1], id, prompt(&mut rng, 5), 30)))
+        .collect();
+    s.step();
+    let mut ids: Vec<&str> = s.running.iter().map(|r| r.req.id.as_str()).collect();
+    ids.sort();
+    assert_eq!(ids, ["a0", "b0", "c0"]);
+    assert_eq!(s.snapshot().preemptions, 0, "nothing ran: nobody preempted");
+}
+
+#[test]
+fn a_full_queue_refuses_the_latest_request_of_the_client_holding_the_most_places() {
+    let mut rng = Rng::new(33);
+    let mut s = sched(4096, cfg(1, 4));
+    let mut rxa: Vec<_> = (0..5)
+        .map(|i| {
+            submit(
+                &mut s,
+                req_of("a", &format!("a{i}"), prompt(&mut rng, 5), 8),
+            )
+        })
+        .collect();
+    // a's fifth is refused (a client gives up a place only for another client)
+    assert_eq!(s.waiting.len(), 4);
+    assert!(matches!(
+        drain(&mut rxa[4]).as_slice(),
+        [Event::Error {
+            category: Category::Overloaded,
+            ..
+        }]
+    ));
+    let mut rxb = submit(&mut s, req_of("b", "b0", prompt(&mut rng, 5), 8));
+    assert_eq!(s.waiting.len(), 4, "b took a's latest place");
+    match drain(&mut rxa[3]).as_slice() {
+        [Event::Error { category, message }] => {
+            assert_eq!(*category, Category::Overloaded);
+            assert!(message.contains("places"), "{message}");
+        }
+        other => panic!("a3 expected an Overloaded error, got {other:?}"),
+    }
+    assert!(drain(&mut rxb).is_empty(), "b waits");
+    // b and c hold one place each, a two: a third client takes a's latest again, and a
+    // client holding one less than a (c, asking for its second) does not
+    let _rxc = submit(&mut s, req_of("c", "c0", prompt(&mut rng, 5), 8));
+    assert!(matches!(
+        drain(&mut rxa[2]).as_slice(),
+        [Event::Error { .. }]
+    ));
+    let mut rxc1 = submit(&mut s, req_of("c", "c1", prompt(&mut rng, 5), 8));
+    assert!(matches!(
+        drain(&mut rxc1).as_slice(),
+        [Event::Error {
+            category: Category::Overloaded,
+            ..
+        }]
+    ));
+    let held: Vec<&str> = s.waiting.iter().map(|(r, _, _)| r.id.as_str()).collect();
+    assert_eq!(held, ["a0", "a1", "b0", "c0"]);
 }

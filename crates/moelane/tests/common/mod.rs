@@ -375,10 +375,20 @@ pub struct Sse {
 impl Sse {
     /// POSTs `json` to `path` and reads the response's head.
     pub fn open(addr: &str, path: &str, json: &serde_json::Value) -> std::io::Result<Sse> {
+        Sse::open_with(addr, path, json, "")
+    }
+
+    /// [`Sse::open`] with extra header lines (each ending in \r\n).
+    pub fn open_with(
+        addr: &str,
+        path: &str,
+        json: &serde_json::Value,
+        headers: &str,
+    ) -> std::io::Result<Sse> {
         let mut s = TcpStream::connect(addr)?;
         s.set_read_timeout(Some(Duration::from_secs(60)))?;
         let body = json.to_string();
-        let head = format!("POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len());
+        let head = format!("POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n{headers}Content-Length: {}\r\nConnection: close\r\n\r\n", body.len());
         s.write_all(head.as_bytes())?;
         s.write_all(body.as_bytes())?;
         let mut rd = BufReader::new(s);
