@@ -165,6 +165,25 @@ struct Running {
     admitted: Instant,
     /// "prefill" until the first token, then "decode"
     phase: tracing::Span,
+    /// The grammar's mask for the next pick, once made (and the seconds it took).
+    mask: Option<(Result<moelane_text::grammar::Mask, String>, f64)>,
+    /// The grammar's constraint is at a mask worker (`true`: the slow one).
+    masking: Option<bool>,
+    /// Seconds the grammar's last mask took (past [`masks::SLOW`]: the next on the slow
+    /// worker).
+    mask_secs: f64,
+    /// A step's logits row and pick rule, kept while the row waits for its grammar's mask
+    /// (it sits out the steps until the mask comes).
+    held: Option<(Vec<f32>, TokenPick)>,
+    /// The pick drawn for a held row that was preempted: its recomputed logits take it.
+    repick: Option<TokenPick>,
+}
+
+impl Running {
+    /// Whether the request follows a grammar.
+    fn constrained(&self) -> bool {
+        self.req.constraint.is_some() || self.masking.is_some() || self.mask.is_some()
+    }
 }
 
 /// Metric handles, taken once (recording through a handle is an atomic add).
@@ -179,6 +198,7 @@ struct Meters {
     fair_refused: metrics::Counter,
     grammar: metrics::Histogram,
     grammar_mask: metrics::Histogram,
+    grammar_held: metrics::Counter,
 }
 
 impl Meters {
@@ -195,6 +215,7 @@ impl Meters {
             fair_refused: metrics::counter!(n::FAIR_SHARE, "action" => "refused"),
             grammar: metrics::histogram!(n::GRAMMAR_STEP),
             grammar_mask: metrics::histogram!(n::GRAMMAR_MASK),
+            grammar_held: metrics::counter!(n::GRAMMAR_HELD),
         }
     }
 }
@@ -415,7 +436,7 @@ impl Scheduler {
     /// share, gives back its latest arrival (preempted: recomputed when admitted again). One
     /// a step, so a share is reached over a few steps without a burst of recomputes.
     fn share_fairly(&mut self) {
-        if self.running.is_empty() {
+        if self.running.is_empty() || (self.waiting.is_empty() && self.preempted.is_empty()) {
             return;
         }
         let Some((next, n)) = self.next_candidate() else {
@@ -453,6 +474,9 @@ impl Scheduler {
     /// and generated tokens to recompute when it is admitted again.
     fn preempt(&mut self, mut r: Running) {
         r.kv = self.engine.kv.new_seq();
+        // a row waiting for its mask: the recompute makes its logits again, and its pick
+        // (already drawn) is kept for them
+        r.repick = r.held.take().map(|(_, pick)| pick);
         r.next = r.req.prompt.iter().chain(&r.out).copied().collect();
         self.stats.preemptions += 1;
         let at = self
@@ -586,6 +610,11 @@ impl Scheduler {
                         kv,
                         generated: 0,
                         admitted: Instant::now(),
+                        mask: None,
+                        masking: None,
+                        mask_secs: 0.0,
+                        held: None,
+                        repick: None,
                     }
                 }
             };
@@ -651,56 +680,91 @@ impl Scheduler {
         if self.running.is_empty() {
             return;
         }
+        // masks made since the last step; rows that sat out for theirs take their token now
+        // and join this step
+        for d in self.masks.ready() {
+            self.mask_done(d);
+        }
+        let mut scratch = Vec::new();
+        for mut r in std::mem::take(&mut self.running) {
+            if r.mask.is_none() {
+                self.running.push(r);
+                continue;
+            }
+            let Some((mut row, pick)) = r.held.take() else {
+                self.running.push(r);
+                continue;
+            };
+            let (tok, lp) = self.pick_row(&mut r, &mut row, pick, &mut scratch);
+            if let Some(r) = self.take_token(r, tok, lp) {
+                self.running.push(r);
+            }
+        }
+        let active: Vec<usize> = (0..self.running.len())
+            .filter(|&i| self.running[i].held.is_none())
+            .collect();
+        if active.is_empty() {
+            // every row waits for its grammar's mask: wait for one (bounded, so commands
+            // are still answered)
+            if !self.running.is_empty() {
+                if let Some(d) = self.masks.wait(std::time::Duration::from_millis(20)) {
+                    self.mask_done(d);
+                }
+            }
+            return;
+        }
         // each request's next token: greedy or its next draw, picked where the logits are
         // (on the GPU they never leave it)
-        let picks: Vec<TokenPick> = self
-            .running
-            .iter_mut()
-            .map(|r| r.sampler.next_pick())
-            .collect();
-        // a request with penalties, a bias or log-probabilities takes the logits to the host
-        // for the whole step, where the same rule picks every row's token
-        let host = self
-            .running
+        let picks: Vec<TokenPick> = active
             .iter()
-            .any(|r| r.req.rules.on_host() || r.req.constraint.is_some());
-        let mut lps: Vec<Option<Box<TokenLogprobs>>> = Vec::new();
-        // the grammars' next masks are made on the mask worker while the step runs (they
-        // depend only on the tokens already followed)
-        let pending = host.then(|| {
-            let mut cs: Vec<_> = self
-                .running
-                .iter_mut()
-                .map(|r| &mut r.req.constraint)
-                .collect();
-            self.masks.start(&mut cs)
+            .map(|&i| {
+                let r = &mut self.running[i];
+                r.repick.take().unwrap_or_else(|| r.sampler.next_pick())
+            })
+            .collect();
+        // a request with penalties, a bias, log-probabilities or a grammar takes the logits to
+        // the host for the whole step, where the same rule picks every row's token
+        let host = active.iter().any(|&i| {
+            let r = &self.running[i];
+            r.req.rules.on_host() || r.constrained()
         });
+        // the grammars' next masks are made on the mask workers while the step runs (they
+        // depend only on the tokens already followed)
+        for &i in &active {
+            let r = &mut self.running[i];
+            if r.mask.is_some() || r.masking.is_some() {
+                continue;
+            }
+            let Some(c) = r.req.constraint.take() else {
+                continue;
+            };
+            let slow = r.mask_secs > masks::SLOW;
+            match self.masks.send(r.arrival, c, slow) {
+                Ok(()) => r.masking = Some(slow),
+                Err(c) => r.req.constraint = Some(c),
+            }
+        }
         let result = {
-            let mut steps: Vec<SeqStep> = self
-                .running
-                .iter_mut()
-                .map(|r| SeqStep {
-                    kv: &mut r.kv,
-                    tokens: &r.next,
-                })
-                .collect();
-            if let Some(pending) = pending {
-                let logits = self.engine.step(&mut steps);
-                // always: the worker's answer is this step's, and the constraints come back
-                let mut cs: Vec<_> = self
-                    .running
-                    .iter_mut()
-                    .map(|r| &mut r.req.constraint)
-                    .collect();
-                let masks = self.masks.finish(pending, &mut cs);
-                logits.map(|logits| self.pick_on_host(logits, &picks, &mut lps, masks))
+            let mut steps: Vec<SeqStep> = Vec::with_capacity(active.len());
+            let mut at = 0;
+            for (i, r) in self.running.iter_mut().enumerate() {
+                if active.get(at) == Some(&i) {
+                    steps.push(SeqStep {
+                        kv: &mut r.kv,
+                        tokens: &r.next,
+                    });
+                    at += 1;
+                }
+            }
+            if host {
+                self.engine.step(&mut steps).map(|l| (Some(l), Vec::new()))
             } else {
                 self.engine
                     .step_pick(&mut steps, &picks)
-                    .map(|ids| ids.into_iter().map(Ok).collect())
+                    .map(|ids| (None, ids))
             }
         };
-        let ids = match result {
+        let (mut logits, device_ids) = match result {
             Ok(l) => l,
             Err(e) => {
                 let category = crate::category(&e);
@@ -714,129 +778,204 @@ impl Scheduler {
                 return;
             }
         };
-        let mut keep = Vec::with_capacity(self.running.len());
-        for (i, mut r) in std::mem::take(&mut self.running).into_iter().enumerate() {
-            if r.generated == 0 {
-                self.stats.prompt_tokens += r.req.prompt.len() as u64;
-            }
-            let tok = match &ids[i] {
-                Ok(t) => *t,
-                Err(e) => {
-                    r.req.span.record("moelane.finish_reason", "error");
-                    let _ = r.tx.send(Event::Error {
-                        category: Category::BadRequest,
-                        message: format!("the request's grammar: {e}"),
-                    });
-                    self.stats.failed += 1;
-                    continue;
-                }
-            };
-            if r.generated == 0 {
-                r.phase = tracing::info_span!(
-                    parent: &r.req.span,
-                    "decode",
-                    gen_ai.usage.output_tokens = tracing::field::Empty
-                );
-            }
-            let elapsed_ns = r.admitted.elapsed().as_nanos() as u64;
-            let stop = r.req.stop_ids.contains(&tok);
-            if !stop {
-                r.generated += 1;
-                self.stats.tokens_generated += 1;
-                if r.req.rules.presence_penalty != 0.0 || r.req.rules.frequency_penalty != 0.0 {
-                    match r.counts.iter_mut().find(|c| c.0 == tok) {
-                        Some(c) => c.1 += 1,
-                        None => r.counts.push((tok, 1)),
-                    }
-                }
-                if r.tx
-                    .send(Event::Token {
-                        token: tok,
-                        completion_tokens: r.generated,
-                        elapsed_ns,
-                        logprobs: lps.get_mut(i).and_then(Option::take),
-                    })
-                    .is_err()
-                {
-                    self.stats.cancelled += 1;
-                    continue; // client gone: KV freed as `r` drops
-                }
-            }
-            let done = if stop {
-                Some("stop")
-            } else if r.generated as usize >= r.req.max_tokens {
-                Some("length")
-            } else {
-                None
-            };
-            match done {
-                Some(reason) => self.finish(r, reason),
-                None => {
-                    r.next.clear();
-                    r.next.push(tok);
-                    r.out.push(tok);
-                    keep.push(r);
-                }
+        // the fast worker's masks of this step: waited for (a row on the slow worker whose
+        // mask is not ready sits out until it is)
+        if logits.is_some() {
+            self.wait_fast_masks(&active);
+            // and the slow worker's that are ready
+            for d in self.masks.ready() {
+                self.mask_done(d);
             }
         }
-        self.running = keep;
-    }
-
-    /// Every row's token from the step's logits (one row per running sequence, in order):
-    /// each request's bias and penalties applied, its grammar's mask (`masks`, made while
-    /// the step ran), then its pick; log-probabilities where asked.
-    fn pick_on_host(
-        &mut self,
-        mut logits: Vec<f32>,
-        picks: &[TokenPick],
-        lps: &mut Vec<Option<Box<TokenLogprobs>>>,
-        mut masks: Vec<Option<(Result<moelane_text::grammar::Mask, String>, f64)>>,
-    ) -> Vec<Result<u32, String>> {
         let v = self.engine.cfg.vocab_size;
-        let mut scratch = Vec::new();
-        let mut ids = Vec::with_capacity(self.running.len());
-        for (i, ((r, row), &pick)) in self
-            .running
-            .iter_mut()
-            .zip(logits.chunks_exact_mut(v))
-            .zip(picks)
-            .enumerate()
-        {
-            r.req.rules.apply(row, &r.counts);
-            let t0 = Instant::now();
-            let masked = match (
-                masks.get_mut(i).and_then(Option::take),
-                &mut r.req.constraint,
-            ) {
-                (Some((mask, secs)), _) => {
-                    self.meters.grammar_mask.record(secs);
-                    mask.and_then(|m| m.apply(row))
-                }
-                // (every constrained row has its mask: made here should one be missing)
-                (None, Some(c)) => c.mask(row),
-                (None, None) => Ok(()),
-            };
-            if let Err(e) = masked {
-                lps.push(None);
-                ids.push(Err(e));
+        let mut next = active.iter().peekable();
+        let mut k = 0;
+        for (i, mut r) in std::mem::take(&mut self.running).into_iter().enumerate() {
+            if next.peek() != Some(&&i) {
+                self.running.push(r);
                 continue;
             }
-            let tok = moelane_engine::sampling::pick_token(row, pick, &mut scratch);
-            lps.push(r.req.rules.logprobs.map(|k| {
-                let (logprob, top) = moelane_engine::sampling::logprobs(row, tok, k as usize);
-                Box::new(TokenLogprobs { logprob, top })
-            }));
-            // a stop token ends the request: the grammar need not follow it
-            let followed = match &mut r.req.constraint {
-                Some(c) if !r.req.stop_ids.contains(&tok) => c.consume(tok),
-                _ => Ok(()),
+            next.next();
+            let (tok, lp) = match &mut logits {
+                None => (Ok(device_ids[k]), None),
+                Some(l) => {
+                    let row = &mut l[k * v..(k + 1) * v];
+                    if r.masking.is_some() && r.mask.is_none() {
+                        // its mask is still being made: the row sits out with its logits
+                        r.held = Some((row.to_vec(), picks[k]));
+                        r.next.clear();
+                        self.meters.grammar_held.increment(1);
+                        self.running.push(r);
+                        k += 1;
+                        continue;
+                    }
+                    self.pick_row(&mut r, row, picks[k], &mut scratch)
+                }
             };
-            if r.req.constraint.is_some() {
-                self.meters.grammar.record(t0.elapsed().as_secs_f64());
+            k += 1;
+            if let Some(r) = self.take_token(r, tok, lp) {
+                self.running.push(r);
             }
-            ids.push(followed.map(|()| tok));
         }
-        ids
+    }
+
+    /// Puts a mask made into its request (running or preempted; a request gone drops it).
+    fn mask_done(&mut self, d: masks::Done) {
+        let r = match self.running.iter_mut().find(|r| r.arrival == d.key) {
+            Some(r) => r,
+            None => match self.preempted.iter_mut().find(|r| r.arrival == d.key) {
+                Some(r) => r,
+                None => return,
+            },
+        };
+        r.req.constraint = Some(d.constraint);
+        r.masking = None;
+        r.mask_secs = d.secs;
+        r.mask = Some((d.mask, d.secs));
+    }
+
+    /// Waits for the masks of this step's rows that are on the fast worker.
+    fn wait_fast_masks(&mut self, active: &[usize]) {
+        let waiting = |s: &Self| {
+            active
+                .iter()
+                .any(|&i| s.running.get(i).is_some_and(|r| r.masking == Some(false)))
+        };
+        while waiting(self) {
+            match self.masks.wait(std::time::Duration::from_millis(50)) {
+                Some(d) => self.mask_done(d),
+                None if !self.masks.alive(false) => {
+                    // the worker is gone with the constraints it held: those requests end
+                    for &i in active {
+                        if let Some(r) = self.running.get_mut(i) {
+                            if r.masking == Some(false) {
+                                r.masking = None;
+                                r.mask = Some((Err("the grammar worker failed".into()), 0.0));
+                            }
+                        }
+                    }
+                }
+                None => {}
+            }
+        }
+    }
+
+    /// Row `r`'s token from its logits `row`: its bias and penalties applied, its grammar's
+    /// mask (made ahead, else here), then its pick; its log-probabilities where asked.
+    fn pick_row(
+        &mut self,
+        r: &mut Running,
+        row: &mut [f32],
+        pick: TokenPick,
+        scratch: &mut Vec<(f32, u32)>,
+    ) -> (Result<u32, String>, Option<Box<TokenLogprobs>>) {
+        r.req.rules.apply(row, &r.counts);
+        let t0 = Instant::now();
+        let masked = match (r.mask.take(), &mut r.req.constraint) {
+            (Some((mask, secs)), _) => {
+                self.meters.grammar_mask.record(secs);
+                mask.and_then(|m| m.apply(row))
+            }
+            // made here: no worker runs (or its mask was lost)
+            (None, Some(c)) => {
+                let m = c.next_mask();
+                r.mask_secs = t0.elapsed().as_secs_f64();
+                m.and_then(|m| m.apply(row))
+            }
+            (None, None) => Ok(()),
+        };
+        if let Err(e) = masked {
+            return (Err(e), None);
+        }
+        let tok = moelane_engine::sampling::pick_token(row, pick, scratch);
+        let lp = r.req.rules.logprobs.map(|k| {
+            let (logprob, top) = moelane_engine::sampling::logprobs(row, tok, k as usize);
+            Box::new(TokenLogprobs { logprob, top })
+        });
+        // a stop token ends the request: the grammar need not follow it
+        let followed = match &mut r.req.constraint {
+            Some(c) if !r.req.stop_ids.contains(&tok) => c.consume(tok),
+            _ => Ok(()),
+        };
+        if r.req.constraint.is_some() {
+            self.meters.grammar.record(t0.elapsed().as_secs_f64());
+        }
+        (followed.map(|()| tok), lp)
+    }
+
+    /// Sends row `r`'s token (or its grammar's error) to its client; the row back if it goes
+    /// on (its token fed to the next step), None if it ended.
+    fn take_token(
+        &mut self,
+        mut r: Running,
+        tok: Result<u32, String>,
+        lp: Option<Box<TokenLogprobs>>,
+    ) -> Option<Running> {
+        if r.generated == 0 {
+            self.stats.prompt_tokens += r.req.prompt.len() as u64;
+        }
+        let tok = match tok {
+            Ok(t) => t,
+            Err(e) => {
+                r.req.span.record("moelane.finish_reason", "error");
+                let _ = r.tx.send(Event::Error {
+                    category: Category::BadRequest,
+                    message: format!("the request's grammar: {e}"),
+                });
+                self.stats.failed += 1;
+                return None;
+            }
+        };
+        if r.generated == 0 {
+            r.phase = tracing::info_span!(
+                parent: &r.req.span,
+                "decode",
+                gen_ai.usage.output_tokens = tracing::field::Empty
+            );
+        }
+        let elapsed_ns = r.admitted.elapsed().as_nanos() as u64;
+        let stop = r.req.stop_ids.contains(&tok);
+        if !stop {
+            r.generated += 1;
+            self.stats.tokens_generated += 1;
+            if r.req.rules.presence_penalty != 0.0 || r.req.rules.frequency_penalty != 0.0 {
+                match r.counts.iter_mut().find(|c| c.0 == tok) {
+                    Some(c) => c.1 += 1,
+                    None => r.counts.push((tok, 1)),
+                }
+            }
+            if r.tx
+                .send(Event::Token {
+                    token: tok,
+                    completion_tokens: r.generated,
+                    elapsed_ns,
+                    logprobs: lp,
+                })
+                .is_err()
+            {
+                self.stats.cancelled += 1;
+                return None; // client gone: KV freed as `r` drops
+            }
+        }
+        let done = if stop {
+            Some("stop")
+        } else if r.generated as usize >= r.req.max_tokens {
+            Some("length")
+        } else {
+            None
+        };
+        match done {
+            Some(reason) => {
+                self.finish(r, reason);
+                None
+            }
+            None => {
+                r.next.clear();
+                r.next.push(tok);
+                r.out.push(tok);
+                Some(r)
+            }
+        }
     }
 
     /// The loop: blocks on the command channel when idle, steps while there is work.

@@ -61,6 +61,9 @@ pub const FAIR_SHARE: &str = "moelane_fair_share_actions_total";
 /// histogram: one constrained request's grammar work in a step on the step loop's thread (its
 /// token mask applied, the picked token followed)
 pub const GRAMMAR_STEP: &str = "moelane_grammar_step_seconds";
+/// counter: steps a constrained request sat out, its logits held, because its grammar's
+/// mask (made on the slow worker: its masks are costly) was not ready when the step ended
+pub const GRAMMAR_HELD: &str = "moelane_grammar_held_steps_total";
 /// histogram: one constrained request's next token mask made, on the mask worker while the
 /// step's forward pass runs
 pub const GRAMMAR_MASK: &str = "moelane_grammar_mask_seconds";
@@ -140,6 +143,7 @@ pub const ALL: &[&str] = &[
     FAIR_SHARE,
     GRAMMAR_STEP,
     GRAMMAR_MASK,
+    GRAMMAR_HELD,
     STEP_DURATION,
     LANE_TOKENS,
     LANE_REQUESTS,
@@ -237,6 +241,10 @@ pub fn describe() {
         GRAMMAR_MASK,
         Unit::Seconds,
         "One constrained request's next token mask, made while the step runs"
+    );
+    describe_counter!(
+        GRAMMAR_HELD,
+        "Steps a constrained request sat out, its logits held, because its grammar's mask (costly: made on the slow worker) was not ready"
     );
     describe_counter!(
         KV_PREEMPTIONS,

@@ -1,151 +1,132 @@
-//! The grammars' token masks, computed on a worker thread while the step that yields the
-//! logits runs: a constrained request's next mask depends only on the tokens it has already
+//! The grammars' token masks, made on worker threads while the step that yields the logits
+//! runs: a constrained request's next mask depends only on the tokens it has already
 //! followed, so it is off the step loop's critical path (the loop then only applies it and
-//! follows the picked token). The constraints travel to the worker and back with their
-//! masks each step (moving a constraint moves a box); a worker that fails (a panic in the
-//! grammar engine) loses the constraints it held: their requests end with an error, and the
-//! next step starts a new worker.
+//! follows the picked token). A constraint travels to a worker and back with its mask
+//! (moving a constraint moves a box).
+//!
+//! Two workers: a request whose last mask took longer than [`SLOW`] has its masks made on
+//! the slow one. The step waits for the fast worker's masks (microseconds to a few
+//! milliseconds: a token's worth of a JSON schema); a row whose mask is on the slow worker
+//! and not ready when the step ends sits out the next steps, its logits held, until the mask
+//! comes (the scheduler). A grammar whose masks are costly (a regex of 100,000 repetitions:
+//! tens of milliseconds a mask) then slows its own request only. A panic in the grammar
+//! engine is caught on the worker and ends that request with an error.
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{channel, Receiver, Sender};
-use std::time::Instant;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use moelane_text::grammar::{Constraint, Mask};
 
-/// (running index, the constraint) out; (index, the constraint, its mask, seconds taken) back.
-type Job = Vec<(usize, Constraint)>;
-type Done = Vec<(usize, Constraint, Result<Mask, String>, f64)>;
+/// A mask that took longer than this (seconds) sends its request's next ones to the slow
+/// worker; one at most this sends them back.
+pub(super) const SLOW: f64 = 0.004;
 
-/// A worker thread computing masks, started on first use (`MOELANE_MASK_WORKER=0`: none, the
+/// A request's constraint, out to have its next mask made (the key names the request).
+type Job = (u64, Constraint);
+
+/// A mask made: the request's key, its constraint back, the mask, the seconds it took.
+pub(super) struct Done {
+    pub key: u64,
+    pub constraint: Constraint,
+    pub mask: Result<Mask, String>,
+    pub secs: f64,
+}
+
+/// One worker thread and its queue.
+struct Worker {
+    jobs: Sender<Job>,
+    thread: JoinHandle<()>,
+}
+
+/// The two workers (fast, slow), started on first use (`MOELANE_MASK_WORKER=0`: none, the
 /// step loop makes the masks itself after the step, for comparison).
 pub(super) struct MaskWorker {
-    link: Option<(Sender<Job>, Receiver<Done>)>,
+    workers: [Option<Worker>; 2],
+    tx: Sender<Done>,
+    rx: Receiver<Done>,
     off: bool,
 }
 
 impl Default for MaskWorker {
     fn default() -> Self {
+        let (tx, rx) = channel();
         MaskWorker {
-            link: None,
+            workers: [None, None],
+            tx,
+            rx,
             off: std::env::var("MOELANE_MASK_WORKER").is_ok_and(|v| v == "0"),
         }
     }
 }
 
-/// Masks in flight for one step: [`MaskWorker::start`], then [`MaskWorker::finish`].
-pub(super) struct Pending {
-    /// the running indices whose constraints went out (empty: nothing was sent)
-    sent: Vec<usize>,
-}
-
 impl MaskWorker {
-    fn link(&mut self) -> Option<&(Sender<Job>, Receiver<Done>)> {
-        if self.link.is_none() {
+    /// Worker `w` (0 fast, 1 slow), started if it is not running.
+    fn worker(&mut self, w: usize) -> Option<&Worker> {
+        if self.workers[w]
+            .as_ref()
+            .is_none_or(|k| k.thread.is_finished())
+        {
             let (jobs, rx) = channel::<Job>();
-            let (tx, done) = channel::<Done>();
-            let spawned = std::thread::Builder::new()
-                .name("moelane-masks".into())
+            let tx = self.tx.clone();
+            let thread = std::thread::Builder::new()
+                .name(["moelane-masks", "moelane-masks-slow"][w].into())
                 .spawn(move || {
-                    while let Ok(job) = rx.recv() {
-                        let out: Done = job
-                            .into_iter()
-                            .map(|(i, mut c)| {
-                                let t0 = Instant::now();
-                                let m = c.next_mask();
-                                (i, c, m, t0.elapsed().as_secs_f64())
-                            })
-                            .collect();
-                        if tx.send(out).is_err() {
+                    while let Ok((key, mut c)) = rx.recv() {
+                        let t0 = Instant::now();
+                        let mask =
+                            catch_unwind(AssertUnwindSafe(|| c.next_mask())).unwrap_or_else(|_| {
+                                Err("the grammar engine failed making a mask".to_string())
+                            });
+                        let secs = t0.elapsed().as_secs_f64();
+                        let done = Done {
+                            key,
+                            constraint: c,
+                            mask,
+                            secs,
+                        };
+                        if tx.send(done).is_err() {
                             return;
                         }
                     }
-                });
-            if spawned.is_ok() {
-                self.link = Some((jobs, done));
-            }
+                })
+                .ok()?;
+            self.workers[w] = Some(Worker { jobs, thread });
         }
-        self.link.as_ref()
+        self.workers[w].as_ref()
     }
 
-    /// Sends the constraints out of `constraints` (taken: `None` left in their place) to
-    /// have their next masks made. Where no worker can run, they stay and nothing is sent
-    /// ([`Self::finish`] then makes the masks on this thread).
-    pub(super) fn start(&mut self, constraints: &mut [&mut Option<Constraint>]) -> Pending {
+    /// Sends `c` out to have its next mask made, on the slow worker when `slow`; gives it
+    /// back where no worker runs (then the loop makes the mask itself).
+    pub(super) fn send(&mut self, key: u64, c: Constraint, slow: bool) -> Result<(), Constraint> {
         if self.off {
-            return Pending { sent: Vec::new() };
+            return Err(c);
         }
-        let job: Job = constraints
-            .iter_mut()
-            .enumerate()
-            .filter_map(|(i, c)| c.take().map(|c| (i, c)))
-            .collect();
-        if job.is_empty() {
-            return Pending { sent: Vec::new() };
-        }
-
-        let sent: Vec<usize> = job.iter().map(|(i, _)| *i).collect();
-        match self.link() {
-            Some((jobs, _)) => match jobs.send(job) {
-                Ok(()) => Pending { sent },
-                Err(back) => {
-                    // the worker is gone: put them back, and make a new one next time
-                    self.link = None;
-                    for (i, c) in back.0 {
-                        *constraints[i] = Some(c);
-                    }
-                    Pending { sent: Vec::new() }
-                }
-            },
-            None => {
-                for (i, c) in job {
-                    *constraints[i] = Some(c);
-                }
-                Pending { sent: Vec::new() }
-            }
+        let w = slow as usize;
+        match self.worker(w) {
+            Some(k) => k.jobs.send((key, c)).map_err(|back| {
+                self.workers[w] = None;
+                back.0 .1
+            }),
+            None => Err(c),
         }
     }
 
-    /// Waits for the masks of `p`, puts the constraints back into `constraints` and returns
-    /// each one's mask (None: unconstrained) with the seconds it took. Constraints that were
-    /// not sent get their masks here. A lost worker gives its requests an error (their
-    /// constraints are gone).
-    pub(super) fn finish(
-        &mut self,
-        p: Pending,
-        constraints: &mut [&mut Option<Constraint>],
-    ) -> Vec<Option<(Result<Mask, String>, f64)>> {
-        let mut out: Vec<Option<(Result<Mask, String>, f64)>> =
-            constraints.iter().map(|_| None).collect();
-        if !p.sent.is_empty() {
-            match self.link.as_ref().map(|(_, done)| done.recv()) {
-                Some(Ok(done)) => {
-                    for (i, c, m, secs) in done {
-                        if let (Some(slot), Some(o)) = (constraints.get_mut(i), out.get_mut(i)) {
-                            **slot = Some(c);
-                            *o = Some((m, secs));
-                        }
-                    }
-                }
-                _ => {
-                    self.link = None;
-                    for &i in &p.sent {
-                        if let Some(o) = out.get_mut(i) {
-                            *o = Some((
-                                Err("the grammar worker failed; the grammar's state is lost"
-                                    .to_string()),
-                                0.0,
-                            ));
-                        }
-                    }
-                }
-            }
-        }
-        for (c, o) in constraints.iter_mut().zip(out.iter_mut()) {
-            if let (Some(c), None) = (c.as_mut(), o.as_ref()) {
-                let t0 = Instant::now();
-                let m = c.next_mask();
-                *o = Some((m, t0.elapsed().as_secs_f64()));
-            }
-        }
-        out
+    /// Whether the worker (`slow` or the fast one) runs, or has not been needed yet.
+    pub(super) fn alive(&self, slow: bool) -> bool {
+        self.workers[slow as usize]
+            .as_ref()
+            .is_none_or(|k| !k.thread.is_finished())
+    }
+
+    /// The masks made so far, without waiting.
+    pub(super) fn ready(&self) -> Vec<Done> {
+        self.rx.try_iter().collect()
+    }
+
+    /// Waits at most `limit` for the next mask made.
+    pub(super) fn wait(&self, limit: Duration) -> Option<Done> {
+        self.rx.recv_timeout(limit).ok()
     }
 }

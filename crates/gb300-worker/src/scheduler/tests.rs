@@ -5,6 +5,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
+use std::time::Instant;
 
 use moelane_engine::checkpoint::Checkpoint;
 use moelane_engine::kv::{KvCache, BLOCK};
@@ -821,10 +822,29 @@ fn the_mask_worker_gives_each_constraint_the_mask_made_inline_and_gives_them_bac
     let mut w = super::masks::MaskWorker::default();
     let mut rng = Rng::new(3);
     for step in 0..12 {
-        let mut cs: Vec<_> = slots.iter_mut().collect();
-        let p = w.start(&mut cs);
-        assert!(cs.iter().all(|c| c.is_none()), "step {step}: not sent");
-        let masks = w.finish(p, &mut cs);
+        // even slots to the fast worker, odd steps' to the slow one
+        for (i, c) in slots.iter_mut().enumerate() {
+            if let Some(c) = c.take() {
+                assert!(
+                    w.send(i as u64, c, step % 2 == 1).is_ok(),
+                    "step {step}: not sent"
+                );
+            }
+        }
+        let mut masks: Vec<Option<(Result<moelane_text::grammar::Mask, String>, f64)>> =
+            (0..slots.len()).map(|_| None).collect();
+        while masks
+            .iter()
+            .zip(&inline)
+            .any(|(m, c)| c.is_some() && m.is_none())
+        {
+            let d = w
+                .wait(std::time::Duration::from_secs(10))
+                .expect("a mask within 10 s");
+            let i = d.key as usize;
+            slots[i] = Some(d.constraint);
+            masks[i] = Some((d.mask, d.secs));
+        }
         for (i, (m, c)) in masks.into_iter().zip(inline.iter_mut()).enumerate() {
             let Some(c) = c else {
                 assert!(m.is_none() && slots[i].is_none(), "slot {i}");
@@ -1016,4 +1036,105 @@ fn a_full_queue_refuses_the_latest_request_of_the_client_holding_the_most_places
     ));
     let held: Vec<&str> = s.waiting.iter().map(|(r, _, _)| r.id.as_str()).collect();
     assert_eq!(held, ["a0", "a1", "b0", "c0"]);
+}
+
+#[test]
+fn a_grammar_with_costly_masks_slows_only_its_own_request() {
+    // a schema whose pattern repeats 100,000 times: each mask takes milliseconds, past the
+    // fast worker's bound. Its request's masks move to the slow worker and its row sits out
+    // the steps its mask is not ready for, so a free request beside it runs at its own pace;
+    // both answers are the ones each makes alone
+    use moelane_text::grammar::{json_schema_grammar, Grammars};
+    let tok = moelane_text::tokenizer::Tokenizer::from_dir(tiny()).expect("tokenizer");
+    let eos = tok.eos_ids[0];
+    let g = Grammars::new(std::sync::Arc::new(tok), eos);
+    g.warm();
+    let costly = json_schema_grammar(&serde_json::json!({"type": "string",
+        "pattern": "^a{100000}$"}));
+    let mut c = g.compile(&costly).expect("compile");
+    let t0 = Instant::now();
+    c.next_mask().expect("a mask");
+    let secs = t0.elapsed().as_secs_f64();
+    assert!(
+        secs > 2.0 * super::masks::SLOW,
+        "a mask of the costly grammar took {secs} s: not costly enough to show anything"
+    );
+    let mut rng = Rng::new(41);
+    let (pf, pc) = (prompt(&mut rng, 8), prompt(&mut rng, 8));
+    let costly_req = |id: &str| {
+        let mut r = req(id, pc.clone(), 8);
+        r.constraint = Some(g.compile(&costly).expect("compile"));
+        r
+    };
+    let alone = |r: ValidGen| {
+        let mut s = sched(4096, cfg(4, 4));
+        let mut rx = submit(&mut s, r);
+        run_idle(&mut s, 400);
+        let mut v = Seen::default();
+        v.take(&mut rx);
+        assert_eq!(v.finish, Some("length"), "{v:?}");
+        v.tokens
+    };
+    let (free_alone, costly_alone) = (alone(req("f", pf.clone(), 48)), alone(costly_req("c")));
+    let mut s = sched(4096, cfg(4, 4));
+    let mut rc = submit(&mut s, costly_req("c"));
+    let mut rf = submit(&mut s, req("f", pf.clone(), 48));
+    let (mut sc, mut sf) = (Seen::default(), Seen::default());
+    let mut costly_at_free_end = None;
+    let t0 = Instant::now();
+    while !(sc.ended() && sf.ended()) {
+        assert!(t0.elapsed().as_secs() < 60, "not done in 60 s");
+        s.step();
+        sc.take(&mut rc);
+        sf.take(&mut rf);
+        if sf.ended() && costly_at_free_end.is_none() {
+            costly_at_free_end = Some(sc.tokens.len());
+        }
+    }
+    let at = costly_at_free_end.expect("the free request ended");
+    println!(
+        "a mask of the costly grammar: {:.1} ms; the free request's 48 tokens were done when \
+         the costly one had {at} of its 8",
+        secs * 1e3
+    );
+    assert!(at < 8, "the free request went at the costly one's pace");
+    assert_eq!(sf.tokens, free_alone, "the free answer changed");
+    assert_eq!(sc.tokens, costly_alone, "the costly answer changed");
+    assert_eq!(sc.finish, Some("length"));
+
+    // sampled, and preempted each time it sits out for its mask: the recompute makes the
+    // held logits again and takes the pick already drawn, so the seeded answer is the one it
+    // makes alone (this grammar leaves one token at most places, so a pick drawn anew would
+    // mostly agree: the held row's preemption and readmission are what this checks)
+    let sampled = |id: &str| {
+        let mut r = costly_req(id);
+        r.sampling = SamplingParams {
+            temperature: 0.9,
+            top_p: 1.0,
+            seed: 77,
+        };
+        r
+    };
+    let want = alone(sampled("c"));
+    let mut s = sched(4096, cfg(4, 4));
+    let mut rc = submit(&mut s, sampled("c"));
+    let _rf = submit(&mut s, req("f", pf, 48));
+    let mut sc = Seen::default();
+    let mut preempted = 0;
+    let t0 = Instant::now();
+    while !sc.ended() {
+        assert!(t0.elapsed().as_secs() < 60, "not done in 60 s");
+        s.step();
+        sc.take(&mut rc);
+        if let Some(i) = s.running.iter().position(|r| r.held.is_some()) {
+            let r = s.running.remove(i);
+            s.preempt(r);
+            preempted += 1;
+        }
+    }
+    assert!(preempted > 0, "the costly row never sat out");
+    assert_eq!(
+        sc.tokens, want,
+        "the sampled answer changed by its preemptions"
+    );
 }
