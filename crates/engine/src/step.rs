@@ -314,6 +314,17 @@ impl Counters {
 }
 
 /// One sequence's part of a step: append `tokens` at `kv.len`.
+/// Which new tokens of a step give logits.
+#[derive(Clone, Copy)]
+enum Rows<'a> {
+    /// Each sequence's last.
+    Last,
+    /// Every one.
+    All,
+    /// Every one of the sequences flagged, the last of the others.
+    Whole(&'a [bool]),
+}
+
 pub struct SeqStep<'a> {
     pub kv: &'a mut SeqKv,
     pub tokens: &'a [u32],
@@ -459,7 +470,25 @@ impl Engine {
 
     /// As [`Engine::step`]; with `all_rows`, logits of every new token (`[rows, vocab]`).
     pub fn step_with(&mut self, seqs: &mut [SeqStep<'_>], all_rows: bool) -> Result<Vec<f32>> {
-        match self.step_timed(seqs, all_rows, None)? {
+        let rows = if all_rows { Rows::All } else { Rows::Last };
+        match self.step_timed(seqs, rows, None)? {
+            StepOut::Logits(l) => Ok(l),
+            StepOut::Ids(_) => Err(Error::Internal("a logits step returned ids".into())),
+        }
+    }
+
+    /// As [`Engine::step`], with the logits of every new token of each sequence `whole`
+    /// names (a prompt's log-probabilities), of the last new token of the others: in
+    /// sequence order, `[rows, vocab]`.
+    pub fn step_whole(&mut self, seqs: &mut [SeqStep<'_>], whole: &[bool]) -> Result<Vec<f32>> {
+        if whole.len() != seqs.len() {
+            return Err(Error::Invalid(format!(
+                "{} whole-logits flags for {} sequences",
+                whole.len(),
+                seqs.len()
+            )));
+        }
+        match self.step_timed(seqs, Rows::Whole(whole), None)? {
             StepOut::Logits(l) => Ok(l),
             StepOut::Ids(_) => Err(Error::Internal("a logits step returned ids".into())),
         }
@@ -474,7 +503,7 @@ impl Engine {
     /// As [`Engine::step`], returning each sequence's next token as `picks` says (one per
     /// sequence with new tokens): on a GPU the logits never leave it.
     pub fn step_pick(&mut self, seqs: &mut [SeqStep<'_>], picks: &[TokenPick]) -> Result<Vec<u32>> {
-        match self.step_timed(seqs, false, Some(picks))? {
+        match self.step_timed(seqs, Rows::Last, Some(picks))? {
             StepOut::Ids(ids) => Ok(ids),
             StepOut::Logits(l) => Err(Error::Internal(format!(
                 "a token step returned {} logits",
@@ -486,11 +515,11 @@ impl Engine {
     fn step_timed(
         &mut self,
         seqs: &mut [SeqStep<'_>],
-        all_rows: bool,
+        rows: Rows<'_>,
         picks: Option<&[TokenPick]>,
     ) -> Result<StepOut> {
         let t0 = Instant::now();
-        let r = self.step_inner(seqs, all_rows, picks);
+        let r = self.step_inner(seqs, rows, picks);
         let ns = t0.elapsed().as_nanos() as u64;
         self.counters.step_ns += ns;
         self.counters.max_step_ns = self.counters.max_step_ns.max(ns);
@@ -501,7 +530,7 @@ impl Engine {
     fn batch(
         &mut self,
         seqs: &mut [SeqStep<'_>],
-        all_rows: bool,
+        logit_rows: Rows<'_>,
         picks: Option<&[TokenPick]>,
     ) -> Result<Batch> {
         if let Some(p) = picks {
@@ -533,6 +562,7 @@ impl Engine {
             logit_rows: Vec::new(),
         };
         for (si, s) in seqs.iter().enumerate() {
+            let first = b.rows.len();
             for (j, &t) in s.tokens.iter().enumerate() {
                 b.rows.push(RowPos {
                     seq: si,
@@ -540,12 +570,16 @@ impl Engine {
                 });
                 b.tokens.push(t);
             }
-            if !s.tokens.is_empty() {
+            let whole = match logit_rows {
+                Rows::Last => false,
+                Rows::All => true,
+                Rows::Whole(w) => w.get(si).copied().unwrap_or(false),
+            };
+            if whole {
+                b.logit_rows.extend(first..b.rows.len());
+            } else if !s.tokens.is_empty() {
                 b.logit_rows.push(b.rows.len() - 1);
             }
-        }
-        if all_rows {
-            b.logit_rows = (0..b.rows.len()).collect();
         }
         Ok(b)
     }
@@ -553,10 +587,10 @@ impl Engine {
     fn step_inner(
         &mut self,
         seqs: &mut [SeqStep<'_>],
-        all_rows: bool,
+        rows: Rows<'_>,
         picks: Option<&[TokenPick]>,
     ) -> Result<StepOut> {
-        let batch = self.batch(seqs, all_rows, picks)?;
+        let batch = self.batch(seqs, rows, picks)?;
         let n = batch.rows.len();
         {
             let seq_refs: Vec<&SeqKv> = seqs.iter().map(|s| &*s.kv).collect();
