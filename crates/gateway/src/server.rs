@@ -580,6 +580,8 @@ pub struct ValidRequest {
     pub logprobs: Option<u32>,
     /// Completions' `echo`: the prompt's text, put before each choice's text.
     pub echo: Option<String>,
+    /// `echo` with `logprobs`: the prompt's log-probabilities lead each choice's.
+    pub prompt_logprobs: bool,
     /// The grammar every choice follows (`response_format`), as llguidance's JSON.
     pub grammar: Option<String>,
     /// The tools declared (name, parameters' schema) and how the answer may call them.
@@ -1351,13 +1353,6 @@ pub(crate) fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequ
             ))
         }
     };
-    if echo && logprobs.is_some() {
-        return Err(ApiError::bad(
-            "`echo` with `logprobs` would need the prompt's log-probabilities, which this server \
-             does not compute yet; ask for one or the other",
-            Some("echo"),
-        ));
-    }
     let prompt = prompt_tokens(st, v, chat)?;
     if prompt.is_empty() {
         return Err(ApiError::bad(
@@ -1374,9 +1369,10 @@ pub(crate) fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequ
     }
     let room = ctx - prompt.len();
     let asked = match num(v, "max_completion_tokens")?.or(num(v, "max_tokens")?) {
-        Some(x) if x < 1.0 || x.fract() != 0.0 => {
+        // 0 with `echo`: the prompt alone (and its log-probabilities), as evaluators ask
+        Some(x) if (x < 1.0 && !(echo && x == 0.0)) || x.fract() != 0.0 => {
             return Err(ApiError::bad(
-                format!("max_tokens must be a positive integer, got {x}"),
+                format!("max_tokens must be a positive integer (0 only with echo), got {x}"),
                 Some("max_tokens"),
             ))
         }
@@ -1535,6 +1531,7 @@ pub(crate) fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequ
         in_reasoning,
         markup: st.template.markup.clone(),
         client: String::new(),
+        prompt_logprobs: echo.is_some() && logprobs.is_some(),
         grammar,
         n,
         presence_penalty,
@@ -1713,7 +1710,8 @@ struct Out {
 #[derive(Clone, Debug)]
 struct Lp {
     token: u32,
-    logprob: f32,
+    /// None: the prompt's first token (nothing before it to predict it from).
+    logprob: Option<f32>,
     top: Vec<(u32, f32)>,
 }
 
@@ -1721,13 +1719,35 @@ impl Lp {
     fn of(ev: &moelane_proto::lane::GenerateEvent) -> Option<Lp> {
         Some(Lp {
             token: ev.token?,
-            logprob: ev.logprob?,
+            logprob: Some(ev.logprob?),
             top: ev
                 .top_logprobs
                 .iter()
                 .map(|t| (t.token, t.logprob))
                 .collect(),
         })
+    }
+
+    /// The prompt's log-probabilities an event carries, its first token's (none) leading.
+    fn prompt_of(vr: &ValidRequest, ev: &moelane_proto::lane::GenerateEvent) -> Vec<Lp> {
+        let lead = vr.prompt.first().map(|&token| Lp {
+            token,
+            logprob: None,
+            top: Vec::new(),
+        });
+        lead.into_iter()
+            .chain(ev.prompt_logprobs.iter().map(|p| {
+                Lp {
+                    token: p.token,
+                    logprob: Some(p.logprob),
+                    top: p
+                        .top_logprobs
+                        .iter()
+                        .map(|t| (t.token, t.logprob))
+                        .collect(),
+                }
+            }))
+            .collect()
     }
 }
 
@@ -1741,7 +1761,8 @@ fn render_logprobs(st: &AppState, chat: bool, lps: &[Lp], offset: usize) -> Valu
         let content: Vec<Value> = lps
             .iter()
             .map(|l| {
-                let mut e = entry(l.token, l.logprob);
+                let mut e = entry(l.token, 0.0);
+                e["logprob"] = json!(l.logprob);
                 e["top_logprobs"] =
                     Value::Array(l.top.iter().map(|&(t, lp)| entry(t, lp)).collect());
                 e
@@ -1758,8 +1779,9 @@ fn render_logprobs(st: &AppState, chat: bool, lps: &[Lp], offset: usize) -> Valu
         json!({
             "tokens": lps.iter().map(|l| text(l.token)).collect::<Vec<_>>(),
             "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
-            "top_logprobs": lps.iter().map(|l| {
-                l.top.iter().map(|&(t, lp)| (text(t), json!(lp))).collect::<serde_json::Map<String, Value>>()
+            "top_logprobs": lps.iter().map(|l| match l.logprob {
+                None => Value::Null,
+                Some(_) => Value::Object(l.top.iter().map(|&(t, lp)| (text(t), json!(lp))).collect()),
             }).collect::<Vec<_>>(),
             "text_offset": offsets,
         })
@@ -1908,12 +1930,16 @@ pub(crate) fn generate_request(vr: &ValidRequest, id: &str) -> GenerateRequest {
     GenerateRequest {
         request_id: id.to_string(),
         prompt: vr.prompt.clone(),
-        max_tokens: vr.max_tokens as u32,
+        // `max_tokens` 0 (the prompt alone, with echo): the lane makes one token, not shown
+        max_tokens: vr.max_tokens.max(1) as u32,
         temperature: vr.temperature,
         top_p: vr.top_p,
         seed: vr.seed,
         stop_token_ids: vec![],
-        ignore_eos: false,
+        // the prompt's log-probabilities with a one-token answer (how evaluators score a
+        // continuation, dropping the answer's entry): the answer is listed even where it is
+        // the end of sequence
+        ignore_eos: vr.prompt_logprobs && vr.max_tokens <= 1,
         presence_penalty: vr.presence_penalty,
         frequency_penalty: vr.frequency_penalty,
         logit_bias: vr.logit_bias.clone(),
@@ -1921,6 +1947,7 @@ pub(crate) fn generate_request(vr: &ValidRequest, id: &str) -> GenerateRequest {
         top_logprobs: vr.logprobs.unwrap_or(0),
         grammar: vr.grammar.clone().unwrap_or_default(),
         client: vr.client.clone(),
+        prompt_logprobs: vr.prompt_logprobs,
     }
 }
 
@@ -1966,6 +1993,14 @@ pub(crate) async fn whole_choice(
                     break;
                 }
             };
+            if !ev.prompt_logprobs.is_empty() && vr.prompt_logprobs {
+                lps = Lp::prompt_of(vr, &ev);
+            }
+            if vr.max_tokens == 0 && ev.token.is_some() {
+                // the prompt alone: the lane's one token is not part of the answer
+                finish = Some("length".into());
+                break;
+            }
             if let Some(t) = ev.token {
                 timing.token();
                 completion += 1;
@@ -2033,7 +2068,9 @@ async fn whole_response(
         .enumerate()
         .map(|(i, mut c)| {
             let lps = if vr.logprobs.is_some() {
-                render_logprobs(st, chat, &c.lps, echoed)
+                // the prompt's own log-probabilities start at its first character
+                let at = if vr.prompt_logprobs { 0 } else { echoed };
+                render_logprobs(st, chat, &c.lps, at)
             } else {
                 Value::Null
             };
@@ -2136,6 +2173,8 @@ async fn relay_choice(
     let mut sent_chars = 0usize;
     let first = match (chat, &vr.echo) {
         (true, _) => Some(out.chunk(st, true, index, None, None, true, Value::Null)),
+        // with the prompt's log-probabilities, once they come
+        (false, Some(_)) if vr.prompt_logprobs => None,
         (false, Some(e)) => {
             sent_chars = e.chars().count();
             Some(out.chunk(st, false, index, Some(e), None, false, Value::Null))
@@ -2177,6 +2216,21 @@ async fn relay_choice(
                 break;
             }
         };
+        if vr.prompt_logprobs && !ev.prompt_logprobs.is_empty() {
+            let echo = vr.echo.clone().unwrap_or_default();
+            sent_chars = echo.chars().count();
+            let mut c = out.chunk(st, false, index, Some(&echo), None, false, Value::Null);
+            c["choices"][0]["logprobs"] = render_logprobs(st, false, &Lp::prompt_of(vr, &ev), 0);
+            if !put(tx, send(c), &st.shutdown).await {
+                r.left = true;
+                return r;
+            }
+        }
+        if vr.max_tokens == 0 && ev.token.is_some() {
+            // the prompt alone: the lane's one token is not part of the answer
+            r.finish = Some("length".into());
+            break;
+        }
         if let Some(t) = ev.token {
             timing.token();
             r.completion += 1;

@@ -711,9 +711,9 @@ async fn parameters_not_built_are_refused_by_name_and_seeds_are_exact() {
     )
     .await;
     assert_error(st, &v, 400, "invalid_request_error", "outside");
-    // what is built is checked: echo with logprobs (prompt log-probabilities), bad ranges
+    // what is built is checked: bad ranges, max_tokens 0 without echo
     for (extra, param) in [
-        (json!({"echo": true, "logprobs": 1}), "echo"),
+        (json!({"max_tokens": 0}), "max_tokens"),
         (json!({"logprobs": 6}), "logprobs"),
         (json!({"logit_bias": {"999999": 1}}), "logit_bias"),
         (json!({"logit_bias": {"5": 101}}), "logit_bias"),
@@ -1791,4 +1791,119 @@ async fn forced_calls_in_each_familys_markup_parse_and_validate() {
             assert_error(st, &v, 400, "invalid_request_error", "reasoning_effort");
         }
     }
+}
+
+/// `echo` with `logprobs`, as evaluators (lm-evaluation-harness) ask for a continuation's
+/// likelihood: the prompt's tokens lead the answer's in `logprobs`, the first with none; with
+/// `max_tokens` 0 the prompt alone comes back. A token's log-probability as the answer's is
+/// its log-probability as the next prompt's last token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echo_with_logprobs_gives_the_prompts_log_probabilities() {
+    let (_p, url) = primary().await;
+    let gw = gateway(&[&url]).await;
+    let prompt: Vec<u32> = vec![11, 300, 47, 95, 260, 8, 501];
+    let (st, a) = post(
+        &gw,
+        "/v1/completions",
+        &json!({"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                "echo": true, "logprobs": 2}),
+    )
+    .await;
+    assert_eq!(st, 200, "{a}");
+    let lp = &a["choices"][0]["logprobs"];
+    let n = prompt.len();
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), n + 1, "{lp}");
+    assert!(
+        lp["token_logprobs"][0].is_null() && lp["top_logprobs"][0].is_null(),
+        "{lp}"
+    );
+    for i in 1..=n {
+        let x = lp["token_logprobs"][i].as_f64().unwrap_or(1.0);
+        assert!(x <= 0.0, "position {i}: {lp}");
+        let top = lp["top_logprobs"][i].as_object().expect("top");
+        assert!(!top.is_empty() && top.len() <= 2, "{lp}");
+    }
+    assert_eq!(lp["text_offset"][0], 0);
+    let text = a["choices"][0]["text"].as_str().unwrap();
+    let offsets: Vec<u64> = lp["text_offset"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o.as_u64().unwrap())
+        .collect();
+    assert!(offsets.windows(2).all(|w| w[0] <= w[1]), "{lp}");
+    assert_eq!(a["usage"]["prompt_tokens"], n);
+    // the prompt and its answer's token, echoed alone: the token's log-probability is the
+    // same as the next prompt's last
+    let answer = 'found: {
+        let (st, v) = post(
+            &gw,
+            "/v1/completions",
+            &json!({"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                    "logprobs": 0}),
+        )
+        .await;
+        assert_eq!(st, 200, "{v}");
+        let lps = &v["choices"][0]["logprobs"]["token_logprobs"];
+        assert_eq!(
+            lps[0], lp["token_logprobs"][n],
+            "the answer's token alike with echo"
+        );
+        // the token id: the one whose text the answer holds, tried against the vocabulary
+        for id in 0..2048u32 {
+            let mut longer = prompt.clone();
+            longer.push(id);
+            let (st, b) = post(
+                &gw,
+                "/v1/completions",
+                &json!({"model": "tiny", "prompt": longer, "max_tokens": 0, "echo": true,
+                        "logprobs": 0}),
+            )
+            .await;
+            if st != 200 {
+                continue;
+            }
+            let l = &b["choices"][0]["logprobs"];
+            if l["tokens"][n] == lp["tokens"][n] {
+                break 'found b;
+            }
+        }
+        panic!("no token of the answer's text");
+    };
+    let l = &answer["choices"][0]["logprobs"];
+    assert_eq!(
+        l["tokens"].as_array().unwrap().len(),
+        n + 1,
+        "max_tokens 0: the prompt only"
+    );
+    assert_eq!(l["token_logprobs"][n], lp["token_logprobs"][n], "{l}");
+    assert_eq!(answer["usage"]["completion_tokens"], 0);
+    assert_eq!(answer["choices"][0]["finish_reason"], "length");
+    // streamed: the first chunk is the echo with the prompt's log-probabilities
+    let (st, body) = http(
+        &gw,
+        "POST",
+        "/v1/completions",
+        json!({"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0,
+               "echo": true, "logprobs": 2, "stream": true})
+        .to_string()
+        .as_bytes(),
+    )
+    .await;
+    assert_eq!(st, 200, "{body}");
+    let chunks: Vec<Value> = sse_data(&body)
+        .iter()
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .collect();
+    let mut tokens = Vec::new();
+    let mut streamed = String::new();
+    for c in &chunks {
+        streamed.push_str(c["choices"][0]["text"].as_str().unwrap_or(""));
+        if let Some(t) = c["choices"][0]["logprobs"]["tokens"].as_array() {
+            tokens.extend(t.iter().cloned());
+        }
+    }
+    assert_eq!(streamed, text);
+    assert_eq!(Value::Array(tokens), lp["tokens"]);
+    assert!(chunks[0]["choices"][0]["logprobs"]["token_logprobs"][0].is_null());
 }

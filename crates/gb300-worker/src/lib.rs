@@ -127,6 +127,9 @@ impl PrimaryClient {
         if r.top_logprobs > 0 && !r.logprobs {
             return bad("top_logprobs needs logprobs".into());
         }
+        if r.prompt_logprobs && !r.logprobs {
+            return bad("prompt_logprobs needs logprobs".into());
+        }
         if r.logit_bias.len() > 1024 {
             return bad(format!(
                 "logit_bias has {} entries, at most 1024",
@@ -188,6 +191,7 @@ impl PrimaryClient {
             stop_ids,
             span,
             client: r.client,
+            prompt_logprobs: r.prompt_logprobs,
         })
     }
 
@@ -525,6 +529,25 @@ impl Primary for PrimaryService {
                             .collect()
                     })
                     .unwrap_or_default(),
+                prompt_logprobs: Vec::new(),
+            }),
+            Event::Prompt(lps) => Ok(GenerateEvent {
+                prompt_logprobs: lps
+                    .iter()
+                    .map(|(token, l)| moelane_proto::lane::PromptLogprob {
+                        token: *token,
+                        logprob: l.logprob,
+                        top_logprobs: l
+                            .top
+                            .iter()
+                            .map(|&(token, logprob)| moelane_proto::lane::TokenLogprob {
+                                token,
+                                logprob,
+                            })
+                            .collect(),
+                    })
+                    .collect(),
+                ..Default::default()
             }),
             Event::Finish {
                 reason,

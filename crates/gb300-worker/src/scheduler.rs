@@ -50,6 +50,8 @@ pub struct ValidGen {
     /// Whom the request is accounted to: the batch and the queue are shared fairly among
     /// clients (empty: one anonymous client).
     pub client: String,
+    /// Send the prompt's log-probabilities (the request's `logprobs` top count applies).
+    pub prompt_logprobs: bool,
 }
 
 /// What a request's stream carries.
@@ -63,6 +65,9 @@ pub enum Event {
         /// requests carry none).
         logprobs: Option<Box<TokenLogprobs>>,
     },
+    /// The prompt's log-probabilities (each token after the first, given those before it),
+    /// once, before the first token.
+    Prompt(Box<Vec<(u32, TokenLogprobs)>>),
     Finish {
         reason: &'static str,
         prompt_tokens: u32,
@@ -177,9 +182,19 @@ struct Running {
     held: Option<(Vec<f32>, TokenPick)>,
     /// The pick drawn for a held row that was preempted: its recomputed logits take it.
     repick: Option<TokenPick>,
+    /// The prompt's log-probabilities so far (asked for: the prompt is prefilled in chunks
+    /// of [`Scheduler::prompt_chunk`] tokens, every one's logits taken), and whether they
+    /// were sent.
+    prompt_lps: Vec<(u32, TokenLogprobs)>,
+    prompt_sent: bool,
 }
 
 impl Running {
+    /// Whether this step computes prompt log-probabilities for the row.
+    fn wants_prompt(&self) -> bool {
+        self.req.prompt_logprobs && !self.prompt_sent
+    }
+
     /// Whether the request follows a grammar.
     fn constrained(&self) -> bool {
         self.req.constraint.is_some() || self.masking.is_some() || self.mask.is_some()
@@ -477,6 +492,10 @@ impl Scheduler {
         // a row waiting for its mask: the recompute makes its logits again, and its pick
         // (already drawn) is kept for them
         r.repick = r.held.take().map(|(_, pick)| pick);
+        // a prompt's log-probabilities not sent yet are made again with it
+        if !r.prompt_sent {
+            r.prompt_lps.clear();
+        }
         r.next = r.req.prompt.iter().chain(&r.out).copied().collect();
         self.stats.preemptions += 1;
         let at = self
@@ -615,6 +634,8 @@ impl Scheduler {
                         mask_secs: 0.0,
                         held: None,
                         repick: None,
+                        prompt_lps: Vec::new(),
+                        prompt_sent: false,
                     }
                 }
             };
@@ -715,11 +736,35 @@ impl Scheduler {
         }
         // each request's next token: greedy or its next draw, picked where the logits are
         // (on the GPU they never leave it)
-        let picks: Vec<TokenPick> = active
+        // the tokens each row feeds: all it has, but a prompt whose log-probabilities are
+        // asked goes in chunks (every token's logits are taken)
+        let chunk = self.prompt_chunk();
+        let feed: Vec<usize> = active
             .iter()
             .map(|&i| {
+                let r = &self.running[i];
+                if r.wants_prompt() {
+                    r.next.len().min(chunk)
+                } else {
+                    r.next.len()
+                }
+            })
+            .collect();
+        let whole: Vec<bool> = active
+            .iter()
+            .map(|&i| self.running[i].wants_prompt())
+            .collect();
+        // a row mid-prompt picks nothing this step: no draw for it
+        let picks: Vec<TokenPick> = active
+            .iter()
+            .zip(&feed)
+            .map(|(&i, &f)| {
                 let r = &mut self.running[i];
-                r.repick.take().unwrap_or_else(|| r.sampler.next_pick())
+                if f < r.next.len() {
+                    TokenPick::Greedy
+                } else {
+                    r.repick.take().unwrap_or_else(|| r.sampler.next_pick())
+                }
             })
             .collect();
         // a request with penalties, a bias, log-probabilities or a grammar takes the logits to
@@ -727,7 +772,7 @@ impl Scheduler {
         let host = active.iter().any(|&i| {
             let r = &self.running[i];
             r.req.rules.on_host() || r.constrained()
-        });
+        }) || whole.contains(&true);
         // the grammars' next masks are made on the mask workers while the step runs (they
         // depend only on the tokens already followed)
         for &i in &active {
@@ -751,12 +796,16 @@ impl Scheduler {
                 if active.get(at) == Some(&i) {
                     steps.push(SeqStep {
                         kv: &mut r.kv,
-                        tokens: &r.next,
+                        tokens: &r.next[..feed[at]],
                     });
                     at += 1;
                 }
             }
-            if host {
+            if whole.contains(&true) {
+                self.engine
+                    .step_whole(&mut steps, &whole)
+                    .map(|l| (Some(l), Vec::new()))
+            } else if host {
                 self.engine.step(&mut steps).map(|l| (Some(l), Vec::new()))
             } else {
                 self.engine
@@ -789,17 +838,35 @@ impl Scheduler {
         }
         let v = self.engine.cfg.vocab_size;
         let mut next = active.iter().peekable();
-        let mut k = 0;
+        // k: the row's place among the active rows; at: its first logits row
+        let (mut k, mut at) = (0, 0);
         for (i, mut r) in std::mem::take(&mut self.running).into_iter().enumerate() {
             if next.peek() != Some(&&i) {
                 self.running.push(r);
                 continue;
             }
             next.next();
+            if whole[k] {
+                if let Some(l) = &logits {
+                    self.prompt_logprobs(&mut r, &l[at * v..(at + feed[k]) * v], feed[k]);
+                }
+                at += feed[k] - 1;
+                if feed[k] < r.next.len() {
+                    // more of the prompt to go: nothing to pick yet
+                    r.next.drain(..feed[k]);
+                    self.running.push(r);
+                    k += 1;
+                    at += 1;
+                    continue;
+                }
+                r.prompt_sent = true;
+                let lps = std::mem::take(&mut r.prompt_lps);
+                let _ = r.tx.send(Event::Prompt(Box::new(lps)));
+            }
             let (tok, lp) = match &mut logits {
                 None => (Ok(device_ids[k]), None),
                 Some(l) => {
-                    let row = &mut l[k * v..(k + 1) * v];
+                    let row = &mut l[at * v..(at + 1) * v];
                     if r.masking.is_some() && r.mask.is_none() {
                         // its mask is still being made: the row sits out with its logits
                         r.held = Some((row.to_vec(), picks[k]));
@@ -807,15 +874,39 @@ impl Scheduler {
                         self.meters.grammar_held.increment(1);
                         self.running.push(r);
                         k += 1;
+                        at += 1;
                         continue;
                     }
                     self.pick_row(&mut r, row, picks[k], &mut scratch)
                 }
             };
             k += 1;
+            at += 1;
             if let Some(r) = self.take_token(r, tok, lp) {
                 self.running.push(r);
             }
+        }
+    }
+
+    /// Prompt tokens a step feeds of a request whose prompt log-probabilities are asked:
+    /// its logits rows stay within ~64 MB (at least one row, at most 512).
+    fn prompt_chunk(&self) -> usize {
+        ((16usize << 20) / self.engine.cfg.vocab_size.max(1)).clamp(1, 512)
+    }
+
+    /// The log-probabilities of the prompt tokens that `rows` (the logits of the `fed`
+    /// tokens of `r` this step, before its bias and penalties) predict: row j gives the
+    /// token after the j-th fed one, where the prompt has one.
+    fn prompt_logprobs(&mut self, r: &mut Running, rows: &[f32], fed: usize) {
+        let v = self.engine.cfg.vocab_size;
+        let k = r.req.rules.logprobs.unwrap_or(0) as usize;
+        for j in 0..fed {
+            let Some(&t) = r.next.get(j + 1) else {
+                break;
+            };
+            let (logprob, top) =
+                moelane_engine::sampling::logprobs(&rows[j * v..(j + 1) * v], t, k);
+            r.prompt_lps.push((t, TokenLogprobs { logprob, top }));
         }
     }
 

@@ -22,6 +22,17 @@ for p in prompts:
     assert "".join(parts) == whole.choices[0].text, (parts, whole.choices[0].text)
 print("completions ok")
 
+# a continuation's likelihood, as lm-evaluation-harness asks it: echo, logprobs, max_tokens 0/1
+ll = c.completions.create(model=model, prompt="The agent keeps serving", max_tokens=0, echo=True, logprobs=1, temperature=0)
+lp = ll.choices[0].logprobs
+assert ll.choices[0].text == "The agent keeps serving", ll
+assert lp.token_logprobs[0] is None and all(x <= 0 for x in lp.token_logprobs[1:]), lp
+assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == ll.usage.prompt_tokens, (lp, ll.usage)
+assert lp.text_offset[0] == 0 and lp.top_logprobs[0] is None and len(lp.top_logprobs[1]) == 1, lp
+one = c.completions.create(model=model, prompt="The agent keeps serving", max_tokens=1, echo=True, logprobs=1, temperature=0)
+assert one.choices[0].logprobs.token_logprobs[:-1] == lp.token_logprobs, (one, lp)
+print("prompt logprobs ok")
+
 # chat, non-streaming and streaming, with usage in the stream
 msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Guten Morgen, wie geht es?"}]
 whole = c.chat.completions.create(model=model, messages=msgs, max_tokens=20, temperature=0)

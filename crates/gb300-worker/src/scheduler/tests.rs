@@ -72,6 +72,7 @@ fn req(id: &str, prompt: Vec<u32>, max_tokens: usize) -> ValidGen {
         stop_ids: vec![],
         span: tracing::Span::none(),
         client: String::new(),
+        prompt_logprobs: false,
     }
 }
 
@@ -98,6 +99,8 @@ struct Seen {
     tokens: Vec<u32>,
     finish: Option<&'static str>,
     error: Option<Category>,
+    /// The prompt's (token, log-probability), when asked.
+    prompt: Option<Vec<(u32, f32)>>,
 }
 
 impl Seen {
@@ -126,6 +129,13 @@ impl Seen {
                 self.finish = Some(reason);
             }
             Event::Error { category, .. } => self.error = Some(category),
+            Event::Prompt(lps) => {
+                assert!(
+                    self.tokens.is_empty(),
+                    "the prompt's log-probabilities come first"
+                );
+                self.prompt = Some(lps.iter().map(|(t, l)| (*t, l.logprob)).collect());
+            }
         }
     }
     fn ended(&self) -> bool {
@@ -1137,4 +1147,68 @@ fn a_grammar_with_costly_masks_slows_only_its_own_request() {
         sc.tokens, want,
         "the sampled answer changed by its preemptions"
     );
+}
+
+#[test]
+fn prompt_logprobs_are_each_prompt_tokens_and_leave_the_answer_unchanged() {
+    // a prompt longer than a chunk (512 tokens): prefilled in two steps beside another
+    // request; every prompt token's log-probability equals one whole prefill's, and the
+    // answer is the one made without them
+    let mut rng = Rng::new(51);
+    let p = prompt(&mut rng, 700);
+    let other = prompt(&mut rng, 20);
+    let want: Vec<f32> = {
+        let mut s = sched(4096, cfg(4, 8));
+        assert_eq!(
+            s.prompt_chunk(),
+            512,
+            "tiny's vocabulary gives the largest chunk"
+        );
+        let v = s.engine.cfg.vocab_size;
+        let mut kv = s.engine.kv.new_seq();
+        let logits = s
+            .engine
+            .step_with(
+                &mut [moelane_engine::step::SeqStep {
+                    kv: &mut kv,
+                    tokens: &p,
+                }],
+                true,
+            )
+            .expect("prefill");
+        (0..p.len() - 1)
+            .map(|j| moelane_engine::sampling::logprobs(&logits[j * v..(j + 1) * v], p[j + 1], 0).0)
+            .collect()
+    };
+    let run = |asked: bool| {
+        let mut s = sched(4096, cfg(4, 8));
+        let mut o = submit(&mut s, req("o", other.clone(), 30));
+        s.step();
+        let mut r = req("p", p.clone(), 8);
+        if asked {
+            r.rules.logprobs = Some(3);
+            r.prompt_logprobs = true;
+        }
+        let mut rx = submit(&mut s, r);
+        let steps = run_idle(&mut s, 200);
+        let (mut v, mut vo) = (Seen::default(), Seen::default());
+        v.take(&mut rx);
+        vo.take(&mut o);
+        assert_eq!(v.finish, Some("length"));
+        (v, vo.tokens, steps)
+    };
+    let (plain, other_plain, _) = run(false);
+    let (asked, other_asked, _) = run(true);
+    assert_eq!(asked.tokens, plain.tokens, "the answer changed");
+    assert_eq!(
+        other_asked, other_plain,
+        "the other request's answer changed"
+    );
+    assert!(plain.prompt.is_none());
+    let got = asked.prompt.expect("the prompt's log-probabilities");
+    assert_eq!(got.len(), p.len() - 1);
+    for (j, ((t, lp), w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(*t, p[j + 1], "token {j}");
+        assert_eq!(lp, w, "position {}", j + 1);
+    }
 }
