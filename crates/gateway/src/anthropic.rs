@@ -34,11 +34,22 @@ fn error_response(e: ApiError) -> Response {
         503 => "overloaded_error",
         _ => "api_error",
     };
-    (
+    let mut r = (
         status,
         Json(json!({"type": "error", "error": {"type": kind, "message": e.to_string()}})),
     )
-        .into_response()
+        .into_response();
+    // the headers the OpenAI error carries (Retry-After on a 429 of the client's bound,
+    // WWW-Authenticate on a 401)
+    for h in [
+        axum::http::header::RETRY_AFTER,
+        axum::http::header::WWW_AUTHENTICATE,
+    ] {
+        if let Some(v) = e.extra_headers().get(&h) {
+            r.headers_mut().insert(h, v.clone());
+        }
+    }
+    r
 }
 
 fn bad(m: impl Into<String>) -> ApiError {
@@ -423,6 +434,9 @@ impl Blocks<'_> {
 impl PartSink for Blocks<'_> {
     fn send(&mut self, parts: Vec<Part>) -> impl std::future::Future<Output = bool> + Send {
         self.blocks(parts)
+    }
+    fn closed(&self) -> impl std::future::Future<Output = ()> + Send + '_ {
+        self.tx.closed()
     }
 }
 

@@ -110,25 +110,34 @@ impl ApiError {
     }
 }
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let mut r = (self.status(), axum::Json(self.body())).into_response();
+impl ApiError {
+    /// The headers the error's response carries besides its body.
+    pub fn extra_headers(&self) -> axum::http::HeaderMap {
+        let mut h = axum::http::HeaderMap::new();
         match self {
             ApiError::Unauthorized(_) => {
-                r.headers_mut().insert(
+                h.insert(
                     axum::http::header::WWW_AUTHENTICATE,
                     axum::http::HeaderValue::from_static("Bearer"),
                 );
             }
             // one of the client's own generations ends within seconds, usually
             ApiError::RateLimited(_) => {
-                r.headers_mut().insert(
+                h.insert(
                     axum::http::header::RETRY_AFTER,
                     axum::http::HeaderValue::from_static("1"),
                 );
             }
             _ => {}
         }
+        h
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut r = (self.status(), axum::Json(self.body())).into_response();
+        r.headers_mut().extend(self.extra_headers());
         r
     }
 }

@@ -24,6 +24,8 @@ use crate::server::{
 pub(crate) trait PartSink {
     /// Sends `parts`; false when the client left.
     fn send(&mut self, parts: Vec<Part>) -> impl std::future::Future<Output = bool> + Send;
+    /// Resolves once the client left (its stream's receiver closed).
+    fn closed(&self) -> impl std::future::Future<Output = ()> + Send + '_;
 }
 
 /// How a relayed answer ended.
@@ -107,6 +109,9 @@ pub(crate) async fn relay_parts(
         let next = tokio::select! {
             e = events.next() => e,
             _ = &mut aborted => { end.failed = Some(shutting_down()); break; }
+            // a client that leaves while no token comes (its sequence waits, preempted or
+            // queued): the lane request is dropped, which cancels it, and its places freed
+            _ = sink.closed() => { end.left = true; return end; }
         };
         let e = match next {
             Some(Ok(e)) => e,

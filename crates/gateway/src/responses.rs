@@ -493,6 +493,9 @@ impl PartSink for Events<'_> {
     fn send(&mut self, parts: Vec<Part>) -> impl std::future::Future<Output = bool> + Send {
         self.parts(parts)
     }
+    fn closed(&self) -> impl std::future::Future<Output = ()> + Send + '_ {
+        self.tx.closed()
+    }
 }
 
 /// Relays a lane's events as the Responses stream: response.created, output items with their

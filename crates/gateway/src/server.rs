@@ -2201,6 +2201,12 @@ async fn relay_choice(
                 r.failed = Some(shutting_down());
                 break;
             }
+            // a client that leaves while no token comes (its sequence waits, preempted or
+            // queued): the lane request is dropped, which cancels it, and its places freed
+            _ = tx.closed() => {
+                r.left = true;
+                return r;
+            }
         };
         let ev = match next {
             Some(Ok(ev)) => ev,

@@ -14,13 +14,12 @@
 //! its place, so a preempted request's stream is the one it would have produced unpreempted.
 //!
 //! The batch and the queue are shared fairly among clients (the gateway names each request's
-//! client: a digest of its API key, or its address). The next sequence admitted is the oldest
-//! of the client running the fewest; when a client that runs fewer than its share (the batch
-//! split evenly among the clients with requests here) waits while the batch is full, the
-//! client running the most above its share gives back its latest arrival (preempted, as
-//! above: its stream unchanged); and a full queue refuses the latest request of the client
-//! holding the most places in it rather than another client's. With one client this is
-//! first come, first served.
+//! client: its API key, or its address). The next sequence admitted is the oldest of the
+//! client running the fewest; a client with nothing running gets a place even past a full
+//! batch (a few such places: a place rather than a preemption, which would cost a recompute
+//! each time a client's short request came); and a full queue refuses the latest request of
+//! the client holding the most places in it rather than another client's. With one client
+//! this is first come, first served.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -209,7 +208,7 @@ struct Meters {
     kv_used: metrics::Gauge,
     kv_free: metrics::Gauge,
     preemptions: metrics::Counter,
-    fair_preempted: metrics::Counter,
+    fair_over: metrics::Counter,
     fair_refused: metrics::Counter,
     grammar: metrics::Histogram,
     grammar_mask: metrics::Histogram,
@@ -226,7 +225,7 @@ impl Meters {
             kv_used: metrics::gauge!(n::KV_BLOCKS_USED),
             kv_free: metrics::gauge!(n::KV_BLOCKS_FREE),
             preemptions: metrics::counter!(n::KV_PREEMPTIONS),
-            fair_preempted: metrics::counter!(n::FAIR_SHARE, "action" => "preempted"),
+            fair_over: metrics::counter!(n::FAIR_SHARE, "action" => "over_batch"),
             fair_refused: metrics::counter!(n::FAIR_SHARE, "action" => "refused"),
             grammar: metrics::histogram!(n::GRAMMAR_STEP),
             grammar_mask: metrics::histogram!(n::GRAMMAR_MASK),
@@ -347,6 +346,12 @@ impl Scheduler {
             });
             return;
         }
+        if self.waiting.len() >= self.cfg.max_waiting {
+            // requests whose clients left give their places back first
+            let before = self.waiting.len();
+            self.waiting.retain(|(_, tx, _)| !tx.is_closed());
+            self.stats.cancelled += (before - self.waiting.len()) as u64;
+        }
         if self.waiting.len() >= self.cfg.max_waiting && !self.give_up_a_place(&req.client) {
             let _ = tx.send(Event::Error {
                 category: Category::Overloaded,
@@ -389,7 +394,6 @@ impl Scheduler {
                 self.cfg.max_waiting
             ),
         });
-        self.stats.failed += 1;
         self.meters.fair_refused.increment(1);
         true
     }
@@ -443,46 +447,6 @@ impl Scheduler {
     /// a block of growth for each running sequence included).
     fn fits(&self, len: usize) -> bool {
         KvCache::blocks_for(len + 1) + self.running.len() <= self.engine.kv.free_blocks()
-    }
-
-    /// The fair share: when the next candidate's client runs fewer sequences than its share
-    /// (the batch split evenly among the clients with sequences here, at least one) and the
-    /// batch is full or the cache cannot take it, the client running the most, if above its
-    /// share, gives back its latest arrival (preempted: recomputed when admitted again). One
-    /// a step, so a share is reached over a few steps without a burst of recomputes.
-    fn share_fairly(&mut self) {
-        if self.running.is_empty() || (self.waiting.is_empty() && self.preempted.is_empty()) {
-            return;
-        }
-        let Some((next, n)) = self.next_candidate() else {
-            return;
-        };
-        let clients: HashSet<&str> = (self.running.iter().map(|r| r.req.client.as_str()))
-            .chain(self.preempted.iter().map(|r| r.req.client.as_str()))
-            .chain(self.waiting.iter().map(|(r, _, _)| r.client.as_str()))
-            .collect();
-        let share = (self.cfg.max_running / clients.len().max(1)).max(1);
-        if n >= share
-            || (self.running.len() < self.cfg.max_running && self.fits(self.candidate_len(next)))
-        {
-            return;
-        }
-        let running = self.running_per_client();
-        let Some((hog, most)) = running.into_iter().max_by_key(|&(_, m)| m) else {
-            return;
-        };
-        if most <= share {
-            return;
-        }
-        let Some(v) = (0..self.running.len())
-            .filter(|&i| self.running[i].req.client == hog)
-            .max_by_key(|&i| self.running[i].arrival)
-        else {
-            return;
-        };
-        let r = self.running.remove(v);
-        self.preempt(r);
-        self.meters.fair_preempted.increment(1);
     }
 
     /// Frees `r`'s blocks and puts it with the preempted sequences (by arrival), its prompt
@@ -566,14 +530,18 @@ impl Scheduler {
     /// first; a client's preempted sequences before its new requests) while the batch has
     /// room, the prefill budget lasts (one prefill past it), and the cache holds the
     /// prefill, its first generated token and a block of growth for each running sequence.
-    /// Nothing is admitted past a candidate that does not fit, so no one starves.
+    /// Past a full batch, a client with nothing running still gets one place (at most
+    /// [`Self::over_batch`] such places at once): a place, not a preemption, so a client
+    /// sending short requests one after another costs the others no recompute. Nothing is
+    /// admitted past a candidate that does not fit, so no one starves.
     fn admit(&mut self) -> usize {
         let mut budget = self.cfg.prefill_budget;
         let mut admitted = 0;
-        while self.running.len() < self.cfg.max_running {
-            let Some((next, _)) = self.next_candidate() else {
+        while let Some((next, n)) = self.next_candidate() {
+            let over = self.running.len() >= self.cfg.max_running;
+            if over && (n > 0 || self.running.len() >= self.cfg.max_running + self.over_batch()) {
                 break;
-            };
+            }
             let len = self.candidate_len(next);
             if admitted > 0 && len > budget {
                 break;
@@ -642,8 +610,17 @@ impl Scheduler {
             budget = budget.saturating_sub(len);
             self.running.push(r);
             admitted += 1;
+            if over {
+                self.meters.fair_over.increment(1);
+            }
         }
         admitted
+    }
+
+    /// Places past `max_running` for clients with nothing running (a quarter of it, at
+    /// least one).
+    fn over_batch(&self) -> usize {
+        (self.cfg.max_running / 4).max(1)
     }
 
     /// Makes room in the cache for every running sequence's next tokens: while it cannot
@@ -691,11 +668,13 @@ impl Scheduler {
 
     fn step(&mut self) {
         // drop requests whose client left, before spending compute on them
-        let before = self.running.len() + self.preempted.len();
+        let before = self.running.len() + self.preempted.len() + self.waiting.len();
         self.running.retain(|r| !r.tx.is_closed());
         self.preempted.retain(|r| !r.tx.is_closed());
-        self.stats.cancelled += (before - self.running.len() - self.preempted.len()) as u64;
-        self.share_fairly();
+        // and waiting ones: a queue of requests whose clients left holds no one's place
+        self.waiting.retain(|(_, tx, _)| !tx.is_closed());
+        let after = self.running.len() + self.preempted.len() + self.waiting.len();
+        self.stats.cancelled += (before - after) as u64;
         self.admit();
         self.make_room();
         if self.running.is_empty() {

@@ -1187,7 +1187,7 @@ fn clients_share_a_full_lane_and_a_client_past_its_bound_gets_a_429() {
     let (_, page) = get_text_as(&gw, "/metrics", ka);
     assert!(
         page.lines()
-            .any(|l| l.starts_with("moelane_fair_share_actions_total{action=\"preempted\"}")),
+            .any(|l| l.starts_with("moelane_fair_share_actions_total{action=\"over_batch\"}")),
         "the fair share's preemption is counted"
     );
 }
@@ -1241,4 +1241,81 @@ fn a_stream_cut_mid_answer_is_counted_as_cut_on_the_anthropic_route_too() {
         .find(|l| l.starts_with("moelane_streams_cut_total{reason=\"unavailable\"}"))
         .unwrap_or_else(|| panic!("no cut counted: {page}"));
     assert!(cut.ends_with(" 1"), "{cut}");
+}
+
+#[test]
+fn a_client_that_leaves_while_queued_frees_its_places_at_once() {
+    // one place on the lane, a's long answer in it; a's second request waits in the queue,
+    // then a leaves it: the lane's queue empties and a's bound of two counts it no longer
+    let dir = tempfile::tempdir().expect("tempdir");
+    let keys = dir.path().join("keys");
+    let ka = "client-a-key-0123456789";
+    std::fs::write(&keys, format!("{ka}\n")).expect("keys");
+    let model = tiny().to_str().unwrap().to_string();
+    let (_p, v) = start_env(
+        &[
+            "serve", "--model", &model, "--listen", "127.0.0.1:0", "--max-running", "1",
+            "--max-client-requests", "2", "--api-key-file", keys.to_str().unwrap(),
+        ],
+        &["gateway listening on "],
+        &[("MOELANE_STEP_PACE_MS", "20")],
+    );
+    let gw = hostport(&v[0]);
+    let config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(tiny().join("config.json")).expect("config"),
+    )
+    .expect("config json");
+    let eos = config["eos_token_id"].as_u64().expect("eos id");
+    // 400 tokens at the pace: 8 s, past the waits below
+    let long = json!({"model": "tiny", "prompt": "The lane keeps serving", "max_tokens": 400,
+                      "temperature": 0, "stream": true, "logit_bias": {eos.to_string(): -100}});
+    let mut first = Sse::open_with(
+        &gw,
+        "/v1/completions",
+        &long,
+        &format!("Authorization: Bearer {ka}\r\n"),
+    )
+    .expect("open");
+    assert_eq!(first.status, 200);
+    assert!(first.next_data().is_some());
+    let waiting = || {
+        let (_, v) = get_as(&gw, "/v1/stats", ka);
+        v["lanes"][0]["stats"]["waiting"].as_u64()
+    };
+    let queued = std::thread::spawn({
+        let (gw, long) = (gw.clone(), long.clone());
+        move || {
+            use std::io::Write;
+            let mut s = std::net::TcpStream::connect(&gw).expect("connect");
+            let body = long.to_string();
+            let head = format!(
+                "POST /v1/completions HTTP/1.1\r\nHost: {gw}\r\nAuthorization: Bearer {ka}\r\n\
+                 Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+                body.len()
+            );
+            s.write_all(head.as_bytes()).expect("write");
+            s.write_all(body.as_bytes()).expect("write");
+            s
+        }
+    })
+    .join()
+    .expect("queued");
+    until(Duration::from_secs(10), "a's second request queued", || {
+        waiting() == Some(1)
+    });
+    drop(queued);
+    let left = until(Duration::from_secs(3), "the queue emptied", || {
+        waiting() == Some(0)
+    });
+    println!("the lane's queue emptied {left:?} after the client left");
+    // a's bound counts its one answer running: a second is taken (it waits for the place)
+    let t = Instant::now();
+    let (st, v) = post_as(
+        &gw,
+        "/v1/completions",
+        &json!({"model": "tiny", "prompt": "again", "max_tokens": 2, "temperature": 0}),
+        ka,
+    );
+    assert_eq!(st, 200, "{v} after {:?}", t.elapsed());
+    while first.next_data().is_some() {}
 }

@@ -53,10 +53,9 @@ pub const KV_BLOCKS_FREE: &str = "moelane_kv_cache_free_blocks";
 /// counter: running sequences preempted because the KV cache was full (their blocks freed,
 /// their prompt and generated tokens recomputed when they are admitted again)
 pub const KV_PREEMPTIONS: &str = "moelane_kv_preemptions_total";
-/// counter, label action: what the fair share among clients did (`preempted`: a running
-/// sequence of the client running the most given back for a client below its share;
-/// `refused`: a full queue's latest request of the client holding the most places refused
-/// for another client's)
+/// counter, label action: what the fair share among clients did (`over_batch`: a sequence
+/// of a client with nothing running admitted past a full batch; `refused`: a full queue's
+/// latest request of the client holding the most places refused for another client's)
 pub const FAIR_SHARE: &str = "moelane_fair_share_actions_total";
 /// histogram: one constrained request's grammar work in a step on the step loop's thread (its
 /// token mask applied, the picked token followed)
@@ -252,7 +251,7 @@ pub fn describe() {
     );
     describe_counter!(
         FAIR_SHARE,
-        "What the fair share among clients did: preempted (a sequence given back by the client running the most) or refused (a full queue's place given up by the client holding the most)"
+        "What the fair share among clients did: over_batch (a client with nothing running admitted past a full batch) or refused (a full queue's place given up by the client holding the most)"
     );
     describe_histogram!(
         STEP_DURATION,

@@ -899,10 +899,11 @@ fn req_of(client: &str, id: &str, prompt: Vec<u32>, max_tokens: usize) -> ValidG
 }
 
 #[test]
-fn a_client_below_its_share_gets_a_place_from_the_client_running_the_most() {
-    // a fills the batch (2) and queues two more; b's one request then takes a's latest
-    // arrival's place within a step and finishes while a's run, and every stream is the one
-    // it makes alone (a's preempted one recomputed)
+fn a_client_with_nothing_running_gets_a_place_past_a_full_batch() {
+    // a fills the batch (2) and queues two more; b's one request then runs at once, past
+    // the full batch (no preemption: nobody recomputes), and finishes while a's run; a
+    // client sending one short request after another never costs a any recompute; every
+    // stream is the one it makes alone
     let mut rng = Rng::new(31);
     let pa: Vec<Vec<u32>> = (0..4).map(|_| prompt(&mut rng, 12)).collect();
     let pb = prompt(&mut rng, 9);
@@ -932,20 +933,26 @@ fn a_client_below_its_share_gets_a_place_from_the_client_running_the_most() {
     let ids: Vec<&str> = s.running.iter().map(|r| r.req.id.as_str()).collect();
     assert_eq!(
         ids,
-        ["a0", "b"],
-        "b runs at once, a's latest arrival gave its place"
+        ["a0", "a1", "b"],
+        "b runs at once, past the full batch"
     );
-    assert_eq!(s.preempted.len(), 1);
-    assert_eq!(s.preempted[0].req.id, "a1");
-    assert_eq!(s.snapshot().preemptions, 1);
     let mut sa: Vec<Seen> = (0..4).map(|_| Seen::default()).collect();
     let mut sb = Seen::default();
-    for _ in 0..400 {
+    let mut trickle = Vec::new();
+    for n in 0..600 {
         if s.running.is_empty() && s.waiting.is_empty() && s.preempted.is_empty() {
             break;
         }
+        // c: a one-token request after another, each as the previous ends
+        if n < 200 && s.running.iter().all(|r| r.req.client != "c") {
+            let id = format!("c{n}");
+            trickle.push(submit(&mut s, req_of("c", &id, prompt(&mut rng, 3), 1)));
+        }
         s.step();
-        assert!(s.running.len() <= 2);
+        assert!(
+            s.running.len() <= 3,
+            "at most one place past the batch of 2"
+        );
         assert_eq!(s.engine.kv.used_blocks(), reserved(&s), "KV blocks leaked");
         for (v, rx) in sa.iter_mut().zip(&mut rxa) {
             v.take(rx);
@@ -965,8 +972,13 @@ fn a_client_below_its_share_gets_a_place_from_the_client_running_the_most() {
         assert_eq!(v.finish, Some("length"), "a{i}");
         assert_eq!(v.tokens, alone[i], "a{i}'s stream changed");
     }
-    // one preemption: once b runs, the two clients are at their share (1 each)
-    assert_eq!(s.snapshot().preemptions, 1);
+    assert!(trickle.len() > 20, "c sent {} requests", trickle.len());
+    for rx in &mut trickle {
+        let mut v = Seen::default();
+        v.take(rx);
+        assert_eq!(v.finish, Some("length"), "{v:?}");
+    }
+    assert_eq!(s.snapshot().preemptions, 0, "nobody was preempted");
 }
 
 #[test]
@@ -1211,4 +1223,35 @@ fn prompt_logprobs_are_each_prompt_tokens_and_leave_the_answer_unchanged() {
         assert_eq!(*t, p[j + 1], "token {j}");
         assert_eq!(lp, w, "position {}", j + 1);
     }
+}
+
+#[test]
+fn requests_whose_clients_left_hold_no_place_in_the_queue() {
+    let mut rng = Rng::new(34);
+    let mut s = sched(4096, cfg(1, 3));
+    let _running = submit(&mut s, req_of("a", "a0", prompt(&mut rng, 5), 50));
+    s.step();
+    // three queued, then their clients leave: a full queue takes a new request at once
+    let gone: Vec<_> = (1..4)
+        .map(|i| {
+            submit(
+                &mut s,
+                req_of("b", &format!("b{i}"), prompt(&mut rng, 5), 8),
+            )
+        })
+        .collect();
+    assert_eq!(s.waiting.len(), 3);
+    drop(gone);
+    let mut rx = submit(&mut s, req_of("b", "b4", prompt(&mut rng, 5), 8));
+    assert!(drain(&mut rx).is_empty(), "b4 was refused");
+    assert_eq!(s.waiting.len(), 1);
+    // and a step drops a waiting request whose client left (alive, c0 would wait: b4 takes
+    // the one place past the batch)
+    let gone = submit(&mut s, req_of("c", "c0", prompt(&mut rng, 1), 8));
+    drop(gone);
+    s.step();
+    assert!(s.waiting.is_empty());
+    let ids: Vec<&str> = s.running.iter().map(|r| r.req.id.as_str()).collect();
+    assert_eq!(ids, ["a0", "b4"]);
+    assert_eq!(s.snapshot().cancelled, 4);
 }
