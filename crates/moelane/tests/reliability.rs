@@ -1059,6 +1059,43 @@ fn a_cluster_token_keeps_the_grpc_surfaces_to_the_deployment() {
     assert!(!out.status.success() && err.contains("line 2"), "{err}");
 }
 
+/// `moelane serve` on tiny with API keys `keys` and `extra` flags, each step paced to 20
+/// ms: the process, the gateway's host:port, and the directory holding the keys' file.
+fn serve_keyed(keys: &[&str], extra: &[&str]) -> (Proc, String, tempfile::TempDir) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("keys");
+    std::fs::write(&file, keys.join("\n")).expect("keys");
+    let model = tiny().to_str().unwrap().to_string();
+    let mut args = vec![
+        "serve",
+        "--model",
+        &model,
+        "--listen",
+        "127.0.0.1:0",
+        "--api-key-file",
+    ];
+    args.push(file.to_str().unwrap());
+    args.extend_from_slice(extra);
+    let (p, v) = start_env(
+        &args,
+        &["gateway listening on "],
+        &[("MOELANE_STEP_PACE_MS", "20")],
+    );
+    (p, hostport(&v[0]), dir)
+}
+
+/// A streamed greedy completion of `max_tokens` that never meets the end of sequence (its
+/// logit biased away): it runs them all, with usage in the stream.
+fn long_answer(max_tokens: usize) -> serde_json::Value {
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tiny().join("config.json")).expect("config"))
+            .expect("config json");
+    let eos = config["eos_token_id"].as_u64().expect("eos id");
+    json!({"model": "tiny", "prompt": "The lane keeps serving", "max_tokens": max_tokens,
+           "temperature": 0, "stream": true, "stream_options": {"include_usage": true},
+           "logit_bias": {eos.to_string(): -100}})
+}
+
 /// One POST presenting `key`; the whole raw response (head and body).
 fn raw_post_as(addr: &str, path: &str, body: &serde_json::Value, key: &str) -> String {
     use std::io::{Read, Write};
@@ -1082,37 +1119,13 @@ fn clients_share_a_full_lane_and_a_client_past_its_bound_gets_a_429() {
     // a lane of two places, paced: client a (one API key) keeps four long answers going (its
     // bound); client b (another key) asks for a short one, which must get a place at once
     // and finish while all of a's still run; a's fifth is a 429 with Retry-After
-    let dir = tempfile::tempdir().expect("tempdir");
-    let keys = dir.path().join("keys");
     let (ka, kb) = ("client-a-key-0123456789", "client-b-key-0123456789");
-    std::fs::write(&keys, format!("{ka}\n{kb}\n")).expect("keys");
-    let model = tiny().to_str().unwrap().to_string();
-    let (_p, v) = start_env(
-        &[
-            "serve",
-            "--model",
-            &model,
-            "--listen",
-            "127.0.0.1:0",
-            "--max-running",
-            "2",
-            "--max-client-requests",
-            "4",
-            "--api-key-file",
-            keys.to_str().unwrap(),
-        ],
-        &["gateway listening on "],
-        &[("MOELANE_STEP_PACE_MS", "20")],
+    let (_p, gw, _dir) = serve_keyed(
+        &[ka, kb],
+        &["--max-running", "2", "--max-client-requests", "4"],
     );
-    let gw = hostport(&v[0]);
-    let config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(tiny().join("config.json")).expect("config"))
-            .expect("config json");
-    let eos = config["eos_token_id"].as_u64().expect("eos id");
-    // never the end of sequence: a's answers run their 150 tokens (3 s at the pace)
-    let long = json!({"model": "tiny", "prompt": "The lane keeps serving", "max_tokens": 150,
-                      "temperature": 0, "stream": true, "stream_options": {"include_usage": true},
-                      "logit_bias": {eos.to_string(): -100}});
+    // a's answers run their 150 tokens (3 s at the pace)
+    let long = long_answer(150);
     let ended = Arc::new(AtomicUsize::new(0));
     let a: Vec<_> = (0..4)
         .map(|_| {
@@ -1247,28 +1260,10 @@ fn a_stream_cut_mid_answer_is_counted_as_cut_on_the_anthropic_route_too() {
 fn a_client_that_leaves_while_queued_frees_its_places_at_once() {
     // one place on the lane, a's long answer in it; a's second request waits in the queue,
     // then a leaves it: the lane's queue empties and a's bound of two counts it no longer
-    let dir = tempfile::tempdir().expect("tempdir");
-    let keys = dir.path().join("keys");
     let ka = "client-a-key-0123456789";
-    std::fs::write(&keys, format!("{ka}\n")).expect("keys");
-    let model = tiny().to_str().unwrap().to_string();
-    let (_p, v) = start_env(
-        &[
-            "serve", "--model", &model, "--listen", "127.0.0.1:0", "--max-running", "1",
-            "--max-client-requests", "2", "--api-key-file", keys.to_str().unwrap(),
-        ],
-        &["gateway listening on "],
-        &[("MOELANE_STEP_PACE_MS", "20")],
-    );
-    let gw = hostport(&v[0]);
-    let config: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(tiny().join("config.json")).expect("config"),
-    )
-    .expect("config json");
-    let eos = config["eos_token_id"].as_u64().expect("eos id");
+    let (_p, gw, _dir) = serve_keyed(&[ka], &["--max-running", "1", "--max-client-requests", "2"]);
     // 400 tokens at the pace: 8 s, past the waits below
-    let long = json!({"model": "tiny", "prompt": "The lane keeps serving", "max_tokens": 400,
-                      "temperature": 0, "stream": true, "logit_bias": {eos.to_string(): -100}});
+    let long = long_answer(400);
     let mut first = Sse::open_with(
         &gw,
         "/v1/completions",
