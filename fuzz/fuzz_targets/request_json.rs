@@ -44,6 +44,7 @@ fn fixture() -> &'static Fixture {
                 max_attempts: 3,
                 retry_deadline: std::time::Duration::from_secs(10),
                 body_timeout: std::time::Duration::from_secs(2),
+                max_client_requests: 0,
             },
             moelane_text::tokenizer::Tokenizer::from_file(&dir.path().join("tokenizer.json"))
                 .expect("tokenizer"),
