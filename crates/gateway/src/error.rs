@@ -121,8 +121,8 @@ impl ApiError {
                     axum::http::HeaderValue::from_static("Bearer"),
                 );
             }
-            // one of the client's own generations ends within seconds, usually
-            ApiError::RateLimited(_) => {
+            // one of the client's own generations (or the lane's) ends within seconds, usually
+            ApiError::RateLimited(_) | ApiError::Overloaded(_) => {
                 h.insert(
                     axum::http::header::RETRY_AFTER,
                     axum::http::HeaderValue::from_static("1"),

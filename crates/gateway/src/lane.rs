@@ -100,7 +100,9 @@ impl GrpcLane {
             .connect_lazy();
         Ok(GrpcLane {
             name: name.to_string(),
-            client: PrimaryClient::new(moelane_proto::auth::attach(ch)),
+            // a long prompt's log-probabilities come a chunk at a time, each far under this
+            client: PrimaryClient::new(moelane_proto::auth::attach(ch))
+                .max_decoding_message_size(64 << 20),
         })
     }
 }

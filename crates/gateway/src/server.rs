@@ -1728,27 +1728,60 @@ impl Lp {
         })
     }
 
-    /// The prompt's log-probabilities an event carries, its first token's (none) leading.
-    fn prompt_of(vr: &ValidRequest, ev: &moelane_proto::lane::GenerateEvent) -> Vec<Lp> {
-        let lead = vr.prompt.first().map(|&token| Lp {
-            token,
-            logprob: None,
-            top: Vec::new(),
-        });
-        lead.into_iter()
-            .chain(ev.prompt_logprobs.iter().map(|p| {
-                Lp {
-                    token: p.token,
-                    logprob: Some(p.logprob),
-                    top: p
-                        .top_logprobs
-                        .iter()
-                        .map(|t| (t.token, t.logprob))
-                        .collect(),
-                }
-            }))
+    /// The prompt's first token (nothing before it: no log-probability), where the
+    /// request asks for the prompt's.
+    fn lead(vr: &ValidRequest) -> Vec<Lp> {
+        let first = vr.prompt.first().filter(|_| vr.prompt_logprobs);
+        first
+            .map(|&token| Lp {
+                token,
+                logprob: None,
+                top: Vec::new(),
+            })
+            .into_iter()
             .collect()
     }
+
+    /// The prompt log-probabilities an event carries (the lane sends them a chunk at a
+    /// time, before the first token).
+    fn prompt_part(ev: &moelane_proto::lane::GenerateEvent) -> impl Iterator<Item = Lp> + '_ {
+        ev.prompt_logprobs.iter().map(|p| Lp {
+            token: p.token,
+            logprob: Some(p.logprob),
+            top: p
+                .top_logprobs
+                .iter()
+                .map(|t| (t.token, t.logprob))
+                .collect(),
+        })
+    }
+}
+
+/// A token as completions' `logprobs` name it: its text, or `bytes:\xNN...` where its bytes
+/// are not UTF-8 by themselves (as OpenAI writes them), so that two such tokens differ.
+fn token_name(bytes: &[u8]) -> String {
+    match std::str::from_utf8(bytes) {
+        Ok(t) => t.to_string(),
+        Err(_) => {
+            let mut s = String::from("bytes:");
+            for b in bytes {
+                s.push_str(&format!("\\x{b:02x}"));
+            }
+            s
+        }
+    }
+}
+
+/// Completions' `logprobs` of the prompt (offsets from 0) followed by the answer's (offsets
+/// from the echoed text's end), as a stream sends them.
+fn join_logprobs(a: Value, b: Value) -> Value {
+    let mut out = a;
+    for k in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+        if let (Some(x), Some(y)) = (out[k].as_array_mut(), b[k].as_array()) {
+            x.extend(y.iter().cloned());
+        }
+    }
+    out
 }
 
 /// `lps` in the shape of the endpoint: chat's `{"content": [{token, logprob, bytes,
@@ -1776,12 +1809,13 @@ fn render_logprobs(st: &AppState, chat: bool, lps: &[Lp], offset: usize) -> Valu
             offsets.push(at);
             at += text(l.token).chars().count();
         }
+        let name = |t: u32| token_name(st.tokenizer.token_bytes(t));
         json!({
-            "tokens": lps.iter().map(|l| text(l.token)).collect::<Vec<_>>(),
+            "tokens": lps.iter().map(|l| name(l.token)).collect::<Vec<_>>(),
             "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
             "top_logprobs": lps.iter().map(|l| match l.logprob {
                 None => Value::Null,
-                Some(_) => Value::Object(l.top.iter().map(|&(t, lp)| (text(t), json!(lp))).collect()),
+                Some(_) => Value::Object(l.top.iter().map(|&(t, lp)| (name(t), json!(lp))).collect()),
             }).collect::<Vec<_>>(),
             "text_offset": offsets,
         })
@@ -1868,6 +1902,8 @@ pub(crate) struct Choice {
     /// The stop string that ended it, if one did.
     pub(crate) stop_hit: Option<String>,
     lps: Vec<Lp>,
+    /// The prompt's log-probabilities, when asked (echo with logprobs).
+    prompt_lps: Vec<Lp>,
 }
 
 /// A tool call as the OpenAI API gives it, with a fresh id.
@@ -1982,6 +2018,7 @@ pub(crate) async fn whole_choice(
         let mut det = Detokenizer::new(vr.stop.clone());
         let mut text = vr.echo.clone().unwrap_or_default();
         let mut lps = Vec::new();
+        let mut prompt_lps = Lp::lead(vr);
         let mut completion = 0usize;
         let mut finish: Option<String> = None;
         let mut failed: Option<LaneError> = None;
@@ -1993,10 +2030,10 @@ pub(crate) async fn whole_choice(
                     break;
                 }
             };
-            if !ev.prompt_logprobs.is_empty() && vr.prompt_logprobs {
-                lps = Lp::prompt_of(vr, &ev);
+            if vr.prompt_logprobs {
+                prompt_lps.extend(Lp::prompt_part(&ev));
             }
-            if vr.max_tokens == 0 && ev.token.is_some() {
+            if vr.max_tokens == 0 && (ev.token.is_some() || !ev.finish_reason.is_empty()) {
                 // the prompt alone: the lane's one token is not part of the answer
                 finish = Some("length".into());
                 break;
@@ -2033,6 +2070,7 @@ pub(crate) async fn whole_choice(
                 finish: f,
                 stop_hit: det.stop_hit().map(String::from),
                 lps,
+                prompt_lps,
             });
         }
         let e = failed.unwrap_or_else(stream_ended);
@@ -2068,9 +2106,13 @@ async fn whole_response(
         .enumerate()
         .map(|(i, mut c)| {
             let lps = if vr.logprobs.is_some() {
-                // the prompt's own log-probabilities start at its first character
-                let at = if vr.prompt_logprobs { 0 } else { echoed };
-                render_logprobs(st, chat, &c.lps, at)
+                let answer = render_logprobs(st, chat, &c.lps, echoed);
+                if vr.prompt_logprobs {
+                    // the prompt's own log-probabilities start at its first character
+                    join_logprobs(render_logprobs(st, false, &c.prompt_lps, 0), answer)
+                } else {
+                    answer
+                }
             } else {
                 Value::Null
             };
@@ -2188,6 +2230,7 @@ async fn relay_choice(
         }
     }
     let mut lps: Vec<Lp> = Vec::new();
+    let mut pending_echo = (!chat && vr.prompt_logprobs).then(|| Lp::lead(vr));
     let mut split = StreamSplit {
         splitter: vr.splits().then(|| vr.splitter()),
         calls: 0,
@@ -2222,17 +2265,22 @@ async fn relay_choice(
                 break;
             }
         };
-        if vr.prompt_logprobs && !ev.prompt_logprobs.is_empty() {
-            let echo = vr.echo.clone().unwrap_or_default();
-            sent_chars = echo.chars().count();
-            let mut c = out.chunk(st, false, index, Some(&echo), None, false, Value::Null);
-            c["choices"][0]["logprobs"] = render_logprobs(st, false, &Lp::prompt_of(vr, &ev), 0);
-            if !put(tx, send(c), &st.shutdown).await {
-                r.left = true;
-                return r;
+        // the echo goes once the prompt's log-probabilities are all in (or the answer starts)
+        if let Some(p) = pending_echo.as_mut() {
+            p.extend(Lp::prompt_part(&ev));
+            if p.len() >= vr.prompt.len() || ev.token.is_some() || !ev.finish_reason.is_empty() {
+                let echo = vr.echo.clone().unwrap_or_default();
+                sent_chars = echo.chars().count();
+                let mut c = out.chunk(st, false, index, Some(&echo), None, false, Value::Null);
+                c["choices"][0]["logprobs"] = render_logprobs(st, false, p, 0);
+                pending_echo = None;
+                if !put(tx, send(c), &st.shutdown).await {
+                    r.left = true;
+                    return r;
+                }
             }
         }
-        if vr.max_tokens == 0 && ev.token.is_some() {
+        if vr.max_tokens == 0 && (ev.token.is_some() || !ev.finish_reason.is_empty()) {
             // the prompt alone: the lane's one token is not part of the answer
             r.finish = Some("length".into());
             break;

@@ -1895,15 +1895,47 @@ async fn echo_with_logprobs_gives_the_prompts_log_probabilities() {
         .iter()
         .filter_map(|d| serde_json::from_str::<Value>(d).ok())
         .collect();
-    let mut tokens = Vec::new();
+    let mut joined =
+        json!({"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []});
     let mut streamed = String::new();
     for c in &chunks {
         streamed.push_str(c["choices"][0]["text"].as_str().unwrap_or(""));
-        if let Some(t) = c["choices"][0]["logprobs"]["tokens"].as_array() {
-            tokens.extend(t.iter().cloned());
+        for k in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+            if let Some(t) = c["choices"][0]["logprobs"][k].as_array() {
+                joined[k].as_array_mut().unwrap().extend(t.iter().cloned());
+            }
         }
     }
     assert_eq!(streamed, text);
-    assert_eq!(Value::Array(tokens), lp["tokens"]);
+    assert_eq!(&joined, lp, "streamed and whole log-probabilities differ");
     assert!(chunks[0]["choices"][0]["logprobs"]["token_logprobs"][0].is_null());
+    // a prompt of one token: itself, with no log-probability, whole and streamed
+    for stream in [false, true] {
+        let body = json!({"model": "tiny", "prompt": [300], "max_tokens": 0, "echo": true,
+                          "logprobs": 1, "stream": stream});
+        let (st, raw) = http(&gw, "POST", "/v1/completions", body.to_string().as_bytes()).await;
+        assert_eq!(st, 200, "{raw}");
+        let v: Value = if stream {
+            let mut text = String::new();
+            let mut tokens = Vec::new();
+            for d in sse_data(&raw) {
+                let Ok(c) = serde_json::from_str::<Value>(&d) else {
+                    continue;
+                };
+                text.push_str(c["choices"][0]["text"].as_str().unwrap_or(""));
+                if let Some(t) = c["choices"][0]["logprobs"]["token_logprobs"].as_array() {
+                    tokens.extend(t.iter().cloned());
+                }
+            }
+            json!({"text": text, "token_logprobs": tokens})
+        } else {
+            let v: Value = serde_json::from_str(&raw).unwrap();
+            json!({"text": v["choices"][0]["text"], "token_logprobs": v["choices"][0]["logprobs"]["token_logprobs"]})
+        };
+        assert!(
+            !v["text"].as_str().unwrap().is_empty(),
+            "stream {stream}: {v}"
+        );
+        assert_eq!(v["token_logprobs"], json!([null]), "stream {stream}: {v}");
+    }
 }

@@ -153,7 +153,7 @@ impl PrimaryClient {
             logit_bias,
             logprobs: r.logprobs.then_some(r.top_logprobs),
         };
-        let constraint = match (r.grammar.is_empty(), &self.grammars) {
+        let mut constraint = match (r.grammar.is_empty(), &self.grammars) {
             (true, _) => None,
             (false, None) => {
                 return bad(
@@ -173,6 +173,13 @@ impl PrimaryClient {
                 r.client.len()
             ));
         }
+        // the first mask, made here (off the step loop, where the grammar was compiled): its
+        // time says which mask worker the next ones go to
+        let first_mask = constraint.as_mut().map(|c| {
+            let t0 = std::time::Instant::now();
+            let m = c.next_mask();
+            Box::new((m, t0.elapsed().as_secs_f64()))
+        });
         let mut stop_ids = r.stop_token_ids;
         if !r.ignore_eos {
             stop_ids.extend(self.eos.iter());
@@ -192,6 +199,7 @@ impl PrimaryClient {
             span,
             client: r.client,
             prompt_logprobs: r.prompt_logprobs,
+            first_mask,
         })
     }
 
@@ -499,7 +507,19 @@ impl Primary for PrimaryService {
         let rx = if req.grammar.is_empty() {
             self.client.generate(req, span)?
         } else {
-            // compiling a grammar takes CPU in proportion to it: off the async runtime
+            // compiling a grammar takes CPU (and memory) in proportion to it: off the async
+            // runtime, at most one per core at a time
+            static COMPILING: std::sync::OnceLock<tokio::sync::Semaphore> =
+                std::sync::OnceLock::new();
+            let turns = COMPILING.get_or_init(|| {
+                tokio::sync::Semaphore::new(
+                    std::thread::available_parallelism().map_or(2, |n| n.get()),
+                )
+            });
+            let _turn = turns
+                .acquire()
+                .await
+                .map_err(|_| Category::Unavailable.status("the primary is stopping"))?;
             let client = self.client.clone();
             tokio::task::spawn_blocking(move || client.generate(req, span))
                 .await

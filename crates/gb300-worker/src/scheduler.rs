@@ -51,6 +51,8 @@ pub struct ValidGen {
     pub client: String,
     /// Send the prompt's log-probabilities (the request's `logprobs` top count applies).
     pub prompt_logprobs: bool,
+    /// The grammar's first mask, made with its compile (off the step loop), and its seconds.
+    pub first_mask: Option<Box<(Result<moelane_text::grammar::Mask, String>, f64)>>,
 }
 
 /// What a request's stream carries.
@@ -64,8 +66,8 @@ pub enum Event {
         /// requests carry none).
         logprobs: Option<Box<TokenLogprobs>>,
     },
-    /// The prompt's log-probabilities (each token after the first, given those before it),
-    /// once, before the first token.
+    /// Log-probabilities of prompt tokens (each given those before it), in prompt order from
+    /// the second token, a chunk at a time, all before the first token.
     Prompt(Box<Vec<(u32, TokenLogprobs)>>),
     Finish {
         reason: &'static str,
@@ -181,10 +183,10 @@ struct Running {
     held: Option<(Vec<f32>, TokenPick)>,
     /// The pick drawn for a held row that was preempted: its recomputed logits take it.
     repick: Option<TokenPick>,
-    /// The prompt's log-probabilities so far (asked for: the prompt is prefilled in chunks
-    /// of [`Scheduler::prompt_chunk`] tokens, every one's logits taken), and whether they
-    /// were sent.
-    prompt_lps: Vec<(u32, TokenLogprobs)>,
+    /// Prompt log-probabilities sent so far (asked for: the prompt is prefilled in chunks of
+    /// [`Scheduler::prompt_chunk`] tokens, every one's logits taken, each chunk's sent), and
+    /// whether the whole prompt's were.
+    prompt_done: usize,
     prompt_sent: bool,
 }
 
@@ -456,10 +458,6 @@ impl Scheduler {
         // a row waiting for its mask: the recompute makes its logits again, and its pick
         // (already drawn) is kept for them
         r.repick = r.held.take().map(|(_, pick)| pick);
-        // a prompt's log-probabilities not sent yet are made again with it
-        if !r.prompt_sent {
-            r.prompt_lps.clear();
-        }
         r.next = r.req.prompt.iter().chain(&r.out).copied().collect();
         self.stats.preemptions += 1;
         let at = self
@@ -571,9 +569,10 @@ impl Scheduler {
                     r
                 }
                 Next::Waiting(i) => {
-                    let Some((req, tx, queue)) = self.waiting.remove(i) else {
+                    let Some((mut req, tx, queue)) = self.waiting.remove(i) else {
                         break;
                     };
+                    let first_mask = req.first_mask.take().map(|m| *m);
                     drop(queue);
                     if tx.is_closed() {
                         self.stats.cancelled += 1;
@@ -597,12 +596,12 @@ impl Scheduler {
                         kv,
                         generated: 0,
                         admitted: Instant::now(),
-                        mask: None,
+                        mask_secs: first_mask.as_ref().map_or(0.0, |m| m.1),
+                        mask: first_mask,
                         masking: None,
-                        mask_secs: 0.0,
                         held: None,
                         repick: None,
-                        prompt_lps: Vec::new(),
+                        prompt_done: 0,
                         prompt_sent: false,
                     }
                 }
@@ -839,8 +838,6 @@ impl Scheduler {
                     continue;
                 }
                 r.prompt_sent = true;
-                let lps = std::mem::take(&mut r.prompt_lps);
-                let _ = r.tx.send(Event::Prompt(Box::new(lps)));
             }
             let (tok, lp) = match &mut logits {
                 None => (Ok(device_ids[k]), None),
@@ -873,19 +870,30 @@ impl Scheduler {
         ((16usize << 20) / self.engine.cfg.vocab_size.max(1)).clamp(1, 512)
     }
 
-    /// The log-probabilities of the prompt tokens that `rows` (the logits of the `fed`
-    /// tokens of `r` this step, before its bias and penalties) predict: row j gives the
-    /// token after the j-th fed one, where the prompt has one.
+    /// Sends the log-probabilities of the prompt tokens that `rows` (the logits of the `fed`
+    /// tokens of `r` this step, before its bias and penalties) predict and that were not sent
+    /// before a preemption: row j gives the prompt token after the j-th fed one.
     fn prompt_logprobs(&mut self, r: &mut Running, rows: &[f32], fed: usize) {
         let v = self.engine.cfg.vocab_size;
         let k = r.req.rules.logprobs.unwrap_or(0) as usize;
+        // the first fed token's position (the step has added the fed ones)
+        let p0 = r.kv.len - fed;
+        let mut lps = Vec::new();
         for j in 0..fed {
-            let Some(&t) = r.next.get(j + 1) else {
+            let at = p0 + j + 1;
+            let Some(&t) = r.req.prompt.get(at) else {
                 break;
             };
+            if at - 1 < r.prompt_done {
+                continue;
+            }
             let (logprob, top) =
                 moelane_engine::sampling::logprobs(&rows[j * v..(j + 1) * v], t, k);
-            r.prompt_lps.push((t, TokenLogprobs { logprob, top }));
+            lps.push((t, TokenLogprobs { logprob, top }));
+        }
+        if !lps.is_empty() {
+            r.prompt_done += lps.len();
+            let _ = r.tx.send(Event::Prompt(Box::new(lps)));
         }
     }
 

@@ -175,7 +175,14 @@ impl std::fmt::Debug for Constraint {
 /// The tokens a grammar allows next: computed from the tokens followed so far
 /// ([`Constraint::next_mask`]), so it can be made while the step that yields the logits runs,
 /// then applied to them ([`Mask::apply`]).
+#[derive(Clone)]
 pub struct Mask(llguidance::toktrie::SimpleVob);
+
+impl std::fmt::Debug for Mask {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Mask({} ids)", self.0.len())
+    }
+}
 
 impl Mask {
     /// Whether token `id` may come next.

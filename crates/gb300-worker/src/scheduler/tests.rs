@@ -73,6 +73,7 @@ fn req(id: &str, prompt: Vec<u32>, max_tokens: usize) -> ValidGen {
         span: tracing::Span::none(),
         client: String::new(),
         prompt_logprobs: false,
+        first_mask: None,
     }
 }
 
@@ -134,7 +135,8 @@ impl Seen {
                     self.tokens.is_empty(),
                     "the prompt's log-probabilities come first"
                 );
-                self.prompt = Some(lps.iter().map(|(t, l)| (*t, l.logprob)).collect());
+                let p = self.prompt.get_or_insert_with(Vec::new);
+                p.extend(lps.iter().map(|(t, l)| (*t, l.logprob)));
             }
         }
     }
@@ -1083,9 +1085,14 @@ fn a_grammar_with_costly_masks_slows_only_its_own_request() {
     );
     let mut rng = Rng::new(41);
     let (pf, pc) = (prompt(&mut rng, 8), prompt(&mut rng, 8));
+    // as the lane validates it: compiled, its first mask made off the step loop
     let costly_req = |id: &str| {
         let mut r = req(id, pc.clone(), 8);
-        r.constraint = Some(g.compile(&costly).expect("compile"));
+        let mut c = g.compile(&costly).expect("compile");
+        let t0 = Instant::now();
+        let m = c.next_mask();
+        r.first_mask = Some(Box::new((m, t0.elapsed().as_secs_f64())));
+        r.constraint = Some(c);
         r
     };
     let alone = |r: ValidGen| {
@@ -1104,9 +1111,12 @@ fn a_grammar_with_costly_masks_slows_only_its_own_request() {
     let (mut sc, mut sf) = (Seen::default(), Seen::default());
     let mut costly_at_free_end = None;
     let t0 = Instant::now();
+    let mut longest = 0f64;
     while !(sc.ended() && sf.ended()) {
         assert!(t0.elapsed().as_secs() < 60, "not done in 60 s");
+        let t = Instant::now();
         s.step();
+        longest = longest.max(t.elapsed().as_secs_f64());
         sc.take(&mut rc);
         sf.take(&mut rf);
         if sf.ended() && costly_at_free_end.is_none() {
@@ -1116,10 +1126,16 @@ fn a_grammar_with_costly_masks_slows_only_its_own_request() {
     let at = costly_at_free_end.expect("the free request ended");
     println!(
         "a mask of the costly grammar: {:.1} ms; the free request's 48 tokens were done when \
-         the costly one had {at} of its 8",
-        secs * 1e3
+         the costly one had {at} of its 8; the longest step {:.1} ms",
+        secs * 1e3,
+        longest * 1e3
     );
     assert!(at < 8, "the free request went at the costly one's pace");
+    // no step waited for a costly mask (the first one was made with the compile)
+    assert!(
+        longest < secs / 2.0,
+        "a step took {longest} s, a costly mask {secs} s"
+    );
     assert_eq!(sf.tokens, free_alone, "the free answer changed");
     assert_eq!(sc.tokens, costly_alone, "the costly answer changed");
     assert_eq!(sc.finish, Some("length"));
@@ -1217,12 +1233,35 @@ fn prompt_logprobs_are_each_prompt_tokens_and_leave_the_answer_unchanged() {
         "the other request's answer changed"
     );
     assert!(plain.prompt.is_none());
-    let got = asked.prompt.expect("the prompt's log-probabilities");
-    assert_eq!(got.len(), p.len() - 1);
-    for (j, ((t, lp), w)) in got.iter().zip(&want).enumerate() {
-        assert_eq!(*t, p[j + 1], "token {j}");
-        assert_eq!(lp, w, "position {}", j + 1);
-    }
+    let check = |got: Vec<(u32, f32)>, what: &str| {
+        assert_eq!(got.len(), p.len() - 1, "{what}");
+        for (j, ((t, lp), w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(*t, p[j + 1], "{what}: token {j}");
+            assert_eq!(lp, w, "{what}: position {}", j + 1);
+        }
+    };
+    check(
+        asked.prompt.expect("the prompt's log-probabilities"),
+        "chunked",
+    );
+    // preempted after its first chunk: recomputed, and no position sent twice
+    let mut s = sched(4096, cfg(4, 8));
+    let mut r = req("p", p.clone(), 8);
+    r.rules.logprobs = Some(3);
+    r.prompt_logprobs = true;
+    let mut rx = submit(&mut s, r);
+    s.step();
+    let r = s.running.remove(0);
+    assert!(!r.prompt_sent && r.prompt_done == 512, "{}", r.prompt_done);
+    s.preempt(r);
+    run_idle(&mut s, 200);
+    let mut v = Seen::default();
+    v.take(&mut rx);
+    assert_eq!(v.tokens, plain.tokens, "the preempted answer changed");
+    check(
+        v.prompt.expect("the prompt's log-probabilities"),
+        "preempted",
+    );
 }
 
 #[test]
