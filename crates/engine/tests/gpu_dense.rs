@@ -874,3 +874,56 @@ fn one_row_persistent_step_matches_the_chain() {
         );
     }
 }
+
+#[test]
+fn a_prompt_prefilled_in_chunks_matches_one_prefill() {
+    // a prompt's log-probabilities prefill it in chunks after earlier positions, every row's
+    // logits taken (`step_whole`): each row as one whole prefill's, and the same next token
+    let Some((_dir, ckpt, mut g)) = mini_on_gpu(1) else {
+        return;
+    };
+    let v = ckpt.config.vocab_size;
+    let base = &prompts(v, 1)[0];
+    let prompt: Vec<u32> = base.iter().copied().cycle().take(700).collect();
+    let mut seq = g.kv.new_seq();
+    let whole = g
+        .step_whole(
+            &mut [SeqStep {
+                kv: &mut seq,
+                tokens: &prompt,
+            }],
+            &[true],
+        )
+        .unwrap();
+    let mut seq2 = g.kv.new_seq();
+    let mut chunked = Vec::new();
+    for c in prompt.chunks(256) {
+        chunked.extend(
+            g.step_whole(
+                &mut [SeqStep {
+                    kv: &mut seq2,
+                    tokens: c,
+                }],
+                &[true],
+            )
+            .unwrap(),
+        );
+    }
+    assert_eq!(whole.len(), prompt.len() * v);
+    assert_eq!(chunked.len(), whole.len());
+    let (mut worst, mut same) = (1f64, 0);
+    for (i, (a, b)) in whole.chunks(v).zip(chunked.chunks(v)).enumerate() {
+        let c = cos(a, b);
+        worst = worst.min(c);
+        same += (a == b) as usize;
+        assert_eq!(
+            moelane_engine::sampling::argmax(a),
+            moelane_engine::sampling::argmax(b),
+            "row {i}: the next token, chunked vs whole"
+        );
+    }
+    eprintln!(
+        "700 positions in chunks of 256 against one prefill: {same} of 700 rows bit-identical, worst cosine {worst:.9}"
+    );
+    assert!(worst >= 0.99999, "worst cosine {worst}");
+}
