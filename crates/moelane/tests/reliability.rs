@@ -726,6 +726,12 @@ fn a_rollout_upgrades_lanes_one_at_a_time_under_load_and_stops_on_a_failed_canar
     for u in &urls {
         run_script(u);
     }
+    // each lane listening before the gateway asks (a lane not yet checked counts as up)
+    for (_, state) in &lanes {
+        until(Duration::from_secs(60), "the lane listening", || {
+            std::fs::read_to_string(state.join("log")).is_ok_and(|l| l.contains("primary grpc"))
+        });
+    }
     let (v, (_g, gw)) = gateway_with(
         &[&urls[0], &urls[1]],
         &["--health-interval", "0.2"],
