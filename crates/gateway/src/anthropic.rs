@@ -39,16 +39,8 @@ fn error_response(e: ApiError) -> Response {
         Json(json!({"type": "error", "error": {"type": kind, "message": e.to_string()}})),
     )
         .into_response();
-    // the headers the OpenAI error carries (Retry-After on a 429 of the client's bound,
-    // WWW-Authenticate on a 401)
-    for h in [
-        axum::http::header::RETRY_AFTER,
-        axum::http::header::WWW_AUTHENTICATE,
-    ] {
-        if let Some(v) = e.extra_headers().get(&h) {
-            r.headers_mut().insert(h, v.clone());
-        }
-    }
+    // the headers the OpenAI error carries (Retry-After on a 429, WWW-Authenticate on a 401)
+    r.headers_mut().extend(e.extra_headers());
     r
 }
 
@@ -282,8 +274,7 @@ async fn handle(st: Arc<AppState>, req: Request) -> Result<Response, ApiError> {
     drop(v);
     let mut vr = validate_off_runtime(&st, chat, true).await?;
     drop(turn);
-    active.hold(st.clients.take(&client, vr.n, st.cfg.max_client_requests)?);
-    vr.client = client;
+    crate::server::account(&st, &mut active, &mut vr, client)?;
     let id = format!("msg_{:032x}", random_id(&st));
     let greq = generate_request(&vr, &id);
     let deadline = arrived + st.cfg.retry_deadline;

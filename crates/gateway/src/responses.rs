@@ -264,8 +264,7 @@ async fn handle(st: Arc<AppState>, req: Request) -> Result<Response, ApiError> {
     drop(v);
     let mut vr = validate_off_runtime(&st, chat, true).await?;
     drop(turn);
-    active.hold(st.clients.take(&client, vr.n, st.cfg.max_client_requests)?);
-    vr.client = client;
+    crate::server::account(&st, &mut active, &mut vr, client)?;
     let id = format!("resp_{}", hex(&st));
     let greq = generate_request(&vr, &id);
     let deadline = arrived + st.cfg.retry_deadline;

@@ -137,6 +137,19 @@ pub(crate) fn client_of(req: &Request) -> String {
         .unwrap_or_default()
 }
 
+/// Accounts validated request `vr` to `client`: its `n` places of the client's bound, held by
+/// `active` until the answer ends (a 429 past the bound), and its client named to the lane.
+pub(crate) fn account(
+    st: &AppState,
+    active: &mut ActiveGuard,
+    vr: &mut ValidRequest,
+    client: String,
+) -> Result<(), ApiError> {
+    active.hold(st.clients.take(&client, vr.n, st.cfg.max_client_requests)?);
+    vr.client = client;
+    Ok(())
+}
+
 /// Generations each client has in flight at this gateway (`--max-client-requests`).
 #[derive(Debug, Default)]
 pub(crate) struct ClientSlots {
@@ -2402,8 +2415,7 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
     let (v, turn) = read_json_turn(&st, req.into_body()).await?;
     let mut vr = validate_off_runtime(&st, v, chat).await?;
     drop(turn);
-    active.hold(st.clients.take(&client, vr.n, st.cfg.max_client_requests)?);
-    vr.client = client;
+    account(&st, &mut active, &mut vr, client)?;
     let span = tracing::Span::current();
     span.record("gen_ai.usage.input_tokens", vr.prompt.len());
     let out = Out {
