@@ -927,3 +927,63 @@ fn a_prompt_prefilled_in_chunks_matches_one_prefill() {
     );
     assert!(worst >= 0.99999, "worst cosine {worst}");
 }
+
+#[test]
+fn a_prompt_prefilled_in_chunks_beside_a_decoding_row_matches_each_alone() {
+    // what the scheduler's chunked prefill does: a long prompt goes 200 tokens a step while
+    // another sequence decodes in the same steps (`step`, the last row's logits each); the
+    // prompt's last logits are one whole prefill's, the decoding row's tokens its own alone
+    let Some((_dir, ckpt, mut g)) = mini_on_gpu(1) else {
+        return;
+    };
+    let v = ckpt.config.vocab_size;
+    let ps = prompts(v, 2);
+    let long: Vec<u32> = ps[0].iter().copied().cycle().take(900).collect();
+    let alone_long = decoded(&mut g, &long, 0).remove(0);
+    let chunks: Vec<&[u32]> = long.chunks(200).collect();
+    let alone_short = decoded(&mut g, &ps[1], chunks.len());
+    let (mut a, mut b) = (g.kv.new_seq(), g.kv.new_seq());
+    // the short one's prefill first, alone
+    let l = g
+        .step(&mut [SeqStep {
+            kv: &mut b,
+            tokens: &ps[1],
+        }])
+        .unwrap();
+    let mut tok = moelane_engine::sampling::argmax(&l) as u32;
+    let mut last = Vec::new();
+    for (s, c) in chunks.iter().enumerate() {
+        let l = g
+            .step(&mut [
+                SeqStep {
+                    kv: &mut a,
+                    tokens: c,
+                },
+                SeqStep {
+                    kv: &mut b,
+                    tokens: &[tok],
+                },
+            ])
+            .unwrap();
+        assert_eq!(l.len(), 2 * v);
+        let c = cos(&l[v..], &alone_short[s + 1]);
+        assert!(c >= 0.99999, "decode step {s} beside a chunk: cosine {c}");
+        tok = moelane_engine::sampling::argmax(&l[v..]) as u32;
+        assert_eq!(
+            tok,
+            moelane_engine::sampling::argmax(&alone_short[s + 1]) as u32,
+            "decode step {s}: the token beside a chunk"
+        );
+        last = l[..v].to_vec();
+    }
+    let c = cos(&last, &alone_long);
+    eprintln!(
+        "900 positions in chunks of 200 beside a decoding row: last row cosine {c:.9}, bit-identical {}",
+        last == alone_long
+    );
+    assert!(c >= 0.99999, "the chunked prompt's last logits: cosine {c}");
+    assert_eq!(
+        moelane_engine::sampling::argmax(&last),
+        moelane_engine::sampling::argmax(&alone_long)
+    );
+}

@@ -215,6 +215,7 @@ struct Meters {
     grammar: metrics::Histogram,
     grammar_mask: metrics::Histogram,
     grammar_held: metrics::Counter,
+    prefill_chunks: metrics::Counter,
 }
 
 impl Meters {
@@ -232,6 +233,7 @@ impl Meters {
             grammar: metrics::histogram!(n::GRAMMAR_STEP),
             grammar_mask: metrics::histogram!(n::GRAMMAR_MASK),
             grammar_held: metrics::counter!(n::GRAMMAR_HELD),
+            prefill_chunks: metrics::counter!(n::PREFILL_CHUNKS),
         }
     }
 }
@@ -245,6 +247,11 @@ pub struct SchedulerConfig {
     pub max_running: usize,
     /// Most requests waiting; beyond, new ones are refused as Overloaded.
     pub max_waiting: usize,
+    /// Most tokens one step feeds (0: no bound): each decoding sequence's one, and prompts
+    /// (or recomputes after a preemption) share the rest, a longer prompt going in chunks
+    /// over several steps, so a long prompt delays the others' next tokens by one chunk's
+    /// step, not its whole prefill.
+    pub step_tokens: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -253,6 +260,7 @@ impl Default for SchedulerConfig {
             prefill_budget: 2048,
             max_running: 64,
             max_waiting: 1024,
+            step_tokens: 512,
         }
     }
 }
@@ -699,9 +707,12 @@ impl Scheduler {
                 self.running.push(r);
             }
         }
-        let active: Vec<usize> = (0..self.running.len())
+        let rows: Vec<usize> = (0..self.running.len())
             .filter(|&i| self.running[i].held.is_none())
             .collect();
+        // the tokens each row feeds this step (a row whose prompt waits for the budget sits
+        // the step out)
+        let (active, feed) = self.feed(&rows);
         if active.is_empty() {
             // every row waits for its grammar's mask: wait for one (bounded, so commands
             // are still answered)
@@ -714,20 +725,6 @@ impl Scheduler {
         }
         // each request's next token: greedy or its next draw, picked where the logits are
         // (on the GPU they never leave it)
-        // the tokens each row feeds: all it has, but a prompt whose log-probabilities are
-        // asked goes in chunks (every token's logits are taken)
-        let chunk = self.prompt_chunk();
-        let feed: Vec<usize> = active
-            .iter()
-            .map(|&i| {
-                let r = &self.running[i];
-                if r.wants_prompt() {
-                    r.next.len().min(chunk)
-                } else {
-                    r.next.len()
-                }
-            })
-            .collect();
         let whole: Vec<bool> = active
             .iter()
             .map(|&i| self.running[i].wants_prompt())
@@ -825,18 +822,22 @@ impl Scheduler {
             }
             next.next();
             if whole[k] {
+                // every fed token's logits row
                 if let Some(l) = &logits {
                     self.prompt_logprobs(&mut r, &l[at * v..(at + feed[k]) * v], feed[k]);
                 }
                 at += feed[k] - 1;
-                if feed[k] < r.next.len() {
-                    // more of the prompt to go: nothing to pick yet
-                    r.next.drain(..feed[k]);
-                    self.running.push(r);
-                    k += 1;
-                    at += 1;
-                    continue;
-                }
+            }
+            if feed[k] < r.next.len() {
+                // a chunk of its prompt: the rest goes in the next steps, nothing picked yet
+                self.meters.prefill_chunks.increment(1);
+                r.next.drain(..feed[k]);
+                self.running.push(r);
+                k += 1;
+                at += 1;
+                continue;
+            }
+            if whole[k] {
                 r.prompt_sent = true;
             }
             let (tok, lp) = match &mut logits {
@@ -862,6 +863,52 @@ impl Scheduler {
                 self.running.push(r);
             }
         }
+    }
+
+    /// The rows of `rows` (places in `running`) that this step feeds, and the tokens each
+    /// feeds: a decoding row its one token; rows with a prompt (or a recompute) to go share
+    /// what [`SchedulerConfig::step_tokens`] leaves (at least a quarter of it), in equal
+    /// shares, a share a row does not need going to the others, so short prompts finish at
+    /// once beside a long one; a prompt whose log-probabilities are asked goes at most
+    /// [`Self::prompt_chunk`] a step. A row left no token sits the step out (never all).
+    fn feed(&self, rows: &[usize]) -> (Vec<usize>, Vec<usize>) {
+        let chunk = self.prompt_chunk();
+        let want: Vec<usize> = rows
+            .iter()
+            .map(|&i| {
+                let r = &self.running[i];
+                if r.wants_prompt() {
+                    r.next.len().min(chunk)
+                } else {
+                    r.next.len()
+                }
+            })
+            .collect();
+        let mut feed = want.clone();
+        let limit = self.cfg.step_tokens;
+        let decoding = want.iter().filter(|&&w| w <= 1).count();
+        let prompt_tokens: usize = want.iter().filter(|&&w| w > 1).sum();
+        if limit > 0 && decoding + prompt_tokens > limit {
+            let mut left = limit.saturating_sub(decoding).max(limit / 4).max(1);
+            let mut order: Vec<usize> = (0..want.len()).filter(|&j| want[j] > 1).collect();
+            order.sort_by_key(|&j| want[j]);
+            let mut n = order.len();
+            for j in order {
+                let share = left.div_ceil(n);
+                feed[j] = want[j].min(share);
+                left -= feed[j];
+                n -= 1;
+            }
+        }
+        let mut active = Vec::with_capacity(rows.len());
+        let mut fed = Vec::with_capacity(rows.len());
+        for (&i, f) in rows.iter().zip(feed) {
+            if f > 0 {
+                active.push(i);
+                fed.push(f);
+            }
+        }
+        (active, fed)
     }
 
     /// Prompt tokens a step feeds of a request whose prompt log-probabilities are asked:

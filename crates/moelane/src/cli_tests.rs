@@ -73,6 +73,7 @@ fn every_flag_has_one_moelane_env_var_and_one_meaning() {
         "primary-device",
         "sidecar-device",
         "max-running",
+        "max-step-tokens",
         "kv-tokens",
     ] {
         assert!(serve.contains_key(f) && lane.contains_key(f), "--{f}");

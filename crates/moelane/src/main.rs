@@ -161,6 +161,19 @@ enum Device {
     Cuda(usize),
 }
 
+impl Device {
+    /// The default of `--max-step-tokens` on this primary device: a CPU step costs about its
+    /// tokens (prefill there is compute-bound: ~0.5 ms a token on `mini` with 2 cores, so
+    /// 128 bounds what a long prompt adds to the others' inter-token time to ~75 ms); a
+    /// GPU's prefill of 512 tokens is milliseconds.
+    fn step_tokens(self) -> usize {
+        match self {
+            Device::Cpu => 128,
+            Device::Cuda(_) => 512,
+        }
+    }
+}
+
 impl std::str::FromStr for Device {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<Self, String> {
@@ -414,6 +427,12 @@ enum Cmd {
         /// Most sequences decoded together.
         #[arg(long, default_value_t = 64, env = "MOELANE_MAX_RUNNING")]
         max_running: usize,
+        /// Most tokens one step feeds (default 128 on a CPU primary, 512 on a GPU one; 0: no
+        /// bound): a long prompt is prefilled in chunks, so it delays the other sequences'
+        /// next tokens by one chunk's step rather than its whole prefill. Larger: faster long
+        /// prefills; smaller: steadier decoding beside them.
+        #[arg(long, env = "MOELANE_MAX_STEP_TOKENS")]
+        max_step_tokens: Option<usize>,
         /// Where the sidecar computes the cold experts: cpu or cuda:N (cuda:N needs a build
         /// with --features cuda).
         #[arg(
@@ -670,7 +689,7 @@ struct LaneArgs {
     /// The role this process runs.
     #[arg(long, env = "MOELANE_ROLE")]
     role: Option<Role>,
-    /// TOML file with any of these keys (role, model, map, listen, lane, sidecar, link, data, shm-dir, kv-tokens, max-running, primary-device, sidecar-device, hot-experts, primary-memory, ...; residency flags in a [residency] table); flags and environment variables override it.
+    /// TOML file with any of these keys (role, model, map, listen, lane, sidecar, link, data, shm-dir, kv-tokens, max-running, max-step-tokens, primary-device, sidecar-device, hot-experts, primary-memory, ...; residency flags in a [residency] table); flags and environment variables override it.
     #[arg(long, env = "MOELANE_CONFIG")]
     #[serde(skip)]
     config: Option<PathBuf>,
@@ -722,6 +741,11 @@ struct LaneArgs {
     /// Primary: most sequences decoded together (default 64).
     #[arg(long, env = "MOELANE_MAX_RUNNING")]
     max_running: Option<usize>,
+    /// Primary: most tokens one step feeds (default 128 on a CPU primary, 512 on a GPU one;
+    /// 0: no bound): a long prompt is prefilled in chunks, so it delays the other sequences'
+    /// next tokens by one chunk's step rather than its whole prefill.
+    #[arg(long, env = "MOELANE_MAX_STEP_TOKENS")]
+    max_step_tokens: Option<usize>,
     /// Primary: seconds to wait for a sidecar reply before failing the step (default 30): the
     /// cap of the per-step deadline, which is sized from the round trips seen.
     #[arg(long, env = "MOELANE_LINK_TIMEOUT")]
@@ -899,6 +923,7 @@ impl LaneArgs {
             shm_bytes,
             kv_tokens,
             max_running,
+            max_step_tokens,
             link_timeout,
             stall_timeout,
             sidecar_wait,
@@ -1192,6 +1217,7 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
             kv_tokens,
             kv_dtype,
             max_running,
+            max_step_tokens,
             sidecar_device,
             primary_device,
             old_device: _,
@@ -1227,6 +1253,7 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                 primary_device: primary_device.to_string(),
                 sched: moelane_gb300_worker::scheduler::SchedulerConfig {
                     max_running,
+                    step_tokens: max_step_tokens.unwrap_or(primary_device.step_tokens()),
                     ..Default::default()
                 },
             };
@@ -1371,6 +1398,9 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                         primary_device: a.primary_device.unwrap_or(Device::Cpu).to_string(),
                         sched: moelane_gb300_worker::scheduler::SchedulerConfig {
                             max_running: a.max_running.unwrap_or(64),
+                            step_tokens: a
+                                .max_step_tokens
+                                .unwrap_or(a.primary_device.unwrap_or(Device::Cpu).step_tokens()),
                             ..Default::default()
                         },
                     };

@@ -57,6 +57,9 @@ pub const KV_PREEMPTIONS: &str = "moelane_kv_preemptions_total";
 /// of a client with nothing running admitted past a full batch; `refused`: a full queue's
 /// latest request of the client holding the most places refused for another client's)
 pub const FAIR_SHARE: &str = "moelane_fair_share_actions_total";
+/// counter: steps that fed part of a sequence's prompt (or recompute), the rest left for the
+/// next steps (the step's token bound, `--max-step-tokens`, or a prompt's log-probabilities)
+pub const PREFILL_CHUNKS: &str = "moelane_prefill_chunks_total";
 /// histogram: one constrained request's grammar work in a step on the step loop's thread (its
 /// token mask applied, the picked token followed)
 pub const GRAMMAR_STEP: &str = "moelane_grammar_step_seconds";
@@ -140,6 +143,7 @@ pub const ALL: &[&str] = &[
     KV_BLOCKS_FREE,
     KV_PREEMPTIONS,
     FAIR_SHARE,
+    PREFILL_CHUNKS,
     GRAMMAR_STEP,
     GRAMMAR_MASK,
     GRAMMAR_HELD,
@@ -252,6 +256,10 @@ pub fn describe() {
     describe_counter!(
         FAIR_SHARE,
         "What the fair share among clients did: over_batch (a client with nothing running admitted past a full batch) or refused (a full queue's place given up by the client holding the most)"
+    );
+    describe_counter!(
+        PREFILL_CHUNKS,
+        "Steps that fed part of a sequence's prompt, the rest left for the next steps (the step's token bound)"
     );
     describe_histogram!(
         STEP_DURATION,

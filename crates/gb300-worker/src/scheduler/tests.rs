@@ -54,9 +54,9 @@ fn sched(kv_tokens: usize, cfg: SchedulerConfig) -> Scheduler {
 
 fn cfg(max_running: usize, max_waiting: usize) -> SchedulerConfig {
     SchedulerConfig {
-        prefill_budget: 2048,
         max_running,
         max_waiting,
+        ..SchedulerConfig::default()
     }
 }
 
@@ -219,6 +219,7 @@ fn prefill_budget_admits_one_prompt_past_it_per_step() {
             prefill_budget: 10,
             max_running: 8,
             max_waiting: 8,
+            step_tokens: 0,
         },
     );
     let mut rng = Rng::new(12);
@@ -1293,4 +1294,120 @@ fn requests_whose_clients_left_hold_no_place_in_the_queue() {
     let ids: Vec<&str> = s.running.iter().map(|r| r.req.id.as_str()).collect();
     assert_eq!(ids, ["a0", "b4"]);
     assert_eq!(s.snapshot().cancelled, 4);
+}
+
+/// Runs `reqs` (prompt, max_tokens) arriving one step apart under `step_tokens`; each one's
+/// tokens, and the steps from its arrival to its first token.
+fn run_arriving(step_tokens: usize, reqs: &[(Vec<u32>, usize)]) -> Vec<(Vec<u32>, usize)> {
+    let mut s = sched(
+        8192,
+        SchedulerConfig {
+            step_tokens,
+            ..cfg(8, 64)
+        },
+    );
+    let mut rxs: Vec<(UnboundedReceiver<Event>, Seen, usize, Option<usize>)> = Vec::new();
+    let mut steps = 0;
+    while rxs.len() < reqs.len() || rxs.iter().any(|(_, v, _, _)| !v.ended()) {
+        if let Some((p, m)) = reqs.get(rxs.len()) {
+            let rx = submit(&mut s, req(&format!("r{}", rxs.len()), p.clone(), *m));
+            rxs.push((rx, Seen::default(), steps, None));
+        }
+        s.step();
+        steps += 1;
+        assert!(steps < 2000, "still busy after {steps} steps");
+        assert_eq!(s.engine.kv.used_blocks(), reserved(&s), "KV blocks leaked");
+        for (rx, v, at, first) in &mut rxs {
+            v.take(rx);
+            if first.is_none() && !v.tokens.is_empty() {
+                *first = Some(steps - *at);
+            }
+        }
+    }
+    rxs.into_iter()
+        .map(|(_, v, _, first)| {
+            assert_eq!(v.finish, Some("length"), "{v:?}");
+            (v.tokens, first.unwrap_or(0))
+        })
+        .collect()
+}
+
+#[test]
+fn a_long_prompt_goes_in_chunks_and_every_stream_is_the_unchunked_one() {
+    // two short requests decode while a 700-token prompt arrives, then a short prompt
+    // arrives behind it: with 64 tokens a step the decoding requests take a token every
+    // step, the short prompt answers at once beside the long one, and every stream is
+    // bitwise what it is with no bound (the step is batch-invariant)
+    let mut rng = Rng::new(31);
+    let reqs = vec![
+        (prompt(&mut rng, 5), 40),
+        (prompt(&mut rng, 7), 40),
+        (prompt(&mut rng, 700), 6),
+        (prompt(&mut rng, 9), 4),
+    ];
+    let whole = run_arriving(0, &reqs);
+    let chunked = run_arriving(64, &reqs);
+    for (i, (w, c)) in whole.iter().zip(&chunked).enumerate() {
+        assert_eq!(w.0, c.0, "request {i}: chunked prefill changed its tokens");
+    }
+    // unbounded: the long prompt's first token comes with its one prefill step
+    assert_eq!(whole[2].1, 1);
+    // 700 tokens at most 64 a step: at least 11 steps
+    assert!(
+        chunked[2].1 >= 11,
+        "the long prompt answered after {} steps",
+        chunked[2].1
+    );
+    // the short prompt behind it is answered in its first step
+    assert_eq!(chunked[3].1, 1, "the short prompt waited for the long one");
+}
+
+#[test]
+fn decoding_rows_take_a_token_every_step_while_a_long_prompt_is_prefilled() {
+    let mut rng = Rng::new(32);
+    let mut s = sched(
+        8192,
+        SchedulerConfig {
+            step_tokens: 32,
+            ..cfg(8, 64)
+        },
+    );
+    let mut a = submit(&mut s, req("a", prompt(&mut rng, 4), 60));
+    s.step();
+    let mut av = Seen::default();
+    av.take(&mut a);
+    assert_eq!(av.tokens.len(), 1);
+    let mut long = submit(&mut s, req("long", prompt(&mut rng, 300), 2));
+    let mut lv = Seen::default();
+    let mut steps = 0;
+    let at = |s: &Scheduler| {
+        s.running
+            .iter()
+            .find(|r| r.req.id == "long")
+            .map_or(0, |r| r.kv.len)
+    };
+    while lv.tokens.is_empty() {
+        let before = at(&s);
+        s.step();
+        steps += 1;
+        av.take(&mut a);
+        lv.take(&mut long);
+        // the step feeds at most 32 tokens: the decoding row's one and 31 of the prompt
+        assert!(
+            at(&s) - before <= 31,
+            "{} tokens in a step",
+            at(&s) - before
+        );
+        assert_eq!(
+            av.tokens.len(),
+            1 + steps,
+            "the decoding row skipped a step"
+        );
+        assert!(
+            steps <= 12,
+            "300 tokens at 31 a step take 10 steps, not {steps}"
+        );
+    }
+    assert_eq!(steps, 10, "300 tokens at 31 a step");
+    run_idle(&mut s, 100);
 }
