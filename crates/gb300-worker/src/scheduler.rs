@@ -212,6 +212,7 @@ struct Meters {
     preemptions: metrics::Counter,
     fair_over: metrics::Counter,
     fair_refused: metrics::Counter,
+    fair_deferred: metrics::Counter,
     grammar: metrics::Histogram,
     grammar_mask: metrics::Histogram,
     grammar_held: metrics::Counter,
@@ -230,6 +231,7 @@ impl Meters {
             preemptions: metrics::counter!(n::KV_PREEMPTIONS),
             fair_over: metrics::counter!(n::FAIR_SHARE, "action" => "over_batch"),
             fair_refused: metrics::counter!(n::FAIR_SHARE, "action" => "refused"),
+            fair_deferred: metrics::counter!(n::FAIR_SHARE, "action" => "prefill_deferred"),
             grammar: metrics::histogram!(n::GRAMMAR_STEP),
             grammar_mask: metrics::histogram!(n::GRAMMAR_MASK),
             grammar_held: metrics::counter!(n::GRAMMAR_HELD),
@@ -252,6 +254,9 @@ pub struct SchedulerConfig {
     /// over several steps, so a long prompt delays the others' next tokens by one chunk's
     /// step, not its whole prefill.
     pub step_tokens: usize,
+    /// How far (in seconds of step time) a client's prompts may run ahead of the client
+    /// served least before they sit out steps; see [`Scheduler::feed`].
+    pub fair_quantum: f64,
 }
 
 impl Default for SchedulerConfig {
@@ -261,6 +266,7 @@ impl Default for SchedulerConfig {
             max_running: 64,
             max_waiting: 1024,
             step_tokens: 512,
+            fair_quantum: 0.02,
         }
     }
 }
@@ -279,6 +285,10 @@ pub struct Scheduler {
     meters: Meters,
     /// Makes the grammars' next masks while the step runs.
     masks: masks::MaskWorker,
+    /// Seconds of step time each client with sequences running has been served (a step's
+    /// time split among its clients by the tokens each fed); a client arriving starts at the
+    /// least of those, so no one banks credit while away.
+    served: HashMap<String, f64>,
     /// `MOELANE_STEP_PACE_MS`: a sleep after each step that ran requests, for drills and
     /// tests that must land a signal or a fault mid-stream (off unless set).
     pace: Option<std::time::Duration>,
@@ -298,6 +308,7 @@ impl Scheduler {
             max_iter_ns: 0,
             meters: Meters::new(),
             masks: masks::MaskWorker::default(),
+            served: HashMap::new(),
             pace: std::env::var("MOELANE_STEP_PACE_MS")
                 .ok()
                 .and_then(|v| v.parse::<u64>().ok())
@@ -764,6 +775,7 @@ impl Scheduler {
                 Err(c) => r.req.constraint = Some(c),
             }
         }
+        let t0 = Instant::now();
         let result = {
             let mut steps: Vec<SeqStep> = Vec::with_capacity(active.len());
             let mut at = 0;
@@ -788,6 +800,7 @@ impl Scheduler {
                     .map(|ids| (None, ids))
             }
         };
+        self.account_step(&active, &feed, t0.elapsed().as_secs_f64());
         let (mut logits, device_ids) = match result {
             Ok(l) => l,
             Err(e) => {
@@ -871,7 +884,13 @@ impl Scheduler {
     /// shares, a share a row does not need going to the others, so short prompts finish at
     /// once beside a long one; a prompt whose log-probabilities are asked goes at most
     /// [`Self::prompt_chunk`] a step. A row left no token sits the step out (never all).
-    fn feed(&self, rows: &[usize]) -> (Vec<usize>, Vec<usize>) {
+    ///
+    /// Among clients, compute is shared by time: the prompts of a client served more than
+    /// [`SchedulerConfig::fair_quantum`] past the client served least (of those with rows
+    /// this step) sit out, while decoding rows always go. A client sending long prompts back
+    /// to back beside another's streams so takes about half the steps' time, not nearly all
+    /// of it; alone, or beside clients that are all ahead of it, it is never held.
+    fn feed(&mut self, rows: &[usize]) -> (Vec<usize>, Vec<usize>) {
         let chunk = self.prompt_chunk();
         let want: Vec<usize> = rows
             .iter()
@@ -884,13 +903,20 @@ impl Scheduler {
                 }
             })
             .collect();
+        let ahead = self.clients_ahead(rows);
         let mut feed = want.clone();
+        for (j, &i) in rows.iter().enumerate() {
+            if want[j] > 1 && ahead.contains(self.running[i].req.client.as_str()) {
+                feed[j] = 0;
+                self.meters.fair_deferred.increment(1);
+            }
+        }
         let limit = self.cfg.step_tokens;
-        let decoding = want.iter().filter(|&&w| w <= 1).count();
-        let prompt_tokens: usize = want.iter().filter(|&&w| w > 1).sum();
+        let decoding = feed.iter().filter(|&&w| w == 1).count();
+        let prompt_tokens: usize = feed.iter().filter(|&&w| w > 1).sum();
         if limit > 0 && decoding + prompt_tokens > limit {
             let mut left = limit.saturating_sub(decoding).max(limit / 4).max(1);
-            let mut order: Vec<usize> = (0..want.len()).filter(|&j| want[j] > 1).collect();
+            let mut order: Vec<usize> = (0..feed.len()).filter(|&j| feed[j] > 1).collect();
             order.sort_by_key(|&j| want[j]);
             let mut n = order.len();
             for j in order {
@@ -909,6 +935,59 @@ impl Scheduler {
             }
         }
         (active, fed)
+    }
+
+    /// The clients of `rows` served more than the quantum past the least served of them
+    /// (none with fewer than two clients). Clients with nothing running are forgotten; one
+    /// seen first starts at the least served.
+    fn clients_ahead(&mut self, rows: &[usize]) -> HashSet<String> {
+        let running: HashSet<&str> = self.running.iter().map(|r| r.req.client.as_str()).collect();
+        self.served.retain(|c, _| running.contains(c.as_str()));
+        let start = self
+            .served
+            .values()
+            .copied()
+            .reduce(f64::min)
+            .unwrap_or(0.0);
+        let clients: HashSet<&str> = rows
+            .iter()
+            .map(|&i| self.running[i].req.client.as_str())
+            .collect();
+        for &c in &clients {
+            if !self.served.contains_key(c) {
+                self.served.insert(c.to_string(), start);
+            }
+        }
+        if clients.len() < 2 {
+            return HashSet::new();
+        }
+        let of = |c: &str| self.served.get(c).copied().unwrap_or(start);
+        let least = clients
+            .iter()
+            .map(|&c| of(c))
+            .reduce(f64::min)
+            .unwrap_or(start);
+        clients
+            .into_iter()
+            .filter(|&c| of(c) > least + self.cfg.fair_quantum)
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// Splits a step's `secs` among the clients of its rows by the tokens each fed.
+    fn account_step(&mut self, active: &[usize], feed: &[usize], secs: f64) {
+        let total: usize = feed.iter().sum();
+        if total == 0 {
+            return;
+        }
+        for (&i, &f) in active.iter().zip(feed) {
+            let Some(r) = self.running.get(i) else {
+                continue;
+            };
+            if let Some(v) = self.served.get_mut(r.req.client.as_str()) {
+                *v += secs * f as f64 / total as f64;
+            }
+        }
     }
 
     /// Prompt tokens a step feeds of a request whose prompt log-probabilities are asked:

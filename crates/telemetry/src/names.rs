@@ -55,7 +55,9 @@ pub const KV_BLOCKS_FREE: &str = "moelane_kv_cache_free_blocks";
 pub const KV_PREEMPTIONS: &str = "moelane_kv_preemptions_total";
 /// counter, label action: what the fair share among clients did (`over_batch`: a sequence
 /// of a client with nothing running admitted past a full batch; `refused`: a full queue's
-/// latest request of the client holding the most places refused for another client's)
+/// latest request of the client holding the most places refused for another client's;
+/// `prefill_deferred`: a prompt's chunk sat out a step, its client served more of the steps'
+/// time than another)
 pub const FAIR_SHARE: &str = "moelane_fair_share_actions_total";
 /// counter: steps that fed part of a sequence's prompt (or recompute), the rest left for the
 /// next steps (the step's token bound, `--max-step-tokens`, or a prompt's log-probabilities)
@@ -255,7 +257,7 @@ pub fn describe() {
     );
     describe_counter!(
         FAIR_SHARE,
-        "What the fair share among clients did: over_batch (a client with nothing running admitted past a full batch) or refused (a full queue's place given up by the client holding the most)"
+        "What the fair share among clients did: over_batch (a client with nothing running admitted past a full batch) refused (a full queue's place given up by the client holding the most) or prefill_deferred (a prompt's chunk sat out a step: its client had more of the steps' time)"
     );
     describe_counter!(
         PREFILL_CHUNKS,

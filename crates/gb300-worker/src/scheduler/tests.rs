@@ -220,6 +220,7 @@ fn prefill_budget_admits_one_prompt_past_it_per_step() {
             max_running: 8,
             max_waiting: 8,
             step_tokens: 0,
+            ..SchedulerConfig::default()
         },
     );
     let mut rng = Rng::new(12);
@@ -1410,4 +1411,69 @@ fn decoding_rows_take_a_token_every_step_while_a_long_prompt_is_prefilled() {
     }
     assert_eq!(steps, 10, "300 tokens at 31 a step");
     run_idle(&mut s, 100);
+}
+
+/// Client "a" streams while client "b"'s 700-token prompt is prefilled 63 tokens a step
+/// under `fair_quantum`: a's tokens and b's chunk steps until b's first token, and a's
+/// whole answer.
+fn beside_a_long_prompt(fair_quantum: f64) -> (usize, usize, Vec<u32>) {
+    let mut rng = Rng::new(33);
+    let mut s = sched(
+        8192,
+        SchedulerConfig {
+            step_tokens: 64,
+            fair_quantum,
+            ..cfg(8, 64)
+        },
+    );
+    let mut a = submit(&mut s, req_of("a", "a", prompt(&mut rng, 4), 200));
+    s.step();
+    let mut av = Seen::default();
+    av.take(&mut a);
+    let mut b = submit(&mut s, req_of("b", "b", prompt(&mut rng, 700), 2));
+    let mut bv = Seen::default();
+    let at = |s: &Scheduler| {
+        s.running
+            .iter()
+            .find(|r| r.req.id == "b")
+            .map_or(0, |r| r.kv.len)
+    };
+    let (before, mut chunks) = (av.tokens.len(), 0);
+    for _ in 0..1000 {
+        let fed = at(&s);
+        s.step();
+        chunks += (at(&s) > fed) as usize;
+        av.take(&mut a);
+        bv.take(&mut b);
+        if !bv.tokens.is_empty() {
+            break;
+        }
+    }
+    assert!(!bv.tokens.is_empty(), "b's prompt starved");
+    let during = av.tokens.len() - before;
+    run_idle(&mut s, 400);
+    av.take(&mut a);
+    assert_eq!(av.finish, Some("length"));
+    (during, chunks, av.tokens)
+}
+
+#[test]
+fn a_client_sending_a_long_prompt_shares_the_steps_time_with_another_clients_stream() {
+    // without the share (an infinite quantum) a takes one token per chunk step of b's;
+    // with it, b's chunks (each ~63x a's decode step's tokens) sit out steps until a has
+    // been served as long, so a takes several tokens per chunk; a's answer is the same
+    let (alone_during, alone_chunks, alone_tokens) = beside_a_long_prompt(f64::INFINITY);
+    assert_eq!(alone_chunks, 12, "700 tokens at 63 a step");
+    assert_eq!(
+        alone_during, alone_chunks,
+        "no share: one token of a per chunk"
+    );
+    let (during, chunks, tokens) = beside_a_long_prompt(0.0);
+    assert_eq!(chunks, 12);
+    eprintln!("a took {during} tokens beside b's {chunks} chunk steps (no share: {alone_during})");
+    assert!(
+        during >= 2 * chunks,
+        "a took {during} tokens beside b's {chunks} chunk steps"
+    );
+    assert_eq!(tokens, alone_tokens, "the share changed a's answer");
 }
