@@ -429,9 +429,9 @@ impl Scheduler {
     }
 
     /// The next sequence to admit and how many its client runs now: of the clients with a
-    /// sequence waiting (preempted or new), the one running the fewest (the earliest such
-    /// on a tie); its oldest preempted sequence first, else its oldest request.
-    fn next_candidate(&self) -> Option<(Next, usize)> {
+    /// sequence waiting (preempted or new) and not in `skip`, the one running the fewest (the
+    /// earliest such on a tie); its oldest preempted sequence first, else its oldest request.
+    fn next_candidate(&self, skip: &HashSet<String>) -> Option<(Next, usize)> {
         let running = self.running_per_client();
         let mut seen: HashSet<&str> = HashSet::new();
         let mut best: Option<(Next, usize)> = None;
@@ -442,7 +442,7 @@ impl Scheduler {
                     .map(|(i, (r, _, _))| (Next::Waiting(i), r.client.as_str())),
             );
         for (next, client) in candidates {
-            if !seen.insert(client) {
+            if !seen.insert(client) || skip.contains(client) {
                 continue;
             }
             let n = running.get(client).copied().unwrap_or(0);
@@ -454,6 +454,26 @@ impl Scheduler {
             }
         }
         best
+    }
+
+    /// The client of a candidate.
+    fn candidate_client(&self, next: Next) -> &str {
+        match next {
+            Next::Preempted(i) => self.preempted.get(i).map_or("", |r| r.req.client.as_str()),
+            Next::Waiting(i) => self
+                .waiting
+                .get(i)
+                .map_or("", |(r, _, _)| r.client.as_str()),
+        }
+    }
+
+    /// Prompt (or recompute) tokens `client`'s running sequences have still to feed.
+    fn prompt_backlog(&self, client: &str) -> usize {
+        self.running
+            .iter()
+            .filter(|r| r.req.client == client && r.next.len() > 1)
+            .map(|r| r.next.len())
+            .sum()
     }
 
     /// Prompt (or recompute) tokens of a candidate.
@@ -551,10 +571,24 @@ impl Scheduler {
     /// [`Self::over_batch`] such places at once): a place, not a preemption, so a client
     /// sending short requests one after another costs the others no recompute. Nothing is
     /// admitted past a candidate that does not fit, so no one starves.
+    ///
+    /// A client's sequence is not admitted while that client's running sequences have prompt
+    /// tokens still to feed and the sequence's would take them past `prefill_budget`
+    /// (prefills go in chunks; with none pending, one is admitted whatever its length): a burst of long
+    /// prompts would otherwise be admitted within a few short steps, its whole prompts' KV
+    /// taken, and another client's request would wait for the cache until the burst's
+    /// prefills (sharing each step) all but ended.
     fn admit(&mut self) -> usize {
         let mut budget = self.cfg.prefill_budget;
         let mut admitted = 0;
-        while let Some((next, n)) = self.next_candidate() {
+        let mut skip: HashSet<String> = HashSet::new();
+        while let Some((next, n)) = self.next_candidate(&skip) {
+            let client = self.candidate_client(next).to_string();
+            let backlog = self.prompt_backlog(&client);
+            if backlog > 0 && backlog + self.candidate_len(next) > self.cfg.prefill_budget {
+                skip.insert(client);
+                continue;
+            }
             let over = self.running.len() >= self.cfg.max_running;
             if over && (n > 0 || self.running.len() >= self.cfg.max_running + self.over_batch()) {
                 break;

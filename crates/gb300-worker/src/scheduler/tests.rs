@@ -1477,3 +1477,46 @@ fn a_client_sending_a_long_prompt_shares_the_steps_time_with_another_clients_str
     );
     assert_eq!(tokens, alone_tokens, "the share changed a's answer");
 }
+
+#[test]
+fn a_burst_of_long_prompts_does_not_take_the_cache_from_another_clients_request() {
+    // b sends six 700-token prompts at once into a cache that holds all six (44 blocks
+    // each, 268 in all); a short request of a's comes 3 steps later. Prefills go 64 tokens a
+    // step, so admitted together the six would hold the cache for ~70 steps; b has only
+    // 2,048 prompt tokens admitted at a time, and a is answered at once
+    let mut rng = Rng::new(34);
+    let mut s = sched(
+        268 * BLOCK,
+        SchedulerConfig {
+            step_tokens: 64,
+            ..cfg(8, 64)
+        },
+    );
+    let mut bs: Vec<_> = (0..6)
+        .map(|i| {
+            let r = req_of("b", &format!("b{i}"), prompt(&mut rng, 700), 4);
+            (submit(&mut s, r), Seen::default())
+        })
+        .collect();
+    for _ in 0..3 {
+        s.step();
+    }
+    let admitted = s.running.len();
+    assert!(admitted <= 3, "{admitted} of b's prompts admitted at once");
+    let mut a = submit(&mut s, req_of("a", "a", prompt(&mut rng, 5), 3));
+    let mut av = Seen::default();
+    let mut steps = 0;
+    while av.tokens.is_empty() {
+        s.step();
+        steps += 1;
+        av.take(&mut a);
+        assert!(steps <= 3, "a waited {steps} steps behind b's burst");
+    }
+    run_idle(&mut s, 1000);
+    av.take(&mut a);
+    assert_eq!(av.finish, Some("length"));
+    for (rx, v) in &mut bs {
+        v.take(rx);
+        assert_eq!(v.finish, Some("length"), "{v:?}");
+    }
+}
