@@ -254,9 +254,10 @@ pub struct SchedulerConfig {
     /// over several steps, so a long prompt delays the others' next tokens by one chunk's
     /// step, not its whole prefill.
     pub step_tokens: usize,
-    /// How far (in seconds of step time) a client's prompts may run ahead of the client
-    /// served least before they sit out steps; see [`Scheduler::feed`].
-    pub fair_quantum: f64,
+    /// Whether clients share the steps' time: after a step in which a client's prompt took
+    /// time beside another client's rows, its prompts sit out until as much time has gone
+    /// to other steps; see [`Scheduler::feed`].
+    pub share_time: bool,
 }
 
 impl Default for SchedulerConfig {
@@ -266,7 +267,7 @@ impl Default for SchedulerConfig {
             max_running: 64,
             max_waiting: 1024,
             step_tokens: 512,
-            fair_quantum: 0.02,
+            share_time: true,
         }
     }
 }
@@ -285,10 +286,10 @@ pub struct Scheduler {
     meters: Meters,
     /// Makes the grammars' next masks while the step runs.
     masks: masks::MaskWorker,
-    /// Seconds of step time each client with sequences running has been served (a step's
-    /// time split among its clients by the tokens each fed); a client arriving starts at the
-    /// least of those, so no one banks credit while away.
-    served: HashMap<String, f64>,
+    /// Seconds of step time since the start (the clock of [`Self::held_until`]).
+    clock: f64,
+    /// Clients whose prompts sit out steps until [`Self::clock`] passes the time given.
+    held_until: HashMap<String, f64>,
     /// `MOELANE_STEP_PACE_MS`: a sleep after each step that ran requests, for drills and
     /// tests that must land a signal or a fault mid-stream (off unless set).
     pace: Option<std::time::Duration>,
@@ -308,7 +309,8 @@ impl Scheduler {
             max_iter_ns: 0,
             meters: Meters::new(),
             masks: masks::MaskWorker::default(),
-            served: HashMap::new(),
+            clock: 0.0,
+            held_until: HashMap::new(),
             pace: std::env::var("MOELANE_STEP_PACE_MS")
                 .ok()
                 .and_then(|v| v.parse::<u64>().ok())
@@ -572,9 +574,10 @@ impl Scheduler {
     /// sending short requests one after another costs the others no recompute. Nothing is
     /// admitted past a candidate that does not fit, so no one starves.
     ///
-    /// A client's sequence is not admitted while that client's running sequences have prompt
-    /// tokens still to feed and the sequence's would take them past `prefill_budget`
-    /// (prefills go in chunks; with none pending, one is admitted whatever its length): a burst of long
+    /// A client's new request longer than a step's tokens is not admitted while that
+    /// client's running sequences have prompt tokens still to feed and its prompt would take
+    /// them past `prefill_budget` (prefills go in chunks; with none pending, one is admitted
+    /// whatever its length; short requests and preempted sequences are not held): a burst of long
     /// prompts would otherwise be admitted within a few short steps, its whole prompts' KV
     /// taken, and another client's request would wait for the cache until the burst's
     /// prefills (sharing each step) all but ended.
@@ -585,7 +588,12 @@ impl Scheduler {
         while let Some((next, n)) = self.next_candidate(&skip) {
             let client = self.candidate_client(next).to_string();
             let backlog = self.prompt_backlog(&client);
-            if backlog > 0 && backlog + self.candidate_len(next) > self.cfg.prefill_budget {
+            let len = self.candidate_len(next);
+            if matches!(next, Next::Waiting(_))
+                && len > self.cfg.step_tokens
+                && backlog > 0
+                && backlog + len > self.cfg.prefill_budget
+            {
                 skip.insert(client);
                 continue;
             }
@@ -593,7 +601,6 @@ impl Scheduler {
             if over && (n > 0 || self.running.len() >= self.cfg.max_running + self.over_batch()) {
                 break;
             }
-            let len = self.candidate_len(next);
             if admitted > 0 && len > budget {
                 break;
             }
@@ -758,6 +765,12 @@ impl Scheduler {
         // the tokens each row feeds this step (a row whose prompt waits for the budget sits
         // the step out)
         let (active, feed) = self.feed(&rows);
+        // whether other clients' rows were in the step (a client's prompt then holds it)
+        let shared = {
+            let mut c = rows.iter().map(|&i| self.running[i].req.client.as_str());
+            let first = c.next();
+            c.any(|x| Some(x) != first)
+        };
         if active.is_empty() {
             // every row waits for its grammar's mask: wait for one (bounded, so commands
             // are still answered)
@@ -834,7 +847,7 @@ impl Scheduler {
                     .map(|ids| (None, ids))
             }
         };
-        self.account_step(&active, &feed, t0.elapsed().as_secs_f64());
+        self.account_step(&active, &feed, t0.elapsed().as_secs_f64(), shared);
         let (mut logits, device_ids) = match result {
             Ok(l) => l,
             Err(e) => {
@@ -919,11 +932,12 @@ impl Scheduler {
     /// once beside a long one; a prompt whose log-probabilities are asked goes at most
     /// [`Self::prompt_chunk`] a step. A row left no token sits the step out (never all).
     ///
-    /// Among clients, compute is shared by time: the prompts of a client served more than
-    /// [`SchedulerConfig::fair_quantum`] past the client served least (of those with rows
-    /// this step) sit out, while decoding rows always go. A client sending long prompts back
-    /// to back beside another's streams so takes about half the steps' time, not nearly all
-    /// of it; alone, or beside clients that are all ahead of it, it is never held.
+    /// Among clients, the steps' time is shared ([`SchedulerConfig::share_time`]): after a
+    /// step in which a client's prompt took time beside another client's rows, that
+    /// client's prompts sit out until as much step time has gone by (its decoding rows
+    /// always go). A client sending long prompts back to back beside another's streams so
+    /// takes at most about half the steps' time, not nearly all of it, and its prompts always
+    /// go on within their own chunk's time; alone it is never held.
     fn feed(&mut self, rows: &[usize]) -> (Vec<usize>, Vec<usize>) {
         let chunk = self.prompt_chunk();
         let want: Vec<usize> = rows
@@ -937,10 +951,10 @@ impl Scheduler {
                 }
             })
             .collect();
-        let ahead = self.clients_ahead(rows);
+        let held = self.clients_held(rows);
         let mut feed = want.clone();
         for (j, &i) in rows.iter().enumerate() {
-            if want[j] > 1 && ahead.contains(self.running[i].req.client.as_str()) {
+            if want[j] > 1 && held.contains(self.running[i].req.client.as_str()) {
                 feed[j] = 0;
                 self.meters.fair_deferred.increment(1);
             }
@@ -951,7 +965,13 @@ impl Scheduler {
         if limit > 0 && decoding + prompt_tokens > limit {
             let mut left = limit.saturating_sub(decoding).max(limit / 4).max(1);
             let mut order: Vec<usize> = (0..feed.len()).filter(|&j| feed[j] > 1).collect();
-            order.sort_by_key(|&j| want[j]);
+            if left >= order.len() {
+                // every prompt gets a token: the shortest first, so short ones end at once
+                order.sort_by_key(|&j| want[j]);
+            } else {
+                // fewer tokens than prompts: the earliest arrivals, so none waits forever
+                order.sort_by_key(|&j| self.running[rows[j]].arrival);
+            }
             let mut n = order.len();
             for j in order {
                 let share = left.div_ceil(n);
@@ -971,56 +991,52 @@ impl Scheduler {
         (active, fed)
     }
 
-    /// The clients of `rows` served more than the quantum past the least served of them
-    /// (none with fewer than two clients). Clients with nothing running are forgotten; one
-    /// seen first starts at the least served.
-    fn clients_ahead(&mut self, rows: &[usize]) -> HashSet<String> {
-        let running: HashSet<&str> = self.running.iter().map(|r| r.req.client.as_str()).collect();
-        self.served.retain(|c, _| running.contains(c.as_str()));
-        let start = self
-            .served
-            .values()
-            .copied()
-            .reduce(f64::min)
-            .unwrap_or(0.0);
+    /// The clients of `rows` whose prompts sit out this step (none with fewer than two
+    /// clients; never all of them: the one held the shortest goes).
+    fn clients_held(&mut self, rows: &[usize]) -> HashSet<String> {
+        let clock = self.clock;
+        self.held_until.retain(|_, t| *t > clock);
+        if !self.cfg.share_time || self.held_until.is_empty() {
+            return HashSet::new();
+        }
         let clients: HashSet<&str> = rows
             .iter()
             .map(|&i| self.running[i].req.client.as_str())
             .collect();
-        for &c in &clients {
-            if !self.served.contains_key(c) {
-                self.served.insert(c.to_string(), start);
-            }
-        }
         if clients.len() < 2 {
             return HashSet::new();
         }
-        let of = |c: &str| self.served.get(c).copied().unwrap_or(start);
-        let least = clients
+        let mut held: Vec<(&str, f64)> = clients
             .iter()
-            .map(|&c| of(c))
-            .reduce(f64::min)
-            .unwrap_or(start);
-        clients
-            .into_iter()
-            .filter(|&c| of(c) > least + self.cfg.fair_quantum)
-            .map(str::to_string)
-            .collect()
+            .filter_map(|&c| self.held_until.get(c).map(|&t| (c, t)))
+            .collect();
+        if held.len() == clients.len() {
+            if let Some(k) = (0..held.len()).min_by(|&a, &b| held[a].1.total_cmp(&held[b].1)) {
+                held.swap_remove(k);
+            }
+        }
+        held.into_iter().map(|(c, _)| c.to_string()).collect()
     }
 
-    /// Splits a step's `secs` among the clients of its rows by the tokens each fed.
-    fn account_step(&mut self, active: &[usize], feed: &[usize], secs: f64) {
+    /// Advances the clock by a step's `secs`; a client whose prompt tokens took part of it
+    /// (split by tokens fed) beside another client's rows (`shared`) is held for that part.
+    fn account_step(&mut self, active: &[usize], feed: &[usize], secs: f64, shared: bool) {
+        self.clock += secs;
         let total: usize = feed.iter().sum();
-        if total == 0 {
+        if !self.cfg.share_time || !shared || total == 0 {
             return;
         }
+        let mut took: HashMap<&str, f64> = HashMap::new();
         for (&i, &f) in active.iter().zip(feed) {
             let Some(r) = self.running.get(i) else {
                 continue;
             };
-            if let Some(v) = self.served.get_mut(r.req.client.as_str()) {
-                *v += secs * f as f64 / total as f64;
+            if r.next.len() > 1 {
+                *took.entry(r.req.client.as_str()).or_default() += secs * f as f64 / total as f64;
             }
+        }
+        for (c, t) in took {
+            self.held_until.insert(c.to_string(), self.clock + t);
         }
     }
 

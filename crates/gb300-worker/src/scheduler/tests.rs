@@ -1414,15 +1414,15 @@ fn decoding_rows_take_a_token_every_step_while_a_long_prompt_is_prefilled() {
 }
 
 /// Client "a" streams while client "b"'s 700-token prompt is prefilled 63 tokens a step
-/// under `fair_quantum`: a's tokens and b's chunk steps until b's first token, and a's
-/// whole answer.
-fn beside_a_long_prompt(fair_quantum: f64) -> (usize, usize, Vec<u32>) {
+/// (the steps' time shared or not): a's tokens and b's chunk steps until b's first token,
+/// and a's whole answer.
+fn beside_a_long_prompt(share_time: bool) -> (usize, usize, Vec<u32>) {
     let mut rng = Rng::new(33);
     let mut s = sched(
         8192,
         SchedulerConfig {
             step_tokens: 64,
-            fair_quantum,
+            share_time,
             ..cfg(8, 64)
         },
     );
@@ -1459,16 +1459,16 @@ fn beside_a_long_prompt(fair_quantum: f64) -> (usize, usize, Vec<u32>) {
 
 #[test]
 fn a_client_sending_a_long_prompt_shares_the_steps_time_with_another_clients_stream() {
-    // without the share (an infinite quantum) a takes one token per chunk step of b's;
-    // with it, b's chunks (each ~63x a's decode step's tokens) sit out steps until a has
-    // been served as long, so a takes several tokens per chunk; a's answer is the same
-    let (alone_during, alone_chunks, alone_tokens) = beside_a_long_prompt(f64::INFINITY);
+    // without the share a takes one token per chunk step of b's; with it, after each chunk
+    // (63 tokens against a's one) b's prompt sits out for as long as the chunk took, so a
+    // takes several tokens per chunk; a's answer is the same
+    let (alone_during, alone_chunks, alone_tokens) = beside_a_long_prompt(false);
     assert_eq!(alone_chunks, 12, "700 tokens at 63 a step");
     assert_eq!(
         alone_during, alone_chunks,
         "no share: one token of a per chunk"
     );
-    let (during, chunks, tokens) = beside_a_long_prompt(0.0);
+    let (during, chunks, tokens) = beside_a_long_prompt(true);
     assert_eq!(chunks, 12);
     eprintln!("a took {during} tokens beside b's {chunks} chunk steps (no share: {alone_during})");
     assert!(
@@ -1519,4 +1519,67 @@ fn a_burst_of_long_prompts_does_not_take_the_cache_from_another_clients_request(
         v.take(rx);
         assert_eq!(v.finish, Some("length"), "{v:?}");
     }
+}
+
+#[test]
+fn a_clients_prompt_goes_on_beside_its_own_and_another_clients_streams() {
+    // a and c each stream; a then sends a 700-token prompt. Its chunks sit out for their
+    // own time after each (the share), but go on: it is answered long before c's stream
+    // ends (an earlier share counted decoding time too, and held the prompt until then)
+    let mut rng = Rng::new(35);
+    let mut s = sched(
+        8192,
+        SchedulerConfig {
+            step_tokens: 64,
+            ..cfg(8, 64)
+        },
+    );
+    let _a = submit(&mut s, req_of("a", "a0", prompt(&mut rng, 4), 1500));
+    let mut c = submit(&mut s, req_of("c", "c0", prompt(&mut rng, 4), 1500));
+    for _ in 0..3 {
+        s.step();
+    }
+    let mut p = submit(&mut s, req_of("a", "a1", prompt(&mut rng, 700), 2));
+    let (mut pv, mut cv) = (Seen::default(), Seen::default());
+    for _ in 0..1400 {
+        s.step();
+        pv.take(&mut p);
+        cv.take(&mut c);
+        if !pv.tokens.is_empty() {
+            break;
+        }
+    }
+    assert!(!pv.tokens.is_empty(), "a's prompt never answered");
+    assert!(
+        !cv.ended(),
+        "a's prompt waited for c's stream to end ({} tokens)",
+        cv.tokens.len()
+    );
+}
+
+#[test]
+fn a_short_request_is_admitted_beside_its_own_clients_long_prompt() {
+    // one client (one key, one proxy): a 1,500-token prompt past the 512-token budget of
+    // pending prompt tokens, then a 9-token request, which is not held behind it
+    let mut rng = Rng::new(36);
+    let mut s = sched(
+        8192,
+        SchedulerConfig {
+            step_tokens: 64,
+            prefill_budget: 512,
+            ..cfg(8, 64)
+        },
+    );
+    let _long = submit(&mut s, req("long", prompt(&mut rng, 1500), 2));
+    s.step();
+    let mut short = submit(&mut s, req("short", prompt(&mut rng, 9), 2));
+    let mut v = Seen::default();
+    let mut steps = 0;
+    while v.tokens.is_empty() {
+        s.step();
+        steps += 1;
+        v.take(&mut short);
+        assert!(steps <= 2, "the short request waited {steps} steps");
+    }
+    run_idle(&mut s, 200);
 }
