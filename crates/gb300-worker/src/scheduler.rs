@@ -431,8 +431,9 @@ impl Scheduler {
     }
 
     /// The next sequence to admit and how many its client runs now: of the clients with a
-    /// sequence waiting (preempted or new) and not in `skip`, the one running the fewest (the
-    /// earliest such on a tie); its oldest preempted sequence first, else its oldest request.
+    /// sequence waiting (preempted or new), the one running the fewest (the earliest such
+    /// on a tie); its oldest preempted sequence first, else its oldest request not in `skip`
+    /// (request ids held back this admission).
     fn next_candidate(&self, skip: &HashSet<String>) -> Option<(Next, usize)> {
         let running = self.running_per_client();
         let mut seen: HashSet<&str> = HashSet::new();
@@ -441,10 +442,11 @@ impl Scheduler {
             .map(|(i, r)| (Next::Preempted(i), r.req.client.as_str()))
             .chain(
                 (self.waiting.iter().enumerate())
+                    .filter(|(_, (r, _, _))| !skip.contains(&r.id))
                     .map(|(i, (r, _, _))| (Next::Waiting(i), r.client.as_str())),
             );
         for (next, client) in candidates {
-            if !seen.insert(client) || skip.contains(client) {
+            if !seen.insert(client) {
                 continue;
             }
             let n = running.get(client).copied().unwrap_or(0);
@@ -594,8 +596,14 @@ impl Scheduler {
                 && backlog > 0
                 && backlog + len > self.cfg.prefill_budget
             {
-                skip.insert(client);
-                continue;
+                // its client's shorter requests behind it may still go
+                if let Next::Waiting(i) = next {
+                    if let Some((r, _, _)) = self.waiting.get(i) {
+                        skip.insert(r.id.clone());
+                        continue;
+                    }
+                }
+                break;
             }
             let over = self.running.len() >= self.cfg.max_running;
             if over && (n > 0 || self.running.len() >= self.cfg.max_running + self.over_batch()) {

@@ -1560,7 +1560,8 @@ fn a_clients_prompt_goes_on_beside_its_own_and_another_clients_streams() {
 #[test]
 fn a_short_request_is_admitted_beside_its_own_clients_long_prompt() {
     // one client (one key, one proxy): a 1,500-token prompt past the 512-token budget of
-    // pending prompt tokens, then a 9-token request, which is not held behind it
+    // pending prompt tokens, another waiting behind it, then a 9-token request, which is
+    // held behind neither
     let mut rng = Rng::new(36);
     let mut s = sched(
         8192,
@@ -1572,6 +1573,9 @@ fn a_short_request_is_admitted_beside_its_own_clients_long_prompt() {
     );
     let _long = submit(&mut s, req("long", prompt(&mut rng, 1500), 2));
     s.step();
+    let _long2 = submit(&mut s, req("long2", prompt(&mut rng, 1500), 2));
+    s.step();
+    assert_eq!(s.waiting.len(), 1, "the second long prompt waits");
     let mut short = submit(&mut s, req("short", prompt(&mut rng, 9), 2));
     let mut v = Seen::default();
     let mut steps = 0;
