@@ -191,7 +191,8 @@ fn environment_sets_flags_and_the_command_line_wins() {
         let f = dir.join("lane.toml");
         std::fs::write(
             &f,
-            "role = \"sidecar\"\nmax-running = 9\nshm-bytes = 4096\ndevice = \"cpu\"\n\
+            "role = \"sidecar\"\nmax-running = 9\nmax-step-tokens = 32\nshm-bytes = 4096\n\
+             device = \"cpu\"\n\
              [residency]\nmargin = 0.75\nspare-slots = 3\n",
         )
         .unwrap();
@@ -204,6 +205,7 @@ fn environment_sets_flags_and_the_command_line_wins() {
         );
         assert_eq!(a.max_running, Some(7));
         assert_eq!(a.shm_bytes, Some(4096), "the file fills the rest");
+        assert_eq!(a.max_step_tokens, Some(32));
         assert_eq!(a.residency.margin, 0.5);
         assert_eq!(a.residency.spare_slots, 3);
         let _ = std::fs::remove_dir_all(&dir);
