@@ -460,17 +460,6 @@ impl Scheduler {
         best
     }
 
-    /// The client of a candidate.
-    fn candidate_client(&self, next: Next) -> &str {
-        match next {
-            Next::Preempted(i) => self.preempted.get(i).map_or("", |r| r.req.client.as_str()),
-            Next::Waiting(i) => self
-                .waiting
-                .get(i)
-                .map_or("", |(r, _, _)| r.client.as_str()),
-        }
-    }
-
     /// Prompt (or recompute) tokens `client`'s running sequences have still to feed.
     fn prompt_backlog(&self, client: &str) -> usize {
         self.running
@@ -588,22 +577,23 @@ impl Scheduler {
         let mut admitted = 0;
         let mut skip: HashSet<String> = HashSet::new();
         while let Some((next, n)) = self.next_candidate(&skip) {
-            let client = self.candidate_client(next).to_string();
-            let backlog = self.prompt_backlog(&client);
             let len = self.candidate_len(next);
-            if matches!(next, Next::Waiting(_))
-                && len > self.cfg.step_tokens
-                && backlog > 0
-                && backlog + len > self.cfg.prefill_budget
-            {
-                // its client's shorter requests behind it may still go
-                if let Next::Waiting(i) = next {
-                    if let Some((r, _, _)) = self.waiting.get(i) {
-                        skip.insert(r.id.clone());
-                        continue;
-                    }
-                }
-                break;
+            // a long request of a client with prompt tokens pending past the budget is passed
+            // over: its client's shorter requests behind it may still go
+            let passed = match next {
+                Next::Waiting(i) if len > self.cfg.step_tokens => self
+                    .waiting
+                    .get(i)
+                    .filter(|(r, _, _)| {
+                        let backlog = self.prompt_backlog(&r.client);
+                        backlog > 0 && backlog + len > self.cfg.prefill_budget
+                    })
+                    .map(|(r, _, _)| r.id.clone()),
+                _ => None,
+            };
+            if let Some(id) = passed {
+                skip.insert(id);
+                continue;
             }
             let over = self.running.len() >= self.cfg.max_running;
             if over && (n > 0 || self.running.len() >= self.cfg.max_running + self.over_batch()) {

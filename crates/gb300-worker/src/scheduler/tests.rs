@@ -1297,6 +1297,14 @@ fn requests_whose_clients_left_hold_no_place_in_the_queue() {
     assert_eq!(s.snapshot().cancelled, 4);
 }
 
+/// [`cfg`] of 8 places and 64 waiting, with a step of at most `step_tokens`.
+fn chunked(step_tokens: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        step_tokens,
+        ..cfg(8, 64)
+    }
+}
+
 /// Runs `reqs` (prompt, max_tokens) arriving one step apart under `step_tokens`; each one's
 /// tokens, and the steps from its arrival to its first token.
 fn run_arriving(step_tokens: usize, reqs: &[(Vec<u32>, usize)]) -> Vec<(Vec<u32>, usize)> {
@@ -1366,13 +1374,7 @@ fn a_long_prompt_goes_in_chunks_and_every_stream_is_the_unchunked_one() {
 #[test]
 fn decoding_rows_take_a_token_every_step_while_a_long_prompt_is_prefilled() {
     let mut rng = Rng::new(32);
-    let mut s = sched(
-        8192,
-        SchedulerConfig {
-            step_tokens: 32,
-            ..cfg(8, 64)
-        },
-    );
+    let mut s = sched(8192, chunked(32));
     let mut a = submit(&mut s, req("a", prompt(&mut rng, 4), 60));
     s.step();
     let mut av = Seen::default();
@@ -1421,9 +1423,8 @@ fn beside_a_long_prompt(share_time: bool) -> (usize, usize, Vec<u32>) {
     let mut s = sched(
         8192,
         SchedulerConfig {
-            step_tokens: 64,
             share_time,
-            ..cfg(8, 64)
+            ..chunked(64)
         },
     );
     let mut a = submit(&mut s, req_of("a", "a", prompt(&mut rng, 4), 200));
@@ -1485,13 +1486,7 @@ fn a_burst_of_long_prompts_does_not_take_the_cache_from_another_clients_request(
     // step, so admitted together the six would hold the cache for ~70 steps; b has only
     // 2,048 prompt tokens admitted at a time, and a is answered at once
     let mut rng = Rng::new(34);
-    let mut s = sched(
-        268 * BLOCK,
-        SchedulerConfig {
-            step_tokens: 64,
-            ..cfg(8, 64)
-        },
-    );
+    let mut s = sched(268 * BLOCK, chunked(64));
     let mut bs: Vec<_> = (0..6)
         .map(|i| {
             let r = req_of("b", &format!("b{i}"), prompt(&mut rng, 700), 4);
@@ -1527,13 +1522,7 @@ fn a_clients_prompt_goes_on_beside_its_own_and_another_clients_streams() {
     // own time after each (the share), but go on: it is answered long before c's stream
     // ends (an earlier share counted decoding time too, and held the prompt until then)
     let mut rng = Rng::new(35);
-    let mut s = sched(
-        8192,
-        SchedulerConfig {
-            step_tokens: 64,
-            ..cfg(8, 64)
-        },
-    );
+    let mut s = sched(8192, chunked(64));
     let _a = submit(&mut s, req_of("a", "a0", prompt(&mut rng, 4), 1500));
     let mut c = submit(&mut s, req_of("c", "c0", prompt(&mut rng, 4), 1500));
     for _ in 0..3 {
@@ -1566,9 +1555,8 @@ fn a_short_request_is_admitted_beside_its_own_clients_long_prompt() {
     let mut s = sched(
         8192,
         SchedulerConfig {
-            step_tokens: 64,
             prefill_budget: 512,
-            ..cfg(8, 64)
+            ..chunked(64)
         },
     );
     let _long = submit(&mut s, req("long", prompt(&mut rng, 1500), 2));
