@@ -317,9 +317,12 @@ pub struct NcclEnd {
 }
 
 /// Opens a data link of `kind` ("tcp", "shm", "nccl") to `endpoint`, as REGISTER answered.
+/// Over TCP with cluster TLS the sidecar's certificate is checked for `host` (the host the
+/// primary reached the sidecar at for control), or for the endpoint's own host without one.
 pub fn open_link(
     kind: &str,
     endpoint: &str,
+    host: Option<&str>,
     timeout: Duration,
     nccl: Option<NcclEnd>,
 ) -> moelane_engine::Result<Box<dyn RemoteTier>> {
@@ -339,7 +342,10 @@ pub fn open_link(
                 timeout,
             )?)
         }
-        "tcp" => Box::new(moelane_link::tcp::TcpTier::connect(endpoint, timeout)?),
+        "tcp" => Box::new(match host {
+            Some(h) => moelane_link::tcp::TcpTier::connect_named(endpoint, h, timeout)?,
+            None => moelane_link::tcp::TcpTier::connect(endpoint, timeout)?,
+        }),
         "shm" => Box::new(moelane_link::shm::ShmTier::open(
             Path::new(endpoint),
             timeout,

@@ -1,24 +1,31 @@
 //! TCP link (between hosts): length-prefixed frames on one connection, Nagle off. The
 //! client's reads have a deadline, so a dead sidecar is an error on the step, not a hang.
+//!
+//! With the cluster's mutual TLS set (`--cluster-tls-*`), the connection is TLS (rustls,
+//! blocking, ALPN `moelane-link/1`): the sidecar requires a client certificate of the cluster
+//! CA, the primary checks the sidecar's certificate for the host it dialled for control (or
+//! `--cluster-tls-name`), and the frames travel encrypted. The cluster token, when set, is
+//! still presented inside it.
 
-use std::io::{Read, Write};
+use std::io::{IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use moelane_engine::error::Fault;
 use moelane_engine::tier::{ColdReply, ColdRequest, RemoteTier};
 use moelane_engine::{Error, Result};
+use moelane_proto::tls::rustls;
 
 use crate::frame::{self, MAX_FRAME};
 use crate::ColdService;
 
-fn read_frame(s: &mut TcpStream, buf: &mut Vec<u8>) -> std::io::Result<()> {
+fn read_frame<S: Read>(s: &mut S, buf: &mut Vec<u8>) -> std::io::Result<()> {
     read_frame_max(s, buf, MAX_FRAME)
 }
 
 /// [`read_frame`] refusing frames over `max` bytes.
-fn read_frame_max(s: &mut TcpStream, buf: &mut Vec<u8>, max: usize) -> std::io::Result<()> {
+fn read_frame_max<S: Read>(s: &mut S, buf: &mut Vec<u8>, max: usize) -> std::io::Result<()> {
     let mut len = [0u8; 4];
     s.read_exact(&mut len)?;
     let n = u32::from_le_bytes(len) as usize;
@@ -45,20 +52,153 @@ fn read_frame_max(s: &mut TcpStream, buf: &mut Vec<u8>, max: usize) -> std::io::
 /// a restarted primary's, or someone else's): past it a new one is closed at once.
 pub const MAX_CONNECTIONS: usize = 16;
 
-fn write_frame(s: &mut TcpStream, buf: &[u8]) -> std::io::Result<()> {
+/// A frame written as two writes (the opening exchange; the step's frames go through
+/// [`Conn::write_frame`]).
+fn write_frame<S: Write>(s: &mut S, buf: &[u8]) -> std::io::Result<()> {
     s.write_all(&(buf.len() as u32).to_le_bytes())?;
-    s.write_all(buf)
+    s.write_all(buf)?;
+    s.flush()
 }
 
-/// The first frame of a connection when the deployment has a cluster token: these bytes,
-/// then the token. The sidecar answers [`AUTH_OK`]; a connection that does not open with a
-/// token it accepts, within [`AUTH_DEADLINE`], is closed unanswered.
+/// `a` then `b` in as few system calls as the socket takes (one, mostly: a frame's length
+/// and body leave in one segment).
+fn write_two(s: &mut TcpStream, a: &[u8], b: &[u8]) -> std::io::Result<()> {
+    let mut off = 0;
+    while off < a.len() + b.len() {
+        let r = if off < a.len() {
+            s.write_vectored(&[IoSlice::new(&a[off..]), IoSlice::new(b)])
+        } else {
+            s.write(&b[off - a.len()..])
+        };
+        match r {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => off += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// A frame on a TLS connection: both parts sealed into records, then sent together.
+fn tls_write<D: rustls::SideData>(
+    c: &mut rustls::ConnectionCommon<D>,
+    sock: &mut TcpStream,
+    len: &[u8],
+    buf: &[u8],
+) -> std::io::Result<()> {
+    c.writer().write_all(len)?;
+    c.writer().write_all(buf)?;
+    while c.wants_write() {
+        if c.write_tls(sock)? == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+    }
+    Ok(())
+}
+
+/// One end of a data connection: plain TCP, or TLS over it.
+enum Conn {
+    Plain(TcpStream),
+    Client(Box<rustls::StreamOwned<rustls::ClientConnection, TcpStream>>),
+    Server(Box<rustls::StreamOwned<rustls::ServerConnection, TcpStream>>),
+}
+
+impl Conn {
+    fn sock(&self) -> &TcpStream {
+        match self {
+            Conn::Plain(s) => s,
+            Conn::Client(t) => &t.sock,
+            Conn::Server(t) => &t.sock,
+        }
+    }
+
+    fn write_frame(&mut self, buf: &[u8]) -> std::io::Result<()> {
+        let len = (buf.len() as u32).to_le_bytes();
+        match self {
+            Conn::Plain(s) => write_two(s, &len, buf),
+            Conn::Client(t) => {
+                let t = &mut **t;
+                tls_write(&mut t.conn, &mut t.sock, &len, buf)
+            }
+            Conn::Server(t) => {
+                let t = &mut **t;
+                tls_write(&mut t.conn, &mut t.sock, &len, buf)
+            }
+        }
+    }
+}
+
+impl Read for Conn {
+    fn read(&mut self, b: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Conn::Plain(s) => s.read(b),
+            Conn::Client(t) => t.read(b),
+            Conn::Server(t) => t.read(b),
+        }
+    }
+}
+
+/// A socket whose reads and writes all end by `until` (each waits at most what is left): a
+/// peer that sends a byte now and then cannot hold the opening exchange longer.
+struct Timed<'a> {
+    s: &'a TcpStream,
+    until: Instant,
+}
+
+impl Timed<'_> {
+    fn left(&self) -> std::io::Result<Duration> {
+        let left = self.until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the opening exchange took too long",
+            ));
+        }
+        Ok(left)
+    }
+}
+
+impl Read for Timed<'_> {
+    fn read(&mut self, b: &mut [u8]) -> std::io::Result<usize> {
+        self.s.set_read_timeout(Some(self.left()?))?;
+        let mut s = self.s;
+        s.read(b)
+    }
+}
+
+impl Write for Timed<'_> {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.s.set_write_timeout(Some(self.left()?))?;
+        let mut s = self.s;
+        s.write(b)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Completes a TLS handshake on `io`.
+fn handshake<D: rustls::SideData, S: Read + Write>(
+    c: &mut rustls::ConnectionCommon<D>,
+    io: &mut S,
+) -> std::io::Result<()> {
+    while c.is_handshaking() {
+        c.complete_io(io)?;
+    }
+    Ok(())
+}
+
+/// The first frame of a connection when the deployment has a cluster token or TLS: these
+/// bytes, then the token (none over TLS without a token). The sidecar answers [`AUTH_OK`]; a
+/// connection that does not open with a token it accepts, within [`AUTH_DEADLINE`] of its
+/// opening (the TLS handshake included), is closed unanswered.
 pub const AUTH_MAGIC: &[u8] = b"moelane-link-auth-1\0";
 pub const AUTH_OK: &[u8] = b"ok";
 pub const AUTH_DEADLINE: Duration = Duration::from_secs(5);
 
 /// Presents `token` on a new connection and waits for the sidecar's acceptance.
-fn authenticate(s: &mut TcpStream, token: &str, buf: &mut Vec<u8>) -> std::io::Result<()> {
+fn authenticate<S: Read + Write>(s: &mut S, token: &str, buf: &mut Vec<u8>) -> std::io::Result<()> {
     let mut f = AUTH_MAGIC.to_vec();
     f.extend_from_slice(token.as_bytes());
     write_frame(s, &f)?;
@@ -72,9 +212,42 @@ fn authenticate(s: &mut TcpStream, token: &str, buf: &mut Vec<u8>) -> std::io::R
     Ok(())
 }
 
+/// How the primary's end opens a connection: the token it presents, and TLS (the client
+/// configuration and the name the sidecar's certificate must carry).
+#[derive(Default)]
+pub struct Credentials {
+    pub token: Option<String>,
+    pub tls: Option<(
+        Arc<rustls::ClientConfig>,
+        rustls::pki_types::ServerName<'static>,
+    )>,
+}
+
+impl Credentials {
+    /// This process's cluster token and cluster TLS; over TLS the sidecar's certificate is
+    /// checked for `host` (the host the primary reached it at for control), or for
+    /// `--cluster-tls-name`.
+    pub fn cluster(host: &str) -> Result<Credentials> {
+        let token = moelane_proto::auth::cluster().map(|k| k.token().to_string());
+        let tls = match moelane_proto::tls::cluster_tls() {
+            Some(t) => Some((t.data_client(), t.peer_name(host).map_err(Error::Invalid)?)),
+            None => None,
+        };
+        Ok(Credentials { token, tls })
+    }
+}
+
+/// The host of `addr` (`host:port`, `[v6]:port`).
+fn host_of(addr: &str) -> &str {
+    match addr.rfind(':') {
+        Some(i) if !addr.ends_with(']') => &addr[..i],
+        _ => addr,
+    }
+}
+
 /// The primary's end of a TCP link.
 pub struct TcpTier {
-    stream: TcpStream,
+    conn: Conn,
     buf: Vec<u8>,
     pending: Option<(u64, u32, u64)>,
     /// The read timeout set on the socket now.
@@ -82,14 +255,27 @@ pub struct TcpTier {
 }
 
 impl TcpTier {
-    /// Connects, presenting this process's cluster token when one is set.
+    /// Connects with this process's cluster token and TLS (the sidecar's certificate checked
+    /// for the host in `addr`).
     pub fn connect(addr: &str, timeout: Duration) -> Result<Self> {
-        let token = moelane_proto::auth::cluster();
-        Self::connect_as(addr, timeout, token.as_deref().map(|k| k.token()))
+        Self::connect_named(addr, host_of(addr), timeout)
     }
 
-    /// Connects, presenting `token` first when given.
+    /// [`Self::connect`], the sidecar's certificate checked for `host`.
+    pub fn connect_named(addr: &str, host: &str, timeout: Duration) -> Result<Self> {
+        Self::connect_with(addr, timeout, Credentials::cluster(host)?)
+    }
+
+    /// Connects, presenting `token` first when given (no TLS).
     pub fn connect_as(addr: &str, timeout: Duration, token: Option<&str>) -> Result<Self> {
+        let token = token.map(str::to_string);
+        Self::connect_with(addr, timeout, Credentials { token, tls: None })
+    }
+
+    /// Connects with `cred`: TLS first when it has TLS, then the token (over TLS always an
+    /// opening frame, so a refused certificate is an error here rather than at the first
+    /// step).
+    pub fn connect_with(addr: &str, timeout: Duration, cred: Credentials) -> Result<Self> {
         let to_err =
             |e: std::io::Error| Error::link("tcp", crate::io_fault(&e), format!("{addr}: {e}"));
         let sa: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(addr)
@@ -104,25 +290,54 @@ impl TcpTier {
             })?;
         let stream = TcpStream::connect_timeout(&sa, timeout).map_err(to_err)?;
         stream.set_nodelay(true).map_err(to_err)?;
-        stream.set_read_timeout(Some(timeout)).map_err(to_err)?;
-        stream.set_write_timeout(Some(timeout)).map_err(to_err)?;
-        let mut stream = stream;
         let mut buf = Vec::new();
-        if let Some(t) = token {
-            authenticate(&mut stream, t, &mut buf).map_err(|e| {
-                Error::link(
-                    "tcp",
-                    Fault::Unavailable,
-                    format!("{addr}: presenting the cluster token: {e}"),
+        let refused = |what: &str, e: std::io::Error| {
+            Error::link("tcp", Fault::Unavailable, format!("{addr}: {what}: {e}"))
+        };
+        let until = Instant::now() + timeout;
+        let conn = match cred.tls {
+            Some((cfg, name)) => {
+                let mut c = rustls::ClientConnection::new(cfg, name).map_err(|e| {
+                    Error::link("tcp", Fault::Unavailable, format!("{addr}: TLS: {e}"))
+                })?;
+                c.set_buffer_limit(None);
+                let mut io = Timed { s: &stream, until };
+                handshake(&mut c, &mut io)
+                    .map_err(|e| refused("the TLS handshake with the sidecar's data port", e))?;
+                authenticate(
+                    &mut rustls::Stream::new(&mut c, &mut io),
+                    cred.token.as_deref().unwrap_or(""),
+                    &mut buf,
                 )
-            })?;
-        }
+                .map_err(|e| refused("opening the TLS data connection", e))?;
+                Conn::Client(Box::new(rustls::StreamOwned::new(c, stream)))
+            }
+            None => {
+                if let Some(t) = cred.token.as_deref() {
+                    let mut io = Timed { s: &stream, until };
+                    authenticate(&mut io, t, &mut buf)
+                        .map_err(|e| refused("presenting the cluster token", e))?;
+                }
+                Conn::Plain(stream)
+            }
+        };
+        conn.sock()
+            .set_read_timeout(Some(timeout))
+            .map_err(to_err)?;
+        conn.sock()
+            .set_write_timeout(Some(timeout))
+            .map_err(to_err)?;
         Ok(TcpTier {
-            stream,
+            conn,
             buf,
             pending: None,
             read_timeout: timeout,
         })
+    }
+
+    /// Whether the connection is TLS.
+    pub fn encrypted(&self) -> bool {
+        !matches!(self.conn, Conn::Plain(_))
     }
 }
 
@@ -130,7 +345,8 @@ impl RemoteTier for TcpTier {
     fn send(&mut self, req: ColdRequest) -> Result<()> {
         frame::encode_request(&req, &mut self.buf);
         self.pending = Some((req.step, req.layer, req.epoch));
-        write_frame(&mut self.stream, &self.buf)
+        self.conn
+            .write_frame(&self.buf)
             .map_err(|e| Error::link("tcp", crate::io_fault(&e), format!("send: {e}")))
     }
 
@@ -140,7 +356,7 @@ impl RemoteTier for TcpTier {
                 "tcp link: recv without a request in flight".into(),
             ));
         }
-        read_frame(&mut self.stream, &mut self.buf).map_err(|e| {
+        read_frame(&mut self.conn, &mut self.buf).map_err(|e| {
             let f = crate::io_fault(&e);
             let what = if f == Fault::Timeout {
                 format!(
@@ -163,52 +379,116 @@ impl RemoteTier for TcpTier {
         // a system call only when it changes by more than an eighth
         let d = deadline.max(Duration::from_millis(1));
         let (a, b) = (d.as_nanos(), self.read_timeout.as_nanos());
-        if a.abs_diff(b) * 8 > b && self.stream.set_read_timeout(Some(d)).is_ok() {
+        if a.abs_diff(b) * 8 > b && self.conn.sock().set_read_timeout(Some(d)).is_ok() {
             self.read_timeout = d;
         }
     }
 }
 
 /// Serves every connection of `listener` on its own thread until the listener fails; with
-/// this process's cluster token set, only connections that present it.
+/// this process's cluster token set, only connections that present it; with its cluster TLS
+/// set, only TLS connections with a certificate of the cluster CA.
 pub fn serve(listener: TcpListener, svc: Arc<dyn ColdService>) {
-    serve_with(listener, svc, moelane_proto::auth::cluster())
+    serve_with(
+        listener,
+        svc,
+        moelane_proto::auth::cluster(),
+        moelane_proto::tls::cluster_tls().map(|t| t.data_server()),
+    )
 }
 
-/// Whether a new connection opens with a token `keys` accepts (nothing to check without keys).
-fn admitted(
-    s: &mut TcpStream,
+/// Whether a new connection's opening frame carries a token `keys` accepts (any token
+/// without keys); answers [`AUTH_OK`] when it does.
+fn token_ok<S: Read + Write>(
+    s: &mut S,
     keys: Option<&moelane_proto::auth::Keys>,
     buf: &mut Vec<u8>,
 ) -> bool {
-    let Some(k) = keys else { return true };
-    let _ = s.set_read_timeout(Some(AUTH_DEADLINE));
-    let ok = read_frame_max(s, buf, AUTH_MAGIC.len() + 1024).is_ok()
+    read_frame_max(s, buf, AUTH_MAGIC.len() + 1024).is_ok()
         && buf.starts_with(AUTH_MAGIC)
-        && k.accepts(&buf[AUTH_MAGIC.len()..])
-        && write_frame(s, AUTH_OK).is_ok();
-    let _ = s.set_read_timeout(None);
-    if !ok {
-        tracing::warn!(
-            peer = ?s.peer_addr().ok(),
-            "a connection to the TCP data port did not present the cluster token: closed"
-        );
-    }
-    ok
+        && keys.is_none_or(|k| k.accepts(&buf[AUTH_MAGIC.len()..]))
+        && write_frame(s, AUTH_OK).is_ok()
 }
 
-/// [`serve`] with the keys given (None: every connection is served).
+/// A new connection, admitted: the TLS handshake (with `tls`) and the token (with `keys`,
+/// or always over TLS), all within [`AUTH_DEADLINE`]; None (logged) when refused.
+fn admit(
+    s: TcpStream,
+    keys: Option<&moelane_proto::auth::Keys>,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    buf: &mut Vec<u8>,
+) -> Option<Conn> {
+    let mut io = Timed {
+        s: &s,
+        until: Instant::now() + AUTH_DEADLINE,
+    };
+    let peer = s.peer_addr().ok();
+    let admitted = match tls {
+        None => {
+            if keys.is_some() && !token_ok(&mut io, keys, buf) {
+                tracing::warn!(
+                    ?peer,
+                    "a connection to the TCP data port did not present the cluster token: closed"
+                );
+                None
+            } else {
+                Some(None)
+            }
+        }
+        Some(cfg) => {
+            let opened = rustls::ServerConnection::new(cfg)
+                .map_err(|e| e.to_string())
+                .and_then(|mut c| {
+                    c.set_buffer_limit(None);
+                    handshake(&mut c, &mut io).map_err(|e| e.to_string())?;
+                    Ok(c)
+                });
+            match opened {
+                Err(e) => {
+                    tracing::warn!(
+                        ?peer,
+                        error = %e,
+                        "a connection to the TCP data port failed its TLS handshake (the port \
+                         requires TLS with a certificate of the cluster CA): closed"
+                    );
+                    None
+                }
+                Ok(mut c) => {
+                    if token_ok(&mut rustls::Stream::new(&mut c, &mut io), keys, buf) {
+                        Some(Some(c))
+                    } else {
+                        tracing::warn!(
+                            ?peer,
+                            "a TLS connection to the TCP data port did not present the cluster \
+                             token: closed"
+                        );
+                        None
+                    }
+                }
+            }
+        }
+    }?;
+    let _ = s.set_read_timeout(None);
+    let _ = s.set_write_timeout(None);
+    Some(match admitted {
+        None => Conn::Plain(s),
+        Some(c) => Conn::Server(Box::new(rustls::StreamOwned::new(c, s))),
+    })
+}
+
+/// [`serve`] with the keys and TLS given (None: every connection is served, in the clear).
 pub fn serve_with(
     listener: TcpListener,
     svc: Arc<dyn ColdService>,
     keys: Option<Arc<moelane_proto::auth::Keys>>,
+    tls: Option<Arc<rustls::ServerConfig>>,
 ) {
     std::thread::Builder::new()
         .name("moelane-tcp-accept".into())
         .spawn(move || {
             let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
             for conn in listener.incoming() {
-                let Ok(mut s) = conn else { continue };
+                let Ok(s) = conn else { continue };
                 if open.fetch_add(1, std::sync::atomic::Ordering::SeqCst) >= MAX_CONNECTIONS {
                     open.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
                     tracing::warn!(
@@ -224,7 +504,7 @@ pub fn serve_with(
                     }
                 }
                 let leave = Leave(open.clone());
-                let (svc, keys) = (svc.clone(), keys.clone());
+                let (svc, keys, tls) = (svc.clone(), keys.clone(), tls.clone());
                 let _ = std::thread::Builder::new()
                     .name("moelane-tcp-link".into())
                     .spawn(move || {
@@ -232,12 +512,12 @@ pub fn serve_with(
                         let _ = s.set_nodelay(true);
                         let (mut buf, mut out, mut req) =
                             (Vec::new(), Vec::new(), ColdRequest::default());
-                        if !admitted(&mut s, keys.as_deref(), &mut buf) {
+                        let Some(mut conn) = admit(s, keys.as_deref(), tls, &mut buf) else {
                             return;
-                        }
-                        while read_frame(&mut s, &mut buf).is_ok() {
+                        };
+                        while read_frame(&mut conn, &mut buf).is_ok() {
                             crate::handle_frame(&svc, &mut buf, &mut req, &mut out);
-                            if write_frame(&mut s, &buf).is_err() {
+                            if conn.write_frame(&buf).is_err() {
                                 break;
                             }
                         }
@@ -296,7 +576,7 @@ mod tests {
         let keys = moelane_proto::auth::Keys::parse("link-token-0123456789abcdef", "t").unwrap();
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let a = l.local_addr().unwrap().to_string();
-        serve_with(l, Arc::new(Nothing), Some(Arc::new(keys)));
+        serve_with(l, Arc::new(Nothing), Some(Arc::new(keys)), None);
         let to = Duration::from_secs(5);
         // the right token: served
         let mut t = TcpTier::connect_as(&a, to, Some("link-token-0123456789abcdef")).unwrap();
@@ -343,6 +623,180 @@ mod tests {
             }
             assert!(std::time::Instant::now() < until, "no slot freed");
             std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    /// A cluster's TLS files under `dir`: a CA named `ca_name` and a leaf for 127.0.0.1 it
+    /// signed, loaded trusting the CA of `trust` (this one's own when None): (tls, CA pem).
+    fn cluster(
+        dir: &std::path::Path,
+        ca_name: &str,
+        trust: Option<&str>,
+    ) -> (moelane_proto::tls::ClusterTls, String) {
+        use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+        let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
+        p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        p.distinguished_name
+            .push(rcgen::DnType::CommonName, ca_name);
+        let ca_key = KeyPair::generate().unwrap();
+        let ca_pem = p.self_signed(&ca_key).unwrap().pem();
+        let issuer = Issuer::new(p, ca_key);
+        let leaf_key = KeyPair::generate().unwrap();
+        let leaf = CertificateParams::new(vec!["127.0.0.1".to_string()])
+            .unwrap()
+            .signed_by(&leaf_key, &issuer)
+            .unwrap();
+        let w = |f: &str, s: &str| {
+            let path = dir.join(format!("{ca_name}-{f}"));
+            std::fs::write(&path, s).unwrap();
+            path
+        };
+        let files = moelane_proto::tls::ClusterTlsFiles {
+            cert: w("cert.pem", &leaf.pem()),
+            key: w("key.pem", &leaf_key.serialize_pem()),
+            ca: w("ca.pem", trust.unwrap_or(&ca_pem)),
+            name: None,
+        };
+        (
+            moelane_proto::tls::ClusterTls::load(&files).unwrap(),
+            ca_pem,
+        )
+    }
+
+    fn tls_cred(
+        t: &moelane_proto::tls::ClusterTls,
+        host: &str,
+        token: Option<&str>,
+    ) -> Credentials {
+        Credentials {
+            token: token.map(str::to_string),
+            tls: Some((t.data_client(), t.peer_name(host).unwrap())),
+        }
+    }
+
+    #[test]
+    fn over_cluster_tls_only_a_client_of_the_cluster_ca_is_served_and_frames_are_sealed() {
+        let dir = tempfile::tempdir().unwrap();
+        let (good, ca) = cluster(dir.path(), "cluster", None);
+        let (foreign_root, _) = cluster(dir.path(), "rogue", None);
+        // a certificate of another CA that trusts the cluster's (it would accept the sidecar)
+        let (foreign_cert, _) = cluster(dir.path(), "rogue2", Some(&ca));
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = l.local_addr().unwrap().to_string();
+        serve_with(l, Arc::new(Echo), None, Some(good.data_server()));
+        let to = Duration::from_secs(5);
+        // the cluster's certificate: a TLS connection, frames answered
+        let mut t = TcpTier::connect_with(&a, to, tls_cred(&good, "127.0.0.1", None)).unwrap();
+        assert!(t.encrypted());
+        for rows in [1usize, 300] {
+            // 300 rows of 1,024 floats: a 1.2 MB frame each way, many records
+            let req = ColdRequest {
+                step: 7,
+                activations: (0..rows * 1024).map(|i| i as f32).collect(),
+                ..Default::default()
+            };
+            t.send(req).unwrap();
+            let r = t.recv().unwrap();
+            assert_eq!(r.outputs.len(), rows * 1024);
+            assert_eq!(r.outputs[rows * 1024 - 1], (rows * 1024 - 1) as f32);
+        }
+        // a client certificate of another CA: refused at connect
+        let e = TcpTier::connect_with(&a, to, tls_cred(&foreign_cert, "127.0.0.1", None))
+            .err()
+            .expect("a foreign certificate was served");
+        assert!(
+            e.to_string().contains("opening the TLS data connection"),
+            "{e}"
+        );
+        // a client that trusts another CA refuses the sidecar's certificate
+        let e = TcpTier::connect_with(&a, to, tls_cred(&foreign_root, "127.0.0.1", None))
+            .err()
+            .expect("a foreign root accepted the sidecar");
+        assert!(e.to_string().to_lowercase().contains("certificate"), "{e}");
+        // the certificate checked for another name than it carries
+        let e = TcpTier::connect_with(&a, to, tls_cred(&good, "10.1.2.3", None))
+            .err()
+            .expect("the certificate passed for another host");
+        assert!(e.to_string().to_lowercase().contains("certificate"), "{e}");
+        // in the clear: the opening frame is not a TLS handshake, nothing is answered
+        let mut c = TcpStream::connect(&a).unwrap();
+        c.set_read_timeout(Some(to)).unwrap();
+        let mut f = AUTH_MAGIC.to_vec();
+        f.extend_from_slice(b"anything");
+        write_frame(&mut c, &f).unwrap();
+        let mut buf = Vec::new();
+        assert!(read_frame(&mut c, &mut buf).is_err());
+        // the lane's own client still works after all that
+        t.send(ColdRequest::default()).unwrap();
+        assert!(t.recv().is_ok());
+    }
+
+    #[test]
+    fn over_tls_the_cluster_token_is_still_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let (good, _) = cluster(dir.path(), "cluster", None);
+        let keys = moelane_proto::auth::Keys::parse("link-token-0123456789abcdef", "t").unwrap();
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = l.local_addr().unwrap().to_string();
+        serve_with(
+            l,
+            Arc::new(Nothing),
+            Some(Arc::new(keys)),
+            Some(good.data_server()),
+        );
+        let to = Duration::from_secs(5);
+        let cred = |t| tls_cred(&good, "127.0.0.1", t);
+        let mut t =
+            TcpTier::connect_with(&a, to, cred(Some("link-token-0123456789abcdef"))).unwrap();
+        t.send(ColdRequest::default()).unwrap();
+        assert!(t.recv().is_ok());
+        for wrong in [Some("wrong-token-0123456789abcdef"), None] {
+            let e = TcpTier::connect_with(&a, to, cred(wrong)).err();
+            assert!(e.is_some(), "served with the token {wrong:?}");
+        }
+    }
+
+    #[test]
+    fn a_client_that_sends_its_opening_a_byte_at_a_time_is_closed_at_the_deadline() {
+        let keys = moelane_proto::auth::Keys::parse("link-token-0123456789abcdef", "t").unwrap();
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = l.local_addr().unwrap();
+        serve_with(l, Arc::new(Nothing), Some(Arc::new(keys)), None);
+        let mut c = TcpStream::connect(a).unwrap();
+        let t0 = Instant::now();
+        // an opening frame's length, then its bytes one every half second: each read is
+        // quick, the whole opening is not
+        let len = (AUTH_MAGIC.len() + 1000) as u32;
+        c.write_all(&len.to_le_bytes()).unwrap();
+        let mut closed = None;
+        for i in 0..40 {
+            if c.write_all(&AUTH_MAGIC[i % AUTH_MAGIC.len()..][..1])
+                .is_err()
+            {
+                closed = Some(t0.elapsed());
+                break;
+            }
+            c.set_read_timeout(Some(Duration::from_millis(500)))
+                .unwrap();
+            let mut b = [0u8; 1];
+            if matches!(c.read(&mut b), Ok(0)) {
+                closed = Some(t0.elapsed());
+                break;
+            }
+        }
+        let closed = closed.expect("still open after 20 s of a byte at a time");
+        assert!(
+            closed < AUTH_DEADLINE + Duration::from_secs(2),
+            "closed after {closed:?}"
+        );
+    }
+
+    /// Answers each request with its activations.
+    struct Echo;
+    impl ColdService for Echo {
+        fn serve(&self, req: &ColdRequest, out: &mut Vec<f32>) -> Result<()> {
+            out.clear();
+            out.extend_from_slice(&req.activations);
+            Ok(())
         }
     }
 }

@@ -412,15 +412,25 @@ pub fn link_floor(hidden: usize, picks: usize, iters: usize) -> Result<()> {
         )?),
     ));
     let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-    let addr = l.local_addr()?;
-    moelane_link::tcp::serve(l, svc);
+    let addr = l.local_addr()?.to_string();
+    moelane_link::tcp::serve_with(l, svc.clone(), None, None);
     tiers.push((
         "tcp",
-        Box::new(moelane_link::tcp::TcpTier::connect(
-            &addr.to_string(),
+        Box::new(moelane_link::tcp::TcpTier::connect_with(
+            &addr,
             Duration::from_secs(10),
+            Default::default(),
         )?),
     ));
+    // with cluster TLS set (--cluster-tls-*), the same port over TLS as a lane runs it
+    if moelane_proto::tls::cluster_tls().is_some() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+        let addr = l.local_addr()?.to_string();
+        moelane_link::tcp::serve(l, svc);
+        let t = moelane_link::tcp::TcpTier::connect(&addr, Duration::from_secs(10))?;
+        anyhow::ensure!(t.encrypted(), "the TLS link opened in the clear");
+        tiers.push(("tcp+tls", Box::new(t)));
+    }
     println!(
         "round trip of {} bytes out / {} bytes back, {iters} iterations, zero-work sidecar",
         hidden * 4 + picks * 8,

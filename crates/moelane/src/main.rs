@@ -75,7 +75,8 @@ struct Cli {
     /// gRPC clients and served by its gRPC servers (primary, sidecar). Needs
     /// --cluster-tls-key and --cluster-tls-ca; with them every gRPC URL is dialled over TLS
     /// (http:// included) and every gRPC server requires a client certificate the cluster CA
-    /// signed. The sidecar's TCP data port is covered by the cluster token, not by TLS.
+    /// signed. The sidecar's TCP data port is then TLS too (a client certificate of the
+    /// cluster CA required; the primary checks the sidecar's for the host of --sidecar).
     #[arg(
         long,
         global = true,

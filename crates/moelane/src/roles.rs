@@ -511,7 +511,7 @@ async fn connect_sidecar(
         let t = if kind == "ipc" {
             ipc2.connect(&endpoint)?
         } else {
-            open_link(kind, &endpoint, timeout, nccl)?
+            open_link(kind, &endpoint, control_host.as_deref(), timeout, nccl)?
         };
         // a poisoned slot held a link in an unknown state: it is replaced either way
         *slot2.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);

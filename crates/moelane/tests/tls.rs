@@ -65,6 +65,20 @@ fn pki() -> Pki {
     }
 }
 
+/// The environment that gives a process the cluster's mutual TLS of `k`.
+fn cluster_env(k: &Pki) -> Vec<(&'static str, String)> {
+    let s = |p: &PathBuf| p.to_str().unwrap().to_string();
+    vec![
+        ("MOELANE_CLUSTER_TLS_CERT", s(&k.cert)),
+        ("MOELANE_CLUSTER_TLS_KEY", s(&k.key)),
+        ("MOELANE_CLUSTER_TLS_CA", s(&k.ca)),
+    ]
+}
+
+fn pairs<'a>(env: &'a [(&'static str, String)]) -> Vec<(&'static str, &'a str)> {
+    env.iter().map(|(k, v)| (*k, v.as_str())).collect()
+}
+
 /// One HTTPS POST to `addr` trusting only `ca`: (status, body), or the error of the TLS
 /// handshake.
 fn https_post(addr: &str, ca: &Path, path: &str, body: &str) -> Result<(u16, String), String> {
@@ -141,14 +155,10 @@ fn https_api_and_mutual_tls_on_every_grpc_hop() {
     let (ca, cert, key) = (s(&k.ca), s(&k.cert), s(&k.key));
     // every process of the lane: the cluster's mutual TLS; the gateway also serves HTTPS
     // with the same certificate
-    let env = [
-        ("MOELANE_CLUSTER_TLS_CERT", cert.as_str()),
-        ("MOELANE_CLUSTER_TLS_KEY", key.as_str()),
-        ("MOELANE_CLUSTER_TLS_CA", ca.as_str()),
-        ("MOELANE_TLS_CERT", cert.as_str()),
-        ("MOELANE_TLS_KEY", key.as_str()),
-    ];
-    let (_procs, gw, purl) = two_process_lane_env("tcp", &[], &env);
+    let mut env = cluster_env(&k);
+    env.push(("MOELANE_TLS_CERT", cert.clone()));
+    env.push(("MOELANE_TLS_KEY", key.clone()));
+    let (_procs, gw, purl) = two_process_lane_env("tcp", &[], &pairs(&env));
     let body = serde_json::json!({"model": "tiny", "prompt": "The agent", "max_tokens": 8, "temperature": 0})
         .to_string();
     // a completion over HTTPS crossed gateway -> primary -> sidecar, each hop over mTLS
@@ -255,5 +265,64 @@ fn bad_tls_files_are_refused_at_start_naming_the_file() {
         let (ok, err) = run(&extra);
         assert!(!ok, "{extra:?} started");
         assert!(err.contains(says), "{extra:?}: {err}");
+    }
+}
+
+#[test]
+fn with_cluster_tls_the_sidecars_data_port_speaks_only_tls_to_the_cluster() {
+    use moelane_link::tcp::{Credentials, TcpTier};
+    use moelane_proto::tls::{ClusterTls, ClusterTlsFiles};
+    let k = pki();
+    let env = cluster_env(&k);
+    let tiny = tiny().to_str().unwrap().to_string();
+    let (_side, v) = start_env(
+        &[
+            "lane",
+            "--role",
+            "sidecar",
+            "--model",
+            &tiny,
+            "--listen",
+            "127.0.0.1:0",
+            "--data",
+            "127.0.0.1:0",
+        ],
+        &["sidecar data tcp "],
+        &pairs(&env),
+    );
+    let data = v[0].clone();
+    let load = |cert: &PathBuf, key: &PathBuf, ca: &PathBuf| {
+        ClusterTls::load(&ClusterTlsFiles {
+            cert: cert.clone(),
+            key: key.clone(),
+            ca: ca.clone(),
+            name: None,
+        })
+        .unwrap()
+    };
+    let cred = |t: &ClusterTls| Credentials {
+        token: None,
+        tls: Some((t.data_client(), t.peer_name("127.0.0.1").unwrap())),
+    };
+    let to = Duration::from_secs(10);
+    // the cluster's certificate: a TLS connection that the sidecar answers
+    let good = load(&k.cert, &k.key, &k.ca);
+    let mut t = TcpTier::connect_with(&data, to, cred(&good)).expect("the cluster's client");
+    assert!(t.encrypted());
+    use moelane_engine::tier::RemoteTier;
+    t.send(Default::default()).unwrap();
+    // an empty request: answered (an error reply is an answer too), not a dropped connection
+    match t.recv() {
+        Ok(_) => {}
+        Err(e) => assert!(e.to_string().contains("the sidecar answered"), "{e}"),
+    }
+    // a certificate of another CA: refused
+    let rogue = load(&k.rogue_cert, &k.rogue_key, &k.ca);
+    assert!(TcpTier::connect_with(&data, to, cred(&rogue)).is_err());
+    // in the clear: no answer, even to a well-formed request
+    let plain = TcpTier::connect_with(&data, to, Credentials::default());
+    if let Ok(mut p) = plain {
+        p.send(Default::default()).ok();
+        assert!(p.recv().is_err(), "the data port answered in the clear");
     }
 }

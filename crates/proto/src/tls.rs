@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
-use tokio_rustls::rustls;
+pub use tokio_rustls::rustls;
 
 fn read(path: &Path, what: &str) -> Result<Vec<u8>, String> {
     std::fs::read(path).map_err(|e| format!("reading the {what} {}: {e}", path.display()))
@@ -75,12 +75,20 @@ pub struct ClusterTlsFiles {
     pub name: Option<String>,
 }
 
+/// The ALPN protocol of the TCP data port over TLS (a peer speaking anything else is refused).
+pub const DATA_ALPN: &[u8] = b"moelane-link/1";
+
 /// The cluster's mutual TLS, loaded and checked.
 #[derive(Clone, Debug)]
 pub struct ClusterTls {
     identity: tonic::transport::Identity,
     ca: tonic::transport::Certificate,
     name: Option<String>,
+    /// The sidecar's TCP data port (blocking rustls, outside tonic): client certificates of
+    /// the cluster CA required
+    data_server: Arc<rustls::ServerConfig>,
+    /// The primary's end of that port: this certificate presented, the cluster CA trusted
+    data_client: Arc<rustls::ClientConfig>,
 }
 
 impl ClusterTls {
@@ -97,19 +105,40 @@ impl ClusterTls {
                 .add(c.clone())
                 .map_err(|e| format!("{}: not a CA certificate: {e}", f.ca.display()))?;
         }
+        let roots = Arc::new(roots);
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        rustls::ServerConfig::builder_with_provider(provider)
+        let mismatch = |e: rustls::Error| {
+            format!(
+                "the key {} does not go with the certificate {}: {e}",
+                f.key.display(),
+                f.cert.display()
+            )
+        };
+        let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+            roots.clone(),
+            provider.clone(),
+        )
+        .build()
+        .map_err(|e| {
+            format!(
+                "{}: no usable CA for client certificates: {e}",
+                f.ca.display()
+            )
+        })?;
+        let mut data_server = rustls::ServerConfig::builder_with_provider(provider.clone())
             .with_safe_default_protocol_versions()
             .map_err(|e| format!("TLS versions: {e}"))?
-            .with_no_client_auth()
-            .with_single_cert(certs, key)
-            .map_err(|e| {
-                format!(
-                    "the key {} does not go with the certificate {}: {e}",
-                    f.key.display(),
-                    f.cert.display()
-                )
-            })?;
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(certs.clone(), key.clone_key())
+            .map_err(mismatch)?;
+        data_server.alpn_protocols = vec![DATA_ALPN.to_vec()];
+        let mut data_client = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| format!("TLS versions: {e}"))?
+            .with_root_certificates(roots)
+            .with_client_auth_cert(certs, key)
+            .map_err(mismatch)?;
+        data_client.alpn_protocols = vec![DATA_ALPN.to_vec()];
         Ok(ClusterTls {
             identity: tonic::transport::Identity::from_pem(
                 read(&f.cert, "certificate file")?,
@@ -117,6 +146,30 @@ impl ClusterTls {
             ),
             ca: tonic::transport::Certificate::from_pem(read(&f.ca, "CA file")?),
             name: f.name.clone(),
+            data_server: Arc::new(data_server),
+            data_client: Arc::new(data_client),
+        })
+    }
+
+    /// The sidecar's TCP data port over TLS: this identity, a client certificate of the
+    /// cluster CA required.
+    pub fn data_server(&self) -> Arc<rustls::ServerConfig> {
+        self.data_server.clone()
+    }
+
+    /// The primary's end of the TCP data port: this identity presented, the cluster CA the
+    /// only root.
+    pub fn data_client(&self) -> Arc<rustls::ClientConfig> {
+        self.data_client.clone()
+    }
+
+    /// The name a peer's certificate is checked against: `--cluster-tls-name` when given,
+    /// else `host` (the host the process dialled).
+    pub fn peer_name(&self, host: &str) -> Result<rustls::pki_types::ServerName<'static>, String> {
+        let n = self.name.as_deref().unwrap_or(host);
+        let n = n.trim_start_matches('[').trim_end_matches(']');
+        rustls::pki_types::ServerName::try_from(n.to_string()).map_err(|e| {
+            format!("{n:?} is not a host name or IP address to check a certificate against: {e}")
         })
     }
 
