@@ -40,6 +40,16 @@ fn ids(t: &tokenizers::Tokenizer, text: &str) -> Result<Vec<u32>> {
         })
 }
 
+/// Whether a decoder reads its tokens through GPT-2's byte table (ByteLevel, alone or in a
+/// sequence).
+fn decodes_byte_level(d: &tokenizers::DecoderWrapper) -> bool {
+    match d {
+        tokenizers::DecoderWrapper::ByteLevel(_) => true,
+        tokenizers::DecoderWrapper::Sequence(s) => s.get_decoders().iter().any(decodes_byte_level),
+        _ => false,
+    }
+}
+
 /// GPT-2's byte-to-unicode table, inverted: char -> byte.
 fn byte_decoder() -> std::collections::HashMap<char, u8> {
     let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32)
@@ -99,6 +109,12 @@ impl Tokenizer {
     fn from_inner(inner: tokenizers::Tokenizer) -> Self {
         let n = inner.get_vocab_size(true);
         let dec = byte_decoder();
+        // A vocabulary is byte-level (GPT-2's table: each char one byte) where its decoder
+        // says so; a sentencepiece one (Llama, Mistral, Mixtral: `▁` for a space, `<0xNN>`
+        // byte pieces, the rest UTF-8 text) has another decoder. Read per token, "é" would be
+        // byte 0xE9 in a sentencepiece vocabulary, not its two UTF-8 bytes. Without a decoder,
+        // each token is read as whichever it can be.
+        let byte_level = inner.get_decoder().map(decodes_byte_level);
         let mut bytes = vec![Vec::new(); n];
         let mut special = vec![false; n];
         let added = inner.get_added_tokens_decoder();
@@ -112,10 +128,13 @@ impl Tokenizer {
                 continue;
             };
             // byte-level BPE: every char maps to one byte
-            if let Some(b) = tok
-                .chars()
-                .map(|c| dec.get(&c).copied())
-                .collect::<Option<Vec<u8>>>()
+            if let Some(b) = (byte_level != Some(false))
+                .then(|| {
+                    tok.chars()
+                        .map(|c| dec.get(&c).copied())
+                        .collect::<Option<Vec<u8>>>()
+                })
+                .flatten()
             {
                 bytes[id as usize] = b;
             } else if let Some(hex) = tok.strip_prefix("<0x").and_then(|t| t.strip_suffix('>')) {
@@ -548,6 +567,95 @@ pub mod tiktoken {
 #[cfg(test)]
 mod tests {
     use super::tiktoken::{base64, to_base64};
+
+    /// A tokenizer.json in the shape Mistral and Mixtral ship (sentencepiece BPE with byte
+    /// fallback: `▁` prepended and for spaces, `<0xNN>` byte pieces, a Replace / ByteFallback
+    /// / Fuse / Strip decoder), with a few accented pieces.
+    fn sentencepiece() -> super::Tokenizer {
+        let mut vocab = serde_json::Map::new();
+        for (i, t) in ["<unk>", "<s>", "</s>"].iter().enumerate() {
+            vocab.insert(t.to_string(), i.into());
+        }
+        for b in 0..256usize {
+            vocab.insert(format!("<0x{b:02X}>"), (3 + b).into());
+        }
+        let pieces = [
+            "\u{2581}",
+            "c",
+            "a",
+            "f",
+            "é",
+            "n",
+            "i",
+            "ñ",
+            "o",
+            "Ā",
+            "\u{2581}c",
+            "\u{2581}ca",
+            "\u{2581}caf",
+            "\u{2581}café",
+            "\u{2581}n",
+            "\u{2581}ni",
+            "\u{2581}niñ",
+            "\u{2581}niño",
+        ];
+        for (i, p) in pieces.iter().enumerate() {
+            vocab.insert(p.to_string(), (259 + i).into());
+        }
+        let merges = [
+            "\u{2581} c",
+            "\u{2581}c a",
+            "\u{2581}ca f",
+            "\u{2581}caf é",
+            "\u{2581} n",
+            "\u{2581}n i",
+            "\u{2581}ni ñ",
+            "\u{2581}niñ o",
+        ];
+        let special = |id: usize, c: &str| {
+            serde_json::json!({"id": id, "content": c, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": true})
+        };
+        let spec = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": [special(0, "<unk>"), special(1, "<s>"), special(2, "</s>")],
+            "normalizer": {"type": "Sequence", "normalizers": [
+                {"type": "Prepend", "prepend": "\u{2581}"},
+                {"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"}]},
+            "pre_tokenizer": null,
+            "post_processor": null,
+            "decoder": {"type": "Sequence", "decoders": [
+                {"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "},
+                {"type": "ByteFallback"}, {"type": "Fuse"},
+                {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+            "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>",
+                "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
+                "vocab": vocab, "merges": merges}
+        });
+        super::Tokenizer::from_inner(spec.to_string().parse().unwrap())
+    }
+
+    #[test]
+    fn a_sentencepiece_vocabulary_gives_utf8_bytes_not_gpt2_bytes() {
+        let t = sentencepiece();
+        let id = |s: &str| t.inner.token_to_id(s).unwrap();
+        // pieces whose characters are also in GPT-2's byte table
+        assert_eq!(t.token_bytes(id("é")), "é".as_bytes());
+        assert_eq!(t.token_bytes(id("ñ")), "ñ".as_bytes());
+        assert_eq!(t.token_bytes(id("Ā")), "Ā".as_bytes());
+        assert_eq!(t.token_bytes(id("\u{2581}café")), " café".as_bytes());
+        assert_eq!(t.token_bytes(id("<0xC3>")), [0xC3]);
+        // a text's tokens put together are the text (the prepended space included), and a
+        // character not in the vocabulary comes back through its byte pieces
+        let text = "café niño ü";
+        let ids = t.inner.encode(text, false).unwrap().get_ids().to_vec();
+        let joined: Vec<u8> = ids
+            .iter()
+            .flat_map(|&i| t.token_bytes(i).to_vec())
+            .collect();
+        assert_eq!(String::from_utf8(joined).unwrap(), format!(" {text}"));
+    }
 
     #[test]
     fn base64_round_trips_every_length_and_refuses_other_characters() {
