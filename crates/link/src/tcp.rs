@@ -52,6 +52,12 @@ fn read_frame_max<S: Read>(s: &mut S, buf: &mut Vec<u8>, max: usize) -> std::io:
 /// a restarted primary's, or someone else's): past it a new one is closed at once.
 pub const MAX_CONNECTIONS: usize = 16;
 
+/// Of those, most still opening (TLS handshake, token) at once, and most from one address:
+/// peers that never finish their opening hold at most these, each for at most
+/// [`AUTH_DEADLINE`], and leave the rest to admitted connections.
+pub const MAX_OPENING: usize = 8;
+pub const MAX_OPENING_PER_PEER: usize = 2;
+
 /// A frame written as two writes (the opening exchange; the step's frames go through
 /// [`Conn::write_frame`]).
 fn write_frame<S: Write>(s: &mut S, buf: &[u8]) -> std::io::Result<()> {
@@ -87,11 +93,22 @@ fn tls_write<D: rustls::SideData>(
     len: &[u8],
     buf: &[u8],
 ) -> std::io::Result<()> {
-    c.writer().write_all(len)?;
-    c.writer().write_all(buf)?;
+    // one record run for both (rustls joins the slices; without a buffer limit it takes all)
+    let n = c
+        .writer()
+        .write_vectored(&[IoSlice::new(len), IoSlice::new(buf)])?;
+    if n < len.len() {
+        c.writer().write_all(&len[n..])?;
+        c.writer().write_all(buf)?;
+    } else if n < len.len() + buf.len() {
+        c.writer().write_all(&buf[n - len.len()..])?;
+    }
     while c.wants_write() {
-        if c.write_tls(sock)? == 0 {
-            return Err(std::io::ErrorKind::WriteZero.into());
+        match c.write_tls(sock) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
         }
     }
     Ok(())
@@ -178,13 +195,20 @@ impl Write for Timed<'_> {
     }
 }
 
-/// Completes a TLS handshake on `io`.
+/// Completes a TLS handshake on `io`; the peer must have agreed on the data port's protocol
+/// (ALPN `moelane-link/1`: a peer that offers none is refused too).
 fn handshake<D: rustls::SideData, S: Read + Write>(
     c: &mut rustls::ConnectionCommon<D>,
     io: &mut S,
 ) -> std::io::Result<()> {
     while c.is_handshaking() {
         c.complete_io(io)?;
+    }
+    if c.alpn_protocol() != Some(moelane_proto::tls::DATA_ALPN) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "the peer did not agree on the data port's protocol (ALPN moelane-link/1)",
+        ));
     }
     Ok(())
 }
@@ -294,7 +318,9 @@ impl TcpTier {
         let refused = |what: &str, e: std::io::Error| {
             Error::link("tcp", Fault::Unavailable, format!("{addr}: {what}: {e}"))
         };
-        let until = Instant::now() + timeout;
+        let until = Instant::now()
+            .checked_add(timeout)
+            .unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
         let conn = match cred.tls {
             Some((cfg, name)) => {
                 let mut c = rustls::ClientConnection::new(cfg, name).map_err(|e| {
@@ -476,6 +502,45 @@ fn admit(
     })
 }
 
+/// The connections still opening, in all and per source address.
+#[derive(Default)]
+struct Opening(
+    std::sync::Mutex<(
+        usize,
+        std::collections::HashMap<Option<std::net::IpAddr>, usize>,
+    )>,
+);
+
+/// One connection's place among those opening, given back when dropped.
+struct Opener(Arc<Opening>, Option<std::net::IpAddr>);
+
+impl Opening {
+    /// A place for a connection from `peer`, unless the caps are reached.
+    fn enter(self: &Arc<Self>, peer: Option<std::net::IpAddr>) -> Option<Opener> {
+        let mut g = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mine = g.1.get(&peer).copied().unwrap_or(0);
+        if g.0 >= MAX_OPENING || mine >= MAX_OPENING_PER_PEER {
+            return None;
+        }
+        g.0 += 1;
+        g.1.insert(peer, mine + 1);
+        Some(Opener(self.clone(), peer))
+    }
+}
+
+impl Drop for Opener {
+    fn drop(&mut self) {
+        let mut g = (self.0).0.lock().unwrap_or_else(|p| p.into_inner());
+        g.0 = g.0.saturating_sub(1);
+        if let Some(n) = g.1.get_mut(&self.1) {
+            *n -= 1;
+            if *n == 0 {
+                g.1.remove(&self.1);
+            }
+        }
+    }
+}
+
 /// [`serve`] with the keys and TLS given (None: every connection is served, in the clear).
 pub fn serve_with(
     listener: TcpListener,
@@ -487,6 +552,8 @@ pub fn serve_with(
         .name("moelane-tcp-accept".into())
         .spawn(move || {
             let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            let opening = Arc::new(Opening::default());
+            let checks = keys.is_some() || tls.is_some();
             for conn in listener.incoming() {
                 let Ok(s) = conn else { continue };
                 if open.fetch_add(1, std::sync::atomic::Ordering::SeqCst) >= MAX_CONNECTIONS {
@@ -497,6 +564,22 @@ pub fn serve_with(
                     );
                     continue;
                 }
+                let peer = s.peer_addr().map(|a| a.ip()).ok();
+                let opener = match checks {
+                    true => match opening.enter(peer) {
+                        Some(o) => Some(o),
+                        None => {
+                            open.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+                            tracing::warn!(
+                                ?peer,
+                                "the TCP data port has {MAX_OPENING} connections opening (or \
+                                 {MAX_OPENING_PER_PEER} from this address): closing a new one"
+                            );
+                            continue;
+                        }
+                    },
+                    false => None,
+                };
                 struct Leave(Arc<std::sync::atomic::AtomicUsize>);
                 impl Drop for Leave {
                     fn drop(&mut self) {
@@ -512,7 +595,9 @@ pub fn serve_with(
                         let _ = s.set_nodelay(true);
                         let (mut buf, mut out, mut req) =
                             (Vec::new(), Vec::new(), ColdRequest::default());
-                        let Some(mut conn) = admit(s, keys.as_deref(), tls, &mut buf) else {
+                        let admitted = admit(s, keys.as_deref(), tls, &mut buf);
+                        drop(opener);
+                        let Some(mut conn) = admitted else {
                             return;
                         };
                         while read_frame(&mut conn, &mut buf).is_ok() {
@@ -788,6 +873,70 @@ mod tests {
             closed < AUTH_DEADLINE + Duration::from_secs(2),
             "closed after {closed:?}"
         );
+    }
+
+    #[test]
+    fn over_tls_an_opening_that_stalls_is_closed_at_the_deadline_and_holds_no_more_than_its_cap() {
+        let dir = tempfile::tempdir().unwrap();
+        let (good, _) = cluster(dir.path(), "cluster", None);
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = l.local_addr().unwrap().to_string();
+        serve_with(l, Arc::new(Nothing), None, Some(good.data_server()));
+        let t0 = Instant::now();
+        // one says nothing at all (no ClientHello)
+        let silent = TcpStream::connect(&a).unwrap();
+        // one completes the handshake and then sends no opening frame
+        let mut c =
+            rustls::ClientConnection::new(good.data_client(), good.peer_name("127.0.0.1").unwrap())
+                .unwrap();
+        let mut stalled = TcpStream::connect(&a).unwrap();
+        handshake(&mut c, &mut stalled).unwrap();
+        // a third from the same address, past its cap: closed at once
+        let mut third = TcpStream::connect(&a).unwrap();
+        third
+            .set_read_timeout(Some(Duration::from_secs(3)))
+            .unwrap();
+        let mut b = [0u8; 1];
+        assert!(
+            matches!(third.read(&mut b), Ok(0)) && t0.elapsed() < Duration::from_secs(2),
+            "a third opener from one address was not closed at once"
+        );
+        // both openers are closed by the deadline
+        for mut s in [silent, stalled] {
+            s.set_read_timeout(Some(AUTH_DEADLINE + Duration::from_secs(5)))
+                .unwrap();
+            // (the TLS one may get session tickets and an alert first): read to the end
+            let r = s.read_to_end(&mut Vec::new());
+            assert!(
+                r.is_ok()
+                    || r.as_ref()
+                        .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+                "{r:?}"
+            );
+            assert!(
+                t0.elapsed() < AUTH_DEADLINE + Duration::from_secs(2),
+                "closed after {:?}",
+                t0.elapsed()
+            );
+        }
+        // then a client of the cluster is served
+        let mut t = TcpTier::connect_with(
+            &a,
+            Duration::from_secs(5),
+            tls_cred(&good, "127.0.0.1", None),
+        )
+        .unwrap();
+        t.send(ColdRequest::default()).unwrap();
+        assert!(t.recv().is_ok());
+        // a client of the cluster's certificate that offers no ALPN: refused
+        let mut no_alpn = (*good.data_client()).clone();
+        no_alpn.alpn_protocols.clear();
+        let cred = Credentials {
+            token: None,
+            tls: Some((Arc::new(no_alpn), good.peer_name("127.0.0.1").unwrap())),
+        };
+        let e = TcpTier::connect_with(&a, Duration::from_secs(5), cred).err();
+        assert!(e.is_some_and(|e| e.to_string().contains("ALPN")));
     }
 
     /// Answers each request with its activations.

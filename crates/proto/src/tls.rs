@@ -75,7 +75,7 @@ pub struct ClusterTlsFiles {
     pub name: Option<String>,
 }
 
-/// The ALPN protocol of the TCP data port over TLS (a peer speaking anything else is refused).
+/// The ALPN protocol of the TCP data port over TLS (both ends require it).
 pub const DATA_ALPN: &[u8] = b"moelane-link/1";
 
 /// The cluster's mutual TLS, loaded and checked.
