@@ -338,3 +338,42 @@ fn with_cluster_tls_the_sidecars_data_port_speaks_only_tls_to_the_cluster() {
         );
     }
 }
+
+#[test]
+fn over_cluster_tls_a_stalled_sidecar_is_relinked_and_answers_the_same() {
+    // the primary drops a TLS data link whose reply is late and opens a new one (a new
+    // handshake on a new connection) once the sidecar runs again
+    let k = pki();
+    let env = cluster_env(&k);
+    let (procs, gw, _purl) = two_process_lane_env("tcp", &["--stall-timeout", "1.5"], &pairs(&env));
+    let ask = |n: usize| {
+        post(
+            &gw,
+            "/v1/completions",
+            &serde_json::json!({"model": "tiny", "prompt": "The relinked lane", "max_tokens": n, "temperature": 0}),
+        )
+    };
+    let (st, reference) = ask(16);
+    assert_eq!(st, 200, "{reference}");
+    // (the link's reply deadline is the link timeout until it has seen a few round trips)
+    for _ in 0..3 {
+        assert_eq!(
+            ask(16).1["choices"][0]["text"],
+            reference["choices"][0]["text"]
+        );
+    }
+    signal(&procs[0], "STOP");
+    let stopped = std::time::Instant::now();
+    let (st, v) = ask(16);
+    assert_eq!(st, 503, "{v}");
+    assert!(
+        stopped.elapsed() < Duration::from_secs(8),
+        "{:?}",
+        stopped.elapsed()
+    );
+    signal(&procs[0], "CONT");
+    until(Duration::from_secs(20), "the lane serves again", || {
+        let (st, v) = ask(16);
+        st == 200 && v["choices"][0]["text"] == reference["choices"][0]["text"]
+    });
+}
