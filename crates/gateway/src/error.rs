@@ -14,8 +14,11 @@ pub enum ApiError {
     },
     #[error("The model `{0}` does not exist")]
     UnknownModel(String),
+    /// The prompt (and what it asks to write) does not fit the context: the message, and the
+    /// request field to name (`messages`; `prompt` and `input` on the endpoints that take
+    /// those: [`ApiError::for_field`]).
     #[error("{0}")]
-    ContextLength(String),
+    ContextLength(String, &'static str),
     #[error("request body exceeds {0} bytes")]
     TooLarge(usize),
     #[error("the request's headers hold {0} bytes, more than the {max} accepted", max = crate::server::MAX_HEADER_BYTES)]
@@ -52,7 +55,7 @@ impl ApiError {
     pub fn from_lane(category: Category, message: String) -> Self {
         match category {
             Category::BadRequest => ApiError::bad(message, None),
-            Category::ContextOverflow => ApiError::ContextLength(message),
+            Category::ContextOverflow => ApiError::context(message),
             Category::Overloaded => ApiError::Overloaded(message),
             Category::Unavailable
             | Category::Timeout
@@ -62,9 +65,22 @@ impl ApiError {
         }
     }
 
+    /// A context-length error naming `messages` (chat's field).
+    pub fn context(message: String) -> ApiError {
+        ApiError::ContextLength(message, "messages")
+    }
+
+    /// This error as the endpoint whose prompt is `field` gives it (`prompt`, `input`).
+    pub fn for_field(self, field: &'static str) -> ApiError {
+        match self {
+            ApiError::ContextLength(m, _) => ApiError::ContextLength(m, field),
+            e => e,
+        }
+    }
+
     pub fn status(&self) -> StatusCode {
         match self {
-            ApiError::BadRequest { .. } | ApiError::ContextLength(_) => StatusCode::BAD_REQUEST,
+            ApiError::BadRequest { .. } | ApiError::ContextLength(..) => StatusCode::BAD_REQUEST,
             ApiError::UnknownModel(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
@@ -86,10 +102,10 @@ impl ApiError {
                 Some("model_not_found"),
                 Some("model"),
             ),
-            ApiError::ContextLength(_) => (
+            ApiError::ContextLength(_, field) => (
                 "invalid_request_error",
                 Some("context_length_exceeded"),
-                Some("messages"),
+                Some(*field),
             ),
             ApiError::TooLarge(_) => ("invalid_request_error", Some("request_too_large"), None),
             ApiError::HeadersTooLarge(_) => {

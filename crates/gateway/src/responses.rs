@@ -252,7 +252,7 @@ pub(crate) async fn responses(State(st): State<Arc<AppState>>, req: Request) -> 
     handle(st, req)
         .instrument(tracing::info_span!("POST /v1/responses"))
         .await
-        .unwrap_or_else(|e| e.into_response())
+        .unwrap_or_else(|e| e.for_field("input").into_response())
 }
 
 async fn handle(st: Arc<AppState>, req: Request) -> Result<Response, ApiError> {

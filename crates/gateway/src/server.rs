@@ -821,7 +821,7 @@ fn encode_bounded_check(st: &AppState, text: &str) -> Result<(), ApiError> {
     let ctx = st.cfg.max_context;
     let least = text.len() / (4 * st.max_token_bytes.max(1));
     if least >= ctx {
-        return Err(ApiError::ContextLength(format!(
+        return Err(ApiError::context(format!(
             "This model's maximum context length is {ctx} tokens; the prompt is {} bytes, at \
              least {least} tokens",
             text.len()
@@ -896,7 +896,7 @@ fn prompt_tokens(st: &AppState, v: &Value, chat: bool) -> Result<Vec<u32>, ApiEr
         // a template writes at least a token a message: a chat of more messages than the
         // context has positions cannot fit, and is refused before it is copied and rendered
         if msgs.len() > st.cfg.max_context {
-            return Err(ApiError::ContextLength(format!(
+            return Err(ApiError::context(format!(
                 "This model's maximum context length is {} tokens; the chat has {} messages",
                 st.cfg.max_context,
                 msgs.len()
@@ -1375,7 +1375,7 @@ pub(crate) fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequ
     }
     let ctx = st.cfg.max_context;
     if prompt.len() >= ctx {
-        return Err(ApiError::ContextLength(format!(
+        return Err(ApiError::context(format!(
             "This model's maximum context length is {ctx} tokens; the prompt has {} tokens",
             prompt.len()
         )));
@@ -1395,7 +1395,7 @@ pub(crate) fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequ
                 .iter()
                 .find_map(|k| v.get(*k).and_then(|n| n.as_u64()))
                 .map_or_else(|| x.to_string(), |n| n.to_string());
-            return Err(ApiError::ContextLength(format!("This model's maximum context length is {ctx} tokens; the prompt has {} tokens and max_tokens is {written}", prompt.len())));
+            return Err(ApiError::context(format!("This model's maximum context length is {ctx} tokens; the prompt has {} tokens and max_tokens is {written}", prompt.len())));
         }
         Some(x) => Some(x as usize),
         None => None,
@@ -1704,7 +1704,7 @@ async fn completions(State(st): State<Arc<AppState>>, req: Request) -> Response 
     handle(st, req, false)
         .instrument(request_span(false))
         .await
-        .unwrap_or_else(|e| e.into_response())
+        .unwrap_or_else(|e| e.for_field("prompt").into_response())
 }
 
 async fn chat_completions(State(st): State<Arc<AppState>>, req: Request) -> Response {
@@ -2483,6 +2483,7 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
             // an error object, as OpenAI's API sends mid-stream (its clients raise on it),
             // and no finish: the client must not take a cut answer for a whole one
             count_cut(&err);
+            let err = if chat { err } else { err.for_field("prompt") };
             put(tx, send(err.body()), &st.shutdown).await;
             put(tx, SseEvent::default().data("[DONE]"), &st.shutdown).await;
             return;

@@ -565,6 +565,8 @@ async fn a_prompt_longer_than_the_context_for_certain_is_refused_before_tokenisi
     .await;
     assert_error(st, &v, 400, "invalid_request_error", "at least");
     assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
+    // the field named is the endpoint's own: a completion's prompt
+    assert_eq!(v["error"]["param"], "prompt", "{v}");
     assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
     // max_tokens past the context is named as written, not saturated to usize
     let (st, v) = post(
@@ -615,6 +617,7 @@ async fn a_prompt_longer_than_the_context_for_certain_is_refused_before_tokenisi
     .await;
     assert_error(st, &v, 400, "invalid_request_error", "30000 messages");
     assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
+    assert_eq!(v["error"]["param"], "messages", "{v}");
     assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
 }
 
