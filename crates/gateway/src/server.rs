@@ -533,34 +533,61 @@ pub(crate) fn request_span(chat: bool) -> tracing::Span {
 }
 
 /// Per-request latency bookkeeping: first token, gaps between tokens, totals at the end.
+/// A request's timing and token counts, recorded once per request however many choices
+/// (`n`) it has: its first token (of any choice) after its arrival, each choice's gaps
+/// between tokens, and at its end its duration, its prompt once and every choice's tokens.
 pub(crate) struct Timing {
     t0: Instant,
     last: Option<Instant>,
     route: &'static str,
+    /// Whether the request's first token was recorded (shared by its choices).
+    first: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Timing {
     pub(crate) fn new(chat: bool) -> Self {
+        Self::since(chat, Instant::now())
+    }
+
+    /// A request's timing from its arrival at `t0`.
+    pub(crate) fn since(chat: bool, t0: Instant) -> Self {
         Timing {
-            t0: Instant::now(),
+            t0,
             last: None,
             route: if chat {
                 "/v1/chat/completions"
             } else {
                 "/v1/completions"
             },
+            first: Default::default(),
         }
     }
+
+    /// The timing of one choice (or one attempt at it) of this request.
+    pub(crate) fn choice(&self) -> Timing {
+        Timing {
+            t0: self.t0,
+            last: None,
+            route: self.route,
+            first: self.first.clone(),
+        }
+    }
+
     pub(crate) fn token(&mut self) {
         let now = Instant::now();
         match self.last {
             None => {
-                metrics::histogram!(n::TIME_TO_FIRST_TOKEN).record((now - self.t0).as_secs_f64())
+                if !self.first.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                    metrics::histogram!(n::TIME_TO_FIRST_TOKEN)
+                        .record((now - self.t0).as_secs_f64())
+                }
             }
             Some(l) => metrics::histogram!(n::INTER_TOKEN_LATENCY).record((now - l).as_secs_f64()),
         }
         self.last = Some(now);
     }
+
+    /// The request ended: once per request (every choice's tokens in `completion`).
     pub(crate) fn done(&self, prompt: usize, completion: usize, finish: &str) {
         metrics::histogram!(n::REQUEST_DURATION, "route" => self.route)
             .record(self.t0.elapsed().as_secs_f64());
@@ -995,21 +1022,18 @@ fn prompt_tokens(st: &AppState, v: &Value, chat: bool) -> Result<Vec<u32>, ApiEr
                 encode_bounded(st, a[0].as_str().unwrap_or_default())?
             }
             Some(Value::Array(a)) if a.iter().all(|x| x.is_u64()) => {
-                let ids: Vec<u32> = a
-                    .iter()
-                    .filter_map(|x| x.as_u64())
-                    .map(|x| x.min(u32::MAX as u64) as u32)
-                    .collect();
-                if let Some(bad) = ids
-                    .iter()
-                    .find(|&&t| t as usize >= st.tokenizer.vocab_size())
-                {
+                // (checked as written: an id past u32 is named as the client sent it)
+                let vocab = st.tokenizer.vocab_size() as u64;
+                if let Some(bad) = a.iter().filter_map(|x| x.as_u64()).find(|&t| t >= vocab) {
                     return Err(ApiError::bad(
-                        format!("token id {bad} is outside the vocabulary"),
+                        format!("token id {bad} is outside the vocabulary of {vocab} tokens"),
                         Some("prompt"),
                     ));
                 }
-                ids
+                a.iter()
+                    .filter_map(|x| x.as_u64())
+                    .map(|x| x as u32)
+                    .collect()
             }
             Some(Value::Array(_)) => {
                 return Err(ApiError::bad(
@@ -1797,10 +1821,88 @@ fn join_logprobs(a: Value, b: Value) -> Value {
     out
 }
 
+/// Where each token of a completion starts in its text, in characters of that text as it is
+/// decoded (`from_utf8_lossy`: an invalid run of bytes one U+FFFD), fed a token at a time:
+/// a token that starts inside a character an earlier token began is at that character; one
+/// after bytes that never became a character is after their U+FFFD. The same whether the
+/// text is streamed or whole.
+pub(crate) struct Offsets {
+    /// Characters decoded for good before `tail`.
+    done: usize,
+    /// The bytes of a character not whole yet (at most 3).
+    tail: Vec<u8>,
+}
+
+impl Offsets {
+    /// Offsets counted from `base` characters (the echoed prompt's, before an answer).
+    pub(crate) fn from(base: usize) -> Offsets {
+        Offsets {
+            done: base,
+            tail: Vec::new(),
+        }
+    }
+
+    /// The offset of the next token, whose text is `bytes`.
+    pub(crate) fn next(&mut self, bytes: &[u8]) -> usize {
+        let start = self.tail.len();
+        let mut w = std::mem::take(&mut self.tail);
+        w.extend_from_slice(bytes);
+        let at = self.done + char_at(&w, start);
+        let cut = w.len() - incomplete_tail(&w);
+        self.done += String::from_utf8_lossy(&w[..cut]).chars().count();
+        self.tail = w.split_off(cut);
+        at
+    }
+}
+
+/// The index, among the characters `b` decodes to (an invalid run, or an unfinished
+/// character at the end, one character), of the one that holds byte `at` (the count of all
+/// of them at the end).
+fn char_at(b: &[u8], at: usize) -> usize {
+    let (mut pos, mut idx) = (0, 0);
+    for chunk in b.utf8_chunks() {
+        for c in chunk.valid().chars() {
+            pos += c.len_utf8();
+            if at < pos {
+                return idx;
+            }
+            idx += 1;
+        }
+        if !chunk.invalid().is_empty() {
+            pos += chunk.invalid().len();
+            if at < pos {
+                return idx;
+            }
+            idx += 1;
+        }
+    }
+    idx
+}
+
+/// How many bytes at the end of `b` begin a character that more bytes could still finish.
+fn incomplete_tail(b: &[u8]) -> usize {
+    let mut rest = b;
+    loop {
+        match std::str::from_utf8(rest) {
+            Ok(_) => return 0,
+            Err(e) => match e.error_len() {
+                None => return rest.len() - e.valid_up_to(),
+                Some(n) => rest = &rest[e.valid_up_to() + n..],
+            },
+        }
+    }
+}
+
 /// `lps` in the shape of the endpoint: chat's `{"content": [{token, logprob, bytes,
 /// top_logprobs}]}`, or completions' `{tokens, token_logprobs, top_logprobs, text_offset}`
-/// (offsets in characters from `offset`, the text already sent before these tokens).
-fn render_logprobs(st: &AppState, chat: bool, lps: &[Lp], offset: usize) -> Value {
+/// (each token's offset from `offsets`, fed the token's text as `text_of` gives it).
+fn render_logprobs(
+    st: &AppState,
+    chat: bool,
+    lps: &[Lp],
+    offsets: &mut Offsets,
+    text_of: &dyn Fn(u32) -> Vec<u8>,
+) -> Value {
     let text = |t: u32| String::from_utf8_lossy(st.tokenizer.token_bytes(t)).into_owned();
     if chat {
         let entry = |t: u32, lp: f32| json!({"token": text(t), "logprob": lp, "bytes": st.tokenizer.token_bytes(t)});
@@ -1816,12 +1918,10 @@ fn render_logprobs(st: &AppState, chat: bool, lps: &[Lp], offset: usize) -> Valu
             .collect();
         json!({"content": content})
     } else {
-        let mut at = offset;
-        let mut offsets = Vec::with_capacity(lps.len());
-        for l in lps {
-            offsets.push(at);
-            at += text(l.token).chars().count();
-        }
+        let offsets: Vec<usize> = lps
+            .iter()
+            .map(|l| offsets.next(&text_of(l.token)))
+            .collect();
         let name = |t: u32| token_name(st.tokenizer.token_bytes(t));
         json!({
             "tokens": lps.iter().map(|l| name(l.token)).collect::<Vec<_>>(),
@@ -2022,10 +2122,26 @@ pub(crate) async fn whole_choice(
     deadline: Instant,
     chat: bool,
 ) -> Result<Choice, ApiError> {
-    let prompt_tokens = vr.prompt.len();
+    let timing = Timing::new(chat);
+    let r = choice_whole(st, vr, greq, deadline, &timing).await;
+    match &r {
+        Ok(c) => timing.done(vr.prompt.len(), c.completion, &c.finish),
+        Err(_) => timing.done(vr.prompt.len(), 0, "error"),
+    }
+    r
+}
+
+/// One choice of `request`'s, whole (its timing's end is the request's to record).
+async fn choice_whole(
+    st: &AppState,
+    vr: &ValidRequest,
+    greq: &GenerateRequest,
+    deadline: Instant,
+    request: &Timing,
+) -> Result<Choice, ApiError> {
     let mut tries = Tries::default();
     loop {
-        let mut timing = Timing::new(chat);
+        let mut timing = request.choice();
         let (inflight, mut events) = open(st, greq, deadline, &mut tries).await?;
         let lane = inflight.lane.name().to_string();
         let mut det = Detokenizer::new(vr.stop.clone());
@@ -2076,7 +2192,6 @@ pub(crate) async fn whole_choice(
         drop(inflight);
         if let Some(f) = finish {
             text.push_str(&det.finish());
-            timing.done(prompt_tokens, completion, &f);
             return Ok(Choice {
                 text,
                 completion,
@@ -2087,7 +2202,6 @@ pub(crate) async fn whole_choice(
             });
         }
         let e = failed.unwrap_or_else(stream_ended);
-        timing.done(prompt_tokens, completion, "error");
         tries.blame(st, &lane, e.category).await;
         if retry_class(e.category).is_none() || !tries.more(st, deadline) {
             metrics::counter!(n::STREAMS_CUT, "reason" => e.category.as_str()).increment(1);
@@ -2100,6 +2214,7 @@ pub(crate) async fn whole_choice(
 
 /// A non-streamed answer: `n` choices generated side by side, in the completion or chat
 /// completion shape; usage counts the prompt once and every choice's tokens.
+#[allow(clippy::too_many_arguments)]
 async fn whole_response(
     st: &AppState,
     vr: &ValidRequest,
@@ -2107,22 +2222,37 @@ async fn whole_response(
     deadline: Instant,
     out: &Out,
     chat: bool,
+    timing: &Timing,
 ) -> Result<Response, ApiError> {
     let choices = futures::future::try_join_all((0..vr.n).map(|i| async move {
-        whole_choice(st, vr, &choice_request(greq, i), deadline, chat).await
+        choice_whole(st, vr, &choice_request(greq, i), deadline, timing).await
     }))
-    .await?;
+    .await;
+    let choices = match choices {
+        Ok(c) => c,
+        Err(e) => {
+            timing.done(vr.prompt.len(), 0, "error");
+            return Err(e);
+        }
+    };
     let completion: usize = choices.iter().map(|c| c.completion).sum();
+    timing.done(vr.prompt.len(), completion, &choices[0].finish);
     let echoed = vr.echo.as_ref().map_or(0, |e| e.chars().count());
     let body: Vec<Value> = choices
         .into_iter()
         .enumerate()
         .map(|(i, mut c)| {
             let lps = if vr.logprobs.is_some() {
-                let answer = render_logprobs(st, chat, &c.lps, echoed);
+                let answer = render_logprobs(st, chat, &c.lps, &mut Offsets::from(echoed), &|t| {
+                    vr.token_text(st, t).to_vec()
+                });
                 if vr.prompt_logprobs {
                     // the prompt's own log-probabilities start at its first character
-                    join_logprobs(render_logprobs(st, false, &c.prompt_lps, 0), answer)
+                    let prompt =
+                        render_logprobs(st, false, &c.prompt_lps, &mut Offsets::from(0), &|t| {
+                            st.tokenizer.token_bytes(t).to_vec()
+                        });
+                    join_logprobs(prompt, answer)
                 } else {
                     answer
                 }
@@ -2215,8 +2345,9 @@ async fn relay_choice(
     tx: &tokio::sync::mpsc::Sender<SseEvent>,
     mut tries: Tries,
     chat: bool,
+    request: &Timing,
 ) -> Streamed {
-    let mut timing = Timing::new(chat);
+    let mut timing = request.choice();
     let mut det = Detokenizer::new(vr.stop.clone());
     let mut r = Streamed {
         completion: 0,
@@ -2243,6 +2374,9 @@ async fn relay_choice(
         }
     }
     let mut lps: Vec<Lp> = Vec::new();
+    // the answer's offsets: from the echoed prompt's end (set when it is sent)
+    let mut offsets = Offsets::from(sent_chars);
+    let text_of = |t: u32| vr.token_text(st, t).to_vec();
     let mut pending_echo = (!chat && vr.prompt_logprobs).then(|| Lp::lead(vr));
     let mut split = StreamSplit {
         splitter: vr.splits().then(|| vr.splitter()),
@@ -2285,7 +2419,11 @@ async fn relay_choice(
                 let echo = vr.echo.clone().unwrap_or_default();
                 sent_chars = echo.chars().count();
                 let mut c = out.chunk(st, false, index, Some(&echo), None, false, Value::Null);
-                c["choices"][0]["logprobs"] = render_logprobs(st, false, p, 0);
+                c["choices"][0]["logprobs"] =
+                    render_logprobs(st, false, p, &mut Offsets::from(0), &|t| {
+                        st.tokenizer.token_bytes(t).to_vec()
+                    });
+                offsets = Offsets::from(sent_chars);
                 pending_echo = None;
                 if !put(tx, send(c), &st.shutdown).await {
                     r.left = true;
@@ -2306,11 +2444,11 @@ async fn relay_choice(
             let mut chunks = split.chunks(st, out, index, &piece, false);
             if let Some(first) = chunks.first_mut() {
                 if vr.logprobs.is_some() {
-                    first["choices"][0]["logprobs"] = render_logprobs(st, chat, &lps, sent_chars);
+                    first["choices"][0]["logprobs"] =
+                        render_logprobs(st, chat, &lps, &mut offsets, &text_of);
                 }
                 lps.clear();
             }
-            sent_chars += piece.chars().count();
             let mut gone = false;
             for c in chunks {
                 if !put(tx, send(c), &st.shutdown).await {
@@ -2340,11 +2478,6 @@ async fn relay_choice(
         }
     }
     drop(events);
-    timing.done(
-        vr.prompt.len(),
-        r.completion,
-        r.finish.as_deref().unwrap_or("error"),
-    );
     if r.failed.is_some() {
         return r;
     }
@@ -2357,7 +2490,8 @@ async fn relay_choice(
     }
     if let Some(first) = chunks.first_mut() {
         if vr.logprobs.is_some() {
-            first["choices"][0]["logprobs"] = render_logprobs(st, chat, &lps, sent_chars);
+            first["choices"][0]["logprobs"] =
+                render_logprobs(st, chat, &lps, &mut offsets, &text_of);
         }
     }
     for c in chunks {
@@ -2431,10 +2565,11 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
     span.record("moelane.request_id", out.id.as_str());
     let greq = generate_request(&vr, &out.id);
     let deadline = arrived + st.cfg.retry_deadline;
+    let timing = Timing::since(chat, arrived);
     let aborted = st.shutdown.aborted();
     if !vr.stream {
         return tokio::select! {
-            r = whole_response(&st, &vr, &greq, deadline, &out, chat) => r,
+            r = whole_response(&st, &vr, &greq, deadline, &out, chat, &timing) => r,
             _ = aborted => Err(shutting_down()),
         };
     }
@@ -2464,16 +2599,29 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
     let st2 = st.clone();
     let relay = async move {
         let _active = active;
-        let (st, vr, out, tx) = (&st2, &vr, &out, &tx);
+        let (st, vr, out, tx, timing) = (&st2, &vr, &out, &tx, &timing);
         let ends = futures::future::join_all(opened.into_iter().enumerate().map(
             |(i, (inflight, events, tries))| async move {
                 let lane = inflight.lane.name().to_string();
-                let r = relay_choice(st, vr, out, i, &lane, events, tx, tries, chat).await;
+                let r = relay_choice(st, vr, out, i, &lane, events, tx, tries, chat, timing).await;
                 drop(inflight);
                 r
             },
         ))
         .await;
+        let finish = match ends.iter().find(|e| e.failed.is_some() || e.left) {
+            Some(e) if e.left => "cancelled",
+            Some(_) => "error",
+            None => ends
+                .first()
+                .and_then(|e| e.finish.as_deref())
+                .unwrap_or("error"),
+        };
+        timing.done(
+            prompt_tokens,
+            ends.iter().map(|e| e.completion).sum(),
+            finish,
+        );
         let send = |v: Value| SseEvent::default().data(v.to_string());
         if ends.iter().any(|e| e.left) {
             return;
@@ -2665,6 +2813,64 @@ async fn canary(State(st): State<Arc<AppState>>, req: Request) -> Result<Json<Va
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn text_offsets_are_where_each_token_starts_in_the_decoded_text_when_tokens_split_characters() {
+        // が + a lone lead byte | ない | a stray continuation | き | の + half of 三 | the
+        // rest of 三 | ている | 日
+        let toks: Vec<&[u8]> = vec![
+            b"\xe3\x81\x8c\xe5",
+            "ない".as_bytes(),
+            b"\xbe",
+            "き".as_bytes(),
+            b"\xe3\x81\xae\xe4\xb8",
+            b"\x89",
+            "ている".as_bytes(),
+            "日".as_bytes(),
+        ];
+        let all: Vec<u8> = toks.concat();
+        let text = String::from_utf8_lossy(&all).into_owned();
+        assert_eq!(text, "が�ない�きの三ている日");
+        let mut o = Offsets::from(0);
+        let got: Vec<usize> = toks.iter().map(|t| o.next(t)).collect();
+        // ない at 2 (after が and the lone byte's U+FFFD), 三's second half at 三 (7),
+        // ている right after it
+        assert_eq!(got, [0, 2, 4, 5, 6, 7, 8, 11]);
+        let chars: Vec<char> = text.chars().collect();
+        for (t, &at) in toks.iter().zip(&got) {
+            if let Ok(s) = std::str::from_utf8(t) {
+                let here: String = chars[at..at + s.chars().count()].iter().collect();
+                assert_eq!(here, s);
+            }
+        }
+        // a base (the echoed prompt's characters) shifts them all; an unfinished character at
+        // the end is one character
+        let mut o = Offsets::from(5);
+        assert_eq!(o.next(b"a\xe4"), 5);
+        assert_eq!(o.next(b"\xb8"), 6);
+        assert_eq!(o.next(b""), 7);
+        // every split of a text into tokens of 1..4 bytes gives offsets that index its chars
+        let text = "ä€𝄞x\u{80}漢字 ok";
+        let b = text.as_bytes();
+        for step in 1..=4 {
+            let mut o = Offsets::from(0);
+            let mut pos = 0;
+            while pos < b.len() {
+                let end = (pos + step).min(b.len());
+                let at = o.next(&b[pos..end]);
+                // the character holding the token's first byte
+                assert_eq!(
+                    at,
+                    text[..]
+                        .char_indices()
+                        .take_while(|(i, _)| *i <= pos)
+                        .count()
+                        - 1
+                );
+                pos = end;
+            }
+        }
+    }
 
     #[test]
     fn a_client_holds_at_most_its_bound_and_gets_places_back_as_answers_end() {

@@ -568,28 +568,25 @@ async fn a_prompt_longer_than_the_context_for_certain_is_refused_before_tokenisi
     // the field named is the endpoint's own: a completion's prompt
     assert_eq!(v["error"]["param"], "prompt", "{v}");
     assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
-    // max_tokens past the context is named as written, not saturated to usize
-    let (st, v) = post(
-        &gw,
-        "/v1/completions",
-        &json!({"model": "tiny", "prompt": "hi", "max_tokens": 1e20}),
-    )
-    .await;
-    assert_error(
-        st,
-        &v,
-        400,
-        "invalid_request_error",
-        "100000000000000000000",
-    );
-    // an integer past f64's 53 bits is named exactly
-    let (st, v) = post(
-        &gw,
-        "/v1/completions",
-        &json!({"model": "tiny", "prompt": "hi", "max_tokens": 9223372036854775808u64}),
-    )
-    .await;
-    assert_error(st, &v, 400, "invalid_request_error", "9223372036854775808");
+    // numbers named as the client wrote them: max_tokens past the context (not saturated to
+    // usize), an integer past f64's 53 bits (exactly), a token id past 32 bits (not clamped)
+    for (body, says) in [
+        (
+            json!({"model": "tiny", "prompt": "hi", "max_tokens": 1e20}),
+            "100000000000000000000",
+        ),
+        (
+            json!({"model": "tiny", "prompt": "hi", "max_tokens": 9223372036854775808u64}),
+            "9223372036854775808",
+        ),
+        (
+            json!({"model": "tiny", "prompt": [5, 1099511627776u64], "max_tokens": 1}),
+            "token id 1099511627776 is outside",
+        ),
+    ] {
+        let (st, v) = post(&gw, "/v1/completions", &body).await;
+        assert_error(st, &v, 400, "invalid_request_error", says);
+    }
     // under the bound it is tokenised and counted as before
     let (st, v) = post(
         &gw,
@@ -1835,6 +1832,19 @@ async fn echo_with_logprobs_gives_the_prompts_log_probabilities() {
         .map(|o| o.as_u64().unwrap())
         .collect();
     assert!(offsets.windows(2).all(|w| w[0] <= w[1]), "{lp}");
+    // each token that is text by itself is at its offset in the text
+    let chars: Vec<char> = text.chars().collect();
+    for (t, &at) in lp["tokens"].as_array().unwrap().iter().zip(&offsets) {
+        let t = t.as_str().unwrap();
+        if !t.starts_with("bytes:") {
+            let here: String = chars
+                .iter()
+                .skip(at as usize)
+                .take(t.chars().count())
+                .collect();
+            assert_eq!(here, t, "{lp}");
+        }
+    }
     assert_eq!(a["usage"]["prompt_tokens"], n);
     // the prompt and its answer's token, echoed alone: the token's log-probability is the
     // same as the next prompt's last

@@ -105,6 +105,52 @@ fn promtool_check(page: &str) {
 }
 
 #[test]
+fn a_request_of_several_choices_is_one_request_in_the_metrics() {
+    let (_p, _purl, gw) = serve_lane(tiny(), &[]);
+    // n = 3 whole, then n = 2 streamed: usage counts each prompt once and every choice's
+    // tokens; so must the counters, and each request is one duration and one first token
+    let (st, r) = post(
+        &gw,
+        "/v1/completions",
+        &json!({"model": "tiny", "prompt": "w1 w2 w3", "max_tokens": 5, "n": 3,
+                "temperature": 1.0, "seed": 3}),
+    );
+    assert_eq!(st, 200, "{r}");
+    let (mut pt, mut ct) = (
+        r["usage"]["prompt_tokens"].as_u64().unwrap(),
+        r["usage"]["completion_tokens"].as_u64().unwrap(),
+    );
+    let body = json!({"model": "tiny", "prompt": "Der Zug", "max_tokens": 4, "n": 2,
+                      "temperature": 1.0, "seed": 5, "stream": true,
+                      "stream_options": {"include_usage": true}});
+    let r = request(&gw, "POST", "/v1/completions", body.to_string().as_bytes());
+    assert_eq!(r.status, 200);
+    let usage: Value = r
+        .body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .find(|c| c["usage"].is_object())
+        .unwrap()["usage"]
+        .clone();
+    pt += usage["prompt_tokens"].as_u64().unwrap();
+    ct += usage["completion_tokens"].as_u64().unwrap();
+    let s = parse(&request(&gw, "GET", "/metrics", b"").body);
+    assert_eq!(sum(&s, "moelane_prompt_tokens_total", &[]), pt as f64);
+    assert_eq!(sum(&s, "moelane_generated_tokens_total", &[]), ct as f64);
+    assert_eq!(sum(&s, "moelane_request_duration_seconds_count", &[]), 2.0);
+    assert_eq!(
+        sum(&s, "moelane_time_to_first_token_seconds_count", &[]),
+        2.0
+    );
+    // each of the five choices' tokens after its first
+    assert_eq!(
+        sum(&s, "moelane_inter_token_latency_seconds_count", &[]),
+        (ct - 5) as f64
+    );
+}
+
+#[test]
 fn metrics_count_what_clients_saw_and_pass_promtool() {
     let (_p, purl, gw) = serve_lane(tiny(), &[]);
     // traffic: whole and streamed completions; usage as the clients saw it
