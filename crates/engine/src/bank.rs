@@ -173,6 +173,29 @@ impl ExpertBank {
         self.slots[layer][slot as usize].take()
     }
 
+    /// Whether every pick names an expert of `layer` held here and a row among the
+    /// `acts_len / hidden` activation rows given: checked before any room is made for the
+    /// picks' outputs (a frame of many bogus picks must not cost picks x hidden floats).
+    pub fn check_picks(&self, layer: usize, picks: &[Pick], acts_len: usize) -> Result<()> {
+        let rows = acts_len / self.hidden.max(1);
+        for p in picks {
+            if self.get(layer, p.expert as usize).is_none() {
+                return Err(Error::NotResident {
+                    layer,
+                    expert: p.expert as usize,
+                    tier: self.tier.name(),
+                });
+            }
+            if p.row as usize >= rows {
+                return Err(Error::Invalid(format!(
+                    "pick refers to row {} of {} activation rows",
+                    p.row, rows
+                )));
+            }
+        }
+        Ok(())
+    }
+
     pub fn get(&self, layer: usize, expert: usize) -> Option<&Arc<ExpertWeights>> {
         let s = (*self.slot_of.get(layer)?.get(expert)?)?;
         self.slots[layer][s as usize].as_ref()
@@ -217,7 +240,6 @@ impl ExpertBank {
     ) -> Result<()> {
         let h = self.hidden;
         check_out(out.len(), picks.len(), h)?;
-        let rows = acts.len() / h.max(1);
         // group picks by expert (stable: pick order within a group)
         let mut order: Vec<u32> = (0..picks.len() as u32).collect();
         order.sort_by_key(|&i| (picks[i as usize].expert, i));
@@ -232,22 +254,7 @@ impl ExpertBank {
             groups.push((s, t));
             s = t;
         }
-        for &(s, _) in &groups {
-            let p = picks[order[s] as usize];
-            if self.get(layer, p.expert as usize).is_none() {
-                return Err(Error::NotResident {
-                    layer,
-                    expert: p.expert as usize,
-                    tier: self.tier.name(),
-                });
-            }
-        }
-        if let Some(bad) = picks.iter().find(|p| p.row as usize >= rows) {
-            return Err(Error::Invalid(format!(
-                "pick refers to row {} of {} activation rows",
-                bad.row, rows
-            )));
-        }
+        self.check_picks(layer, picks, acts.len())?;
         let optr = OutPtr(out.as_mut_ptr());
         let team = crate::team::team();
         let run_group = |gi: usize| {

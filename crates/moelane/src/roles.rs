@@ -564,7 +564,39 @@ async fn connect_sidecar(
             }
         }
     };
-    on_link(&rep).map_err(|e| anyhow::anyhow!("opening the data link: {e}"))?;
+    // a data link cut or refused for now (the port busy, the sidecar restarting) is tried
+    // again up to --sidecar-wait; a setting to fix (a certificate refused) fails at once
+    let t1 = std::time::Instant::now();
+    let mut said = false;
+    loop {
+        let on = on_link.clone();
+        let r = {
+            let rep = rep.clone();
+            tokio::task::spawn_blocking(move || on(&rep))
+                .await
+                .map_err(|e| anyhow::anyhow!("opening the data link: {e}"))?
+        };
+        match r {
+            Ok(()) => break,
+            Err(e)
+                if matches!(
+                    e.fault,
+                    moelane_engine::error::Fault::Unavailable
+                        | moelane_engine::error::Fault::Timeout
+                ) && t1.elapsed() < o.sidecar_wait =>
+            {
+                if !said {
+                    println!(
+                        "moelane: waiting for the sidecar's data link ({e}; up to {:.0} s)",
+                        o.sidecar_wait.as_secs_f64()
+                    );
+                    said = true;
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => return Err(anyhow::anyhow!("opening the data link: {e}")),
+        }
+    }
     let broken = Arc::new(tokio::sync::Notify::new());
     let t = Relink {
         slot,

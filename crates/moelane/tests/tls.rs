@@ -79,6 +79,26 @@ fn pairs<'a>(env: &'a [(&'static str, String)]) -> Vec<(&'static str, &'a str)> 
     env.iter().map(|(k, v)| (*k, v.as_str())).collect()
 }
 
+/// A sidecar of `tiny` with the cluster TLS of `env`: it and (control URL, data address).
+fn tls_sidecar(env: &[(&'static str, String)]) -> (Proc, Vec<String>) {
+    let tiny = tiny().to_str().unwrap().to_string();
+    start_env(
+        &[
+            "lane",
+            "--role",
+            "sidecar",
+            "--model",
+            &tiny,
+            "--listen",
+            "127.0.0.1:0",
+            "--data",
+            "127.0.0.1:0",
+        ],
+        &["sidecar control ", "sidecar data tcp "],
+        &pairs(env),
+    )
+}
+
 /// One HTTPS POST to `addr` trusting only `ca`: (status, body), or the error of the TLS
 /// handshake.
 fn https_post(addr: &str, ca: &Path, path: &str, body: &str) -> Result<(u16, String), String> {
@@ -274,23 +294,8 @@ fn with_cluster_tls_the_sidecars_data_port_speaks_only_tls_to_the_cluster() {
     use moelane_proto::tls::{ClusterTls, ClusterTlsFiles};
     let k = pki();
     let env = cluster_env(&k);
-    let tiny = tiny().to_str().unwrap().to_string();
-    let (_side, v) = start_env(
-        &[
-            "lane",
-            "--role",
-            "sidecar",
-            "--model",
-            &tiny,
-            "--listen",
-            "127.0.0.1:0",
-            "--data",
-            "127.0.0.1:0",
-        ],
-        &["sidecar data tcp "],
-        &pairs(&env),
-    );
-    let data = v[0].clone();
+    let (_side, v) = tls_sidecar(&env);
+    let data = v[1].clone();
     let load = |cert: &PathBuf, key: &PathBuf, ca: &PathBuf| {
         ClusterTls::load(&ClusterTlsFiles {
             cert: cert.clone(),
@@ -376,4 +381,37 @@ fn over_cluster_tls_a_stalled_sidecar_is_relinked_and_answers_the_same() {
         let (st, v) = ask(16);
         st == 200 && v["choices"][0]["text"] == reference["choices"][0]["text"]
     });
+}
+
+#[test]
+fn connections_held_open_on_the_data_port_do_not_keep_a_primary_out() {
+    // two silent connections from the primary's own address (its cap of openers): the
+    // primary's own opening closes the oldest for itself rather than being refused
+    let k = pki();
+    let env = cluster_env(&k);
+    let tiny = tiny().to_str().unwrap().to_string();
+    let (_side, v) = tls_sidecar(&env);
+    let held: Vec<std::net::TcpStream> = (0..2)
+        .map(|_| std::net::TcpStream::connect(&v[1]).unwrap())
+        .collect();
+    let control = format!("http://{}", hostport(&v[0]));
+    let (_prim, pv) = start_env(
+        &[
+            "lane",
+            "--role",
+            "primary",
+            "--model",
+            &tiny,
+            "--listen",
+            "127.0.0.1:0",
+            "--sidecar",
+            &control,
+            "--link",
+            "tcp",
+        ],
+        &["primary grpc "],
+        &pairs(&env),
+    );
+    assert!(!pv[0].is_empty());
+    drop(held);
 }

@@ -258,6 +258,9 @@ impl SidecarCore {
 impl ColdService for SidecarCore {
     fn serve(&self, req: &ColdRequest, out: &mut Vec<f32>) -> moelane_engine::Result<()> {
         self.serve_with(req, req.activations.len(), |st| {
+            // the picks checked before their outputs' room is made
+            st.bank
+                .check_picks(req.layer as usize, &req.picks, req.activations.len())?;
             out.clear();
             out.resize(req.picks.len() * st.bank.hidden, 0.0);
             self.device.compute(

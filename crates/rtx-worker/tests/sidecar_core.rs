@@ -211,6 +211,25 @@ fn a_bad_pick_row_is_a_bad_request() {
 }
 
 #[test]
+fn many_bogus_picks_are_refused_before_any_room_is_made_for_their_outputs() {
+    let f = fixture();
+    // a million picks over one row: the last names an expert this sidecar does not hold,
+    // or a row that is not there; neither may cost a million rows of output first
+    for last in [(0u32, 3u16), (1, HOT as u16)] {
+        let mut picks = vec![(0u32, HOT as u16); 1 << 20];
+        *picks.last_mut().unwrap() = last;
+        let req = request(&f, 0, 0, 1, &picks);
+        let mut out = Vec::new();
+        assert!(f.core.serve(&req, &mut out).is_err());
+        assert!(
+            out.capacity() < 1 << 16,
+            "{} floats reserved",
+            out.capacity()
+        );
+    }
+}
+
+#[test]
 fn a_hot_expert_is_not_resident_on_the_sidecar() {
     let f = fixture();
     let req = request(&f, 1, 0, 1, &[(0, 3)]);
