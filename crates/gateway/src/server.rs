@@ -1531,7 +1531,7 @@ pub(crate) fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequ
             let special = |t: &str| {
                 st.tokenizer
                     .token_to_id(t)
-                    .is_some_and(|i| st.tokenizer.is_special(i))
+                    .filter(|&i| st.tokenizer.is_special(i))
             };
             Some(compiled(moelane_text::agent::calls_grammar(
                 &st.template.markup,
@@ -2021,7 +2021,7 @@ pub(crate) struct Choice {
 
 /// A tool call as the OpenAI API gives it, with a fresh id.
 pub(crate) fn tool_call(st: &AppState, index: Option<usize>, name: &str, arguments: &str) -> Value {
-    let mut c = json!({"id": format!("call_{:024x}", random_id(st) >> 32), "type": "function",
+    let mut c = json!({"id": st.template.markup.call_id(random_id(st)), "type": "function",
                        "function": {"name": name, "arguments": arguments}});
     if let Some(i) = index {
         c["index"] = json!(i);

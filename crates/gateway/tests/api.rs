@@ -1331,10 +1331,7 @@ fn call_ask(extra: Value) -> Value {
 /// A call as the API gives it, checked against [`call_tools`]' schemas; its function's name.
 fn check_call(label: &str, call: &Value) -> String {
     let name = call["function"]["name"].as_str().unwrap().to_string();
-    assert!(
-        call["id"].as_str().unwrap().starts_with("call_"),
-        "{label} {call}"
-    );
+    assert!(call_id_of(label, &call["id"]), "{label} {call}");
     assert_eq!(call["type"], "function");
     let args: Value = serde_json::from_str(call["function"]["arguments"].as_str().unwrap())
         .unwrap_or_else(|e| panic!("{label} {call}: {e}"));
@@ -1380,6 +1377,17 @@ fn check_call(label: &str, call: &Value) -> String {
         other => panic!("{label}: unknown function {other}"),
     }
     name
+}
+
+/// Whether `id` is a call id as the family of `label` gives them: nine letters and digits
+/// for Mistral's (its templates refuse any other), OpenAI's `call_...` for the others.
+fn call_id_of(label: &str, id: &Value) -> bool {
+    let id = id.as_str().unwrap_or_default();
+    if label.starts_with("mistral") {
+        id.len() == 9 && id.bytes().all(|b| b.is_ascii_alphanumeric())
+    } else {
+        id.starts_with("call_")
+    }
 }
 
 /// Forced calls through the gateway at `gw` (`label` names it in failures): `required`
@@ -1450,9 +1458,7 @@ async fn forced_calls_validate(gw: &str, label: &str) {
     assert!(deltas.len() > 2, "{label}: arguments not streamed: {body}");
     assert!(deltas.iter().all(|d| d["index"] == 0), "{label}: {body}");
     // the first has the id and name; the rest only arguments
-    assert!(deltas[0]["id"]
-        .as_str()
-        .is_some_and(|i| i.starts_with("call_")));
+    assert!(call_id_of(label, &deltas[0]["id"]), "{label}: {body}");
     assert_eq!(deltas[0]["function"]["name"], calls[0]["function"]["name"]);
     assert!(deltas[1..]
         .iter()
@@ -1484,6 +1490,14 @@ async fn forced_calls_validate(gw: &str, label: &str) {
         v["usage"]["prompt_tokens"].as_u64().unwrap() > 20,
         "{label}: {v}"
     );
+    // and the call the model made, under the id it was given
+    let id = calls[0]["id"].clone();
+    let round = call_ask(json!({"max_tokens": 8, "messages": [
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "assistant", "content": null, "tool_calls": [calls[0]]},
+        {"role": "tool", "tool_call_id": id, "content": "5"}]}));
+    let (st, v) = post(gw, "/v1/chat/completions", &round).await;
+    assert_eq!(st, 200, "{label}: {v}");
 }
 
 /// Tool calls: `required` and a named function make the random weights call (arguments valid
@@ -1743,8 +1757,9 @@ async fn strict_tools_in_auto_mode_keep_the_text_free_and_calls_valid() {
 /// Each family's markup end to end on the tiny weights with that family's template (the
 /// markup chosen from it): forced calls come back as OpenAI tool calls whose arguments are
 /// valid against the tool's schema, in GLM's `<arg_key>` pairs, DeepSeek's fenced blocks,
-/// harmony's commentary channel and Kimi K2's argument markers; with tools in auto mode the
-/// random text still answers.
+/// harmony's commentary channel, Kimi K2's argument markers and Mistral's call list (v3) and
+/// `[ARGS]` (v11), Mistral's with ids its template takes; with tools in auto mode the random
+/// text still answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forced_calls_in_each_familys_markup_parse_and_validate() {
     use moelane_text::templates;
@@ -1757,11 +1772,36 @@ async fn forced_calls_in_each_familys_markup_parse_and_validate() {
         <|tool_call_begin|>functions.{{ c.function.name }}:{{ loop.index0 }}<|tool_call_argument_begin|>\
         {{ c.function.arguments | tojson }}<|tool_call_end|>{%- endfor -%}<|tool_calls_section_end|>\
         {%- endif -%}<|im_end|>{%- endfor -%}{%- if add_generation_prompt -%}<|im_assistant|>{%- endif -%}";
+    // Mistral's in the layout of Mixtral 8x22B Instruct's (v3: a call list; tools before the
+    // last user turn; ids of nine letters and digits or it raises) and of its v11 tokenizers'
+    // (`[TOOL_CALLS]NAME[ARGS]{..}`), written for this test
+    const MISTRAL_V3_STYLE: &str = "{%- set ns = namespace(last=-1) -%}\
+        {%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last = loop.index0 -%}{%- endif -%}{%- endfor -%}\
+        {{ bos_token }}{%- for m in messages -%}\
+        {%- if m.role == 'user' -%}\
+        {%- if tools and loop.index0 == ns.last -%}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVAILABLE_TOOLS]{%- endif -%}\
+        [INST] {{ m.content }}[/INST]\
+        {%- elif m.tool_calls -%}[TOOL_CALLS] [{%- for c in m.tool_calls -%}\
+        {%- if c.id | length != 9 -%}{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{%- endif -%}\
+        {\"name\": {{ c.function.name | tojson }}, \"arguments\": {{ c.function.arguments | tojson }}, \"id\": \"{{ c.id }}\"}\
+        {{- ', ' if not loop.last else ']' }}{%- endfor -%}{{ eos_token }}\
+        {%- elif m.role == 'tool' -%}\
+        {%- if m.tool_call_id | length != 9 -%}{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{%- endif -%}\
+        [TOOL_RESULTS] {\"content\": {{ m.content | tojson }}, \"call_id\": \"{{ m.tool_call_id }}\"}[/TOOL_RESULTS]\
+        {%- else -%} {{ m.content }}{{ eos_token }}{%- endif -%}{%- endfor -%}";
+    const MISTRAL_V11_STYLE: &str = "{{ bos_token }}{%- if tools -%}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{%- endif -%}\
+        {%- for m in messages -%}\
+        {%- if m.role == 'user' -%}[INST]{{ m.content }}[/INST]\
+        {%- elif m.tool_calls -%}{%- for c in m.tool_calls -%}[TOOL_CALLS]{{ c.function.name }}[ARGS]{{ c.function.arguments | tojson }}{%- endfor -%}{{ eos_token }}\
+        {%- elif m.role == 'tool' -%}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]\
+        {%- else -%}{{ m.content }}{{ eos_token }}{%- endif -%}{%- endfor -%}";
     for (family, source) in [
         ("glm4_moe", templates::GLM4_MOE),
         ("deepseek_v3", templates::DEEPSEEK_V3),
         ("gpt_oss", templates::GPT_OSS),
         ("kimi_k2", KIMI_STYLE),
+        ("mistral_v3", MISTRAL_V3_STYLE),
+        ("mistral_v11", MISTRAL_V11_STYLE),
     ] {
         let mut state = gateway_state(&[&url]).await;
         state.template = ChatTemplate::new(source.into(), String::new(), "<|im_end|>".into())

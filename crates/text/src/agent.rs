@@ -15,9 +15,14 @@
 //!   `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{..}<|call|>` a
 //!   call, other channels (`final`) content;
 //! - Kimi K2: `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0`
-//!   `<|tool_call_argument_begin|>{..}<|tool_call_end|><|tool_calls_section_end|>`.
+//!   `<|tool_call_argument_begin|>{..}<|tool_call_end|><|tool_calls_section_end|>`;
+//! - Mistral: `[TOOL_CALLS]` then, with its v3 tokenizers (Mixtral 8x22B), a JSON array of
+//!   `{"name": .., "arguments": {..}}` objects, or, with v11 and later, `NAME[ARGS]{..}` (v13:
+//!   `NAME[CALL_ID]ID[ARGS]{..}`), each call after its own `[TOOL_CALLS]`. Nothing closes
+//!   them but the end of their JSON. Both are read whichever the template writes.
 //!
-//! All but harmony think between `<think>` and `</think>`.
+//! All but harmony and Mistral think between `<think>` and `</think>`; Mistral's reasoning
+//! models between `[THINK]` and `[/THINK]`.
 //!
 //! A call streams: once its head is read (the name, up to where its arguments start), the
 //! name is given ([`Part::CallStart`]), then its arguments as they are written
@@ -34,6 +39,17 @@ pub enum Style {
     Glm,
     Harmony,
     Kimi,
+    /// Mistral's v3 tokenizers: `[TOOL_CALLS]` and an array of calls.
+    Mistral,
+    /// Mistral's v11 and later: `[TOOL_CALLS]NAME[ARGS]{..}`, a marker a call.
+    MistralArgs,
+}
+
+impl Style {
+    /// Mistral's, whose calls have no closing marker.
+    pub fn is_mistral(self) -> bool {
+        matches!(self, Style::Mistral | Style::MistralArgs)
+    }
 }
 
 /// The markers of one family's reasoning and tool calls.
@@ -99,6 +115,27 @@ pub const KIMI_K2: Markup = Markup {
     frame: &[KIMI_SECTION_BEGIN, KIMI_SECTION_END],
 };
 
+const M_CALLS: &str = "[TOOL_CALLS]";
+const M_ARGS: &str = "[ARGS]";
+const M_CALL_ID: &str = "[CALL_ID]";
+
+/// Mistral, v3 tokenizers (Mixtral 8x22B): `[TOOL_CALLS] [{"name": .., "arguments": {..}}]`.
+/// (`call_close` is empty: a call ends where its JSON does.)
+pub const MISTRAL: Markup = Markup {
+    style: Style::Mistral,
+    think_open: "[THINK]",
+    think_close: "[/THINK]",
+    call_open: M_CALLS,
+    call_close: "",
+    frame: &[],
+};
+
+/// Mistral, v11 and later tokenizers: `[TOOL_CALLS]NAME[ARGS]{..}`.
+pub const MISTRAL_ARGS: Markup = Markup {
+    style: Style::MistralArgs,
+    ..MISTRAL
+};
+
 const H_START: &str = "<|start|>";
 const H_CHANNEL: &str = "<|channel|>";
 const H_MESSAGE: &str = "<|message|>";
@@ -130,6 +167,10 @@ impl Markup {
             DEEPSEEK_V3
         } else if template.contains("<arg_key>") {
             GLM45
+        } else if template.contains(M_CALLS) && template.contains(M_ARGS) {
+            MISTRAL_ARGS
+        } else if template.contains(M_CALLS) {
+            MISTRAL
         } else if template.contains(HERMES.call_open) {
             HERMES
         } else {
@@ -146,6 +187,9 @@ impl Markup {
     /// Whether `text` (a special token's) is one of this markup's markers: such tokens
     /// reach the splitter although special tokens are otherwise left out of the text.
     pub fn marks(&self, text: &str) -> bool {
+        if text.is_empty() {
+            return false;
+        }
         [
             self.think_open,
             self.think_close,
@@ -156,6 +200,18 @@ impl Markup {
             || self.frame.contains(&text)
             || (self.style == Style::Harmony && text == H_CHANNEL)
             || (self.style == Style::Kimi && text == KIMI_ARG)
+            || (self.style.is_mistral() && (text == M_ARGS || text == M_CALL_ID))
+    }
+
+    /// A fresh id for a call this markup's model made: Mistral's templates take only nine
+    /// letters and digits (as its own tools write them), the others OpenAI's `call_` and 24
+    /// hex digits. `random`: the randomness it is made from.
+    pub fn call_id(&self, random: u128) -> String {
+        if self.style.is_mistral() {
+            base62_9(random as u64)
+        } else {
+            format!("call_{:024x}", random >> 32)
+        }
     }
 
     /// Whether a template that is `source` has a thinking block in this markup.
@@ -165,6 +221,31 @@ impl Markup {
             _ => source.contains(self.think_open),
         }
     }
+}
+
+/// Nine letters and digits from `n`.
+fn base62_9(mut n: u64) -> String {
+    const DIGITS: &[u8; 62] = b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ";
+    (0..9)
+        .map(|_| {
+            let c = DIGITS[(n % 62) as usize] as char;
+            n /= 62;
+            c
+        })
+        .collect()
+}
+
+/// A call id as Mistral's templates take it (nine letters and digits; they refuse any
+/// other): the id itself where it is one, else nine made from it (FNV-1a of its bytes), the
+/// same each time, so a call and its result still name one id.
+pub fn mistral_call_id(id: &str) -> String {
+    if id.len() == 9 && id.bytes().all(|b| b.is_ascii_alphanumeric()) {
+        return id.to_string();
+    }
+    let h = id.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    base62_9(h)
 }
 
 /// One part of an answer, in order.
@@ -204,6 +285,25 @@ enum CallSt {
     Pairs { n: usize, seen: usize },
     /// The arguments ended: the rest of the body up to the close is dropped.
     Tail,
+}
+
+/// Where a Mistral call list is (Mistral's calls have no closing marker: they end where
+/// their JSON does).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Mis {
+    /// Right after `[TOOL_CALLS]`: an array of calls (v3) or one named call (v11) follows.
+    Open,
+    /// In the array where a call's object or the array's end is expected (`first`: no call
+    /// of this marker's was read yet).
+    Item { first: bool },
+    /// A call (its head, then its arguments, in [`Splitter::call`]); `named`: v11's;
+    /// `first`: the marker's first.
+    Call { named: bool, first: bool },
+    /// The rest of an array call's object after its arguments: `depth` containers open, in
+    /// a string, after a backslash in one.
+    Rest { depth: usize, s: bool, esc: bool },
+    /// After an array call's object: `,` or the array's end.
+    Next,
 }
 
 /// What a call's head says so far.
@@ -268,6 +368,11 @@ pub struct Splitter {
     /// Per tool, its parameters whose values are strings (GLM writes them as raw text).
     /// (each with whether it may also be null)
     texts: Vec<(String, Vec<(String, bool)>)>,
+    /// Mistral: where its call list is.
+    mis: Mis,
+    /// Mistral: what was read after `[TOOL_CALLS]` before its first call began (given back
+    /// as text, marker and all, if no call follows).
+    taken: String,
 }
 
 impl Splitter {
@@ -291,6 +396,8 @@ impl Splitter {
             call: CallSt::Head,
             name: String::new(),
             texts: Vec::new(),
+            mis: Mis::Open,
+            taken: String::new(),
         }
     }
 
@@ -360,6 +467,12 @@ impl Splitter {
         self.buf.push_str(text);
         let mut out = Vec::new();
         loop {
+            if self.mode == Mode::Call && self.m.style.is_mistral() {
+                if self.mistral(false, &mut out) {
+                    return out;
+                }
+                continue;
+            }
             if self.mode == Mode::Call && self.read_json_call(&mut out) {
                 return out;
             }
@@ -498,9 +611,15 @@ impl Splitter {
     /// markup is given back as content; harmony's last call is whole, as `<|call|>` ends
     /// the answer).
     pub fn finish(&mut self) -> Vec<Part> {
+        let mut out = Vec::new();
+        // (what a Mistral list leaves is read again as content, which may open another)
+        while self.mode == Mode::Call && self.m.style.is_mistral() {
+            self.mistral(true, &mut out);
+            let rest = std::mem::take(&mut self.buf);
+            out.extend(self.push(&rest));
+        }
         let rest = std::mem::take(&mut self.buf);
         self.scanned = 0;
-        let mut out = Vec::new();
         let started = matches!(
             self.call,
             CallSt::Args(_) | CallSt::Pairs { .. } | CallSt::Tail
@@ -518,6 +637,157 @@ impl Splitter {
         self.mode = Mode::Content;
         self.call = CallSt::Head;
         out
+    }
+
+    /// Reads a Mistral call list from what is held (`fin`: the answer ended there): true
+    /// while it waits for more text, false once the list ended (the mode is content again,
+    /// what is held not read yet).
+    fn mistral(&mut self, fin: bool, out: &mut Vec<Part>) -> bool {
+        loop {
+            let t = self.buf.trim_start();
+            let blank = self.buf.len() - t.len();
+            let next = t.chars().next();
+            match self.mis {
+                Mis::Open => match next {
+                    None if !fin => return true,
+                    None => return self.mistral_none(out),
+                    Some('[') => {
+                        self.taken.extend(self.buf.drain(..blank + 1));
+                        self.mis = Mis::Item { first: true };
+                    }
+                    Some(_) => {
+                        self.mis = Mis::Call {
+                            named: true,
+                            first: true,
+                        }
+                    }
+                },
+                Mis::Item { first } => match next {
+                    None if !fin => return true,
+                    Some('{') => {
+                        self.taken.extend(self.buf.drain(..blank));
+                        self.mis = Mis::Call {
+                            named: false,
+                            first,
+                        };
+                    }
+                    // (an empty list: no call, nothing to give back)
+                    Some(']') => {
+                        self.buf.drain(..blank + 1);
+                        return self.mistral_end();
+                    }
+                    _ if first => return self.mistral_none(out),
+                    _ => return self.mistral_end(),
+                },
+                Mis::Call { named, first } => {
+                    let buf = std::mem::take(&mut self.buf);
+                    let used = self.read_call(&buf, fin, out);
+                    self.buf = buf;
+                    self.buf.drain(..used);
+                    match std::mem::replace(&mut self.call, CallSt::Head) {
+                        CallSt::Head if !fin => return true,
+                        CallSt::Head | CallSt::Whole if first => return self.mistral_none(out),
+                        CallSt::Head | CallSt::Whole => return self.mistral_end(),
+                        CallSt::Args(j) if !fin => {
+                            self.call = CallSt::Args(j);
+                            self.taken.clear();
+                            return true;
+                        }
+                        CallSt::Args(mut j) => {
+                            let close = j.close();
+                            if !close.is_empty() {
+                                out.push(Part::CallArgs(close));
+                            }
+                            out.push(Part::CallEnd);
+                            return self.mistral_end();
+                        }
+                        CallSt::Tail | CallSt::Pairs { .. } => {
+                            out.push(Part::CallEnd);
+                            self.taken.clear();
+                            if named {
+                                return self.mistral_end();
+                            }
+                            self.mis = Mis::Rest {
+                                depth: 1,
+                                s: false,
+                                esc: false,
+                            };
+                        }
+                    }
+                }
+                Mis::Rest {
+                    mut depth,
+                    mut s,
+                    mut esc,
+                } => {
+                    let mut end = None;
+                    for (i, c) in self.buf.char_indices() {
+                        if esc {
+                            esc = false;
+                        } else if s {
+                            esc = c == '\\';
+                            s = c != '"';
+                        } else {
+                            match c {
+                                '"' => s = true,
+                                '{' | '[' => depth += 1,
+                                '}' | ']' => depth -= 1,
+                                _ => {}
+                            }
+                            if depth == 0 {
+                                end = Some(i + 1);
+                                break;
+                            }
+                        }
+                    }
+                    match end {
+                        Some(e) => {
+                            self.buf.drain(..e);
+                            self.mis = Mis::Next;
+                        }
+                        None => {
+                            self.buf.clear();
+                            if fin {
+                                return self.mistral_end();
+                            }
+                            self.mis = Mis::Rest { depth, s, esc };
+                            return true;
+                        }
+                    }
+                }
+                Mis::Next => match next {
+                    None if !fin => return true,
+                    Some(',') => {
+                        self.buf.drain(..blank + 1);
+                        self.mis = Mis::Item { first: false };
+                    }
+                    Some(']') => {
+                        self.buf.drain(..blank + 1);
+                        return self.mistral_end();
+                    }
+                    _ => return self.mistral_end(),
+                },
+            }
+        }
+    }
+
+    /// A Mistral list ends: back to content, what is held read as that.
+    fn mistral_end(&mut self) -> bool {
+        self.mode = Mode::Content;
+        self.mis = Mis::Open;
+        self.call = CallSt::Head;
+        self.taken.clear();
+        self.scanned = 0;
+        false
+    }
+
+    /// `[TOOL_CALLS]` not followed by a call: the marker and what was read after it, as
+    /// text.
+    fn mistral_none(&mut self, out: &mut Vec<Part>) -> bool {
+        let text = format!("{M_CALLS}{}", self.taken);
+        self.mistral_end();
+        self.emit(text, out);
+        false
     }
 
     /// A call's head is read before its close is searched for, and then its JSON arguments
@@ -675,6 +945,10 @@ impl Splitter {
             Style::DeepSeek => deepseek_head(t),
             Style::Kimi => kimi_head(t),
             Style::Glm => glm_head(t),
+            Style::Mistral | Style::MistralArgs => match self.mis {
+                Mis::Call { named: true, .. } => mistral_head(t),
+                _ => hermes_head(t),
+            },
             Style::Harmony => {
                 let to = harmony_header(&self.head).1.unwrap_or_default();
                 args_start(to.strip_prefix("functions.").unwrap_or(to), t, 0)
@@ -698,7 +972,7 @@ impl Splitter {
     /// A closed call's body as a call, or as the text the model wrote.
     fn call_part(&self, body: &str) -> Part {
         let parsed = match self.m.style {
-            Style::Hermes => parse_call(body),
+            Style::Hermes | Style::Mistral | Style::MistralArgs => parse_call(body),
             Style::DeepSeek => parse_deepseek(body),
             Style::Glm => parse_glm(body, &|n, k| self.is_text(n, k)),
             Style::Harmony => parse_harmony(&self.head, body),
@@ -815,6 +1089,35 @@ fn hermes_head(t: &str) -> Head {
         Ok(args_start(&name, t, c.i))
     })();
     head.unwrap_or_else(|h| h)
+}
+
+/// Mistral v11: `NAME[ARGS]{` (v13: `NAME[CALL_ID]ID[ARGS]{`).
+fn mistral_head(t: &str) -> Head {
+    let body = t.trim_start();
+    let Some(open) = body.find('[') else {
+        // the name so far
+        return if body.is_empty() || valid_name(body) {
+            Head::More
+        } else {
+            Head::Whole
+        };
+    };
+    let name = &body[..open];
+    if !valid_name(name) || name.contains(']') {
+        return Head::Whole;
+    }
+    let mut rest = &body[open..];
+    if let Some(id) = rest.strip_prefix(M_CALL_ID) {
+        match id.find('[') {
+            None => return Head::More,
+            Some(i) => rest = &id[i..],
+        }
+    }
+    match rest.strip_prefix(M_ARGS) {
+        Some(args) => args_start(name, t, t.len() - args.len()),
+        None if M_ARGS.starts_with(rest) || M_CALL_ID.starts_with(rest) => Head::More,
+        None => Head::Whole,
+    }
 }
 
 /// DeepSeek V3: `function<｜tool▁sep｜>NAME` then an optional ```` ```json ```` fence before
@@ -1151,11 +1454,11 @@ pub fn merge(parts: Vec<Part>) -> Vec<Part> {
 fn call_rules(
     m: &Markup,
     tools: &[(String, Value)],
-    special: &dyn Fn(&str) -> bool,
+    special: &dyn Fn(&str) -> Option<u32>,
     open: &str,
 ) -> String {
     let mut rules = String::new();
-    if m.style == Style::Hermes {
+    if matches!(m.style, Style::Hermes | Style::Mistral) {
         // every tool's schema inside one (the call's JSON names the tool): a schema whose
         // `$ref`s point into itself moves under the one schema's `$defs`
         let mut defs = serde_json::Map::new();
@@ -1181,16 +1484,21 @@ fn call_rules(
         if !defs.is_empty() {
             schema["$defs"] = Value::Object(defs);
         }
-        rules.push_str(&format!(
-            "call: {} \"\\n\" %json {} \"\\n\" {}\n",
-            if open.is_empty() {
-                String::new()
-            } else {
-                lit(open)
-            },
-            schema,
-            lit(m.call_close),
-        ));
+        if m.style == Style::Mistral {
+            // an object of the array that `calls_grammar` writes around the calls
+            rules.push_str(&format!("call: %json {schema}\n"));
+        } else {
+            rules.push_str(&format!(
+                "call: {} \"\\n\" %json {} \"\\n\" {}\n",
+                if open.is_empty() {
+                    String::new()
+                } else {
+                    lit(open)
+                },
+                schema,
+                lit(m.call_close),
+            ));
+        }
     } else {
         let mut alts = Vec::new();
         for (i, (name, params)) in tools.iter().enumerate() {
@@ -1207,6 +1515,13 @@ fn call_rules(
                     harmony_items(&format!("{open}functions.{name}:0{KIMI_ARG}"), special),
                     args,
                     harmony_items(m.call_close, special)
+                ),
+                Style::MistralArgs => format!(
+                    "{} {} {} %json {}",
+                    mistral_item(open, special),
+                    lit(name),
+                    mistral_item(M_ARGS, special),
+                    args
                 ),
                 Style::Harmony => format!(
                     "{} %json {}",
@@ -1321,7 +1636,7 @@ pub fn auto_calls_grammar(m: &Markup, tools: &[(String, Value)], most: usize) ->
     if !matches!(m.style, Style::Hermes | Style::Glm) {
         return None;
     }
-    let rules = call_rules(m, tools, &|_| false, "");
+    let rules = call_rules(m, tools, &|_| None, "");
     let marker = regex_lit(m.call_open);
     let mut calls = String::new();
     for _ in 0..most.max(1) {
@@ -1447,9 +1762,18 @@ fn slashes_escaped(p: &str) -> String {
     out
 }
 
+/// A Mistral marker (`[TOOL_CALLS]`, `[ARGS]`) as a Lark item: its special token by id
+/// where the vocabulary has it as one (llguidance names only `<...>` tokens), else text.
+fn mistral_item(marker: &str, special: &dyn Fn(&str) -> Option<u32>) -> String {
+    match special(marker) {
+        Some(id) => format!("<[{id}]>"),
+        None => lit(marker),
+    }
+}
+
 /// Harmony's text `t` as Lark items: each `<|...|>` marker that is a special token of the
 /// vocabulary (`special`) as that token, the text around as string literals.
-fn harmony_items(t: &str, special: &dyn Fn(&str) -> bool) -> String {
+fn harmony_items(t: &str, special: &dyn Fn(&str) -> Option<u32>) -> String {
     let mut items = Vec::new();
     let mut text = String::new();
     let mut rest = t;
@@ -1459,7 +1783,7 @@ fn harmony_items(t: &str, special: &dyn Fn(&str) -> bool) -> String {
         };
         let marker = &rest[at..at + len];
         text.push_str(&rest[..at]);
-        if special(marker) {
+        if special(marker).is_some() {
             if !text.is_empty() {
                 items.push(lit(&std::mem::take(&mut text)));
             }
@@ -1485,11 +1809,24 @@ pub fn calls_grammar(
     m: &Markup,
     tools: &[(String, Value)],
     most: usize,
-    special: &dyn Fn(&str) -> bool,
+    special: &dyn Fn(&str) -> Option<u32>,
 ) -> String {
     let rules = call_rules(m, tools, special, m.call_open);
+    if m.style == Style::Mistral {
+        // `[TOOL_CALLS] [` the calls' objects `, `-separated `]`, as the v3 template writes
+        // them
+        let more = format!(" ({} call)?", lit(", ")).repeat(most.max(1) - 1);
+        return format!(
+            "start: {} {} call{more} {}\n{rules}",
+            mistral_item(M_CALLS, special),
+            lit(" ["),
+            lit("]")
+        );
+    }
     let (open, sep, close) = match m.style {
         Style::Hermes | Style::Glm => ("", "\n", ""),
+        // (each call opens with its own `[TOOL_CALLS]`)
+        Style::MistralArgs | Style::Mistral => ("", "", ""),
         Style::DeepSeek => (DS_CALLS_BEGIN, "", DS_CALLS_END),
         Style::Harmony => ("", "<|call|><|start|>assistant", ""),
         Style::Kimi => (KIMI_SECTION_BEGIN, "", KIMI_SECTION_END),
@@ -2020,13 +2357,31 @@ mod tests {
             "\n",
             "é",
             "🙂",
+            "[TOOL_CALLS]",
+            "[ARGS]",
+            "[CALL_ID]",
+            "[THINK]",
+            "[/THINK]",
+            " [",
+            "f",
+            "a1B2c3D4e",
+            ", \"id\": \"a1B2c3D4e\"}",
+            "{\"name\": \"f\", \"arguments\": {}, \"id\": [\"]\"]}",
         ];
         let mut next = xorshift(0x9e37_79b9_7f4a_7c15u64);
-        for round in 0..1200 {
+        for round in 0..1400 {
             let text: String = (0..1 + next(24))
                 .map(|_| pieces[next(pieces.len())])
                 .collect();
-            let m = [&HERMES, &DEEPSEEK_V3, &GLM45, &HARMONY, &KIMI_K2][round % 5];
+            let m = [
+                &HERMES,
+                &DEEPSEEK_V3,
+                &GLM45,
+                &HARMONY,
+                &KIMI_K2,
+                &MISTRAL,
+                &MISTRAL_ARGS,
+            ][round % 7];
             for (calls, think, open, forced) in [
                 (true, true, false, false),
                 (true, false, true, true),
@@ -2290,6 +2645,8 @@ mod tests {
             (KIMI_K2, format!("<|tool_calls_section_begin|><|tool_call_begin|>functions.write:0<|tool_call_argument_begin|>{args}<|tool_call_end|><|tool_calls_section_end|>")),
             (HARMONY, format!("<|channel|>commentary to=functions.write <|constrain|>json<|message|>{args}<|call|>")),
             (GLM45, glm.to_string()),
+            (MISTRAL, format!("[TOOL_CALLS] [{{\"name\": \"write\", \"arguments\": {args}}}]")),
+            (MISTRAL_ARGS, format!("[TOOL_CALLS]write[ARGS]{args}")),
         ] {
             let mut s = Splitter::new(m.clone(), true, true, false);
             let mut parts = Vec::new();
@@ -2338,6 +2695,16 @@ mod tests {
             KIMI_K2
         );
         assert_eq!(Markup::detect("", Some("kimi_k2")), KIMI_K2);
+        assert_eq!(
+            Markup::detect("{{ '[TOOL_CALLS] [' }}", Some("mixtral")),
+            MISTRAL
+        );
+        assert_eq!(
+            Markup::detect("[TOOL_CALLS]{{ n }}[ARGS]", Some("mixtral")),
+            MISTRAL_ARGS
+        );
+        assert!(MISTRAL_ARGS.marks(M_ARGS) && MISTRAL.marks(M_CALL_ID) && !MISTRAL.marks(""));
+        assert!(!HERMES.marks(M_ARGS));
         assert!(KIMI_K2.marks(KIMI_ARG) && KIMI_K2.marks(KIMI_SECTION_END));
         assert!(HARMONY.marks("<|channel|>") && DEEPSEEK_V3.marks(DS_CALLS_END));
         assert!(!HERMES.marks("<|im_end|>"));
@@ -2517,7 +2884,7 @@ mod tests {
         parts.extend(s.finish());
         assert_eq!(merge(parts), vec![call("other", r#"{"zip":94107}"#)]);
         // the grammar forces the same shapes: the pattern, the enum's literals
-        let g = calls_grammar(&GLM45, &tools, 1, &|_| false);
+        let g = calls_grammar(&GLM45, &tools, 1, &|_| None);
         assert!(g.contains("/[0-9]{5}/"), "{g}");
         assert_eq!(slashes_escaped(r"a\/b/c\\/d"), r"a\/b\/c\\\/d");
         assert!(g.contains("(\"air\" | \"sea\")"), "{g}");
@@ -2604,7 +2971,7 @@ mod tests {
                 "$defs": {"Addr": {"type": "object", "properties": {"up": {"$ref": "#/$defs/Addr"}}}},
                 "definitions": {"Addr": {"type": "string"}}}),
         )];
-        let g = calls_grammar(&HERMES, &tools, 1, &|_| false);
+        let g = calls_grammar(&HERMES, &tools, 1, &|_| None);
         let json = g.split(" %json ").nth(1).unwrap();
         let json = &json[..json.rfind(" \"\\n\"").unwrap()];
         let v: Value = serde_json::from_str(json).unwrap();
@@ -2642,7 +3009,7 @@ mod tests {
             ),
             ("now".to_string(), serde_json::json!(null)),
         ];
-        let g = calls_grammar(&GLM45, &tools, 2, &|_| false);
+        let g = calls_grammar(&GLM45, &tools, 2, &|_| None);
         assert!(g.starts_with("start: call (\"\\n\" call)?\n"), "{g}");
         // a string parameter is raw text, as GLM's template writes it; others JSON
         assert!(g.contains("call_0: \"<tool_call>get_weather\\n\" \"<arg_key>city</arg_key>\\n<arg_value>\" /[^<]*/ \"</arg_value>\\n\""), "{g}");
@@ -2651,16 +3018,16 @@ mod tests {
             "{g}"
         );
         assert!(g.contains(")?"), "the optional days: {g}");
-        let g = calls_grammar(&DEEPSEEK_V3, &tools, 1, &|_| false);
+        let g = calls_grammar(&DEEPSEEK_V3, &tools, 1, &|_| None);
         assert!(
             g.starts_with("start: \"<｜tool▁calls▁begin｜>\" call \"<｜tool▁calls▁end｜>\"\n"),
             "{g}"
         );
         // Kimi K2: its markers as its vocabulary's control tokens, or as text
-        let g = calls_grammar(&KIMI_K2, &tools, 2, &|_| false);
+        let g = calls_grammar(&KIMI_K2, &tools, 2, &|_| None);
         assert!(g.starts_with("start: \"<|tool_calls_section_begin|>\" call (call)? \"<|tool_calls_section_end|>\"\n"), "{g}");
         assert!(g.contains("call_0: \"<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>\" %json {"), "{g}");
-        let g = calls_grammar(&KIMI_K2, &tools, 1, &|_| true);
+        let g = calls_grammar(&KIMI_K2, &tools, 1, &|_| Some(0));
         assert!(
             g.starts_with("start: <|tool_calls_section_begin|> call <|tool_calls_section_end|>\n"),
             "{g}"
@@ -2670,16 +3037,161 @@ mod tests {
             g.contains("} <|tool_call_end|>\ncall: call_0 | call_1"),
             "{g}"
         );
-        let g = calls_grammar(&HARMONY, &tools, 2, &|_| false);
+        let g = calls_grammar(&HARMONY, &tools, 2, &|_| None);
         assert!(g.contains("\"<|channel|>commentary to=functions.now <|constrain|>json<|message|>\" %json {\"type\":\"object\""), "{g}");
         assert!(g.contains("(\"<|call|><|start|>assistant\" call)?"), "{g}");
         // with gpt-oss's vocabulary the markers are its control tokens
-        let g = calls_grammar(&HARMONY, &tools, 2, &|t| t != "<|constrain|>");
+        let g = calls_grammar(&HARMONY, &tools, 2, &|t| {
+            (t != "<|constrain|>").then_some(0)
+        });
         assert!(g.contains("call_1: <|channel|> \"commentary to=functions.now <|constrain|>json\" <|message|> %json {"), "{g}");
         assert!(
             g.contains("(<|call|> <|start|> \"assistant\" call)?"),
             "{g}"
         );
+    }
+
+    #[test]
+    fn mistral_grammars_write_its_list_and_its_markers_as_tokens() {
+        let tools = vec![(
+            "get_weather".to_string(),
+            serde_json::json!({"type": "object", "properties": {"city": {"type": "string"}}}),
+        )];
+        // v3: one array, `[TOOL_CALLS]` by its id where the vocabulary has it as a token
+        let g = calls_grammar(&MISTRAL, &tools, 3, &|_| None);
+        assert!(
+            g.starts_with("start: \"[TOOL_CALLS]\" \" [\" call (\", \" call)? (\", \" call)? \"]\"\ncall: %json {"),
+            "{g}"
+        );
+        assert!(g.contains("\"name\":{\"const\":\"get_weather\"}"), "{g}");
+        let g = calls_grammar(&MISTRAL, &tools, 1, &|t| (t == M_CALLS).then_some(5));
+        assert!(g.starts_with("start: <[5]> \" [\" call \"]\"\n"), "{g}");
+        // v11: each call its own marker, the name, `[ARGS]`
+        let g = calls_grammar(&MISTRAL_ARGS, &tools, 2, &|t| match t {
+            M_CALLS => Some(5),
+            M_ARGS => Some(32),
+            _ => None,
+        });
+        assert!(g.starts_with("start: call (call)?\n"), "{g}");
+        assert!(
+            g.contains("call_0: <[5]> \"get_weather\" <[32]> %json {"),
+            "{g}"
+        );
+        // each grammar's answer reads back as its calls
+        for (m, text) in [
+            (MISTRAL, "[TOOL_CALLS] [{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Oslo\"}}, {\"name\":\"get_weather\",\"arguments\":{}}]"),
+            (MISTRAL_ARGS, "[TOOL_CALLS]get_weather[ARGS]{\"city\":\"Oslo\"}[TOOL_CALLS]get_weather[ARGS]{}"),
+        ] {
+            assert_eq!(
+                streams_like_whole(&m, text, true),
+                vec![
+                    call("get_weather", "{\"city\":\"Oslo\"}"),
+                    call("get_weather", "{}")
+                ],
+                "{:?}",
+                m.style
+            );
+        }
+    }
+
+    #[test]
+    fn mistral_calls_split_whole_and_streamed() {
+        // v3: an array; a call's other keys (the id its template writes) are passed over
+        let text = "Let me look.[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}, \"id\": \"a1B2c3D4e\"}, {\"name\": \"now\", \"arguments\": {}}]";
+        assert_eq!(
+            streams_like_whole(&MISTRAL, text, false),
+            vec![
+                Part::Content("Let me look.".into()),
+                call("get_weather", "{\"city\":\"Paris\"}"),
+                call("now", "{}"),
+            ]
+        );
+        // v11 and v13 (a call id before the arguments), in one answer, text after
+        let text = "[THINK]which city?[/THINK][TOOL_CALLS]get_weather[ARGS]{\"city\": \"Paris\"}[TOOL_CALLS]now[CALL_ID]Zz9Yy8Xx7[ARGS]{} done";
+        assert_eq!(
+            streams_like_whole(&MISTRAL_ARGS, text, false),
+            vec![
+                Part::Reasoning("which city?".into()),
+                call("get_weather", "{\"city\":\"Paris\"}"),
+                call("now", "{}"),
+                Part::Content(" done".into()),
+            ]
+        );
+        // either markup reads either form
+        assert_eq!(
+            split_whole(
+                MISTRAL,
+                true,
+                false,
+                false,
+                "[TOOL_CALLS]f[ARGS]{\"a\": [1]}"
+            ),
+            vec![call("f", "{\"a\":[1]}")]
+        );
+        // a marker that no call follows is text, marker and all; so is a list cut before
+        // its first call
+        for bad in [
+            "[TOOL_CALLS] not a call",
+            "[TOOL_CALLS] [1, 2]",
+            "[TOOL_CALLS] [{\"name\": \"f\"",
+            "[TOOL_CALLS]get weather[ARGS]{}",
+            "[TOOL_CALLS]f[OTHER]{}",
+            "[TOOL_CALLS]",
+        ] {
+            assert_eq!(
+                streams_like_whole(&MISTRAL, bad, false),
+                vec![Part::Content(bad.into())],
+                "{bad}"
+            );
+        }
+        // an answer cut inside the arguments: the call, its JSON closed
+        assert_eq!(
+            streams_like_whole(
+                &MISTRAL,
+                "[TOOL_CALLS] [{\"name\": \"f\", \"arguments\": {\"s\": \"ab",
+                false
+            ),
+            vec![call("f", "{\"s\":\"ab\"}")]
+        );
+        // a second marker after a bad one still opens a call
+        assert_eq!(
+            split_whole(
+                MISTRAL_ARGS,
+                true,
+                false,
+                false,
+                "[TOOL_CALLS]x y [TOOL_CALLS]f[ARGS]{}"
+            ),
+            vec![Part::Content("[TOOL_CALLS]x y ".into()), call("f", "{}")]
+        );
+        // without tools the markup is text
+        assert_eq!(
+            split_whole(MISTRAL, false, false, false, "[TOOL_CALLS]f[ARGS]{}"),
+            vec![Part::Content("[TOOL_CALLS]f[ARGS]{}".into())]
+        );
+    }
+
+    #[test]
+    fn mistral_call_ids_are_nine_letters_and_digits_the_same_each_time() {
+        assert_eq!(mistral_call_id("a1B2c3D4e"), "a1B2c3D4e");
+        for id in [
+            "call_0123456789abcdef01234567",
+            "toolu_1",
+            "",
+            "é",
+            "a1B2c3D4_",
+        ] {
+            let m = mistral_call_id(id);
+            assert!(
+                m.len() == 9 && m.bytes().all(|b| b.is_ascii_alphanumeric()),
+                "{id}: {m}"
+            );
+            assert_eq!(mistral_call_id(id), m);
+        }
+        assert_ne!(mistral_call_id("call_1"), mistral_call_id("call_2"));
+        let fresh = MISTRAL.call_id(0x1234_5678_9abc_def0_1234_5678_9abc_def0);
+        assert!(fresh.len() == 9 && fresh.bytes().all(|b| b.is_ascii_alphanumeric()));
+        assert!(HERMES.call_id(7).starts_with("call_"));
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! Chat templates: `chat_template.jinja` or `tokenizer_config.json`'s `chat_template`
-//! (a string, or a list of named templates: "default" is used), rendered with minijinja
+//! (a string, or a list of named templates: "tool_use" for a request with tools where the
+//! list has one, else "default", as transformers chooses), rendered with minijinja
 //! the way transformers' `apply_chat_template` renders them with Jinja2: blocks trimmed
 //! (`trim_blocks`, `lstrip_blocks`), Python's string methods, `tojson` as Python's
 //! `json.dumps` writes (`", "` and `": "`, no HTML escaping, `indent`), `raise_exception`,
@@ -59,6 +60,9 @@ impl ChatMessage {
 pub struct ChatTemplate {
     env: minijinja::Environment<'static>,
     pub source: String,
+    /// A checkpoint's template named "tool_use" (beside its "default", the `source`): the
+    /// one rendered when a request has tools.
+    pub tool_use: Option<String>,
     bos: String,
     eos: String,
     /// The family's reasoning and tool-call markup, chosen from the template (and the
@@ -85,14 +89,22 @@ impl ChatTemplate {
             .ok()
             .and_then(|b| serde_json::from_slice(&b).ok());
         let mut src = std::fs::read_to_string(dir.join("chat_template.jinja")).ok();
+        let mut tool_use = None;
         if src.is_none() {
             src = match cfg.as_ref().and_then(|c| c.get("chat_template")) {
                 Some(serde_json::Value::String(s)) => Some(s.clone()),
-                Some(serde_json::Value::Array(list)) => list
-                    .iter()
-                    .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
-                    .or(list.first())
-                    .and_then(|t| t.get("template").and_then(|t| t.as_str()).map(String::from)),
+                Some(serde_json::Value::Array(list)) => {
+                    let named = |name: &str| {
+                        list.iter()
+                            .find(|t| t.get("name").and_then(|n| n.as_str()) == Some(name))
+                            .and_then(|t| t.get("template")?.as_str().map(String::from))
+                    };
+                    tool_use = named("tool_use");
+                    named("default").or_else(|| {
+                        list.first()
+                            .and_then(|t| t.get("template")?.as_str().map(String::from))
+                    })
+                }
                 _ => None,
             };
         }
@@ -103,8 +115,25 @@ impl ChatTemplate {
             .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
             .and_then(|c| c.get("model_type")?.as_str().map(String::from));
         let mut t = Self::new(src.unwrap_or_else(|| CHATML.to_string()), bos, eos)?;
-        t.markup = Markup::detect(&t.source, model_type.as_deref());
+        if let Some(tools) = tool_use {
+            t = t.with_tool_use(tools)?;
+        }
+        t.markup = Markup::detect(
+            t.tool_use.as_ref().unwrap_or(&t.source),
+            model_type.as_deref(),
+        );
         Ok(t)
+    }
+
+    /// The template `source` rendered for requests with tools (a checkpoint's "tool_use"
+    /// template); the markup is then its.
+    pub fn with_tool_use(mut self, source: String) -> Result<Self, ChatError> {
+        self.env
+            .add_template_owned("tool_use", source.clone())
+            .map_err(|e| ChatError::Template(format!("the \"tool_use\" template: {e}")))?;
+        self.markup = Markup::detect(&source, None);
+        self.tool_use = Some(source);
+        Ok(self)
     }
 
     /// A template from its source; the markup from its markers alone.
@@ -141,6 +170,7 @@ impl ChatTemplate {
             env,
             markup: Markup::detect(&source, None),
             source,
+            tool_use: None,
             bos,
             eos,
         })
@@ -172,9 +202,13 @@ impl ChatTemplate {
         kwargs: &serde_json::Map<String, serde_json::Value>,
         add_generation_prompt: bool,
     ) -> Result<String, ChatError> {
+        let name = match (tools, &self.tool_use) {
+            (Some(_), Some(_)) => "tool_use",
+            _ => "chat",
+        };
         let t = self
             .env
-            .get_template("chat")
+            .get_template(name)
             .map_err(|e| ChatError::Template(e.to_string()))?;
         let mut ctx: std::collections::BTreeMap<String, minijinja::Value> = kwargs
             .iter()
@@ -183,6 +217,9 @@ impl ChatTemplate {
         let mut msgs = serde_json::to_value(messages)
             .map_err(|e| ChatError::Template(format!("the messages: {e}")))?;
         arguments_as_objects(&mut msgs);
+        if self.markup.style.is_mistral() {
+            mistral_ids(&mut msgs);
+        }
         ctx.insert("messages".into(), minijinja::Value::from_serialize(&msgs));
         ctx.insert("add_generation_prompt".into(), add_generation_prompt.into());
         ctx.insert("bos_token".into(), self.bos.clone().into());
@@ -200,12 +237,38 @@ impl ChatTemplate {
 
     /// Whether the template knows the tool turns (it reads `tools`).
     pub fn takes_tools(&self) -> bool {
-        self.source.contains("tools")
+        self.tool_use.is_some() || self.source.contains("tools")
     }
 
     /// Whether the template knows a thinking block (`<think>`, harmony's analysis channel).
     pub fn thinks(&self) -> bool {
         self.markup.thinks_in(&self.source)
+    }
+}
+
+/// Every call id of the messages (an assistant's `tool_calls[].id`, a tool turn's
+/// `tool_call_id`) as Mistral's templates take them: nine letters and digits
+/// ([`crate::agent::mistral_call_id`]: an id of another form, one from another model's turn
+/// or a client's own, is mapped to nine the same way in both places).
+fn mistral_ids(messages: &mut serde_json::Value) {
+    use crate::agent::mistral_call_id;
+    let Some(list) = messages.as_array_mut() else {
+        return;
+    };
+    for m in list {
+        if let Some(serde_json::Value::String(id)) = m.get_mut("tool_call_id") {
+            *id = mistral_call_id(id);
+        }
+        for c in m
+            .get_mut("tool_calls")
+            .and_then(|c| c.as_array_mut())
+            .into_iter()
+            .flatten()
+        {
+            if let Some(serde_json::Value::String(id)) = c.get_mut("id") {
+                *id = mistral_call_id(id);
+            }
+        }
     }
 }
 
@@ -528,6 +591,58 @@ mod tests {
         )
         .unwrap();
         assert!(t.render(&[]).is_err());
+    }
+
+    /// A `tokenizer_config.json` whose `chat_template` is a list, as Mixtral 8x22B Instruct
+    /// ships one: "tool_use" renders requests with tools (its markup is the checkpoint's),
+    /// "default" the others; call ids of any form reach Mistral's template as the nine
+    /// letters and digits it demands, a call and its result still naming one.
+    #[test]
+    fn a_list_of_named_templates_renders_tool_use_for_tools_and_mistral_ids_fit() {
+        let tool_use = "{%- for m in messages -%}\
+            {%- if m.tool_calls -%}[TOOL_CALLS] [{%- for c in m.tool_calls -%}\
+            {%- if c.id | length != 9 -%}{{ raise_exception('ids of 9') }}{%- endif -%}\
+            {\"name\": {{ c.function.name | tojson }}, \"arguments\": {{ c.function.arguments | tojson }}, \"id\": \"{{ c.id }}\"}\
+            {%- endfor -%}]\
+            {%- elif m.role == 'tool' -%}\
+            {%- if m.tool_call_id | length != 9 -%}{{ raise_exception('ids of 9') }}{%- endif -%}\
+            [TOOL_RESULTS] {\"content\": {{ m.content | tojson }}, \"call_id\": \"{{ m.tool_call_id }}\"}[/TOOL_RESULTS]\
+            {%- else -%}{%- if tools -%}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVAILABLE_TOOLS]{%- endif -%}\
+            [INST] {{ m.content }}[/INST]{%- endif -%}{%- endfor -%}";
+        let dir = std::env::temp_dir().join(format!("moelane-chat-list-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let cfg = serde_json::json!({"bos_token": "<s>", "eos_token": "</s>", "chat_template": [
+            {"name": "default", "template": "{%- for m in messages -%}[INST] {{ m.content }}[/INST]{%- endfor -%}"},
+            {"name": "tool_use", "template": tool_use}]});
+        std::fs::write(dir.join("tokenizer_config.json"), cfg.to_string()).unwrap();
+        std::fs::write(dir.join("config.json"), r#"{"model_type": "mixtral"}"#).unwrap();
+        let t = ChatTemplate::from_dir(&dir).unwrap();
+        std::fs::remove_dir_all(&dir).ok();
+        assert_eq!(t.markup, crate::agent::MISTRAL);
+        assert!(t.takes_tools());
+        let ask = [ChatMessage::new("user", "hi")];
+        let none = serde_json::Map::new();
+        assert_eq!(t.render(&ask).unwrap(), "[INST] hi[/INST]");
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "f"}}]);
+        let with = t.render_with(&ask, Some(&tools), &none).unwrap();
+        assert!(
+            with.starts_with("[AVAILABLE_TOOLS] [{\"type\": \"function\""),
+            "{with}"
+        );
+        let mut call = ChatMessage::new("assistant", "");
+        call.tool_calls = Some(serde_json::json!([{"id": "call_0123456789abcdef01234567",
+            "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]));
+        let mut result = ChatMessage::new("tool", "2");
+        result.tool_call_id = Some("call_0123456789abcdef01234567".into());
+        let s = t
+            .render_with(&[ask[0].clone(), call, result], Some(&tools), &none)
+            .unwrap();
+        let id = crate::agent::mistral_call_id("call_0123456789abcdef01234567");
+        assert!(
+            s.contains(&format!("\"arguments\": {{\"a\": 1}}, \"id\": \"{id}\"}}]"))
+                && s.contains(&format!("\"call_id\": \"{id}\"}}[/TOOL_RESULTS]")),
+            "{s}"
+        );
     }
 
     #[test]
