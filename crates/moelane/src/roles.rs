@@ -859,6 +859,7 @@ fn supervise_link(
                     Some("the sidecar link is down; reconnecting".into()),
                 );
                 let mut backoff = Duration::from_millis(100);
+                let mut last = String::new();
                 loop {
                     match r.ask(moelane_residency_actor::Resync).await {
                         Ok(epoch) => {
@@ -867,7 +868,20 @@ fn supervise_link(
                             break;
                         }
                         Err(kameo::error::SendError::HandlerError(e)) => {
-                            tracing::warn!(error = %e, "sidecar not back yet")
+                            // why, where /ready shows it (a refused certificate or token
+                            // does not mend by waiting); logged when it changes
+                            let why = e.to_string();
+                            if why != last {
+                                tracing::warn!(error = %why, "sidecar not back yet");
+                                problem(
+                                    &readiness,
+                                    "link",
+                                    Some(format!(
+                                        "the sidecar link is down; reconnecting (last try: {why})"
+                                    )),
+                                );
+                                last = why;
+                            }
                         }
                         Err(_) => return,
                     }

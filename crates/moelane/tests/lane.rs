@@ -306,6 +306,17 @@ fn a_dead_sidecar_is_an_error_not_a_hang() {
         );
         // the lane's KV is not leaked by the failed request
         assert_eq!(kv_used(&addr).0, 0, "{link}");
+        // the lane is down, and says why its relinks fail (here: nothing listens)
+        until(
+            Duration::from_secs(15),
+            "the relink's failure named",
+            || {
+                let (_, v) = get(&addr, "/v1/stats");
+                v["lanes"][0]["down_reason"]
+                    .as_str()
+                    .is_some_and(|r| r.contains("reconnecting (last try: "))
+            },
+        );
     }
 }
 
