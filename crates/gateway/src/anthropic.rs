@@ -265,6 +265,33 @@ pub(crate) async fn messages(State(st): State<Arc<AppState>>, req: Request) -> R
     .await
 }
 
+/// `POST /v1/messages/count_tokens`: the input tokens a Messages request takes (its system,
+/// messages and tools rendered through the chat template, as `/v1/messages` renders them),
+/// as `{"input_tokens": N}`; nothing is generated, and no lane is asked.
+pub(crate) async fn count_tokens(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    async {
+        let r: Result<Response, ApiError> = async {
+            let (mut v, turn) = read_json_turn(&st, req.into_body()).await?;
+            if let Some(o) = v.as_object_mut() {
+                // what is counted is the prompt: the answer's bounds and how calls are
+                // forced do not change it (and no grammar is compiled for it)
+                o.insert("max_tokens".into(), json!(1));
+                o.remove("tool_choice");
+                o.remove("stream");
+            }
+            let chat = to_chat(&v)?;
+            drop(v);
+            let vr = validate_off_runtime(&st, chat, true).await?;
+            drop(turn);
+            Ok(Json(json!({"input_tokens": vr.prompt.len()})).into_response())
+        }
+        .await;
+        r.unwrap_or_else(error_response)
+    }
+    .instrument(tracing::info_span!("POST /v1/messages/count_tokens"))
+    .await
+}
+
 async fn handle(st: Arc<AppState>, req: Request) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let mut active = st.shutdown.enter();

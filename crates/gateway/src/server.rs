@@ -350,10 +350,14 @@ pub fn routes() -> Vec<Route> {
         r(Public, "POST", "/v1/messages", ApiKey, || {
             post(crate::anthropic::messages)
         }),
+        r(Public, "POST", "/v1/messages/count_tokens", ApiKey, || {
+            post(crate::anthropic::count_tokens)
+        }),
         r(Public, "POST", "/v1/responses", ApiKey, || {
             post(crate::responses::responses)
         }),
         r(Public, "GET", "/v1/models", ApiKey, || get(models)),
+        r(Public, "GET", "/v1/models/{model}", ApiKey, || get(model)),
         r(Public, "GET", "/v1/stats", ApiKey, || get(stats)),
         r(Public, "GET", "/metrics", ApiKey, || {
             get(moelane_telemetry::metrics_page)
@@ -2653,9 +2657,26 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
 }
 
 async fn models(State(st): State<Arc<AppState>>) -> Json<Value> {
-    Json(
-        json!({"object": "list", "data": [{"id": st.cfg.model_name, "object": "model", "created": 0, "owned_by": "moelane", "max_model_len": st.cfg.max_context}]}),
-    )
+    Json(json!({"object": "list", "data": [model_object(&st)]}))
+}
+
+/// The served model as `/v1/models` lists it.
+fn model_object(st: &AppState) -> Value {
+    json!({"id": st.cfg.model_name, "object": "model", "created": 0, "owned_by": "moelane",
+           "max_model_len": st.cfg.max_context})
+}
+
+/// `GET /v1/models/{model}` (the OpenAI clients' `models.retrieve`): the served model, or a
+/// 404 naming the one asked for.
+async fn model(
+    State(st): State<Arc<AppState>>,
+    axum::extract::Path(name): axum::extract::Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    if name == st.cfg.model_name {
+        Ok(Json(model_object(&st)))
+    } else {
+        Err(ApiError::UnknownModel(name))
+    }
 }
 
 async fn lanes(

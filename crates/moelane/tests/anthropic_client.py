@@ -72,6 +72,20 @@ obj = json.loads("".join(b.text for b in o.content if b.type == "text"))
 assert set(obj) == {"name", "n"} and 0 <= obj["n"] <= 9, obj
 print("output_config ok")
 
+# count_tokens: the input tokens the same request takes, tools included (nothing generated)
+n = c.messages.count_tokens(model=model, messages=msgs, system="You are terse.")
+assert n.input_tokens == m.usage.input_tokens, (n, m.usage)
+wx = [{"role": "user", "content": "Weather in Oslo?"}]
+with_tools = c.messages.count_tokens(model=model, messages=wx, tools=tools, tool_choice={"type": "any"})
+assert with_tools.input_tokens == t.usage.input_tokens, (with_tools, t.usage)
+assert with_tools.input_tokens > c.messages.count_tokens(model=model, messages=wx).input_tokens
+try:
+    c.messages.count_tokens(model="no-such-model", messages=msgs)
+    raise SystemExit("expected NotFoundError")
+except anthropic.NotFoundError:
+    pass
+print("count_tokens ok")
+
 # errors come back as the client's exceptions
 try:
     c.messages.create(model="no-such-model", max_tokens=2, messages=msgs)

@@ -10,6 +10,14 @@ base = sys.argv[1]
 c = OpenAI(base_url=base, api_key="none")
 model = c.models.list().data[0].id
 assert model == "tiny", model
+# models.retrieve: the served model, and a 404 for another
+m = c.models.retrieve(model)
+assert m.id == model and m.object == "model", m
+try:
+    c.models.retrieve("no-such-model")
+    raise SystemExit("expected NotFoundError")
+except openai.NotFoundError as e:
+    assert "no-such-model" in str(e), e
 
 prompts = ["The agent called the tool", "Am frühen Morgen lag", "朝早く、川の上には", "이른 아침 강 위에는", "fn main() {"]
 
