@@ -655,6 +655,8 @@ impl Splitter {
                         self.taken.extend(self.buf.drain(..blank + 1));
                         self.mis = Mis::Item { first: true };
                     }
+                    // one call's object without the list around it
+                    Some('{') => self.mis = Mis::Item { first: true },
                     Some(_) => {
                         self.mis = Mis::Call {
                             named: true,
@@ -3116,6 +3118,15 @@ mod tests {
                 call("now", "{}"),
                 Part::Content(" done".into()),
             ]
+        );
+        // an object without its list is read too
+        assert_eq!(
+            streams_like_whole(
+                &MISTRAL_ARGS,
+                "[TOOL_CALLS] {\"name\": \"f\", \"arguments\": {\"a\": 1}} ok",
+                false
+            ),
+            vec![call("f", "{\"a\":1}"), Part::Content(" ok".into())]
         );
         // either markup reads either form
         assert_eq!(
