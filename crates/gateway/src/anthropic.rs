@@ -237,8 +237,9 @@ fn to_chat(v: &Value) -> Result<Value, ApiError> {
 fn stop_reason(finish: &str, calls: bool, stop_string: Option<&str>) -> (&'static str, Value) {
     match (finish, calls, stop_string) {
         ("length", _, _) => ("max_tokens", Value::Null),
-        (_, true, _) => ("tool_use", Value::Null),
+        // (a stop sequence that cut a call: the call is not whole)
         (_, _, Some(s)) => ("stop_sequence", json!(s)),
+        (_, true, _) => ("tool_use", Value::Null),
         _ => ("end_turn", Value::Null),
     }
 }

@@ -947,12 +947,27 @@ fn prompt_tokens(st: &AppState, v: &Value, chat: bool) -> Result<Vec<u32>, ApiEr
                     Some("messages"),
                 ));
             }
-            let content = m.get("content").and_then(text_of).ok_or_else(|| {
+            // (an assistant's may be left out: its calls, or its reasoning, are the turn)
+            let content = match m.get("content") {
+                None if role == "assistant" => Some(String::new()),
+                c => c.and_then(text_of),
+            }
+            .ok_or_else(|| {
                 ApiError::bad(
                     format!("messages[{i}].content must be a string or text parts"),
                     Some("messages"),
                 )
             })?;
+            // ids are strings (templates compare and print them as text)
+            if !matches!(
+                m.get("tool_call_id"),
+                None | Some(Value::Null | Value::String(_))
+            ) {
+                return Err(ApiError::bad(
+                    format!("messages[{i}].tool_call_id must be a string"),
+                    Some("messages"),
+                ));
+            }
             let field = |k: &str| m.get(k).and_then(|x| x.as_str()).map(String::from);
             let tool_calls = match m.get("tool_calls") {
                 None | Some(Value::Null) => None,
@@ -961,6 +976,12 @@ fn prompt_tokens(st: &AppState, v: &Value, chat: bool) -> Result<Vec<u32>, ApiEr
                         if c["function"]["name"].as_str().is_none() {
                             return Err(ApiError::bad(
                                 format!("messages[{i}].tool_calls[{j}].function.name is missing"),
+                                Some("messages"),
+                            ));
+                        }
+                        if !matches!(c.get("id"), None | Some(Value::Null | Value::String(_))) {
+                            return Err(ApiError::bad(
+                                format!("messages[{i}].tool_calls[{j}].id must be a string"),
                                 Some("messages"),
                             ));
                         }
@@ -1394,6 +1415,9 @@ pub(crate) fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequ
             ))
         }
     };
+    // the tools checked before the template renders them (a template may choke on a bad
+    // entry, with a message about itself rather than the entry)
+    let (tools, tool_mode, strict) = tools_of(v, chat)?;
     let prompt = prompt_tokens(st, v, chat)?;
     if prompt.is_empty() {
         return Err(ApiError::bad(
@@ -1490,7 +1514,6 @@ pub(crate) fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequ
         .and_then(|b| b.as_bool())
         .unwrap_or(false);
     let echo = echo.then(|| st.tokenizer.decode_lossy(&prompt));
-    let (tools, tool_mode, strict) = tools_of(v, chat)?;
     if !tools.is_empty() && !st.template.takes_tools() {
         return Err(ApiError::bad(
             "this model's chat template does not render tools, so the model would never see \
@@ -2035,7 +2058,15 @@ pub(crate) fn tool_call(st: &AppState, index: Option<usize>, name: &str, argumen
 
 /// A chat answer's message: its text split into content, reasoning and tool calls when the
 /// request asks for that (`finish` becomes `tool_calls` when the answer ended with calls).
-fn chat_message(st: &AppState, vr: &ValidRequest, text: &str, finish: &mut String) -> Value {
+/// (`stopped`: a stop string ended the answer, which then stays `stop`: the calls it cut are
+/// not whole)
+fn chat_message(
+    st: &AppState,
+    vr: &ValidRequest,
+    text: &str,
+    finish: &mut String,
+    stopped: bool,
+) -> Value {
     use moelane_text::agent::Part;
     if !vr.splits() {
         return json!({"role": "assistant", "content": text});
@@ -2060,7 +2091,7 @@ fn chat_message(st: &AppState, vr: &ValidRequest, text: &str, finish: &mut Strin
             m["content"] = Value::Null;
         }
         m["tool_calls"] = Value::Array(calls);
-        if finish == "stop" {
+        if finish == "stop" && !stopped {
             *finish = "tool_calls".into();
         }
     }
@@ -2264,7 +2295,8 @@ async fn whole_response(
                 Value::Null
             };
             if chat {
-                let message = chat_message(st, vr, &c.text, &mut c.finish);
+                let stopped = c.stop_hit.is_some();
+                let message = chat_message(st, vr, &c.text, &mut c.finish, stopped);
                 json!({"index": i, "message": message, "logprobs": lps, "finish_reason": c.finish})
             } else {
                 json!({"index": i, "text": c.text, "logprobs": lps, "finish_reason": c.finish})
@@ -2504,7 +2536,8 @@ async fn relay_choice(
             return r;
         }
     }
-    if split.calls > 0 && r.finish.as_deref() == Some("stop") {
+    // (an answer a stop string ended stays `stop`: the calls it cut are not whole)
+    if split.calls > 0 && r.finish.as_deref() == Some("stop") && det.stop_hit().is_none() {
         r.finish = Some("tool_calls".into());
     }
     if let Some(f) = &r.finish {

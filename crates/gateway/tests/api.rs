@@ -1757,6 +1757,101 @@ async fn strict_tools_in_auto_mode_keep_the_text_free_and_calls_valid() {
     assert!(format!("{e:?}").contains("strict"), "{e:?}");
 }
 
+/// What agents send back, as clients write it: an assistant turn of calls with no `content`
+/// key (the `openai` SDK's `model_dump(exclude_none=True)`) is taken; an id that is not a
+/// string, and a tool entry that is not a function, are a 400 naming the field before any
+/// template reads them (this template chokes on such an entry); a stop string that cuts a
+/// forced call ends the answer as `stop` (`stop_sequence`), not as whole calls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_sent_back_are_checked_and_a_stop_string_in_a_call_is_a_stop() {
+    let (_p, url) = primary().await;
+    let mut state = gateway_state(&[&url]).await;
+    let tiny_template = state.template.source.clone();
+    state.template = ChatTemplate::new(
+        format!(
+            "{{%- for t in tools or [] -%}}{{%- for k, v in t.function.items() -%}}{{{{ k }}}}{{%- endfor -%}}{{%- endfor -%}}{tiny_template}"
+        ),
+        String::new(),
+        "<|im_end|>".into(),
+    )
+    .expect("template");
+    let gw = gateway_serving(Arc::new(state)).await.0;
+    let turn = |call: Value, result: Value| {
+        call_ask(json!({"max_tokens": 4, "messages": [
+            {"role": "user", "content": "What is 2 + 3?"}, call, result]}))
+    };
+    let call = json!({"role": "assistant", "tool_calls": [{"id": "call_a", "type": "function",
+        "function": {"name": "add", "arguments": "{\"a\": 2, \"b\": 3}"}}]});
+    let result = json!({"role": "tool", "tool_call_id": "call_a", "content": "5"});
+    let (st, v) = post(
+        &gw,
+        "/v1/chat/completions",
+        &turn(call.clone(), result.clone()),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    let mut bad = call.clone();
+    bad["tool_calls"][0]["id"] = json!(12345);
+    let (st, v) = post(&gw, "/v1/chat/completions", &turn(bad, result.clone())).await;
+    assert_error(
+        st,
+        &v,
+        400,
+        "invalid_request_error",
+        "messages[1].tool_calls[0].id must be a string",
+    );
+    let mut bad = result.clone();
+    bad["tool_call_id"] = json!(["call_a"]);
+    let (st, v) = post(&gw, "/v1/chat/completions", &turn(call.clone(), bad)).await;
+    assert_error(
+        st,
+        &v,
+        400,
+        "invalid_request_error",
+        "messages[2].tool_call_id must be a string",
+    );
+    let (st, v) = post(
+        &gw,
+        "/v1/chat/completions",
+        &call_ask(json!({"tools": [{"type": "web_search"}]})),
+    )
+    .await;
+    assert_error(st, &v, 400, "invalid_request_error", "tools[0]");
+    assert!(!v.to_string().contains("chat template"), "{v}");
+    // a stop string inside the forced call's arguments
+    let cut = call_ask(
+        json!({"tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "stop": ["city"], "max_tokens": 60}),
+    );
+    let (st, v) = post(&gw, "/v1/chat/completions", &cut).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    let mut streamed = cut.clone();
+    streamed["stream"] = json!(true);
+    let (st, body) = http(
+        &gw,
+        "POST",
+        "/v1/chat/completions",
+        streamed.to_string().as_bytes(),
+    )
+    .await;
+    assert_eq!(st, 200, "{body}");
+    let finishes: Vec<String> = sse_data(&body)
+        .iter()
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|c| c["choices"][0]["finish_reason"].as_str().map(String::from))
+        .collect();
+    assert_eq!(finishes, vec!["stop"], "{body}");
+    let messages = json!({"model": "tiny", "max_tokens": 60, "stop_sequences": ["city"],
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "tools": [{"name": "get_weather", "input_schema": {"type": "object",
+            "properties": {"city": {"type": "string"}}, "required": ["city"]}}],
+        "tool_choice": {"type": "tool", "name": "get_weather"}});
+    let (st, v) = post(&gw, "/v1/messages", &messages).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["stop_reason"], "stop_sequence", "{v}");
+}
+
 /// Each family's markup end to end on the tiny weights with that family's template (the
 /// markup chosen from it): forced calls come back as OpenAI tool calls whose arguments are
 /// valid against the tool's schema, in GLM's `<arg_key>` pairs, DeepSeek's fenced blocks,

@@ -235,17 +235,65 @@ fn base62_9(mut n: u64) -> String {
         .collect()
 }
 
-/// A call id as Mistral's templates take it (nine letters and digits; they refuse any
-/// other): the id itself where it is one, else nine made from it (FNV-1a of its bytes), the
-/// same each time, so a call and its result still name one id.
-pub fn mistral_call_id(id: &str) -> String {
-    if id.len() == 9 && id.bytes().all(|b| b.is_ascii_alphanumeric()) {
-        return id.to_string();
-    }
-    let h = id.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-    });
+/// Whether `id` is a call id as Mistral's templates take it: nine letters and digits.
+fn mistral_shaped(id: &str) -> bool {
+    id.len() == 9 && id.bytes().all(|b| b.is_ascii_alphanumeric())
+}
+
+/// Nine letters and digits made from `id` and `salt` (FNV-1a of their bytes).
+fn mistral_hashed(id: &str, salt: u32) -> String {
+    let h = id
+        .bytes()
+        .chain(salt.to_le_bytes().into_iter().filter(|_| salt > 0))
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+        });
     base62_9(h)
+}
+
+/// A call id as Mistral's templates take it (nine letters and digits; they refuse any
+/// other): the id itself where it is one, else nine made from it, the same each time.
+pub fn mistral_call_id(id: &str) -> String {
+    if mistral_shaped(id) {
+        id.to_string()
+    } else {
+        mistral_hashed(id, 0)
+    }
+}
+
+/// The call ids of one chat (`ids`, in order) as Mistral's templates take them: each
+/// distinct id its own nine letters and digits ([`mistral_call_id`]), and no two ids the
+/// same nine (one made from an id that meets another's is made again, salted), so each call
+/// and the result that answers it still pair up, and no two calls merge.
+pub fn mistral_id_map<'a>(
+    ids: impl IntoIterator<Item = &'a str>,
+) -> std::collections::HashMap<String, String> {
+    let ids: Vec<&str> = ids.into_iter().collect();
+    let mut used: std::collections::HashSet<String> = ids
+        .iter()
+        .filter(|i| mistral_shaped(i))
+        .map(|i| i.to_string())
+        .collect();
+    let mut map = std::collections::HashMap::new();
+    for id in ids {
+        if map.contains_key(id) {
+            continue;
+        }
+        let nine = if mistral_shaped(id) {
+            id.to_string()
+        } else {
+            let mut salt = 0;
+            loop {
+                let c = mistral_hashed(id, salt);
+                if used.insert(c.clone()) {
+                    break c;
+                }
+                salt += 1;
+            }
+        };
+        map.insert(id.to_string(), nine);
+    }
+    map
 }
 
 /// One part of an answer, in order.
@@ -1887,8 +1935,9 @@ enum J {
 /// comma and the key after it, a number, a literal or an escape sequence are held until they
 /// are whole). Where the text stops being JSON, or ends first, [`JsonOut::close`] gives what
 /// closes the value, so what was given plus that always parses (with serde_json: nesting
-/// past [`JSON_DEPTH`], a number out of f64's range and a key or number past [`HELD_MAX`]
-/// bytes end it too).
+/// past [`JSON_DEPTH`] and a key or number past [`HELD_MAX`] bytes end it too; a number out
+/// of f64's range, which serde_json refuses, is given as the largest finite one of its sign
+/// and the value goes on).
 struct JsonOut {
     /// Open containers, innermost last: true for an object.
     stack: Vec<bool>,
@@ -1954,7 +2003,7 @@ impl JsonOut {
         let mut out = String::new();
         match self.st {
             J::Num if json_number(&self.held[self.from..]) => {
-                out.push_str(&self.held);
+                out.push_str(&number_out(&self.held, self.from));
             }
             J::Str | J::Esc => out.push('"'),
             J::Failed if self.in_str => out.push('"'),
@@ -2108,7 +2157,7 @@ impl JsonOut {
                     self.held.push(c);
                 } else if json_number(&self.held[self.from..]) {
                     let held = std::mem::take(&mut self.held);
-                    out.push_str(&held);
+                    out.push_str(&number_out(&held, self.from));
                     self.after_value();
                     self.step(c, out);
                 } else {
@@ -2239,8 +2288,23 @@ fn json_number(s: &str) -> bool {
             return false;
         }
     }
-    // (serde_json refuses a number out of f64's range)
-    i == b.len() && s.parse::<f64>().is_ok_and(f64::is_finite)
+    i == b.len()
+}
+
+/// A whole JSON number's text as [`JsonOut`] gives it: itself, or, past f64's range (which
+/// serde_json, and so every reader of the arguments here, refuses), the largest finite
+/// number of its sign, so the rest of the arguments and the calls after it are kept.
+fn number_out(held: &str, from: usize) -> String {
+    let n = &held[from..];
+    if n.parse::<f64>().is_ok_and(f64::is_finite) {
+        return held.to_string();
+    }
+    let max = if n.starts_with('-') {
+        "-1.7976931348623157e308"
+    } else {
+        "1.7976931348623157e308"
+    };
+    format!("{}{max}", &held[..from])
 }
 
 #[cfg(test)]
@@ -2510,6 +2574,26 @@ mod tests {
             assert!(v.is_object(), "{arguments}");
             assert_eq!(parts[1], Part::Content("after".into()));
         }
+        // past f64's range: the largest finite number of its sign, and what follows kept
+        // (the keys after it, the calls after it), whole and in pieces
+        let Part::Call { arguments, .. } =
+            &hermes("{\"a\": -1e309, \"b\": 42423e6442, \"c\": 1e-999}")[0]
+        else {
+            panic!()
+        };
+        assert_eq!(
+            serde_json::from_str::<Value>(arguments).unwrap(),
+            serde_json::json!({"a": -f64::MAX, "b": f64::MAX, "c": 0.0}),
+            "{arguments}"
+        );
+        let list = "[TOOL_CALLS] [{\"name\": \"f\", \"arguments\": {\"n\": 4e6442, \"m\": 1}}, {\"name\": \"g\", \"arguments\": {\"k\": 1e400}}]";
+        assert_eq!(
+            streams_like_whole(&MISTRAL, list, false),
+            vec![
+                call("f", "{\"n\":1.7976931348623157e308,\"m\":1}"),
+                call("g", "{\"k\":1.7976931348623157e308}")
+            ]
+        );
         // a key that never ends holds at most HELD_MAX bytes
         let mut j = JsonOut::new();
         j.feed("{\"");
@@ -3182,6 +3266,30 @@ mod tests {
         );
     }
 
+    /// Through llguidance on a vocabulary where `[TOOL_CALLS]` is a control token, as
+    /// Mistral's are: a forced answer must begin with that token (by id), never with the
+    /// marker spelled out in text pieces.
+    #[test]
+    fn a_forced_mistral_answer_begins_with_its_control_token() {
+        use crate::grammar::{lark_grammar, Grammars};
+        let tok = std::sync::Arc::new(crate::tokenizer::tests::sentencepiece_with(&[M_CALLS]));
+        let id = tok.token_to_id(M_CALLS).expect("the control token");
+        assert!(tok.is_special(id));
+        let tools = vec![("f".to_string(), serde_json::json!({"type": "object"}))];
+        let special = |t: &str| tok.token_to_id(t).filter(|&i| tok.is_special(i));
+        let lark = calls_grammar(&MISTRAL, &tools, 1, &special);
+        assert!(lark.starts_with(&format!("start: <[{id}]> ")), "{lark}");
+        let g = Grammars::new(tok.clone(), 2);
+        let mut c = g.compile(&lark_grammar(&lark)).expect("compiles");
+        let first = c.next_mask().expect("a mask");
+        let allowed: Vec<u32> = (0..tok.vocab_size() as u32)
+            .filter(|&i| first.allows(i))
+            .collect();
+        assert_eq!(allowed, vec![id]);
+        c.consume(id).expect("follows");
+        assert!(!c.next_mask().expect("a mask").allows(id));
+    }
+
     #[test]
     fn mistral_call_ids_are_nine_letters_and_digits_the_same_each_time() {
         assert_eq!(mistral_call_id("a1B2c3D4e"), "a1B2c3D4e");
@@ -3200,6 +3308,15 @@ mod tests {
             assert_eq!(mistral_call_id(id), m);
         }
         assert_ne!(mistral_call_id("call_1"), mistral_call_id("call_2"));
+        // in one chat no two ids share nine: an id already of nine keeps it, one whose nine
+        // would meet it gets others
+        let taken = mistral_call_id("call_1");
+        let map = mistral_id_map(["call_1", taken.as_str(), "call_1", "x"]);
+        assert_eq!(map[taken.as_str()], taken);
+        assert_ne!(map["call_1"], taken);
+        assert!(mistral_shaped(&map["call_1"]) && mistral_shaped(&map["x"]));
+        assert_eq!(map.len(), 3);
+        assert_eq!(mistral_id_map(["call_1"])["call_1"], taken);
         let fresh = MISTRAL.call_id(0x1234_5678_9abc_def0_1234_5678_9abc_def0);
         assert!(fresh.len() == 9 && fresh.bytes().all(|b| b.is_ascii_alphanumeric()));
         assert!(HERMES.call_id(7).starts_with("call_"));

@@ -247,26 +247,40 @@ impl ChatTemplate {
 }
 
 /// Every call id of the messages (an assistant's `tool_calls[].id`, a tool turn's
-/// `tool_call_id`) as Mistral's templates take them: nine letters and digits
-/// ([`crate::agent::mistral_call_id`]: an id of another form, one from another model's turn
-/// or a client's own, is mapped to nine the same way in both places).
+/// `tool_call_id`; one left out or null as the empty id) as Mistral's templates take them:
+/// nine letters and digits ([`crate::agent::mistral_id_map`]: an id of another form, one
+/// from another model's turn or a client's own, is mapped to nine the same way in both
+/// places, and no two ids of the chat to the same nine).
 fn mistral_ids(messages: &mut serde_json::Value) {
-    use crate::agent::mistral_call_id;
+    use serde_json::Value;
     let Some(list) = messages.as_array_mut() else {
         return;
     };
-    for m in list {
-        if let Some(serde_json::Value::String(id)) = m.get_mut("tool_call_id") {
-            *id = mistral_call_id(id);
+    // the id slots of the chat: a tool turn's, and each call's
+    let slot_of = |v: &Value| match v {
+        Value::String(s) => s.clone(),
+        _ => String::new(),
+    };
+    let mut ids = Vec::new();
+    for m in list.iter() {
+        if m["role"] == "tool" {
+            ids.push(slot_of(&m["tool_call_id"]));
         }
-        for c in m
-            .get_mut("tool_calls")
-            .and_then(|c| c.as_array_mut())
-            .into_iter()
-            .flatten()
-        {
-            if let Some(serde_json::Value::String(id)) = c.get_mut("id") {
-                *id = mistral_call_id(id);
+        for c in m["tool_calls"].as_array().into_iter().flatten() {
+            ids.push(slot_of(&c["id"]));
+        }
+    }
+    let map = crate::agent::mistral_id_map(ids.iter().map(String::as_str));
+    let nine = |v: &Value| Value::String(map.get(&slot_of(v)).cloned().unwrap_or_default());
+    for m in list.iter_mut() {
+        if m["role"] == "tool" {
+            let id = nine(&m["tool_call_id"]);
+            m["tool_call_id"] = id;
+        }
+        if let Some(calls) = m.get_mut("tool_calls").and_then(Value::as_array_mut) {
+            for c in calls.iter_mut().filter(|c| c.is_object()) {
+                let id = nine(&c["id"]);
+                c["id"] = id;
             }
         }
     }

@@ -565,13 +565,19 @@ pub mod tiktoken {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::tiktoken::{base64, to_base64};
 
     /// A tokenizer.json in the shape Mistral and Mixtral ship (sentencepiece BPE with byte
     /// fallback: `▁` prepended and for spaces, `<0xNN>` byte pieces, a Replace / ByteFallback
     /// / Fuse / Strip decoder), with a few accented pieces.
     fn sentencepiece() -> super::Tokenizer {
+        sentencepiece_with(&[])
+    }
+
+    /// [`sentencepiece`] with more special tokens (control tokens such as Mistral's
+    /// `[TOOL_CALLS]`), numbered after its pieces.
+    pub(crate) fn sentencepiece_with(specials: &[&str]) -> super::Tokenizer {
         let mut vocab = serde_json::Map::new();
         for (i, t) in ["<unk>", "<s>", "</s>"].iter().enumerate() {
             vocab.insert(t.to_string(), i.into());
@@ -616,9 +622,15 @@ mod tests {
             serde_json::json!({"id": id, "content": c, "single_word": false, "lstrip": false,
                 "rstrip": false, "normalized": false, "special": true})
         };
+        let mut added = vec![special(0, "<unk>"), special(1, "<s>"), special(2, "</s>")];
+        for (i, c) in specials.iter().enumerate() {
+            let id = 259 + pieces.len() + i;
+            vocab.insert(c.to_string(), id.into());
+            added.push(special(id, c));
+        }
         let spec = serde_json::json!({
             "version": "1.0", "truncation": null, "padding": null,
-            "added_tokens": [special(0, "<unk>"), special(1, "<s>"), special(2, "</s>")],
+            "added_tokens": added,
             "normalizer": {"type": "Sequence", "normalizers": [
                 {"type": "Prepend", "prepend": "\u{2581}"},
                 {"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"}]},
