@@ -1,6 +1,8 @@
-//! Chat templates: `chat_template.jinja` or `tokenizer_config.json`'s `chat_template`
-//! (a string, or a list of named templates: "tool_use" for a request with tools where the
-//! list has one, else "default", as transformers chooses), rendered with minijinja
+//! Chat templates: `chat_template.jinja`, else `chat_template.json`'s or
+//! `tokenizer_config.json`'s `chat_template` (a string, or a list of named templates:
+//! "tool_use" for a request with tools where the list has one, or where
+//! `additional_chat_templates/tool_use.jinja` is, else "default", as transformers chooses),
+//! rendered with minijinja
 //! the way transformers' `apply_chat_template` renders them with Jinja2: blocks trimmed
 //! (`trim_blocks`, `lstrip_blocks`), Python's string methods, `tojson` as Python's
 //! `json.dumps` writes (`", "` and `": "`, no HTML escaping, `indent`), `raise_exception`,
@@ -89,9 +91,19 @@ impl ChatTemplate {
             .ok()
             .and_then(|b| serde_json::from_slice(&b).ok());
         let mut src = std::fs::read_to_string(dir.join("chat_template.jinja")).ok();
-        let mut tool_use = None;
+        // a processor's `chat_template.json` (`{"chat_template": ...}`), else the tokenizer's
+        let json: Option<serde_json::Value> = std::fs::read(dir.join("chat_template.json"))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok());
+        let listed = json
+            .as_ref()
+            .and_then(|j| j.get("chat_template"))
+            .or_else(|| cfg.as_ref().and_then(|c| c.get("chat_template")));
+        // newer transformers write named templates beside the default one, as files
+        let mut tool_use =
+            std::fs::read_to_string(dir.join("additional_chat_templates/tool_use.jinja")).ok();
         if src.is_none() {
-            src = match cfg.as_ref().and_then(|c| c.get("chat_template")) {
+            src = match listed {
                 Some(serde_json::Value::String(s)) => Some(s.clone()),
                 Some(serde_json::Value::Array(list)) => {
                     let named = |name: &str| {
@@ -99,7 +111,7 @@ impl ChatTemplate {
                             .find(|t| t.get("name").and_then(|n| n.as_str()) == Some(name))
                             .and_then(|t| t.get("template")?.as_str().map(String::from))
                     };
-                    tool_use = named("tool_use");
+                    tool_use = tool_use.or_else(|| named("tool_use"));
                     named("default").or_else(|| {
                         list.first()
                             .and_then(|t| t.get("template")?.as_str().map(String::from))
@@ -631,7 +643,30 @@ mod tests {
         std::fs::write(dir.join("tokenizer_config.json"), cfg.to_string()).unwrap();
         std::fs::write(dir.join("config.json"), r#"{"model_type": "mixtral"}"#).unwrap();
         let t = ChatTemplate::from_dir(&dir).unwrap();
+        // the same as newer transformers save them: the default as chat_template.jinja, the
+        // others under additional_chat_templates/; or a processor's chat_template.json
+        let files = dir.join("files");
+        std::fs::create_dir_all(files.join("additional_chat_templates")).unwrap();
+        std::fs::write(files.join("config.json"), r#"{"model_type": "mixtral"}"#).unwrap();
+        std::fs::write(
+            files.join("tokenizer_config.json"),
+            r#"{"eos_token": "</s>"}"#,
+        )
+        .unwrap();
+        std::fs::write(
+            files.join("chat_template.json"),
+            serde_json::json!({"chat_template": cfg["chat_template"][0]["template"]}).to_string(),
+        )
+        .unwrap();
+        std::fs::write(
+            files.join("additional_chat_templates/tool_use.jinja"),
+            tool_use,
+        )
+        .unwrap();
+        let f = ChatTemplate::from_dir(&files).unwrap();
         std::fs::remove_dir_all(&dir).ok();
+        assert_eq!((&f.source, &f.tool_use), (&t.source, &t.tool_use));
+        assert_eq!(f.markup, crate::agent::MISTRAL);
         assert_eq!(t.markup, crate::agent::MISTRAL);
         assert!(t.takes_tools());
         let ask = [ChatMessage::new("user", "hi")];
