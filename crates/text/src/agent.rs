@@ -692,15 +692,22 @@ impl Splitter {
     /// what is held not read yet).
     fn mistral(&mut self, fin: bool, out: &mut Vec<Part>) -> bool {
         loop {
-            let t = self.buf.trim_start();
-            let blank = self.buf.len() - t.len();
-            let next = t.chars().next();
+            // blanks between the list's pieces are read as they come (never held and searched
+            // again): kept to give back while no call began, dropped after
+            if matches!(self.mis, Mis::Open | Mis::Item { .. } | Mis::Next) {
+                let blank = self.buf.len() - self.buf.trim_start().len();
+                let ws: String = self.buf.drain(..blank).collect();
+                if matches!(self.mis, Mis::Open | Mis::Item { first: true }) {
+                    self.taken.push_str(&ws);
+                }
+            }
+            let next = self.buf.chars().next();
             match self.mis {
                 Mis::Open => match next {
                     None if !fin => return true,
                     None => return self.mistral_none(out),
                     Some('[') => {
-                        self.taken.extend(self.buf.drain(..blank + 1));
+                        self.taken.extend(self.buf.drain(..1));
                         self.mis = Mis::Item { first: true };
                     }
                     // one call's object without the list around it
@@ -715,7 +722,6 @@ impl Splitter {
                 Mis::Item { first } => match next {
                     None if !fin => return true,
                     Some('{') => {
-                        self.taken.extend(self.buf.drain(..blank));
                         self.mis = Mis::Call {
                             named: false,
                             first,
@@ -723,7 +729,7 @@ impl Splitter {
                     }
                     // (an empty list: no call, nothing to give back)
                     Some(']') => {
-                        self.buf.drain(..blank + 1);
+                        self.buf.drain(..1);
                         return self.mistral_end();
                     }
                     _ if first => return self.mistral_none(out),
@@ -808,11 +814,11 @@ impl Splitter {
                 Mis::Next => match next {
                     None if !fin => return true,
                     Some(',') => {
-                        self.buf.drain(..blank + 1);
+                        self.buf.drain(..1);
                         self.mis = Mis::Item { first: false };
                     }
                     Some(']') => {
-                        self.buf.drain(..blank + 1);
+                        self.buf.drain(..1);
                         return self.mistral_end();
                     }
                     _ => return self.mistral_end(),
@@ -3210,7 +3216,7 @@ mod tests {
                 "[TOOL_CALLS] {\"name\": \"f\", \"arguments\": {\"a\": 1}} ok",
                 false
             ),
-            vec![call("f", "{\"a\":1}"), Part::Content(" ok".into())]
+            vec![call("f", "{\"a\":1}"), Part::Content("ok".into())]
         );
         // either markup reads either form
         assert_eq!(
@@ -3258,6 +3264,25 @@ mod tests {
                 "[TOOL_CALLS]x y [TOOL_CALLS]f[ARGS]{}"
             ),
             vec![Part::Content("[TOOL_CALLS]x y ".into()), call("f", "{}")]
+        );
+        // blanks after the marker, streamed a character at a time, are read once each (a
+        // model writing spaces for its whole answer costs linear time), and given back
+        let mut sp = Splitter::new(MISTRAL, true, false, false);
+        let mut parts = sp.push(M_CALLS);
+        let t0 = std::time::Instant::now();
+        for _ in 0..200_000 {
+            parts.extend(sp.push(" "));
+        }
+        parts.extend(sp.push("x"));
+        parts.extend(sp.finish());
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(2),
+            "{:?}",
+            t0.elapsed()
+        );
+        assert_eq!(
+            merge(parts),
+            vec![Part::Content(format!("{M_CALLS}{}x", " ".repeat(200_000)))]
         );
         // without tools the markup is text
         assert_eq!(
