@@ -26,14 +26,7 @@ use crate::server::{
 /// An error in Anthropic's shape (`{"type": "error", "error": {"type", "message"}}`).
 fn error_response(e: ApiError) -> Response {
     let status = e.status();
-    let kind = match status.as_u16() {
-        400 | 413 | 431 => "invalid_request_error",
-        401 => "authentication_error",
-        404 => "not_found_error",
-        429 => "rate_limit_error",
-        503 => "overloaded_error",
-        _ => "api_error",
-    };
+    let kind = kind_of(status);
     let mut r = (
         status,
         Json(json!({"type": "error", "error": {"type": kind, "message": e.to_string()}})),
@@ -44,8 +37,61 @@ fn error_response(e: ApiError) -> Response {
     r
 }
 
+/// Anthropic's error type for a status.
+fn kind_of(status: axum::http::StatusCode) -> &'static str {
+    match status.as_u16() {
+        400 | 405 | 408 | 414 | 431 => "invalid_request_error",
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        413 => "request_too_large",
+        429 => "rate_limit_error",
+        503 => "overloaded_error",
+        _ => "api_error",
+    }
+}
+
+/// Errors answered on the Messages routes in Anthropic's shape even where they are made
+/// before its handlers (a refused key, a wrong method, the body limit): an OpenAI-shaped
+/// error body there is rewritten, its status and headers kept.
+pub(crate) async fn errors_in_its_shape(req: Request, next: axum::middleware::Next) -> Response {
+    let ours = req.uri().path().starts_with("/v1/messages");
+    let r = next.run(req).await;
+    if !ours || r.status().is_success() || r.status().is_informational() {
+        return r;
+    }
+    let (mut parts, body) = r.into_parts();
+    let Ok(bytes) = axum::body::to_bytes(body, 1 << 20).await else {
+        return Response::from_parts(parts, axum::body::Body::empty());
+    };
+    let v: Option<Value> = serde_json::from_slice(&bytes).ok();
+    match v {
+        Some(v) if v["type"] != "error" && v["error"]["message"].is_string() => {
+            let body = json!({"type": "error", "error": {"type": kind_of(parts.status),
+                                                         "message": v["error"]["message"]}});
+            parts.headers.remove(axum::http::header::CONTENT_LENGTH);
+            Response::from_parts(parts, axum::body::Body::from(body.to_string()))
+        }
+        _ => Response::from_parts(parts, axum::body::Body::from(bytes)),
+    }
+}
+
 fn bad(m: impl Into<String>) -> ApiError {
     ApiError::bad(m, Some("messages"))
+}
+
+/// A `text` block's text (a 400 naming `what` when it has none).
+fn text_of_block(b: &Value, what: &str) -> Result<String, ApiError> {
+    b["text"]
+        .as_str()
+        .map(String::from)
+        .ok_or_else(|| bad(format!("{what}: a text block's `text` must be a string")))
+}
+
+/// A string field of a block (a 400 naming it when it is not one).
+fn str_field<'a>(b: &'a Value, k: &str, at: &str) -> Result<&'a str, ApiError> {
+    b[k].as_str()
+        .ok_or_else(|| bad(format!("{at}.{k} must be a string")))
 }
 
 /// The text of a `content` that is a string or a list of blocks (`text` blocks only).
@@ -55,7 +101,7 @@ fn text_blocks(c: &Value, what: &str) -> Result<String, ApiError> {
         Value::Array(blocks) => blocks
             .iter()
             .map(|b| match b["type"].as_str() {
-                Some("text") => Ok(b["text"].as_str().unwrap_or_default().to_string()),
+                Some("text") => text_of_block(b, what),
                 Some(t) => Err(bad(format!("{what}: a {t:?} block is not supported here"))),
                 None => Err(bad(format!("{what}: a block without a type"))),
             })
@@ -108,25 +154,38 @@ fn to_chat(v: &Value) -> Result<Value, ApiError> {
         for (j, b) in blocks.iter().enumerate() {
             let at = format!("messages[{i}].content[{j}]");
             match b["type"].as_str() {
-                Some("text") => text.push_str(b["text"].as_str().unwrap_or_default()),
+                Some("text") => text.push_str(&text_of_block(b, &at)?),
                 Some("thinking") if role == "assistant" => {
                     thinking.push_str(b["thinking"].as_str().unwrap_or_default())
                 }
                 Some("redacted_thinking") if role == "assistant" => {}
-                Some("tool_use") if role == "assistant" => calls.push(json!({
-                    "id": b["id"].as_str().unwrap_or_default(), "type": "function",
-                    "function": {"name": b["name"].as_str().unwrap_or_default(),
-                                 "arguments": b.get("input").cloned().unwrap_or(json!({})).to_string()}})),
+                Some("tool_use") if role == "assistant" => {
+                    let input = match b.get("input") {
+                        None | Some(Value::Null) => json!({}),
+                        Some(i @ Value::Object(_)) => i.clone(),
+                        Some(_) => return Err(bad(format!("{at}.input must be an object"))),
+                    };
+                    calls.push(json!({
+                        "id": str_field(b, "id", &at)?, "type": "function",
+                        "function": {"name": str_field(b, "name", &at)?,
+                                     "arguments": input.to_string()}}))
+                }
                 Some("tool_result") if role == "user" => {
                     // results first, each its own tool turn, then the user's text
                     let mut content = text_blocks(&b["content"], &at)?;
                     if b["is_error"].as_bool() == Some(true) {
                         content = format!("Error: {content}");
                     }
-                    msgs.push(json!({"role": "tool", "tool_call_id": b["tool_use_id"].as_str().unwrap_or_default(),
-                                     "content": content}));
+                    msgs.push(
+                        json!({"role": "tool", "tool_call_id": str_field(b, "tool_use_id", &at)?,
+                                     "content": content}),
+                    );
                 }
-                Some(t) => return Err(bad(format!("{at}: a {t:?} block is not supported in a {role} message"))),
+                Some(t) => {
+                    return Err(bad(format!(
+                        "{at}: a {t:?} block is not supported in a {role} message"
+                    )))
+                }
                 None => return Err(bad(format!("{at}: a block without a type"))),
             }
         }
@@ -153,7 +212,17 @@ fn to_chat(v: &Value) -> Result<Value, ApiError> {
     if let Some(s) = v.get("stop_sequences").filter(|s| !s.is_null()) {
         out["stop"] = s.clone();
     }
-    if let Some(tools) = v.get("tools").and_then(|t| t.as_array()) {
+    let tools = match v.get("tools") {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(t)) => Some(t),
+        Some(x) => {
+            return Err(ApiError::bad(
+                format!("`tools` must be a list, got {x}"),
+                Some("tools"),
+            ))
+        }
+    };
+    if let Some(tools) = tools {
         let mut t = Vec::new();
         for (i, tool) in tools.iter().enumerate() {
             if tool
@@ -220,6 +289,14 @@ fn to_chat(v: &Value) -> Result<Value, ApiError> {
         out["response_format"] = json!({"type": "json_schema",
             "json_schema": {"name": "output", "schema": f.get("schema").cloned().unwrap_or(Value::Null)}});
     }
+    if v.get("thinking")
+        .is_some_and(|t| !t.is_null() && !t["type"].is_string())
+    {
+        return Err(ApiError::bad(
+            "`thinking` must be an object with a `type` (enabled or disabled)",
+            Some("thinking"),
+        ));
+    }
     match v.get("thinking").and_then(|t| t["type"].as_str()) {
         // the two names families' templates read (Qwen3's and GLM's; DeepSeek's)
         Some("enabled") => {
@@ -234,12 +311,12 @@ fn to_chat(v: &Value) -> Result<Value, ApiError> {
 }
 
 /// Anthropic's stop reason for a finish (`tool_use` when the answer ended with calls).
+/// (`calls`: the answer has calls, all whole: a stop sequence that cut one is the reason)
 fn stop_reason(finish: &str, calls: bool, stop_string: Option<&str>) -> (&'static str, Value) {
     match (finish, calls, stop_string) {
         ("length", _, _) => ("max_tokens", Value::Null),
-        // (a stop sequence that cut a call: the call is not whole)
-        (_, _, Some(s)) => ("stop_sequence", json!(s)),
         (_, true, _) => ("tool_use", Value::Null),
+        (_, _, Some(s)) => ("stop_sequence", json!(s)),
         _ => ("end_turn", Value::Null),
     }
 }
@@ -274,10 +351,9 @@ pub(crate) async fn count_tokens(State(st): State<Arc<AppState>>, req: Request) 
         let r: Result<Response, ApiError> = async {
             let (mut v, turn) = read_json_turn(&st, req.into_body()).await?;
             if let Some(o) = v.as_object_mut() {
-                // what is counted is the prompt: the answer's bounds and how calls are
-                // forced do not change it (and no grammar is compiled for it)
+                // what is counted is the prompt: the answer's bound does not change it (the
+                // rest is checked as /v1/messages checks it)
                 o.insert("max_tokens".into(), json!(1));
-                o.remove("tool_choice");
                 o.remove("stream");
             }
             let chat = to_chat(&v)?;
@@ -329,7 +405,8 @@ async fn handle(st: Arc<AppState>, req: Request) -> Result<Response, ApiError> {
                 Part::CallStart { .. } | Part::CallArgs(_) | Part::CallEnd => {}
             }
         }
-        let (reason, seq) = stop_reason(&c.finish, calls, c.stop_hit.as_deref());
+        let cut = c.stop_hit.is_some() && vr.ends_in_call(&c.text);
+        let (reason, seq) = stop_reason(&c.finish, calls && !cut, c.stop_hit.as_deref());
         return Ok(Json(json!({"id": id, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": reason, "stop_sequence": seq,
             "usage": {"input_tokens": vr.prompt.len(), "output_tokens": c.completion}}))
@@ -506,7 +583,7 @@ async fn stream(
     }
     let (reason, seq) = stop_reason(
         end.finish.as_deref().unwrap_or("stop"),
-        b.calls,
+        b.calls && !(end.cut && end.stop_hit.is_some()),
         end.stop_hit.as_deref(),
     );
     let delta = json!({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},

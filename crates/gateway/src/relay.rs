@@ -36,6 +36,8 @@ pub(crate) struct Ended {
     pub failed: Option<ApiError>,
     /// The stop string that ended it, if one did.
     pub stop_hit: Option<String>,
+    /// The answer ended inside a tool call (its calls are not all whole).
+    pub cut: bool,
     /// The client left (the sink said so): nothing more is sent.
     pub left: bool,
 }
@@ -102,6 +104,7 @@ pub(crate) async fn relay_parts(
         finish: None,
         failed: None,
         stop_hit: None,
+        cut: false,
         left: false,
     };
     let mut aborted = std::pin::pin!(st.shutdown.aborted());
@@ -159,6 +162,7 @@ pub(crate) async fn relay_parts(
         crate::server::count_cut(err);
     } else {
         let mut tail = split.push(&det.finish());
+        end.cut = split.in_call();
         tail.extend(split.finish());
         if !sink.send(tail).await {
             end.left = true;

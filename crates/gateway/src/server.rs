@@ -357,7 +357,7 @@ pub fn routes() -> Vec<Route> {
             post(crate::responses::responses)
         }),
         r(Public, "GET", "/v1/models", ApiKey, || get(models)),
-        r(Public, "GET", "/v1/models/{model}", ApiKey, || get(model)),
+        r(Public, "GET", "/v1/models/{*model}", ApiKey, || get(model)),
         r(Public, "GET", "/v1/stats", ApiKey, || get(stats)),
         r(Public, "GET", "/metrics", ApiKey, || {
             get(moelane_telemetry::metrics_page)
@@ -387,14 +387,23 @@ pub fn router_for(state: Arc<AppState>, listener: Listener) -> Router {
         }
         router = router.route(route.path, m);
     }
-    router
+    let router = router
         .fallback(|req: Request| async move {
             ApiError::NotFound(format!("{} {}", req.method(), req.uri().path()))
         })
         .method_not_allowed_fallback(|req: Request| async move {
             ApiError::MethodNotAllowed(format!("{} {}", req.method(), req.uri().path()))
         })
-        .with_state(state)
+        .with_state(state);
+    // (Anthropic's routes are public: there its errors are in its shape)
+    let router = if listener == Listener::Public {
+        router.layer(axum::middleware::from_fn(
+            crate::anthropic::errors_in_its_shape,
+        ))
+    } else {
+        router
+    };
+    router
         .layer(axum::middleware::from_fn(count_requests))
         .layer(axum::middleware::from_fn(limit_headers))
 }
@@ -681,6 +690,13 @@ impl ValidRequest {
     }
 
     /// A whole answer's parts.
+    /// Whether the answer `text` ends inside a tool call (one it cut is not whole).
+    pub(crate) fn ends_in_call(&self, text: &str) -> bool {
+        let mut s = self.splitter();
+        s.push(text);
+        s.in_call()
+    }
+
     pub(crate) fn split_answer(&self, text: &str) -> Vec<moelane_text::agent::Part> {
         let mut s = self.splitter();
         let mut parts = s.push(text);
@@ -974,8 +990,13 @@ fn prompt_tokens(st: &AppState, v: &Value, chat: bool) -> Result<Vec<u32>, ApiEr
                 Some(Value::Array(calls)) if role == "assistant" => {
                     for (j, c) in calls.iter().enumerate() {
                         if c["function"]["name"].as_str().is_none() {
+                            let what = if c["function"]["name"].is_null() {
+                                "is missing"
+                            } else {
+                                "must be a string"
+                            };
                             return Err(ApiError::bad(
-                                format!("messages[{i}].tool_calls[{j}].function.name is missing"),
+                                format!("messages[{i}].tool_calls[{j}].function.name {what}"),
                                 Some("messages"),
                             ));
                         }
@@ -1378,7 +1399,10 @@ pub(crate) fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequ
     let model = v
         .get("model")
         .and_then(|m| m.as_str())
-        .ok_or_else(|| ApiError::bad("`model` is required", Some("model")))?;
+        .ok_or_else(|| match v.get("model") {
+            None | Some(Value::Null) => ApiError::bad("`model` is required", Some("model")),
+            Some(x) => ApiError::bad(format!("`model` must be a string, got {x}"), Some("model")),
+        })?;
     if model != st.cfg.model_name {
         return Err(ApiError::UnknownModel(model.to_string()));
     }
@@ -2058,8 +2082,8 @@ pub(crate) fn tool_call(st: &AppState, index: Option<usize>, name: &str, argumen
 
 /// A chat answer's message: its text split into content, reasoning and tool calls when the
 /// request asks for that (`finish` becomes `tool_calls` when the answer ended with calls).
-/// (`stopped`: a stop string ended the answer, which then stays `stop`: the calls it cut are
-/// not whole)
+/// (`stopped`: a stop string ended the answer, which then stays `stop` where it cut a call:
+/// that call is not whole)
 fn chat_message(
     st: &AppState,
     vr: &ValidRequest,
@@ -2295,7 +2319,7 @@ async fn whole_response(
                 Value::Null
             };
             if chat {
-                let stopped = c.stop_hit.is_some();
+                let stopped = c.stop_hit.is_some() && vr.ends_in_call(&c.text);
                 let message = chat_message(st, vr, &c.text, &mut c.finish, stopped);
                 json!({"index": i, "message": message, "logprobs": lps, "finish_reason": c.finish})
             } else {
@@ -2315,6 +2339,8 @@ struct StreamSplit {
     splitter: Option<moelane_text::agent::Splitter>,
     calls: usize,
     chat: bool,
+    /// The answer ended inside a call.
+    cut: bool,
 }
 
 impl StreamSplit {
@@ -2336,6 +2362,7 @@ impl StreamSplit {
         };
         let mut parts = sp.push(text);
         if end {
+            self.cut = sp.in_call();
             parts.extend(sp.finish());
         }
         moelane_text::agent::as_streamed(parts)
@@ -2418,6 +2445,7 @@ async fn relay_choice(
         splitter: vr.splits().then(|| vr.splitter()),
         calls: 0,
         chat,
+        cut: false,
     };
     let mut aborted = std::pin::pin!(st.shutdown.aborted());
     loop {
@@ -2536,8 +2564,11 @@ async fn relay_choice(
             return r;
         }
     }
-    // (an answer a stop string ended stays `stop`: the calls it cut are not whole)
-    if split.calls > 0 && r.finish.as_deref() == Some("stop") && det.stop_hit().is_none() {
+    // (an answer a stop string ended inside a call stays `stop`: that call is not whole)
+    if split.calls > 0
+        && r.finish.as_deref() == Some("stop")
+        && !(split.cut && det.stop_hit().is_some())
+    {
         r.finish = Some("tool_calls".into());
     }
     if let Some(f) = &r.finish {
@@ -2699,12 +2730,14 @@ fn model_object(st: &AppState) -> Value {
            "max_model_len": st.cfg.max_context})
 }
 
-/// `GET /v1/models/{model}` (the OpenAI clients' `models.retrieve`): the served model, or a
-/// 404 naming the one asked for.
+/// `GET /v1/models/{model}` (the OpenAI clients' `models.retrieve`; a name may hold `/`): the
+/// served model, or a 404 naming the one asked for.
 async fn model(
     State(st): State<Arc<AppState>>,
-    axum::extract::Path(name): axum::extract::Path<String>,
+    name: Result<axum::extract::Path<String>, axum::extract::rejection::PathRejection>,
 ) -> Result<Json<Value>, ApiError> {
+    let axum::extract::Path(name) =
+        name.map_err(|e| ApiError::bad(e.body_text(), Some("model")))?;
     if name == st.cfg.model_name {
         Ok(Json(model_object(&st)))
     } else {

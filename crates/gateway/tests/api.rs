@@ -499,15 +499,21 @@ async fn every_route_has_a_policy_and_keeps_to_it() {
         };
         let what = format!("{} {} on {:?}", r.method, r.path, r.listener);
         // (a path's parameter: the served model's name)
-        let path = r.path.replace("{model}", "tiny");
+        let path = r.path.replace("{*model}", "tiny");
         let path = path.as_str();
         let (st, body, head) = call(here, r.method, path, "").await;
         if r.access == Access::Open {
             assert!(st < 400, "{what}: {st} {body}");
         } else {
             assert_eq!(st, 401, "{what} without a credential: {body}");
-            let v: Value = serde_json::from_str(&body).expect("an OpenAI error body");
-            assert_eq!(v["error"]["code"], "invalid_api_key", "{what}: {v}");
+            let v: Value = serde_json::from_str(&body).expect("an error body");
+            if r.path.starts_with("/v1/messages") {
+                // Anthropic's routes answer in its shape
+                assert_eq!(v["type"], "error", "{what}: {v}");
+                assert_eq!(v["error"]["type"], "authentication_error", "{what}: {v}");
+            } else {
+                assert_eq!(v["error"]["code"], "invalid_api_key", "{what}: {v}");
+            }
             assert!(head.contains("www-authenticate: bearer"), "{what}: {head}");
             // the other surface's secret is not this one's
             let wrong = match r.access {
@@ -1850,6 +1856,35 @@ async fn calls_sent_back_are_checked_and_a_stop_string_in_a_call_is_a_stop() {
     let (st, v) = post(&gw, "/v1/messages", &messages).await;
     assert_eq!(st, 200, "{v}");
     assert_eq!(v["stop_reason"], "stop_sequence", "{v}");
+    // a stop string after whole calls: they are the turn (Hermes closes a call with
+    // `</tool_call>`, then writes "\n" between calls and at the end)
+    let whole = call_ask(
+        json!({"tool_choice": "required", "parallel_tool_calls": false,
+        "stop": ["</tool_call>"], "max_tokens": 200}),
+    );
+    let (st, v) = post(&gw, "/v1/chat/completions", &whole).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(
+        v["choices"][0]["finish_reason"], "stop",
+        "a stop string inside the call's close: {v}"
+    );
+    // a stop string that can only come between whole calls (before a second one)
+    let mut stopped_between = 0;
+    for seed in 0..6 {
+        let after = call_ask(
+            json!({"tool_choice": "required", "temperature": 1.0, "seed": seed,
+            "stop": ["\n<tool_call>"], "max_tokens": 400}),
+        );
+        let (st, v) = post(&gw, "/v1/chat/completions", &after).await;
+        assert_eq!(st, 200, "{v}");
+        assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+        let calls = v["choices"][0]["message"]["tool_calls"]
+            .as_array()
+            .map_or(0, Vec::len);
+        assert_eq!(calls, 1, "the second call is cut before it begins: {v}");
+        stopped_between += usize::from(v["usage"]["completion_tokens"].as_u64() < Some(400));
+    }
+    assert!(stopped_between > 0);
 }
 
 /// Each family's markup end to end on the tiny weights with that family's template (the

@@ -352,6 +352,38 @@ enum Mis {
     Rest { depth: usize, s: bool, esc: bool },
     /// After an array call's object: `,` or the array's end.
     Next,
+    /// An array item not in the usual head shape (keys in another order, arguments as a
+    /// string), read whole: as [`Mis::Rest`], and the marker's first or not.
+    Obj {
+        depth: usize,
+        s: bool,
+        esc: bool,
+        first: bool,
+    },
+}
+
+/// Follows a JSON text's nesting over `text` from (`depth`, in a string, after a backslash):
+/// where the container that was open at `depth` 1 closes (the byte after it), if it does.
+fn skip_json(text: &str, depth: &mut usize, s: &mut bool, esc: &mut bool) -> Option<usize> {
+    for (i, c) in text.char_indices() {
+        if *esc {
+            *esc = false;
+        } else if *s {
+            *esc = c == '\\';
+            *s = c != '"';
+        } else {
+            match c {
+                '"' => *s = true,
+                '{' | '[' => *depth += 1,
+                '}' | ']' => *depth = depth.saturating_sub(1),
+                _ => {}
+            }
+            if *depth == 0 {
+                return Some(i + c.len_utf8());
+            }
+        }
+    }
+    None
 }
 
 /// What a call's head says so far.
@@ -419,8 +451,15 @@ pub struct Splitter {
     /// Mistral: where its call list is.
     mis: Mis,
     /// Mistral: what was read after `[TOOL_CALLS]` before its first call began (given back
-    /// as text, marker and all, if no call follows).
+    /// as text, marker and all, if no call follows), and where a list's `[` is in it (read
+    /// again if no call follows: it may open another marker).
     taken: String,
+    bracket: Option<usize>,
+    /// Mistral: an array item not in the usual shape, read whole to its closing brace.
+    obj: String,
+    /// The containers left open, and whether in a string, where a call's arguments stopped
+    /// being JSON (what follows is skipped from there).
+    args_left: (usize, bool),
 }
 
 impl Splitter {
@@ -446,6 +485,9 @@ impl Splitter {
             texts: Vec::new(),
             mis: Mis::Open,
             taken: String::new(),
+            bracket: None,
+            obj: String::new(),
+            args_left: (0, false),
         }
     }
 
@@ -468,6 +510,12 @@ impl Splitter {
             .flat_map(|(_, keys)| keys.iter())
             .find(|(k, _)| k == key)
             .map(|(_, nullable)| *nullable)
+    }
+
+    /// Whether a call (or a harmony header) is open in what was read: an answer ended here
+    /// cuts it.
+    pub fn in_call(&self) -> bool {
+        matches!(self.mode, Mode::Call | Mode::Header)
     }
 
     /// Drops the text between calls: the answer is only calls (a forced call).
@@ -707,6 +755,7 @@ impl Splitter {
                     None if !fin => return true,
                     None => return self.mistral_none(out),
                     Some('[') => {
+                        self.bracket = Some(self.taken.len());
                         self.taken.extend(self.buf.drain(..1));
                         self.mis = Mis::Item { first: true };
                     }
@@ -742,6 +791,16 @@ impl Splitter {
                     self.buf.drain(..used);
                     match std::mem::replace(&mut self.call, CallSt::Head) {
                         CallSt::Head if !fin => return true,
+                        // an array item of another shape: read whole
+                        CallSt::Head | CallSt::Whole if !named => {
+                            self.obj.clear();
+                            self.mis = Mis::Obj {
+                                depth: 0,
+                                s: false,
+                                esc: false,
+                                first,
+                            };
+                        }
                         CallSt::Head | CallSt::Whole if first => return self.mistral_none(out),
                         CallSt::Head | CallSt::Whole => return self.mistral_end(),
                         CallSt::Args(j) if !fin => {
@@ -763,10 +822,53 @@ impl Splitter {
                             if named {
                                 return self.mistral_end();
                             }
+                            // the call's object, and what its arguments left open
+                            let (open, s) = std::mem::take(&mut self.args_left);
                             self.mis = Mis::Rest {
-                                depth: 1,
-                                s: false,
+                                depth: 1 + open,
+                                s,
                                 esc: false,
+                            };
+                        }
+                    }
+                }
+                Mis::Obj {
+                    mut depth,
+                    mut s,
+                    mut esc,
+                    first,
+                } => {
+                    let end = skip_json(&self.buf, &mut depth, &mut s, &mut esc);
+                    let upto = end.unwrap_or(self.buf.len());
+                    self.obj.extend(self.buf.drain(..upto));
+                    let parsed = match end {
+                        Some(_) => parse_call(&self.obj),
+                        None if fin || self.obj.len() > MAX_CALL_BYTES => None,
+                        None => {
+                            self.mis = Mis::Obj {
+                                depth,
+                                s,
+                                esc,
+                                first,
+                            };
+                            return true;
+                        }
+                    };
+                    match parsed {
+                        Some(call) => {
+                            out.push(call);
+                            self.taken.clear();
+                            self.bracket = None;
+                            self.mis = Mis::Next;
+                        }
+                        // not a call: its text read again as content
+                        None => {
+                            let obj = std::mem::take(&mut self.obj);
+                            self.buf.insert_str(0, &obj);
+                            return if first {
+                                self.mistral_none(out)
+                            } else {
+                                self.mistral_end()
                             };
                         }
                     }
@@ -776,26 +878,7 @@ impl Splitter {
                     mut s,
                     mut esc,
                 } => {
-                    let mut end = None;
-                    for (i, c) in self.buf.char_indices() {
-                        if esc {
-                            esc = false;
-                        } else if s {
-                            esc = c == '\\';
-                            s = c != '"';
-                        } else {
-                            match c {
-                                '"' => s = true,
-                                '{' | '[' => depth += 1,
-                                '}' | ']' => depth -= 1,
-                                _ => {}
-                            }
-                            if depth == 0 {
-                                end = Some(i + 1);
-                                break;
-                            }
-                        }
-                    }
+                    let end = skip_json(&self.buf, &mut depth, &mut s, &mut esc);
                     match end {
                         Some(e) => {
                             self.buf.drain(..e);
@@ -833,14 +916,22 @@ impl Splitter {
         self.mis = Mis::Open;
         self.call = CallSt::Head;
         self.taken.clear();
+        self.bracket = None;
+        self.obj.clear();
+        self.args_left = (0, false);
         self.scanned = 0;
         false
     }
 
     /// `[TOOL_CALLS]` not followed by a call: the marker and what was read after it, as
-    /// text.
+    /// text (a list's `[` and what followed it read again: it may open another marker).
     fn mistral_none(&mut self, out: &mut Vec<Part>) -> bool {
-        let text = format!("{M_CALLS}{}", self.taken);
+        let mut taken = std::mem::take(&mut self.taken);
+        if let Some(at) = self.bracket {
+            self.buf.insert_str(0, &taken[at..]);
+            taken.truncate(at);
+        }
+        let text = format!("{M_CALLS}{taken}");
         self.mistral_end();
         self.emit(text, out);
         false
@@ -916,11 +1007,18 @@ impl Splitter {
                         out.push(Part::CallArgs(got));
                     }
                     if j.ended() {
+                        // where the text is left when it stopped being JSON
+                        let left = if j.st == J::Failed {
+                            (j.stack.len(), j.in_str)
+                        } else {
+                            (0, false)
+                        };
                         let close = j.close();
                         if !close.is_empty() {
                             out.push(Part::CallArgs(close));
                         }
                         self.call = CallSt::Tail;
+                        self.args_left = left;
                     }
                     return used + took;
                 }
@@ -2302,7 +2400,8 @@ fn json_number(s: &str) -> bool {
 /// number of its sign, so the rest of the arguments and the calls after it are kept.
 fn number_out(held: &str, from: usize) -> String {
     let n = &held[from..];
-    if n.parse::<f64>().is_ok_and(f64::is_finite) {
+    // (serde_json's own reading: near the edge it rounds differently from `str::parse`)
+    if serde_json::from_str::<f64>(n).is_ok() {
         return held.to_string();
     }
     let max = if n.starts_with('-') {
@@ -2582,14 +2681,14 @@ mod tests {
         }
         // past f64's range: the largest finite number of its sign, and what follows kept
         // (the keys after it, the calls after it), whole and in pieces
-        let Part::Call { arguments, .. } =
-            &hermes("{\"a\": -1e309, \"b\": 42423e6442, \"c\": 1e-999}")[0]
-        else {
+        let Part::Call { arguments, .. } = &hermes(
+            "{\"a\": -1e309, \"b\": 42423e6442, \"c\": 1e-999, \"d\": 1.7976931348623158e308}",
+        )[0] else {
             panic!()
         };
         assert_eq!(
             serde_json::from_str::<Value>(arguments).unwrap(),
-            serde_json::json!({"a": -f64::MAX, "b": f64::MAX, "c": 0.0}),
+            serde_json::json!({"a": -f64::MAX, "b": f64::MAX, "c": 0.0, "d": f64::MAX}),
             "{arguments}"
         );
         let list = "[TOOL_CALLS] [{\"name\": \"f\", \"arguments\": {\"n\": 4e6442, \"m\": 1}}, {\"name\": \"g\", \"arguments\": {\"k\": 1e400}}]";
@@ -3209,6 +3308,38 @@ mod tests {
                 Part::Content(" done".into()),
             ]
         );
+        // a `[` after the marker that opens no list is read again: another marker
+        assert_eq!(
+            streams_like_whole(&MISTRAL_ARGS, "[TOOL_CALLS][TOOL_CALLS]f[ARGS]{}", false),
+            vec![Part::Content(M_CALLS.into()), call("f", "{}")]
+        );
+        assert_eq!(
+            streams_like_whole(&MISTRAL, "[TOOL_CALLS] [THINK]hm[/THINK]ok", false),
+            vec![
+                Part::Content("[TOOL_CALLS] ".into()),
+                Part::Reasoning("hm".into()),
+                Part::Content("ok".into())
+            ]
+        );
+        // items of another shape read whole (keys in another order, arguments as a
+        // string); arguments that stop being JSON are closed there, and the next call read
+        assert_eq!(
+            streams_like_whole(
+                &MISTRAL,
+                "[TOOL_CALLS] [{\"arguments\": {\"a\": \"}\"}, \"name\": \"f\"}, {\"name\": \"g\", \"arguments\": \"{\\\"b\\\": 2}\"}, {\"name\": \"h\", \"arguments\": {\"c\": x}}, {\"name\": \"i\", \"arguments\": {}}]",
+                false
+            ),
+            vec![
+                call("f", "{\"a\":\"}\"}"),
+                call("g", "{\"b\":2}"),
+                call("h", "{}"),
+                call("i", "{}")
+            ]
+        );
+        assert_eq!(
+            streams_like_whole(&MISTRAL, "[TOOL_CALLS] [{\"x\": 1}] rest", false),
+            vec![Part::Content("[TOOL_CALLS] [{\"x\": 1}] rest".into())]
+        );
         // an object without its list is read too
         assert_eq!(
             streams_like_whole(
@@ -3276,7 +3407,7 @@ mod tests {
         parts.extend(sp.push("x"));
         parts.extend(sp.finish());
         assert!(
-            t0.elapsed() < std::time::Duration::from_secs(2),
+            t0.elapsed() < std::time::Duration::from_secs(10),
             "{:?}",
             t0.elapsed()
         );

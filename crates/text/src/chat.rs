@@ -87,14 +87,19 @@ fn token_text(v: Option<&serde_json::Value>) -> String {
 impl ChatTemplate {
     /// Finds the template of a checkpoint directory.
     pub fn from_dir(dir: &Path) -> Result<Self, ChatError> {
-        let cfg: Option<serde_json::Value> = std::fs::read(dir.join("tokenizer_config.json"))
-            .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok());
+        // a file that is there but is not JSON is an error naming it, not a silent default
+        let json_file = |name: &str| -> Result<Option<serde_json::Value>, ChatError> {
+            match std::fs::read(dir.join(name)) {
+                Err(_) => Ok(None),
+                Ok(b) => serde_json::from_slice(&b)
+                    .map(Some)
+                    .map_err(|e| ChatError::Template(format!("{}: {e}", dir.join(name).display()))),
+            }
+        };
+        let cfg = json_file("tokenizer_config.json")?;
         let mut src = std::fs::read_to_string(dir.join("chat_template.jinja")).ok();
         // a processor's `chat_template.json` (`{"chat_template": ...}`), else the tokenizer's
-        let json: Option<serde_json::Value> = std::fs::read(dir.join("chat_template.json"))
-            .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok());
+        let json = json_file("chat_template.json")?;
         let listed = json
             .as_ref()
             .and_then(|j| j.get("chat_template"))
@@ -664,6 +669,13 @@ mod tests {
         )
         .unwrap();
         let f = ChatTemplate::from_dir(&files).unwrap();
+        // a template file that is there but broken is an error naming it
+        std::fs::write(files.join("chat_template.json"), "{not json").unwrap();
+        let e = ChatTemplate::from_dir(&files)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(e.contains("chat_template.json"), "{e}");
         std::fs::remove_dir_all(&dir).ok();
         assert_eq!((&f.source, &f.tool_use), (&t.source, &t.tool_use));
         assert_eq!(f.markup, crate::agent::MISTRAL);
