@@ -29,12 +29,20 @@ fuzz_target!(|data: &[u8]| {
     // the agent splitter: any text, streamed in pieces of any size, gives the whole's parts
     {
         use moelane_text::agent::{
-            merge, split_whole, Splitter, DEEPSEEK_V3, GLM45, HARMONY, HERMES, KIMI_K2,
+            merge, split_whole, Splitter, DEEPSEEK_V3, GLM45, HARMONY, HERMES, KIMI_K2, MISTRAL,
+            MISTRAL_ARGS,
         };
         let step = 1 + data.first().copied().unwrap_or(0) as usize % 7;
         // each family's markup, picked by the second byte
-        let m = [HERMES, DEEPSEEK_V3, GLM45, HARMONY, KIMI_K2]
-            [data.get(1).copied().unwrap_or(0) as usize % 5]
+        let m = [
+            HERMES,
+            DEEPSEEK_V3,
+            GLM45,
+            HARMONY,
+            KIMI_K2,
+            MISTRAL,
+            MISTRAL_ARGS,
+        ][data.get(1).copied().unwrap_or(0) as usize % 7]
             .clone();
         for (calls, think, open) in [
             (true, true, false),
