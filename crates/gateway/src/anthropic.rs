@@ -388,7 +388,7 @@ async fn handle(st: Arc<AppState>, req: Request) -> Result<Response, ApiError> {
             r = whole_choice(&st, &vr, &greq, deadline, true) => r?,
             _ = st.shutdown.aborted() => return Err(shutting_down()),
         };
-        let parts = vr.split_answer(&c.text);
+        let (parts, cut) = vr.split_answer(&c.text);
         let mut content = Vec::new();
         let mut calls = false;
         for p in parts {
@@ -405,7 +405,7 @@ async fn handle(st: Arc<AppState>, req: Request) -> Result<Response, ApiError> {
                 Part::CallStart { .. } | Part::CallArgs(_) | Part::CallEnd => {}
             }
         }
-        let cut = c.stop_hit.is_some() && vr.ends_in_call(&c.text);
+        let cut = cut && c.stop_hit.is_some();
         let (reason, seq) = stop_reason(&c.finish, calls && !cut, c.stop_hit.as_deref());
         return Ok(Json(json!({"id": id, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": reason, "stop_sequence": seq,

@@ -273,7 +273,7 @@ async fn handle(st: Arc<AppState>, req: Request) -> Result<Response, ApiError> {
             r = whole_choice(&st, &vr, &greq, deadline, true) => r?,
             _ = st.shutdown.aborted() => return Err(shutting_down()),
         };
-        let parts = vr.split_answer(&c.text);
+        let (parts, _) = vr.split_answer(&c.text);
         let output = items(&st, parts);
         return Ok(Json(response(
             &st,

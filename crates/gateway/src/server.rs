@@ -690,18 +690,14 @@ impl ValidRequest {
     }
 
     /// A whole answer's parts.
-    /// Whether the answer `text` ends inside a tool call (one it cut is not whole).
-    pub(crate) fn ends_in_call(&self, text: &str) -> bool {
-        let mut s = self.splitter();
-        s.push(text);
-        s.in_call()
-    }
-
-    pub(crate) fn split_answer(&self, text: &str) -> Vec<moelane_text::agent::Part> {
+    /// The answer `text`'s parts, and whether it ended inside a tool call (one it cut is
+    /// not whole).
+    pub(crate) fn split_answer(&self, text: &str) -> (Vec<moelane_text::agent::Part>, bool) {
         let mut s = self.splitter();
         let mut parts = s.push(text);
+        let cut = s.in_call();
         parts.extend(s.finish());
-        moelane_text::agent::merge(parts)
+        (moelane_text::agent::merge(parts), cut)
     }
 }
 
@@ -2095,7 +2091,7 @@ fn chat_message(
     if !vr.splits() {
         return json!({"role": "assistant", "content": text});
     }
-    let parts = vr.split_answer(text);
+    let (parts, cut) = vr.split_answer(text);
     let (mut content, mut reasoning, mut calls) = (String::new(), String::new(), Vec::new());
     for p in parts {
         match p {
@@ -2115,7 +2111,7 @@ fn chat_message(
             m["content"] = Value::Null;
         }
         m["tool_calls"] = Value::Array(calls);
-        if finish == "stop" && !stopped {
+        if finish == "stop" && !(stopped && cut) {
             *finish = "tool_calls".into();
         }
     }
@@ -2319,7 +2315,7 @@ async fn whole_response(
                 Value::Null
             };
             if chat {
-                let stopped = c.stop_hit.is_some() && vr.ends_in_call(&c.text);
+                let stopped = c.stop_hit.is_some();
                 let message = chat_message(st, vr, &c.text, &mut c.finish, stopped);
                 json!({"index": i, "message": message, "logprobs": lps, "finish_reason": c.finish})
             } else {

@@ -402,6 +402,16 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
     })
 }
 
+/// Says once (`said`) what the primary waits for, then waits half a second before the next
+/// try.
+async fn waiting(said: &mut bool, what: impl FnOnce() -> String) {
+    if !*said {
+        println!("moelane: waiting for {}", what());
+        *said = true;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+}
+
 /// A sidecar process reached: its data link (supervised), its participant in the swap
 /// protocol, the highest epoch it has seen, and what the supervisors watch.
 struct RemoteLink {
@@ -476,14 +486,13 @@ async fn connect_sidecar(
         match endpoint.connect().await {
             Ok(ch) => break ch,
             Err(e) if t0.elapsed() < o.sidecar_wait => {
-                if !said {
-                    println!(
-                        "moelane: waiting for the sidecar at {control} ({e}; up to {:.0} s)",
+                waiting(&mut said, || {
+                    format!(
+                        "the sidecar at {control} ({e}; up to {:.0} s)",
                         o.sidecar_wait.as_secs_f64()
-                    );
-                    said = true;
-                }
-                tokio::time::sleep(Duration::from_millis(500)).await;
+                    )
+                })
+                .await
             }
             Err(e) => {
                 return Err(anyhow::anyhow!(e)).with_context(|| {
@@ -543,17 +552,15 @@ async fn connect_sidecar(
                         s.message()
                     ));
                 }
-                if !said {
-                    println!(
-                        "moelane: waiting for the sidecar at {control} to answer its registration \
-                         ({}: {}; up to {:.0} s)",
+                waiting(&mut said, || {
+                    format!(
+                        "the sidecar at {control} to answer its registration ({}: {}; up to {:.0} s)",
                         s.code(),
                         s.message(),
                         o.sidecar_wait.as_secs_f64()
-                    );
-                    said = true;
-                }
-                tokio::time::sleep(Duration::from_millis(500)).await;
+                    )
+                })
+                .await;
             }
             Err(s) => {
                 return Err(anyhow::anyhow!(
@@ -585,14 +592,13 @@ async fn connect_sidecar(
                         | moelane_engine::error::Fault::Timeout
                 ) && t1.elapsed() < o.sidecar_wait =>
             {
-                if !said {
-                    println!(
-                        "moelane: waiting for the sidecar's data link ({e}; up to {:.0} s)",
+                waiting(&mut said, || {
+                    format!(
+                        "the sidecar's data link ({e}; up to {:.0} s)",
                         o.sidecar_wait.as_secs_f64()
-                    );
-                    said = true;
-                }
-                tokio::time::sleep(Duration::from_millis(500)).await;
+                    )
+                })
+                .await
             }
             Err(e) => return Err(anyhow::anyhow!("opening the data link: {e}")),
         }

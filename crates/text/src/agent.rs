@@ -279,18 +279,13 @@ pub fn mistral_id_map<'a>(
         if map.contains_key(id) {
             continue;
         }
-        let nine = if mistral_shaped(id) {
-            id.to_string()
-        } else {
-            let mut salt = 0;
-            loop {
-                let c = mistral_hashed(id, salt);
-                if used.insert(c.clone()) {
-                    break c;
-                }
-                salt += 1;
-            }
-        };
+        // (an id already of nine is in `used` from the start: it keeps its nine)
+        let mut nine = mistral_call_id(id);
+        let mut salt = 0;
+        while !mistral_shaped(id) && !used.insert(nine.clone()) {
+            salt += 1;
+            nine = mistral_hashed(id, salt);
+        }
         map.insert(id.to_string(), nine);
     }
     map
