@@ -31,6 +31,10 @@ pub enum ApiError {
     Internal(String),
     #[error("no route {0}")]
     NotFound(String),
+    /// A thing the path names (a kept response) that is not there: the message, and the
+    /// code (`response_not_found`).
+    #[error("{0}")]
+    NoSuch(String, &'static str),
     #[error("{0}")]
     RequestTimeout(String),
     #[error("{0}: this path does not take that method")]
@@ -81,7 +85,9 @@ impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
             ApiError::BadRequest { .. } | ApiError::ContextLength(..) => StatusCode::BAD_REQUEST,
-            ApiError::UnknownModel(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::UnknownModel(_) | ApiError::NotFound(_) | ApiError::NoSuch(..) => {
+                StatusCode::NOT_FOUND
+            }
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
@@ -116,6 +122,7 @@ impl ApiError {
             ApiError::Unavailable(_) => ("server_error", Some("unavailable"), None),
             ApiError::Internal(_) => ("server_error", None, None),
             ApiError::NotFound(_) => ("invalid_request_error", Some("not_found"), None),
+            ApiError::NoSuch(_, code) => ("invalid_request_error", Some(*code), None),
             ApiError::Unauthorized(_) => ("invalid_request_error", Some("invalid_api_key"), None),
             ApiError::RequestTimeout(_) => ("invalid_request_error", Some("timeout"), None),
             ApiError::MethodNotAllowed(_) => {

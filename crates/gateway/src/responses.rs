@@ -3,8 +3,9 @@
 //! `function_call_output` items), `instructions`, `tools` (functions), `tool_choice`,
 //! `text.format` (JSON schema) are translated into a chat request, and the answer comes back
 //! as output items (`reasoning`, `message` with `output_text`, `function_call`), whole or as
-//! its stream of events. Nothing is stored: `previous_response_id` and `store: true` beyond
-//! the request are refused.
+//! its stream of events. A response is kept (`store`, default true, as OpenAI's) in the
+//! gateway's memory with the conversation it ends, for `previous_response_id` and
+//! `GET` / `DELETE /v1/responses/{id}`: [`Store`], bounded in bytes, the oldest dropped first.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -23,6 +24,162 @@ use crate::server::{
     generate_request, now_secs, put, random_id, read_json_turn, shutting_down,
     validate_off_runtime, whole_choice, AppState, ToolMode, Tries, ValidRequest,
 };
+
+/// Kept responses: each one's conversation (the chat messages it ends with its answer, its
+/// `instructions` left out, as OpenAI does not carry them over) and its response object, for
+/// `previous_response_id` and `GET` / `DELETE /v1/responses/{id}`. In this gateway's memory
+/// only (a restart or another gateway does not have them), bounded by bytes of JSON; past the
+/// bound the oldest are dropped. Where the gateway has API keys a response is visible only
+/// with the key that made it; an open gateway's ids (128 random bits) are their own secret.
+pub struct Store {
+    inner: std::sync::Mutex<Kept>,
+    /// Most bytes kept (0: nothing is stored).
+    cap: usize,
+}
+
+#[derive(Default)]
+struct Kept {
+    map: std::collections::HashMap<String, Stored>,
+    /// Ids in the order they were kept (deleted ones are skipped when met).
+    order: std::collections::VecDeque<String>,
+    bytes: usize,
+}
+
+struct Stored {
+    owner: String,
+    messages: Arc<Vec<Value>>,
+    response: Arc<Value>,
+    bytes: usize,
+}
+
+impl Store {
+    pub fn new(cap: usize) -> Self {
+        Store {
+            inner: Default::default(),
+            cap,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Kept> {
+        // a panic while holding it leaves nothing half-written that matters: go on
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whom a kept response belongs to: the API key that made it, none on an open gateway
+    /// (there the client is an address, which changes).
+    fn owner(client: &str) -> &str {
+        if client.starts_with("key:") {
+            client
+        } else {
+            ""
+        }
+    }
+
+    fn publish(k: &Kept) {
+        metrics::gauge!(moelane_telemetry::names::RESPONSES_STORED).set(k.map.len() as f64);
+        metrics::gauge!(moelane_telemetry::names::RESPONSES_STORED_BYTES).set(k.bytes as f64);
+    }
+
+    /// Keeps response `id`, the conversation `messages` it ends; drops the oldest past the
+    /// bound. Nothing is kept when one response alone is over it.
+    fn put(&self, id: &str, client: &str, messages: Vec<Value>, response: Value) {
+        let bytes = messages.iter().map(|m| m.to_string().len()).sum::<usize>()
+            + response.to_string().len()
+            + id.len();
+        if bytes > self.cap {
+            return;
+        }
+        let mut k = self.lock();
+        while k.bytes + bytes > self.cap {
+            let Some(old) = k.order.pop_front() else {
+                break;
+            };
+            if let Some(o) = k.map.remove(&old) {
+                k.bytes -= o.bytes;
+            }
+        }
+        k.bytes += bytes;
+        k.order.push_back(id.to_string());
+        k.map.insert(
+            id.to_string(),
+            Stored {
+                owner: Self::owner(client).to_string(),
+                messages: Arc::new(messages),
+                response: Arc::new(response),
+                bytes,
+            },
+        );
+        Self::publish(&k);
+    }
+
+    fn get(&self, id: &str, client: &str) -> Option<(Arc<Vec<Value>>, Arc<Value>)> {
+        let k = self.lock();
+        k.map
+            .get(id)
+            .filter(|s| s.owner == Self::owner(client))
+            .map(|s| (s.messages.clone(), s.response.clone()))
+    }
+
+    fn delete(&self, id: &str, client: &str) -> bool {
+        let mut k = self.lock();
+        if k.map.get(id).is_none_or(|s| s.owner != Self::owner(client)) {
+            return false;
+        }
+        if let Some(s) = k.map.remove(id) {
+            k.bytes -= s.bytes;
+        }
+        // the order keeps deleted ids until met: prune it when they are most of it
+        if k.order.len() > 2 * k.map.len() + 64 {
+            let Kept { map, order, .. } = &mut *k;
+            order.retain(|i| map.contains_key(i));
+        }
+        Self::publish(&k);
+        true
+    }
+
+    /// Responses kept, and their bytes.
+    pub fn len_bytes(&self) -> (usize, usize) {
+        let k = self.lock();
+        (k.map.len(), k.bytes)
+    }
+}
+
+fn not_found(id: &str) -> ApiError {
+    ApiError::NoSuch(
+        format!("Response with id '{id}' not found"),
+        "response_not_found",
+    )
+}
+
+/// The chat message an answer's output items make: its text and its function calls, under the
+/// call ids the client was given (a later `function_call_output` names them).
+fn as_message(output: &[Value]) -> Value {
+    let mut text = String::new();
+    let mut calls = Vec::new();
+    for o in output {
+        match o["type"].as_str() {
+            Some("message") => {
+                for p in o["content"].as_array().into_iter().flatten() {
+                    text.push_str(p["text"].as_str().unwrap_or_default());
+                }
+            }
+            Some("function_call") => calls.push(json!({"id": o["call_id"], "type": "function",
+                "function": {"name": o["name"], "arguments": o["arguments"]}})),
+            _ => {}
+        }
+    }
+    if calls.is_empty() {
+        json!({"role": "assistant", "content": text})
+    } else {
+        // as a function_call input item makes it (no text: null content)
+        let content = if text.is_empty() {
+            Value::Null
+        } else {
+            json!(text)
+        };
+        json!({"role": "assistant", "content": content, "tool_calls": calls})
+    }
+}
 
 fn bad(m: impl Into<String>, param: &'static str) -> ApiError {
     ApiError::bad(m, Some(param))
@@ -50,26 +207,21 @@ fn content_text(c: &Value, at: &str) -> Result<String, ApiError> {
     }
 }
 
-/// A Responses request as the chat request the OpenAI chat route validates.
-fn to_chat(v: &Value) -> Result<Value, ApiError> {
-    if v.get("previous_response_id").is_some_and(|x| !x.is_null()) {
-        return Err(bad(
-            "`previous_response_id` needs stored responses, which this server does not keep; \
-             send the whole conversation in `input`",
-            "previous_response_id",
-        ));
-    }
-    let mut msgs = Vec::new();
-    match v.get("instructions") {
-        None | Some(Value::Null) => {}
-        Some(Value::String(s)) => msgs.push(json!({"role": "system", "content": s})),
+/// A Responses request as the chat request the OpenAI chat route validates, and the
+/// conversation it continues (`prior`, a kept response's) with its input added, without its
+/// `instructions`.
+fn to_chat(v: &Value, prior: &[Value]) -> Result<(Value, Vec<Value>), ApiError> {
+    let system = match v.get("instructions") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(json!({"role": "system", "content": s})),
         Some(x) => {
             return Err(bad(
                 format!("`instructions` must be a string, got {x}"),
                 "instructions",
             ))
         }
-    }
+    };
+    let mut msgs = prior.to_vec();
     match v.get("input") {
         Some(Value::String(s)) => msgs.push(json!({"role": "user", "content": s})),
         Some(Value::Array(items)) => {
@@ -108,6 +260,10 @@ fn to_chat(v: &Value) -> Result<Value, ApiError> {
             }
         }
         _ => return Err(bad("`input` must be a string or a list of items", "input")),
+    }
+    let convo = msgs.clone();
+    if let Some(sys) = system {
+        msgs.insert(0, sys);
     }
     let mut out =
         json!({"model": v.get("model").cloned().unwrap_or(Value::Null), "messages": msgs});
@@ -182,7 +338,7 @@ fn to_chat(v: &Value) -> Result<Value, ApiError> {
             }
         };
     }
-    Ok(out)
+    Ok((out, convo))
 }
 
 fn hex(st: &AppState) -> String {
@@ -224,10 +380,30 @@ fn function_call(st: &AppState, name: &str, arguments: &str) -> Value {
            "name": name, "arguments": arguments, "status": "completed"})
 }
 
+/// What a response object repeats of its request, and where it is kept.
+struct Echo {
+    id: String,
+    previous: Option<String>,
+    instructions: Value,
+    /// Kept with this conversation once it completes (None: `store: false`).
+    keep: Option<Vec<Value>>,
+    client: String,
+}
+
+impl Echo {
+    /// Keeps the finished response `r` with its conversation and answer.
+    fn keep(&mut self, st: &AppState, r: &Value) {
+        if let Some(mut convo) = self.keep.take() {
+            convo.push(as_message(r["output"].as_array().map_or(&[], |o| o)));
+            st.responses.put(&self.id, &self.client, convo, r.clone());
+        }
+    }
+}
+
 /// The response object: `status` completed, or incomplete at max_output_tokens.
 fn response(
     st: &AppState,
-    id: &str,
+    e: &Echo,
     vr: &ValidRequest,
     output: Vec<Value>,
     finish: Option<&str>,
@@ -238,8 +414,9 @@ fn response(
         Some("length") => ("incomplete", json!({"reason": "max_output_tokens"})),
         Some(_) => ("completed", Value::Null),
     };
-    json!({"id": id, "object": "response", "created_at": now_secs(), "status": status, "model": st.cfg.model_name,
-        "output": output, "incomplete_details": incomplete, "error": null, "instructions": null,
+    json!({"id": e.id, "object": "response", "created_at": now_secs(), "status": status, "model": st.cfg.model_name,
+        "output": output, "incomplete_details": incomplete, "error": null, "instructions": e.instructions,
+        "previous_response_id": e.previous, "store": e.keep.is_some(),
         "parallel_tool_calls": true, "tool_choice": if vr.tool_mode == ToolMode::Off { "none" } else { "auto" },
         "tools": [], "temperature": vr.temperature, "top_p": vr.top_p, "metadata": {},
         "usage": {"input_tokens": vr.prompt.len(), "input_tokens_details": {"cached_tokens": 0},
@@ -260,13 +437,51 @@ async fn handle(st: Arc<AppState>, req: Request) -> Result<Response, ApiError> {
     let mut active = st.shutdown.enter();
     let client = crate::server::client_of(&req);
     let (v, turn) = read_json_turn(&st, req.into_body()).await?;
-    let chat = to_chat(&v)?;
+    let previous = match v.get("previous_response_id") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(p)) => Some(p.clone()),
+        Some(x) => {
+            return Err(bad(
+                format!("`previous_response_id` must be a string, got {x}"),
+                "previous_response_id",
+            ))
+        }
+    };
+    let store = match v.get("store") {
+        None | Some(Value::Null) => true,
+        Some(Value::Bool(b)) => *b,
+        Some(x) => return Err(bad(format!("`store` must be a boolean, got {x}"), "store")),
+    };
+    let prior = match &previous {
+        None => Arc::new(Vec::new()),
+        Some(p) => match st.responses.get(p, &client) {
+            Some((m, _)) => m,
+            None => {
+                return Err(bad(
+                    format!(
+                        "Previous response with id '{p}' not found (responses are kept in \
+                         this gateway's memory, the oldest dropped past --responses-store-mb)"
+                    ),
+                    "previous_response_id",
+                ))
+            }
+        },
+    };
+    let (chat, convo) = to_chat(&v, &prior)?;
+    drop(prior);
+    let instructions = v.get("instructions").cloned().unwrap_or(Value::Null);
     drop(v);
     let mut vr = validate_off_runtime(&st, chat, true).await?;
     drop(turn);
-    crate::server::account(&st, &mut active, &mut vr, client)?;
-    let id = format!("resp_{}", hex(&st));
-    let greq = generate_request(&vr, &id);
+    crate::server::account(&st, &mut active, &mut vr, client.clone())?;
+    let mut echo = Echo {
+        id: format!("resp_{}", hex(&st)),
+        previous,
+        instructions,
+        keep: (store && st.responses.cap > 0).then_some(convo),
+        client,
+    };
+    let greq = generate_request(&vr, &echo.id);
     let deadline = arrived + st.cfg.retry_deadline;
     if !vr.stream {
         let c = tokio::select! {
@@ -275,15 +490,9 @@ async fn handle(st: Arc<AppState>, req: Request) -> Result<Response, ApiError> {
         };
         let (parts, _) = vr.split_answer(&c.text);
         let output = items(&st, parts);
-        return Ok(Json(response(
-            &st,
-            &id,
-            &vr,
-            output,
-            Some(&c.finish),
-            c.completion,
-        ))
-        .into_response());
+        let r = response(&st, &echo, &vr, output, Some(&c.finish), c.completion);
+        echo.keep(&st, &r);
+        return Ok(Json(r).into_response());
     }
     crate::relay::open_stream(
         &st,
@@ -291,10 +500,48 @@ async fn handle(st: Arc<AppState>, req: Request) -> Result<Response, ApiError> {
         deadline,
         active,
         move |st, lane, events, tries, tx| async move {
-            stream(&st, &vr, &id, &lane, events, &tx, tries).await
+            stream(&st, &vr, echo, &lane, events, &tx, tries).await
         },
     )
     .await
+}
+
+/// The `{id}` of a path (a segment that is not UTF-8 is a 400 naming it).
+type PathId = Result<axum::extract::Path<String>, axum::extract::rejection::PathRejection>;
+
+/// A kept response's id and the client asking for it.
+fn asked(id: PathId, req: &Request) -> Result<(String, String), ApiError> {
+    let axum::extract::Path(id) = id.map_err(|e| ApiError::bad(e.body_text(), None))?;
+    Ok((id, crate::server::client_of(req)))
+}
+
+/// `GET /v1/responses/{id}`: a kept response.
+pub(crate) async fn retrieve(
+    State(st): State<Arc<AppState>>,
+    id: PathId,
+    req: Request,
+) -> Result<Response, ApiError> {
+    let (id, client) = asked(id, &req)?;
+    let (_, r) = st
+        .responses
+        .get(&id, &client)
+        .ok_or_else(|| not_found(&id))?;
+    Ok(Json(&*r).into_response())
+}
+
+/// `DELETE /v1/responses/{id}`: forgets a kept response.
+pub(crate) async fn delete(
+    State(st): State<Arc<AppState>>,
+    id: PathId,
+    req: Request,
+) -> Result<Json<Value>, ApiError> {
+    let (id, client) = asked(id, &req)?;
+    if !st.responses.delete(&id, &client) {
+        return Err(not_found(&id));
+    }
+    Ok(Json(
+        json!({"id": id, "object": "response", "deleted": true}),
+    ))
 }
 
 /// The stream's writer: numbered events, the output items so far.
@@ -503,7 +750,7 @@ impl PartSink for Events<'_> {
 async fn stream(
     st: &AppState,
     vr: &ValidRequest,
-    id: &str,
+    mut echo: Echo,
     lane: &str,
     events: crate::lane::EventStream,
     tx: &tokio::sync::mpsc::Sender<SseEvent>,
@@ -518,7 +765,7 @@ async fn stream(
         reasoning: None,
         call: None,
     };
-    let created = response(st, id, vr, Vec::new(), None, 0);
+    let created = response(st, &echo, vr, Vec::new(), None, 0);
     if !(w
         .emit("response.created", json!({"response": created}))
         .await
@@ -545,12 +792,13 @@ async fn stream(
     let fin = end.finish.unwrap_or_else(|| "stop".into());
     let done = response(
         st,
-        id,
+        &echo,
         vr,
         std::mem::take(&mut w.output),
         Some(&fin),
         end.completion,
     );
+    echo.keep(st, &done);
     let kind = if fin == "length" {
         "response.incomplete"
     } else {

@@ -60,6 +60,9 @@ pub struct GatewayConfig {
     /// gateway; past it a 429 `rate_limit_exceeded` with `Retry-After`. 0: no bound (the
     /// lanes still share their batch and queue fairly among clients).
     pub max_client_requests: usize,
+    /// Most bytes of kept responses (`previous_response_id`, `GET /v1/responses/{id}`), as
+    /// JSON; past it the oldest are dropped. 0: nothing is kept.
+    pub responses_store_bytes: usize,
 }
 
 /// The gateway's stopping state: draining (nothing new is taken: /ready says 503) and, once
@@ -252,6 +255,8 @@ pub struct AppState {
     pub shutdown: Arc<Shutdown>,
     /// Generations in flight per client, against `cfg.max_client_requests`.
     pub(crate) clients: Arc<ClientSlots>,
+    /// Kept responses (`previous_response_id`), at most `cfg.responses_store_bytes`.
+    pub responses: crate::responses::Store,
     next_id: AtomicU64,
 }
 
@@ -275,6 +280,7 @@ impl AppState {
             g.warm();
             g
         });
+        let responses = crate::responses::Store::new(cfg.responses_store_bytes);
         AppState {
             grammars,
             cfg,
@@ -287,6 +293,7 @@ impl AppState {
             registry,
             shutdown: Arc::new(Shutdown::default()),
             clients: Default::default(),
+            responses,
             next_id: AtomicU64::new(1),
         }
     }
@@ -355,6 +362,12 @@ pub fn routes() -> Vec<Route> {
         }),
         r(Public, "POST", "/v1/responses", ApiKey, || {
             post(crate::responses::responses)
+        }),
+        r(Public, "GET", "/v1/responses/{id}", ApiKey, || {
+            get(crate::responses::retrieve)
+        }),
+        r(Public, "DELETE", "/v1/responses/{id}", ApiKey, || {
+            axum::routing::delete(crate::responses::delete)
         }),
         r(Public, "GET", "/v1/models", ApiKey, || get(models)),
         r(Public, "GET", "/v1/models/{*model}", ApiKey, || get(model)),

@@ -113,6 +113,8 @@ async fn gateway_state(lanes: &[&str]) -> AppState {
             retry_deadline: Duration::from_secs(10),
             body_timeout: Duration::from_secs(2),
             max_client_requests: 0,
+            // small, so a test sees the oldest dropped
+            responses_store_bytes: 24 << 10,
         },
         Tokenizer::from_file(&dir.join("tokenizer.json")).expect("tokenizer"),
         ChatTemplate::from_dir(dir).expect("template"),
@@ -145,11 +147,22 @@ fn admin(gw: &str) -> String {
 /// One HTTP/1.0 exchange: status and body (an HTTP/1.0 answer is never chunked; the body,
 /// an event stream included, runs until the server closes the connection).
 async fn http(addr: &str, method: &str, path: &str, body: &[u8]) -> (u16, String) {
+    http_with(addr, method, path, "", body).await
+}
+
+/// [`http`] with more header lines (`headers`: each ending in CRLF).
+async fn http_with(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &str,
+    body: &[u8],
+) -> (u16, String) {
     tokio::time::timeout(DEADLINE, async {
         let mut s = TcpStream::connect(addr).await.expect("connect");
         let head = format!(
             "{method} {path} HTTP/1.0\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
-             Content-Length: {}\r\n\r\n",
+             {headers}Content-Length: {}\r\n\r\n",
             body.len()
         );
         s.write_all(head.as_bytes()).await.expect("write head");
@@ -2124,4 +2137,209 @@ async fn echo_with_logprobs_gives_the_prompts_log_probabilities() {
         );
         assert_eq!(v["token_logprobs"], json!([null]), "stream {stream}: {v}");
     }
+}
+
+/// The text of a Responses answer's message items.
+fn output_text(r: &Value) -> String {
+    r["output"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|o| o["type"] == "message")
+        .flat_map(|o| o["content"].as_array().cloned().unwrap_or_default())
+        .filter_map(|p| p["text"].as_str().map(str::to_string))
+        .collect()
+}
+
+/// A kept response continues its conversation: a follow-up through `previous_response_id`
+/// is the request that sends the whole conversation (the same prompt tokens, the same greedy
+/// answer), without the first turn's `instructions`, as OpenAI's; streamed answers are kept
+/// too. GET gives it back, DELETE forgets it; `store: false` keeps nothing; past the bound
+/// the oldest go first; with API keys another key sees none of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_are_kept_for_previous_response_id() {
+    let (_p, url) = primary().await;
+    let state = Arc::new(gateway_state(&[&url]).await);
+    let gw = gateway_serving(state.clone()).await.0;
+    let gw = gw.as_str();
+    let ask = |v: Value| async move { post(gw, "/v1/responses", &v).await };
+    let (st, r1) = ask(
+        json!({"model": "tiny", "input": "Hello there", "instructions": "Be brief.",
+        "max_output_tokens": 5}),
+    )
+    .await;
+    assert_eq!(st, 200, "{r1}");
+    assert_eq!(
+        (&r1["store"], &r1["instructions"]),
+        (&json!(true), &json!("Be brief."))
+    );
+    let id = r1["id"].as_str().expect("an id").to_string();
+    let (st, r2) = ask(
+        json!({"model": "tiny", "previous_response_id": id, "input": "And now?",
+        "max_output_tokens": 5}),
+    )
+    .await;
+    assert_eq!(st, 200, "{r2}");
+    assert_eq!(r2["previous_response_id"], json!(id), "{r2}");
+    let (_, whole) = ask(json!({"model": "tiny", "max_output_tokens": 5, "input": [
+        {"role": "user", "content": "Hello there"},
+        {"role": "assistant", "content": output_text(&r1)},
+        {"role": "user", "content": "And now?"}]}))
+    .await;
+    assert_eq!(
+        r2["usage"]["input_tokens"], whole["usage"]["input_tokens"],
+        "the follow-up's prompt is the whole conversation's: {r2} / {whole}"
+    );
+    assert_eq!(output_text(&r2), output_text(&whole));
+    // a chain of three, the last streamed: each turn sees all before it
+    let (st, body) = http(
+        gw,
+        "POST",
+        "/v1/responses",
+        json!({"model": "tiny", "previous_response_id": r2["id"], "input": "Go on.",
+            "max_output_tokens": 5, "stream": true})
+        .to_string()
+        .as_bytes(),
+    )
+    .await;
+    assert_eq!(st, 200, "{body}");
+    let last: Value = sse_data(&body)
+        .iter()
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .find(|e| e["type"] == "response.completed" || e["type"] == "response.incomplete")
+        .expect("a final event")["response"]
+        .clone();
+    let (_, whole3) = ask(json!({"model": "tiny", "max_output_tokens": 5, "input": [
+        {"role": "user", "content": "Hello there"},
+        {"role": "assistant", "content": output_text(&r1)},
+        {"role": "user", "content": "And now?"},
+        {"role": "assistant", "content": output_text(&r2)},
+        {"role": "user", "content": "Go on."}]}))
+    .await;
+    assert_eq!(
+        last["usage"]["input_tokens"],
+        whole3["usage"]["input_tokens"]
+    );
+    let (st, kept) = http(
+        gw,
+        "GET",
+        &format!("/v1/responses/{}", last["id"].as_str().unwrap()),
+        b"",
+    )
+    .await;
+    assert_eq!(st, 200, "the streamed answer is kept: {kept}");
+    // GET gives the response back; DELETE forgets it
+    let (st, got) = http(gw, "GET", &format!("/v1/responses/{id}"), b"").await;
+    assert_eq!(st, 200, "{got}");
+    assert_eq!(serde_json::from_str::<Value>(&got).unwrap(), r1);
+    let (st, del) = http(gw, "DELETE", &format!("/v1/responses/{id}"), b"").await;
+    assert_eq!(st, 200, "{del}");
+    assert_eq!(
+        serde_json::from_str::<Value>(&del).unwrap()["deleted"],
+        true
+    );
+    for method in ["GET", "DELETE"] {
+        let (st, body) = http(gw, method, &format!("/v1/responses/{id}"), b"").await;
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            (st, &v["error"]["code"]),
+            (404, &json!("response_not_found")),
+            "{method}: {v}"
+        );
+    }
+    let (st, v) = ask(json!({"model": "tiny", "previous_response_id": id, "input": "x"})).await;
+    assert_error(st, &v, 400, "invalid_request_error", "not found");
+    assert_eq!(v["error"]["param"], "previous_response_id", "{v}");
+    // wrong types are named
+    for (k, bad) in [("previous_response_id", json!(7)), ("store", json!("yes"))] {
+        let mut req = json!({"model": "tiny", "input": "x"});
+        req[k] = bad;
+        let (st, v) = ask(req).await;
+        assert_error(st, &v, 400, "invalid_request_error", k);
+    }
+    // store: false keeps nothing
+    let (_, r) =
+        ask(json!({"model": "tiny", "input": "x", "max_output_tokens": 2, "store": false})).await;
+    assert_eq!(r["store"], false, "{r}");
+    let (st, _) = http(
+        gw,
+        "GET",
+        &format!("/v1/responses/{}", r["id"].as_str().unwrap()),
+        b"",
+    )
+    .await;
+    assert_eq!(st, 404);
+    // past the bound (24 KiB here) the oldest go first, the newest stay
+    let mut ids = Vec::new();
+    for i in 0..40 {
+        let (st, r) = ask(
+            json!({"model": "tiny", "input": format!("turn {i} {}", "words ".repeat(60)),
+            "max_output_tokens": 2}),
+        )
+        .await;
+        assert_eq!(st, 200, "{r}");
+        ids.push(r["id"].as_str().unwrap().to_string());
+    }
+    let (first, _) = http(gw, "GET", &format!("/v1/responses/{}", ids[0]), b"").await;
+    let (newest, _) = http(gw, "GET", &format!("/v1/responses/{}", ids[39]), b"").await;
+    assert_eq!(
+        (first, newest),
+        (404, 200),
+        "the oldest dropped, the newest kept"
+    );
+    let (kept, bytes) = state.responses.len_bytes();
+    assert!(kept >= 8 && bytes <= 24 << 10, "{kept} kept, {bytes} bytes");
+
+    // with API keys, a response is the key's that made it
+    use moelane_gateway::server::Auth;
+    use moelane_proto::auth::Keys;
+    let (a, b) = ("first-key-0123456789abcdef", "second-key-0123456789abcdef");
+    let auth = Auth {
+        api_keys: Some(Arc::new(Keys::parse(&format!("{a}\n{b}"), "keys").unwrap())),
+        admin: None,
+    };
+    let (gk, _) = gateway_serving(Arc::new(gateway_state(&[&url]).await.with_auth(auth))).await;
+    let key = |k: &str| format!("Authorization: Bearer {k}\r\n");
+    let (st, body) = http_with(
+        &gk,
+        "POST",
+        "/v1/responses",
+        &key(a),
+        json!({"model": "tiny", "input": "mine", "max_output_tokens": 2})
+            .to_string()
+            .as_bytes(),
+    )
+    .await;
+    assert_eq!(st, 200, "{body}");
+    let rid = serde_json::from_str::<Value>(&body).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let path = format!("/v1/responses/{rid}");
+    assert_eq!(
+        http_with(&gk, "GET", &path, &key(b), b"").await.0,
+        404,
+        "another key's"
+    );
+    assert_eq!(
+        http_with(&gk, "DELETE", &path, &key(b), b"").await.0,
+        404,
+        "another key's"
+    );
+    let (st, body) = http_with(
+        &gk,
+        "POST",
+        "/v1/responses",
+        &key(b),
+        json!({"model": "tiny", "input": "x", "previous_response_id": rid})
+            .to_string()
+            .as_bytes(),
+    )
+    .await;
+    assert_eq!(st, 400, "{body}");
+    assert_eq!(
+        http_with(&gk, "GET", &path, &key(a), b"").await.0,
+        200,
+        "its own key's"
+    );
 }

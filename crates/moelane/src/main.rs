@@ -364,8 +364,12 @@ fn http_bounds(
     header_timeout: Option<f64>,
     body_timeout: Option<f64>,
     max_client_requests: Option<usize>,
+    responses_store_mb: Option<usize>,
 ) {
     go.max_client_requests = max_client_requests.unwrap_or(0);
+    if let Some(mb) = responses_store_mb {
+        go.responses_store_mb = mb;
+    }
     let floor = std::time::Duration::from_millis(100);
     go.http.max_connections = max_connections.unwrap_or(4096).max(1);
     go.http.header_timeout = secs(header_timeout, 30.0).max(floor);
@@ -473,6 +477,10 @@ enum Cmd {
         /// (the lane still shares its batch and queue fairly among clients).
         #[arg(long, env = "MOELANE_MAX_CLIENT_REQUESTS")]
         max_client_requests: Option<usize>,
+        /// MiB of responses kept for the Responses API's `previous_response_id` and
+        /// GET /v1/responses/{id} (default 256; the oldest dropped past it; 0: none kept).
+        #[arg(long, env = "MOELANE_RESPONSES_STORE_MB")]
+        responses_store_mb: Option<usize>,
         #[command(flatten)]
         residency: ResidencyArgs,
         #[command(flatten)]
@@ -834,6 +842,11 @@ struct LaneArgs {
     /// (the lanes still share their batch and queue fairly among clients).
     #[arg(long, env = "MOELANE_MAX_CLIENT_REQUESTS")]
     max_client_requests: Option<usize>,
+    /// Gateway: MiB of responses kept for the Responses API's `previous_response_id` and GET
+    /// /v1/responses/{id}, in this gateway's memory (default 256; the oldest dropped past it;
+    /// 0: none kept).
+    #[arg(long, env = "MOELANE_RESPONSES_STORE_MB")]
+    responses_store_mb: Option<usize>,
     /// Gateway: the model name clients use.
     #[arg(long, env = "MOELANE_SERVED_MODEL_NAME")]
     served_model_name: Option<String>,
@@ -944,6 +957,7 @@ impl LaneArgs {
             header_timeout,
             body_timeout,
             max_client_requests,
+            responses_store_mb,
             served_model_name,
             metrics_listen,
             sidecar_device,
@@ -1227,6 +1241,7 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
             header_timeout,
             body_timeout,
             max_client_requests,
+            responses_store_mb,
             residency,
             placement,
         } => {
@@ -1273,6 +1288,7 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                 header_timeout,
                 body_timeout,
                 max_client_requests,
+                responses_store_mb,
             );
             if let Some(l) = admin_listen {
                 go.admin_listen = l;
@@ -1457,6 +1473,7 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                         a.header_timeout,
                         a.body_timeout,
                         a.max_client_requests,
+                        a.responses_store_mb,
                     );
                     let mut g = roles::start_gateway(&go).await?;
                     println!(

@@ -1098,6 +1098,8 @@ pub struct GatewayOptions {
     pub body_timeout: Duration,
     /// Most generations one client may have in flight (0: no bound).
     pub max_client_requests: usize,
+    /// MiB of kept responses (`previous_response_id`); 0: none kept.
+    pub responses_store_mb: usize,
     /// API keys and the admin token.
     pub auth: moelane_gateway::server::Auth,
 }
@@ -1123,6 +1125,7 @@ impl GatewayOptions {
             admin_listen: "127.0.0.1:0".into(),
             body_timeout: Duration::from_secs(30),
             max_client_requests: 0,
+            responses_store_mb: 256,
             auth: Default::default(),
         }
     }
@@ -1281,6 +1284,7 @@ pub async fn start_gateway(o: &GatewayOptions) -> Result<Gateway> {
                 retry_deadline: o.retry_deadline,
                 body_timeout: o.body_timeout,
                 max_client_requests: o.max_client_requests,
+                responses_store_bytes: o.responses_store_mb.saturating_mul(1 << 20),
             },
             tokenizer,
             template,

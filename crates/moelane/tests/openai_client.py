@@ -181,7 +181,22 @@ try:
     c.responses.create(model=model, input="x", previous_response_id="resp_nope")
     raise SystemExit("expected BadRequestError")
 except openai.BadRequestError as e:
-    assert "previous_response_id" in str(e), e
+    assert e.body["param"] == "previous_response_id" and "not found" in e.body["message"], e.body
+# kept responses: a conversation through previous_response_id (the tool's output sent after
+# its call), retrieve and delete
+turn = c.responses.create(model=model, previous_response_id=rt.id, max_output_tokens=8, tools=rtools,
+                          input=[{"type": "function_call_output", "call_id": fcs[0].call_id, "output": "-3C, snow"}])
+assert turn.previous_response_id == rt.id and turn.status in ("completed", "incomplete"), turn
+# the same conversation sent whole has the same prompt
+assert turn.usage.input_tokens == r2.usage.input_tokens, (turn.usage, r2.usage)
+assert c.responses.retrieve(turn.id).output_text == turn.output_text
+assert c.responses.retrieve(events[-1].response.id).id == events[-1].response.id  # streamed: kept too
+c.responses.delete(turn.id)
+try:
+    c.responses.retrieve(turn.id)
+    raise SystemExit("expected NotFoundError")
+except openai.NotFoundError:
+    pass
 print("responses ok")
 
 # an error case: the client raises the right exception

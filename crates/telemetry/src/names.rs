@@ -32,6 +32,10 @@ pub const REQUEST_RETRIES: &str = "moelane_request_retries_total";
 pub const STREAMS_CUT: &str = "moelane_streams_cut_total";
 /// gauge 1/0: this process is draining (stopping: it takes nothing new)
 pub const DRAINING: &str = "moelane_draining";
+/// gauge: responses the gateway keeps for `previous_response_id` (`--responses-store-mb`)
+pub const RESPONSES_STORED: &str = "moelane_responses_stored";
+/// gauge: bytes of the kept responses (their conversations and response objects, as JSON)
+pub const RESPONSES_STORED_BYTES: &str = "moelane_responses_stored_bytes";
 /// gauge 1/0: the primary computes its cold experts itself (its sidecar is lost, --degraded)
 pub const LANE_DEGRADED: &str = "moelane_lane_degraded";
 /// counter: cold experts a degraded primary read from its checkpoint
@@ -135,6 +139,8 @@ pub const ALL: &[&str] = &[
     REQUEST_RETRIES,
     STREAMS_CUT,
     DRAINING,
+    RESPONSES_STORED,
+    RESPONSES_STORED_BYTES,
     LANE_DEGRADED,
     DEGRADED_LOADS,
     DEGRADED_EVICTIONS,
@@ -228,6 +234,15 @@ pub fn describe() {
         DEGRADED_BYTES,
         Unit::Bytes,
         "Bytes of cold experts a degraded primary holds (0 when its sidecar answers)"
+    );
+    describe_gauge!(
+        RESPONSES_STORED,
+        "Responses the gateway keeps for previous_response_id and GET /v1/responses/{id}"
+    );
+    describe_gauge!(
+        RESPONSES_STORED_BYTES,
+        Unit::Bytes,
+        "Bytes the kept responses take (their conversations and response objects as JSON); the oldest are dropped past --responses-store-mb"
     );
     describe_gauge!(
         DRAINING,
