@@ -45,6 +45,7 @@ fn fixture() -> &'static Fixture {
                 retry_deadline: std::time::Duration::from_secs(10),
                 body_timeout: std::time::Duration::from_secs(2),
                 max_client_requests: 0,
+                responses_store_bytes: 0,
             },
             moelane_text::tokenizer::Tokenizer::from_file(&dir.path().join("tokenizer.json"))
                 .expect("tokenizer"),
