@@ -41,6 +41,7 @@ fn fixture() -> &'static Fixture {
                 default_completion_tokens: 16,
                 default_temperature: 1.0,
                 default_top_p: 1.0,
+                default_top_k: 0,
                 max_attempts: 3,
                 retry_deadline: std::time::Duration::from_secs(10),
                 body_timeout: std::time::Duration::from_secs(2),

@@ -393,14 +393,17 @@ fn fp8_block(q: Option<&Value>, family: Family) -> Result<Option<[usize; 2]>> {
 
 /// What `generation_config.json` says a request that does not say otherwise gets: the
 /// end-of-sequence ids, and the sampling defaults. `do_sample: false` is greedy (the model's
-/// authors said so); otherwise its `temperature` and `top_p` where it gives them (as vLLM
-/// reads them), and nothing where it does not (the server's own defaults apply).
+/// authors said so); otherwise its `temperature`, `top_p` and `top_k` where it gives them (as
+/// vLLM reads them), and nothing where it does not (the server's own defaults apply).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Generation {
     pub eos_token_ids: Vec<u32>,
     /// `Some(0.0)` when the file asks for greedy decoding; None when it says nothing.
     pub temperature: Option<f32>,
     pub top_p: Option<f32>,
+    /// A positive k; None where the file gives none, or 0 or less (no top-k, as transformers
+    /// reads 0).
+    pub top_k: Option<u32>,
 }
 
 #[derive(Deserialize)]
@@ -409,6 +412,7 @@ struct RawGeneration {
     do_sample: Option<bool>,
     temperature: Option<f64>,
     top_p: Option<f64>,
+    top_k: Option<f64>,
 }
 
 impl Generation {
@@ -434,7 +438,13 @@ impl Generation {
         };
         let temperature = finite("temperature", raw.temperature, |t| t >= 0.0)?;
         let top_p = finite("top_p", raw.top_p, |p| p > 0.0 && p <= 1.0)?;
+        let top_k = finite("top_k", raw.top_k, |k| {
+            k.fract() == 0.0 && k <= u32::MAX as f64
+        })?
+        .filter(|&k| k > 0.0 && raw.do_sample != Some(false))
+        .map(|k| k as u32);
         Ok(Generation {
+            top_k,
             eos_token_ids: token_ids(&raw.eos_token_id),
             temperature: if raw.do_sample == Some(false) {
                 Some(0.0)
@@ -1053,7 +1063,22 @@ mod tests {
         w(r#"{"eos_token_id": [7, 9], "do_sample": true, "temperature": 0.6, "top_p": 0.95}"#);
         let g = Generation::read(d.path()).unwrap();
         assert_eq!(g.eos_token_ids, vec![7, 9]);
-        assert_eq!((g.temperature, g.top_p), (Some(0.6), Some(0.95)));
+        assert_eq!(
+            (g.temperature, g.top_p, g.top_k),
+            (Some(0.6), Some(0.95), None)
+        );
+        // Qwen3's: top_k 20; 0 and -1 are no top-k; a fraction names the field
+        w(r#"{"do_sample": true, "temperature": 0.6, "top_k": 20, "top_p": 0.95}"#);
+        assert_eq!(Generation::read(d.path()).unwrap().top_k, Some(20));
+        for off in ["0", "-1"] {
+            w(&format!(r#"{{"top_k": {off}}}"#));
+            assert_eq!(Generation::read(d.path()).unwrap().top_k, None, "{off}");
+        }
+        w(r#"{"top_k": 2.5}"#);
+        let e = Generation::read(d.path()).unwrap_err().to_string();
+        assert!(e.contains("top_k"), "{e}");
+        w(r#"{"eos_token_id": 4, "do_sample": false, "temperature": 0.6, "top_k": 5}"#);
+        assert_eq!(Generation::read(d.path()).unwrap().top_k, None, "greedy");
         w(r#"{"eos_token_id": 4, "do_sample": false, "temperature": 0.6}"#);
         let g = Generation::read(d.path()).unwrap();
         assert_eq!(

@@ -1,4 +1,5 @@
-//! Token sampling: greedy, and seeded temperature / top-p (nucleus, Holtzman et al. 2019).
+//! Token sampling: greedy, and seeded temperature / top-k / top-p (nucleus, Holtzman et al.
+//! 2019), top-k before top-p as transformers and vLLM apply them.
 
 use crate::rng::Rng;
 
@@ -22,6 +23,8 @@ pub struct SamplingParams {
     pub temperature: f32,
     /// In (0, 1]; 1 disables nucleus filtering.
     pub top_p: f32,
+    /// Only the k most probable tokens are drawn from; 0 disables it.
+    pub top_k: u32,
     pub seed: u64,
 }
 
@@ -30,6 +33,7 @@ impl Default for SamplingParams {
         SamplingParams {
             temperature: 0.0,
             top_p: 1.0,
+            top_k: 0,
             seed: 0,
         }
     }
@@ -44,6 +48,9 @@ pub enum TokenPick {
     Sample {
         temperature: f32,
         top_p: f32,
+        /// 0: off. The GPU's sampling kernel does not take it: a step with a row that sets
+        /// it picks on the host (the scheduler sees to it).
+        top_k: u32,
         u: f64,
     },
 }
@@ -75,6 +82,7 @@ impl Sampler {
         TokenPick::Sample {
             temperature: t,
             top_p: self.params.top_p,
+            top_k: self.params.top_k,
             u: self.rng.uniform_f64(),
         }
     }
@@ -159,13 +167,14 @@ pub fn logprobs(logits: &[f32], picked: u32, k: usize) -> (f32, Vec<(u32, f32)>)
 }
 
 /// The token `pick` takes from `logits`: the argmax (ties to the lower id) when greedy;
-/// else probabilities exp((l - max) / t), the most probable tokens (ties by id) until their
-/// share reaches top_p, and the token where their running mass, in that order, reaches u
-/// times their total.
+/// else probabilities exp((l - max) / t), the top_k most probable (ties by id; all when 0),
+/// of those the most probable until their share of the kept ones reaches top_p, and the token
+/// where their running mass, in that order, reaches u times their total.
 pub fn pick_token(logits: &[f32], pick: TokenPick, scratch: &mut Vec<(f32, u32)>) -> u32 {
     let TokenPick::Sample {
         temperature: t,
         top_p,
+        top_k,
         u,
     } = pick
     else {
@@ -188,6 +197,10 @@ pub fn pick_token(logits: &[f32], pick: TokenPick, scratch: &mut Vec<(f32, u32)>
         return argmax(logits) as u32;
     }
     scratch.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+    if top_k > 0 && (top_k as usize) < scratch.len() {
+        scratch.truncate(top_k as usize);
+        sum = scratch.iter().map(|x| x.0 as f64).sum();
+    }
     let top_p = top_p.clamp(f32::MIN_POSITIVE, 1.0) as f64;
     let mut keep = scratch.len();
     if top_p < 1.0 {
@@ -251,8 +264,8 @@ mod tests {
         let draw = |seed| {
             let mut s = Sampler::new(SamplingParams {
                 temperature: 1.0,
-                top_p: 1.0,
                 seed,
+                ..Default::default()
             });
             (0..200).map(|_| s.sample(&logits)).collect::<Vec<_>>()
         };
@@ -264,7 +277,40 @@ mod tests {
             temperature: 1.0,
             top_p: 0.1,
             seed: 1,
+            ..Default::default()
         });
         assert!((0..100).all(|_| s.sample(&logits) == 1));
+    }
+
+    #[test]
+    fn top_k_draws_among_the_k_most_probable_then_top_p_among_those() {
+        let logits = vec![0.1, 2.0, 1.9, -3.0, 1.0];
+        let draw = |top_k, top_p| {
+            let mut s = Sampler::new(SamplingParams {
+                temperature: 1.0,
+                top_p,
+                top_k,
+                seed: 9,
+            });
+            (0..400).map(|_| s.sample(&logits)).collect::<Vec<_>>()
+        };
+        let two = draw(2, 1.0);
+        assert!(two.contains(&1) && two.contains(&2), "{two:?}");
+        assert!(two.iter().all(|&t| t == 1 || t == 2), "only the two best");
+        assert!(draw(1, 1.0).iter().all(|&t| t == 1), "k = 1 is greedy");
+        // k at or past the vocabulary is off: the same draws, bit for bit
+        assert_eq!(draw(5, 1.0), draw(0, 1.0));
+        assert_eq!(draw(99, 0.9), draw(0, 0.9));
+        // top_p applies to the k kept, renormalised: of {1, 2, 4} token 1 holds 0.44 and
+        // 1 and 2 together 0.84, so 0.5 keeps two; over all five (1 and 2: 0.78 of it),
+        // 0.8 would keep three
+        let p = draw(3, 0.5);
+        assert!(
+            p.iter().all(|&t| t == 1 || t == 2) && p.contains(&2),
+            "{p:?}"
+        );
+        let kept3 = draw(3, 0.8);
+        assert!(kept3.iter().all(|&t| t == 1 || t == 2), "{kept3:?}");
+        assert!(draw(0, 0.8).contains(&4), "without k, 0.8 reaches token 4");
     }
 }

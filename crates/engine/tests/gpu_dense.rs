@@ -301,6 +301,7 @@ fn gpu_sampling_follows_the_host_rule() {
                 TokenPick::Sample {
                     temperature: t,
                     top_p,
+                    top_k: 0,
                     u: rng.uniform_f64(),
                 }
             };

@@ -119,12 +119,6 @@ fn to_chat(v: &Value) -> Result<Value, ApiError> {
     let max_tokens = v
         .get("max_tokens")
         .ok_or_else(|| ApiError::bad("`max_tokens` is required", Some("max_tokens")))?;
-    if v.get("top_k").is_some_and(|k| !k.is_null()) {
-        return Err(ApiError::bad(
-            "`top_k` is not supported by this server yet; leave it out",
-            Some("top_k"),
-        ));
-    }
     let mut msgs = Vec::new();
     match v.get("system") {
         None | Some(Value::Null) => {}
@@ -204,7 +198,7 @@ fn to_chat(v: &Value) -> Result<Value, ApiError> {
     }
     let mut out = json!({"model": v.get("model").cloned().unwrap_or(Value::Null), "messages": msgs,
                          "max_tokens": max_tokens});
-    for k in ["temperature", "top_p", "stream"] {
+    for k in ["temperature", "top_p", "top_k", "stream"] {
         if let Some(x) = v.get(k) {
             out[k] = x.clone();
         }

@@ -50,6 +50,8 @@ pub struct GatewayConfig {
     /// generation_config.json (`do_sample: false` is 0, greedy), else OpenAI's 1 and 1.
     pub default_temperature: f32,
     pub default_top_p: f32,
+    /// `top_k` of a request that does not set it: the model's generation_config.json (0: none).
+    pub default_top_k: u32,
     /// Most lanes one request is tried on before its first token.
     pub max_attempts: usize,
     /// No new attempt starts later than this after the request arrived.
@@ -633,6 +635,8 @@ pub struct ValidRequest {
     pub max_tokens: usize,
     pub temperature: f32,
     pub top_p: f32,
+    /// 0: no top-k.
+    pub top_k: u32,
     pub seed: u64,
     pub stop: Vec<String>,
     pub stream: bool,
@@ -1505,6 +1509,17 @@ pub(crate) fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequ
             Some("top_p"),
         ));
     }
+    // vLLM's extension (and Anthropic's field): 0 and -1 are no top-k
+    let top_k = match num(v, "top_k")? {
+        None => st.cfg.default_top_k,
+        Some(k) if k.fract() == 0.0 && k >= -1.0 => k.clamp(0.0, u32::MAX as f64) as u32,
+        Some(k) => {
+            return Err(ApiError::bad(
+                format!("top_k must be an integer, -1 or more (0 and -1: no top-k), got {k}"),
+                Some("top_k"),
+            ))
+        }
+    };
     let seed = match v.get("seed") {
         None | Some(Value::Null) => None,
         // every integer a client may send, exactly (negative ones as their 64 bits)
@@ -1641,6 +1656,7 @@ pub(crate) fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequ
         max_tokens,
         temperature: temperature as f32,
         top_p: top_p as f32,
+        top_k,
         seed,
         stop,
         stream,
@@ -2151,6 +2167,7 @@ pub(crate) fn generate_request(vr: &ValidRequest, id: &str) -> GenerateRequest {
         max_tokens: vr.max_tokens.max(1) as u32,
         temperature: vr.temperature,
         top_p: vr.top_p,
+        top_k: vr.top_k,
         seed: vr.seed,
         stop_token_ids: vec![],
         // the prompt's log-probabilities with a one-token answer (how evaluators score a

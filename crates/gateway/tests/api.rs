@@ -109,6 +109,7 @@ async fn gateway_state(lanes: &[&str]) -> AppState {
             // the model's generation_config.json: tiny's says do_sample false (greedy)
             default_temperature: generation.temperature.unwrap_or(1.0),
             default_top_p: generation.top_p.unwrap_or(1.0),
+            default_top_k: generation.top_k.unwrap_or(0),
             max_attempts: 3,
             retry_deadline: Duration::from_secs(10),
             body_timeout: Duration::from_secs(2),
@@ -743,6 +744,9 @@ async fn parameters_not_built_are_refused_by_name_and_seeds_are_exact() {
         (json!({"n": 0}), "n"),
         (json!({"n": 17}), "n"),
         (json!({"presence_penalty": -2.5}), "presence_penalty"),
+        (json!({"top_k": 1.5}), "top_k"),
+        (json!({"top_k": -2}), "top_k"),
+        (json!({"top_k": "5"}), "top_k"),
     ] {
         let (st, v) = post(&gw, "/v1/completions", &ask(extra.clone())).await;
         assert_error(st, &v, 400, "invalid_request_error", param);
@@ -776,6 +780,28 @@ async fn parameters_not_built_are_refused_by_name_and_seeds_are_exact() {
         "a seed repeats"
     );
     assert_ne!(a, b, "seeds 2^63 and 2^64-1 gave the same text");
+    // top_k (vLLM's extension): 1 is the greedy answer at any temperature; -1 and 0 are off
+    let text = |extra: Value| {
+        let gw = gw.clone();
+        let body = ask(extra);
+        async move {
+            let (st, v) = post(&gw, "/v1/completions", &body).await;
+            assert_eq!(st, 200, "{v}");
+            v["choices"][0]["text"].as_str().unwrap().to_string()
+        }
+    };
+    let greedy = text(json!({"temperature": 0, "max_tokens": 24})).await;
+    for seed in 0..3 {
+        let k1 = text(json!({"seed": seed, "temperature": 1.5, "top_k": 1, "max_tokens": 24}));
+        assert_eq!(k1.await, greedy, "top_k 1, seed {seed}");
+    }
+    let free = sampled(json!(5)).await;
+    for off in [-1, 0] {
+        let t = text(json!({"seed": 5, "temperature": 1.0, "top_k": off, "max_tokens": 24}));
+        assert_eq!(t.await, free, "top_k {off} is off");
+    }
+    let k2 = text(json!({"seed": 5, "temperature": 1.0, "top_k": 2, "max_tokens": 24})).await;
+    assert_ne!(k2, free, "top_k 2 changes a sampled answer");
 }
 
 /// A body sent slower than the body deadline (2 s in these tests) is cut with a 408 and an

@@ -77,7 +77,7 @@ impl PrimaryClient {
     ) -> Result<UnboundedReceiver<Event>, Status> {
         let v = self.validate(r, span)?;
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        match self.tx.try_send(Command::Submit(v, tx)) {
+        match self.tx.try_send(Command::Submit(Box::new(v), tx)) {
             Ok(()) => Ok(rx),
             Err(tokio::sync::mpsc::error::TrySendError::Full(_)) => Err(Category::Overloaded
                 .status(format!(
@@ -193,6 +193,7 @@ impl PrimaryClient {
             sampling: SamplingParams {
                 temperature: r.temperature,
                 top_p: r.top_p,
+                top_k: r.top_k,
                 seed: r.seed,
             },
             stop_ids,

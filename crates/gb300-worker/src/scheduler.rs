@@ -121,7 +121,7 @@ pub struct Snapshot {
 /// oneshot channel. A request's events use an unbounded channel: the loop must never block
 /// on a slow reader, and a request's events are bounded by its `max_tokens` anyway.
 pub enum Command {
-    Submit(ValidGen, UnboundedSender<Event>),
+    Submit(Box<ValidGen>, UnboundedSender<Event>),
     Cancel(String, oneshot::Sender<bool>),
     Snapshot(oneshot::Sender<Snapshot>),
     /// Swap PREPARE: put loaded, verified experts into free hot slots.
@@ -798,11 +798,12 @@ impl Scheduler {
                 }
             })
             .collect();
-        // a request with penalties, a bias, log-probabilities or a grammar takes the logits to
-        // the host for the whole step, where the same rule picks every row's token
+        // a request with penalties, a bias, log-probabilities, a grammar or top-k (which the
+        // GPU's sampling kernel does not take) takes the logits to the host for the whole
+        // step, where the same rule picks every row's token
         let host = active.iter().any(|&i| {
             let r = &self.running[i];
-            r.req.rules.on_host() || r.constrained()
+            r.req.rules.on_host() || r.constrained() || r.sampler.params.top_k > 0
         }) || whole.contains(&true);
         // the grammars' next masks are made on the mask workers while the step runs (they
         // depend only on the tokens already followed)
@@ -1254,7 +1255,7 @@ impl Scheduler {
                 .chain(std::iter::from_fn(|| rx.try_recv().ok()))
             {
                 match cmd {
-                    Command::Submit(req, tx) => self.submit(req, tx),
+                    Command::Submit(req, tx) => self.submit(*req, tx),
                     Command::Cancel(id, reply) => {
                         let _ = reply.send(self.cancel(&id));
                     }

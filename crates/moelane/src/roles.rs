@@ -1280,6 +1280,7 @@ pub async fn start_gateway(o: &GatewayOptions) -> Result<Gateway> {
                 // the API takes temperatures in [0, 2]: a file's larger value is capped there
                 default_temperature: generation.temperature.unwrap_or(1.0).min(2.0),
                 default_top_p: generation.top_p.unwrap_or(1.0),
+                default_top_k: generation.top_k.unwrap_or(0),
                 max_attempts: o.max_attempts.max(1),
                 retry_deadline: o.retry_deadline,
                 body_timeout: o.body_timeout,

@@ -92,8 +92,13 @@ try:
     raise SystemExit("expected NotFoundError")
 except anthropic.NotFoundError:
     pass
+# top_k 1 draws only the most probable token: the greedy answer, at any temperature (in the
+# body: this client's signature has dropped the sampling fields)
+greedy = c.messages.create(model=model, max_tokens=12, messages=msgs, extra_body={"temperature": 0})
+k1 = c.messages.create(model=model, max_tokens=12, messages=msgs, extra_body={"temperature": 1.0, "top_k": 1})
+assert [b.text for b in k1.content] == [b.text for b in greedy.content], (k1, greedy)
 try:
-    c.messages.create(model=model, max_tokens=2, messages=msgs, extra_body={"top_k": 5})
+    c.messages.create(model=model, max_tokens=2, messages=msgs, extra_body={"top_k": 2.5})
     raise SystemExit("expected BadRequestError")
 except anthropic.BadRequestError as e:
     assert "top_k" in str(e), e

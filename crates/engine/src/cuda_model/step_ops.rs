@@ -35,10 +35,13 @@ impl GpuModel {
             .iter()
             .flat_map(|p| match *p {
                 TokenPick::Greedy => [0.0, 1.0, 0.0],
+                // (top_k is picked on the host: the scheduler takes such a step's logits
+                // there)
                 TokenPick::Sample {
                     temperature,
                     top_p,
                     u,
+                    ..
                 } => [temperature as f64, top_p as f64, u],
             })
             .collect();

@@ -324,6 +324,7 @@ fn chats_without_max_tokens_all_run_and_preemption_keeps_every_stream() {
                     temperature: 0.8,
                     top_p: 0.95,
                     seed: 100 + i as u64,
+                    top_k: 0,
                 };
             }
             r
@@ -572,13 +573,19 @@ async fn the_loop_serves_submit_cancel_and_snapshot_over_its_channel() {
     let deadline = std::time::Duration::from_secs(20);
     let mut rng = Rng::new(19);
     let (etx, mut short) = unbounded_channel();
-    tx.send(Command::Submit(req("short", prompt(&mut rng, 6), 5), etx))
-        .await
-        .expect("send");
+    tx.send(Command::Submit(
+        Box::new(req("short", prompt(&mut rng, 6), 5)),
+        etx,
+    ))
+    .await
+    .expect("send");
     let (etx, mut long) = unbounded_channel();
-    tx.send(Command::Submit(req("long", prompt(&mut rng, 6), 1500), etx))
-        .await
-        .expect("send");
+    tx.send(Command::Submit(
+        Box::new(req("long", prompt(&mut rng, 6), 1500)),
+        etx,
+    ))
+    .await
+    .expect("send");
     // the short one ends on its own
     let mut v = Seen::default();
     within(
@@ -637,9 +644,12 @@ async fn the_stop_flag_ends_a_busy_loop() {
     let thread = std::thread::spawn(move || s.run(rx, &flag));
     let mut rng = Rng::new(23);
     let (etx, mut long) = unbounded_channel();
-    tx.send(Command::Submit(req("long", prompt(&mut rng, 6), 1500), etx))
-        .await
-        .expect("send");
+    tx.send(Command::Submit(
+        Box::new(req("long", prompt(&mut rng, 6), 1500)),
+        etx,
+    ))
+    .await
+    .expect("send");
     let first = tokio::time::timeout(std::time::Duration::from_secs(20), long.recv())
         .await
         .expect("a token in time");
@@ -653,7 +663,10 @@ async fn the_stop_flag_ends_a_busy_loop() {
     // the loop is gone: its queue is closed
     let (etx, _rx) = unbounded_channel();
     assert!(tx
-        .send(Command::Submit(req("late", prompt(&mut rng, 6), 4), etx))
+        .send(Command::Submit(
+            Box::new(req("late", prompt(&mut rng, 6), 4)),
+            etx
+        ))
         .await
         .is_err());
 }
@@ -676,6 +689,7 @@ fn logits_taken_to_the_host_change_no_token_of_any_request() {
                     temperature: 0.9,
                     top_p: 0.9,
                     seed: 40 + i as u64,
+                    top_k: 0,
                 };
             }
             r
@@ -793,6 +807,7 @@ fn a_json_schema_grammar_makes_random_weights_answer_valid_json() {
                 temperature: 1.0,
                 top_p: 1.0,
                 seed: 7 + i as u64,
+                top_k: 0,
             };
         }
         rxs.push(submit(&mut s, r));
@@ -1152,6 +1167,7 @@ fn a_grammar_with_costly_masks_slows_only_its_own_request() {
             temperature: 0.9,
             top_p: 1.0,
             seed: 77,
+            top_k: 0,
         };
         r
     };
