@@ -196,9 +196,16 @@ pub fn pick_token(logits: &[f32], pick: TokenPick, scratch: &mut Vec<(f32, u32)>
     if scratch.is_empty() || sum.is_nan() || sum <= 0.0 {
         return argmax(logits) as u32;
     }
-    scratch.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-    if top_k > 0 && (top_k as usize) < scratch.len() {
+    let order = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+    let cut = top_k > 0 && (top_k as usize) < scratch.len();
+    if cut {
+        // the k first in that (total) order, found without sorting the vocabulary: the same
+        // k tokens a sort would keep
+        scratch.select_nth_unstable_by(top_k as usize - 1, order);
         scratch.truncate(top_k as usize);
+    }
+    scratch.sort_by(order);
+    if cut {
         sum = scratch.iter().map(|x| x.0 as f64).sum();
     }
     let top_p = top_p.clamp(f32::MIN_POSITIVE, 1.0) as f64;
@@ -312,5 +319,18 @@ mod tests {
         let kept3 = draw(3, 0.8);
         assert!(kept3.iter().all(|&t| t == 1 || t == 2), "{kept3:?}");
         assert!(draw(0, 0.8).contains(&4), "without k, 0.8 reaches token 4");
+        // ties go to the lower ids, as the sort orders them
+        let flat = vec![0.5f32; 64];
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_k: 3,
+            seed: 3,
+            ..Default::default()
+        });
+        let d: Vec<u32> = (0..300).map(|_| s.sample(&flat)).collect();
+        assert!(
+            d.iter().all(|&t| t < 3) && (0..3).all(|t| d.contains(&t)),
+            "{d:?}"
+        );
     }
 }

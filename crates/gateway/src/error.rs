@@ -12,6 +12,13 @@ pub enum ApiError {
         message: String,
         param: Option<&'static str>,
     },
+    /// A 400 with its own code (`previous_response_not_found`).
+    #[error("{message}")]
+    Invalid {
+        message: String,
+        param: &'static str,
+        code: &'static str,
+    },
     #[error("The model `{0}` does not exist")]
     UnknownModel(String),
     /// The prompt (and what it asks to write) does not fit the context: the message, and the
@@ -84,7 +91,9 @@ impl ApiError {
 
     pub fn status(&self) -> StatusCode {
         match self {
-            ApiError::BadRequest { .. } | ApiError::ContextLength(..) => StatusCode::BAD_REQUEST,
+            ApiError::BadRequest { .. }
+            | ApiError::Invalid { .. }
+            | ApiError::ContextLength(..) => StatusCode::BAD_REQUEST,
             ApiError::UnknownModel(_) | ApiError::NotFound(_) | ApiError::NoSuch(..) => {
                 StatusCode::NOT_FOUND
             }
@@ -103,6 +112,9 @@ impl ApiError {
     pub fn body(&self) -> serde_json::Value {
         let (kind, code, param) = match self {
             ApiError::BadRequest { param, .. } => ("invalid_request_error", None, *param),
+            ApiError::Invalid { param, code, .. } => {
+                ("invalid_request_error", Some(*code), Some(*param))
+            }
             ApiError::UnknownModel(_) => (
                 "invalid_request_error",
                 Some("model_not_found"),

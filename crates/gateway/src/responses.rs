@@ -28,29 +28,45 @@ use crate::server::{
 /// Kept responses: each one's conversation (the chat messages it ends with its answer, its
 /// `instructions` left out, as OpenAI does not carry them over) and its response object, for
 /// `previous_response_id` and `GET` / `DELETE /v1/responses/{id}`. In this gateway's memory
-/// only (a restart or another gateway does not have them), bounded by bytes of JSON; past the
-/// bound the oldest are dropped. Where the gateway has API keys a response is visible only
-/// with the key that made it; an open gateway's ids (128 random bits) are their own secret.
+/// only (a restart or another gateway does not have them). Each is held as its JSON text, so
+/// the bound is the bytes held (plus a small fixed cost an entry); past it the owner holding
+/// the most bytes loses its oldest first (one busy key cannot push out the others'; on a
+/// gateway without keys that is plain oldest first). Where the gateway has API keys a response
+/// is visible only with the key that made it; an open gateway's ids (128 random bits) are
+/// their own secret.
 pub struct Store {
     inner: std::sync::Mutex<Kept>,
     /// Most bytes kept (0: nothing is stored).
-    cap: usize,
+    pub(crate) cap: usize,
 }
 
 #[derive(Default)]
 struct Kept {
     map: std::collections::HashMap<String, Stored>,
-    /// Ids in the order they were kept (deleted ones are skipped when met).
-    order: std::collections::VecDeque<String>,
+    owners: std::collections::HashMap<String, Owned>,
     bytes: usize,
+}
+
+/// One owner's share: its bytes, how many of its responses are kept, and its ids oldest
+/// first (deleted ones are skipped when met, and pruned when they are most of it).
+#[derive(Default)]
+struct Owned {
+    bytes: usize,
+    live: usize,
+    order: std::collections::VecDeque<String>,
 }
 
 struct Stored {
     owner: String,
-    messages: Arc<Vec<Value>>,
-    response: Arc<Value>,
+    /// The conversation's chat messages, as a JSON array.
+    messages: Arc<str>,
+    /// The response object, as JSON.
+    response: Arc<str>,
     bytes: usize,
 }
+
+/// What an entry costs beyond its texts (its map and queue slots, its id twice).
+const ENTRY_BYTES: usize = 160;
 
 impl Store {
     pub fn new(cap: usize) -> Self {
@@ -80,39 +96,76 @@ impl Store {
         metrics::gauge!(moelane_telemetry::names::RESPONSES_STORED_BYTES).set(k.bytes as f64);
     }
 
-    /// Keeps response `id`, the conversation `messages` it ends; drops the oldest past the
-    /// bound. Nothing is kept when one response alone is over it.
-    fn put(&self, id: &str, client: &str, messages: Vec<Value>, response: Value) {
-        let bytes = messages.iter().map(|m| m.to_string().len()).sum::<usize>()
-            + response.to_string().len()
-            + id.len();
-        if bytes > self.cap {
-            return;
-        }
-        let mut k = self.lock();
-        while k.bytes + bytes > self.cap {
-            let Some(old) = k.order.pop_front() else {
-                break;
-            };
-            if let Some(o) = k.map.remove(&old) {
-                k.bytes -= o.bytes;
+    /// Takes entry `id` out of `k` (its owner's share too).
+    fn take(k: &mut Kept, id: &str) -> Option<Stored> {
+        let s = k.map.remove(id)?;
+        k.bytes -= s.bytes;
+        if let Some(o) = k.owners.get_mut(&s.owner) {
+            o.bytes -= s.bytes;
+            o.live -= 1;
+            if o.live == 0 {
+                k.owners.remove(&s.owner);
+            } else if o.order.len() > 2 * o.live + 64 {
+                let map = &k.map;
+                o.order.retain(|i| map.contains_key(i));
             }
         }
+        Some(s)
+    }
+
+    /// Keeps response `id`, the conversation `messages` it ends; past the bound, drops the
+    /// oldest of the owner holding the most. False (nothing kept) when this one alone is
+    /// over the bound.
+    fn put(&self, id: &str, client: &str, messages: &[Value], response: &Value) -> bool {
+        let owner = Self::owner(client);
+        let messages: Arc<str> = Value::from(messages.to_vec()).to_string().into();
+        let response: Arc<str> = response.to_string().into();
+        let bytes = messages.len() + response.len() + 2 * id.len() + owner.len() + ENTRY_BYTES;
+        if bytes > self.cap {
+            return false;
+        }
+        let mut dropped = Vec::new();
+        let mut k = self.lock();
+        while k.bytes + bytes > self.cap {
+            let Some(big) = k
+                .owners
+                .iter()
+                .max_by_key(|(_, o)| o.bytes)
+                .map(|(n, _)| n.clone())
+            else {
+                break;
+            };
+            let Some(old) = k.owners.get_mut(&big).and_then(|o| o.order.pop_front()) else {
+                // (a share with bytes has ids; this keeps the loop finite regardless)
+                k.owners.remove(&big);
+                continue;
+            };
+            dropped.extend(Self::take(&mut k, &old));
+        }
         k.bytes += bytes;
-        k.order.push_back(id.to_string());
+        let o = k.owners.entry(owner.to_string()).or_default();
+        o.bytes += bytes;
+        o.live += 1;
+        o.order.push_back(id.to_string());
         k.map.insert(
             id.to_string(),
             Stored {
-                owner: Self::owner(client).to_string(),
-                messages: Arc::new(messages),
-                response: Arc::new(response),
+                owner: owner.to_string(),
+                messages,
+                response,
                 bytes,
             },
         );
         Self::publish(&k);
+        drop(k);
+        // the dropped texts are freed after the lock
+        drop(dropped);
+        true
     }
 
-    fn get(&self, id: &str, client: &str) -> Option<(Arc<Vec<Value>>, Arc<Value>)> {
+    /// A kept response's conversation and response object (JSON texts), if `client` may see
+    /// it.
+    fn get(&self, id: &str, client: &str) -> Option<(Arc<str>, Arc<str>)> {
         let k = self.lock();
         k.map
             .get(id)
@@ -125,15 +178,10 @@ impl Store {
         if k.map.get(id).is_none_or(|s| s.owner != Self::owner(client)) {
             return false;
         }
-        if let Some(s) = k.map.remove(id) {
-            k.bytes -= s.bytes;
-        }
-        // the order keeps deleted ids until met: prune it when they are most of it
-        if k.order.len() > 2 * k.map.len() + 64 {
-            let Kept { map, order, .. } = &mut *k;
-            order.retain(|i| map.contains_key(i));
-        }
+        let gone = Self::take(&mut k, id);
         Self::publish(&k);
+        drop(k);
+        drop(gone);
         true
     }
 
@@ -151,10 +199,12 @@ fn not_found(id: &str) -> ApiError {
     )
 }
 
-/// The chat message an answer's output items make: its text and its function calls, under the
-/// call ids the client was given (a later `function_call_output` names them).
+/// The chat message an answer's output items make: its text, its reasoning (as
+/// `reasoning_content`, which reasoning models' templates render back) and its function calls,
+/// under the call ids the client was given (a later `function_call_output` names them).
 fn as_message(output: &[Value]) -> Value {
     let mut text = String::new();
+    let mut reasoning = String::new();
     let mut calls = Vec::new();
     for o in output {
         match o["type"].as_str() {
@@ -163,12 +213,17 @@ fn as_message(output: &[Value]) -> Value {
                     text.push_str(p["text"].as_str().unwrap_or_default());
                 }
             }
+            Some("reasoning") => {
+                for p in o["content"].as_array().into_iter().flatten() {
+                    reasoning.push_str(p["text"].as_str().unwrap_or_default());
+                }
+            }
             Some("function_call") => calls.push(json!({"id": o["call_id"], "type": "function",
                 "function": {"name": o["name"], "arguments": o["arguments"]}})),
             _ => {}
         }
     }
-    if calls.is_empty() {
+    let mut m = if calls.is_empty() {
         json!({"role": "assistant", "content": text})
     } else {
         // as a function_call input item makes it (no text: null content)
@@ -178,7 +233,11 @@ fn as_message(output: &[Value]) -> Value {
             json!(text)
         };
         json!({"role": "assistant", "content": content, "tool_calls": calls})
+    };
+    if !reasoning.is_empty() {
+        m["reasoning_content"] = json!(reasoning);
     }
+    m
 }
 
 fn bad(m: impl Into<String>, param: &'static str) -> ApiError {
@@ -395,7 +454,12 @@ impl Echo {
     fn keep(&mut self, st: &AppState, r: &Value) {
         if let Some(mut convo) = self.keep.take() {
             convo.push(as_message(r["output"].as_array().map_or(&[], |o| o)));
-            st.responses.put(&self.id, &self.client, convo, r.clone());
+            if !st.responses.put(&self.id, &self.client, &convo, r) {
+                tracing::warn!(
+                    id = %self.id,
+                    "response not kept: alone it is over --responses-store-mb"
+                );
+            }
         }
     }
 }
@@ -452,18 +516,20 @@ async fn handle(st: Arc<AppState>, req: Request) -> Result<Response, ApiError> {
         Some(Value::Bool(b)) => *b,
         Some(x) => return Err(bad(format!("`store` must be a boolean, got {x}"), "store")),
     };
-    let prior = match &previous {
-        None => Arc::new(Vec::new()),
+    let prior: Vec<Value> = match &previous {
+        None => Vec::new(),
         Some(p) => match st.responses.get(p, &client) {
-            Some((m, _)) => m,
+            Some((m, _)) => serde_json::from_str(&m)
+                .map_err(|e| ApiError::Internal(format!("a kept conversation: {e}")))?,
             None => {
-                return Err(bad(
-                    format!(
+                return Err(ApiError::Invalid {
+                    message: format!(
                         "Previous response with id '{p}' not found (responses are kept in \
                          this gateway's memory, the oldest dropped past --responses-store-mb)"
                     ),
-                    "previous_response_id",
-                ))
+                    param: "previous_response_id",
+                    code: "previous_response_not_found",
+                })
             }
         },
     };
@@ -526,7 +592,11 @@ pub(crate) async fn retrieve(
         .responses
         .get(&id, &client)
         .ok_or_else(|| not_found(&id))?;
-    Ok(Json(&*r).into_response())
+    Ok((
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        r.to_string(),
+    )
+        .into_response())
 }
 
 /// `DELETE /v1/responses/{id}`: forgets a kept response.

@@ -2276,6 +2276,7 @@ async fn responses_are_kept_for_previous_response_id() {
     let (st, v) = ask(json!({"model": "tiny", "previous_response_id": id, "input": "x"})).await;
     assert_error(st, &v, 400, "invalid_request_error", "not found");
     assert_eq!(v["error"]["param"], "previous_response_id", "{v}");
+    assert_eq!(v["error"]["code"], "previous_response_not_found", "{v}");
     // wrong types are named
     for (k, bad) in [("previous_response_id", json!(7)), ("store", json!("yes"))] {
         let mut req = json!({"model": "tiny", "input": "x"});
@@ -2367,5 +2368,37 @@ async fn responses_are_kept_for_previous_response_id() {
         http_with(&gk, "GET", &path, &key(a), b"").await.0,
         200,
         "its own key's"
+    );
+    // one busy key drops its own oldest, not another key's
+    let mut bs = Vec::new();
+    for i in 0..40 {
+        let body = json!({"model": "tiny", "input": format!("turn {i} {}", "words ".repeat(60)),
+            "max_output_tokens": 2});
+        let (st, r) = http_with(
+            &gk,
+            "POST",
+            "/v1/responses",
+            &key(b),
+            body.to_string().as_bytes(),
+        )
+        .await;
+        assert_eq!(st, 200, "{r}");
+        bs.push(
+            serde_json::from_str::<Value>(&r).unwrap()["id"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        );
+    }
+    assert_eq!(
+        http_with(&gk, "GET", &path, &key(a), b"").await.0,
+        200,
+        "the quiet key's stays"
+    );
+    let first = format!("/v1/responses/{}", bs[0]);
+    assert_eq!(
+        http_with(&gk, "GET", &first, &key(b), b"").await.0,
+        404,
+        "the busy key's oldest goes"
     );
 }
