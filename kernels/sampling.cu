@@ -53,6 +53,25 @@ __device__ float edge_value(const float* p, int V, double target, float at, doub
     return __uint_as_float(lo);
 }
 
+// How many p[i] >= tau in one row (block-wide; exact in a double).
+__device__ double count_ge(const float* p, int V, float tau, double* red) {
+    double c = 0.0;
+    for (int i = threadIdx.x; i < V; i += blockDim.x) c += p[i] >= tau ? 1.0 : 0.0;
+    return block_sum_d(c, red);
+}
+
+// The k-th largest probability (k >= 1): the largest tau in (0, 1] with at least k of p >=
+// tau, a binary search over the float bits; 0 when fewer than k are above 0.
+__device__ float kth_value(const float* p, int V, int k, double* red) {
+    unsigned lo = 1u, hi = 0x3f800000u;
+    while (lo < hi) {
+        const unsigned mid = lo + (hi - lo + 1) / 2;
+        if (count_ge(p, V, __uint_as_float(mid), red) >= (double)k) lo = mid; else hi = mid - 1;
+    }
+    const float v = __uint_as_float(lo);
+    return count_ge(p, V, v, red) >= (double)k ? v : 0.f;
+}
+
 // The index of the j-th (1-based) element equal to v, in index order; -1 when fewer. Each
 // thread scans a contiguous chunk, so a prefix count over threads gives the order.
 __device__ int nth_equal(const float* p, int V, float v, int j, int* redi) {
@@ -87,12 +106,13 @@ __device__ int nth_equal(const float* p, int V, float v, int j, int* redi) {
 
 // Sampling of each logit row on the GPU, with the host sampler's rule (sampling.rs):
 // greedy (argmax, ties to the lower id) when the temperature is 0 or not finite; else
-// probabilities p = exp((l - max) / t), the nucleus = the most probable tokens (ties by id)
-// until their share reaches top_p, and the token where the running mass of the nucleus, in
-// that order, reaches u times its total. The order is never sorted: the nucleus edge and the
-// drawn token are found by value (binary searches over block-wide sums), ties by index.
-// spec: per row (temperature, top_p, u) as doubles; probs: [rows, V] scratch. grid: rows;
-// block: 1024.
+// probabilities p = exp((l - max) / t), the top_k most probable (ties by id; all when top_k
+// is 0), of those the nucleus = the most probable (ties by id) until their share of the
+// top_k's mass reaches top_p, and the token where the running mass of the nucleus, in that
+// order, reaches u times its total. The order is never sorted: the top-k edge, the nucleus
+// edge and the drawn token are found by value (binary searches over block-wide counts and
+// sums), ties by index. spec: per row (temperature, top_p, top_k, u) as doubles; probs:
+// [rows, V] scratch. grid: rows; block: 1024.
 extern "C" __global__ void sample_rows(const float* __restrict__ logits, const double* __restrict__ spec,
                                        float* __restrict__ probs, int* __restrict__ out, int V) {
     PDL_ENTRY();
@@ -108,7 +128,7 @@ extern "C" __global__ void sample_rows(const float* __restrict__ logits, const d
         if (l[i] > bv) { bv = l[i]; bi = i; }
     block_argmax(bv, bi, redf, redi);
     const int greedy = bi == 0x7fffffff ? 0 : bi;
-    const double t = spec[3 * r], top_p = spec[3 * r + 1], u = spec[3 * r + 2];
+    const double t = spec[4 * r], top_p = spec[4 * r + 1], top_k = spec[4 * r + 2], u = spec[4 * r + 3];
     if (!(t > 0.0) || isinf(t) || bv == -INFINITY) {
         if (threadIdx.x == 0) out[r] = greedy;
         return;
@@ -127,16 +147,34 @@ extern "C" __global__ void sample_rows(const float* __restrict__ logits, const d
         if (threadIdx.x == 0) out[r] = greedy;
         return;
     }
-    // the nucleus: every p > edge, and the first `ties` of those equal to it (by id)
-    float edge = 0.f;
-    int ties = 0x7fffffff;
-    double kept = s;
+    // the top k: every p > kedge, and the first `kties` of those equal to it (by id); its
+    // mass `ks`. (k at or past the tokens above 0: no cut, as the host keeps them all.)
+    float kedge = 0.f;
+    int kties = 0x7fffffff;
+    double ks = s;
+    if (top_k >= 1.0 && top_k < (double)V) {
+        const int k = (int)top_k;
+        const float v = kth_value(p, V, k, redd);
+        if (v > 0.f) {  // else fewer than k are above 0: all of those are kept
+            const float nv = __uint_as_float(__float_as_uint(v) + 1);
+            const double n_above = v < 1.f ? count_ge(p, V, nv, redd) : 0.0;
+            kedge = v;
+            kties = k - (int)n_above;  // >= 1: fewer than k are above v
+            ks = (v < 1.f ? mass_ge(p, V, nv, redd) : 0.0) + (double)kties * v;
+        }
+    }
+    // the nucleus (inside the top k): every p > edge, and the first `ties` of those equal to
+    // it (by id)
+    float edge = kedge;
+    int ties = kties;
+    double kept = ks;
     const double tp = top_p != top_p ? 1.0 : fmax(fmin(top_p, 1.0), 1.17549435e-38);
     if (tp < 1.0) {
-        const double target = tp * s;
-        edge = edge_value(p, V, target, 0.f, 0.0, 0.0, redd);
+        const double target = tp * ks;
+        edge = edge_value(p, V, target, kedge, ks, ks, redd);
         const double above = edge < 1.f ? mass_ge(p, V, __uint_as_float(__float_as_uint(edge) + 1), redd) : 0.0;
         ties = max(1, (int)ceil((target - above) / (double)edge));
+        if (edge == kedge) ties = min(ties, kties);
         kept = above + (double)ties * edge;
     }
     // the drawn token: the same search inside the nucleus, for u times its mass

@@ -48,8 +48,7 @@ pub enum TokenPick {
     Sample {
         temperature: f32,
         top_p: f32,
-        /// 0: off. The GPU's sampling kernel does not take it: a step with a row that sets
-        /// it picks on the host (the scheduler sees to it).
+        /// 0: off.
         top_k: u32,
         u: f64,
     },

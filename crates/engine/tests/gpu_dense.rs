@@ -279,7 +279,8 @@ fn kernels_compile_with_nvrtc_for_each_supported_architecture() {
 #[test]
 fn gpu_sampling_follows_the_host_rule() {
     // the same prompt prefilled twice: once returning logits (sampled on the host by
-    // sampling::pick_token), once sampled on the GPU with the same (temperature, top_p, u)
+    // sampling::pick_token), once sampled on the GPU with the same (temperature, top_p,
+    // top_k, u)
     use moelane_engine::sampling::{pick_token, TokenPick};
     let Some((_dir, ckpt, mut e)) = mini_on_gpu(0) else {
         return;
@@ -288,12 +289,19 @@ fn gpu_sampling_follows_the_host_rule() {
     let mut rng = Rng::new(9);
     let (mut same, mut total, mut scratch) = (0, 0, Vec::new());
     for (i, prompt) in ps.iter().enumerate() {
-        for (t, top_p) in [
-            (0.0f32, 1.0f32),
-            (0.7, 0.9),
-            (1.0, 1.0),
-            (1.5, 0.5),
-            (1.0, 0.95),
+        for (t, top_p, top_k) in [
+            (0.0f32, 1.0f32, 0u32),
+            (0.7, 0.9, 0),
+            (1.0, 1.0, 0),
+            (1.5, 0.5, 0),
+            (1.0, 0.95, 0),
+            // top-k alone, under a nucleus, at 1 (greedy), past the vocabulary
+            (1.0, 1.0, 20),
+            (1.5, 1.0, 3),
+            (0.8, 0.9, 50),
+            (2.0, 0.3, 200),
+            (1.0, 1.0, 1),
+            (1.0, 0.95, 1 << 20),
         ] {
             let pick = if t == 0.0 {
                 TokenPick::Greedy
@@ -301,7 +309,7 @@ fn gpu_sampling_follows_the_host_rule() {
                 TokenPick::Sample {
                     temperature: t,
                     top_p,
-                    top_k: 0,
+                    top_k,
                     u: rng.uniform_f64(),
                 }
             };
@@ -326,8 +334,8 @@ fn gpu_sampling_follows_the_host_rule() {
             drop((a, b)); // their KV blocks go back
             same += (got == want) as usize;
             total += 1;
-            if pick == TokenPick::Greedy {
-                assert_eq!(got, want, "prompt {i}: greedy");
+            if pick == TokenPick::Greedy || top_k == 1 {
+                assert_eq!(got, want, "prompt {i}: greedy (or top_k 1)");
             }
         }
     }

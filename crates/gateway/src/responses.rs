@@ -194,7 +194,7 @@ impl Store {
 
 fn not_found(id: &str) -> ApiError {
     ApiError::NoSuch(
-        format!("Response with id '{id}' not found"),
+        format!("Response with id '{}' not found", short(id)),
         "response_not_found",
     )
 }
@@ -248,22 +248,85 @@ fn bad(m: impl Into<String>, param: &'static str) -> ApiError {
 fn content_text(c: &Value, at: &str) -> Result<String, ApiError> {
     match c {
         Value::String(s) => Ok(s.clone()),
-        Value::Null => Ok(String::new()),
         Value::Array(parts) => parts
             .iter()
-            .map(|p| match p["type"].as_str() {
-                Some("input_text" | "output_text" | "text") => {
-                    Ok(p["text"].as_str().unwrap_or_default().to_string())
-                }
-                t => Err(bad(format!("{at}: a {t:?} part is not supported"), "input")),
+            .enumerate()
+            .map(|(j, p)| match p["type"].as_str() {
+                Some("input_text" | "output_text" | "text") => match &p["text"] {
+                    Value::String(t) => Ok(t.clone()),
+                    x => Err(bad(
+                        format!("{at}[{j}].text must be a string, got {x}"),
+                        "input",
+                    )),
+                },
+                Some(t) => Err(bad(
+                    format!("{at}[{j}]: a part of type {t:?} is not supported (text only)"),
+                    "input",
+                )),
+                None => Err(bad(format!("{at}[{j}] has no `type`"), "input")),
             })
             .collect::<Result<Vec<_>, _>>()
             .map(|v| v.concat()),
+        Value::Null => Err(bad(format!("{at} is required"), "input")),
         x => Err(bad(
             format!("{at} must be a string or parts, got {x}"),
             "input",
         )),
     }
+}
+
+/// At most 64 characters of a client's id, for an error message.
+fn short(id: &str) -> String {
+    match id.char_indices().nth(64) {
+        Some((i, _)) => format!("{}...", &id[..i]),
+        None => id.to_string(),
+    }
+}
+
+/// A string field of an input item (named in the error when missing or not a string).
+fn item_str<'a>(it: &'a Value, key: &str, at: &str) -> Result<&'a str, ApiError> {
+    match &it[key] {
+        Value::String(s) => Ok(s),
+        Value::Null => Err(bad(format!("{at}.{key} is required"), "input")),
+        x => Err(bad(
+            format!("{at}.{key} must be a string, got {x}"),
+            "input",
+        )),
+    }
+}
+
+/// `metadata`: at most 16 string pairs, keys up to 64 characters, values up to 512.
+fn metadata(v: &Value) -> Result<Value, ApiError> {
+    let m = match v.get("metadata") {
+        None | Some(Value::Null) => return Ok(json!({})),
+        Some(Value::Object(m)) => m,
+        Some(x) => {
+            return Err(bad(
+                format!("`metadata` must be an object, got {x}"),
+                "metadata",
+            ))
+        }
+    };
+    if m.len() > 16 {
+        return Err(bad(
+            format!("`metadata` holds {} pairs; at most 16", m.len()),
+            "metadata",
+        ));
+    }
+    for (k, x) in m {
+        let ok = k.chars().count() <= 64 && x.as_str().is_some_and(|s| s.chars().count() <= 512);
+        if !ok {
+            return Err(bad(
+                format!(
+                    "`metadata` holds {:?}: keys are strings of up to 64 characters, values \
+                     strings of up to 512",
+                    short(k)
+                ),
+                "metadata",
+            ));
+        }
+    }
+    Ok(Value::Object(m.clone()))
 }
 
 /// A Responses request as the chat request the OpenAI chat route validates, and the
@@ -281,24 +344,47 @@ fn to_chat(v: &Value, prior: &[Value]) -> Result<(Value, Vec<Value>), ApiError> 
         }
     };
     let mut msgs = prior.to_vec();
+    // the calls a function_call_output may answer: those of the kept conversation and of
+    // this input
+    let mut calls: std::collections::HashSet<String> = prior
+        .iter()
+        .flat_map(|m| m["tool_calls"].as_array().into_iter().flatten())
+        .filter_map(|c| c["id"].as_str().map(str::to_string))
+        .collect();
     match v.get("input") {
         Some(Value::String(s)) => msgs.push(json!({"role": "user", "content": s})),
+        Some(Value::Array(items)) if items.is_empty() => {
+            return Err(bad("`input` is empty", "input"))
+        }
         Some(Value::Array(items)) => {
             for (i, it) in items.iter().enumerate() {
                 let at = format!("input[{i}]");
+                if !it.is_object() {
+                    return Err(bad(
+                        format!("{at} must be an item (an object), got {it}"),
+                        "input",
+                    ));
+                }
                 match it["type"].as_str() {
+                    None if it.get("type").is_some_and(|t| !t.is_null()) => {
+                        return Err(bad(format!("{at}.type must be a string"), "input"))
+                    }
                     None | Some("message") => {
                         let role = it["role"].as_str().unwrap_or_default();
                         if !["user", "assistant", "system", "developer"].contains(&role) {
                             return Err(bad(format!("{at}.role {role:?} is not user, assistant, system or developer"), "input"));
                         }
-                        let text = content_text(&it["content"], &at)?;
+                        let text = content_text(&it["content"], &format!("{at}.content"))?;
                         // consecutive assistant text and calls make one assistant turn
                         msgs.push(json!({"role": role, "content": text}));
                     }
                     Some("function_call") => {
-                        let call = json!({"id": it["call_id"], "type": "function",
-                            "function": {"name": it["name"], "arguments": it["arguments"].as_str().unwrap_or("{}")}});
+                        let id = item_str(it, "call_id", &at)?;
+                        let (name, arguments) =
+                            (item_str(it, "name", &at)?, item_str(it, "arguments", &at)?);
+                        calls.insert(id.to_string());
+                        let call = json!({"id": id, "type": "function",
+                            "function": {"name": name, "arguments": arguments}});
                         match msgs.last_mut() {
                             Some(m) if m["role"] == "assistant" => {
                                 if !m["tool_calls"].is_array() {
@@ -308,13 +394,33 @@ fn to_chat(v: &Value, prior: &[Value]) -> Result<(Value, Vec<Value>), ApiError> 
                                     a.push(call);
                                 }
                             }
-                            _ => msgs.push(json!({"role": "assistant", "content": null, "tool_calls": [call]})),
+                            _ => msgs.push(
+                                json!({"role": "assistant", "content": null, "tool_calls": [call]}),
+                            ),
                         }
                     }
-                    Some("function_call_output") => msgs.push(json!({"role": "tool",
-                        "tool_call_id": it["call_id"], "content": content_text(&it["output"], &at)?})),
+                    Some("function_call_output") => {
+                        let id = item_str(it, "call_id", &at)?;
+                        if !calls.contains(id) {
+                            return Err(bad(
+                                format!(
+                                    "{at}: no function call with call_id {:?} comes before this \
+                                     output",
+                                    short(id)
+                                ),
+                                "input",
+                            ));
+                        }
+                        msgs.push(json!({"role": "tool", "tool_call_id": id,
+                            "content": content_text(&it["output"], &format!("{at}.output"))?}));
+                    }
                     Some("reasoning") => {}
-                    Some(t) => return Err(bad(format!("{at}: an item of type {t:?} is not supported"), "input")),
+                    Some(t) => {
+                        return Err(bad(
+                            format!("{at}: an item of type {t:?} is not supported"),
+                            "input",
+                        ))
+                    }
                 }
             }
         }
@@ -442,6 +548,7 @@ fn function_call(st: &AppState, name: &str, arguments: &str) -> Value {
 /// What a response object repeats of its request, and where it is kept.
 struct Echo {
     id: String,
+    metadata: Value,
     previous: Option<String>,
     instructions: Value,
     /// Kept with this conversation once it completes (None: `store: false`).
@@ -482,7 +589,7 @@ fn response(
         "output": output, "incomplete_details": incomplete, "error": null, "instructions": e.instructions,
         "previous_response_id": e.previous, "store": e.keep.is_some(),
         "parallel_tool_calls": true, "tool_choice": if vr.tool_mode == ToolMode::Off { "none" } else { "auto" },
-        "tools": [], "temperature": vr.temperature, "top_p": vr.top_p, "metadata": {},
+        "tools": [], "temperature": vr.temperature, "top_p": vr.top_p, "metadata": e.metadata,
         "usage": {"input_tokens": vr.prompt.len(), "input_tokens_details": {"cached_tokens": 0},
                   "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
                   "total_tokens": vr.prompt.len() + completion}})
@@ -493,7 +600,17 @@ pub(crate) async fn responses(State(st): State<Arc<AppState>>, req: Request) -> 
     handle(st, req)
         .instrument(tracing::info_span!("POST /v1/responses"))
         .await
-        .unwrap_or_else(|e| e.for_field("input").into_response())
+        .unwrap_or_else(|e| {
+            // what the chat route's checks name `messages` is this route's `input`
+            let e = match e {
+                ApiError::BadRequest {
+                    message,
+                    param: Some("messages"),
+                } => ApiError::bad(message, Some("input")),
+                e => e.for_field("input"),
+            };
+            e.into_response()
+        })
 }
 
 async fn handle(st: Arc<AppState>, req: Request) -> Result<Response, ApiError> {
@@ -524,8 +641,9 @@ async fn handle(st: Arc<AppState>, req: Request) -> Result<Response, ApiError> {
             None => {
                 return Err(ApiError::Invalid {
                     message: format!(
-                        "Previous response with id '{p}' not found (responses are kept in \
-                         this gateway's memory, the oldest dropped past --responses-store-mb)"
+                        "Previous response with id '{}' not found (responses are kept in \
+                         this gateway's memory, the oldest dropped past --responses-store-mb)",
+                        short(p)
                     ),
                     param: "previous_response_id",
                     code: "previous_response_not_found",
@@ -536,12 +654,14 @@ async fn handle(st: Arc<AppState>, req: Request) -> Result<Response, ApiError> {
     let (chat, convo) = to_chat(&v, &prior)?;
     drop(prior);
     let instructions = v.get("instructions").cloned().unwrap_or(Value::Null);
+    let metadata = metadata(&v)?;
     drop(v);
     let mut vr = validate_off_runtime(&st, chat, true).await?;
     drop(turn);
     crate::server::account(&st, &mut active, &mut vr, client.clone())?;
     let mut echo = Echo {
         id: format!("resp_{}", hex(&st)),
+        metadata,
         previous,
         instructions,
         keep: (store && st.responses.cap > 0).then_some(convo),

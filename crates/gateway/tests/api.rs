@@ -2277,13 +2277,74 @@ async fn responses_are_kept_for_previous_response_id() {
     assert_error(st, &v, 400, "invalid_request_error", "not found");
     assert_eq!(v["error"]["param"], "previous_response_id", "{v}");
     assert_eq!(v["error"]["code"], "previous_response_not_found", "{v}");
+    // a long unknown id is not echoed whole
+    let long = "r".repeat(100_000);
+    let (st, v) = ask(json!({"model": "tiny", "previous_response_id": long, "input": "x"})).await;
+    assert_eq!(st, 400);
+    assert!(v.to_string().len() < 1000, "{} bytes", v.to_string().len());
     // wrong types are named
-    for (k, bad) in [("previous_response_id", json!(7)), ("store", json!("yes"))] {
+    for (k, bad) in [
+        ("previous_response_id", json!(7)),
+        ("store", json!("yes")),
+        ("metadata", json!(5)),
+        ("metadata", json!({"k": {"nested": 1}})),
+    ] {
         let mut req = json!({"model": "tiny", "input": "x"});
         req[k] = bad;
         let (st, v) = ask(req).await;
         assert_error(st, &v, 400, "invalid_request_error", k);
     }
+    // malformed items are 400s naming what is wrong, in `input`
+    for (input, says) in [
+        (json!([]), "`input` is empty"),
+        (json!(["hi"]), "input[0] must be an item"),
+        (
+            json!([{"role": "user", "content": null}]),
+            "input[0].content is required",
+        ),
+        (
+            json!([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
+            "\"input_image\" is not supported",
+        ),
+        (
+            json!([{"type": "function_call", "name": "f", "arguments": "{}"}]),
+            "input[0].call_id is required",
+        ),
+        (
+            json!([{"type": "function_call", "call_id": "c", "name": "f", "arguments": {"x": 1}}]),
+            "input[0].arguments must be a string",
+        ),
+        (
+            json!([{"type": "function_call_output", "output": "42"}]),
+            "input[0].call_id is required",
+        ),
+        (
+            json!([{"type": "function_call_output", "call_id": "zz", "output": "42"}]),
+            "no function call with call_id \"zz\"",
+        ),
+    ] {
+        let (st, v) = ask(json!({"model": "tiny", "input": input})).await;
+        assert_error(st, &v, 400, "invalid_request_error", says);
+        assert_eq!(v["error"]["param"], "input", "{v}");
+    }
+    // metadata is echoed and kept
+    let (st, m) = ask(
+        json!({"model": "tiny", "input": "x", "max_output_tokens": 2,
+        "metadata": {"run": "7"}}),
+    )
+    .await;
+    assert_eq!((st, &m["metadata"]), (200, &json!({"run": "7"})), "{m}");
+    let (_, got) = http(
+        gw,
+        "GET",
+        &format!("/v1/responses/{}", m["id"].as_str().unwrap()),
+        b"",
+    )
+    .await;
+    assert_eq!(
+        serde_json::from_str::<Value>(&got).unwrap()["metadata"],
+        json!({"run": "7"})
+    );
     // store: false keeps nothing
     let (_, r) =
         ask(json!({"model": "tiny", "input": "x", "max_output_tokens": 2, "store": false})).await;

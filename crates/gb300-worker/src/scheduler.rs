@@ -798,13 +798,11 @@ impl Scheduler {
                 }
             })
             .collect();
-        // a request with penalties, a bias, log-probabilities, a grammar or a top-k draw (which
-        // the GPU's sampling kernel does not take) takes the logits to the host for the whole
-        // step, where the same rule picks every row's token
-        let top_k_draw = |p: &TokenPick| matches!(p, TokenPick::Sample { top_k, .. } if *top_k > 0);
-        let host = active.iter().zip(&picks).any(|(&i, p)| {
+        // a request with penalties, a bias, log-probabilities or a grammar takes the logits to
+        // the host for the whole step, where the same rule picks every row's token
+        let host = active.iter().any(|&i| {
             let r = &self.running[i];
-            r.req.rules.on_host() || r.constrained() || top_k_draw(p)
+            r.req.rules.on_host() || r.constrained()
         }) || whole.contains(&true);
         // the grammars' next masks are made on the mask workers while the step runs (they
         // depend only on the tokens already followed)

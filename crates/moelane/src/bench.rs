@@ -251,6 +251,10 @@ pub enum BenchCmd {
         /// timing event after each: shows where a step's time goes, not its speed).
         #[arg(long)]
         profile: bool,
+        /// Draw every token on the GPU instead of the argmax: TEMPERATURE,TOP_P,TOP_K (top_k
+        /// 0: none), e.g. 0.7,0.95,20 (the sampling kernel's cost in the step).
+        #[arg(long, value_delimiter = ',')]
+        sample: Vec<f64>,
     },
     /// The sidecar process of `bench decode --placements gpu+nccl:N` (started by it).
     #[command(hide = true)]
@@ -545,7 +549,18 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             hollow,
             context,
             profile,
+            sample,
         } => crate::decode_bench::run(crate::decode_bench::DecodeArgs {
+            sample: match sample[..] {
+                [] => None,
+                [t, p, k] if t > 0.0 && p > 0.0 && p <= 1.0 && k >= 0.0 && k.fract() == 0.0 => {
+                    Some((t as f32, p as f32, k as u32))
+                }
+                _ => anyhow::bail!(
+                    "--sample {sample:?}: expected TEMPERATURE,TOP_P,TOP_K with a temperature \
+                     above 0, top_p in (0, 1] and a whole top_k of 0 or more"
+                ),
+            },
             compare_launches,
             compare_split,
             compare_prefill,

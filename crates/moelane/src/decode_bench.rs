@@ -31,6 +31,8 @@ pub struct DecodeArgs {
     pub context: usize,
     /// after each size, a profile: kernels launched one by one, a timing event after each
     pub profile: bool,
+    /// draw every token on the GPU (temperature, top_p, top_k) instead of the argmax
+    pub sample: Option<(f32, f32, u32)>,
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -43,6 +45,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
     use moelane_engine::cuda::Gpu;
     use moelane_engine::cuda_model;
     use moelane_engine::cuda_station::{self, Placement};
+    use moelane_engine::sampling::TokenPick;
     use moelane_engine::step::{Engine, SeqStep};
     use serde_json::json;
     use std::time::Instant;
@@ -188,6 +191,7 @@ pub fn run(a: DecodeArgs) -> Result<()> {
             resident as f64 / 1e9,
             a.device
         );
+        let draws = std::cell::Cell::new(a.seed);
         let step = |eng: &mut Engine,
                     seqs: &mut Vec<moelane_engine::kv::SeqKv>,
                     next: &mut Vec<Vec<u32>>|
@@ -197,7 +201,26 @@ pub fn run(a: DecodeArgs) -> Result<()> {
                 .zip(next.iter())
                 .map(|(kv, t)| SeqStep { kv, tokens: t })
                 .collect();
-            let ids = eng.step_argmax(&mut st)?;
+            let ids = match a.sample {
+                None => eng.step_argmax(&mut st)?,
+                Some((temperature, top_p, top_k)) => {
+                    // a fixed sequence of uniform numbers (a Weyl sequence): the draws vary
+                    // from step to step, the same in every run
+                    let picks: Vec<TokenPick> = (0..st.len())
+                        .map(|_| {
+                            let n = draws.get().wrapping_add(0x9E37_79B9_7F4A_7C15);
+                            draws.set(n);
+                            TokenPick::Sample {
+                                temperature,
+                                top_p,
+                                top_k,
+                                u: (n >> 11) as f64 / (1u64 << 53) as f64,
+                            }
+                        })
+                        .collect();
+                    eng.step_pick(&mut st, &picks)?
+                }
+            };
             for (n, t) in next.iter_mut().zip(ids) {
                 *n = vec![t];
             }

@@ -215,7 +215,7 @@ kernel_args! {
 }
 
 kernel_args! {
-    /// `sample_rows` (sampling.cu): temperature and top-p sampling per row.
+    /// `sample_rows` (sampling.cu): temperature, top-k and top-p sampling per row.
     SampleRows { logits: u64, spec: u64, probs: u64, out: u64, vocab: i32 }
 }
 

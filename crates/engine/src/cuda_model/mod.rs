@@ -800,7 +800,7 @@ pub struct GpuModel {
     meta: Buf<i32>,
     logits: Buf<f32>,
     amax: Buf<i32>,
-    /// per logit row (temperature, top_p, u) of a sampling head, and its probabilities
+    /// per logit row (temperature, top_p, top_k, u) of a sampling head, and its probabilities
     spec: Buf<f64>,
     probs: Buf<f32>,
     cold_src: Buf<f32>,
@@ -1787,7 +1787,7 @@ impl GpuModel {
         moved |= self.y.grow(&st, n * k * hs)?;
         moved |= self.logits.grow(&st, m * c.vocab_size)?;
         moved |= self.amax.grow(&st, m)?;
-        moved |= self.spec.grow(&st, 3 * m)?;
+        moved |= self.spec.grow(&st, 4 * m)?;
         let decode_only = n == seqs.len();
         let longest = rows.iter().map(|r| r.pos + 1).max().unwrap_or(1);
         // MLA's attention has one path (no position ranges): no partials to hold

@@ -34,15 +34,13 @@ impl GpuModel {
         let spec: Vec<f64> = picks
             .iter()
             .flat_map(|p| match *p {
-                TokenPick::Greedy => [0.0, 1.0, 0.0],
-                // (top_k is picked on the host: the scheduler takes such a step's logits
-                // there)
+                TokenPick::Greedy => [0.0, 1.0, 0.0, 0.0],
                 TokenPick::Sample {
                     temperature,
                     top_p,
+                    top_k,
                     u,
-                    ..
-                } => [temperature as f64, top_p as f64, u],
+                } => [temperature as f64, top_p as f64, top_k as f64, u],
             })
             .collect();
         self.spec.write(&st, &spec)
