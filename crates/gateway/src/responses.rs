@@ -667,7 +667,9 @@ async fn handle(st: Arc<AppState>, req: Request) -> Result<Response, ApiError> {
         keep: (store && st.responses.cap > 0).then_some(convo),
         client,
     };
-    let greq = generate_request(&vr, &echo.id);
+    // the lane's request id is not the response's: a kept response's id reaches its
+    // conversation (alone, on a gateway without keys), and lanes log their request ids
+    let greq = generate_request(&vr, &format!("respgen_{}", hex(&st)));
     let deadline = arrived + st.cfg.retry_deadline;
     if !vr.stream {
         let c = tokio::select! {
