@@ -5,7 +5,8 @@
 //! as output items (`reasoning`, `message` with `output_text`, `function_call`), whole or as
 //! its stream of events. A response is kept (`store`, default true, as OpenAI's) in the
 //! gateway's memory with the conversation it ends, for `previous_response_id` and
-//! `GET` / `DELETE /v1/responses/{id}`: [`Store`], bounded in bytes, the oldest dropped first.
+//! `GET` / `DELETE /v1/responses/{id}`: [`Store`], bounded in bytes (past the bound the
+//! owner holding the most loses its oldest first).
 
 use std::sync::Arc;
 use std::time::Instant;
