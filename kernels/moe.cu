@@ -361,8 +361,35 @@ extern "C" __global__ void scatter_rows(const float* __restrict__ src, const int
 
 // x[r] += sum_j w[r, j] * y[r*k + j], the k picks in router-rank order. grid: (rows,
 // ceil(H / blockDim)): several blocks per row, so a single decode row is not one SM's work.
+//
+// gidx (not null): the next MoE layer's guessed picks, most probable first, written by this
+// layer's top-k three kernels back, so final before the wait (as moe_down's prefetch).
+// Before its wait the grid asks the L2 for the first gk guesses' gate_up (gu_bytes each,
+// from gu_tab) and down (dn_bytes, dn_tab) in 64 KiB pieces spread over every block (extra
+// blocks beyond H only do this), so their bytes move while the next layer's attention and
+// router run. A wrong guess costs bandwidth, never a result.
 extern "C" __global__ void moe_combine(float* __restrict__ x, const float* __restrict__ y,
-                                       const float* __restrict__ wts, int k, int H) {
+                                       const float* __restrict__ wts, int k, int H,
+                                       const int* __restrict__ gidx,
+                                       const unsigned long long* __restrict__ gu_tab,
+                                       const unsigned long long* __restrict__ dn_tab, int gk,
+                                       unsigned long long gu_bytes, unsigned long long dn_bytes) {
+    if (gidx != 0) {
+        const unsigned long long piece = 1ull << 16;
+        const int cg = (int)((gu_bytes + piece - 1) / piece), cd = (int)((dn_bytes + piece - 1) / piece);
+        const int per = cg + cd, total = gk * per;
+        const int nb = gridDim.x * gridDim.y, b = blockIdx.y * gridDim.x + blockIdx.x;
+        for (int c = threadIdx.x * nb + b; c < total; c += nb * blockDim.x) {
+            const int s = c / per, q = c - s * per;
+            const int e = gidx[s];
+            const bool up = q < cg;
+            const unsigned long long base = up ? gu_tab[e] : dn_tab[e];
+            const unsigned long long off = (unsigned long long)(up ? q : q - cg) * piece;
+            const unsigned long long len = up ? gu_bytes : dn_bytes;
+            if (base != 0 && off < len)
+                prefetch_l2((const void*)(base + off), (unsigned)(len - off < piece ? len - off : piece));
+        }
+    }
     PDL_ENTRY();
     const int r = blockIdx.x;
     const int c = blockIdx.y * blockDim.x + threadIdx.x;

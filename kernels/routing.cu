@@ -79,14 +79,24 @@ __device__ __forceinline__ void topk_row_regs(const float* __restrict__ row, int
 // rounds of argmax are shuffles). With `regs` (E at most 32 * TOPK_REG, k at most 32) the
 // row stays in registers (topk_row_regs); else in dynamic shared memory (E floats): the
 // same arithmetic and picks. grid: rows; block: 32.
+//
+// gidx (not null): the grid's last row is a guess, the next MoE layer's router on this
+// layer's normed rows (see GpuModel::route): its picks go to gidx and gwts, not to idx.
 extern "C" __global__ void route_topk(const float* __restrict__ logits, int* __restrict__ idx,
-                                      float* __restrict__ wts, int E, int k, int norm, int regs) {
+                                      float* __restrict__ wts, int E, int k, int norm, int regs,
+                                      int* __restrict__ gidx, float* __restrict__ gwts) {
     PDL_ENTRY();
     extern __shared__ float p[];
     const int r = blockIdx.x, lane = threadIdx.x;
     const float* row = logits + (size_t)r * E;
+    int* oi = idx + r * k;
+    float* ow = wts + r * k;
+    if (gidx != 0 && r == (int)gridDim.x - 1) {
+        oi = gidx;
+        ow = gwts;
+    }
     if (regs && E <= 32 * TOPK_REG && k <= 32) {
-        topk_row_regs(row, idx + r * k, wts + r * k, E, k, norm);
+        topk_row_regs(row, oi, ow, E, k, norm);
         return;
     }
     float tot = 0.f;
@@ -113,7 +123,7 @@ extern "C" __global__ void route_topk(const float* __restrict__ logits, int* __r
                 if (p[i] > bv) { bv = p[i]; bi = i; }
             warp_argmax(bv, bi);
             if (bi >= E) bi = 0;
-            keep_pick(j, k, bv, bi, mine, mi, idx + r * k, wts + r * k);
+            keep_pick(j, k, bv, bi, mine, mi, oi, ow);
             if (lane == 0) p[bi] = -1.f;
             tot += bv;
             __syncwarp();
@@ -121,11 +131,11 @@ extern "C" __global__ void route_topk(const float* __restrict__ logits, int* __r
     }
     if (k <= 32) {
         if (lane < k) {
-            idx[r * k + lane] = mi;
-            wts[r * k + lane] = norm ? mine / tot : mine;
+            oi[lane] = mi;
+            ow[lane] = norm ? mine / tot : mine;
         }
     } else if (lane == 0 && norm) {
-        for (int j = 0; j < k; j++) wts[r * k + j] /= tot;
+        for (int j = 0; j < k; j++) ow[j] /= tot;
     }
 }
 

@@ -798,6 +798,50 @@ fn families_on_the_gpu_match_transformers() {
     }
 }
 
+/// How many rows of `a` equal `b`'s bit for bit.
+fn same_bits(a: &[Vec<f32>], b: &[Vec<f32>]) -> usize {
+    a.iter()
+        .zip(b)
+        .filter(|(a, b)| {
+            a.iter()
+                .map(|x| x.to_bits())
+                .eq(b.iter().map(|x| x.to_bits()))
+        })
+        .count()
+}
+
+/// The GPU and `mini` (seed 1) in a temporary directory, with what the one-row tests
+/// decode: the preset's hot experts per layer, engine options and 3 prompts.
+struct Mini {
+    gpu: std::sync::Arc<Gpu>,
+    _dir: tempfile::TempDir,
+    hot: usize,
+    ckpt: Checkpoint,
+    opts: EngineOptions,
+    ps: Vec<Vec<u32>>,
+}
+
+/// [`Mini`]; None (the test skips) without a GPU.
+fn mini_files() -> Option<Mini> {
+    let gpu = gpu()?;
+    let dir = tempfile::tempdir().unwrap();
+    let p = moelane_engine::synth::Preset::by_name("mini").unwrap();
+    moelane_engine::synth::generate(&p, 1, dir.path()).unwrap();
+    let ckpt = Checkpoint::open(dir.path()).unwrap();
+    let ps = prompts(ckpt.config.vocab_size, 3);
+    Some(Mini {
+        gpu,
+        _dir: dir,
+        hot: p.hot,
+        ckpt,
+        opts: EngineOptions {
+            kv_tokens: 4096,
+            progress: false,
+        },
+        ps,
+    })
+}
+
 #[test]
 fn one_row_persistent_step_matches_the_chain() {
     // a single decode row's MoE layers as the persistent kernel (step_one.cu) against the
@@ -806,18 +850,19 @@ fn one_row_persistent_step_matches_the_chain() {
     // ranges and the kernel merges them), all hot; the logits of every step the same bit
     // for bit, and the persistent kernel did run
     use moelane_engine::cuda_model::{attach_gpu, GpuModel, GpuOptions, WeightMode};
-    let Some(gpu) = gpu() else { return };
-    let dir = tempfile::tempdir().unwrap();
-    let p = moelane_engine::synth::Preset::by_name("mini").unwrap();
-    moelane_engine::synth::generate(&p, 1, dir.path()).unwrap();
-    let ckpt = Checkpoint::open(dir.path()).unwrap();
-    let opts = EngineOptions {
-        kv_tokens: 4096,
-        progress: false,
+    let Some(Mini {
+        gpu,
+        _dir,
+        hot,
+        ckpt,
+        opts,
+        ps,
+    }) = mini_files()
+    else {
+        return;
     };
-    let ps = prompts(ckpt.config.vocab_size, 3);
     for weights in [WeightMode::Stored, WeightMode::F32] {
-        let (_, map) = maps(&ckpt, p.hot).remove(0);
+        let (_, map) = maps(&ckpt, hot).remove(0);
         let mut e = engine_from(&ckpt, map, &opts).unwrap();
         let dense = moelane_engine::model::DenseWeights::load(&ckpt).unwrap();
         let g = GpuModel::with_options(
@@ -859,15 +904,7 @@ fn one_row_persistent_step_matches_the_chain() {
             chain_picks == one_picks,
             "{weights:?}: the persistent step's picks differ from the chain's"
         );
-        let same = chain
-            .iter()
-            .zip(&one)
-            .filter(|(a, b)| {
-                a.iter()
-                    .map(|x| x.to_bits())
-                    .eq(b.iter().map(|x| x.to_bits()))
-            })
-            .count();
+        let same = same_bits(&chain, &one);
         eprintln!(
             "{weights:?}: {runs} runs took the persistent step; {same}/{} steps' logits bit-identical to the chain's",
             chain.len()
@@ -881,6 +918,95 @@ fn one_row_persistent_step_matches_the_chain() {
             chain.len(),
             "{weights:?}: logits differ from the chain's"
         );
+    }
+}
+
+#[test]
+fn next_layer_guesses_change_no_result() {
+    // a single row's router guessing the next MoE layer's picks, the combine asking the L2
+    // for them (MOELANE_CUDA_GUESS): `mini` in bf16 as stored and widened to f32, all hot
+    // and the preset's split, 3 prompts decoded for 40 greedy steps; every step's logits
+    // and picks bit for bit those without guesses, and the guesses ran (named some picks)
+    use moelane_engine::cuda_model::{attach_gpu, GpuModel, GpuOptions, WeightMode};
+    let Some(Mini {
+        gpu,
+        _dir,
+        hot,
+        ckpt,
+        opts,
+        ps,
+    }) = mini_files()
+    else {
+        return;
+    };
+    let dense = moelane_engine::model::DenseWeights::load(&ckpt).unwrap();
+    for weights in [WeightMode::Stored, WeightMode::F32] {
+        for (which, map) in maps(&ckpt, hot).into_iter().take(2) {
+            // every step's logits, the picks counted, and the guesses' (hits, of)
+            type Run = (Vec<Vec<f32>>, Vec<Vec<u64>>, (usize, usize));
+            let run = |guess: bool| -> Run {
+                let mut e = engine_from(&ckpt, map.clone(), &opts).unwrap();
+                let g = GpuModel::with_options(
+                    gpu.clone(),
+                    &ckpt.config,
+                    &dense,
+                    e.kv.blocks,
+                    GpuOptions {
+                        weights,
+                        guess,
+                        ..GpuOptions::default()
+                    },
+                )
+                .unwrap();
+                assert_eq!(g.guesses(), guess, "{weights:?}: the stacked routers");
+                attach_gpu(&mut e, g).unwrap();
+                let mut logits = Vec::new();
+                let mut hits = (0, 0);
+                for prompt in &ps {
+                    let mut seq = e.kv.new_seq();
+                    let mut toks = prompt.clone();
+                    for _ in 0..=40 {
+                        let l = e
+                            .step(&mut [SeqStep {
+                                kv: &mut seq,
+                                tokens: &toks,
+                            }])
+                            .unwrap();
+                        toks = vec![moelane_engine::sampling::argmax(&l) as u32];
+                        logits.push(l);
+                        let (h, of) = e.gpu_mut().unwrap().guess_hits().unwrap();
+                        hits = (hits.0 + h, hits.1 + of);
+                    }
+                }
+                (logits, e.counters.picks.clone(), hits)
+            };
+            let (plain, plain_picks, none) = run(false);
+            let (guessed, guessed_picks, hits) = run(true);
+            assert_eq!(none, (0, 0), "guesses counted with guesses off");
+            assert!(
+                plain_picks == guessed_picks,
+                "{weights:?} {which}: the picks differ with guesses"
+            );
+            let same = same_bits(&plain, &guessed);
+            assert_eq!(
+                same,
+                plain.len(),
+                "{weights:?} {which}: logits differ with guesses"
+            );
+            eprintln!(
+                "{weights:?} {which}: the next-layer guesses named {} of {} picks",
+                hits.0, hits.1
+            );
+            // every decode step guesses layers 1.. (the prefills, of several rows, do not)
+            assert!(
+                hits.1
+                    >= 3 * 40
+                        * (ckpt.config.moe_layers().len() - 1)
+                        * ckpt.config.num_experts_per_tok
+                    && hits.0 > 0,
+                "{weights:?} {which}: the guesses did not run ({hits:?})"
+            );
+        }
     }
 }
 

@@ -268,6 +268,8 @@ pub fn run(a: DecodeArgs) -> Result<()> {
             }
             let label = format!("{name}{}", mode.suffix);
             let mut reps = Vec::new();
+            // the next-layer guesses' hits (MOELANE_CUDA_GUESS=1): the last step of each rep
+            let mut guessed = (0usize, 0usize);
             for _ in 0..a.reps.max(1) {
                 let mut seqs: Vec<_> = (0..b).map(|_| eng.kv.new_seq()).collect();
                 let mut next: Vec<Vec<u32>> = (0..b)
@@ -298,6 +300,10 @@ pub fn run(a: DecodeArgs) -> Result<()> {
                     step(&mut eng, &mut seqs, &mut next)?;
                 }
                 let dt = t0.elapsed().as_secs_f64();
+                if let Some(g) = eng.gpu_mut().filter(|g| b == 1 && g.guesses()) {
+                    let (hits, of) = g.guess_hits()?;
+                    guessed = (guessed.0 + hits, guessed.1 + of);
+                }
                 let c1 = &eng.counters;
                 let steps = a.steps as f64;
                 let hot_loads = (c1.hot_expert_loads - c0.hot_expert_loads) as f64;
@@ -343,6 +349,14 @@ pub fn run(a: DecodeArgs) -> Result<()> {
             );
             if a.context > 0 {
                 println!("{label:>13} {b:>6} prefill {prefill_tps:.0} tok/s (median)");
+            }
+            if guessed.1 > 0 {
+                println!(
+                    "{label:>13} {b:>6} next-layer guesses named {} of {} picks ({:.1}%)",
+                    guessed.0,
+                    guessed.1,
+                    100.0 * guessed.0 as f64 / guessed.1 as f64
+                );
             }
             if a.profile && mode.suffix.is_empty() {
                 if let Some(g) = eng.gpu_mut() {

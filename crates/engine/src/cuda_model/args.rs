@@ -135,7 +135,10 @@ kernel_args! {
 
 kernel_args! {
     /// `route_topk` (routing.cu): the router's softmax and top-k per row.
-    RouteTopk { logits: u64, idx: u64, wts: u64, experts: i32, k: i32, norm: i32, regs: i32 }
+    RouteTopk {
+        logits: u64, idx: u64, wts: u64, experts: i32, k: i32, norm: i32, regs: i32, gidx: u64,
+        gwts: u64,
+    }
 }
 
 kernel_args! {
@@ -191,7 +194,10 @@ kernel_args! {
 
 kernel_args! {
     /// `moe_combine` (moe.cu): x += the picks' outputs weighted, in rank order.
-    MoeCombine { x: u64, y: u64, wts: u64, k: i32, h: i32 }
+    MoeCombine {
+        x: u64, y: u64, wts: u64, k: i32, h: i32, gidx: u64, gu_tab: u64, dn_tab: u64, gk: i32,
+        gu_bytes: u64, dn_bytes: u64,
+    }
 }
 
 kernel_args! {

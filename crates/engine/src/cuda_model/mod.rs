@@ -175,6 +175,12 @@ pub struct GpuOptions {
     /// layers allow it (`MOELANE_CUDA_PERSIST=1`; off by default: the chain of kernels, the
     /// same sums, measured faster).
     pub persist: bool,
+    /// A single decode row's router also guesses the next MoE layer's picks (that layer's
+    /// router on this layer's normed row), and the combine asks the L2 for the most probable
+    /// guessed expert's bytes, so they move while the next layer's attention runs
+    /// (`MOELANE_CUDA_GUESS=1`; off by default: measured no faster, see `GUESS_PREFETCH`).
+    /// The picks and the sums are the same either way.
+    pub guess: bool,
     /// Step kernels launched hollow, a diagnostic (`MOELANE_CUDA_HOLLOW`, see
     /// [`GpuModel::set_hollow`]); empty in serving.
     pub hollow: Vec<String>,
@@ -223,6 +229,7 @@ impl Default for GpuOptions {
             preload: true,
             fuse: false,
             persist: false,
+            guess: false,
             hollow: Vec::new(),
             weights: WeightMode::Stored,
         }
@@ -241,6 +248,7 @@ impl GpuOptions {
             preload: env_on("MOELANE_CUDA_PRELOAD"),
             fuse: std::env::var("MOELANE_CUDA_FUSE").is_ok_and(|v| v == "1"),
             persist: std::env::var("MOELANE_CUDA_PERSIST").is_ok_and(|v| v == "1"),
+            guess: std::env::var("MOELANE_CUDA_GUESS").is_ok_and(|v| v == "1"),
             hollow: std::env::var("MOELANE_CUDA_HOLLOW")
                 .map(|v| hollow_list(&v))
                 .unwrap_or_default(),
@@ -724,6 +732,10 @@ struct Layer {
     /// false: q_norm and k_norm are one-float placeholders (the family has none)
     qk_norm: bool,
     router: Option<DevMat>,
+    /// with guesses on: `[2E, H]`, this router's rows, then the next MoE layer's with each
+    /// column scaled by that layer's norm weight over this one's (so that the product on
+    /// this layer's normed row is the next router on the row normed as that layer would)
+    router_guess: Option<DevMat>,
     /// the sigmoid router's correction bias (`[E]`)
     router_bias: Option<Buf<f32>>,
     mlp: Option<(DevMat, DevMat)>,
@@ -890,6 +902,10 @@ pub struct GpuModel {
     one_bar: Buf<u32>,
     /// runs that took it (a diagnostic: tests check it ran)
     one_runs: u64,
+    /// the guessed picks of each MoE layer (`[moe, k]`, from the layer before's router;
+    /// [`GpuOptions::guess`]) and their weights (`[k]`, unused)
+    guess_idx: Buf<i32>,
+    guess_wts: Buf<f32>,
 }
 
 impl Drop for GpuModel {
@@ -926,6 +942,14 @@ const ATT_WARPS: usize = 16;
 
 /// Router logits per lane the top-k keeps in registers (TOPK_REG of kernels/routing.cu).
 const TOPK_REG: usize = 16;
+/// Blocks of the combine that asks the L2 for the next layer's guessed experts (about one
+/// per SM on an H100 or H200: the prefetch's pieces spread over their copy engines' queues).
+const GUESS_BLOCKS: usize = 128;
+/// The guessed experts whose bytes the combine asks the L2 for: the most probable alone.
+/// Measured on an H100 (station bf16, batch 1, docs/PERFORMANCE.md): all six guesses 0.88x
+/// of no guess, the gate half of each 0.99x, two 1.00x, one 1.005x; the guess alone (no
+/// prefetch) 0.99x. The prefetched bytes queue ahead of the small kernels' own loads.
+const GUESS_PREFETCH: usize = 1;
 /// Picks a row's fused down-projection and combine takes at most (K1_MAX of kernels/moe.cu).
 const K1_MAX: usize = 8;
 
@@ -1001,7 +1025,9 @@ pub enum Op {
     /// MoE layer `ml`'s experts and the combine in one (a single row, every pick on this
     /// GPU: [`GpuModel::fuses_combine`])
     MoeOne(usize),
-    Combine,
+    /// x += the picks' outputs; the (decoder, MoE) layer of the route it follows, whose
+    /// guess of the next layer's picks it may ask the L2 for ([`GpuModel::combine`])
+    Combine(Option<(usize, usize)>),
     DenseMlp(usize),
     /// the shared expert of decoder layer l (qwen2_moe gated, glm4_moe not)
     Shared(usize),
@@ -1042,11 +1068,16 @@ fn decode_wave(gpu: &Gpu, f: &Funcs, head_dim: usize) -> Result<usize> {
 }
 
 /// Every decoder layer's dense weights on the device.
-fn upload_layers(st: &Arc<CudaStream>, w: &DenseWeights, mode: WeightMode) -> Result<Vec<Layer>> {
+fn upload_layers(
+    st: &Arc<CudaStream>,
+    w: &DenseWeights,
+    mode: WeightMode,
+    guess: bool,
+) -> Result<Vec<Layer>> {
     let up = |v: &[f32]| Buf::from_host(st, v);
     let mat = |m: &crate::ops::Matrix| DevMat::upload_dense(st, m, mode);
     let mut layers = Vec::with_capacity(w.layers.len());
-    for l in &w.layers {
+    for (i, l) in w.layers.iter().enumerate() {
         layers.push(Layer {
             input_norm: up(&l.input_norm)?,
             post_norm: up(&l.post_norm)?,
@@ -1070,6 +1101,10 @@ fn upload_layers(st: &Arc<CudaStream>, w: &DenseWeights, mode: WeightMode) -> Re
                 &l.k_norm
             })?,
             router: l.router.as_ref().map(mat).transpose()?,
+            router_guess: match guess.then(|| guess_router(&w.layers, i)).flatten() {
+                Some(m) => Some(mat(&m)?),
+                None => None,
+            },
             router_bias: (!l.router_bias.is_empty())
                 .then(|| up(&l.router_bias))
                 .transpose()?,
@@ -1101,6 +1136,57 @@ fn upload_layers(st: &Arc<CudaStream>, w: &DenseWeights, mode: WeightMode) -> Re
         });
     }
     Ok(layers)
+}
+
+/// Decoder layer `i`'s router stacked over the next MoE layer's (`[2E, H]`, see
+/// `Layer::router_guess`), in the routers' own dtype, f32 or bf16 (this router's rows bit
+/// for bit); None for the last MoE layer, routers of other shapes or dtypes.
+fn guess_router(layers: &[crate::model::LayerWeights], i: usize) -> Option<crate::ops::Matrix> {
+    use crate::ops::{Bf16, Elem, Elems, Matrix};
+    let l = &layers[i];
+    let cur = l.router.as_ref()?;
+    let nl = layers.get(i + 1..)?.iter().find(|n| n.router.is_some())?;
+    let next = nl.router.as_ref()?;
+    let h = cur.cols;
+    if next.rows != cur.rows || next.cols != h || l.post_norm.len() != h || nl.post_norm.len() != h
+    {
+        return None;
+    }
+    let ratio: Vec<f32> = nl
+        .post_norm
+        .iter()
+        .zip(&l.post_norm)
+        .map(|(&a, &b)| {
+            let r = a / b;
+            if r.is_finite() {
+                r
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let data = match (&cur.data, &next.data) {
+        (Elems::F32(c), Elems::F32(nx)) => {
+            let mut v = c.clone();
+            for row in nx.chunks(h) {
+                v.extend(row.iter().zip(&ratio).map(|(w, r)| w * r));
+            }
+            Elems::F32(v)
+        }
+        (Elems::Bf16(c), Elems::Bf16(nx)) => {
+            let mut v = c.clone();
+            for row in nx.chunks(h) {
+                v.extend(
+                    row.iter()
+                        .zip(&ratio)
+                        .map(|(w, r)| Bf16(half::bf16::from_f32(w.f32() * r).to_bits())),
+                );
+            }
+            Elems::Bf16(v)
+        }
+        _ => return None,
+    };
+    Some(Matrix::of(2 * cur.rows, h, data))
 }
 
 /// The dtype a GPU keeps an expert's weights in: bf16 when both of its matrices are bf16,
@@ -1270,7 +1356,7 @@ impl GpuModel {
         let one_grid = step_one::one_grid(&gpu, [&f.step_one.f32, &f.step_one.bf16], cfg.head_dim)?;
         let up = |v: &[f32]| Buf::from_host(&st, v);
         let mode = opts.weights;
-        let layers = upload_layers(&st, w, mode)?;
+        let layers = upload_layers(&st, w, mode, opts.guess)?;
         let embed = DevMat::upload(&st, &w.embed, mode)?;
         let head = w
             .lm_head
@@ -1377,6 +1463,8 @@ impl GpuModel {
             one_lay: None,
             one_bar: Buf::zeros(&st, step_one::ONE_BAR_WORDS)?,
             one_runs: 0,
+            guess_idx: Buf::zeros(&st, moe.max(1) * cfg.num_experts_per_tok)?,
+            guess_wts: Buf::zeros(&st, cfg.num_experts_per_tok.max(1))?,
             layers,
             cfg: cfg.clone(),
             f,
@@ -1780,7 +1868,8 @@ impl GpuModel {
         if let Some(ml) = &c.mla {
             moved |= self.mla_s.grow(&st, mla_scratch_floats(c, ml, n))?;
         }
-        moved |= self.rlog.grow(&st, n * ne)?;
+        // a single row's router may add a guessed row (`route`)
+        moved |= self.rlog.grow(&st, n.max(2) * ne)?;
         moved |= self.idx.grow(&st, self.moe.max(1) * n * k)?;
         moved |= self.wts.grow(&st, n * k)?;
         moved |= self.act.grow(&st, n * k * c.moe_intermediate_size)?;
@@ -1907,7 +1996,7 @@ impl GpuModel {
             Op::Route(l, ml) => self.route(l, ml),
             Op::Moe(ml) => self.moe(ml, false),
             Op::MoeOne(ml) => self.moe(ml, true),
-            Op::Combine => self.combine(),
+            Op::Combine(at) => self.combine(at),
             Op::DenseMlp(l) => self.dense_mlp(l),
             Op::Shared(l) => self.shared_expert(l),
             Op::Head(out) => self.head(out),
@@ -1919,6 +2008,70 @@ impl GpuModel {
 
 #[cfg(test)]
 mod tests {
+    use crate::model::LayerWeights;
+    use crate::ops::{Bf16, Elems, Matrix};
+
+    fn layer(router: Option<Matrix>, post_norm: Vec<f32>) -> LayerWeights {
+        LayerWeights {
+            input_norm: vec![1.0; 4],
+            post_norm,
+            qkv: Matrix::zeros(0, 4),
+            mla: None,
+            o: Matrix::zeros(4, 4),
+            q_norm: Vec::new(),
+            k_norm: Vec::new(),
+            qkv_bias: Vec::new(),
+            shared: None,
+            router_bias: Vec::new(),
+            router,
+            dense_mlp: None,
+            router_logit_bias: Vec::new(),
+            o_bias: Vec::new(),
+            sinks: Vec::new(),
+        }
+    }
+
+    /// The stacked router of a guessing layer: its own rows bit for bit, then the next MoE
+    /// layer's (a dense layer between skipped) with each column times that layer's norm
+    /// weight over this one's (0 where this one's is 0); none for the last MoE layer or
+    /// routers of different dtypes.
+    #[test]
+    fn the_stacked_router_is_this_one_then_the_next_rescaled() {
+        let bf = |v: &[f32]| {
+            Elems::Bf16(
+                v.iter()
+                    .map(|&x| Bf16(half::bf16::from_f32(x).to_bits()))
+                    .collect(),
+            )
+        };
+        let r0 = [1.0, 2.0, 3.0, 4.0, -1.0, -2.0, -3.0, -4.0];
+        let r2 = [0.5, 0.25, 1.0, 2.0, 8.0, -8.0, 4.0, -4.0];
+        let layers = vec![
+            layer(Some(Matrix::of(2, 4, bf(&r0))), vec![1.0, 2.0, 0.0, 4.0]),
+            layer(None, vec![1.0; 4]),
+            layer(Some(Matrix::of(2, 4, bf(&r2))), vec![2.0, 2.0, 5.0, 1.0]),
+            layer(Some(Matrix::new(2, 4, r0.to_vec())), vec![1.0; 4]),
+        ];
+        let g = super::guess_router(&layers, 0).expect("layer 0 guesses layer 2");
+        assert_eq!((g.rows, g.cols), (4, 4));
+        let got = g.to_f32();
+        assert_eq!(&got[..8], &r0[..], "this router's rows");
+        let ratio = [2.0, 1.0, 0.0, 0.25];
+        let want: Vec<f32> = r2
+            .iter()
+            .enumerate()
+            .map(|(i, w)| w * ratio[i % 4])
+            .collect();
+        assert_eq!(&got[8..], &want[..], "the next router's rows, rescaled");
+        // a bf16 router followed by an f32 one, and the last MoE layer: no guess
+        assert!(super::guess_router(&layers, 2).is_none());
+        assert!(super::guess_router(&layers, 3).is_none());
+        assert!(
+            super::guess_router(&layers, 1).is_none(),
+            "a dense layer has no router"
+        );
+    }
+
     /// The file lists that `MOELANE_KERNELS_DIR` reads make the embedded sources exactly.
     #[test]
     fn kernel_file_lists_match_the_embedded_sources() {

@@ -198,7 +198,11 @@ impl StepBackend for GpuStep {
                 return Ok(());
             }
         }
-        self.ops.push(Op::Combine);
+        let at = self.ops.iter().rev().find_map(|op| match *op {
+            Op::Route(l, ml) => Some((l, ml)),
+            _ => None,
+        });
+        self.ops.push(Op::Combine(at));
         Ok(())
     }
 

@@ -135,7 +135,7 @@ impl GpuModel {
                 [Op::Attention(l), Op::Route(l2, ml), Op::Moe(ml2)]
                     if l == l2
                         && ml == ml2
-                        && ops.get(i + 3) == Some(&Op::Combine)
+                        && matches!(ops.get(i + 3), Some(Op::Combine(_)))
                         && self.persist_layer(*l, *ml) =>
                 {
                     Some((*l, *ml, 4))
@@ -280,7 +280,7 @@ impl GpuModel {
                 self.attention(l0 + i)?;
                 self.route(l0 + i, ml0 + i)?;
                 self.moe(ml0 + i, false)?;
-                self.combine()?;
+                self.combine(Some((l0 + i, ml0 + i)))?;
             }
             return Ok(());
         }

@@ -481,7 +481,22 @@ impl GpuModel {
             .ok_or_else(|| Error::Internal(format!("layer {l} is not a MoE layer")))?;
         let idx = self.idx.p + (4 * ml * n * k) as u64;
         let (e, ki, norm) = (ne as i32, k as i32, c.norm_topk_prob as i32);
-        if self.fuse
+        let guess = self.guess_ok(l, ml);
+        if let Some(g) = &guess {
+            // one row: its logits, then the guessed row of the next MoE layer's ([2E]), the
+            // product's real rows bit for bit those of the router alone; no fused router,
+            // logit bias or sigmoid routing (guess_ok), so the top-k below routes both rows
+            self.normed_product(
+                "norm_gemv_rows:router",
+                *g,
+                2 * ne,
+                self.x.p,
+                lw.post_norm.p,
+                self.h.p,
+                1,
+                self.rlog.p,
+            )?;
+        } else if self.fuse
             && n <= 4
             && router.w().dt != Wdt::F8
             && lw.router_logit_bias.is_none()
@@ -522,51 +537,61 @@ impl GpuModel {
                     grid(ne.div_ceil(8), 1, 256, 0),
                 )
             };
-        }
-        // h (the normed rows) feeds the experts: written by the fused kernel or the norm
-        self.normed_product(
-            "norm_gemv_rows:router",
-            router.w(),
-            ne,
-            self.x.p,
-            lw.post_norm.p,
-            self.h.p,
-            n,
-            self.rlog.p,
-        )?;
-        if let Some(b) = &lw.router_logit_bias {
-            // gpt_oss's router has a bias on its logits
-            self.bias_rows(self.rlog.p, b, ne)?;
-        }
-        if let Routing::SigmoidGrouped {
-            n_group,
-            topk_group,
-        } = c.routing
-        {
-            let mut a = args::RouteSigmoid {
-                logits: self.rlog.p,
-                bias: lw.router_bias.as_ref().map_or(0, |b| b.p),
-                idx,
-                wts: self.wts.p,
-                experts: e,
-                k: ki,
-                norm,
-                n_group: n_group as i32,
-                topk_group: topk_group as i32,
-                scale: c.routed_scaling_factor,
-            };
-            // SAFETY: rlog holds n rows of E, the bias (when set) E floats; idx has room for
-            // the ml-th layer's n*k ids; 2 E + 2 n_group floats of shared memory.
-            return unsafe {
-                self.launch(
-                    &self.f.route_sigmoid,
-                    "route_sigmoid",
-                    &mut a.params(),
-                    grid(n, 1, 32, (2 * ne + 2 * n_group) * 4),
-                )
-            };
+        } else {
+            // h (the normed rows) feeds the experts: written by the fused kernel or the norm
+            self.normed_product(
+                "norm_gemv_rows:router",
+                router.w(),
+                ne,
+                self.x.p,
+                lw.post_norm.p,
+                self.h.p,
+                n,
+                self.rlog.p,
+            )?;
+            if let Some(b) = &lw.router_logit_bias {
+                // gpt_oss's router has a bias on its logits
+                self.bias_rows(self.rlog.p, b, ne)?;
+            }
+            if let Routing::SigmoidGrouped {
+                n_group,
+                topk_group,
+            } = c.routing
+            {
+                let mut a = args::RouteSigmoid {
+                    logits: self.rlog.p,
+                    bias: lw.router_bias.as_ref().map_or(0, |b| b.p),
+                    idx,
+                    wts: self.wts.p,
+                    experts: e,
+                    k: ki,
+                    norm,
+                    n_group: n_group as i32,
+                    topk_group: topk_group as i32,
+                    scale: c.routed_scaling_factor,
+                };
+                // SAFETY: rlog holds n rows of E, the bias (when set) E floats; idx has room for
+                // the ml-th layer's n*k ids; 2 E + 2 n_group floats of shared memory.
+                return unsafe {
+                    self.launch(
+                        &self.f.route_sigmoid,
+                        "route_sigmoid",
+                        &mut a.params(),
+                        grid(n, 1, 32, (2 * ne + 2 * n_group) * 4),
+                    )
+                };
+            }
         }
         let regs = (self.register_topk && ne <= TOPK_REG * 32) as i32;
+        // with a guess, a second row: the next layer's picks into guess_idx
+        let (rows, gidx, gwts) = match guess {
+            Some(_) => (
+                2,
+                self.guess_idx.p + (4 * (ml + 1) * k) as u64,
+                self.guess_wts.p,
+            ),
+            None => (n, 0, 0),
+        };
         let mut a = args::RouteTopk {
             logits: self.rlog.p,
             idx,
@@ -575,19 +600,80 @@ impl GpuModel {
             k: ki,
             norm,
             regs,
+            gidx,
+            gwts,
         };
         let smem = if regs != 0 { 0 } else { ne * 4 };
-        // SAFETY: rlog holds n rows of E; idx has room for the ml-th layer's n*k ids; E
-        // floats of shared memory unless the row stays in registers (E <= 32 * TOPK_REG).
+        // SAFETY: rlog holds `rows` rows of E (at least 2 rows, grown in `begin`); idx has
+        // room for the ml-th layer's n*k ids, guess_idx for layer ml + 1's k (ml + 1 < moe,
+        // guess_ok), guess_wts k; E floats of shared memory unless the row stays in registers
+        // (E <= 32 * TOPK_REG).
         unsafe {
             self.launch(
                 &self.f.route_topk,
                 "route_topk",
                 &mut a.params(),
-                grid(n, 1, 32, smem),
+                grid(rows, 1, 32, smem),
             )
         }?;
         Ok(())
+    }
+
+    /// The stacked router (`Layer::router_guess`) when decoder layer `l` (MoE layer `ml`)
+    /// guesses the next MoE layer's picks this step: guesses on, a single row, the softmax
+    /// router without a logit bias on the plain chain (no fused router, no persistent step),
+    /// the top-k in registers, and a MoE layer after it.
+    fn guess_ok(&self, l: usize, ml: usize) -> Option<W> {
+        let c = &self.cfg;
+        let lw = &self.layers[l];
+        let g = lw.router_guess.as_ref()?;
+        let ok = self.n == 1
+            && !self.fuse
+            && !self.persist
+            && ml + 1 < self.moe
+            && g.dt != Wdt::F8
+            && lw.router_logit_bias.is_none()
+            && c.routing == Routing::Softmax
+            && self.register_topk
+            && c.num_experts <= TOPK_REG * 32
+            && c.num_experts_per_tok <= 32
+            && self.hollow.is_empty();
+        ok.then(|| g.w())
+    }
+
+    /// Whether MoE layer `ml`'s guess for the next layer may be compared with its picks
+    /// ([`Self::guess_hits`]).
+    pub fn guesses(&self) -> bool {
+        self.layers.iter().any(|l| l.router_guess.is_some())
+    }
+
+    /// After a single row's step: of the MoE layers the step guessed (every one after the
+    /// first, see `guess_ok`), how many of their picks the guess named, and of how many.
+    pub fn guess_hits(&mut self) -> Result<(usize, usize)> {
+        let (moe, k) = (self.moe, self.cfg.num_experts_per_tok);
+        if self.n != 1 || moe < 2 || !self.guesses() {
+            return Ok((0, 0));
+        }
+        let mut got = vec![0i32; moe * k];
+        let mut guessed = vec![0i32; moe * k];
+        self.st
+            .memcpy_dtoh(&self.idx.s.slice(..moe * k), &mut got)
+            .map_err(|e| gerr("reading the picks", e))?;
+        self.st
+            .memcpy_dtoh(&self.guess_idx.s.slice(..moe * k), &mut guessed)
+            .map_err(|e| gerr("reading the guesses", e))?;
+        self.st
+            .synchronize()
+            .map_err(|e| gerr("reading the guesses", e))?;
+        let mut hits = 0;
+        for m in 1..moe {
+            let picks = &got[m * k..(m + 1) * k];
+            hits += guessed[m * k..(m + 1) * k]
+                .iter()
+                .filter(|g| picks.contains(g))
+                .count();
+        }
+        Ok((hits, (moe - 1) * k))
     }
 
     /// Downloads MoE layer `ml`'s picks `[n, k]` and normed activations `[n, H]` (waits).
@@ -933,8 +1019,10 @@ impl GpuModel {
         }
     }
 
-    /// x += the picks' outputs weighted by the router, in rank order.
-    pub fn combine(&mut self) -> Result<()> {
+    /// x += the picks' outputs weighted by the router, in rank order; `at`, the (decoder,
+    /// MoE) layer routed before it: where that router guessed the next layer's picks
+    /// ([`Self::route`]), the combine also asks the L2 for those experts.
+    pub fn combine(&mut self, at: Option<(usize, usize)>) -> Result<()> {
         let c = &self.cfg;
         let (k, h) = (c.num_experts_per_tok as i32, c.hidden_size as i32);
         let mut a = args::MoeCombine {
@@ -943,14 +1031,43 @@ impl GpuModel {
             wts: self.wts.p,
             k,
             h,
+            gidx: 0,
+            gu_tab: 0,
+            dn_tab: 0,
+            gk: 0,
+            gu_bytes: 0,
+            dn_bytes: 0,
         };
-        // SAFETY: x holds n rows, y n*k rows, wts n*k.
+        let mut blocks = self.cfg.hidden_size.div_ceil(128);
+        // the next MoE layer's guessed experts asked of the L2 (see `route`)
+        if let Some((_, ml)) = at.filter(|&(l, ml)| self.guess_ok(l, ml).is_some()) {
+            let g = ml + 1;
+            if let Some(dt) = self.expert_dt.get(g).copied().flatten() {
+                let (ne, hs, i) = (
+                    c.num_experts,
+                    c.hidden_size as u64,
+                    c.moe_intermediate_size as u64,
+                );
+                let es = dt.size() as u64;
+                a.gidx = self.guess_idx.p + (4 * g * c.num_experts_per_tok) as u64;
+                a.gu_tab = self.tab_gu.p + (8 * g * ne) as u64;
+                a.dn_tab = self.tab_dn.p + (8 * g * ne) as u64;
+                a.gk = GUESS_PREFETCH.min(c.num_experts_per_tok) as i32;
+                a.gu_bytes = 2 * i * hs * es;
+                a.dn_bytes = hs * i * es;
+                // the prefetch's pieces spread over about every SM
+                blocks = blocks.max(GUESS_BLOCKS);
+            }
+        }
+        // SAFETY: x holds n rows, y n*k rows, wts n*k; with a guess, guess_idx holds layer
+        // ml + 1's k ids (< E), the tables that layer's E entries (null or experts of
+        // gu_bytes and dn_bytes); blocks past H only prefetch.
         unsafe {
             self.launch(
                 &self.f.combine,
                 "moe_combine",
                 &mut a.params(),
-                grid(self.n, self.cfg.hidden_size.div_ceil(128), 128, 0),
+                grid(self.n, blocks, 128, 0),
             )
         }?;
         Ok(())
