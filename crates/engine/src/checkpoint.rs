@@ -351,7 +351,30 @@ impl Checkpoint {
         for (i, name) in shard_names.iter().enumerate() {
             let shard = open_shard(&dir.join(name))?;
             for t in shard.meta.tensors().keys() {
-                index.insert(t.clone(), i);
+                match index.entry(t.clone()) {
+                    std::collections::hash_map::Entry::Vacant(e) => {
+                        e.insert(i);
+                    }
+                    // two files hold it: the one the index names, else refused (the last file
+                    // read would win silently)
+                    std::collections::hash_map::Entry::Occupied(mut e) => match &declared {
+                        Some(d) => {
+                            if d.get(t) == Some(name) {
+                                e.insert(i);
+                            }
+                        }
+                        None => {
+                            return Err(Error::BadSafetensors {
+                                file: dir.join(name),
+                                reason: format!(
+                                    "tensor {t:?} is also in {}: two files hold it, and no \
+                                     model.safetensors.index.json says which to read",
+                                    shard_names[*e.get()]
+                                ),
+                            })
+                        }
+                    },
+                }
             }
             files.push(shard);
         }

@@ -259,9 +259,73 @@ struct Raw {
     sliding_window: Option<Value>,
     layer_types: Option<Vec<String>>,
     swiglu_limit: Option<f64>,
+    swiglu_alpha: Option<f64>,
+    /// qwen2_moe in transformers 5: whether q, k and v have biases (true when absent)
+    qkv_bias: Option<bool>,
     bos_token_id: Option<Value>,
     eos_token_id: Option<Value>,
     quantization_config: Option<Value>,
+}
+
+impl Raw {
+    /// Every size at most what any model has by far, before any of them is multiplied or
+    /// allocated for: a config.json of absurd numbers is refused by field, not an overflow
+    /// or an allocation that fails.
+    fn check_sizes(&self) -> Result<()> {
+        const DIM: usize = 1 << 20;
+        let sizes = [
+            ("vocab_size", self.vocab_size, 1 << 24),
+            ("hidden_size", self.hidden_size, DIM),
+            ("num_hidden_layers", self.num_hidden_layers, 4096),
+            ("num_attention_heads", self.num_attention_heads, 1 << 14),
+            ("num_key_value_heads", self.num_key_value_heads, 1 << 14),
+            ("head_dim", self.head_dim, 1 << 14),
+            ("moe_intermediate_size", self.moe_intermediate_size, DIM),
+            ("intermediate_size", self.intermediate_size, DIM),
+            ("num_experts", self.num_experts, 1 << 16),
+            ("num_local_experts", self.num_local_experts, 1 << 16),
+            ("n_routed_experts", self.n_routed_experts, 1 << 16),
+            ("num_experts_per_tok", self.num_experts_per_tok, 1 << 16),
+            ("experts_per_token", self.experts_per_token, 1 << 16),
+            (
+                "max_position_embeddings",
+                self.max_position_embeddings,
+                1 << 30,
+            ),
+            ("decoder_sparse_step", self.decoder_sparse_step, 1 << 16),
+            (
+                "shared_expert_intermediate_size",
+                self.shared_expert_intermediate_size,
+                DIM,
+            ),
+            ("n_shared_experts", self.n_shared_experts, 1 << 10),
+            ("first_k_dense_replace", self.first_k_dense_replace, 1 << 16),
+            ("n_group", self.n_group, 1 << 16),
+            ("topk_group", self.topk_group, 1 << 16),
+            ("q_lora_rank", self.q_lora_rank, DIM),
+            ("kv_lora_rank", self.kv_lora_rank, DIM),
+            ("qk_nope_head_dim", self.qk_nope_head_dim, 1 << 14),
+            ("qk_rope_head_dim", self.qk_rope_head_dim, 1 << 14),
+            ("v_head_dim", self.v_head_dim, 1 << 14),
+        ];
+        for (field, v, max) in sizes {
+            if let Some(v) = v.filter(|&v| v > max) {
+                return Err(Error::Config {
+                    field,
+                    value: v.to_string(),
+                    reason: format!("larger than any model's (at most {max})"),
+                });
+            }
+        }
+        if let Some(l) = self.mlp_only_layers.as_ref().filter(|l| l.len() > 4096) {
+            return Err(Error::Config {
+                field: "mlp_only_layers",
+                value: format!("{} entries", l.len()),
+                reason: "more than any model's layers".into(),
+            });
+        }
+        Ok(())
+    }
 }
 
 /// Each decoder layer's attention window: `layer_types` where config.json lists them (a
@@ -472,6 +536,7 @@ impl ModelConfig {
             path: path.into(),
             reason: e.to_string(),
         })?;
+        raw.check_sizes()?;
         let Some(family) = Family::of(raw.model_type.as_deref(), raw.architectures.as_deref())
         else {
             let found = raw
@@ -673,7 +738,8 @@ impl ModelConfig {
                 Family::Glm4Moe => raw.use_qk_norm.unwrap_or(false),
                 _ => false,
             },
-            qkv_bias: qwen2
+            // transformers 5 writes qwen2_moe's `qkv_bias` (true before it existed)
+            qkv_bias: (qwen2 && raw.qkv_bias.unwrap_or(true))
                 || (glm && raw.attention_bias.unwrap_or(false))
                 || (oss && raw.attention_bias.unwrap_or(true)),
             shared_expert_intermediate_size,
@@ -761,7 +827,7 @@ impl ModelConfig {
             router_logit_bias: oss,
             expert_glu: if oss {
                 Glu::Clamped {
-                    alpha: 1.702,
+                    alpha: raw.swiglu_alpha.unwrap_or(1.702) as f32,
                     limit: raw.swiglu_limit.unwrap_or(7.0) as f32,
                 }
             } else {
@@ -895,12 +961,19 @@ impl ModelConfig {
                 "must name each decoder layer",
             );
         }
-        if let Glu::Clamped { limit, .. } = self.expert_glu {
+        if let Glu::Clamped { alpha, limit } = self.expert_glu {
             if !(limit.is_finite() && limit > 0.0) {
                 return Err(Error::Config {
                     field: "swiglu_limit",
                     value: limit.to_string(),
                     reason: "must be finite and positive".into(),
+                });
+            }
+            if !alpha.is_finite() {
+                return Err(Error::Config {
+                    field: "swiglu_alpha",
+                    value: alpha.to_string(),
+                    reason: "must be finite".into(),
                 });
             }
         }
@@ -990,6 +1063,17 @@ mod tests {
                 limit: 7.0
             }
         );
+        // transformers reads the activation's alpha from config.json (1.702 when absent)
+        let mut a = cfg.clone();
+        a["swiglu_alpha"] = 1.0.into();
+        let c = ModelConfig::from_json_str(&a.to_string(), p).unwrap();
+        assert_eq!(
+            c.expert_glu,
+            Glu::Clamped {
+                alpha: 1.0,
+                limit: 7.0
+            }
+        );
         let mut bad = cfg.clone();
         bad["layer_types"] = serde_json::json!(["sliding_attention", "full_attention"]);
         let e = ModelConfig::from_json_str(&bad.to_string(), p).unwrap_err();
@@ -1053,6 +1137,26 @@ mod tests {
             ModelConfig::from_json_str("{not json", p),
             Err(Error::Json { .. })
         ));
+        // absurd sizes are refused by name before anything is multiplied or allocated
+        for (field, value) in [
+            ("head_dim", serde_json::json!(1u64 << 62)),
+            ("num_attention_heads", serde_json::json!(1u64 << 62)),
+            (
+                "num_hidden_layers",
+                serde_json::json!(1_000_000_000_000_000u64),
+            ),
+            ("n_shared_experts", serde_json::json!(1u64 << 62)),
+            ("kv_lora_rank", serde_json::json!(u64::MAX)),
+            ("vocab_size", serde_json::json!(1u64 << 40)),
+        ] {
+            let mut v = base();
+            v[field] = value.clone();
+            let e = ModelConfig::from_json_str(&v.to_string(), p).unwrap_err();
+            assert!(
+                matches!(&e, Error::Config { field: f, .. } if *f == field),
+                "{field} = {value}: {e}"
+            );
+        }
     }
 
     #[test]
@@ -1136,6 +1240,14 @@ mod tests {
         assert_eq!(c.family, Family::Qwen2Moe);
         assert!(c.qkv_bias && !c.qk_norm && !c.norm_topk_prob);
         assert_eq!(c.shared_expert_intermediate_size, 48);
+        // transformers 5's `qkv_bias` (true when absent)
+        let mut nb = v.clone();
+        nb["qkv_bias"] = false.into();
+        assert!(
+            !ModelConfig::from_json_str(&nb.to_string(), p)
+                .unwrap()
+                .qkv_bias
+        );
         v.as_object_mut()
             .unwrap()
             .remove("shared_expert_intermediate_size");

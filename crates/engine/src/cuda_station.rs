@@ -213,6 +213,7 @@ pub fn hashed_engine_with_tier(
     let moe = c.moe_layers();
     let (h, i, ne) = (c.hidden_size, c.moe_intermediate_size, c.num_experts);
     let hot = tier_experts(&map, Tier::Hot);
+    crate::kv::KvCache::check_tokens(kv_tokens)?;
     let blocks = crate::kv::KvCache::blocks_for(kv_tokens.max(BLOCK));
     let mut g = GpuModel::new(gpu, c, &mem.dense, blocks)?;
     g.generate(mem.seed, &hot)?;

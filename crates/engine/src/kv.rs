@@ -87,6 +87,9 @@ impl SeqKv {
     }
 }
 
+/// The most tokens a KV cache holds (2^32: far past any host's memory at any model's size).
+pub const MAX_KV_TOKENS: usize = 1 << 32;
+
 impl KvCache {
     /// Bytes of K and V this cache holds in host memory (0 for an accounting-only cache,
     /// whose K/V live on a GPU).
@@ -193,6 +196,47 @@ impl KvCache {
 
     pub fn blocks_for(tokens: usize) -> usize {
         tokens.div_ceil(BLOCK)
+    }
+
+    /// Refuses, before it is allocated, an f32 cache of `tokens` for `cfg` larger than this
+    /// host's memory (`MemTotal` of /proc/meminfo; not checked where that cannot be read):
+    /// the allocation would abort the process instead.
+    pub fn check_host_memory(cfg: &crate::config::ModelConfig, tokens: usize) -> crate::Result<()> {
+        Self::check_tokens(tokens)?;
+        let (kd, vd) = cfg.cache_dims();
+        let tokens = (Self::blocks_for(tokens.max(BLOCK)) * BLOCK) as u128;
+        let bytes = tokens * cfg.num_hidden_layers as u128 * (kd + vd) as u128 * 4;
+        let total = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+            let kb: u128 = m
+                .lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))?
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse()
+                .ok()?;
+            Some(kb * 1024)
+        });
+        match total {
+            Some(total) if bytes > total => Err(crate::Error::Invalid(format!(
+                "a KV cache of {tokens} tokens takes {:.1} GiB (f32), more than this host's \
+                 {:.1} GiB of memory: lower --kv-tokens",
+                bytes as f64 / (1u64 << 30) as f64,
+                total as f64 / (1u64 << 30) as f64
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// Refuses a capacity past [`MAX_KV_TOKENS`] (`--kv-tokens`, a lane's config), before
+    /// any size is computed from it.
+    pub fn check_tokens(tokens: usize) -> crate::Result<()> {
+        if tokens > MAX_KV_TOKENS {
+            return Err(crate::Error::Invalid(format!(
+                "a KV cache of {tokens} tokens: at most {MAX_KV_TOKENS} (--kv-tokens)"
+            )));
+        }
+        Ok(())
     }
 
     pub fn new_seq(&self) -> SeqKv {

@@ -115,6 +115,7 @@ pub fn engine_with_tier(
             "the map has cold experts but no cold tier is attached".into(),
         ));
     }
+    KvCache::check_host_memory(&ckpt.config, opts.kv_tokens)?;
     let c = ckpt.config.clone();
     let dense = DenseWeights::load(ckpt)?;
     let hot = load_tier(ckpt, &map, Tier::Hot, opts.progress)?;

@@ -250,6 +250,7 @@ pub fn footprint(
             }
         }
     };
+    KvCache::check_tokens(kv_tokens)?;
     let tokens = KvCache::blocks_for(kv_tokens.max(BLOCK)) * BLOCK;
     let (kd, vd) = c.cache_dims();
     let kv = (tokens * c.num_hidden_layers * (kd + vd) * kv_dtype.bytes()) as u64;

@@ -316,4 +316,62 @@ fn failures_name_file_and_tensor() {
     let d6 = common::scratch("empty");
     let e = expect_err(&d6);
     assert!(e.to_string().contains("config.json"), "{e}");
+
+    // a second file holding a tensor the first holds, no index to say which: refused by
+    // name (the last file read would win silently); with an index, the file it names wins
+    let d7 = common::scratch("dup");
+    copy_meta(&d7);
+    std::fs::copy(
+        common::tiny().join("model.safetensors"),
+        d7.join("model.safetensors"),
+    )
+    .unwrap();
+    let (shape, data) = all["model.norm.weight"].clone();
+    let zeros = vec![0.0; data.len()];
+    let mut t = Tensors::new();
+    t.insert("model.norm.weight".into(), (shape, zeros));
+    write_safetensors_as(&d7.join("zz-extra.safetensors"), &t, StoreAs::F32).unwrap();
+    let e = expect_err(&d7);
+    assert!(
+        matches!(&e, Error::BadSafetensors { file, reason } if file.ends_with("zz-extra.safetensors") && reason.contains("model.norm.weight") && reason.contains("model.safetensors")),
+        "{e}"
+    );
+    // both files are read (the index names both); each tensor from the file it names
+    let ln = "model.layers.0.input_layernorm.weight";
+    t.insert(ln.into(), all[ln].clone());
+    write_safetensors_as(&d7.join("zz-extra.safetensors"), &t, StoreAs::F32).unwrap();
+    let names = Checkpoint::open(common::tiny()).unwrap().tensor_names();
+    let weight_map: serde_json::Map<String, serde_json::Value> = names
+        .iter()
+        .map(|n| {
+            let f = if n == ln {
+                "zz-extra.safetensors"
+            } else {
+                "model.safetensors"
+            };
+            (n.clone(), json!(f))
+        })
+        .collect();
+    std::fs::write(
+        d7.join("model.safetensors.index.json"),
+        serde_json::to_vec(&json!({ "weight_map": weight_map })).unwrap(),
+    )
+    .unwrap();
+    let c = Checkpoint::open(&d7).unwrap();
+    assert_eq!(
+        c.tensor("model.norm.weight", &all["model.norm.weight"].0)
+            .unwrap(),
+        all["model.norm.weight"].1,
+        "the index's file wins"
+    );
+
+    // a KV cache past any host's memory is refused before it is allocated
+    let e = moelane_engine::kv::KvCache::check_host_memory(
+        &Checkpoint::open(common::tiny()).unwrap().config,
+        1 << 31,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("--kv-tokens"), "{e}");
+    let e = moelane_engine::kv::KvCache::check_tokens(usize::MAX).unwrap_err();
+    assert!(e.to_string().contains("--kv-tokens"), "{e}");
 }

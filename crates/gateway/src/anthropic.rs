@@ -19,8 +19,8 @@ use tracing::Instrument as _;
 use crate::error::ApiError;
 use crate::relay::{relay_parts, PartSink};
 use crate::server::{
-    generate_request, put, random_id, read_json_turn, shutting_down, validate_off_runtime,
-    whole_choice, AppState, Tries, ValidRequest,
+    generate_request, off_runtime, put, random_id, read_json_turn, shutting_down,
+    validate_off_runtime, whole_choice, AppState, Tries, ValidRequest,
 };
 
 /// An error in Anthropic's shape (`{"type": "error", "error": {"type", "message"}}`).
@@ -29,7 +29,7 @@ fn error_response(e: ApiError) -> Response {
     let kind = kind_of(status);
     let mut r = (
         status,
-        Json(json!({"type": "error", "error": {"type": kind, "message": e.to_string()}})),
+        Json(json!({"type": "error", "error": {"type": kind, "message": e.message()}})),
     )
         .into_response();
     // the headers the OpenAI error carries (Retry-After on a 429, WWW-Authenticate on a 401)
@@ -62,7 +62,11 @@ pub(crate) async fn errors_in_its_shape(req: Request, next: axum::middleware::Ne
     }
     let (mut parts, body) = r.into_parts();
     let Ok(bytes) = axum::body::to_bytes(body, 1 << 20).await else {
-        return Response::from_parts(parts, axum::body::Body::empty());
+        // (no error of ours is this long: messages are cut)
+        let body = json!({"type": "error", "error": {"type": kind_of(parts.status),
+                                                     "message": "the error was too long to send"}});
+        parts.headers.remove(axum::http::header::CONTENT_LENGTH);
+        return Response::from_parts(parts, axum::body::Body::from(body.to_string()));
     };
     let v: Option<Value> = serde_json::from_slice(&bytes).ok();
     match v {
@@ -118,6 +122,7 @@ fn text_blocks(c: &Value, what: &str) -> Result<String, ApiError> {
 fn to_chat(v: &Value) -> Result<Value, ApiError> {
     let max_tokens = v
         .get("max_tokens")
+        .filter(|m| !m.is_null())
         .ok_or_else(|| ApiError::bad("`max_tokens` is required", Some("max_tokens")))?;
     let mut msgs = Vec::new();
     match v.get("system") {
@@ -350,8 +355,7 @@ pub(crate) async fn count_tokens(State(st): State<Arc<AppState>>, req: Request) 
                 o.insert("max_tokens".into(), json!(1));
                 o.remove("stream");
             }
-            let chat = to_chat(&v)?;
-            drop(v);
+            let chat = off_runtime(move || to_chat(&v)).await?;
             let vr = validate_off_runtime(&st, chat, true).await?;
             drop(turn);
             Ok(Json(json!({"input_tokens": vr.prompt.len()})).into_response())
@@ -368,8 +372,7 @@ async fn handle(st: Arc<AppState>, req: Request) -> Result<Response, ApiError> {
     let mut active = st.shutdown.enter();
     let client = crate::server::client_of(&req);
     let (v, turn) = read_json_turn(&st, req.into_body()).await?;
-    let chat = to_chat(&v)?;
-    drop(v);
+    let chat = off_runtime(move || to_chat(&v)).await?;
     let mut vr = validate_off_runtime(&st, chat, true).await?;
     drop(turn);
     crate::server::account(&st, &mut active, &mut vr, client)?;
@@ -567,7 +570,7 @@ async fn stream(
         };
         b.put(
             "error",
-            json!({"type": "error", "error": {"type": kind, "message": err.to_string()}}),
+            json!({"type": "error", "error": {"type": kind, "message": err.message()}}),
         )
         .await;
         return;

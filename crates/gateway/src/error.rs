@@ -65,6 +65,10 @@ impl ApiError {
     /// From a lane error category.
     pub fn from_lane(category: Category, message: String) -> Self {
         match category {
+            // a grammar that could not go on mid-answer (the lane's scheduler says so first)
+            Category::BadRequest if message.starts_with("the request's grammar") => {
+                ApiError::bad(message, Some("response_format"))
+            }
             Category::BadRequest => ApiError::bad(message, None),
             Category::ContextOverflow => ApiError::context(message),
             Category::Overloaded => ApiError::Overloaded(message),
@@ -141,9 +145,28 @@ impl ApiError {
                 ("invalid_request_error", Some("method_not_allowed"), None)
             }
         };
-        json!({"error": {"message": self.to_string(), "type": kind, "param": param, "code": code}})
+        json!({"error": {"message": self.message(), "type": kind, "param": param, "code": code}})
+    }
+
+    /// The message as answered: at most [`MESSAGE_BYTES`] (a message may quote what the
+    /// client sent, which can be megabytes), the cut said.
+    pub fn message(&self) -> String {
+        let mut m = self.to_string();
+        if m.len() > MESSAGE_BYTES {
+            let mut at = MESSAGE_BYTES;
+            while !m.is_char_boundary(at) {
+                at -= 1;
+            }
+            let cut = m.len() - at;
+            m.truncate(at);
+            m.push_str(&format!("... ({cut} more bytes)"));
+        }
+        m
     }
 }
+
+/// The longest error message answered, in bytes.
+pub const MESSAGE_BYTES: usize = 2048;
 
 impl ApiError {
     /// The headers the error's response carries besides its body.

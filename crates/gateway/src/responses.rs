@@ -652,11 +652,13 @@ async fn handle(st: Arc<AppState>, req: Request) -> Result<Response, ApiError> {
             }
         },
     };
-    let (chat, convo) = to_chat(&v, &prior)?;
-    drop(prior);
-    let instructions = v.get("instructions").cloned().unwrap_or(Value::Null);
-    let metadata = metadata(&v)?;
-    drop(v);
+    // converted (and the request's tree dropped) off the runtime: a large body takes a while
+    let (chat, convo, instructions, metadata) = crate::server::off_runtime(move || {
+        let (chat, convo) = to_chat(&v, &prior)?;
+        let instructions = v.get("instructions").cloned().unwrap_or(Value::Null);
+        Ok((chat, convo, instructions, metadata(&v)?))
+    })
+    .await?;
     let mut vr = validate_off_runtime(&st, chat, true).await?;
     drop(turn);
     crate::server::account(&st, &mut active, &mut vr, client.clone())?;
@@ -974,7 +976,7 @@ async fn stream(
     if let Some(err) = end.failed {
         w.emit(
             "error",
-            json!({"code": "server_error", "message": err.to_string(), "param": null}),
+            json!({"code": "server_error", "message": err.message(), "param": null}),
         )
         .await;
         return;

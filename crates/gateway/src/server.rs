@@ -890,42 +890,163 @@ fn encode_bounded_check(st: &AppState, text: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// A rendered chat as tokens, where only the template's own markers become control tokens:
-/// a message whose content holds a special token's text (`<|im_end|>` typed by a user, which
-/// would otherwise forge a turn) is found in the rendered text and tokenised as plain text.
-/// Chats without such text tokenise as one string, as transformers does.
-fn encode_chat(st: &AppState, text: &str, msgs: &[ChatMessage]) -> Result<Vec<u32>, ApiError> {
-    let flagged: Vec<(usize, &str)> = msgs
+/// A chat rendered by the template and tokenised, where only the template's own markers
+/// become control tokens. A special token's text inside any string of the client's (a
+/// message's content or reasoning, a tool call's name or arguments, a tool's description or
+/// schema, a template kwarg; keys included) would otherwise forge a turn or a role
+/// (`<|im_end|>` typed by a user): when one holds such text, the chat is rendered again with
+/// each occurrence replaced by a marker of a random nonce, the template's text between the
+/// markers is tokenised with control tokens recognised, and each marker's text as plain
+/// text. Chats without such text tokenise as one string, as transformers does.
+fn encode_chat(
+    st: &AppState,
+    msgs: &[ChatMessage],
+    tools: Option<&Value>,
+    kwargs: &serde_json::Map<String, Value>,
+) -> Result<Vec<u32>, ApiError> {
+    let render = |m: &[ChatMessage], t: Option<&Value>, k: &serde_json::Map<String, Value>| {
+        st.template
+            .render_with(m, t, k)
+            .map_err(|e| ApiError::bad(e.to_string(), Some("messages")))
+    };
+    let tok = &st.tokenizer;
+    let flagged = msgs
         .iter()
-        .enumerate()
-        .filter(|(_, m)| st.tokenizer.find_special(&m.content).is_some())
-        .map(|(i, m)| (i, m.content.as_str()))
-        .collect();
-    if flagged.is_empty() {
-        return encode_bounded(st, text);
+        .any(|m| message_strs(m).any(|t| tok.find_special(t).is_some()))
+        || tools.is_some_and(|t| holds_special(tok, t))
+        || kwargs
+            .iter()
+            .any(|(k, v)| tok.find_special(k).is_some() || holds_special(tok, v));
+    let text = render(msgs, tools, kwargs)?;
+    if !flagged {
+        return encode_bounded(st, &text);
     }
-    // the size check on the whole first, then the pieces in order
-    encode_bounded_check(st, text)?;
+    // the size check on the whole first
+    encode_bounded_check(st, &text)?;
+    let mut mask = Mask {
+        tok,
+        open: format!("~~{}:", random_id(st) as u64),
+        marks: Vec::new(),
+    };
+    let masked_msgs: Vec<ChatMessage> = msgs.iter().map(|m| mask.message(m)).collect();
+    let masked_tools = tools.map(|t| mask.value(t));
+    let masked_kwargs: serde_json::Map<String, Value> = kwargs
+        .iter()
+        .map(|(k, v)| (mask.str(k), mask.value(v)))
+        .collect();
+    let masked = render(&masked_msgs, masked_tools.as_ref(), &masked_kwargs)?;
     let mut ids = Vec::new();
-    let mut at = 0;
-    for (i, content) in flagged {
-        let Some(off) = text[at..].find(content) else {
+    let mut rest = masked.as_str();
+    while let Some(at) = rest.find(&mask.open) {
+        ids.extend(encode_piece(st, &rest[..at], false)?);
+        let after = &rest[at + mask.open.len()..];
+        // a marker is `~~NONCE:I~~`; the template printed it whole unless it cut the string
+        let mark = after
+            .find(MARK_CLOSE)
+            .and_then(|end| Some((after[..end].parse::<usize>().ok()?, end)))
+            .and_then(|(i, end)| Some((mask.marks.get(i)?, end)));
+        let Some((text, end)) = mark else {
             return Err(ApiError::bad(
-                format!(
-                    "messages[{i}].content holds the control-token text {:?}, and this model's \
-                     chat template changes the content, so it cannot be sent as plain text",
-                    st.tokenizer.find_special(content).unwrap_or_default()
-                ),
+                "the chat holds control-token text and this model's chat template cuts the \
+                 string that holds it, so it cannot be sent as plain text",
                 Some("messages"),
             ));
         };
-        let start = at + off;
-        ids.extend(encode_piece(st, &text[at..start], false)?);
-        ids.extend(encode_piece(st, content, true)?);
-        at = start + content.len();
+        ids.extend(encode_piece(st, text, true)?);
+        rest = &after[end + MARK_CLOSE.len()..];
     }
-    ids.extend(encode_piece(st, &text[at..], false)?);
+    ids.extend(encode_piece(st, rest, false)?);
     Ok(ids)
+}
+
+/// The end of [`Mask`]'s markers.
+const MARK_CLOSE: &str = "~~";
+
+/// A message's strings a template may print: content, reasoning, name, call id, and every
+/// string of its tool calls.
+fn message_strs(m: &ChatMessage) -> impl Iterator<Item = &str> {
+    let mut calls = Vec::new();
+    if let Some(c) = &m.tool_calls {
+        value_strs(c, &mut calls);
+    }
+    [
+        Some(m.content.as_str()),
+        m.reasoning_content.as_deref(),
+        m.name.as_deref(),
+        m.tool_call_id.as_deref(),
+    ]
+    .into_iter()
+    .flatten()
+    .chain(calls)
+}
+
+/// Every string of a JSON value, keys included.
+fn value_strs<'a>(v: &'a Value, out: &mut Vec<&'a str>) {
+    match v {
+        Value::String(s) => out.push(s),
+        Value::Array(a) => a.iter().for_each(|x| value_strs(x, out)),
+        Value::Object(o) => o.iter().for_each(|(k, x)| {
+            out.push(k);
+            value_strs(x, out)
+        }),
+        _ => {}
+    }
+}
+
+/// Whether any string of a JSON value (keys included) holds a special token's text.
+fn holds_special(tok: &Tokenizer, v: &Value) -> bool {
+    let mut all = Vec::new();
+    value_strs(v, &mut all);
+    all.into_iter().any(|t| tok.find_special(t).is_some())
+}
+
+/// The client's strings with each special token's text replaced by a marker
+/// (`~~NONCE:I~~`, I indexing `marks`): ASCII digits and punctuation, so that what a template
+/// does to a string (JSON escaping, case) leaves it whole, and a random nonce, so that no
+/// client text can pose as one.
+struct Mask<'a> {
+    tok: &'a Tokenizer,
+    open: String,
+    marks: Vec<String>,
+}
+
+impl Mask<'_> {
+    fn str(&mut self, s: &str) -> String {
+        let mut out = String::with_capacity(s.len());
+        let mut rest = s;
+        while let Some((at, t)) = self.tok.find_special_at(rest) {
+            out.push_str(&rest[..at]);
+            out.push_str(&format!("{}{}{MARK_CLOSE}", self.open, self.marks.len()));
+            self.marks.push(t.to_string());
+            rest = &rest[at + t.len()..];
+        }
+        out.push_str(rest);
+        out
+    }
+
+    fn value(&mut self, v: &Value) -> Value {
+        match v {
+            Value::String(s) => Value::String(self.str(s)),
+            Value::Array(a) => Value::Array(a.iter().map(|x| self.value(x)).collect()),
+            Value::Object(o) => Value::Object(
+                o.iter()
+                    .map(|(k, x)| (self.str(k), self.value(x)))
+                    .collect(),
+            ),
+            other => other.clone(),
+        }
+    }
+
+    fn message(&mut self, m: &ChatMessage) -> ChatMessage {
+        ChatMessage {
+            role: m.role.clone(),
+            content: self.str(&m.content),
+            tool_calls: m.tool_calls.as_ref().map(|c| self.value(c)),
+            tool_call_id: m.tool_call_id.as_deref().map(|t| self.str(t)),
+            name: m.name.as_deref().map(|t| self.str(t)),
+            reasoning_content: m.reasoning_content.as_deref().map(|t| self.str(t)),
+        }
+    }
 }
 
 /// One piece of a rendered chat: the template's (special tokens recognised) or a user's
@@ -1069,11 +1190,7 @@ fn prompt_tokens(st: &AppState, v: &Value, chat: bool) -> Result<Vec<u32>, ApiEr
         let tools = v
             .get("tools")
             .filter(|t| t.as_array().is_some_and(|a| !a.is_empty()));
-        let text = st
-            .template
-            .render_with(&out, tools, &kwargs)
-            .map_err(|e| ApiError::bad(e.to_string(), Some("messages")))?;
-        encode_chat(st, &text, &out)?
+        encode_chat(st, &out, tools, &kwargs)?
     } else {
         match v.get("prompt") {
             Some(Value::String(s)) => encode_bounded(st, s)?,
@@ -2636,6 +2753,17 @@ pub(crate) async fn validate_off_runtime(
         .map_err(|e| ApiError::Internal(format!("validating the request: {e}")))?
 }
 
+/// Runs `f` (a conversion of a request's tree, which takes a while on a large body, and the
+/// drop of what it moved in) on the blocking pool, off the runtime that serves every other
+/// connection.
+pub(crate) async fn off_runtime<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::Internal(format!("converting the request: {e}")))?
+}
+
 async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let mut active = st.shutdown.enter();
@@ -2829,12 +2957,28 @@ async fn stats(State(st): State<Arc<AppState>>) -> Result<Json<Value>, ApiError>
 
 async fn drain(State(st): State<Arc<AppState>>, req: Request) -> Result<Json<Value>, ApiError> {
     let v = read_json(&st, req.into_body()).await?;
-    let lane = v
-        .get("lane")
-        .and_then(|l| l.as_str())
-        .ok_or_else(|| ApiError::bad("`lane` is required", Some("lane")))?
-        .to_string();
-    let draining = v.get("drain").and_then(|d| d.as_bool()).unwrap_or(true);
+    let lane = match v.get("lane") {
+        Some(Value::String(l)) => l.clone(),
+        None | Some(Value::Null) => return Err(ApiError::bad("`lane` is required", Some("lane"))),
+        Some(_) => {
+            return Err(ApiError::bad(
+                "`lane` must be a string (the lane's name, as /admin/lanes lists it)",
+                Some("lane"),
+            ))
+        }
+    };
+    // absent: drain; anything but a boolean is refused (an undrain of the wrong type must
+    // not drain)
+    let draining = match v.get("drain") {
+        None => true,
+        Some(Value::Bool(d)) => *d,
+        Some(x) => {
+            return Err(ApiError::bad(
+                format!("`drain` must be true or false, got {x}"),
+                Some("drain"),
+            ))
+        }
+    };
     let found = st
         .registry
         .ask(SetDrain {

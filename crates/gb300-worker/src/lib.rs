@@ -861,6 +861,7 @@ pub fn register_metrics(client: PrimaryClient) {
                 ("finished", s.finished),
                 ("cancelled", s.cancelled),
                 ("failed", s.failed),
+                ("refused", s.refused),
             ] {
                 metrics::counter!(n::LANE_REQUESTS, "outcome" => outcome).absolute(v);
             }

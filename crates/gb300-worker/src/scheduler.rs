@@ -90,6 +90,21 @@ pub struct TokenLogprobs {
     pub top: Vec<(u32, f32)>,
 }
 
+/// What the client is told when its grammar cannot go on after `generated` tokens: the
+/// first line of the parser's reason (a limit it hit, say), cut, without its trailing state.
+fn grammar_failure(e: &str, generated: u32) -> String {
+    let first = e.lines().next().unwrap_or_default().trim();
+    let first = first.strip_prefix("parser error: ").unwrap_or(first);
+    let mut reason: String = first.chars().take(200).collect();
+    if reason.len() < first.len() {
+        reason.push_str("...");
+    }
+    format!(
+        "the request's grammar (response_format) could not continue the answer after \
+         {generated} tokens: {reason}"
+    )
+}
+
 /// A snapshot of the scheduler for stats endpoints.
 #[derive(Clone, Debug, Default)]
 pub struct Snapshot {
@@ -109,6 +124,9 @@ pub struct Snapshot {
     pub finished: u64,
     pub cancelled: u64,
     pub failed: u64,
+    /// Requests ended by their own fault mid-answer (a grammar that could not go on): not
+    /// the lane's failures.
+    pub refused: u64,
     /// Sequences preempted because the KV cache was full.
     pub preemptions: u64,
     pub max_context: usize,
@@ -1172,9 +1190,9 @@ impl Scheduler {
                 r.req.span.record("moelane.finish_reason", "error");
                 let _ = r.tx.send(Event::Error {
                     category: Category::BadRequest,
-                    message: format!("the request's grammar: {e}"),
+                    message: grammar_failure(&e, r.generated),
                 });
-                self.stats.failed += 1;
+                self.stats.refused += 1;
                 return None;
             }
         };

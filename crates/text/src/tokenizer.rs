@@ -193,13 +193,19 @@ impl Tokenizer {
 
     /// The first special token's text found in `text`, if any.
     pub fn find_special<'a>(&'a self, text: &str) -> Option<&'a str> {
+        self.find_special_at(text).map(|(_, t)| t)
+    }
+
+    /// The first special token's text in `text` and where it starts (the longest where
+    /// several start there), if any.
+    pub fn find_special_at<'a>(&'a self, text: &str) -> Option<(usize, &'a str)> {
         text.char_indices()
             .filter(|(_, c)| self.special_firsts.binary_search(c).is_ok())
             .find_map(|(i, _)| {
                 self.special_texts
                     .iter()
                     .find(|t| text[i..].starts_with(t.as_str()))
-                    .map(|t| t.as_str())
+                    .map(|t| (i, t.as_str()))
             })
     }
 
