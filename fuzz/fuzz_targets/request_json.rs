@@ -47,6 +47,7 @@ fn fixture() -> &'static Fixture {
                 body_timeout: std::time::Duration::from_secs(2),
                 max_client_requests: 0,
                 responses_store_bytes: 0,
+                stream_stall: std::time::Duration::from_secs(60),
             },
             moelane_text::tokenizer::Tokenizer::from_file(&dir.path().join("tokenizer.json"))
                 .expect("tokenizer"),

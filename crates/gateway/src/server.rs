@@ -58,6 +58,9 @@ pub struct GatewayConfig {
     pub retry_deadline: std::time::Duration,
     /// A request's whole body must arrive within this (408 past it).
     pub body_timeout: std::time::Duration,
+    /// How long a streaming client may go without reading before its answer is cut and its
+    /// generation cancelled.
+    pub stream_stall: std::time::Duration,
     /// Most generations (a request's `n` choices each) one client may have in flight at this
     /// gateway; past it a 429 `rate_limit_exceeded` with `Retry-After`. 0: no bound (the
     /// lanes still share their batch and queue fairly among clients).
@@ -70,6 +73,8 @@ pub struct GatewayConfig {
 /// The gateway's stopping state: draining (nothing new is taken: /ready says 503) and, once
 /// the grace period is over, abort (requests still running end with an error).
 pub struct Shutdown {
+    /// How long a streaming client may go without taking an event ([`put`]).
+    stall: std::time::Duration,
     draining: std::sync::atomic::AtomicBool,
     abort: tokio::sync::watch::Sender<bool>,
     /// Requests being answered (whole or streamed), for the drain's wait.
@@ -79,6 +84,7 @@ pub struct Shutdown {
 impl Default for Shutdown {
     fn default() -> Self {
         Shutdown {
+            stall: std::time::Duration::from_secs(60),
             draining: false.into(),
             abort: tokio::sync::watch::channel(false).0,
             active: 0.into(),
@@ -283,6 +289,7 @@ impl AppState {
             g
         });
         let responses = crate::responses::Store::new(cfg.responses_store_bytes);
+        let stall = cfg.stream_stall;
         AppState {
             grammars,
             cfg,
@@ -293,7 +300,10 @@ impl AppState {
             tokenizer,
             template,
             registry,
-            shutdown: Arc::new(Shutdown::default()),
+            shutdown: Arc::new(Shutdown {
+                stall,
+                ..Shutdown::default()
+            }),
             clients: Default::default(),
             responses,
             next_id: AtomicU64::new(1),
@@ -2162,9 +2172,11 @@ fn usage(p: usize, c: usize) -> Value {
     json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c})
 }
 
-/// Sends `ev` to a streaming client unless it left or the drain's grace period ended first
-/// (a client that stops reading must not hold the drain); after the abort, only what fits
-/// in the channel goes.
+/// Sends `ev` to a streaming client unless it left, the drain's grace period ended first (a
+/// client that stops reading must not hold the drain), or the client took nothing for the
+/// stall bound (`--stream-stall-timeout`: one that stops reading must not hold its slot and
+/// generation either); after the abort, only what fits in the channel goes. False: the
+/// stream is over, the caller cancels the generation.
 pub(crate) async fn put(
     tx: &tokio::sync::mpsc::Sender<SseEvent>,
     ev: SseEvent,
@@ -2174,7 +2186,16 @@ pub(crate) async fn put(
         return tx.try_send(ev).is_ok();
     }
     tokio::select! {
-        r = tx.send(ev) => r.is_ok(),
+        r = tokio::time::timeout(sd.stall, tx.send(ev)) => match r {
+            Ok(sent) => sent.is_ok(),
+            Err(_) => {
+                tracing::warn!(
+                    stall_s = sd.stall.as_secs_f64(),
+                    "a streaming client read nothing for the stall bound: its answer is cut"
+                );
+                false
+            }
+        },
         _ = sd.aborted() => false,
     }
 }

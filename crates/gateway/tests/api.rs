@@ -113,6 +113,7 @@ async fn gateway_state(lanes: &[&str]) -> AppState {
             max_attempts: 3,
             retry_deadline: Duration::from_secs(10),
             body_timeout: Duration::from_secs(2),
+            stream_stall: Duration::from_secs(60),
             max_client_requests: 0,
             // small, so a test sees the oldest dropped
             responses_store_bytes: 24 << 10,

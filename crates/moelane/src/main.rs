@@ -357,6 +357,11 @@ fn device_renamed(_: &str) -> std::result::Result<String, String> {
     )
 }
 
+/// `--stream-stall-timeout` (default 60 s, at least 0.1 s).
+fn stall_bound(v: Option<f64>) -> std::time::Duration {
+    secs(v, 60.0).max(std::time::Duration::from_millis(100))
+}
+
 /// A gateway's HTTP bounds from its flags (None: the default; timeouts at least 0.1 s).
 fn http_bounds(
     go: &mut GatewayOptions,
@@ -481,6 +486,10 @@ enum Cmd {
         /// GET /v1/responses/{id} (default 256; the oldest dropped past it; 0: none kept).
         #[arg(long, env = "MOELANE_RESPONSES_STORE_MB")]
         responses_store_mb: Option<usize>,
+        /// Seconds a streaming client may go without reading before its answer is cut and
+        /// its generation cancelled (default 60): a client that stops reading holds no slot.
+        #[arg(long, env = "MOELANE_STREAM_STALL_TIMEOUT")]
+        stream_stall_timeout: Option<f64>,
         #[command(flatten)]
         residency: ResidencyArgs,
         #[command(flatten)]
@@ -847,6 +856,10 @@ struct LaneArgs {
     /// 0: none kept).
     #[arg(long, env = "MOELANE_RESPONSES_STORE_MB")]
     responses_store_mb: Option<usize>,
+    /// Gateway: seconds a streaming client may go without reading before its answer is cut
+    /// and its generation cancelled (default 60).
+    #[arg(long, env = "MOELANE_STREAM_STALL_TIMEOUT")]
+    stream_stall_timeout: Option<f64>,
     /// Gateway: the model name clients use.
     #[arg(long, env = "MOELANE_SERVED_MODEL_NAME")]
     served_model_name: Option<String>,
@@ -958,6 +971,7 @@ impl LaneArgs {
             body_timeout,
             max_client_requests,
             responses_store_mb,
+            stream_stall_timeout,
             served_model_name,
             metrics_listen,
             sidecar_device,
@@ -1242,6 +1256,7 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
             body_timeout,
             max_client_requests,
             responses_store_mb,
+            stream_stall_timeout,
             residency,
             placement,
         } => {
@@ -1290,6 +1305,7 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                 max_client_requests,
                 responses_store_mb,
             );
+            go.stream_stall = stall_bound(stream_stall_timeout);
             if let Some(l) = admin_listen {
                 go.admin_listen = l;
             }
@@ -1475,6 +1491,7 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                         a.max_client_requests,
                         a.responses_store_mb,
                     );
+                    go.stream_stall = stall_bound(a.stream_stall_timeout);
                     let mut g = roles::start_gateway(&go).await?;
                     println!(
                         "moelane: gateway listening on {}://{}/v1",

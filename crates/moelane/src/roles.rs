@@ -1100,6 +1100,8 @@ pub struct GatewayOptions {
     pub max_client_requests: usize,
     /// MiB of kept responses (`previous_response_id`); 0: none kept.
     pub responses_store_mb: usize,
+    /// How long a streaming client may go without reading before its answer is cut.
+    pub stream_stall: Duration,
     /// API keys and the admin token.
     pub auth: moelane_gateway::server::Auth,
 }
@@ -1126,6 +1128,7 @@ impl GatewayOptions {
             body_timeout: Duration::from_secs(30),
             max_client_requests: 0,
             responses_store_mb: 256,
+            stream_stall: Duration::from_secs(60),
             auth: Default::default(),
         }
     }
@@ -1286,6 +1289,7 @@ pub async fn start_gateway(o: &GatewayOptions) -> Result<Gateway> {
                 body_timeout: o.body_timeout,
                 max_client_requests: o.max_client_requests,
                 responses_store_bytes: o.responses_store_mb.saturating_mul(1 << 20),
+                stream_stall: o.stream_stall,
             },
             tokenizer,
             template,

@@ -95,6 +95,48 @@ fn a_client_that_disconnects_frees_its_kv() {
     }
 }
 
+/// A streaming client that stops reading, its socket left open, holds its request only
+/// for the stall bound (`--stream-stall-timeout`): then the gateway cuts the answer, and the
+/// lane's in-flight count goes back to 0 while the connection is still there.
+#[test]
+fn a_client_that_stops_reading_is_cut_after_the_stall_bound() {
+    let (_p, addr) = serve_tiny(&["--stream-stall-timeout", "1"]);
+    // many large events (8 choices, 20 alternatives a token), far past what the sockets and
+    // the gateway's channel hold
+    let body = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                      "max_tokens": 1500, "n": 8, "logprobs": true, "top_logprobs": 20,
+                      "temperature": 1.0, "stream": true})
+    .to_string();
+    let mut s = TcpStream::connect(&addr).unwrap();
+    write!(s, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+    let mut buf = vec![0u8; 4096];
+    let mut got = String::new();
+    while got.matches("data:").count() < 3 {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "stream ended early: {got}");
+        got.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    let inflight = |addr: &str| {
+        let (_, v) = get(addr, "/v1/stats");
+        v["lanes"][0]["inflight"].as_u64().unwrap_or(u64::MAX)
+    };
+    let now = inflight(&addr);
+    assert!(
+        (1..=8).contains(&now),
+        "the stream's 8 choices are in flight: {now}"
+    );
+    // the client reads nothing more and keeps its socket
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while inflight(&addr) != 0 {
+        assert!(
+            Instant::now() < deadline,
+            "a client that stopped reading still holds its request after 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(s);
+}
+
 #[test]
 fn bad_requests_get_openai_errors_with_the_right_status() {
     let (_p, addr) = serve_tiny(&[]);
