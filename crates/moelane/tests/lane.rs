@@ -65,12 +65,11 @@ fn embedded_shm_and_tcp_lanes_give_bitwise_the_same_greedy_output() {
     assert!(shares[2] > 2.0 * shares[1], "cold shares {shares:?}");
 }
 
-#[test]
-fn a_client_that_disconnects_frees_its_kv() {
-    let (_p, addr) = serve_tiny(&[]);
-    let body = json!({"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 1500, "temperature": 0, "stream": true}).to_string();
-    let mut s = TcpStream::connect(&addr).unwrap();
-    write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+/// A streaming request sent over a raw socket, read until its third event.
+fn stream_started(addr: &str, path: &str, body: &serde_json::Value) -> TcpStream {
+    let body = body.to_string();
+    let mut s = TcpStream::connect(addr).unwrap();
+    write!(s, "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
     let mut buf = vec![0u8; 4096];
     let mut got = String::new();
     while got.matches("data:").count() < 3 {
@@ -78,6 +77,17 @@ fn a_client_that_disconnects_frees_its_kv() {
         assert!(n > 0, "stream ended early: {got}");
         got.push_str(&String::from_utf8_lossy(&buf[..n]));
     }
+    s
+}
+
+#[test]
+fn a_client_that_disconnects_frees_its_kv() {
+    let (_p, addr) = serve_tiny(&[]);
+    let s = stream_started(
+        &addr,
+        "/v1/completions",
+        &json!({"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 1500, "temperature": 0, "stream": true}),
+    );
     let (used, _) = kv_used(&addr);
     assert!(used > 0, "a running request holds KV blocks");
     drop(s); // the client goes away mid-stream
@@ -103,19 +113,13 @@ fn a_client_that_stops_reading_is_cut_after_the_stall_bound() {
     let (_p, addr) = serve_tiny(&["--stream-stall-timeout", "1"]);
     // many large events (8 choices, 20 alternatives a token), far past what the sockets and
     // the gateway's channel hold
-    let body = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                      "max_tokens": 1500, "n": 8, "logprobs": true, "top_logprobs": 20,
-                      "temperature": 1.0, "stream": true})
-    .to_string();
-    let mut s = TcpStream::connect(&addr).unwrap();
-    write!(s, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
-    let mut buf = vec![0u8; 4096];
-    let mut got = String::new();
-    while got.matches("data:").count() < 3 {
-        let n = s.read(&mut buf).unwrap();
-        assert!(n > 0, "stream ended early: {got}");
-        got.push_str(&String::from_utf8_lossy(&buf[..n]));
-    }
+    let s = stream_started(
+        &addr,
+        "/v1/chat/completions",
+        &json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 1500, "n": 8, "logprobs": true, "top_logprobs": 20,
+                "temperature": 1.0, "stream": true}),
+    );
     let inflight = |addr: &str| {
         let (_, v) = get(addr, "/v1/stats");
         v["lanes"][0]["inflight"].as_u64().unwrap_or(u64::MAX)
