@@ -151,18 +151,33 @@ pub trait TensorSource {
     }
 }
 
+/// Says at load that a dense tensor of the checkpoint holds NaN or infinite values (as
+/// transformers, the model still loads: its answers will be wrong, and this names why).
+fn warn_non_finite(name: &str, bad: usize, of: usize) {
+    if bad > 0 {
+        eprintln!(
+            "moelane: warning: tensor {name} holds {bad} NaN or infinite values (of {of}): \
+             answers from this checkpoint will be wrong"
+        );
+    }
+}
+
 impl TensorSource for Checkpoint {
     fn config(&self) -> &ModelConfig {
         &self.config
     }
     fn tensor(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
-        Checkpoint::tensor(self, name, shape)
+        let t = Checkpoint::tensor(self, name, shape)?;
+        warn_non_finite(name, t.iter().filter(|x| !x.is_finite()).count(), t.len());
+        Ok(t)
     }
     fn has(&self, name: &str) -> bool {
         Checkpoint::has(self, name)
     }
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Matrix> {
-        Checkpoint::matrix(self, name, rows, cols)
+        let m = Checkpoint::matrix(self, name, rows, cols)?;
+        warn_non_finite(name, m.data.non_finite(), m.data.len());
+        Ok(m)
     }
     fn router_name(&self, layer: usize) -> String {
         Checkpoint::router_name(self, layer)

@@ -170,6 +170,20 @@ impl Elems {
         self.len() == 0
     }
 
+    /// How many elements are NaN or infinite (FP8: a NaN byte, or a non-finite scale
+    /// counted once).
+    pub fn non_finite(&self) -> usize {
+        match self {
+            Elems::F32(v) => v.iter().filter(|x| !x.is_finite()).count(),
+            Elems::Bf16(v) => v.iter().filter(|b| b.0 & 0x7f80 == 0x7f80).count(),
+            Elems::F16(v) => v.iter().filter(|b| b.0 & 0x7c00 == 0x7c00).count(),
+            Elems::F8(q) => {
+                q.v.iter().filter(|b| b.0 & 0x7f == 0x7f).count()
+                    + q.scales.iter().filter(|s| !s.is_finite()).count()
+            }
+        }
+    }
+
     /// Bytes per element (FP8: its byte, the block scales aside).
     pub fn size(&self) -> usize {
         match self {
@@ -1110,6 +1124,28 @@ pub fn topk(p: &[f32], k: usize, out: &mut Vec<(usize, f32)>) {
 mod tests {
     use super::*;
     use crate::rng::Rng;
+
+    /// NaN and infinite elements counted in every stored dtype (what the loader warns of).
+    #[test]
+    fn non_finite_elements_are_counted_in_every_dtype() {
+        let f = Elems::F32(vec![1.0, f32::NAN, f32::INFINITY, -0.0]);
+        assert_eq!(f.non_finite(), 2);
+        // bf16: 0x7fc0 NaN, 0xff80 -inf, 0x3f80 1.0
+        assert_eq!(
+            Elems::Bf16(vec![Bf16(0x7fc0), Bf16(0xff80), Bf16(0x3f80)]).non_finite(),
+            2
+        );
+        // f16: 0x7e00 NaN, 0x3c00 1.0
+        assert_eq!(Elems::F16(vec![F16(0x7e00), F16(0x3c00)]).non_finite(), 1);
+        // e4m3fn: 0x7f and 0xff are NaN, 0x7e (448) is not; one bad scale
+        let q = BlockScaled {
+            v: vec![F8(0x7f), F8(0xff), F8(0x7e)],
+            scales: vec![f32::NAN],
+            cols: 3,
+            block: [1, 4],
+        };
+        assert_eq!(Elems::F8(q).non_finite(), 3);
+    }
 
     #[test]
     fn attention_matches_a_plain_sum_and_one_order_of_sums() {

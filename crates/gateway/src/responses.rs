@@ -602,12 +602,23 @@ pub(crate) async fn responses(State(st): State<Arc<AppState>>, req: Request) -> 
         .instrument(tracing::info_span!("POST /v1/responses"))
         .await
         .unwrap_or_else(|e| {
-            // what the chat route's checks name `messages` is this route's `input`
+            // what the chat route's checks name is named as this route's fields are
             let e = match e {
                 ApiError::BadRequest {
                     message,
-                    param: Some("messages"),
-                } => ApiError::bad(message, Some("input")),
+                    param: Some(p),
+                } => match p {
+                    "messages" => ApiError::bad(message, Some("input")),
+                    "max_tokens" | "max_completion_tokens" => ApiError::bad(
+                        message.replace(p, "max_output_tokens"),
+                        Some("max_output_tokens"),
+                    ),
+                    "reasoning_effort" => ApiError::bad(
+                        message.replace(p, "reasoning.effort"),
+                        Some("reasoning.effort"),
+                    ),
+                    _ => ApiError::bad(message, Some(p)),
+                },
                 e => e.for_field("input"),
             };
             e.into_response()

@@ -2352,6 +2352,14 @@ async fn responses_are_kept_for_previous_response_id() {
     assert_error(st, &v, 400, "invalid_request_error", "not found");
     assert_eq!(v["error"]["param"], "previous_response_id", "{v}");
     assert_eq!(v["error"]["code"], "previous_response_not_found", "{v}");
+    // the chat checks' errors name this route's fields
+    let (st, v) = ask(json!({"model": "tiny", "input": "x", "max_output_tokens": 0})).await;
+    assert_error(st, &v, 400, "invalid_request_error", "max_output_tokens");
+    assert_eq!(v["error"]["param"], "max_output_tokens", "{v}");
+    let (st, v) =
+        ask(json!({"model": "tiny", "input": "x", "reasoning": {"effort": "huge"}})).await;
+    assert_error(st, &v, 400, "invalid_request_error", "reasoning.effort");
+    assert_eq!(v["error"]["param"], "reasoning.effort", "{v}");
     // a long unknown id is not echoed whole
     let long = "r".repeat(100_000);
     let (st, v) = ask(json!({"model": "tiny", "previous_response_id": long, "input": "x"})).await;

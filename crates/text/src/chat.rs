@@ -58,6 +58,9 @@ impl ChatMessage {
     }
 }
 
+/// The instructions one render of a chat template may run ([`ChatTemplate::new`]).
+pub const TEMPLATE_FUEL: u64 = 100_000_000;
+
 /// A compiled chat template.
 pub struct ChatTemplate {
     env: minijinja::Environment<'static>,
@@ -131,7 +134,17 @@ impl ChatTemplate {
             .ok()
             .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
             .and_then(|c| c.get("model_type")?.as_str().map(String::from));
-        let mut t = Self::new(src.unwrap_or_else(|| CHATML.to_string()), bos, eos)?;
+        let src = src.unwrap_or_else(|| {
+            // said once at load: transformers refuses such a chat, a server that guesses
+            // must say what it guessed
+            eprintln!(
+                "moelane: {} has no chat template (chat_template.jinja, chat_template.json or \
+                 tokenizer_config.json's chat_template): chats are rendered as ChatML",
+                dir.display()
+            );
+            CHATML.to_string()
+        });
+        let mut t = Self::new(src, bos, eos)?;
         if let Some(tools) = tool_use {
             t = t.with_tool_use(tools)?;
         }
@@ -161,6 +174,10 @@ impl ChatTemplate {
         // as transformers sets up Jinja2 for chat templates
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
+        // a template is a program from the checkpoint: one render runs at most this many
+        // instructions (a real chat of a model's whole context takes a few million), so a
+        // template that loops without end fails its request instead of holding a core
+        env.set_fuel(Some(TEMPLATE_FUEL));
         env.add_filter("tojson", tojson);
         // lists and dicts print as Python's repr (`{'a': [True, None]}`), as in Jinja2
         env.set_formatter(|out, state, value| match value.kind() {
@@ -622,6 +639,34 @@ mod tests {
         )
         .unwrap();
         assert!(t.render(&[]).is_err());
+        // a template that would loop for ever (10^15 iterations) runs out of fuel: an error
+        // in about a second, not a core held
+        let t = ChatTemplate::new(
+            "{% for a in range(100000) %}{% for b in range(100000) %}{% for c in range(100000) %}x{% endfor %}{% endfor %}{% endfor %}".into(),
+            String::new(),
+            String::new(),
+        )
+        .unwrap();
+        let t0 = std::time::Instant::now();
+        let e = t.render(&[]).unwrap_err();
+        assert!(t0.elapsed().as_secs() < 60, "{:?}", t0.elapsed());
+        eprintln!("{e} after {:?}", t0.elapsed());
+        // a real chat of a few thousand messages renders well inside it
+        let many: Vec<ChatMessage> = (0..4000)
+            .map(|i| {
+                ChatMessage::new(
+                    if i % 2 == 0 { "user" } else { "assistant" },
+                    "some words here",
+                )
+            })
+            .collect();
+        let q = ChatTemplate::new(
+            crate::templates::QWEN3_MOE.into(),
+            String::new(),
+            String::new(),
+        )
+        .unwrap();
+        assert!(q.render(&many).is_ok());
     }
 
     /// A `tokenizer_config.json` whose `chat_template` is a list, as Mixtral 8x22B Instruct
