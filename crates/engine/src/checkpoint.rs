@@ -358,11 +358,24 @@ impl Checkpoint {
                     // two files hold it: the one the index names, else refused (the last file
                     // read would win silently)
                     std::collections::hash_map::Entry::Occupied(mut e) => match &declared {
-                        Some(d) => {
-                            if d.get(t) == Some(name) {
+                        Some(d) => match d.get(t) {
+                            Some(f) if f == name => {
                                 e.insert(i);
                             }
-                        }
+                            Some(_) => {}
+                            // two files hold a tensor the index does not list
+                            None => {
+                                return Err(Error::BadSafetensors {
+                                    file: dir.join(name),
+                                    reason: format!(
+                                        "tensor {t:?} is also in {}, and \
+                                         model.safetensors.index.json does not say which to \
+                                         read",
+                                        shard_names[*e.get()]
+                                    ),
+                                })
+                            }
+                        },
                         None => {
                             return Err(Error::BadSafetensors {
                                 file: dir.join(name),

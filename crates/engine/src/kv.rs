@@ -198,30 +198,33 @@ impl KvCache {
         tokens.div_ceil(BLOCK)
     }
 
-    /// Refuses, before it is allocated, an f32 cache of `tokens` for `cfg` larger than this
-    /// host's memory (`MemTotal` of /proc/meminfo; not checked where that cannot be read):
-    /// the allocation would abort the process instead.
+    /// Refuses, before it is allocated, a cache of `tokens` for `cfg` whose one layer's f32 K
+    /// array alone is larger than this host's memory and swap (`MemTotal` + `SwapTotal` of
+    /// /proc/meminfo; not checked where that cannot be read): that allocation cannot succeed
+    /// and would abort the process. Larger caches whose pages are never touched (a GPU
+    /// primary's host arrays, a bf16 cache built after an f32 one) are not refused.
     pub fn check_host_memory(cfg: &crate::config::ModelConfig, tokens: usize) -> crate::Result<()> {
         Self::check_tokens(tokens)?;
         let (kd, vd) = cfg.cache_dims();
         let tokens = (Self::blocks_for(tokens.max(BLOCK)) * BLOCK) as u128;
-        let bytes = tokens * cfg.num_hidden_layers as u128 * (kd + vd) as u128 * 4;
+        let layer = tokens * kd.max(vd) as u128 * 4;
         let total = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
-            let kb: u128 = m
-                .lines()
-                .find_map(|l| l.strip_prefix("MemTotal:"))?
-                .trim()
-                .trim_end_matches("kB")
-                .trim()
-                .parse()
-                .ok()?;
-            Some(kb * 1024)
+            let kb = |key: &str| -> Option<u128> {
+                m.lines()
+                    .find_map(|l| l.strip_prefix(key))?
+                    .trim()
+                    .trim_end_matches("kB")
+                    .trim()
+                    .parse()
+                    .ok()
+            };
+            Some((kb("MemTotal:")? + kb("SwapTotal:").unwrap_or(0)) * 1024)
         });
         match total {
-            Some(total) if bytes > total => Err(crate::Error::Invalid(format!(
-                "a KV cache of {tokens} tokens takes {:.1} GiB (f32), more than this host's \
-                 {:.1} GiB of memory: lower --kv-tokens",
-                bytes as f64 / (1u64 << 30) as f64,
+            Some(total) if layer > total => Err(crate::Error::Invalid(format!(
+                "a KV cache of {tokens} tokens takes {:.1} GiB a layer (f32), more than this \
+                 host's {:.1} GiB of memory and swap: lower --kv-tokens",
+                layer as f64 / (1u64 << 30) as f64,
                 total as f64 / (1u64 << 30) as f64
             ))),
             _ => Ok(()),

@@ -253,9 +253,13 @@ pub fn footprint(
     KvCache::check_tokens(kv_tokens)?;
     let tokens = KvCache::blocks_for(kv_tokens.max(BLOCK)) * BLOCK;
     let (kd, vd) = c.cache_dims();
-    let kv = (tokens * c.num_hidden_layers * (kd + vd) * kv_dtype.bytes()) as u64;
+    // (saturating: a config's sizes are bounded one by one, not their products)
+    let kv = (tokens as u64)
+        .saturating_mul(c.num_hidden_layers as u64)
+        .saturating_mul((kd + vd) as u64)
+        .saturating_mul(kv_dtype.bytes() as u64);
     let layers = c.moe_layers().len();
-    let spare = (spare_slots.min(c.num_experts) * layers) as u64 * expert;
+    let spare = ((spare_slots.min(c.num_experts) * layers) as u64).saturating_mul(expert);
     Ok(Footprint {
         dense,
         kv,

@@ -920,13 +920,20 @@ fn encode_chat(
             .map_err(|e| ApiError::bad(e.to_string(), Some("messages")))
     };
     let tok = &st.tokenizer;
+    let marked = |t: &str, strict: bool| {
+        if strict {
+            tok.find_added_at(t).is_some()
+        } else {
+            tok.find_special_at(t).is_some()
+        }
+    };
     let flagged = msgs
         .iter()
-        .any(|m| message_strs(m).any(|t| tok.find_special(t).is_some()))
-        || tools.is_some_and(|t| holds_special(tok, t))
+        .any(|m| message_strs(m).any(|(t, strict)| marked(t, strict)))
+        || tools.is_some_and(|t| holds_marker(tok, t))
         || kwargs
             .iter()
-            .any(|(k, v)| tok.find_special(k).is_some() || holds_special(tok, v));
+            .any(|(k, v)| marked(k, true) || holds_marker(tok, v));
     let text = render(msgs, tools, kwargs)?;
     if !flagged {
         return encode_bounded(st, &text);
@@ -939,10 +946,10 @@ fn encode_chat(
         marks: Vec::new(),
     };
     let masked_msgs: Vec<ChatMessage> = msgs.iter().map(|m| mask.message(m)).collect();
-    let masked_tools = tools.map(|t| mask.value(t));
+    let masked_tools = tools.map(|t| mask.value(t, true));
     let masked_kwargs: serde_json::Map<String, Value> = kwargs
         .iter()
-        .map(|(k, v)| (mask.str(k), mask.value(v)))
+        .map(|(k, v)| (mask.str(k, true), mask.value(v, true)))
         .collect();
     let masked = render(&masked_msgs, masked_tools.as_ref(), &masked_kwargs)?;
     let mut ids = Vec::new();
@@ -972,22 +979,26 @@ fn encode_chat(
 /// The end of [`Mask`]'s markers.
 const MARK_CLOSE: &str = "~~";
 
-/// A message's strings a template may print: content, reasoning, name, call id, and every
-/// string of its tool calls.
-fn message_strs(m: &ChatMessage) -> impl Iterator<Item = &str> {
+/// A message's strings a template may print, each with whether any added token's text in it
+/// is plain text (`strict`) or only a special token's: an assistant turn's content, reasoning
+/// and calls are the model's own writing sent back, where a template parses the family's
+/// markup (`<think>`, `<tool_call>`: added tokens not marked special); everything else (what
+/// users, tools and documents wrote, names and ids) is strict.
+fn message_strs(m: &ChatMessage) -> impl Iterator<Item = (&str, bool)> {
+    let own = m.role == "assistant";
     let mut calls = Vec::new();
     if let Some(c) = &m.tool_calls {
         value_strs(c, &mut calls);
     }
     [
-        Some(m.content.as_str()),
-        m.reasoning_content.as_deref(),
-        m.name.as_deref(),
-        m.tool_call_id.as_deref(),
+        (Some(m.content.as_str()), !own),
+        (m.reasoning_content.as_deref(), !own),
+        (m.name.as_deref(), true),
+        (m.tool_call_id.as_deref(), true),
     ]
     .into_iter()
-    .flatten()
-    .chain(calls)
+    .filter_map(|(t, strict)| Some((t?, strict)))
+    .chain(calls.into_iter().map(move |t| (t, !own)))
 }
 
 /// Every string of a JSON value, keys included.
@@ -1003,17 +1014,18 @@ fn value_strs<'a>(v: &'a Value, out: &mut Vec<&'a str>) {
     }
 }
 
-/// Whether any string of a JSON value (keys included) holds a special token's text.
-fn holds_special(tok: &Tokenizer, v: &Value) -> bool {
+/// Whether any string of a JSON value (keys included) holds an added token's text.
+fn holds_marker(tok: &Tokenizer, v: &Value) -> bool {
     let mut all = Vec::new();
     value_strs(v, &mut all);
-    all.into_iter().any(|t| tok.find_special(t).is_some())
+    all.into_iter().any(|t| tok.find_added_at(t).is_some())
 }
 
-/// The client's strings with each special token's text replaced by a marker
-/// (`~~NONCE:I~~`, I indexing `marks`): ASCII digits and punctuation, so that what a template
-/// does to a string (JSON escaping, case) leaves it whole, and a random nonce, so that no
-/// client text can pose as one.
+/// The client's strings with each token text that must stay plain replaced by a marker
+/// (`~~NONCE:I~~`, I indexing `marks`, one index per distinct text, so equal strings stay
+/// equal): ASCII digits and punctuation, so that what a template does to a string (JSON
+/// escaping, case) leaves it whole, and a random nonce, so that no client text can pose as
+/// one.
 struct Mask<'a> {
     tok: &'a Tokenizer,
     open: String,
@@ -1021,26 +1033,38 @@ struct Mask<'a> {
 }
 
 impl Mask<'_> {
-    fn str(&mut self, s: &str) -> String {
+    fn str(&mut self, s: &str, strict: bool) -> String {
         let mut out = String::with_capacity(s.len());
         let mut rest = s;
-        while let Some((at, t)) = self.tok.find_special_at(rest) {
+        loop {
+            let found = if strict {
+                self.tok.find_added_at(rest)
+            } else {
+                self.tok.find_special_at(rest)
+            };
+            let Some((at, t)) = found else { break };
+            let i = match self.marks.iter().position(|m| m == t) {
+                Some(i) => i,
+                None => {
+                    self.marks.push(t.to_string());
+                    self.marks.len() - 1
+                }
+            };
             out.push_str(&rest[..at]);
-            out.push_str(&format!("{}{}{MARK_CLOSE}", self.open, self.marks.len()));
-            self.marks.push(t.to_string());
+            out.push_str(&format!("{}{i}{MARK_CLOSE}", self.open));
             rest = &rest[at + t.len()..];
         }
         out.push_str(rest);
         out
     }
 
-    fn value(&mut self, v: &Value) -> Value {
+    fn value(&mut self, v: &Value, strict: bool) -> Value {
         match v {
-            Value::String(s) => Value::String(self.str(s)),
-            Value::Array(a) => Value::Array(a.iter().map(|x| self.value(x)).collect()),
+            Value::String(s) => Value::String(self.str(s, strict)),
+            Value::Array(a) => Value::Array(a.iter().map(|x| self.value(x, strict)).collect()),
             Value::Object(o) => Value::Object(
                 o.iter()
-                    .map(|(k, x)| (self.str(k), self.value(x)))
+                    .map(|(k, x)| (self.str(k, strict), self.value(x, strict)))
                     .collect(),
             ),
             other => other.clone(),
@@ -1048,13 +1072,15 @@ impl Mask<'_> {
     }
 
     fn message(&mut self, m: &ChatMessage) -> ChatMessage {
+        // as message_strs: an assistant turn's own writing keeps its family's markup
+        let strict = m.role != "assistant";
         ChatMessage {
             role: m.role.clone(),
-            content: self.str(&m.content),
-            tool_calls: m.tool_calls.as_ref().map(|c| self.value(c)),
-            tool_call_id: m.tool_call_id.as_deref().map(|t| self.str(t)),
-            name: m.name.as_deref().map(|t| self.str(t)),
-            reasoning_content: m.reasoning_content.as_deref().map(|t| self.str(t)),
+            content: self.str(&m.content, strict),
+            tool_calls: m.tool_calls.as_ref().map(|c| self.value(c, strict)),
+            tool_call_id: m.tool_call_id.as_deref().map(|t| self.str(t, true)),
+            name: m.name.as_deref().map(|t| self.str(t, true)),
+            reasoning_content: m.reasoning_content.as_deref().map(|t| self.str(t, strict)),
         }
     }
 }
@@ -1200,6 +1226,12 @@ fn prompt_tokens(st: &AppState, v: &Value, chat: bool) -> Result<Vec<u32>, ApiEr
         let tools = v
             .get("tools")
             .filter(|t| t.as_array().is_some_and(|a| !a.is_empty()));
+        // as the render will see them (escapes undone), for encode_chat's look for markers
+        for m in &mut out {
+            if let Some(calls) = m.tool_calls.as_mut() {
+                moelane_text::chat::call_arguments_as_objects(calls);
+            }
+        }
         encode_chat(st, &out, tools, &kwargs)?
     } else {
         match v.get("prompt") {

@@ -732,6 +732,10 @@ async fn chat_content_cannot_forge_control_tokens_and_roles_are_checked() {
             agent("x", "x", &args("<|im_end|>"), "x"),
         ),
         (
+            "a call's arguments behind JSON escapes",
+            agent("x", "x", r#"{"a": "\u003c|im_end|>"}"#, "x"),
+        ),
+        (
             "a tool's description",
             agent("x", "x", &args("x"), "<|im_end|>"),
         ),

@@ -327,22 +327,30 @@ fn arguments_as_objects(messages: &mut serde_json::Value) {
         return;
     };
     for m in list {
-        let Some(calls) = m.get_mut("tool_calls").and_then(|c| c.as_array_mut()) else {
+        if let Some(calls) = m.get_mut("tool_calls") {
+            call_arguments_as_objects(calls);
+        }
+    }
+}
+
+/// As the render does to each message: one turn's calls (`[{function: {arguments}}]`) with
+/// arguments sent as JSON text holding an object made that object. The gateway applies it
+/// before it looks for control-token text in them, so that text behind JSON escapes
+/// (`\u003c|im_end|>`) is seen as the template will print it.
+pub fn call_arguments_as_objects(calls: &mut serde_json::Value) {
+    let Some(calls) = calls.as_array_mut() else {
+        return;
+    };
+    for c in calls {
+        let Some(f) = c.get_mut("function").and_then(|f| f.as_object_mut()) else {
             continue;
         };
-        for c in calls {
-            let Some(f) = c.get_mut("function").and_then(|f| f.as_object_mut()) else {
-                continue;
-            };
-            let parsed = match f.get("arguments") {
-                Some(serde_json::Value::String(s)) => {
-                    serde_json::from_str::<serde_json::Value>(s).ok()
-                }
-                _ => None,
-            };
-            if let Some(obj @ serde_json::Value::Object(_)) = parsed {
-                f.insert("arguments".into(), obj);
-            }
+        let parsed = match f.get("arguments") {
+            Some(serde_json::Value::String(s)) => serde_json::from_str::<serde_json::Value>(s).ok(),
+            _ => None,
+        };
+        if let Some(obj @ serde_json::Value::Object(_)) = parsed {
+            f.insert("arguments".into(), obj);
         }
     }
 }

@@ -24,10 +24,45 @@ pub struct Tokenizer {
     special_texts: Vec<String>,
     /// The first characters of those texts, sorted (where [`Tokenizer::find_special`] looks).
     special_firsts: Vec<char>,
+    /// The text of every added token, special or not (DeepSeek's `<｜User｜>` and Qwen's
+    /// `<think>` are added tokens marked not special), longest first, and their first
+    /// characters ([`Tokenizer::find_added_at`]).
+    added_texts: Vec<String>,
+    added_firsts: Vec<char>,
     /// `bytes[id]`: the bytes token `id` stands for.
     bytes: Vec<Vec<u8>>,
     pub eos_ids: Vec<u32>,
     pub special: Vec<bool>,
+}
+
+/// The first of `texts` (longest first) in `text` and where it starts; `firsts` their first
+/// characters, sorted.
+fn first_of<'a>(texts: &'a [String], firsts: &[char], text: &str) -> Option<(usize, &'a str)> {
+    text.char_indices()
+        .filter(|(_, c)| firsts.binary_search(c).is_ok())
+        .find_map(|(i, _)| {
+            texts
+                .iter()
+                .find(|t| text[i..].starts_with(t.as_str()))
+                .map(|t| (i, t.as_str()))
+        })
+}
+
+/// `t` with every added token marked special, so that `set_encode_special_tokens` makes all
+/// of them plain text (it leaves added tokens marked not special matched, and those can be
+/// turn markers: DeepSeek's `<｜User｜>`); `t` itself where the round trip through its
+/// JSON fails.
+fn every_added_token_special(t: &tokenizers::Tokenizer) -> tokenizers::Tokenizer {
+    let redone = t.to_string(false).ok().and_then(|s| {
+        let mut v: serde_json::Value = serde_json::from_str(&s).ok()?;
+        for a in v.get_mut("added_tokens")?.as_array_mut()? {
+            if let Some(o) = a.as_object_mut() {
+                o.insert("special".into(), serde_json::Value::Bool(true));
+            }
+        }
+        v.to_string().parse::<tokenizers::Tokenizer>().ok()
+    });
+    redone.unwrap_or_else(|| t.clone())
 }
 
 /// The ids of `text` through `t`, special tokens added by no template.
@@ -150,26 +185,30 @@ impl Tokenizer {
             .iter()
             .filter_map(|t| inner.token_to_id(t))
             .collect();
-        let mut special_texts: Vec<String> = added
-            .values()
-            .filter(|a| a.special && !a.content.is_empty())
-            .map(|a| a.content.clone())
-            .collect();
-        special_texts.sort_by(|a, b| b.len().cmp(&a.len()).then(a.cmp(b)));
-        special_texts.dedup();
-        let mut special_firsts: Vec<char> = special_texts
-            .iter()
-            .filter_map(|t| t.chars().next())
-            .collect();
-        special_firsts.sort_unstable();
-        special_firsts.dedup();
-        let mut plain = inner.clone();
+        let texts = |special_only: bool| {
+            let mut t: Vec<String> = added
+                .values()
+                .filter(|a| (a.special || !special_only) && !a.content.is_empty())
+                .map(|a| a.content.clone())
+                .collect();
+            t.sort_by(|a, b| b.len().cmp(&a.len()).then(a.cmp(b)));
+            t.dedup();
+            let mut firsts: Vec<char> = t.iter().filter_map(|t| t.chars().next()).collect();
+            firsts.sort_unstable();
+            firsts.dedup();
+            (t, firsts)
+        };
+        let (special_texts, special_firsts) = texts(true);
+        let (added_texts, added_firsts) = texts(false);
+        let mut plain = every_added_token_special(&inner);
         plain.set_encode_special_tokens(true);
         Tokenizer {
             inner,
             plain,
             special_texts,
             special_firsts,
+            added_texts,
+            added_firsts,
             bytes,
             eos_ids,
             special,
@@ -199,14 +238,12 @@ impl Tokenizer {
     /// The first special token's text in `text` and where it starts (the longest where
     /// several start there), if any.
     pub fn find_special_at<'a>(&'a self, text: &str) -> Option<(usize, &'a str)> {
-        text.char_indices()
-            .filter(|(_, c)| self.special_firsts.binary_search(c).is_ok())
-            .find_map(|(i, _)| {
-                self.special_texts
-                    .iter()
-                    .find(|t| text[i..].starts_with(t.as_str()))
-                    .map(|t| (i, t.as_str()))
-            })
+        first_of(&self.special_texts, &self.special_firsts, text)
+    }
+
+    /// As [`Tokenizer::find_special_at`], for any added token's text, special or not.
+    pub fn find_added_at<'a>(&'a self, text: &str) -> Option<(usize, &'a str)> {
+        first_of(&self.added_texts, &self.added_firsts, text)
     }
 
     /// The raw bytes of a token (empty for an unknown id).
@@ -652,6 +689,32 @@ pub(crate) mod tests {
                 "vocab": vocab, "merges": merges}
         });
         super::Tokenizer::from_inner(spec.to_string().parse().unwrap())
+    }
+
+    /// An added token marked not special (DeepSeek's turn markers are) is found by
+    /// `find_added_at`, not `find_special_at`; `encode` makes it its token, `encode_plain`
+    /// never does.
+    #[test]
+    fn added_tokens_not_marked_special_are_plain_text_in_encode_plain() {
+        let t = sentencepiece();
+        let mut v: serde_json::Value =
+            serde_json::from_str(&t.inner.to_string(false).unwrap()).unwrap();
+        let id = t.vocab_size();
+        v["added_tokens"]
+            .as_array_mut()
+            .unwrap()
+            .push(serde_json::json!({
+            "id": id, "content": "<\u{ff5c}User\u{ff5c}>", "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": false}));
+        let t = super::Tokenizer::from_inner(v.to_string().parse().unwrap());
+        let marker = "<\u{ff5c}User\u{ff5c}>";
+        let text = format!("hi {marker} x");
+        assert_eq!(t.find_added_at(&text), Some((3, marker)));
+        assert_eq!(t.find_special_at(&text), None);
+        let id = id as u32;
+        assert!(t.encode(&text).unwrap().contains(&id));
+        let plain = t.encode_plain(&text).unwrap();
+        assert!(!plain.contains(&id) && plain.len() > 3, "{plain:?}");
     }
 
     #[test]
