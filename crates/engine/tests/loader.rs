@@ -368,7 +368,7 @@ fn failures_name_file_and_tensor() {
     // a KV cache past any host's memory is refused before it is allocated
     let e = moelane_engine::kv::KvCache::check_host_memory(
         &Checkpoint::open(common::tiny()).unwrap().config,
-        1 << 31,
+        moelane_engine::kv::MAX_KV_TOKENS,
     )
     .unwrap_err();
     assert!(e.to_string().contains("--kv-tokens"), "{e}");
