@@ -919,29 +919,10 @@ fn encode_chat(
             .render_with(m, t, k)
             .map_err(|e| ApiError::bad(e.to_string(), Some("messages")))
     };
-    let tok = &st.tokenizer;
-    let marked = |t: &str, strict: bool| {
-        if strict {
-            tok.find_added_at(t).is_some()
-        } else {
-            tok.find_special_at(t).is_some()
-        }
-    };
-    let flagged = msgs
-        .iter()
-        .any(|m| message_strs(m).any(|(t, strict)| marked(t, strict)))
-        || tools.is_some_and(|t| holds_marker(tok, t))
-        || kwargs
-            .iter()
-            .any(|(k, v)| marked(k, true) || holds_marker(tok, v));
-    let text = render(msgs, tools, kwargs)?;
-    if !flagged {
-        return encode_bounded(st, &text);
-    }
-    // the size check on the whole first
-    encode_bounded_check(st, &text)?;
+    // the client's strings with their token texts replaced by markers: none replaced, the
+    // chat is as sent (the common case: one string, as transformers tokenises it)
     let mut mask = Mask {
-        tok,
+        tok: &st.tokenizer,
         open: format!("~~{}:", random_id(st) as u64),
         marks: Vec::new(),
     };
@@ -951,6 +932,12 @@ fn encode_chat(
         .iter()
         .map(|(k, v)| (mask.str(k, true), mask.value(v, true)))
         .collect();
+    let text = render(msgs, tools, kwargs)?;
+    if mask.marks.is_empty() {
+        return encode_bounded(st, &text);
+    }
+    // the size check on the chat as sent first
+    encode_bounded_check(st, &text)?;
     let masked = render(&masked_msgs, masked_tools.as_ref(), &masked_kwargs)?;
     let mut ids = Vec::new();
     let mut rest = masked.as_str();
@@ -978,48 +965,6 @@ fn encode_chat(
 
 /// The end of [`Mask`]'s markers.
 const MARK_CLOSE: &str = "~~";
-
-/// A message's strings a template may print, each with whether any added token's text in it
-/// is plain text (`strict`) or only a special token's: an assistant turn's content, reasoning
-/// and calls are the model's own writing sent back, where a template parses the family's
-/// markup (`<think>`, `<tool_call>`: added tokens not marked special); everything else (what
-/// users, tools and documents wrote, names and ids) is strict.
-fn message_strs(m: &ChatMessage) -> impl Iterator<Item = (&str, bool)> {
-    let own = m.role == "assistant";
-    let mut calls = Vec::new();
-    if let Some(c) = &m.tool_calls {
-        value_strs(c, &mut calls);
-    }
-    [
-        (Some(m.content.as_str()), !own),
-        (m.reasoning_content.as_deref(), !own),
-        (m.name.as_deref(), true),
-        (m.tool_call_id.as_deref(), true),
-    ]
-    .into_iter()
-    .filter_map(|(t, strict)| Some((t?, strict)))
-    .chain(calls.into_iter().map(move |t| (t, !own)))
-}
-
-/// Every string of a JSON value, keys included.
-fn value_strs<'a>(v: &'a Value, out: &mut Vec<&'a str>) {
-    match v {
-        Value::String(s) => out.push(s),
-        Value::Array(a) => a.iter().for_each(|x| value_strs(x, out)),
-        Value::Object(o) => o.iter().for_each(|(k, x)| {
-            out.push(k);
-            value_strs(x, out)
-        }),
-        _ => {}
-    }
-}
-
-/// Whether any string of a JSON value (keys included) holds an added token's text.
-fn holds_marker(tok: &Tokenizer, v: &Value) -> bool {
-    let mut all = Vec::new();
-    value_strs(v, &mut all);
-    all.into_iter().any(|t| tok.find_added_at(t).is_some())
-}
 
 /// The client's strings with each token text that must stay plain replaced by a marker
 /// (`~~NONCE:I~~`, I indexing `marks`, one index per distinct text, so equal strings stay
@@ -1071,8 +1016,11 @@ impl Mask<'_> {
         }
     }
 
+    /// A message masked: strict (any added token's text plain) but for an assistant turn's
+    /// content, reasoning and calls, the model's own writing sent back, where a template
+    /// parses the family's markup (`<think>`, `<tool_call>`: added tokens not marked special)
+    /// and only special tokens' text is plain; names and ids are always strict.
     fn message(&mut self, m: &ChatMessage) -> ChatMessage {
-        // as message_strs: an assistant turn's own writing keeps its family's markup
         let strict = m.role != "assistant";
         ChatMessage {
             role: m.role.clone(),
