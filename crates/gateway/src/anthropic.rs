@@ -133,6 +133,8 @@ fn to_chat(v: &Value) -> Result<Value, ApiError> {
         .get("messages")
         .and_then(|m| m.as_array())
         .ok_or_else(|| bad("`messages` must be a list"))?;
+    // the ids of the previous message's tool_use blocks: a tool_result answers one of them
+    let mut uses: Vec<String> = Vec::new();
     for (i, m) in list.iter().enumerate() {
         let role = m["role"].as_str().unwrap_or_default();
         if role != "user" && role != "assistant" {
@@ -149,6 +151,18 @@ fn to_chat(v: &Value) -> Result<Value, ApiError> {
                 )))
             }
         };
+        // as Anthropic's API: every message holds something, except a last assistant
+        // message (the start of the answer)
+        let empty = match &m["content"] {
+            Value::String(t) => t.is_empty(),
+            _ => blocks.is_empty(),
+        };
+        if empty && !(role == "assistant" && i + 1 == list.len()) {
+            return Err(bad(format!(
+                "messages[{i}]: a {role} message must have non-empty content"
+            )));
+        }
+        let prev_uses = std::mem::take(&mut uses);
         let (mut text, mut calls, mut thinking) = (String::new(), Vec::new(), String::new());
         for (j, b) in blocks.iter().enumerate() {
             let at = format!("messages[{i}].content[{j}]");
@@ -164,8 +178,13 @@ fn to_chat(v: &Value) -> Result<Value, ApiError> {
                         Some(i @ Value::Object(_)) => i.clone(),
                         Some(_) => return Err(bad(format!("{at}.input must be an object"))),
                     };
+                    let id = str_field(b, "id", &at)?.to_string();
+                    if uses.contains(&id) {
+                        return Err(bad(format!("{at}: tool_use id {id:?} is used twice")));
+                    }
+                    uses.push(id.clone());
                     calls.push(json!({
-                        "id": str_field(b, "id", &at)?, "type": "function",
+                        "id": id, "type": "function",
                         "function": {"name": str_field(b, "name", &at)?,
                                      "arguments": input.to_string()}}))
                 }
@@ -175,10 +194,14 @@ fn to_chat(v: &Value) -> Result<Value, ApiError> {
                     if b["is_error"].as_bool() == Some(true) {
                         content = format!("Error: {content}");
                     }
-                    msgs.push(
-                        json!({"role": "tool", "tool_call_id": str_field(b, "tool_use_id", &at)?,
-                                     "content": content}),
-                    );
+                    let id = str_field(b, "tool_use_id", &at)?;
+                    if !prev_uses.iter().any(|u| u == id) {
+                        return Err(bad(format!(
+                            "{at}: tool_use_id {id:?} answers no tool_use block of the \
+                             previous message"
+                        )));
+                    }
+                    msgs.push(json!({"role": "tool", "tool_call_id": id, "content": content}));
                 }
                 Some(t) => {
                     return Err(bad(format!(
@@ -587,5 +610,71 @@ async fn stream(
         "usage": {"output_tokens": end.completion}});
     if b.put("message_delta", delta).await {
         b.put("message_stop", json!({"type": "message_stop"})).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(body: Value) -> String {
+        match to_chat(&body) {
+            Ok(c) => panic!("accepted: {c}"),
+            Err(e) => e.message(),
+        }
+    }
+
+    #[test]
+    fn messages_follow_anthropics_rules_on_content_and_tool_results() {
+        let call = json!({"role": "assistant", "content": [
+            {"type": "text", "text": "looking"},
+            {"type": "tool_use", "id": "toolu_1", "name": "weather", "input": {"city": "Oslo"}}]});
+        let answer = |id: &str| {
+            json!({"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": id, "content": "-3C"}]})
+        };
+        let req = |msgs: Vec<Value>| json!({"model": "m", "max_tokens": 4, "messages": msgs});
+        let ask = json!({"role": "user", "content": "weather in Oslo?"});
+        // a result answering the previous message's call: the chat's tool turn
+        let c = to_chat(&req(vec![ask.clone(), call.clone(), answer("toolu_1")])).unwrap();
+        assert_eq!(c["messages"][2]["role"], "tool");
+        assert_eq!(c["messages"][2]["tool_call_id"], "toolu_1");
+        // a result naming no call of the previous message
+        let e = refused(req(vec![ask.clone(), call.clone(), answer("toolu_2")]));
+        assert!(
+            e.contains("messages[2].content[0]") && e.contains("toolu_2"),
+            "{e}"
+        );
+        // nor of an earlier one
+        let e = refused(req(vec![
+            ask.clone(),
+            call.clone(),
+            answer("toolu_1"),
+            json!({"role": "assistant", "content": "done"}),
+            answer("toolu_1"),
+        ]));
+        assert!(e.contains("messages[4]"), "{e}");
+        // a call id used twice in one message
+        let twice = json!({"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t", "name": "a", "input": {}},
+            {"type": "tool_use", "id": "t", "name": "b", "input": {}}]});
+        let e = refused(req(vec![ask.clone(), twice]));
+        assert!(e.contains("used twice"), "{e}");
+        // empty content: refused but for a last assistant message (the answer's start)
+        for empty in [json!([]), json!("")] {
+            let e = refused(req(vec![json!({"role": "user", "content": empty})]));
+            assert!(e.contains("messages[0]") && e.contains("non-empty"), "{e}");
+            let e = refused(req(vec![
+                ask.clone(),
+                json!({"role": "assistant", "content": empty}),
+                ask.clone(),
+            ]));
+            assert!(e.contains("messages[1]"), "{e}");
+            to_chat(&req(vec![
+                ask.clone(),
+                json!({"role": "assistant", "content": empty}),
+            ]))
+            .unwrap();
+        }
     }
 }

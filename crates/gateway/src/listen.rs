@@ -44,6 +44,10 @@ pub struct HttpLimits {
     /// After a stop: how long the open connections are still served (each response then
     /// closes its connection) before idle ones are closed.
     pub drain_window: Duration,
+    /// A connection whose writes make no progress for this long (a client that stopped
+    /// reading, its socket buffers full) is closed, so it cannot hold its slot for ever
+    /// (the gateway's stream stall bound, `--stream-stall-timeout`).
+    pub write_stall: Duration,
 }
 
 impl Default for HttpLimits {
@@ -53,6 +57,7 @@ impl Default for HttpLimits {
             max_connections: 4096,
             header_timeout: Duration::from_secs(30),
             drain_window: Duration::from_secs(1),
+            write_stall: Duration::from_secs(60),
         }
     }
 }
@@ -161,6 +166,7 @@ pub async fn serve(
         };
         // Nagle off: small SSE chunks must not wait for the client's delayed ACK
         let _ = tcp.set_nodelay(true);
+        let tcp = WriteStall::new(tcp, limits.write_stall);
         // the peer's address on each request: whom a request is accounted to without keys
         let peer = Peer(peer.ip());
         let svc = hyper_util::service::TowerToHyperService::new(WithPeer {
@@ -227,6 +233,102 @@ async fn serve_io<I>(
     log_end(conn.await)
 }
 
+/// A connection's IO whose writes fail (`TimedOut`) once one has waited `limit` without
+/// progress: hyper then closes the connection. Without it a client that stops reading holds
+/// its connection, and one of the `max_connections` slots, until it goes away: the stream's
+/// own stall bound ends the response, not the write of what is already queued.
+struct WriteStall<I> {
+    io: I,
+    limit: Duration,
+    /// set while a write or flush is pending, cleared by any progress
+    since: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<I> WriteStall<I> {
+    fn new(io: I, limit: Duration) -> Self {
+        WriteStall {
+            io,
+            limit,
+            since: None,
+        }
+    }
+
+    /// What a write or flush answers: progress clears the clock; pending starts it, and past
+    /// the limit becomes the error.
+    fn watch<T>(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+        r: std::task::Poll<std::io::Result<T>>,
+    ) -> std::task::Poll<std::io::Result<T>> {
+        use std::task::Poll;
+        if r.is_ready() {
+            self.since = None;
+            return r;
+        }
+        let limit = self.limit;
+        let t = self
+            .since
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        match t.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("the client read nothing for {limit:?}"),
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl<I: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for WriteStall<I> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<I: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for WriteStall<I> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let r = std::pin::Pin::new(&mut self.io).poll_write(cx, buf);
+        self.watch(cx, r)
+    }
+
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let r = std::pin::Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        self.watch(cx, r)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let r = std::pin::Pin::new(&mut self.io).poll_flush(cx);
+        self.watch(cx, r)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let r = std::pin::Pin::new(&mut self.io).poll_shutdown(cx);
+        self.watch(cx, r)
+    }
+}
+
 fn log_end(r: Result<(), hyper::Error>) {
     if let Err(e) = r {
         // a client that went away or timed out its head: routine, not an error of ours
@@ -250,7 +352,18 @@ mod tests {
     ) {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let a = l.local_addr().unwrap();
-        let app = Router::new().route("/x", axum::routing::get(|| async { "ok" }));
+        let app = Router::new()
+            .route("/x", axum::routing::get(|| async { "ok" }))
+            // a response without end, 64 KiB a chunk
+            .route(
+                "/flood",
+                axum::routing::get(|| async {
+                    let chunk = axum::body::Bytes::from(vec![b'x'; 1 << 16]);
+                    axum::body::Body::from_stream(futures::stream::repeat_with(move || {
+                        Ok::<_, std::io::Error>(chunk.clone())
+                    }))
+                }),
+            );
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(serve(l, app, limits, async move {
             let _ = rx.await;
@@ -410,6 +523,48 @@ mod tests {
             .await
             .expect("the server ends once its connections are closed")
             .unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_client_that_stops_reading_loses_its_connection_and_slot() {
+        let limits = HttpLimits {
+            max_connections: 1,
+            write_stall: Duration::from_millis(700),
+            ..Default::default()
+        };
+        let (a, _stop, _t) = start(limits).await;
+        let mut greedy = TcpStream::connect(a).await.unwrap();
+        greedy
+            .write_all(b"GET /flood HTTP/1.1\r\nHost: t\r\n\r\n")
+            .await
+            .unwrap();
+        let mut head = [0u8; 64];
+        assert!(greedy.read(&mut head).await.unwrap() > 0, "the flood began");
+        // it reads nothing more: the buffers fill, the writes stall, and the connection is
+        // closed after the bound, which frees the only slot for the next client
+        let t0 = Instant::now();
+        let mut next = TcpStream::connect(a).await.unwrap();
+        let r = tokio::time::timeout(Duration::from_secs(10), get(&mut next))
+            .await
+            .expect("the next client is served once the stalled connection is closed");
+        assert!(r.starts_with("http/1.1 200"), "{r}");
+        assert!(
+            t0.elapsed() >= Duration::from_millis(500),
+            "{:?}",
+            t0.elapsed()
+        );
+        // and the stalled client, reading again, finds its connection closed
+        let mut buf = vec![0u8; 1 << 16];
+        let end = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                match greedy.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) => {}
+                }
+            }
+        })
+        .await;
+        assert!(end.is_ok(), "the stalled connection is still open");
     }
 
     #[tokio::test]

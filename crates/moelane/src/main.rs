@@ -487,7 +487,8 @@ enum Cmd {
         #[arg(long, env = "MOELANE_RESPONSES_STORE_MB")]
         responses_store_mb: Option<usize>,
         /// Seconds a streaming client may go without reading before its answer is cut and
-        /// its generation cancelled (default 60): a client that stops reading holds no slot.
+        /// its generation cancelled, and any connection whose writes stall that long is
+        /// closed (default 60): a client that stops reading holds no slot.
         #[arg(long, env = "MOELANE_STREAM_STALL_TIMEOUT")]
         stream_stall_timeout: Option<f64>,
         #[command(flatten)]
@@ -857,7 +858,8 @@ struct LaneArgs {
     #[arg(long, env = "MOELANE_RESPONSES_STORE_MB")]
     responses_store_mb: Option<usize>,
     /// Gateway: seconds a streaming client may go without reading before its answer is cut
-    /// and its generation cancelled (default 60).
+    /// and its generation cancelled, and a connection whose writes stall that long closed
+    /// (default 60).
     #[arg(long, env = "MOELANE_STREAM_STALL_TIMEOUT")]
     stream_stall_timeout: Option<f64>,
     /// Gateway: the model name clients use.

@@ -1333,7 +1333,9 @@ pub async fn start_gateway(o: &GatewayOptions) -> Result<Gateway> {
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
-    let limits = o.http.clone();
+    let mut limits = o.http.clone();
+    // a connection whose client stops reading closes on the streams' stall bound
+    limits.write_stall = o.stream_stall;
     let task = tokio::spawn(moelane_gateway::listen::serve(
         l,
         app,
