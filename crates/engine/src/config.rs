@@ -645,11 +645,30 @@ impl ModelConfig {
                         attention_factor: attention_factor as f32,
                         truncate: p.get("truncate").and_then(|t| t.as_bool()).unwrap_or(true),
                     });
-                    if !(attention_factor.is_finite() && attention_factor > 0.0) {
+                    // each as the tables use it (f32): 1e300 is finite as f64, not as f32
+                    let y = yarn.as_ref().map_or(Default::default(), |y: &Yarn| {
+                        [
+                            ("rope_parameters.factor", y.factor),
+                            ("rope_parameters.attention_factor", y.attention_factor),
+                            ("rope_parameters.beta_fast", y.beta_fast),
+                            ("rope_parameters.beta_slow", y.beta_slow),
+                            ("rope_parameters.mscale_all_dim", mscale_all as f32),
+                        ]
+                    });
+                    for (k, x) in y {
+                        if !(x.is_finite() && x > 0.0) {
+                            return Err(bad(
+                                k,
+                                x.to_string(),
+                                "must be finite and positive as an f32",
+                            ));
+                        }
+                    }
+                    if orig > u32::MAX as f64 {
                         return Err(bad(
-                            "rope_parameters.attention_factor",
-                            attention_factor.to_string(),
-                            "must be finite and positive",
+                            "rope_parameters.original_max_position_embeddings",
+                            orig.to_string(),
+                            "is larger than any context",
                         ));
                     }
                 }
@@ -1357,6 +1376,17 @@ mod tests {
             "{}",
             c.attention_scale
         );
+        // finite as f64, not as the f32 the tables use
+        for (k, x) in [
+            ("factor", 1e300),
+            ("beta_fast", 1e39),
+            ("mscale_all_dim", 1e300),
+        ] {
+            let mut w = v.clone();
+            w["rope_scaling"][k] = x.into();
+            let e = ModelConfig::from_json_str(&w.to_string(), p).unwrap_err();
+            assert!(matches!(e, Error::Config { .. }), "{k}: {e}");
+        }
         v["rope_scaling"]["type"] = "longrope".into();
         assert!(matches!(
             ModelConfig::from_json_str(&v.to_string(), p),
