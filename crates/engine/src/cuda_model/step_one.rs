@@ -34,11 +34,21 @@ pub(super) fn one_grid(gpu: &Gpu, fs: [&CudaFunction; 2], head_dim: usize) -> Re
         .and_then(|v| v.parse::<usize>().ok())
         .unwrap_or(1)
         .clamp(1, 8);
+    let smem = one_smem(head_dim);
     for f in fs {
+        if smem > 48 * 1024 {
+            // more than the default opt-in (MOELANE_CUDA_PERSIST_SMEM): a launch asking
+            // for more than the device holds fails, and the chain runs instead
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )
+            .map_err(|e| gerr("asking for the persistent step's shared memory", e))?;
+        }
         let per = f
             .occupancy_max_active_blocks_per_multiprocessor(
                 32 * ONE_WARPS as u32,
-                one_smem(head_dim) as usize,
+                smem as usize,
                 None,
             )
             .map_err(|e| gerr("reading the persistent step's occupancy", e))?;
@@ -50,9 +60,20 @@ pub(super) fn one_grid(gpu: &Gpu, fs: [&CudaFunction; 2], head_dim: usize) -> Re
     Ok(sms * blocks)
 }
 
-/// The persistent step's dynamic shared memory (decode attention's).
+/// The persistent step's dynamic shared memory: decode attention's, then
+/// `MOELANE_CUDA_PERSIST_SMEM` bytes more (a measuring aid for kernels through
+/// `MOELANE_KERNELS_DIR` that stage weights in shared memory; the kernel reads its size from
+/// `%dynamic_smem_size`, so one that does not stage ignores it). At most 227 KiB in all.
 fn one_smem(head_dim: usize) -> u32 {
-    ((ONE_WARPS + 3) * head_dim * 4) as u32
+    let base = (ONE_WARPS + 3) * head_dim * 4;
+    static EXTRA: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let extra = *EXTRA.get_or_init(|| {
+        std::env::var("MOELANE_CUDA_PERSIST_SMEM")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .unwrap_or(0)
+    });
+    (base + extra).min(227 * 1024) as u32
 }
 
 impl GpuModel {
@@ -289,8 +310,11 @@ impl GpuModel {
 }
 
 /// The persistent step's counter words: the barrier's two, then (kernels built with
-/// `ONE_TRACE`) 16 u64 of phase times and counts.
-pub(super) const ONE_BAR_WORDS: usize = 2 + 2 * 16;
+/// `ONE_TRACE`) 16 u64 of phase times and counts, then ONE_FLAG_WORDS zeroed words for
+/// kernels that wait on finer counters than the grid barrier (each kernel sets back to 0
+/// those it uses before it ends, as it does the barrier's).
+pub(super) const ONE_BAR_WORDS: usize = 2 + 2 * 16 + ONE_FLAG_WORDS;
+const ONE_FLAG_WORDS: usize = 256;
 
 /// A cooperative launch (every block resident at once, or the launch fails): the grid
 /// barriers of kernels/step_one.cu need it.
