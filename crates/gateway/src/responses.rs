@@ -735,6 +735,148 @@ pub(crate) async fn retrieve(
         .into_response())
 }
 
+/// The input items of a kept conversation (its chat messages but the answer's own, the
+/// last): user, system and developer messages as `message` items of `input_text`,
+/// assistant turns as a `message` of `output_text` and a `function_call` item per call,
+/// tool results as `function_call_output` items. Ids are the response's and the item's
+/// place, the same on every listing.
+fn input_items(id: &str, convo: &[Value]) -> Vec<Value> {
+    let tail = id.strip_prefix("resp_").unwrap_or(id);
+    let mut out = Vec::new();
+    let text_of = |c: &Value| -> String {
+        match c {
+            Value::String(t) => t.clone(),
+            Value::Array(parts) => parts
+                .iter()
+                .filter_map(|p| p["text"].as_str())
+                .collect::<Vec<_>>()
+                .concat(),
+            _ => String::new(),
+        }
+    };
+    let n = convo.len().saturating_sub(1);
+    for m in &convo[..n] {
+        let role = m["role"].as_str().unwrap_or_default();
+        match role {
+            "assistant" => {
+                let text = text_of(&m["content"]);
+                if !text.is_empty() {
+                    out.push(
+                        json!({"type": "message", "role": "assistant", "status": "completed",
+                        "content": [{"type": "output_text", "text": text, "annotations": []}]}),
+                    );
+                }
+                for c in m["tool_calls"].as_array().into_iter().flatten() {
+                    out.push(json!({"type": "function_call", "status": "completed",
+                        "call_id": c["id"], "name": c["function"]["name"],
+                        "arguments": c["function"]["arguments"]}));
+                }
+            }
+            "tool" => out.push(
+                json!({"type": "function_call_output", "status": "completed",
+                "call_id": m["tool_call_id"], "output": text_of(&m["content"])}),
+            ),
+            _ => out.push(
+                json!({"type": "message", "role": role, "status": "completed",
+                "content": [{"type": "input_text", "text": text_of(&m["content"])}]}),
+            ),
+        }
+    }
+    for (i, it) in out.iter_mut().enumerate() {
+        let kind = match it["type"].as_str() {
+            Some("function_call") => "fc",
+            Some("function_call_output") => "fco",
+            _ => "msg",
+        };
+        it["id"] = json!(format!("{kind}_{tail}_{i}"));
+    }
+    out
+}
+
+/// `GET /v1/responses/{id}/input_items`: the items a kept response answered, earlier turns'
+/// included, a page at a time (`limit` 1 to 100, default 20; `order` desc, the default, or
+/// asc; `after` / `before` an item id of the list).
+pub(crate) async fn list_input_items(
+    State(st): State<Arc<AppState>>,
+    id: PathId,
+    req: Request,
+) -> Result<Json<Value>, ApiError> {
+    let q = axum::extract::Query::<Vec<(String, String)>>::try_from_uri(req.uri())
+        .map_err(|e| ApiError::bad(format!("the query: {}", e.body_text()), None))?
+        .0;
+    let (id, client) = asked(id, &req)?;
+    let (convo, _) = st
+        .responses
+        .get(&id, &client)
+        .ok_or_else(|| not_found(&id))?;
+    let (mut limit, mut asc, mut after, mut before) = (20usize, false, None, None);
+    for (k, v) in &q {
+        match k.as_str() {
+            "limit" => {
+                limit = v
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|l| (1..=100).contains(l))
+                    .ok_or_else(|| {
+                        bad(
+                            format!("limit must be an integer in 1..=100, got {:?}", short(v)),
+                            "limit",
+                        )
+                    })?
+            }
+            "order" => {
+                asc = match v.as_str() {
+                    "asc" => true,
+                    "desc" => false,
+                    _ => {
+                        return Err(bad(
+                            format!("order must be asc or desc, got {:?}", short(v)),
+                            "order",
+                        ))
+                    }
+                }
+            }
+            "after" => after = Some(v.clone()),
+            "before" => before = Some(v.clone()),
+            // what else OpenAI takes (`include`) changes nothing here
+            _ => {}
+        }
+    }
+    let convo: Vec<Value> = serde_json::from_str(&convo)
+        .map_err(|e| ApiError::Internal(format!("a kept conversation: {e}")))?;
+    let mut items = input_items(&id, &convo);
+    if !asc {
+        items.reverse();
+    }
+    let at = |cursor: &Option<String>, name: &'static str| -> Result<Option<usize>, ApiError> {
+        cursor
+            .as_ref()
+            .map(|c| {
+                items
+                    .iter()
+                    .position(|it| it["id"] == c.as_str())
+                    .ok_or_else(|| {
+                        bad(
+                            format!("{name}: no item {:?} in this response's input", short(c)),
+                            name,
+                        )
+                    })
+            })
+            .transpose()
+    };
+    let lo = at(&after, "after")?.map_or(0, |i| i + 1);
+    let hi = at(&before, "before")?.unwrap_or(items.len()).max(lo);
+    let page: Vec<Value> = items[lo..hi].iter().take(limit).cloned().collect();
+    let has_more = hi - lo > page.len();
+    Ok(Json(json!({
+        "object": "list",
+        "first_id": page.first().map(|i| i["id"].clone()),
+        "last_id": page.last().map(|i| i["id"].clone()),
+        "has_more": has_more,
+        "data": page,
+    })))
+}
+
 /// `DELETE /v1/responses/{id}`: forgets a kept response.
 pub(crate) async fn delete(
     State(st): State<Arc<AppState>>,

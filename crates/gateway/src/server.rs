@@ -378,6 +378,13 @@ pub fn routes() -> Vec<Route> {
         r(Public, "GET", "/v1/responses/{id}", ApiKey, || {
             get(crate::responses::retrieve)
         }),
+        r(
+            Public,
+            "GET",
+            "/v1/responses/{id}/input_items",
+            ApiKey,
+            || get(crate::responses::list_input_items),
+        ),
         r(Public, "DELETE", "/v1/responses/{id}", ApiKey, || {
             axum::routing::delete(crate::responses::delete)
         }),

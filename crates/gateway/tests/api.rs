@@ -2333,6 +2333,73 @@ async fn responses_are_kept_for_previous_response_id() {
     )
     .await;
     assert_eq!(st, 200, "the streamed answer is kept: {kept}");
+    // its input items: the whole conversation before its answer, newest first by default
+    let lid = last["id"].as_str().unwrap();
+    let list = |q: &str| {
+        let path = format!("/v1/responses/{lid}/input_items{q}");
+        async move {
+            let (st, body) = http(gw, "GET", &path, b"").await;
+            (st, serde_json::from_str::<Value>(&body).unwrap())
+        }
+    };
+    let (st, all) = list("?order=asc").await;
+    assert_eq!(st, 200, "{all}");
+    let said: Vec<(String, String)> = all["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|it| {
+            (
+                it["role"].as_str().unwrap_or_default().to_string(),
+                it["content"][0]["text"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string(),
+            )
+        })
+        .collect();
+    let want = [
+        ("user", "Hello there".to_string()),
+        ("assistant", output_text(&r1)),
+        ("user", "And now?".to_string()),
+        ("assistant", output_text(&r2)),
+        ("user", "Go on.".to_string()),
+    ]
+    .map(|(r, t)| (r.to_string(), t));
+    assert_eq!(said, want, "{all}");
+    assert_eq!(
+        (&all["object"], &all["has_more"]),
+        (&json!("list"), &json!(false))
+    );
+    assert_eq!(all["data"][1]["content"][0]["type"], "output_text", "{all}");
+    // newest first, two a page, the pages chained by `after`
+    let (_, p1) = list("?limit=2").await;
+    assert_eq!(p1["data"][0]["content"][0]["text"], "Go on.", "{p1}");
+    assert_eq!(p1["has_more"], true, "{p1}");
+    let after = p1["last_id"].as_str().unwrap().to_string();
+    let (_, p2) = list(&format!("?limit=2&after={after}")).await;
+    assert_eq!(p2["data"][0]["content"][0]["text"], "And now?", "{p2}");
+    let (_, p3) = list(&format!(
+        "?limit=2&after={}",
+        p2["last_id"].as_str().unwrap()
+    ))
+    .await;
+    assert_eq!(
+        (p3["data"].as_array().unwrap().len(), &p3["has_more"]),
+        (1, &json!(false)),
+        "{p3}"
+    );
+    for (q, param) in [
+        ("?limit=0", "limit"),
+        ("?limit=x", "limit"),
+        ("?order=up", "order"),
+        ("?after=msg_none", "after"),
+    ] {
+        let (st, v) = list(q).await;
+        assert_eq!((st, &v["error"]["param"]), (400, &json!(param)), "{q}: {v}");
+    }
+    let (st, v) = http(gw, "GET", "/v1/responses/resp_none/input_items", b"").await;
+    assert_eq!(st, 404, "{v}");
     // GET gives the response back; DELETE forgets it
     let (st, got) = http(gw, "GET", &format!("/v1/responses/{id}"), b"").await;
     assert_eq!(st, 200, "{got}");

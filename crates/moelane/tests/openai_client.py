@@ -190,6 +190,14 @@ assert turn.previous_response_id == rt.id and turn.status in ("completed", "inco
 # the same conversation sent whole has the same prompt
 assert turn.usage.input_tokens == r2.usage.input_tokens, (turn.usage, r2.usage)
 assert c.responses.retrieve(turn.id).output_text == turn.output_text
+# its input items through the SDK: the question, the call, the tool's output (oldest first)
+items = list(c.responses.input_items.list(turn.id, order="asc"))
+assert [i.type for i in items] == ["message", "function_call", "function_call_output"], items
+assert items[1].call_id == fcs[0].call_id and items[2].output == "-3C, snow", items
+page = c.responses.input_items.list(turn.id, limit=1)
+assert [i.id for i in page.data] == [items[2].id] and page.has_more, page
+# the pages chained by the SDK: all three, newest first
+assert [i.id for i in page] == [i.id for i in reversed(items)], page
 assert c.responses.retrieve(events[-1].response.id).id == events[-1].response.id  # streamed: kept too
 c.responses.delete(turn.id)
 try:
