@@ -20,32 +20,65 @@ pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     /// The same tokenizer with special tokens read as plain text (for what users wrote).
     plain: tokenizers::Tokenizer,
-    /// The text of every special token, longest first.
+    /// The text of every special token, longest first, and their finder
+    /// ([`Tokenizer::find_special_at`]).
     special_texts: Vec<String>,
-    /// The first characters of those texts, sorted (where [`Tokenizer::find_special`] looks).
-    special_firsts: Vec<char>,
+    special_finder: Finder,
     /// The text of every added token, special or not (DeepSeek's `<｜User｜>` and Qwen's
-    /// `<think>` are added tokens marked not special), longest first, and their first
-    /// characters ([`Tokenizer::find_added_at`]).
+    /// `<think>` are added tokens marked not special), longest first, and their finder
+    /// ([`Tokenizer::find_added_at`]).
     added_texts: Vec<String>,
-    added_firsts: Vec<char>,
+    added_finder: Finder,
     /// `bytes[id]`: the bytes token `id` stands for.
     bytes: Vec<Vec<u8>>,
     pub eos_ids: Vec<u32>,
     pub special: Vec<bool>,
 }
 
-/// The first of `texts` (longest first) in `text` and where it starts; `firsts` their first
-/// characters, sorted.
-fn first_of<'a>(texts: &'a [String], firsts: &[char], text: &str) -> Option<(usize, &'a str)> {
-    text.char_indices()
-        .filter(|(_, c)| firsts.binary_search(c).is_ok())
-        .find_map(|(i, _)| {
+/// How token texts are found in a client's string: one automaton over all of them (time
+/// linear in the string, however many texts share a first character: DeepSeek-V3 has ~800
+/// beginning with `<`), or, where it cannot be built, a scan from each position whose
+/// character begins some text (`firsts`, sorted).
+enum Finder {
+    Automaton(aho_corasick::AhoCorasick),
+    Scan(Vec<char>),
+}
+
+impl Finder {
+    /// Over `texts` (longest first).
+    fn new(texts: &[String]) -> Finder {
+        aho_corasick::AhoCorasick::builder()
+            .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+            .build(texts)
+            .map(Finder::Automaton)
+            .unwrap_or_else(|_| {
+                let mut firsts: Vec<char> = texts.iter().filter_map(|t| t.chars().next()).collect();
+                firsts.sort_unstable();
+                firsts.dedup();
+                Finder::Scan(firsts)
+            })
+    }
+}
+
+/// The first of `texts` (longest first) in `text` and where it starts, the longest where
+/// several start there.
+fn first_of<'a>(texts: &'a [String], finder: &Finder, text: &str) -> Option<(usize, &'a str)> {
+    match finder {
+        Finder::Automaton(ac) => ac.find(text).and_then(|m| {
             texts
-                .iter()
-                .find(|t| text[i..].starts_with(t.as_str()))
-                .map(|t| (i, t.as_str()))
-        })
+                .get(m.pattern().as_usize())
+                .map(|t| (m.start(), t.as_str()))
+        }),
+        Finder::Scan(firsts) => text
+            .char_indices()
+            .filter(|(_, c)| firsts.binary_search(c).is_ok())
+            .find_map(|(i, _)| {
+                texts
+                    .iter()
+                    .find(|t| text[i..].starts_with(t.as_str()))
+                    .map(|t| (i, t.as_str()))
+            }),
+    }
 }
 
 /// `t` with every added token marked special, so that `set_encode_special_tokens` makes all
@@ -193,22 +226,20 @@ impl Tokenizer {
                 .collect();
             t.sort_by(|a, b| b.len().cmp(&a.len()).then(a.cmp(b)));
             t.dedup();
-            let mut firsts: Vec<char> = t.iter().filter_map(|t| t.chars().next()).collect();
-            firsts.sort_unstable();
-            firsts.dedup();
-            (t, firsts)
+            let finder = Finder::new(&t);
+            (t, finder)
         };
-        let (special_texts, special_firsts) = texts(true);
-        let (added_texts, added_firsts) = texts(false);
+        let (special_texts, special_finder) = texts(true);
+        let (added_texts, added_finder) = texts(false);
         let mut plain = every_added_token_special(&inner);
         plain.set_encode_special_tokens(true);
         Tokenizer {
             inner,
             plain,
             special_texts,
-            special_firsts,
+            special_finder,
             added_texts,
-            added_firsts,
+            added_finder,
             bytes,
             eos_ids,
             special,
@@ -238,12 +269,12 @@ impl Tokenizer {
     /// The first special token's text in `text` and where it starts (the longest where
     /// several start there), if any.
     pub fn find_special_at<'a>(&'a self, text: &str) -> Option<(usize, &'a str)> {
-        first_of(&self.special_texts, &self.special_firsts, text)
+        first_of(&self.special_texts, &self.special_finder, text)
     }
 
     /// As [`Tokenizer::find_special_at`], for any added token's text, special or not.
     pub fn find_added_at<'a>(&'a self, text: &str) -> Option<(usize, &'a str)> {
-        first_of(&self.added_texts, &self.added_firsts, text)
+        first_of(&self.added_texts, &self.added_finder, text)
     }
 
     /// The raw bytes of a token (empty for an unknown id).
@@ -689,6 +720,39 @@ pub(crate) mod tests {
                 "vocab": vocab, "merges": merges}
         });
         super::Tokenizer::from_inner(spec.to_string().parse().unwrap())
+    }
+
+    /// Token texts are found leftmost first, the longest of those starting there, by the
+    /// automaton and by the scan alike, among hundreds sharing a first character.
+    #[test]
+    fn token_texts_are_found_leftmost_then_longest() {
+        let mut texts: Vec<String> = (0..800).map(|i| format!("<|t{i}|>")).collect();
+        texts.extend(["<|t1", "<|t12|>x", "ab"].map(String::from));
+        texts.sort_by(|a, b| b.len().cmp(&a.len()).then(a.cmp(b)));
+        let mut firsts: Vec<char> = texts.iter().filter_map(|t| t.chars().next()).collect();
+        firsts.sort_unstable();
+        firsts.dedup();
+        let auto = super::Finder::new(&texts);
+        assert!(matches!(auto, super::Finder::Automaton(_)));
+        let scan = super::Finder::Scan(firsts);
+        for (text, want) in [
+            ("xx <|t12|>x yy", Some((3, "<|t12|>x"))),
+            ("xx <|t12|> yy", Some((3, "<|t12|>"))),
+            ("<|t1 <|t799|>", Some((0, "<|t1"))),
+            ("<<<<| ab", Some((6, "ab"))),
+            ("\u{e9}<|t5|>", Some((2, "<|t5|>"))),
+            ("<|t|> <|", None),
+        ] {
+            for f in [&auto, &scan] {
+                assert_eq!(super::first_of(&texts, f, text), want, "{text}");
+            }
+        }
+        // many near misses: found where it is, after them
+        let text = format!("{}<|t42|>", "<|t4".repeat(100_000));
+        assert_eq!(
+            super::first_of(&texts, &auto, &text),
+            Some((text.len() - 7, "<|t42|>"))
+        );
     }
 
     /// An added token marked not special (DeepSeek's turn markers are) is found by
