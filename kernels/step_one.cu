@@ -2,7 +2,7 @@
 // kernel, one block of 16 warps per SM, the phases of a layer separated by grid barriers
 // instead of kernel boundaries. Each phase's weights are asked of the L2 before the barrier
 // that precedes it (the dense rows one or two phases ahead, the picked experts' down rows
-// as soon as the top-k is known, while the up-projection streams), so after a barrier a
+// once the block's share of the up-projection is done), so after a barrier a
 // phase waits only for its activations. The arithmetic is the chain's, kernel for kernel
 // and in the same order (norm_gemv_rows, attention_decode, attention_merge, gemv_rows,
 // route_topk, moe_up, moe_down and moe_combine): the two paths' logits agree bit for bit.
@@ -10,9 +10,10 @@
 // read-only path.
 //
 // Measured (docs/PERFORMANCE.md): 0.59-0.62x the chain's tok/s at batch 1 on station, so it is
-// off by default. A grid barrier costs ~3 us a phase (arrivals, imbalance, the poll), where a
-// kernel boundary of the chain, with its weights preloaded before the dependent launch's wait,
-// costs ~0.7; two blocks an SM measured slower still.
+// off by default. A grid barrier costs ~3 us a phase (arrivals, imbalance, the poll; 1.16 us
+// alone on an H100, ONE_BARRIERS_ONLY), where a kernel boundary of the chain, with its weights
+// preloaded before the dependent launch's wait, costs ~0.7; two blocks an SM, and the experts
+// staged in shared memory (below), measured slower still.
 //
 // The span's layers are described by `lay` (ONE_FIELDS words each, see OneLayer); the grid
 // must be co-resident (a cooperative launch). bar[0] counts arrivals at the grid barriers,
@@ -22,6 +23,9 @@
 // shared memory: (ONE_WARPS + 3) * hd floats (attention's).
 
 #define ONE_WARPS 16
+#ifndef ONE_DOWN_PREFETCH
+#define ONE_DOWN_PREFETCH 2
+#endif
 
 struct OneLayer {
     const void* qkv;           // [q_dim + 2 kv_dim, H]
@@ -180,6 +184,56 @@ __device__ __forceinline__ float one_down_lane(const W* __restrict__ d, const fl
     return sum;
 }
 
+// Shared-memory staging of the expert rows (sm_90: bulk copies completing on an mbarrier):
+// after the top-k every block asks for the up rows of its items and the down rows of its
+// hidden range at once, into the dynamic shared memory past attention's, as far as it holds
+// them (`%dynamic_smem_size`: MOELANE_CUDA_PERSIST_SMEM bytes); the products read the staged
+// rows, in the same order as from global memory. Compiled only with ONE_STAGE_EXPERTS
+// defined (a copy of kernels/ through MOELANE_KERNELS_DIR): measured slower than loads
+// through the L2 (docs/PERFORMANCE.md), one copy per run of rows, waited for whole, starting
+// the products later than the loads it replaces; the code present but unused cost 3%.
+#if defined(ONE_STAGE_EXPERTS) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define ONE_STAGE 1
+__device__ __forceinline__ unsigned one_dyn_bytes() {
+    unsigned v;
+    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(v));
+    return v;
+}
+__device__ __forceinline__ unsigned one_sa(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void one_mbar_init(unsigned long long* b) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(one_sa(b)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void one_mbar_expect(unsigned long long* b, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(one_sa(b)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void one_mbar_wait(unsigned long long* b, unsigned parity) {
+    unsigned ok = 0;
+    do {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+            : "=r"(ok)
+            : "r"(one_sa(b)), "r"(parity)
+            : "memory");
+    } while (!ok);
+}
+__device__ __forceinline__ void one_bulk(void* dst, const void* src, unsigned bytes, unsigned long long* b) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     one_sa(dst)),
+                 "l"(src), "r"(bytes), "r"(one_sa(b))
+                 : "memory");
+}
+__device__ __forceinline__ void one_fence_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+#else
+#define ONE_STAGE 0
+__device__ __forceinline__ unsigned one_dyn_bytes() { return 0; }
+__device__ __forceinline__ void one_mbar_init(unsigned long long*) {}
+__device__ __forceinline__ void one_mbar_expect(unsigned long long*, unsigned) {}
+__device__ __forceinline__ void one_mbar_wait(unsigned long long*, unsigned) {}
+__device__ __forceinline__ void one_bulk(void*, const void*, unsigned, unsigned long long*) {}
+__device__ __forceinline__ void one_fence_async() {}
+#endif
+
 template <typename W>
 __device__ __forceinline__ void step_one_body(const OneLayer* __restrict__ lay, int nl, float* x, float* qkv,
                                               float* att, float* part, float* h, float* rlog, float* act,
@@ -190,8 +244,26 @@ __device__ __forceinline__ void step_one_body(const OneLayer* __restrict__ lay, 
                                               int K, int I, float eps, float scale, int norm, int S) {
     __shared__ int s_idx[32];
     __shared__ float s_wts[32];
+    __shared__ __align__(8) unsigned long long s_mbar[2];
+    extern __shared__ __align__(128) unsigned char one_dyn[];
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int qd = nh * hd, kvd = nkv * hd, qkv_out = qd + 2 * kvd;
+    // the staging area: past attention's floats, 128-byte aligned
+    const unsigned st_base = ((unsigned)((ONE_WARPS + 3) * hd * 4) + 127u) & ~127u;
+    const unsigned st_dyn = one_dyn_bytes();
+    const unsigned st_cap = st_dyn > st_base ? (st_dyn - st_base) & ~127u : 0u;
+    unsigned char* const stage = one_dyn + st_base;
+    const size_t row_b = (size_t)H * sizeof(W), drow_b = (size_t)I * sizeof(W);
+    const bool st_ok = ONE_STAGE && st_cap > 0 && row_b % 16 == 0 && drow_b % 16 == 0;
+    unsigned ph_up = 0, ph_dn = 0;
+    unsigned s_dn_bytes = 0;
+    bool s_dn_st = false;
+    const unsigned char* dn_stage = stage;
+    if (threadIdx.x == 0 && st_ok) {
+        one_mbar_init(&s_mbar[0]);
+        one_mbar_init(&s_mbar[1]);
+    }
+    __syncthreads();
     unsigned target = 0;
     int lo, hi;
     one_range(qkv_out, lo, hi);
@@ -199,6 +271,19 @@ __device__ __forceinline__ void step_one_body(const OneLayer* __restrict__ lay, 
     PDL_ENTRY();
 #ifdef ONE_TRACE
     long long t_mark = clock64();
+#endif
+#ifdef ONE_BARRIERS_ONLY
+    // a development aid (with ONE_TRACE, through MOELANE_KERNELS_DIR): the step's barriers
+    // and nothing else, to time a barrier alone (results are wrong; the layers' loop below
+    // is skipped)
+    for (int l = 0; l < nl; l++) {
+        const int n = 5 + (S > 1) + (l + 1 < nl);
+        for (int b = 0; b < n; b++) {
+            one_sync(bar, target);
+            ONE_MARK(b);
+        }
+    }
+    if (nl < 0)
 #endif
     for (int l = 0; l < nl; l++) {
         const OneLayer& L = lay[l];
@@ -269,27 +354,106 @@ __device__ __forceinline__ void step_one_body(const OneLayer* __restrict__ lay, 
                 idx[(size_t)l * K + threadIdx.x] = s_idx[threadIdx.x];
                 wts[threadIdx.x] = s_wts[threadIdx.x];
             }
-            // the down rows of the next phase, for every pick, while the up rows stream
-            one_range(H, lo, hi);
-            for (int s = 0; s < K; s++) {
-                const W* dn = (const W*)L.dn[s_idx[s]];
-                if (dn != 0) one_prefetch(dn, lo, hi, I);
+            // the staging plan (every thread computes the same one): this block's up items
+            // [ulo, ulo + n_up) and, when they fit too, its down rows [dlo, dhi) of every pick
+            int ulo, uhi, dlo, dhi;
+            one_range(K * I, ulo, uhi);
+            one_range(H, dlo, dhi);
+            int n_up = 0;
+            bool dn_st = false;
+            if (st_ok) {
+                n_up = min(uhi - ulo, (int)(st_cap / (2 * row_b)));
+                dn_st = 2 * (size_t)n_up * row_b + (size_t)K * (dhi - dlo) * drow_b <= st_cap && dhi > dlo;
             }
-            one_range(K * I, lo, hi);
-            for (int t = lo + w; t < hi; t += ONE_WARPS) {
+            unsigned char* const up_g = stage;                          // gate rows
+            unsigned char* const up_u = stage + (size_t)n_up * row_b;   // up rows
+            unsigned char* const dn_s = stage + 2 * (size_t)n_up * row_b;
+            // a pick's rows are staged when its expert is here and 16-byte aligned
+            unsigned up_bytes = 0, dn_bytes = 0;
+            for (int t = ulo; t < ulo + n_up; t++) {
+                const size_t gp = (size_t)L.gu[s_idx[t / I]];
+                if (gp != 0 && (gp & 15) == 0) up_bytes += 2 * (unsigned)row_b;
+            }
+            if (dn_st)
+                for (int s = 0; s < K; s++) {
+                    const size_t dp = (size_t)L.dn[s_idx[s]];
+                    if (dp != 0 && (dp & 15) == 0) dn_bytes += (unsigned)((dhi - dlo) * drow_b);
+                }
+            if (up_bytes + dn_bytes > 0) {
+                // the last layer's reads of the staging area before the copies' writes
+                one_fence_async();
+                __syncthreads();
+                if (threadIdx.x == 0) {
+                    if (up_bytes > 0) one_mbar_expect(&s_mbar[0], up_bytes);
+                    if (dn_bytes > 0) one_mbar_expect(&s_mbar[1], dn_bytes);
+                    // up items in runs of one expert: its gate rows then its up rows
+                    for (int t = ulo; t < ulo + n_up;) {
+                        const int s = t / I, j = t % I;
+                        const int run = min(ulo + n_up, (s + 1) * I) - t;
+                        const W* gu = (const W*)L.gu[s_idx[s]];
+                        if (gu != 0 && ((size_t)gu & 15) == 0) {
+                            one_bulk(up_g + (size_t)(t - ulo) * row_b, gu + (size_t)j * H, (unsigned)(run * row_b), &s_mbar[0]);
+                            one_bulk(up_u + (size_t)(t - ulo) * row_b, gu + (size_t)(j + I) * H, (unsigned)(run * row_b), &s_mbar[0]);
+                        }
+                        t += run;
+                    }
+                    if (dn_bytes > 0)
+                        for (int s = 0; s < K; s++) {
+                            const W* dn = (const W*)L.dn[s_idx[s]];
+                            if (dn != 0 && ((size_t)dn & 15) == 0)
+                                one_bulk(dn_s + (size_t)s * (dhi - dlo) * drow_b, dn + (size_t)dlo * I,
+                                         (unsigned)((dhi - dlo) * drow_b), &s_mbar[1]);
+                        }
+                }
+            }
+            // the down rows of the next phase that are not staged: asked of the L2 now (1),
+            // once the block's up rows are done (2, the default: 1.03-1.05x the first on an
+            // H100, whose up rows no longer queue behind them), or not (0)
+            if (ONE_DOWN_PREFETCH == 1 && !dn_st)
+                for (int s = 0; s < K; s++) {
+                    const W* dn = (const W*)L.dn[s_idx[s]];
+                    if (dn != 0) one_prefetch(dn, dlo, dhi, I);
+                }
+            bool up_waited = up_bytes == 0;
+            for (int t = ulo + w; t < uhi; t += ONE_WARPS) {
                 const int s = t / I, j = t % I;
                 const W* gu = (const W*)L.gu[s_idx[s]];
                 if (gu == 0) continue;
                 const bool eight = sizeof(W) == 2 && (H & 7) == 0 && ((size_t)gu & 15) == 0;
-                const float a = one_up(gu + (size_t)j * H, gu + (size_t)(j + I) * H, h, H, eight, lane);
+                const W* gr = gu + (size_t)j * H;
+                const W* ur = gu + (size_t)(j + I) * H;
+                if (t < ulo + n_up && ((size_t)gu & 15) == 0) {
+                    if (!up_waited) {
+                        one_mbar_wait(&s_mbar[0], ph_up);
+                        up_waited = true;
+                    }
+                    gr = (const W*)(up_g + (size_t)(t - ulo) * row_b);
+                    ur = (const W*)(up_u + (size_t)(t - ulo) * row_b);
+                }
+                const float a = one_up(gr, ur, h, H, eight, lane);
                 if (lane == 0) act[(size_t)s * I + j] = a;
             }
+            if (up_bytes > 0) {
+                if (!up_waited) one_mbar_wait(&s_mbar[0], ph_up);
+                ph_up ^= 1u;
+            }
+            if (ONE_DOWN_PREFETCH == 2 && !dn_st) {
+                __syncthreads();
+                for (int s = 0; s < K; s++) {
+                    const W* dn = (const W*)L.dn[s_idx[s]];
+                    if (dn != 0) one_prefetch(dn, dlo, dhi, I);
+                }
+            }
+            s_dn_bytes = dn_bytes;
+            s_dn_st = dn_st;
+            dn_stage = dn_s;
         }
         one_sync(bar, target);
         ONE_MARK(5);
         // x += the picks' down-projections in rank order (moe_down, moe_combine)
         {
             one_range(H, lo, hi);
+            if (s_dn_bytes > 0 && lo + w < hi) one_mbar_wait(&s_mbar[1], ph_dn);
             for (int j = lo + w; j < hi; j += ONE_WARPS) {
                 float acc = 0.f;
                 // eight picks at a time: every pick's loads issued before any of its sums (the
@@ -304,7 +468,10 @@ __device__ __forceinline__ void step_one_body(const OneLayer* __restrict__ lay, 
                         ps[u] = 0.f;
                         if (on[u]) {
                             const bool eight = sizeof(W) == 2 && (I & 7) == 0 && ((size_t)dn & 15) == 0;
-                            ps[u] = one_down_lane(dn + (size_t)j * I, act + (size_t)(s0 + u) * I, I, eight, lane);
+                            const W* dr = dn + (size_t)j * I;
+                            if (s_dn_st && ((size_t)dn & 15) == 0)
+                                dr = (const W*)(dn_stage + ((size_t)(s0 + u) * (hi - lo) + (j - lo)) * drow_b);
+                            ps[u] = one_down_lane(dr, act + (size_t)(s0 + u) * I, I, eight, lane);
                         }
                     }
 #pragma unroll
@@ -313,6 +480,7 @@ __device__ __forceinline__ void step_one_body(const OneLayer* __restrict__ lay, 
                 }
                 if (lane == 0) x[j] = __ldcg(x + j) + acc;
             }
+            if (s_dn_bytes > 0) ph_dn ^= 1u;
             if (l + 1 < nl) {
                 one_range(qkv_out, lo, hi);
                 one_prefetch((const W*)lay[l + 1].qkv, lo, hi, H);

@@ -61,9 +61,9 @@ pub(super) fn one_grid(gpu: &Gpu, fs: [&CudaFunction; 2], head_dim: usize) -> Re
 }
 
 /// The persistent step's dynamic shared memory: decode attention's, then
-/// `MOELANE_CUDA_PERSIST_SMEM` bytes more (a measuring aid for kernels through
-/// `MOELANE_KERNELS_DIR` that stage weights in shared memory; the kernel reads its size from
-/// `%dynamic_smem_size`, so one that does not stage ignores it). At most 227 KiB in all.
+/// `MOELANE_CUDA_PERSIST_SMEM` bytes more (a measuring aid: the kernel stages the picked
+/// experts' rows there, as far as they fit, and reads its size from `%dynamic_smem_size`;
+/// measured slower than without, docs/PERFORMANCE.md). At most 227 KiB in all.
 fn one_smem(head_dim: usize) -> u32 {
     let base = (ONE_WARPS + 3) * head_dim * 4;
     static EXTRA: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
