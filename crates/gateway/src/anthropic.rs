@@ -133,8 +133,10 @@ fn to_chat(v: &Value) -> Result<Value, ApiError> {
         .get("messages")
         .and_then(|m| m.as_array())
         .ok_or_else(|| bad("`messages` must be a list"))?;
-    // the ids of the previous message's tool_use blocks: a tool_result answers one of them
+    // the ids of the previous message's tool_use blocks: the next message answers each with
+    // a tool_result; every tool_use id of the conversation, which none may reuse
     let mut uses: Vec<String> = Vec::new();
+    let mut every_use: std::collections::HashSet<String> = std::collections::HashSet::new();
     for (i, m) in list.iter().enumerate() {
         let role = m["role"].as_str().unwrap_or_default();
         if role != "user" && role != "assistant" {
@@ -154,7 +156,7 @@ fn to_chat(v: &Value) -> Result<Value, ApiError> {
         // as Anthropic's API: every message holds something, except a last assistant
         // message (the start of the answer)
         let empty = match &m["content"] {
-            Value::String(t) => t.is_empty(),
+            Value::String(t) => t.trim().is_empty(),
             _ => blocks.is_empty(),
         };
         if empty && !(role == "assistant" && i + 1 == list.len()) {
@@ -162,12 +164,38 @@ fn to_chat(v: &Value) -> Result<Value, ApiError> {
                 "messages[{i}]: a {role} message must have non-empty content"
             )));
         }
+        let last_assistant = role == "assistant" && i + 1 == list.len();
         let prev_uses = std::mem::take(&mut uses);
+        // the previous message's tool_use ids, each to be answered once, here, before any
+        // other block (as Anthropic's API requires)
+        let mut unanswered: std::collections::HashSet<&str> =
+            prev_uses.iter().map(String::as_str).collect();
+        if !prev_uses.is_empty() && role != "user" {
+            return Err(bad(format!(
+                "messages[{i}]: the previous message's tool_use blocks must be answered by \
+                 tool_result blocks in a user message right after it"
+            )));
+        }
         let (mut text, mut calls, mut thinking) = (String::new(), Vec::new(), String::new());
+        let mut other_before = false;
         for (j, b) in blocks.iter().enumerate() {
             let at = format!("messages[{i}].content[{j}]");
-            match b["type"].as_str() {
-                Some("text") => text.push_str(&text_of_block(b, &at)?),
+            let kind = b["type"].as_str();
+            if kind != Some("tool_result") {
+                other_before = true;
+            }
+            match kind {
+                Some("text") => {
+                    let t = text_of_block(b, &at)?;
+                    // an empty or blank text block, but at the end of a last assistant
+                    // message (the answer's start)
+                    if t.trim().is_empty() && !last_assistant {
+                        return Err(bad(format!(
+                            "{at}: text content blocks must hold non-whitespace text"
+                        )));
+                    }
+                    text.push_str(&t);
+                }
                 Some("thinking") if role == "assistant" => {
                     thinking.push_str(b["thinking"].as_str().unwrap_or_default())
                 }
@@ -179,27 +207,43 @@ fn to_chat(v: &Value) -> Result<Value, ApiError> {
                         Some(_) => return Err(bad(format!("{at}.input must be an object"))),
                     };
                     let id = str_field(b, "id", &at)?.to_string();
-                    if uses.contains(&id) {
+                    let name = str_field(b, "name", &at)?;
+                    if id.is_empty() || name.is_empty() {
+                        return Err(bad(format!(
+                            "{at}: a tool_use needs a non-empty id and name"
+                        )));
+                    }
+                    if !every_use.insert(id.clone()) {
                         return Err(bad(format!("{at}: tool_use id {id:?} is used twice")));
                     }
                     uses.push(id.clone());
                     calls.push(json!({
                         "id": id, "type": "function",
-                        "function": {"name": str_field(b, "name", &at)?,
-                                     "arguments": input.to_string()}}))
+                        "function": {"name": name, "arguments": input.to_string()}}))
                 }
                 Some("tool_result") if role == "user" => {
                     // results first, each its own tool turn, then the user's text
                     let mut content = text_blocks(&b["content"], &at)?;
-                    if b["is_error"].as_bool() == Some(true) {
-                        content = format!("Error: {content}");
+                    match &b["is_error"] {
+                        Value::Null | Value::Bool(false) => {}
+                        Value::Bool(true) => content = format!("Error: {content}"),
+                        x => return Err(bad(format!("{at}.is_error must be a boolean, got {x}"))),
                     }
                     let id = str_field(b, "tool_use_id", &at)?;
-                    if !prev_uses.iter().any(|u| u == id) {
+                    if other_before {
                         return Err(bad(format!(
-                            "{at}: tool_use_id {id:?} answers no tool_use block of the \
-                             previous message"
+                            "{at}: tool_result blocks must come first in a message"
                         )));
+                    }
+                    if !unanswered.remove(id) {
+                        return Err(bad(if prev_uses.iter().any(|u| u == id) {
+                            format!("{at}: tool_use_id {id:?} is answered twice")
+                        } else {
+                            format!(
+                                "{at}: tool_use_id {id:?} answers no tool_use block of the \
+                                 previous message"
+                            )
+                        }));
                     }
                     msgs.push(json!({"role": "tool", "tool_call_id": id, "content": content}));
                 }
@@ -210,6 +254,11 @@ fn to_chat(v: &Value) -> Result<Value, ApiError> {
                 }
                 None => return Err(bad(format!("{at}: a block without a type"))),
             }
+        }
+        if let Some(id) = prev_uses.iter().find(|u| unanswered.contains(u.as_str())) {
+            return Err(bad(format!(
+                "messages[{i}]: tool_use {id:?} of the previous message has no tool_result here"
+            )));
         }
         if role == "assistant" {
             let mut a = json!({"role": "assistant", "content": text});
@@ -660,6 +709,76 @@ mod tests {
             {"type": "tool_use", "id": "t", "name": "b", "input": {}}]});
         let e = refused(req(vec![ask.clone(), twice]));
         assert!(e.contains("used twice"), "{e}");
+        // every call answered, once each, results before anything else, right after it
+        let two = json!({"role": "assistant", "content": [
+            {"type": "tool_use", "id": "u1", "name": "a", "input": {}},
+            {"type": "tool_use", "id": "u2", "name": "b", "input": {}}]});
+        let result = |id: &str| json!({"type": "tool_result", "tool_use_id": id, "content": "ok"});
+        let user = |blocks: Vec<Value>| json!({"role": "user", "content": blocks});
+        let text = json!({"type": "text", "text": "and?"});
+        to_chat(&req(vec![
+            ask.clone(),
+            two.clone(),
+            user(vec![result("u2"), result("u1"), text.clone()]),
+        ]))
+        .unwrap();
+        for (msgs, what) in [
+            (
+                vec![ask.clone(), two.clone(), ask.clone()],
+                "has no tool_result",
+            ),
+            (
+                vec![ask.clone(), two.clone(), user(vec![result("u1")])],
+                "\"u2\"",
+            ),
+            (
+                vec![
+                    ask.clone(),
+                    two.clone(),
+                    user(vec![result("u1"), result("u1"), result("u2")]),
+                ],
+                "answered twice",
+            ),
+            (
+                vec![
+                    ask.clone(),
+                    two.clone(),
+                    user(vec![text.clone(), result("u1"), result("u2")]),
+                ],
+                "come first",
+            ),
+            (
+                vec![
+                    ask.clone(),
+                    two.clone(),
+                    json!({"role": "assistant", "content": "x"}),
+                ],
+                "right after",
+            ),
+            (
+                vec![ask.clone(), call.clone(), answer("toolu_1"), call.clone()],
+                "used twice",
+            ),
+        ] {
+            let e = refused(req(msgs));
+            assert!(e.contains(what), "{what}: {e}");
+        }
+        let mut bad_err = answer("toolu_1");
+        bad_err["content"][0]["is_error"] = json!("yes");
+        assert!(refused(req(vec![ask.clone(), call.clone(), bad_err])).contains("is_error"));
+        let mut no_id = call.clone();
+        no_id["content"][1]["id"] = json!("");
+        assert!(refused(req(vec![ask.clone(), no_id])).contains("non-empty id"));
+        // blank text: refused but at the end of a last assistant message
+        for blank in [json!("   "), json!([{"type": "text", "text": ""}])] {
+            let e = refused(req(vec![json!({"role": "user", "content": blank})]));
+            assert!(e.contains("messages[0]"), "{e}");
+            to_chat(&req(vec![
+                ask.clone(),
+                json!({"role": "assistant", "content": blank}),
+            ]))
+            .unwrap();
+        }
         // empty content: refused but for a last assistant message (the answer's start)
         for empty in [json!([]), json!("")] {
             let e = refused(req(vec![json!({"role": "user", "content": empty})]));

@@ -166,7 +166,11 @@ pub async fn serve(
         };
         // Nagle off: small SSE chunks must not wait for the client's delayed ACK
         let _ = tcp.set_nodelay(true);
-        let tcp = WriteStall::new(tcp, limits.write_stall);
+        let fd = {
+            use std::os::fd::AsRawFd;
+            tcp.as_raw_fd()
+        };
+        let tcp = WriteStall::new(tcp, limits.write_stall, Some(fd));
         // the peer's address on each request: whom a request is accounted to without keys
         let peer = Peer(peer.ip());
         let svc = hyper_util::service::TowerToHyperService::new(WithPeer {
@@ -233,24 +237,66 @@ async fn serve_io<I>(
     log_end(conn.await)
 }
 
-/// A connection's IO whose writes fail (`TimedOut`) once one has waited `limit` without
-/// progress: hyper then closes the connection. Without it a client that stops reading holds
-/// its connection, and one of the `max_connections` slots, until it goes away: the stream's
-/// own stall bound ends the response, not the write of what is already queued.
+/// A connection's IO whose writes fail (`TimedOut`) once the client has read nothing for
+/// `limit`: hyper then closes the connection. Two ways to see it: a write waiting that long
+/// (the socket's buffers full), or, on Linux, a write accepted while bytes written earlier
+/// have waited that long without the peer acknowledging any (it advertises no room: the
+/// kernel's send buffer, up to 4 MiB, would otherwise take a slow stream many minutes to
+/// fill). Without it a client that stops reading holds its connection, and one of the
+/// `max_connections` slots, until it goes away.
 struct WriteStall<I> {
     io: I,
     limit: Duration,
     /// set while a write or flush is pending, cleared by any progress
     since: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+    /// the socket, where its unacknowledged bytes can be read
+    fd: Option<i32>,
+    /// bytes the socket accepted, and of those the peer had acknowledged at the last look
+    written: u64,
+    acked: u64,
+    /// whether some were unacknowledged at the last look, and since when the peer has
+    /// acknowledged nothing new while some were
+    waiting: bool,
+    progress: std::time::Instant,
 }
 
 impl<I> WriteStall<I> {
-    fn new(io: I, limit: Duration) -> Self {
+    fn new(io: I, limit: Duration, fd: Option<i32>) -> Self {
         WriteStall {
             io,
             limit,
             since: None,
+            fd,
+            written: 0,
+            acked: 0,
+            waiting: false,
+            progress: std::time::Instant::now(),
         }
+    }
+
+    /// After the socket accepted `n` more bytes: an error once the peer has acknowledged
+    /// nothing for the limit while bytes waited for it.
+    fn check_acks(&mut self, n: usize) -> std::io::Result<()> {
+        self.written += n as u64;
+        let Some(unacked) = self.fd.and_then(unacknowledged) else {
+            return Ok(());
+        };
+        let acked = self.written.saturating_sub(unacked);
+        let now = std::time::Instant::now();
+        // progress: the peer acknowledged more, or nothing was waiting at the last look
+        // (what waits now was written just now)
+        if acked > self.acked || !self.waiting {
+            self.progress = now;
+        }
+        self.acked = self.acked.max(acked);
+        self.waiting = unacked > 0;
+        if self.waiting && now.duration_since(self.progress) > self.limit {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("the client acknowledged nothing for {:?}", self.limit),
+            ));
+        }
+        Ok(())
     }
 
     /// What a write or flush answers: progress clears the clock; pending starts it, and past
@@ -296,7 +342,8 @@ impl<I: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for WriteStall<I> {
         buf: &[u8],
     ) -> std::task::Poll<std::io::Result<usize>> {
         let r = std::pin::Pin::new(&mut self.io).poll_write(cx, buf);
-        self.watch(cx, r)
+        let r = self.watch(cx, r);
+        self.accepted(r)
     }
 
     fn poll_write_vectored(
@@ -305,7 +352,8 @@ impl<I: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for WriteStall<I> {
         bufs: &[std::io::IoSlice<'_>],
     ) -> std::task::Poll<std::io::Result<usize>> {
         let r = std::pin::Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
-        self.watch(cx, r)
+        let r = self.watch(cx, r);
+        self.accepted(r)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -327,6 +375,35 @@ impl<I: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for WriteStall<I> {
         let r = std::pin::Pin::new(&mut self.io).poll_shutdown(cx);
         self.watch(cx, r)
     }
+}
+
+impl<I> WriteStall<I> {
+    /// A write's answer, after the acknowledgement check of what it wrote.
+    fn accepted(
+        &mut self,
+        r: std::task::Poll<std::io::Result<usize>>,
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        match r {
+            std::task::Poll::Ready(Ok(n)) => std::task::Poll::Ready(self.check_acks(n).map(|()| n)),
+            other => other,
+        }
+    }
+}
+
+/// Bytes written to socket `fd` that its peer has not acknowledged yet (Linux's SIOCOUTQ),
+/// where that can be read.
+#[cfg(target_os = "linux")]
+fn unacknowledged(fd: i32) -> Option<u64> {
+    let mut n: libc::c_int = 0;
+    // SAFETY: fd is the connection's open socket (its owner outlives this call), and
+    // TIOCOUTQ writes one int through the pointer given
+    let r = unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &mut n as *mut libc::c_int) };
+    (r == 0 && n >= 0).then_some(n as u64)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn unacknowledged(_fd: i32) -> Option<u64> {
+    None
 }
 
 fn log_end(r: Result<(), hyper::Error>) {
@@ -362,6 +439,21 @@ mod tests {
                     axum::body::Body::from_stream(futures::stream::repeat_with(move || {
                         Ok::<_, std::io::Error>(chunk.clone())
                     }))
+                }),
+            )
+            // a slow response without end: 1 KiB every 10 ms (a stream of tokens)
+            .route(
+                "/trickle",
+                axum::routing::get(|| async {
+                    let chunk = axum::body::Bytes::from(vec![b'y'; 1024]);
+                    let s = futures::stream::unfold((), move |()| {
+                        let c = chunk.clone();
+                        async move {
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                            Some((Ok::<_, std::io::Error>(c), ()))
+                        }
+                    });
+                    axum::body::Body::from_stream(s)
                 }),
             );
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
@@ -525,6 +617,22 @@ mod tests {
             .unwrap();
     }
 
+    /// At a cap of one connection held by a stalled client (a 700 ms bound), the next client
+    /// is served once the stalled one is closed, not before the bound.
+    async fn next_served_once_the_stalled_one_is_closed(a: std::net::SocketAddr) {
+        let t0 = Instant::now();
+        let mut next = TcpStream::connect(a).await.unwrap();
+        let r = tokio::time::timeout(Duration::from_secs(10), get(&mut next))
+            .await
+            .expect("the next client is served once the stalled connection is closed");
+        assert!(r.starts_with("http/1.1 200"), "{r}");
+        assert!(
+            t0.elapsed() >= Duration::from_millis(500),
+            "{:?}",
+            t0.elapsed()
+        );
+    }
+
     #[tokio::test]
     async fn a_client_that_stops_reading_loses_its_connection_and_slot() {
         let limits = HttpLimits {
@@ -542,17 +650,7 @@ mod tests {
         assert!(greedy.read(&mut head).await.unwrap() > 0, "the flood began");
         // it reads nothing more: the buffers fill, the writes stall, and the connection is
         // closed after the bound, which frees the only slot for the next client
-        let t0 = Instant::now();
-        let mut next = TcpStream::connect(a).await.unwrap();
-        let r = tokio::time::timeout(Duration::from_secs(10), get(&mut next))
-            .await
-            .expect("the next client is served once the stalled connection is closed");
-        assert!(r.starts_with("http/1.1 200"), "{r}");
-        assert!(
-            t0.elapsed() >= Duration::from_millis(500),
-            "{:?}",
-            t0.elapsed()
-        );
+        next_served_once_the_stalled_one_is_closed(a).await;
         // and the stalled client, reading again, finds its connection closed
         let mut buf = vec![0u8; 1 << 16];
         let end = tokio::time::timeout(Duration::from_secs(10), async {
@@ -565,6 +663,30 @@ mod tests {
         })
         .await;
         assert!(end.is_ok(), "the stalled connection is still open");
+    }
+
+    /// A slow stream fills the kernel's send buffer (up to 4 MiB) only after minutes: the
+    /// client that stops reading is seen by its acknowledgements stopping, within the bound.
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn a_client_that_stops_reading_a_slow_stream_loses_its_connection() {
+        let limits = HttpLimits {
+            max_connections: 1,
+            write_stall: Duration::from_millis(700),
+            ..Default::default()
+        };
+        let (a, _stop, _t) = start(limits).await;
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.set_recv_buffer_size(4096).unwrap();
+        let mut slow = sock.connect(a).await.unwrap();
+        slow.write_all(b"GET /trickle HTTP/1.1\r\nHost: t\r\n\r\n")
+            .await
+            .unwrap();
+        let mut head = [0u8; 64];
+        assert!(slow.read(&mut head).await.unwrap() > 0, "the stream began");
+        // it reads nothing more: ~100 KiB/s go out, its window closes after a few KiB
+        next_served_once_the_stalled_one_is_closed(a).await;
+        drop(slow);
     }
 
     #[tokio::test]

@@ -577,7 +577,7 @@ fn response(
     st: &AppState,
     e: &Echo,
     vr: &ValidRequest,
-    output: Vec<Value>,
+    mut output: Vec<Value>,
     finish: Option<&str>,
     completion: usize,
 ) -> Value {
@@ -586,6 +586,12 @@ fn response(
         Some("length") => ("incomplete", json!({"reason": "max_output_tokens"})),
         Some(_) => ("completed", Value::Null),
     };
+    // the item the bound cut is incomplete too
+    if status == "incomplete" {
+        if let Some(last) = output.last_mut().filter(|o| o["type"] == "message") {
+            last["status"] = json!("incomplete");
+        }
+    }
     json!({"id": e.id, "object": "response", "created_at": now_secs(), "status": status, "model": st.cfg.model_name,
         "output": output, "incomplete_details": incomplete, "error": null, "instructions": e.instructions,
         "previous_response_id": e.previous, "store": e.keep.is_some(),
@@ -810,7 +816,14 @@ pub(crate) async fn list_input_items(
         .get(&id, &client)
         .ok_or_else(|| not_found(&id))?;
     let (mut limit, mut asc, mut after, mut before) = (20usize, false, None, None);
+    let mut seen = std::collections::HashSet::new();
     for (k, v) in &q {
+        let known = ["limit", "order", "after", "before"];
+        if let Some(&name) = known.iter().find(|n| **n == k.as_str()) {
+            if !seen.insert(name) {
+                return Err(bad(format!("{name} is given more than once"), name));
+            }
+        }
         match k.as_str() {
             "limit" => {
                 limit = v
