@@ -37,6 +37,39 @@ fn error_response(e: ApiError) -> Response {
     r
 }
 
+/// An error of the chat route's checks as this API names the fields: `stop_sequences` for
+/// `stop`, `tool_choice` of type any for `required`, `output_config.format` for
+/// `response_format`.
+fn in_its_names(e: ApiError) -> ApiError {
+    match e {
+        ApiError::BadRequest {
+            message,
+            param: Some(p),
+        } => {
+            let (name, message) = match p {
+                "stop" => (
+                    "stop_sequences",
+                    message.replace("`stop`", "`stop_sequences`").replace(
+                        "a string or a list of up to 4 strings",
+                        "a list of up to 4 strings",
+                    ),
+                ),
+                "tool_choice" => (
+                    p,
+                    message.replace("`tool_choice: required`", "`tool_choice` of type any"),
+                ),
+                "response_format" => (
+                    "output_config.format",
+                    message.replace("response_format", "output_config.format"),
+                ),
+                _ => (p, message),
+            };
+            ApiError::bad(message, Some(name))
+        }
+        e => e,
+    }
+}
+
 /// Anthropic's error type for a status.
 fn kind_of(status: axum::http::StatusCode) -> &'static str {
     match status.as_u16() {
@@ -428,7 +461,9 @@ pub(crate) async fn count_tokens(State(st): State<Arc<AppState>>, req: Request) 
                 o.remove("stream");
             }
             let chat = off_runtime(move || to_chat(&v)).await?;
-            let vr = validate_off_runtime(&st, chat, true).await?;
+            let vr = validate_off_runtime(&st, chat, true)
+                .await
+                .map_err(in_its_names)?;
             drop(turn);
             Ok(Json(json!({"input_tokens": vr.prompt.len()})).into_response())
         }
@@ -445,7 +480,9 @@ async fn handle(st: Arc<AppState>, req: Request) -> Result<Response, ApiError> {
     let client = crate::server::client_of(&req);
     let (v, turn) = read_json_turn(&st, req.into_body()).await?;
     let chat = off_runtime(move || to_chat(&v)).await?;
-    let mut vr = validate_off_runtime(&st, chat, true).await?;
+    let mut vr = validate_off_runtime(&st, chat, true)
+        .await
+        .map_err(in_its_names)?;
     drop(turn);
     crate::server::account(&st, &mut active, &mut vr, client)?;
     let id = format!("msg_{:032x}", random_id(&st));

@@ -102,4 +102,12 @@ try:
     raise SystemExit("expected BadRequestError")
 except anthropic.BadRequestError as e:
     assert "top_k" in str(e), e
+# the chat route's checks answer in this API's names
+for kw, name in [({"stop_sequences": ["a", "b", "c", "d", "e"]}, "stop_sequences"),
+                 ({"tool_choice": {"type": "any"}}, "type any")]:
+    try:
+        c.messages.create(model=model, max_tokens=2, messages=msgs, **kw)
+        raise SystemExit(f"expected BadRequestError for {kw}")
+    except anthropic.BadRequestError as e:
+        assert name in str(e) and "`stop`" not in str(e) and "required" not in str(e), e
 print("ALL OK")
