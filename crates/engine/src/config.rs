@@ -637,25 +637,22 @@ impl ModelConfig {
                         mscale_all = m(factor, all) * m(factor, all);
                     }
                     let beta = |k: &str, d: f64| num(k).filter(|x| *x != 0.0).unwrap_or(d);
-                    yarn = Some(Yarn {
+                    let y = Yarn {
                         factor: factor as f32,
                         original_max_position_embeddings: orig as usize,
                         beta_fast: beta("beta_fast", 32.0) as f32,
                         beta_slow: beta("beta_slow", 1.0) as f32,
                         attention_factor: attention_factor as f32,
                         truncate: p.get("truncate").and_then(|t| t.as_bool()).unwrap_or(true),
-                    });
+                    };
                     // each as the tables use it (f32): 1e300 is finite as f64, not as f32
-                    let y = yarn.as_ref().map_or(Default::default(), |y: &Yarn| {
-                        [
-                            ("rope_parameters.factor", y.factor),
-                            ("rope_parameters.attention_factor", y.attention_factor),
-                            ("rope_parameters.beta_fast", y.beta_fast),
-                            ("rope_parameters.beta_slow", y.beta_slow),
-                            ("rope_parameters.mscale_all_dim", mscale_all as f32),
-                        ]
-                    });
-                    for (k, x) in y {
+                    for (k, x) in [
+                        ("rope_parameters.factor", y.factor),
+                        ("rope_parameters.attention_factor", y.attention_factor),
+                        ("rope_parameters.beta_fast", y.beta_fast),
+                        ("rope_parameters.beta_slow", y.beta_slow),
+                        ("rope_parameters.mscale_all_dim", mscale_all as f32),
+                    ] {
                         if !(x.is_finite() && x > 0.0) {
                             return Err(bad(
                                 k,
@@ -671,6 +668,7 @@ impl ModelConfig {
                             "is larger than any context",
                         ));
                     }
+                    yarn = Some(y);
                 }
                 Some(t) => {
                     return Err(bad(

@@ -188,16 +188,16 @@ fn to_chat(v: &Value) -> Result<Value, ApiError> {
         };
         // as Anthropic's API: every message holds something, except a last assistant
         // message (the start of the answer)
+        let last_assistant = role == "assistant" && i + 1 == list.len();
         let empty = match &m["content"] {
             Value::String(t) => t.trim().is_empty(),
             _ => blocks.is_empty(),
         };
-        if empty && !(role == "assistant" && i + 1 == list.len()) {
+        if empty && !last_assistant {
             return Err(bad(format!(
                 "messages[{i}]: a {role} message must have non-empty content"
             )));
         }
-        let last_assistant = role == "assistant" && i + 1 == list.len();
         let prev_uses = std::mem::take(&mut uses);
         // the previous message's tool_use ids, each to be answered once, here, before any
         // other block (as Anthropic's API requires)

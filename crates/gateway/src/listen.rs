@@ -44,9 +44,9 @@ pub struct HttpLimits {
     /// After a stop: how long the open connections are still served (each response then
     /// closes its connection) before idle ones are closed.
     pub drain_window: Duration,
-    /// A connection whose writes make no progress for this long (a client that stopped
-    /// reading, its socket buffers full) is closed, so it cannot hold its slot for ever
-    /// (the gateway's stream stall bound, `--stream-stall-timeout`).
+    /// A connection whose client reads nothing for this long (a write waiting, or, on Linux,
+    /// written bytes none of which it acknowledges) is closed, so it cannot hold its slot for
+    /// ever (the gateway's stream stall bound, `--stream-stall-timeout`).
     pub write_stall: Duration,
 }
 
@@ -166,11 +166,7 @@ pub async fn serve(
         };
         // Nagle off: small SSE chunks must not wait for the client's delayed ACK
         let _ = tcp.set_nodelay(true);
-        let fd = {
-            use std::os::fd::AsRawFd;
-            tcp.as_raw_fd()
-        };
-        let tcp = WriteStall::new(tcp, limits.write_stall, Some(fd));
+        let tcp = WriteStall::new(tcp, limits.write_stall);
         // the peer's address on each request: whom a request is accounted to without keys
         let peer = Peer(peer.ip());
         let svc = hyper_util::service::TowerToHyperService::new(WithPeer {
@@ -250,7 +246,7 @@ struct WriteStall<I> {
     /// set while a write or flush is pending, cleared by any progress
     since: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
     /// the socket, where its unacknowledged bytes can be read
-    fd: Option<i32>,
+    fd: i32,
     /// bytes the socket accepted, and of those the peer had acknowledged at the last look
     written: u64,
     acked: u64,
@@ -260,17 +256,30 @@ struct WriteStall<I> {
     progress: std::time::Instant,
 }
 
-impl<I> WriteStall<I> {
-    fn new(io: I, limit: Duration, fd: Option<i32>) -> Self {
+impl<I: std::os::fd::AsRawFd> WriteStall<I> {
+    fn new(io: I, limit: Duration) -> Self {
         WriteStall {
+            fd: io.as_raw_fd(),
             io,
             limit,
             since: None,
-            fd,
             written: 0,
             acked: 0,
             waiting: false,
             progress: std::time::Instant::now(),
+        }
+    }
+}
+
+impl<I> WriteStall<I> {
+    /// A write's answer, after the acknowledgement check of what it wrote.
+    fn accepted(
+        &mut self,
+        r: std::task::Poll<std::io::Result<usize>>,
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        match r {
+            std::task::Poll::Ready(Ok(n)) => std::task::Poll::Ready(self.check_acks(n).map(|()| n)),
+            other => other,
         }
     }
 
@@ -278,7 +287,7 @@ impl<I> WriteStall<I> {
     /// nothing for the limit while bytes waited for it.
     fn check_acks(&mut self, n: usize) -> std::io::Result<()> {
         self.written += n as u64;
-        let Some(unacked) = self.fd.and_then(unacknowledged) else {
+        let Some(unacked) = unacknowledged(self.fd) else {
             return Ok(());
         };
         let acked = self.written.saturating_sub(unacked);
@@ -374,19 +383,6 @@ impl<I: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for WriteStall<I> {
     ) -> std::task::Poll<std::io::Result<()>> {
         let r = std::pin::Pin::new(&mut self.io).poll_shutdown(cx);
         self.watch(cx, r)
-    }
-}
-
-impl<I> WriteStall<I> {
-    /// A write's answer, after the acknowledgement check of what it wrote.
-    fn accepted(
-        &mut self,
-        r: std::task::Poll<std::io::Result<usize>>,
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        match r {
-            std::task::Poll::Ready(Ok(n)) => std::task::Poll::Ready(self.check_acks(n).map(|()| n)),
-            other => other,
-        }
     }
 }
 
@@ -617,6 +613,14 @@ mod tests {
             .unwrap();
     }
 
+    fn one_slot_stalling_at_700ms() -> HttpLimits {
+        HttpLimits {
+            max_connections: 1,
+            write_stall: Duration::from_millis(700),
+            ..Default::default()
+        }
+    }
+
     /// At a cap of one connection held by a stalled client (a 700 ms bound), the next client
     /// is served once the stalled one is closed, not before the bound.
     async fn next_served_once_the_stalled_one_is_closed(a: std::net::SocketAddr) {
@@ -635,12 +639,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_client_that_stops_reading_loses_its_connection_and_slot() {
-        let limits = HttpLimits {
-            max_connections: 1,
-            write_stall: Duration::from_millis(700),
-            ..Default::default()
-        };
-        let (a, _stop, _t) = start(limits).await;
+        let (a, _stop, _t) = start(one_slot_stalling_at_700ms()).await;
         let mut greedy = TcpStream::connect(a).await.unwrap();
         greedy
             .write_all(b"GET /flood HTTP/1.1\r\nHost: t\r\n\r\n")
@@ -670,12 +669,7 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[tokio::test]
     async fn a_client_that_stops_reading_a_slow_stream_loses_its_connection() {
-        let limits = HttpLimits {
-            max_connections: 1,
-            write_stall: Duration::from_millis(700),
-            ..Default::default()
-        };
-        let (a, _stop, _t) = start(limits).await;
+        let (a, _stop, _t) = start(one_slot_stalling_at_700ms()).await;
         let sock = tokio::net::TcpSocket::new_v4().unwrap();
         sock.set_recv_buffer_size(4096).unwrap();
         let mut slow = sock.connect(a).await.unwrap();

@@ -310,11 +310,8 @@ impl GpuModel {
 }
 
 /// The persistent step's counter words: the barrier's two, then (kernels built with
-/// `ONE_TRACE`) 16 u64 of phase times and counts, then ONE_FLAG_WORDS zeroed words for
-/// kernels that wait on finer counters than the grid barrier (each kernel sets back to 0
-/// those it uses before it ends, as it does the barrier's).
-pub(super) const ONE_BAR_WORDS: usize = 2 + 2 * 16 + ONE_FLAG_WORDS;
-const ONE_FLAG_WORDS: usize = 256;
+/// `ONE_TRACE`) 16 u64 of phase times and counts.
+pub(super) const ONE_BAR_WORDS: usize = 2 + 2 * 16;
 
 /// A cooperative launch (every block resident at once, or the launch fails): the grid
 /// barriers of kernels/step_one.cu need it.
