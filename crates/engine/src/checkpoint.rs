@@ -15,7 +15,7 @@ use memmap2::Mmap;
 use safetensors::tensor::{Dtype, Metadata};
 use sha2::{Digest, Sha256};
 
-use crate::config::{Family, Glu, ModelConfig};
+use crate::config::{Family, Fp8Scales, Glu, ModelConfig};
 use crate::error::{Error, Result};
 use crate::ops::{Bf16, BlockScaled, Elems, Matrix, F16, F8};
 
@@ -133,7 +133,8 @@ pub struct ExpertWeights {
     pub checksum: u64,
 }
 
-/// An FP8 tensor's `weight_scale_inv` as stored: its dtype and bytes.
+/// An FP8 tensor's scales as stored (`weight_scale_inv`, or compressed-tensors'
+/// `weight_scale`): their dtype and bytes.
 type RawScales<'a> = (Dtype, &'a [u8]);
 
 /// How an expert's tensors are laid out in the checkpoint.
@@ -160,6 +161,9 @@ pub struct ExpertBytes<'a> {
     pub gate_up: [(Dtype, &'a [u8]); 2],
     pub down: (Dtype, &'a [u8]),
     pub scales: [Option<(Dtype, &'a [u8])>; 3],
+    /// The f32 scales the expert is held with where that is not what `scales` store
+    /// (compressed-tensors' scale per row or per tensor, repeated per block of 1 x 128).
+    pub scales_held: Option<usize>,
     /// The biases of gate_up and down (gpt_oss).
     pub bias: Option<[(Dtype, &'a [u8]); 2]>,
 }
@@ -185,7 +189,10 @@ impl ExpertBytes<'_> {
             // two values a byte, two bytes a value once widened
             return 4 * weights + bias;
         }
-        let scales: usize = self.scales.iter().flatten().map(f32s).sum();
+        let scales: usize = match self.scales_held {
+            Some(n) => 4 * n,
+            None => self.scales.iter().flatten().map(f32s).sum(),
+        };
         weights + scales + bias
     }
 }
@@ -512,14 +519,16 @@ impl Checkpoint {
         let (block, scale) = self.fp8_scales(name, raw.file, rows, cols)?;
         Ok(Elems::F8(BlockScaled {
             v: raw.bytes.iter().map(|&b| F8(b)).collect(),
-            scales: elems(scale.0, scale.1).into_f32(),
+            scales: self.held_scales(scale, block, rows, cols),
             cols,
             block,
         }))
     }
 
-    /// The block size and the raw `weight_scale_inv` of FP8 tensor `name` (`rows x cols`):
-    /// `ceil(rows / b0) x ceil(cols / b1)` scales, f32 or bf16, beside it in the checkpoint.
+    /// The block size and the raw scales of FP8 tensor `name` (`rows x cols`) beside it in
+    /// the checkpoint, f32, bf16 or f16, in the shape the config's scheme stores them
+    /// ([`Fp8Scales::stored_shape`]): `weight_scale_inv` per block, or compressed-tensors'
+    /// `weight_scale` per row, per tensor or per block.
     fn fp8_scales(
         &self,
         name: &str,
@@ -532,21 +541,54 @@ impl Checkpoint {
             tensor: name.into(),
             found: "F8_E4M3 (config.json has no fp8 quantization_config)".into(),
         })?;
-        let sname = format!("{}_scale_inv", name);
+        let scheme = self.config.fp8_scales;
+        let sname = scheme.tensor_of(name);
         let s = self.raw(&sname).map_err(|_| Error::MissingTensor {
             tensor: sname.clone(),
             looked_in: format!("{} (the scales of FP8 tensor `{name}`)", self.looked_in()),
         })?;
-        let want = [rows.div_ceil(block[0]), cols.div_ceil(block[1])];
-        self.check_shape(&s, &sname, &want)?;
-        if !matches!(s.dtype, Dtype::F32 | Dtype::BF16) {
+        let want = scheme.stored_shape(block, rows, cols);
+        // one scale per row may also be stored as `[rows]`, a tensor's one as `[]` or `[1, 1]`
+        let same = match scheme {
+            Fp8Scales::Channel => s.shape == [rows] || s.shape == want.as_slice(),
+            Fp8Scales::Tensor => s.shape.iter().all(|&d| d == 1),
+            _ => s.shape == want.as_slice(),
+        };
+        if !same {
+            self.check_shape(&s, &sname, &want)?;
+        }
+        if !matches!(s.dtype, Dtype::F32 | Dtype::BF16 | Dtype::F16) {
             return Err(Error::WrongDtype {
                 file: s.file.into(),
                 tensor: sname,
-                found: format!("{:?} (scales are F32 or BF16)", s.dtype),
+                found: format!("{:?} (scales are F32, BF16 or F16)", s.dtype),
             });
         }
         Ok((block, (s.dtype, s.bytes)))
+    }
+
+    /// The f32 scales a `rows x cols` FP8 matrix is held with, one per block of `block`:
+    /// as stored for the block schemes; a row's (or the tensor's) scale repeated over each
+    /// of its blocks for compressed-tensors' channel and tensor schemes (the block 1 x 128,
+    /// the same products as one scale for the whole row, summed a block at a time).
+    fn held_scales(
+        &self,
+        (dtype, bytes): RawScales<'_>,
+        block: [usize; 2],
+        rows: usize,
+        cols: usize,
+    ) -> Vec<f32> {
+        let stored = elems(dtype, bytes).into_f32();
+        let per_row = cols.div_ceil(block[1].max(1));
+        match self.config.fp8_scales {
+            Fp8Scales::BlockInv | Fp8Scales::Block => stored,
+            Fp8Scales::Channel => stored
+                .iter()
+                .take(rows)
+                .flat_map(|&s| std::iter::repeat_n(s, per_row))
+                .collect(),
+            Fp8Scales::Tensor => vec![stored.first().copied().unwrap_or(1.0); rows * per_row],
+        }
     }
 
     /// Where decoder layer `layer` keeps its sparse block: `model.layers.L.mlp` (qwen3_moe,
@@ -613,6 +655,7 @@ impl Checkpoint {
                 gate_up: [gu, (Dtype::U8, &[])],
                 down: d,
                 scales: [Some(gs), None, Some(ds)],
+                scales_held: None,
                 bias,
             });
         }
@@ -623,6 +666,7 @@ impl Checkpoint {
             gate_up: [gu, (gu.0, &[])],
             down: d,
             scales: [None, None, None],
+            scales_held: None,
             bias,
         })
     }
@@ -698,12 +742,21 @@ impl Checkpoint {
             let (gate, gs) = part(g, &[i, h])?;
             let (up, us) = part(u, &[i, h])?;
             let (down, ds) = part(d, &[h, i])?;
+            let b1 = c.fp8_block.map_or(1, |b| b[1].max(1));
+            let scales_held =
+                matches!(c.fp8_scales, Fp8Scales::Channel | Fp8Scales::Tensor).then(|| {
+                    let n = |sc: &Option<RawScales<'_>>, r: usize, cols: usize| {
+                        sc.map_or(0, |_| r * cols.div_ceil(b1))
+                    };
+                    n(&gs, i, h) + n(&us, i, h) + n(&ds, h, i)
+                });
             Ok(ExpertBytes {
                 layout: ExpertLayout::Rows,
                 bias: None,
                 gate_up: [gate, up],
                 down,
                 scales: [gs, us, ds],
+                scales_held,
             })
         } else {
             let ne = c.num_experts;
@@ -729,6 +782,7 @@ impl Checkpoint {
                 gate_up: [(dt, &gu[..half]), (dt, &gu[half..])],
                 down,
                 scales: [None, None, None],
+                scales_held: None,
             })
         }
     }
@@ -756,13 +810,13 @@ impl Checkpoint {
             return self.gpt_oss_expert(&b);
         }
         let block = self.config.fp8_block.unwrap_or([128, 128]);
-        let part = |(d, bytes): (Dtype, &[u8]), scale: Option<(Dtype, &[u8])>, r, c| match scale {
-            Some((sd, sb)) => Matrix::of(
+        let part = |(d, bytes): (Dtype, &[u8]), scale: Option<RawScales<'_>>, r, c| match scale {
+            Some(sc) => Matrix::of(
                 r,
                 c,
                 Elems::F8(BlockScaled {
                     v: bytes.iter().map(|&x| F8(x)).collect(),
-                    scales: elems(sd, sb).into_f32(),
+                    scales: self.held_scales(sc, block, r, c),
                     cols: c,
                     block,
                 }),

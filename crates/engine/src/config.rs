@@ -65,9 +65,14 @@ pub struct ModelConfig {
     pub mlp_only_layers: Vec<usize>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
-    /// FP8 block-scaled weights (`quantization_config` with `quant_method: "fp8"`): the
-    /// `weight_block_size` of their `weight_scale_inv` tensors; None for unquantised ones.
+    /// FP8 block-scaled weights: the block each held scale covers (rows x columns); None
+    /// for unquantised ones. `quant_method: "fp8"` (DeepSeek's, Qwen's): its
+    /// `weight_block_size`; compressed-tensors' `float-quantized` with a scale per output row
+    /// or per tensor: 1 x 128 (each scale repeated over its row's blocks on load, so every
+    /// FP8 matrix has one block shape, as the GPU's expert kernels need).
     pub fp8_block: Option<[usize; 2]>,
+    /// Where the FP8 weights' scales are and what each covers as stored.
+    pub fp8_scales: Fp8Scales,
     /// A bias on the o projection too (gpt_oss, whose `attention_bias` covers q, k, v and o).
     pub o_bias: bool,
     /// A learned logit per head (`self_attn.sinks`, gpt_oss) joins each softmax of the
@@ -394,9 +399,56 @@ fn token_ids(v: &Option<Value>) -> Vec<u32> {
     }
 }
 
-/// The FP8 block size a `quantization_config` names (None without one); any other
-/// quantisation is refused, naming its method.
-fn fp8_block(q: Option<&Value>, family: Family) -> Result<Option<[usize; 2]>> {
+/// How an FP8 checkpoint stores the scales of its weights: the tensor beside each FP8
+/// `*.weight` and the part of it each scale covers. Dequantised, an element is its e4m3 value
+/// times its scale, in every scheme.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Fp8Scales {
+    /// `*.weight_scale_inv`, one per block of `fp8_block` (`quant_method: "fp8"`: DeepSeek-V3,
+    /// Qwen3-*-FP8).
+    #[default]
+    BlockInv,
+    /// compressed-tensors (llm-compressor's FP8 output, `format: "float-quantized"`):
+    /// `*.weight_scale`, one per output row (`strategy: "channel"`, `[rows, 1]`).
+    Channel,
+    /// compressed-tensors, one `*.weight_scale` for the whole tensor (`strategy: "tensor"`).
+    Tensor,
+    /// compressed-tensors, one `*.weight_scale` per block of `fp8_block` (`strategy:
+    /// "block"`, its `block_structure`).
+    Block,
+}
+
+impl Fp8Scales {
+    /// The name of the scales of FP8 weight `name`.
+    pub fn tensor_of(self, name: &str) -> String {
+        match self {
+            Fp8Scales::BlockInv => format!("{name}_scale_inv"),
+            _ => format!("{name}_scale"),
+        }
+    }
+
+    /// The shape the scales of a `rows x cols` FP8 weight are stored in (`block`: the
+    /// config's `fp8_block`); a tensor's single scale may also be stored as `[]` or `[1, 1]`.
+    pub fn stored_shape(self, block: [usize; 2], rows: usize, cols: usize) -> Vec<usize> {
+        match self {
+            Fp8Scales::BlockInv | Fp8Scales::Block => {
+                vec![
+                    rows.div_ceil(block[0].max(1)),
+                    cols.div_ceil(block[1].max(1)),
+                ]
+            }
+            Fp8Scales::Channel => vec![rows, 1],
+            Fp8Scales::Tensor => vec![1],
+        }
+    }
+}
+
+/// The block every compressed-tensors scale per row or per tensor is held as (1 x 128).
+pub const FP8_ROW_BLOCK: [usize; 2] = [1, 128];
+
+/// The FP8 block size and scale scheme a `quantization_config` names (None without one);
+/// any other quantisation is refused, naming its method.
+fn fp8_block(q: Option<&Value>, family: Family) -> Result<Option<([usize; 2], Fp8Scales)>> {
     let Some(q) = q.filter(|q| !q.is_null()) else {
         return Ok(None);
     };
@@ -413,11 +465,15 @@ fn fp8_block(q: Option<&Value>, family: Family) -> Result<Option<[usize; 2]>> {
     if method == "mxfp4" && family == Family::GptOss {
         return Ok(None);
     }
+    if method == "compressed-tensors" {
+        return compressed_fp8(q).map(Some);
+    }
     if method != "fp8" {
         return Err(bad(
             "quantization_config.quant_method",
             method.into(),
-            "only fp8 (e4m3 with block scales) is supported, and mxfp4 for gpt_oss",
+            "only fp8 (e4m3 with block scales), compressed-tensors' float-quantized FP8 and \
+             mxfp4 for gpt_oss are supported",
         ));
     }
     if let Some(f) = q.get("fmt").and_then(|f| f.as_str()) {
@@ -452,7 +508,140 @@ fn fp8_block(q: Option<&Value>, family: Family) -> Result<Option<[usize; 2]>> {
             ))
         }
     };
-    Ok(Some(block))
+    Ok(Some((block, Fp8Scales::BlockInv)))
+}
+
+/// compressed-tensors' FP8 weights (llm-compressor's `FP8`, `FP8_DYNAMIC` and `FP8_BLOCK`
+/// schemes): `format: "float-quantized"`, every config group's weights 8-bit floats, one
+/// symmetric scale per output row, per tensor or per block. The activations' quantisation
+/// (dynamic per token, or static `input_scale`s) is not applied: they stay in f32, which
+/// only removes rounding the model was calibrated to tolerate. Anything else (int4/int8
+/// `pack-quantized` or `int-quantized`, group scales, zero points, sparsity) is refused.
+fn compressed_fp8(q: &Value) -> Result<([usize; 2], Fp8Scales)> {
+    let bad = |field: &'static str, value: String, reason: &str| Error::Config {
+        field,
+        value,
+        reason: reason.into(),
+    };
+    let text = |v: Option<&Value>| v.map_or("null".to_string(), |v| v.to_string());
+    let format = q.get("format").and_then(|f| f.as_str()).unwrap_or("none");
+    if format != "float-quantized" {
+        return Err(bad(
+            "quantization_config.format",
+            text(q.get("format")),
+            "of compressed-tensors, only float-quantized (FP8 e4m3 weights) is supported",
+        ));
+    }
+    // a sparsity config stored `dense` (or saying nothing) keeps every weight in place
+    if let Some(f) = q
+        .get("sparsity_config")
+        .and_then(|s| s.get("format"))
+        .filter(|f| f.as_str() != Some("dense") && !f.is_null())
+    {
+        return Err(bad(
+            "quantization_config.sparsity_config.format",
+            f.to_string(),
+            "sparse compressed-tensors checkpoints are not supported (only dense)",
+        ));
+    }
+    let groups = match q.get("config_groups") {
+        Some(Value::Object(g)) if !g.is_empty() => g,
+        other => {
+            return Err(bad(
+                "quantization_config.config_groups",
+                text(other),
+                "must name at least one group of quantised weights",
+            ))
+        }
+    };
+    let mut found: Option<([usize; 2], Fp8Scales)> = None;
+    for (name, g) in groups {
+        // the group is named in the value: `group_0: "int"`
+        let val = |v: Option<&Value>| format!("{name}: {}", text(v));
+        let Some(w) = g.get("weights").filter(|w| w.is_object()) else {
+            return Err(bad(
+                "quantization_config.config_groups.*.weights",
+                val(g.get("weights")),
+                "must describe the group's weights",
+            ));
+        };
+        if w.get("type").and_then(|t| t.as_str()) != Some("float") {
+            return Err(bad(
+                "quantization_config.config_groups.*.weights.type",
+                val(w.get("type")),
+                "only float (FP8) weights are supported",
+            ));
+        }
+        if w.get("num_bits").and_then(|n| n.as_u64()) != Some(8) {
+            return Err(bad(
+                "quantization_config.config_groups.*.weights.num_bits",
+                val(w.get("num_bits")),
+                "only 8-bit (e4m3) weights are supported",
+            ));
+        }
+        if w.get("symmetric").and_then(|s| s.as_bool()) == Some(false) {
+            return Err(bad(
+                "quantization_config.config_groups.*.weights.symmetric",
+                val(w.get("symmetric")),
+                "zero points are not supported: only symmetric scales",
+            ));
+        }
+        if w.get("dynamic").and_then(|d| d.as_bool()) == Some(true) {
+            return Err(bad(
+                "quantization_config.config_groups.*.weights.dynamic",
+                val(w.get("dynamic")),
+                "weights quantised on the fly carry no scales to load",
+            ));
+        }
+        let scheme = match w.get("strategy").and_then(|s| s.as_str()) {
+            Some("channel") => (FP8_ROW_BLOCK, Fp8Scales::Channel),
+            Some("tensor") => (FP8_ROW_BLOCK, Fp8Scales::Tensor),
+            Some("block") => {
+                let d = |v: &Value| v.as_u64().filter(|&x| x > 0 && x <= 1 << 16);
+                match w.get("block_structure") {
+                    Some(Value::Array(a)) if a.len() == 2 => match (d(&a[0]), d(&a[1])) {
+                        (Some(r), Some(c)) => ([r as usize, c as usize], Fp8Scales::Block),
+                        _ => {
+                            return Err(bad(
+                                "quantization_config.config_groups.*.weights.block_structure",
+                                val(w.get("block_structure")),
+                                "must be two positive block sizes",
+                            ))
+                        }
+                    },
+                    other => {
+                        return Err(bad(
+                            "quantization_config.config_groups.*.weights.block_structure",
+                            val(other),
+                            "must be [rows, columns]",
+                        ))
+                    }
+                }
+            }
+            _ => {
+                return Err(bad(
+                    "quantization_config.config_groups.*.weights.strategy",
+                    val(w.get("strategy")),
+                    "only channel, tensor and block scales are supported",
+                ))
+            }
+        };
+        if found.is_some_and(|f| f != scheme) {
+            return Err(bad(
+                "quantization_config.config_groups.*.weights.strategy",
+                val(w.get("strategy")),
+                "every config group must scale its weights the same way",
+            ));
+        }
+        found = Some(scheme);
+    }
+    found.ok_or_else(|| {
+        bad(
+            "quantization_config.config_groups",
+            "{}".into(),
+            "must name at least one group of quantised weights",
+        )
+    })
 }
 
 /// What `generation_config.json` says a request that does not say otherwise gets: the
@@ -703,6 +892,7 @@ impl ModelConfig {
         };
         let num_hidden_layers = need("num_hidden_layers", raw.num_hidden_layers)?;
         let windows = layer_windows(raw.layer_types.as_deref(), window, oss, num_hidden_layers)?;
+        let fp8 = fp8_block(raw.quantization_config.as_ref(), family)?;
         let max_pos = raw.max_position_embeddings.unwrap_or(32768);
         let max_position_embeddings = match window {
             Some(w) if mixtral && w > 0 => max_pos.min(w),
@@ -837,7 +1027,8 @@ impl ModelConfig {
             },
             bos_token_id: token_ids(&raw.bos_token_id).first().copied(),
             eos_token_ids: token_ids(&raw.eos_token_id),
-            fp8_block: fp8_block(raw.quantization_config.as_ref(), family)?,
+            fp8_block: fp8.map(|f| f.0),
+            fp8_scales: fp8.map_or(Fp8Scales::BlockInv, |f| f.1),
             o_bias: oss && raw.attention_bias.unwrap_or(true),
             attention_sinks: oss,
             windows,

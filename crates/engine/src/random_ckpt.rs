@@ -9,9 +9,10 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use safetensors::tensor::Dtype;
 use serde_json::json;
 
-use crate::config::Family;
+use crate::config::{Family, Fp8Scales};
 use crate::error::{Error, Result};
 use crate::rng::Rng;
 use crate::synth::{write_safetensors_as, StoreAs};
@@ -504,16 +505,63 @@ fn fp8_quantised(name: &str, shape: &[usize]) -> bool {
         && !name.contains("shared_expert_gate")
 }
 
+/// `w` (`c` columns) in e4m3 under one scale per block of `block`: the block's largest
+/// magnitude / 448 (1 for an all-zero block), passed through `stored` (the dtype the scales
+/// are written in) before the weights are divided by it; the scales and the codes.
+fn quantise_e4m3(
+    w: &[f32],
+    c: usize,
+    block: [usize; 2],
+    stored: impl Fn(f32) -> f32,
+) -> (Vec<f32>, Vec<u8>) {
+    use crate::ops::F8;
+    let r = w.len() / c.max(1);
+    let cb = c.div_ceil(block[1]);
+    let at = |i: usize| (i / c / block[0]) * cb + (i % c) / block[1];
+    let mut scales = vec![0f32; r.div_ceil(block[0]) * cb];
+    for (i, &x) in w.iter().enumerate() {
+        scales[at(i)] = scales[at(i)].max(x.abs());
+    }
+    for s in &mut scales {
+        *s = stored(if *s > 0.0 { *s / 448.0 } else { 1.0 });
+    }
+    let q = w
+        .iter()
+        .enumerate()
+        .map(|(i, &x)| F8::from_f32(x / scales[at(i)]).0)
+        .collect();
+    (scales, q)
+}
+
 /// Rewrites the random checkpoint in `dir` (written by [`write`]) with FP8 e4m3 weights, as
 /// FP8 checkpoints ship: every linear layer's weight quantised per `block` (rows x columns)
 /// with its f32 `weight_scale_inv` (the block's largest magnitude / 448), the rest kept as
 /// stored, and config.json's `quantization_config` saying so.
 pub fn to_fp8(dir: &Path, block: [usize; 2]) -> Result<()> {
+    let quant = json!({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                       "weight_block_size": block});
+    quantise_linear(dir, quant, |name, r, c, w| {
+        let (scales, q) = quantise_e4m3(w, c, block, |s| s);
+        let sb: Vec<u8> = scales.iter().flat_map(|s| s.to_le_bytes()).collect();
+        let shape = vec![r.div_ceil(block[0]), c.div_ceil(block[1])];
+        (q, format!("{name}_scale_inv"), (Dtype::F32, shape, sb))
+    })
+}
+
+/// A tensor to write: its dtype, shape and bytes.
+type Entry = (Dtype, Vec<usize>, Vec<u8>);
+
+/// Rewrites the checkpoint in `dir` with each linear layer's weight ([`fp8_quantised`]) as
+/// the e4m3 codes `quantise(name, rows, cols, weights)` gives, beside the scale tensor it
+/// names; the rest as stored; `quant` as config.json's `quantization_config`.
+fn quantise_linear(
+    dir: &Path,
+    quant: serde_json::Value,
+    mut quantise: impl FnMut(&str, usize, usize, &[f32]) -> (Vec<u8>, String, Entry),
+) -> Result<()> {
     use crate::checkpoint::Checkpoint;
-    use crate::ops::F8;
-    use safetensors::tensor::Dtype;
     let ck = Checkpoint::open(dir)?;
-    let mut out: BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)> = BTreeMap::new();
+    let mut out: BTreeMap<String, Entry> = BTreeMap::new();
     for name in ck.tensor_names() {
         let raw = ck.raw(&name)?;
         let shape = raw.shape.to_vec();
@@ -521,33 +569,128 @@ pub fn to_fp8(dir: &Path, block: [usize; 2]) -> Result<()> {
             out.insert(name, (raw.dtype, shape, raw.bytes.to_vec()));
             continue;
         }
-        let (r, c) = (shape[0], shape[1]);
         let w = ck.tensor(&name, &shape)?;
-        let (rb, cb) = (r.div_ceil(block[0]), c.div_ceil(block[1]));
-        let mut scales = vec![0f32; rb * cb];
-        for (i, &x) in w.iter().enumerate() {
-            let s = &mut scales[(i / c / block[0]) * cb + (i % c) / block[1]];
-            *s = s.max(x.abs());
-        }
-        for s in &mut scales {
-            *s = if *s > 0.0 { *s / 448.0 } else { 1.0 };
-        }
-        let q: Vec<u8> = w
-            .iter()
-            .enumerate()
-            .map(|(i, &x)| F8::from_f32(x / scales[(i / c / block[0]) * cb + (i % c) / block[1]]).0)
-            .collect();
-        let sb: Vec<u8> = scales.iter().flat_map(|s| s.to_le_bytes()).collect();
-        out.insert(format!("{name}_scale_inv"), (Dtype::F32, vec![rb, cb], sb));
+        let (q, sname, scales) = quantise(&name, shape[0], shape[1], &w);
+        out.insert(sname, scales);
         out.insert(name, (Dtype::F8_E4M3, shape, q));
     }
     drop(ck);
-    rewrite(
-        dir,
-        &out,
-        json!({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-               "weight_block_size": block}),
-    )
+    rewrite(dir, &out, quant)
+}
+
+/// Rewrites the random checkpoint in `dir` (written by [`write`]) as llm-compressor writes
+/// compressed-tensors FP8 (`format: "float-quantized"`): the same linear layers as
+/// [`to_fp8`] in e4m3, each with its `weight_scale`: one per output row (`[rows, 1]`, bf16,
+/// `Fp8Scales::Channel`), one per tensor (`[1]`, f32, `Tensor`) or one per block of
+/// `block` (f32, `Block`); dynamic per-token activations and the router gate and head left
+/// out (`ignore`), as its FP8_DYNAMIC recipe does.
+pub fn to_fp8_compressed(dir: &Path, scheme: Fp8Scales, block: [usize; 2]) -> Result<()> {
+    let strategy = match scheme {
+        Fp8Scales::Channel => "channel",
+        Fp8Scales::Tensor => "tensor",
+        _ => "block",
+    };
+    let block_structure = if strategy == "block" {
+        json!(block)
+    } else {
+        json!(null)
+    };
+    let quant = json!({
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"type": "float", "num_bits": 8, "strategy": strategy,
+                        "symmetric": true, "dynamic": false, "observer": "minmax",
+                        "block_structure": block_structure, "group_size": null},
+            "input_activations": {"type": "float", "num_bits": 8, "strategy": "token",
+                                  "symmetric": true, "dynamic": true},
+            "output_activations": null
+        }},
+        "ignore": ["lm_head", "re:.*mlp.gate$"],
+        "kv_cache_scheme": null,
+        "sparsity_config": {}
+    });
+    quantise_linear(dir, quant, |name, r, c, w| {
+        // each element's scale block (rows x columns) under the scheme
+        let b = match scheme {
+            Fp8Scales::Channel => [1, c],
+            Fp8Scales::Tensor => [r, c],
+            _ => block,
+        };
+        // bf16 scales are quantised with the scale as stored
+        let (scales, q) = quantise_e4m3(w, c, b, |s| match scheme {
+            Fp8Scales::Channel => half::bf16::from_f32(s).to_f32(),
+            _ => s,
+        });
+        let f32s = |v: &[f32]| v.iter().flat_map(|s| s.to_le_bytes()).collect::<Vec<u8>>();
+        let entry = match scheme {
+            Fp8Scales::Channel => (
+                Dtype::BF16,
+                vec![r, 1],
+                scales
+                    .iter()
+                    .flat_map(|s| half::bf16::from_f32(*s).to_bits().to_le_bytes())
+                    .collect(),
+            ),
+            Fp8Scales::Tensor => (Dtype::F32, vec![1], f32s(&scales[..1])),
+            _ => (
+                Dtype::F32,
+                vec![r.div_ceil(b[0]), c.div_ceil(b[1])],
+                f32s(&scales),
+            ),
+        };
+        (q, format!("{name}_scale"), entry)
+    })
+}
+
+/// Rewrites the compressed-tensors FP8 checkpoint in `dir` (written by
+/// [`to_fp8_compressed`]) with every FP8 weight widened to f32 by its own reading of the
+/// format (each e4m3 value times the `weight_scale` of its row, tensor or block), with no
+/// quantisation config: the model an FP8 checkpoint stands for, to test a loader against.
+pub fn dequantise_compressed(dir: &Path) -> Result<()> {
+    use crate::checkpoint::{elems, Checkpoint};
+    use crate::ops::E4M3;
+    let ck = Checkpoint::open(dir)?;
+    let mut out: BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)> = BTreeMap::new();
+    for name in ck.tensor_names() {
+        let raw = ck.raw(&name)?;
+        if name.ends_with(".weight_scale") {
+            continue;
+        }
+        let shape = raw.shape.to_vec();
+        if raw.dtype != Dtype::F8_E4M3 {
+            out.insert(name, (raw.dtype, shape, raw.bytes.to_vec()));
+            continue;
+        }
+        let s = ck.raw(&format!("{name}_scale"))?;
+        let scales = elems(s.dtype, s.bytes).into_f32();
+        let (r, c) = (shape[0], shape[1]);
+        // the block one scale covers: the config's block_structure, else (a scale per row
+        // or per tensor) from the scales' own shape
+        let (sr, sc) = match s.shape {
+            [] => (1, 1),
+            [n] => (*n, 1),
+            [a, b, ..] => (*a, *b),
+        };
+        let [br, bc] = match ck.config.fp8_block {
+            Some(b) if ck.config.fp8_scales == Fp8Scales::Block => b,
+            _ => [r.div_ceil(sr.max(1)), c.div_ceil(sc.max(1))],
+        };
+        let v: Vec<u8> = raw
+            .bytes
+            .iter()
+            .enumerate()
+            .flat_map(|(i, &b)| {
+                let (row, col) = (i / c, i % c);
+                (E4M3[b as usize] * scales[(row / br) * sc + col / bc]).to_le_bytes()
+            })
+            .collect();
+        out.insert(name, (Dtype::F32, shape, v));
+    }
+    drop(ck);
+    rewrite(dir, &out, json!(null))
 }
 
 /// The e2m1 (FP4) code nearest `x` (`|x| <= 6` after scaling; larger saturates at 6).
@@ -595,7 +738,6 @@ fn mxfp4(w: &[f32]) -> (Vec<u8>, Vec<u8>) {
 /// and everything else kept, and config.json's `quantization_config` saying mxfp4.
 pub fn to_mxfp4(dir: &Path) -> Result<()> {
     use crate::checkpoint::Checkpoint;
-    use safetensors::tensor::Dtype;
     let ck = Checkpoint::open(dir)?;
     let c = ck.config.clone();
     let (h, i, ne) = (c.hidden_size, c.moe_intermediate_size, c.num_experts);

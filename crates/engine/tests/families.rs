@@ -408,6 +408,86 @@ fn a_budget_makes_the_first_map_of_every_family() {
     }
 }
 
+/// compressed-tensors FP8, as llm-compressor writes it (a `weight_scale` per output row, per
+/// tensor or per block): each loads as the model it stands for, the same checkpoint widened
+/// to f32 by the format's own rule (`random_ckpt::dequantise_compressed`, which reads the
+/// scales by their shape, not through the loader): cosine >= 0.99999 at every row, the
+/// same greedy picks, held in FP8 (a byte a weight).
+#[test]
+fn compressed_tensors_fp8_loads_as_the_model_it_stands_for() {
+    use moelane_engine::checkpoint::Checkpoint;
+    use moelane_engine::config::Fp8Scales;
+    let root = common::scratch("compressed-fp8");
+    for (scheme, tag) in [
+        (Fp8Scales::Channel, "channel"),
+        (Fp8Scales::Tensor, "tensor"),
+        (Fp8Scales::Block, "block"),
+    ] {
+        let dir = write_random(Family::Qwen3Moe, &root, &format!("ct_{tag}"));
+        random_ckpt::to_fp8_compressed(&dir, scheme, FP8_BLOCK).unwrap();
+        let wide = write_random(Family::Qwen3Moe, &root, &format!("ct_{tag}_f32"));
+        random_ckpt::to_fp8_compressed(&wide, scheme, FP8_BLOCK).unwrap();
+        random_ckpt::dequantise_compressed(&wide).unwrap();
+        let ck = Checkpoint::open(&dir).unwrap();
+        assert_eq!(ck.config.fp8_scales, scheme);
+        let l = ck.config.moe_layers()[0];
+        let e = ck.expert(l, 0).unwrap();
+        assert!(
+            matches!(e.gate_up.data, moelane_engine::ops::Elems::F8(_)),
+            "{tag}: experts held as FP8"
+        );
+        let d = Dims::for_family(Family::Qwen3Moe);
+        for p in random_ckpt::prompts(d.vocab, 2, SEED) {
+            let (a, b) = (
+                logits(&dir, None, &p, &[3, 4]),
+                logits(&wide, None, &p, &[3, 4]),
+            );
+            for (ra, rb) in a.chunks(d.vocab).zip(b.chunks(d.vocab)) {
+                let c = common::cos(ra, rb);
+                assert!(c >= 0.99999, "{tag}: cosine {c} against the f32 model");
+            }
+            let greedy = |dir: &Path| common::greedy_one(&mut common::engine(dir, None), &p, 8).0;
+            assert_eq!(greedy(&dir), greedy(&wide), "{tag}: greedy picks");
+        }
+    }
+    // what it does not support is refused when the checkpoint is opened, naming the field
+    let dir = root.join("ct_channel");
+    let cp = dir.join("config.json");
+    let good: Value = serde_json::from_slice(&std::fs::read(&cp).unwrap()).unwrap();
+    for (edit, field) in [
+        (
+            serde_json::json!({"format": "pack-quantized"}),
+            "quantization_config.format",
+        ),
+        (
+            serde_json::json!({"config_groups": {"group_0": {"weights": {"type": "int", "num_bits": 4, "strategy": "group"}}}}),
+            "weights.type",
+        ),
+        (
+            serde_json::json!({"config_groups": {"group_0": {"weights": {"type": "float", "num_bits": 8, "strategy": "group"}}}}),
+            "weights.strategy",
+        ),
+        (serde_json::json!({"config_groups": {}}), "config_groups"),
+    ] {
+        let mut c = good.clone();
+        for (k, v) in edit.as_object().unwrap() {
+            c["quantization_config"][k] = v.clone();
+        }
+        std::fs::write(&cp, c.to_string()).unwrap();
+        let e = Checkpoint::open(&dir).err().unwrap().to_string();
+        assert!(e.contains(field), "{field}: {e}");
+    }
+    // the scales of a row scheme in the wrong shape: named with both shapes
+    let mut c = good;
+    c["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] =
+        serde_json::json!("tensor");
+    std::fs::write(&cp, c.to_string()).unwrap();
+    let ck = Checkpoint::open(&dir).unwrap();
+    let l = ck.config.moe_layers()[0];
+    let e = ck.expert(l, 0).err().unwrap().to_string();
+    assert!(e.contains("experts.0.gate_proj.weight_scale"), "{e}");
+}
+
 #[test]
 fn fp8_checkpoints_that_do_not_add_up_are_refused_naming_the_tensor() {
     use moelane_engine::checkpoint::Checkpoint;
