@@ -18,6 +18,7 @@ use sha2::{Digest, Sha256};
 use crate::config::{Family, Fp8Scales, Glu, ModelConfig};
 use crate::error::{Error, Result};
 use crate::ops::{Bf16, BlockScaled, Elems, Matrix, F16, F8};
+use moelane_text::files::{read_bounded_text, CONFIG_LIMIT, VOCAB_LIMIT};
 
 struct ShardFile {
     path: PathBuf,
@@ -282,11 +283,23 @@ impl Checkpoint {
     /// Opens `dir`: reads config.json, maps the safetensors files, indexes tensor names.
     pub fn open(dir: &Path) -> Result<Self> {
         let cfg_path = dir.join("config.json");
-        let cfg_text = std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?;
+        let cfg_text =
+            read_bounded_text(&cfg_path, CONFIG_LIMIT).map_err(|e| Error::io(&cfg_path, e))?;
         let mut config = ModelConfig::from_json_str(&cfg_text, &cfg_path)?;
         // generation_config.json's end-of-sequence ids count too (some models list more there)
         let generation = crate::config::Generation::read(dir)?;
         for t in &generation.eos_token_ids {
+            if *t as usize >= config.vocab_size {
+                return Err(Error::Config {
+                    field: "eos_token_id",
+                    value: t.to_string(),
+                    reason: format!(
+                        "in {}: not a token of the vocabulary (vocab_size {})",
+                        dir.join("generation_config.json").display(),
+                        config.vocab_size
+                    ),
+                });
+            }
             if !config.eos_token_ids.contains(t) {
                 config.eos_token_ids.push(*t);
             }
@@ -305,8 +318,8 @@ impl Checkpoint {
         let mut shard_names: Vec<String> = Vec::new();
         let mut declared: Option<BTreeMap<String, String>> = None;
         if index_path.exists() {
-            let text =
-                std::fs::read_to_string(&index_path).map_err(|e| Error::io(&index_path, e))?;
+            let text = read_bounded_text(&index_path, VOCAB_LIMIT)
+                .map_err(|e| Error::io(&index_path, e))?;
             let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Json {
                 path: index_path.clone(),
                 reason: e.to_string(),

@@ -388,14 +388,22 @@ fn need(family: Family, field: &'static str, v: Option<usize>) -> Result<usize> 
     })
 }
 
-fn token_ids(v: &Option<Value>) -> Vec<u32> {
+/// The token ids of `field` (an id, a list of ids, or null): each a whole number that fits a
+/// token id, else refused naming the field (an id of 2^32 + 329 must not become 329).
+fn token_ids(field: &'static str, v: &Option<Value>) -> Result<Vec<u32>> {
+    let one = |x: &Value| {
+        x.as_u64()
+            .and_then(|x| u32::try_from(x).ok())
+            .ok_or_else(|| Error::Config {
+                field,
+                value: x.to_string(),
+                reason: "a token id is a whole number from 0 to 4294967295".into(),
+            })
+    };
     match v {
-        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        Some(Value::Array(a)) => a
-            .iter()
-            .filter_map(|x| x.as_u64().map(|x| x as u32))
-            .collect(),
-        _ => Vec::new(),
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::Array(a)) => a.iter().map(one).collect(),
+        Some(x) => one(x).map(|t| vec![t]),
     }
 }
 
@@ -672,7 +680,10 @@ impl Generation {
     /// Reads `dir/generation_config.json`; a checkpoint without one has the defaults.
     pub fn read(dir: &Path) -> Result<Generation> {
         let path = dir.join("generation_config.json");
-        let text = match std::fs::read_to_string(&path) {
+        let text = match moelane_text::files::read_bounded_text(
+            &path,
+            moelane_text::files::CONFIG_LIMIT,
+        ) {
             Ok(t) => t,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Generation::default()),
             Err(e) => return Err(Error::io(&path, e)),
@@ -698,7 +709,7 @@ impl Generation {
         .map(|k| k as u32);
         Ok(Generation {
             top_k,
-            eos_token_ids: token_ids(&raw.eos_token_id),
+            eos_token_ids: token_ids("eos_token_id", &raw.eos_token_id)?,
             temperature: if raw.do_sample == Some(false) {
                 Some(0.0)
             } else {
@@ -716,7 +727,8 @@ impl Generation {
 impl ModelConfig {
     /// Reads and validates `config.json`.
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = moelane_text::files::read_bounded_text(path, moelane_text::files::CONFIG_LIMIT)
+            .map_err(|e| Error::io(path, e))?;
         Self::from_json_str(&text, path)
     }
 
@@ -781,7 +793,57 @@ impl ModelConfig {
         let mut yarn = None;
         // deepseek_v3's softmax-scale correction, mscale(factor, mscale_all_dim)^2
         let mut mscale_all = 1.0f64;
+        let rope_field = if raw.rope_parameters.is_some() {
+            "rope_parameters"
+        } else {
+            "rope_scaling"
+        };
+        match rope_params {
+            None | Some(Value::Null) | Some(Value::Object(_)) => {}
+            Some(v) => {
+                return Err(bad(
+                    rope_field,
+                    v.to_string(),
+                    "must be an object (with rope_type, factor, ...) or null",
+                ))
+            }
+        }
         if let Some(Value::Object(p)) = rope_params {
+            // a field that is there must have its type: a string factor is not left out
+            for (k, number) in [
+                ("rope_type", false),
+                ("type", false),
+                ("factor", true),
+                ("original_max_position_embeddings", true),
+                ("attention_factor", true),
+                ("beta_fast", true),
+                ("beta_slow", true),
+                ("mscale", true),
+                ("mscale_all_dim", true),
+                ("rope_theta", true),
+                ("partial_rotary_factor", true),
+            ] {
+                match p.get(k) {
+                    None | Some(Value::Null) => {}
+                    Some(Value::Number(_)) if number => {}
+                    Some(Value::String(_)) if !number => {}
+                    Some(v) => {
+                        return Err(bad(
+                            if number {
+                                "rope_parameters (a number field)"
+                            } else {
+                                "rope_parameters.rope_type"
+                            },
+                            format!("{k}: {v}"),
+                            if number {
+                                "must be a number"
+                            } else {
+                                "must be a string"
+                            },
+                        ))
+                    }
+                }
+            }
             match p
                 .get("rope_type")
                 .or_else(|| p.get("type"))
@@ -797,9 +859,16 @@ impl ModelConfig {
                             "YaRN needs the original context length",
                         )
                     })?;
+                    if orig.is_nan() || orig < 1.0 {
+                        return Err(bad(
+                            "rope_parameters.original_max_position_embeddings",
+                            orig.to_string(),
+                            "YaRN's original context must be at least one position",
+                        ));
+                    }
                     let factor = num("factor")
                         .unwrap_or(raw.max_position_embeddings.unwrap_or(0) as f64 / orig);
-                    if !(factor.is_finite() && factor > 0.0 && orig >= 1.0) {
+                    if !(factor.is_finite() && factor > 0.0) {
                         return Err(bad(
                             "rope_parameters.factor",
                             factor.to_string(),
@@ -849,6 +918,17 @@ impl ModelConfig {
                                 "must be finite and positive as an f32",
                             ));
                         }
+                    }
+                    if y.beta_fast <= y.beta_slow {
+                        return Err(bad(
+                            "rope_parameters.beta_fast",
+                            y.beta_fast.to_string(),
+                            &format!(
+                                "must be above beta_slow ({}): the dimensions YaRN leaves \
+                                 unscaled rotate faster than those it interpolates",
+                                y.beta_slow
+                            ),
+                        ));
                     }
                     if orig > u32::MAX as f64 {
                         return Err(bad(
@@ -1025,8 +1105,10 @@ impl ModelConfig {
             } else {
                 raw.mlp_only_layers.unwrap_or_default()
             },
-            bos_token_id: token_ids(&raw.bos_token_id).first().copied(),
-            eos_token_ids: token_ids(&raw.eos_token_id),
+            bos_token_id: token_ids("bos_token_id", &raw.bos_token_id)?
+                .first()
+                .copied(),
+            eos_token_ids: token_ids("eos_token_id", &raw.eos_token_id)?,
             fp8_block: fp8.map(|f| f.0),
             fp8_scales: fp8.map_or(Fp8Scales::BlockInv, |f| f.1),
             o_bias: oss && raw.attention_bias.unwrap_or(true),
@@ -1056,6 +1138,18 @@ impl ModelConfig {
                 reason: reason.into(),
             })
         };
+        for (field, ids) in [
+            ("bos_token_id", self.bos_token_id.as_slice()),
+            ("eos_token_id", self.eos_token_ids.as_slice()),
+        ] {
+            if let Some(&t) = ids.iter().find(|&&t| t as usize >= self.vocab_size) {
+                return bad(
+                    field,
+                    t as usize,
+                    "is not a token of the vocabulary (vocab_size)",
+                );
+            }
+        }
         for (field, v) in [
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),
@@ -1575,6 +1669,48 @@ mod tests {
             w["rope_scaling"][k] = x.into();
             let e = ModelConfig::from_json_str(&w.to_string(), p).unwrap_err();
             assert!(matches!(e, Error::Config { .. }), "{k}: {e}");
+        }
+        // malformed settings are refused naming what is wrong, not read as default RoPE
+        let field_of = |w: &serde_json::Value| match ModelConfig::from_json_str(&w.to_string(), p) {
+            Err(Error::Config { field, value, .. }) => format!("{field} {value}"),
+            other => format!("accepted: {:?}", other.map(|c| c.yarn)),
+        };
+        for (edit, says) in [
+            (serde_json::json!({"rope_scaling": "yarn"}), "rope_scaling"),
+            (
+                serde_json::json!({"rope_scaling": ["yarn"]}),
+                "rope_scaling",
+            ),
+            (
+                serde_json::json!({"rope_scaling": {"type": 5}}),
+                "rope_type",
+            ),
+            (
+                serde_json::json!({"rope_scaling": {"type": "yarn", "factor": "4", "original_max_position_embeddings": 4096}}),
+                "factor",
+            ),
+            (
+                serde_json::json!({"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0, "beta_slow": 32.0}}),
+                "beta_fast",
+            ),
+            (
+                serde_json::json!({"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 0}}),
+                "original_max_position_embeddings",
+            ),
+            (
+                serde_json::json!({"eos_token_id": 4294967625u64}),
+                "eos_token_id",
+            ),
+            (serde_json::json!({"eos_token_id": [1, -2]}), "eos_token_id"),
+            (serde_json::json!({"bos_token_id": "0"}), "bos_token_id"),
+            (serde_json::json!({"eos_token_id": 1 << 20}), "eos_token_id"),
+        ] {
+            let mut w = v.clone();
+            for (k, x) in edit.as_object().unwrap() {
+                w[k] = x.clone();
+            }
+            let got = field_of(&w);
+            assert!(got.contains(says), "{edit}: {got}");
         }
         v["rope_scaling"]["type"] = "longrope".into();
         assert!(matches!(

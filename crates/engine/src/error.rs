@@ -15,7 +15,7 @@ pub enum Error {
     },
     #[error("{path}: invalid JSON: {reason}")]
     Json { path: PathBuf, reason: String },
-    #[error("{path}: unsupported architecture {found:?} (moelane loads qwen3_moe)")]
+    #[error("{path}: unsupported architecture {found:?} (moelane loads qwen3_moe, mixtral, qwen2_moe, glm4_moe, deepseek_v3 and kimi_k2, gpt_oss)")]
     UnsupportedArchitecture { path: PathBuf, found: String },
     #[error("config: field `{field}` = {value}: {reason}")]
     Config {

@@ -303,7 +303,9 @@ impl DenseWeights {
             });
         }
         let norm = ckpt.tensor("model.norm.weight", &[h])?;
-        let lm_head = if ckpt.has("lm_head.weight") || !c.tie_word_embeddings {
+        // tied: the embedding is the head, whatever `lm_head.weight` the checkpoint also holds
+        // (transformers ties it over the stored one, vLLM skips it)
+        let lm_head = if !c.tie_word_embeddings {
             Some(ckpt.matrix("lm_head.weight", c.vocab_size, h)?)
         } else {
             None

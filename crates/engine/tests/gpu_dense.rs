@@ -634,26 +634,36 @@ fn every_family_on_the_gpu_matches_the_cpu() {
     // (family, FP8 weights): FP8 experts stay FP8 on the GPU, FP8 dense matrices are widened
     // (blocks of 2 x 6 do not give the kernels four weights under one scale: those experts
     // are widened to f32, the fallback)
-    for (family, blocks) in [
-        (Family::Mixtral, None),
-        (Family::Qwen3Moe, None),
-        (Family::Qwen2Moe, None),
-        (Family::Glm4Moe, None),
-        (Family::DeepseekV3, None),
-        (Family::GptOss, None),
-        (Family::Qwen3Moe, Some([4, 16])),
-        (Family::DeepseekV3, Some([4, 16])),
-        (Family::Glm4Moe, Some([4, 16])),
-        (Family::Qwen3Moe, Some([2, 6])),
+    // (the last: compressed-tensors FP8 with a scale per row, held as blocks of 1 x 128)
+    for (family, blocks, per_row) in [
+        (Family::Mixtral, None, false),
+        (Family::Qwen3Moe, None, false),
+        (Family::Qwen2Moe, None, false),
+        (Family::Glm4Moe, None, false),
+        (Family::DeepseekV3, None, false),
+        (Family::GptOss, None, false),
+        (Family::Qwen3Moe, Some([4, 16]), false),
+        (Family::DeepseekV3, Some([4, 16]), false),
+        (Family::Glm4Moe, Some([4, 16]), false),
+        (Family::Qwen3Moe, Some([2, 6]), false),
+        (Family::Qwen3Moe, Some([1, 128]), true),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let d = Dims::for_family(family);
         random_ckpt::write(family, &d, 11, dir.path()).unwrap();
         let fp8 = blocks.is_some();
-        if let Some(b) = blocks {
-            random_ckpt::to_fp8(dir.path(), b).unwrap();
+        match blocks {
+            Some(_) if per_row => random_ckpt::to_fp8_compressed(
+                dir.path(),
+                moelane_engine::config::Fp8Scales::Channel,
+                [1, 128],
+            )
+            .unwrap(),
+            Some(b) => random_ckpt::to_fp8(dir.path(), b).unwrap(),
+            None => {}
         }
         let label = match blocks {
+            Some(_) if per_row => format!("{}_compressed_fp8_per_row", family.name()),
             Some([b0, b1]) => format!("{}_fp8_{b0}x{b1}", family.name()),
             None => family.name().to_string(),
         };

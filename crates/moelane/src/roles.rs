@@ -337,6 +337,7 @@ pub async fn start_primary(o: &PrimaryOptions) -> Result<Primary> {
     // built now, off this thread, so the first request with one does not wait for it)
     if let (true, Some(eos)) = (Tokenizer::exists_in(&o.model), first_eos) {
         let t = Tokenizer::from_dir(&o.model).context("the checkpoint's tokenizer")?;
+        t.check_fits(ckpt.config.vocab_size)?;
         let g = moelane_text::grammar::Grammars::new(std::sync::Arc::new(t), eos);
         g.warm();
         handle = handle.with_grammars(std::sync::Arc::new(g));
@@ -1226,6 +1227,7 @@ pub async fn start_gateway(o: &GatewayOptions) -> Result<Gateway> {
     let tokenizer = Tokenizer::from_dir(&o.model)?;
     let template = ChatTemplate::from_dir(&o.model)?;
     let cfg = moelane_engine::config::ModelConfig::from_file(&o.model.join("config.json"))?;
+    tokenizer.check_fits(cfg.vocab_size)?;
     let generation = moelane_engine::config::Generation::read(&o.model)?;
     if o.lanes.is_empty() && o.lanes_file.is_none() {
         bail!("the gateway needs at least one --lane (a primary's gRPC URL or dns://NAME:PORT) or a --lanes-file");

@@ -90,17 +90,26 @@ fn token_text(v: Option<&serde_json::Value>) -> String {
 impl ChatTemplate {
     /// Finds the template of a checkpoint directory.
     pub fn from_dir(dir: &Path) -> Result<Self, ChatError> {
-        // a file that is there but is not JSON is an error naming it, not a silent default
+        // a file that is there but cannot be read (not a regular file, too large, not UTF-8)
+        // or is not JSON is an error naming it, not a silent default
+        let side = |name: &str| -> Result<Option<String>, ChatError> {
+            let path = dir.join(name);
+            match crate::files::read_bounded_text(&path, crate::files::CONFIG_LIMIT) {
+                Ok(t) => Ok(Some(t)),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+                Err(e) => Err(ChatError::Template(format!("{}: {e}", path.display()))),
+            }
+        };
         let json_file = |name: &str| -> Result<Option<serde_json::Value>, ChatError> {
-            match std::fs::read(dir.join(name)) {
-                Err(_) => Ok(None),
-                Ok(b) => serde_json::from_slice(&b)
+            match side(name)? {
+                None => Ok(None),
+                Some(t) => serde_json::from_str(&t)
                     .map(Some)
                     .map_err(|e| ChatError::Template(format!("{}: {e}", dir.join(name).display()))),
             }
         };
         let cfg = json_file("tokenizer_config.json")?;
-        let mut src = std::fs::read_to_string(dir.join("chat_template.jinja")).ok();
+        let mut src = side("chat_template.jinja")?;
         // a processor's `chat_template.json` (`{"chat_template": ...}`), else the tokenizer's
         let json = json_file("chat_template.json")?;
         let listed = json
@@ -108,8 +117,7 @@ impl ChatTemplate {
             .and_then(|j| j.get("chat_template"))
             .or_else(|| cfg.as_ref().and_then(|c| c.get("chat_template")));
         // newer transformers write named templates beside the default one, as files
-        let mut tool_use =
-            std::fs::read_to_string(dir.join("additional_chat_templates/tool_use.jinja")).ok();
+        let mut tool_use = side("additional_chat_templates/tool_use.jinja")?;
         if src.is_none() {
             src = match listed {
                 Some(serde_json::Value::String(s)) => Some(s.clone()),
@@ -125,14 +133,30 @@ impl ChatTemplate {
                             .and_then(|t| t.get("template")?.as_str().map(String::from))
                     })
                 }
-                _ => None,
+                None | Some(serde_json::Value::Null) => None,
+                Some(other) => {
+                    let kind = match other {
+                        serde_json::Value::Bool(_) => "a boolean",
+                        serde_json::Value::Number(_) => "a number",
+                        _ => "an object",
+                    };
+                    return Err(ChatError::Template(format!(
+                        "chat_template is {kind}: a template is a string, or a list of \
+                         {{\"name\", \"template\"}}"
+                    )));
+                }
             };
+        }
+        if src.as_deref().is_some_and(|s| s.trim().is_empty()) {
+            return Err(ChatError::Template(
+                "the chat template is empty: every chat would render no prompt".into(),
+            ));
         }
         let bos = token_text(cfg.as_ref().and_then(|c| c.get("bos_token")));
         let eos = token_text(cfg.as_ref().and_then(|c| c.get("eos_token")));
-        let model_type: Option<String> = std::fs::read(dir.join("config.json"))
+        let model_type: Option<String> = json_file("config.json")
             .ok()
-            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+            .flatten()
             .and_then(|c| c.get("model_type")?.as_str().map(String::from));
         let src = src.unwrap_or_else(|| {
             // said once at load: transformers refuses such a chat, a server that guesses
@@ -729,6 +753,33 @@ mod tests {
             .expect("refused")
             .to_string();
         assert!(e.contains("chat_template.json"), "{e}");
+        // a template of the wrong JSON type, or an empty one, is refused, not replaced by
+        // ChatML; a template file that is not a regular file is refused unread
+        for (bad, says) in [
+            (serde_json::json!({"chat_template": 5}), "a number"),
+            (serde_json::json!({"chat_template": {"a": 1}}), "an object"),
+            (serde_json::json!({"chat_template": "  "}), "empty"),
+        ] {
+            std::fs::write(files.join("chat_template.json"), bad.to_string()).unwrap();
+            let e = ChatTemplate::from_dir(&files)
+                .err()
+                .expect("refused")
+                .to_string();
+            assert!(e.contains(says), "{says}: {e}");
+        }
+        std::fs::remove_file(files.join("chat_template.json")).unwrap();
+        #[cfg(unix)]
+        {
+            std::os::unix::fs::symlink("/dev/zero", files.join("chat_template.jinja")).unwrap();
+            let e = ChatTemplate::from_dir(&files)
+                .err()
+                .expect("refused")
+                .to_string();
+            assert!(
+                e.contains("chat_template.jinja") && e.contains("regular file"),
+                "{e}"
+            );
+        }
         std::fs::remove_dir_all(&dir).ok();
         assert_eq!((&f.source, &f.tool_use), (&t.source, &t.tool_use));
         assert_eq!(f.markup, crate::agent::MISTRAL);

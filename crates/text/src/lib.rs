@@ -6,6 +6,7 @@
 pub mod agent;
 pub mod chat;
 pub mod detok;
+pub mod files;
 pub mod grammar;
 pub mod templates;
 pub mod tokenizer;

@@ -31,9 +31,17 @@ pub struct Tokenizer {
     added_finder: Finder,
     /// `bytes[id]`: the bytes token `id` stands for.
     bytes: Vec<Vec<u8>>,
+    /// One past the largest id the vocabulary gives a token (its added tokens included):
+    /// what a model's embedding must cover ([`Tokenizer::id_bound`]).
+    id_bound: u64,
     pub eos_ids: Vec<u32>,
     pub special: Vec<bool>,
 }
+
+/// The most token ids a tokenizer's tables are made for (16.7M, the config's own bound on
+/// `vocab_size`): a vocabulary naming ids beyond it is refused by [`Tokenizer::id_bound`]'s
+/// callers, and its tables stop there.
+const MAX_IDS: usize = 1 << 24;
 
 /// How token texts are found in a client's string: one automaton over all of them (time
 /// linear in the string, however many texts share a first character: DeepSeek-V3 has ~800
@@ -99,13 +107,27 @@ fn every_added_token_special(t: &tokenizers::Tokenizer) -> tokenizers::Tokenizer
 }
 
 /// The ids of `text` through `t`, special tokens added by no template.
+///
+/// The tokenizers crate panics where a pre-tokenizer's regular expression gives up on a text
+/// (Oniguruma's retry limit, reached by a catastrophic pattern such as `(a+)+$` on a long run
+/// of `a`): that is an error of this text through this tokenizer, returned as one, not a
+/// panic of the caller (it holds no lock while it matches, so the tokenizer stays usable).
 fn ids(t: &tokenizers::Tokenizer, text: &str) -> Result<Vec<u32>> {
-    t.encode(text, false)
+    let failed = |reason: String| Error {
+        path: "tokenizer.json".into(),
+        reason,
+    };
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| t.encode(text, false)))
+        .map_err(|p| {
+            let why = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            failed(format!("its pre-tokenizer failed on this text: {why}"))
+        })?
         .map(|e| e.get_ids().to_vec())
-        .map_err(|e| Error {
-            path: "tokenizer.json".into(),
-            reason: e.to_string(),
-        })
+        .map_err(|e| failed(e.to_string()))
 }
 
 /// Whether a decoder reads its tokens through GPT-2's byte table (ByteLevel, alone or in a
@@ -167,7 +189,12 @@ impl Tokenizer {
     }
 
     pub fn from_file(path: &Path) -> Result<Self> {
-        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| Error {
+        let bytes =
+            crate::files::read_bounded(path, crate::files::VOCAB_LIMIT).map_err(|e| Error {
+                path: path.into(),
+                reason: e.to_string(),
+            })?;
+        let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| Error {
             path: path.into(),
             reason: e.to_string(),
         })?;
@@ -175,7 +202,14 @@ impl Tokenizer {
     }
 
     fn from_inner(inner: tokenizers::Tokenizer) -> Self {
-        let n = inner.get_vocab_size(true);
+        // ids need not be dense: the tables reach the largest (a count would stop short)
+        let id_bound = inner
+            .get_vocab(true)
+            .values()
+            .max()
+            .map_or(0, |&m| m as u64 + 1)
+            .max(inner.get_vocab_size(true) as u64);
+        let n = (id_bound as usize).min(MAX_IDS);
         let dec = byte_decoder();
         // A vocabulary is byte-level (GPT-2's table: each char one byte) where its decoder
         // says so; a sentencepiece one (Llama, Mistral, Mixtral: `▁` for a space, `<0xNN>`
@@ -241,6 +275,7 @@ impl Tokenizer {
             added_texts,
             added_finder,
             bytes,
+            id_bound,
             eos_ids,
             special,
         }
@@ -248,6 +283,28 @@ impl Tokenizer {
 
     pub fn vocab_size(&self) -> usize {
         self.bytes.len()
+    }
+
+    /// One past the largest token id the vocabulary names (added tokens included).
+    pub fn id_bound(&self) -> u64 {
+        self.id_bound
+    }
+
+    /// Refused, saying why, when this tokenizer can give ids a model of `vocab_size`
+    /// embedding rows does not have (a smaller tokenizer is fine: released models pad their
+    /// embedding past it).
+    pub fn check_fits(&self, vocab_size: usize) -> Result<()> {
+        if self.id_bound > vocab_size as u64 {
+            return Err(Error {
+                path: "tokenizer.json".into(),
+                reason: format!(
+                    "its tokens reach id {}, beyond the model's vocab_size of {vocab_size} \
+                     (config.json): the model has no embedding for them",
+                    self.id_bound - 1
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// Encodes text; special tokens written in the text (e.g. `<|im_start|>`) are recognised.
@@ -358,7 +415,8 @@ pub mod tiktoken {
     /// Refused, naming the line, when a line is malformed, a rank repeats or skips, or a
     /// token repeats.
     pub fn read_ranks(path: &Path) -> Result<Vec<Vec<u8>>> {
-        let text = std::fs::read_to_string(path).map_err(|e| err(path, e.to_string()))?;
+        let text = crate::files::read_bounded_text(path, crate::files::VOCAB_LIMIT)
+            .map_err(|e| err(path, e.to_string()))?;
         let mut ranks: Vec<Vec<u8>> = Vec::new();
         let mut seen: HashMap<Vec<u8>, usize> = HashMap::new();
         for (i, line) in text.lines().enumerate() {
@@ -426,7 +484,7 @@ pub mod tiktoken {
             .collect();
         files.sort();
         for f in files {
-            let Ok(src) = std::fs::read_to_string(&f) else {
+            let Ok(src) = crate::files::read_bounded_text(&f, crate::files::CONFIG_LIMIT) else {
                 continue;
             };
             let Some(at) = src.find("pat_str") else {
@@ -504,10 +562,11 @@ pub mod tiktoken {
             );
         }
         let cfg_path = dir.join("tokenizer_config.json");
-        let mut cfg: serde_json::Value = std::fs::read(&cfg_path)
-            .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok())
-            .unwrap_or_else(|| serde_json::json!({}));
+        let mut cfg: serde_json::Value =
+            crate::files::read_bounded(&cfg_path, crate::files::CONFIG_LIMIT)
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok())
+                .unwrap_or_else(|| serde_json::json!({}));
         if let Some(o) = cfg.as_object_mut() {
             o.insert("added_tokens_decoder".into(), added.into());
         }
@@ -548,10 +607,12 @@ pub mod tiktoken {
             .collect();
         // special tokens: tokenizer_config.json's, the rest of the reserved range named
         let cfg_path = dir.join("tokenizer_config.json");
-        let cfg: serde_json::Value = match std::fs::read(&cfg_path) {
-            Ok(b) => serde_json::from_slice(&b).map_err(|e| err(&cfg_path, e.to_string()))?,
-            Err(_) => serde_json::json!({}),
-        };
+        let cfg: serde_json::Value =
+            match crate::files::read_bounded(&cfg_path, crate::files::CONFIG_LIMIT) {
+                Ok(b) => serde_json::from_slice(&b).map_err(|e| err(&cfg_path, e.to_string()))?,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => serde_json::json!({}),
+                Err(e) => return Err(err(&cfg_path, e.to_string())),
+            };
         // id -> (content, special)
         let mut specials: std::collections::BTreeMap<usize, (String, bool)> = Default::default();
         if let Some(m) = cfg.get("added_tokens_decoder").and_then(|v| v.as_object()) {
@@ -720,6 +781,45 @@ pub(crate) mod tests {
                 "vocab": vocab, "merges": merges}
         });
         super::Tokenizer::from_inner(spec.to_string().parse().unwrap())
+    }
+
+    /// A vocabulary whose ids have a gap (a token of the model's vocabulary far past the
+    /// rest) is measured by its largest id, not its count: a model whose vocab_size stops
+    /// short of it is refused, and the token's bytes are there.
+    #[test]
+    fn a_tokenizer_is_measured_by_its_largest_id() {
+        let t = sentencepiece();
+        let n = t.vocab_size();
+        t.check_fits(n).unwrap();
+        let mut v: serde_json::Value =
+            serde_json::from_str(&t.inner.to_string(false).unwrap()).unwrap();
+        let far = n + 100;
+        v["model"]["vocab"]["\u{2581}far"] = serde_json::json!(far);
+        let t = super::Tokenizer::from_inner(v.to_string().parse().unwrap());
+        assert_eq!(t.id_bound(), far as u64 + 1);
+        let e = t.check_fits(n + 1).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("id {far}")) && e.contains("vocab_size"),
+            "{e}"
+        );
+        t.check_fits(far + 1).unwrap();
+        assert_eq!(t.token_bytes(far as u32), b" far");
+    }
+
+    /// A pre-tokenizer regex that gives up on a text (Oniguruma's retry limit: `(a+)+$` on a
+    /// long run of `a` then `!`) is an error of that text, not a panic; the tokenizer goes on
+    /// encoding other texts.
+    #[test]
+    fn a_regex_that_gives_up_is_an_error_of_the_text() {
+        let t = sentencepiece();
+        let mut v: serde_json::Value =
+            serde_json::from_str(&t.inner.to_string(false).unwrap()).unwrap();
+        v["pre_tokenizer"] = serde_json::json!({"type": "Split",
+            "pattern": {"Regex": "(a+)+$"}, "behavior": "Isolated", "invert": false});
+        let t = super::Tokenizer::from_inner(v.to_string().parse().unwrap());
+        let e = t.encode(&format!("{}!", "a".repeat(60))).unwrap_err();
+        assert!(e.to_string().contains("pre-tokenizer failed"), "{e}");
+        assert!(!t.encode("ab").unwrap().is_empty());
     }
 
     /// Token texts are found leftmost first, the longest of those starting there, by the
