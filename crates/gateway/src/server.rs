@@ -1424,9 +1424,33 @@ fn response_format(st: &AppState, v: &Value) -> Result<Option<String>, ApiError>
                 .into(),
         )
     })?;
-    g.check(&grammar)
-        .map_err(|e| bad(format!("`response_format`: the schema cannot be used: {e}")))?;
+    g.check(&grammar).map_err(|e| {
+        bad(format!(
+            "`response_format`: the schema cannot be used: {}",
+            grammar_reason(&e)
+        ))
+    })?;
     Ok(Some(grammar))
+}
+
+/// What a client is told of a grammar compiler's refusal: its first line, at most 300
+/// characters. The rest may print the grammar the server built around the client's schema
+/// (the tools' calls in Lark), which is internal.
+pub(crate) fn grammar_reason(e: &str) -> String {
+    let line = e
+        .lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty())
+        .unwrap_or("");
+    let mut out: String = line.chars().take(300).collect();
+    if out.len() < line.len() {
+        out.push_str("...");
+    }
+    if out == "NoExtensionBias" || out.is_empty() {
+        // llguidance's word for a schema no answer can ever complete
+        out = "no answer can satisfy it (a schema that refers to itself with no way to end)".into();
+    }
+    out
 }
 
 /// Most choices one request may ask (`n`).
@@ -1696,12 +1720,39 @@ pub(crate) fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequ
         })?;
         g.check(&grammar).map_err(|e| {
             ApiError::bad(
-                format!("the tools' parameter schemas cannot be used: {e}"),
+                format!(
+                    "the tools' parameter schemas cannot be used: {}",
+                    grammar_reason(&e)
+                ),
                 Some("tools"),
             )
         })?;
         Ok(grammar)
     };
+    // each constrained tool's parameters checked alone, as `response_format` is: a schema
+    // that compiles inside the calls' grammar may still admit no answer (`{"$ref": "#"}`),
+    // which would otherwise fail partway through the answer, or never, under `max_tokens`
+    let constrained: Vec<&(String, Value)> = match &tool_mode {
+        ToolMode::Named(n) => tools.iter().filter(|(t, _)| t == n).collect(),
+        ToolMode::Required => tools.iter().collect(),
+        ToolMode::Auto if strict => tools.iter().collect(),
+        _ => Vec::new(),
+    };
+    if let (Some(g), false) = (st.grammars.as_ref(), constrained.is_empty()) {
+        for (name, params) in constrained {
+            let grammar = moelane_text::grammar::json_schema_grammar(params);
+            g.check(&grammar).map_err(|e| {
+                ApiError::bad(
+                    format!(
+                        "`tools`: the parameters of tool `{}` cannot be used: {}",
+                        name,
+                        grammar_reason(&e)
+                    ),
+                    Some("tools"),
+                )
+            })?;
+        }
+    }
     // a forced call is a grammar of calls; `auto` with strict tools a grammar of free text
     // whose calls, once begun, are valid (where the family's calls begin with a text marker);
     // otherwise response_format's, if any
@@ -1834,10 +1885,11 @@ impl Tries {
 }
 
 /// A lane's error as the client sees it: naming the lane where the lane failed, not where
-/// the request was at fault (the client needs no internal address to fix its request).
+/// the request was at fault or the lanes were full (the client needs no internal address to
+/// fix its request or to wait: a 429 says when to come back in its Retry-After).
 pub(crate) fn lane_err(lane: &str, e: &LaneError) -> ApiError {
     match e.category {
-        Category::BadRequest | Category::ContextOverflow => {
+        Category::BadRequest | Category::ContextOverflow | Category::Overloaded => {
             ApiError::from_lane(e.category, e.message.clone())
         }
         _ => ApiError::from_lane(e.category, format!("lane {lane}: {}", e.message)),

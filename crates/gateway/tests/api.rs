@@ -1663,10 +1663,29 @@ async fn tool_choice_forces_valid_calls_and_results_go_back() {
             "tool_choice",
         ),
         (json!({"tool_choice": {}}), "tool_choice"),
+        // parameters no answer can satisfy, or a pattern that is no regex: refused before
+        // the answer starts (each tool's schema checked alone), the compiler's reason in one
+        // short line, never the calls' grammar the server built around it
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}],
+                   "tool_choice": "required"}),
+            "tools",
+        ),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+                "type": "object", "properties": {"a": {"type": "string", "pattern": "(("}}}}}],
+                   "tool_choice": "required"}),
+            "tools",
+        ),
     ] {
         let (st, v) = post(&gw, "/v1/chat/completions", &ask(extra.clone())).await;
         assert_error(st, &v, 400, "invalid_request_error", param);
         assert_eq!(v["error"]["param"], param, "{extra}: {v}");
+        let m = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            !m.contains('\n') && m.len() < 600 && !m.contains("%json") && !m.contains("start:"),
+            "{extra}: the message shows internals: {m}"
+        );
     }
     // schemas whose `$ref`s point into themselves (pydantic's `$defs`, a recursive `#`):
     // forced calls follow them as they read alone

@@ -29,7 +29,7 @@ type Floats = std::collections::BTreeMap<&'static str, std::collections::BTreeMa
 struct Telemetry {
     prom: Option<PrometheusHandle>,
     floats: Mutex<Floats>,
-    collectors: Mutex<Vec<std::sync::Arc<Collector>>>,
+    collectors: Mutex<Vec<std::sync::Arc<Gathering>>>,
     tracer: Mutex<Option<opentelemetry_sdk::trace::SdkTracerProvider>>,
 }
 
@@ -234,13 +234,53 @@ pub fn set_seconds_total(name: &'static str, labels: &[(&str, &str)], value: f64
     }
 }
 
+/// A collector and whether a run of it is still going.
+struct Gathering {
+    collect: Collector,
+    running: std::sync::atomic::AtomicBool,
+}
+
+/// How long a render waits for its collectors: a step loop in the middle of a long step
+/// answers only once the step ends (seconds, in a long prefill), and a scrape must not wait
+/// for it (Prometheus gives up at its scrape timeout, 10 s by default, just when the lane is
+/// busiest). Past this the page shows the values of the last collection that finished; the
+/// one under way still lands, for the next scrape.
+pub const COLLECT_WAIT: std::time::Duration = std::time::Duration::from_millis(250);
+
 /// Registers a collector run before each render of the page.
 pub fn add_collector(c: Collector) {
     if let Some(t) = T.get() {
         if let Ok(mut v) = t.collectors.lock() {
-            v.push(std::sync::Arc::new(c));
+            v.push(std::sync::Arc::new(Gathering {
+                collect: c,
+                running: std::sync::atomic::AtomicBool::new(false),
+            }));
         }
     }
+}
+
+/// Runs every collector not already running, each as its own task, and waits for them up to
+/// [`COLLECT_WAIT`].
+async fn collect(cs: Vec<std::sync::Arc<Gathering>>) {
+    use std::sync::atomic::Ordering;
+    let runs: Vec<_> = cs
+        .into_iter()
+        .filter(|g| !g.running.swap(true, Ordering::AcqRel))
+        .map(|g| {
+            tokio::spawn(async move {
+                // marked done however the run ends (a panicking collector too)
+                struct Done(std::sync::Arc<Gathering>);
+                impl Drop for Done {
+                    fn drop(&mut self) {
+                        self.0.running.store(false, Ordering::Release);
+                    }
+                }
+                let done = Done(g);
+                (done.0.collect)().await;
+            })
+        })
+        .collect();
+    let _ = tokio::time::timeout(COLLECT_WAIT, futures::future::join_all(runs)).await;
 }
 
 /// The Prometheus text page (None: metrics are off).
@@ -248,9 +288,7 @@ pub async fn render() -> Option<String> {
     let t = T.get()?;
     let prom = t.prom.as_ref()?;
     let cs: Vec<_> = t.collectors.lock().map(|v| v.clone()).unwrap_or_default();
-    for c in cs {
-        c().await;
-    }
+    collect(cs).await;
     let mut page = prom.render();
     if let Ok(f) = t.floats.lock() {
         for (name, series) in f.iter() {

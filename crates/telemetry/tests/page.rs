@@ -78,4 +78,34 @@ async fn the_page_shows_series_float_counters_and_collectors() {
         "{body}"
     );
     assert_eq!(runs.load(Ordering::SeqCst), 2);
+
+    // a collector that answers slowly (a step loop in a long step) does not hold the page:
+    // it is served within the wait, the value landing for the next scrape; a second
+    // scrape meanwhile starts no second run of it
+    let slow_runs = Arc::new(AtomicU64::new(0));
+    let s = slow_runs.clone();
+    moelane_telemetry::add_collector(Box::new(move || {
+        let s = s.clone();
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            let k = s.fetch_add(1, Ordering::SeqCst) + 1;
+            metrics::gauge!(n::LANE_INFLIGHT, "lane" => "slow").set(k as f64);
+        })
+    }));
+    let t0 = std::time::Instant::now();
+    let page = moelane_telemetry::render().await.expect("metrics are on");
+    let waited = t0.elapsed();
+    assert!(
+        waited < Duration::from_millis(1000),
+        "the page waited {waited:?} for a slow collector"
+    );
+    assert!(!page.contains("lane=\"slow\""), "{page}");
+    moelane_telemetry::render().await.expect("metrics are on");
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    assert_eq!(slow_runs.load(Ordering::SeqCst), 1, "one run at a time");
+    let page = moelane_telemetry::render().await.expect("metrics are on");
+    assert!(
+        page.contains("moelane_lane_inflight_requests{lane=\"slow\"} 1"),
+        "{page}"
+    );
 }
