@@ -171,6 +171,47 @@ fn every_family_matches_transformers_and_does_not_depend_on_the_map() {
     }
 }
 
+/// With `tie_word_embeddings` the embedding is the head, as transformers and vLLM read it,
+/// even where the checkpoint also stores an `lm_head.weight` (here a different one).
+#[test]
+fn tied_embeddings_ignore_a_stored_head() {
+    use moelane_engine::checkpoint::Checkpoint;
+    use moelane_engine::synth::{write_safetensors_as, StoreAs};
+    use std::collections::BTreeMap;
+    let root = common::scratch("tied-head");
+    let base = checkpoint(Family::Qwen3Moe, &root);
+    let ck = Checkpoint::open(&base).unwrap();
+    let mut t: BTreeMap<String, (Vec<usize>, Vec<f32>)> = BTreeMap::new();
+    for name in ck.tensor_names() {
+        let shape = ck.raw(&name).unwrap().shape.to_vec();
+        t.insert(
+            name.clone(),
+            (shape.clone(), ck.tensor(&name, &shape).unwrap()),
+        );
+    }
+    let mut cfg: Value =
+        serde_json::from_slice(&std::fs::read(base.join("config.json")).unwrap()).unwrap();
+    cfg["tie_word_embeddings"] = true.into();
+    let write = |dir: &Path, t: &BTreeMap<String, (Vec<usize>, Vec<f32>)>| {
+        std::fs::create_dir_all(dir).unwrap();
+        std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+        write_safetensors_as(&dir.join("model.safetensors"), t, StoreAs::Bf16).unwrap();
+    };
+    let (with_head, without) = (root.join("tied_with_head"), root.join("tied_without"));
+    let mut other = t.clone();
+    if let Some((_, w)) = other.get_mut("lm_head.weight") {
+        w.iter_mut().for_each(|x| *x = -*x * 0.5);
+    }
+    write(&with_head, &other);
+    t.remove("lm_head.weight");
+    write(&without, &t);
+    let p = &random_ckpt::prompts(ck.config.vocab_size, 1, SEED)[0];
+    assert_eq!(
+        logits(&with_head, None, p, &[5, 6]),
+        logits(&without, None, p, &[5, 6])
+    );
+}
+
 #[test]
 fn mixtral_in_the_fused_layout_loads_to_the_same_logits() {
     // the random mixtral rewritten the way a fused-expert writer lays it out: the sparse block
