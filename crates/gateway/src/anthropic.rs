@@ -308,6 +308,15 @@ fn to_chat(v: &Value) -> Result<Value, ApiError> {
     }
     let mut out = json!({"model": v.get("model").cloned().unwrap_or(Value::Null), "messages": msgs,
                          "max_tokens": max_tokens});
+    // Anthropic's temperature runs from 0 to 1 (OpenAI's to 2)
+    if let Some(t) = v.get("temperature").filter(|t| !t.is_null()) {
+        if !t.as_f64().is_some_and(|x| (0.0..=1.0).contains(&x)) {
+            return Err(ApiError::bad(
+                format!("temperature: must be a number from 0 to 1, got {t}"),
+                Some("temperature"),
+            ));
+        }
+    }
     for k in ["temperature", "top_p", "top_k", "stream"] {
         if let Some(x) = v.get(k) {
             out[k] = x.clone();
@@ -725,6 +734,12 @@ mod tests {
         let c = to_chat(&req(vec![ask.clone(), call.clone(), answer("toolu_1")])).unwrap();
         assert_eq!(c["messages"][2]["role"], "tool");
         assert_eq!(c["messages"][2]["tool_call_id"], "toolu_1");
+        // temperature runs from 0 to 1 here
+        let mut hot = req(vec![ask.clone()]);
+        hot["temperature"] = json!(1.5);
+        assert!(refused(hot.clone()).contains("from 0 to 1"));
+        hot["temperature"] = json!(1.0);
+        to_chat(&hot).unwrap();
         // a result naming no call of the previous message
         let e = refused(req(vec![ask.clone(), call.clone(), answer("toolu_2")]));
         assert!(

@@ -1088,7 +1088,20 @@ fn prompt_tokens(st: &AppState, v: &Value, chat: bool) -> Result<Vec<u32>, ApiEr
                     Some("messages"),
                 ));
             }
-            // (an assistant's may be left out: its calls, or its reasoning, are the turn)
+            // (an assistant's may be left out or null: its calls, or its reasoning, are the
+            // turn; anyone else's is required, as OpenAI's API has it)
+            if role != "assistant" && m.get("content").is_none_or(Value::is_null) {
+                return Err(ApiError::bad(
+                    format!("messages[{i}].content is required on a {role} message"),
+                    Some("messages"),
+                ));
+            }
+            if role == "tool" && m.get("tool_call_id").is_none_or(Value::is_null) {
+                return Err(ApiError::bad(
+                    format!("messages[{i}].tool_call_id is required on a tool message"),
+                    Some("messages"),
+                ));
+            }
             let content = match m.get("content") {
                 None if role == "assistant" => Some(String::new()),
                 c => c.and_then(text_of),
@@ -1214,7 +1227,15 @@ fn prompt_tokens(st: &AppState, v: &Value, chat: bool) -> Result<Vec<u32>, ApiEr
                     Some("prompt"),
                 ))
             }
-            _ => return Err(ApiError::bad("`prompt` is required", Some("prompt"))),
+            None | Some(Value::Null) => {
+                return Err(ApiError::bad("`prompt` is required", Some("prompt")))
+            }
+            Some(_) => {
+                return Err(ApiError::bad(
+                    "`prompt` must be a string, one string in a list, or a list of token ids",
+                    Some("prompt"),
+                ))
+            }
         }
     })
 }
@@ -1237,6 +1258,29 @@ fn refuse_unbuilt(v: &Value) -> Result<(), ApiError> {
     }
     if !neutral("suffix", &|x| x == "") {
         return not_yet("suffix", "insertion");
+    }
+    // vLLM's sampling extensions that are not built (top_k is)
+    if !neutral("min_p", &|x| x.as_f64() == Some(0.0)) {
+        return not_yet(
+            "min_p",
+            "a floor on a token's probability relative to the top one",
+        );
+    }
+    if !neutral("repetition_penalty", &|x| x.as_f64() == Some(1.0)) {
+        return not_yet(
+            "repetition_penalty",
+            "presence_penalty and frequency_penalty are built",
+        );
+    }
+    // the API's functions before tools
+    if !neutral("functions", &|x| x.as_array().is_some_and(|a| a.is_empty())) {
+        return not_yet(
+            "functions",
+            "the legacy form of `tools`: send them as tools",
+        );
+    }
+    if !neutral("function_call", &|x| x == "none") {
+        return not_yet("function_call", "the legacy form of `tool_choice`");
     }
     Ok(())
 }
@@ -1694,11 +1738,28 @@ pub(crate) fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequ
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(ApiError::bad("`stream` must be a boolean", Some("stream"))),
     };
-    let include_usage = v
-        .get("stream_options")
-        .and_then(|o| o.get("include_usage"))
-        .and_then(|b| b.as_bool())
-        .unwrap_or(false);
+    // OpenAI refuses stream_options without stream, and a non-boolean include_usage
+    let include_usage = match v.get("stream_options") {
+        None | Some(Value::Null) => false,
+        Some(o @ Value::Object(_)) if stream => flag(o, "include_usage", false).map_err(|_| {
+            ApiError::bad(
+                "`stream_options.include_usage` must be a boolean",
+                Some("stream_options"),
+            )
+        })?,
+        Some(Value::Object(_)) => {
+            return Err(ApiError::bad(
+                "`stream_options` is only allowed when `stream` is true",
+                Some("stream_options"),
+            ))
+        }
+        Some(x) => {
+            return Err(ApiError::bad(
+                format!("`stream_options` must be an object, got {x}"),
+                Some("stream_options"),
+            ))
+        }
+    };
     let echo = echo.then(|| st.tokenizer.decode_lossy(&prompt));
     if !tools.is_empty() && !st.template.takes_tools() {
         return Err(ApiError::bad(

@@ -762,6 +762,29 @@ async fn chat_content_cannot_forge_control_tokens_and_roles_are_checked() {
     )
     .await;
     assert_error(st, &v, 400, "invalid_request_error", "hacker");
+    // what OpenAI's API requires of a message: content but on an assistant's, a tool
+    // message's tool_call_id
+    for (msgs, says) in [
+        (
+            json!([{"role": "user", "content": null}]),
+            "content is required",
+        ),
+        (json!([{"role": "user"}]), "content is required"),
+        (
+            json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": null,
+                    "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                   {"role": "tool", "content": "r"}]),
+            "tool_call_id is required",
+        ),
+    ] {
+        let (st, v) = post(
+            &gw,
+            "/v1/chat/completions",
+            &json!({"model": "tiny", "messages": msgs}),
+        )
+        .await;
+        assert_error(st, &v, 400, "invalid_request_error", says);
+    }
 }
 
 /// What is not built is refused by name, never silently ignored; neutral values pass; a seed
@@ -777,7 +800,17 @@ async fn parameters_not_built_are_refused_by_name_and_seeds_are_exact() {
         }
         v
     };
-    for (k, x) in [("best_of", json!(2)), ("suffix", json!("end"))] {
+    for (k, x) in [
+        ("best_of", json!(2)),
+        ("suffix", json!("end")),
+        ("min_p", json!(0.1)),
+        ("repetition_penalty", json!(1.2)),
+        (
+            "functions",
+            json!([{"name": "f", "parameters": {"type": "object"}}]),
+        ),
+        ("function_call", json!("auto")),
+    ] {
         let (st, v) = post(&gw, "/v1/completions", &ask(json!({k: x}))).await;
         assert_error(st, &v, 400, "invalid_request_error", k);
         assert_eq!(v["error"]["param"], k, "{v}");
@@ -802,6 +835,15 @@ async fn parameters_not_built_are_refused_by_name_and_seeds_are_exact() {
         (json!({"top_k": 1.5}), "top_k"),
         (json!({"top_k": -2}), "top_k"),
         (json!({"top_k": "5"}), "top_k"),
+        (json!({"prompt": 5}), "prompt"),
+        (
+            json!({"stream": true, "stream_options": {"include_usage": "yes"}}),
+            "stream_options",
+        ),
+        (
+            json!({"stream_options": {"include_usage": true}}),
+            "stream_options",
+        ),
     ] {
         let (st, v) = post(&gw, "/v1/completions", &ask(extra.clone())).await;
         assert_error(st, &v, 400, "invalid_request_error", param);
@@ -810,7 +852,8 @@ async fn parameters_not_built_are_refused_by_name_and_seeds_are_exact() {
     // neutral values are what clients send by default
     let neutral = json!({"tools": [], "tool_choice": "none", "response_format": {"type": "text"},
         "logprobs": false, "echo": false, "best_of": 1, "suffix": null, "logit_bias": {},
-        "frequency_penalty": 0, "presence_penalty": 0.0});
+        "frequency_penalty": 0, "presence_penalty": 0.0, "min_p": 0, "repetition_penalty": 1.0,
+        "functions": []});
     let (st, v) = post(&gw, "/v1/completions", &ask(neutral)).await;
     assert_eq!(st, 200, "{v}");
     // seeds: fractions refused; 2^63 and 2^64 - 1 are different seeds

@@ -473,7 +473,7 @@ fn family_checkpoint(
         // agent prompts (tools declared in the family's words) are longer than 512 tokens
         d.max_pos = 4096;
     }
-    random_ckpt::write(family, &d, 3, &dir).unwrap();
+    std::fs::create_dir_all(&dir).unwrap();
     let mut tc: serde_json::Value =
         serde_json::from_slice(&std::fs::read(tiny().join("tokenizer_config.json")).unwrap())
             .unwrap();
@@ -481,14 +481,19 @@ fn family_checkpoint(
         tc["chat_template"] = json!(t);
     }
     std::fs::write(dir.join("tokenizer_config.json"), tc.to_string()).unwrap();
+    use moelane_engine::tokenizer::{tiktoken, Tokenizer};
     if family == Family::DeepseekV3 {
         // as Kimi K2 ships it: a tiktoken vocabulary (tiny's, rewritten), no tokenizer.json
-        use moelane_engine::tokenizer::{tiktoken, Tokenizer};
         let tok = Tokenizer::from_file(&tiny().join("tokenizer.json")).unwrap();
         tiktoken::write(&tok, &dir, &tiktoken::GPT2_PATTERN).unwrap();
     } else {
         std::fs::copy(tiny().join("tokenizer.json"), dir.join("tokenizer.json")).unwrap();
     }
+    // the embedding covers every id the tokenizer can give (a tiktoken vocabulary adds
+    // Kimi's 256 reserved special tokens past its ranks, as Kimi K2's vocab_size counts them)
+    let bound = Tokenizer::from_dir(&dir).unwrap().id_bound() as usize;
+    d.vocab = d.vocab.max(bound);
+    random_ckpt::write(family, &d, 3, &dir).unwrap();
     (dir, d)
 }
 
