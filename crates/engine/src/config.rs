@@ -919,12 +919,14 @@ impl ModelConfig {
                             ));
                         }
                     }
-                    if y.beta_fast <= y.beta_slow {
+                    // equal is allowed (Kimi K2 ships 1 and 1: the ramp's ends then meet,
+                    // as transformers handles it)
+                    if y.beta_fast < y.beta_slow {
                         return Err(bad(
                             "rope_parameters.beta_fast",
                             y.beta_fast.to_string(),
                             &format!(
-                                "must be above beta_slow ({}): the dimensions YaRN leaves \
+                                "must not be below beta_slow ({}): the dimensions YaRN leaves \
                                  unscaled rotate faster than those it interpolates",
                                 y.beta_slow
                             ),
@@ -1700,6 +1702,13 @@ mod tests {
             (
                 serde_json::json!({"eos_token_id": 4294967625u64}),
                 "eos_token_id",
+            ),
+            // Kimi K2's own rope_scaling (equal betas) is accepted: nothing is refused
+            (
+                serde_json::json!({"rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0,
+                    "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                    "type": "yarn"}}),
+                "accepted",
             ),
             (serde_json::json!({"eos_token_id": [1, -2]}), "eos_token_id"),
             (serde_json::json!({"bos_token_id": "0"}), "bos_token_id"),

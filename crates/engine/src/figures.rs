@@ -73,10 +73,13 @@ fn add(a: &[Vec<u64>], b: &[Vec<u64>]) -> Vec<Vec<u64>> {
 pub fn measure(dir: &Path, hot: usize, answer_len: usize) -> Result<GenReport> {
     let ckpt = Checkpoint::open(dir)?;
     let tok = Tokenizer::from_dir(dir)?;
-    let labels: Vec<Vec<String>> = std::fs::read(dir.join("moelane_token_languages.json"))
-        .ok()
-        .and_then(|b| serde_json::from_slice(&b).ok())
-        .unwrap_or_default();
+    let labels: Vec<Vec<String>> = moelane_text::files::read_bounded(
+        &dir.join("moelane_token_languages.json"),
+        moelane_text::files::VOCAB_LIMIT,
+    )
+    .ok()
+    .and_then(|b| serde_json::from_slice(&b).ok())
+    .unwrap_or_default();
     let c = ckpt.config.clone();
     let layers = c.moe_layers().len();
     let all_hot = Rowmap::all_hot(&ckpt.id, layers, c.num_experts).validate(

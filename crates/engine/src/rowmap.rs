@@ -87,7 +87,8 @@ impl Rowmap {
 
     /// Reads a map file (parse only; call `validate`).
     pub fn read(path: &Path) -> Result<Rowmap> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = moelane_text::files::read_bounded_text(path, moelane_text::files::CONFIG_LIMIT)
+            .map_err(|e| Error::io(path, e))?;
         serde_json::from_str(&text).map_err(|e| Error::Json {
             path: path.into(),
             reason: e.to_string(),

@@ -1738,20 +1738,18 @@ pub(crate) fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequ
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(ApiError::bad("`stream` must be a boolean", Some("stream"))),
     };
-    // OpenAI refuses stream_options without stream, and a non-boolean include_usage
+    // a non-boolean include_usage is refused; stream_options on a call that does not stream
+    // is ignored (OpenAI refuses it, but clients send it there and vLLM users met that)
     let include_usage = match v.get("stream_options") {
         None | Some(Value::Null) => false,
-        Some(o @ Value::Object(_)) if stream => flag(o, "include_usage", false).map_err(|_| {
-            ApiError::bad(
-                "`stream_options.include_usage` must be a boolean",
-                Some("stream_options"),
-            )
-        })?,
-        Some(Value::Object(_)) => {
-            return Err(ApiError::bad(
-                "`stream_options` is only allowed when `stream` is true",
-                Some("stream_options"),
-            ))
+        Some(o @ Value::Object(_)) => {
+            let on = flag(o, "include_usage", false).map_err(|_| {
+                ApiError::bad(
+                    "`stream_options.include_usage` must be a boolean",
+                    Some("stream_options"),
+                )
+            })?;
+            on && stream
         }
         Some(x) => {
             return Err(ApiError::bad(
@@ -1796,7 +1794,9 @@ pub(crate) fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequ
     let constrained: Vec<&(String, Value)> = match &tool_mode {
         ToolMode::Named(n) => tools.iter().filter(|(t, _)| t == n).collect(),
         ToolMode::Required => tools.iter().collect(),
-        ToolMode::Auto if strict => tools.iter().collect(),
+        ToolMode::Auto if strict && v.get("response_format").is_none_or(Value::is_null) => {
+            tools.iter().collect()
+        }
         _ => Vec::new(),
     };
     if let (Some(g), false) = (st.grammars.as_ref(), constrained.is_empty()) {

@@ -259,24 +259,43 @@ pub fn add_collector(c: Collector) {
     }
 }
 
+/// The longest one collection may run before it is given up (a step loop that never answers
+/// again): the next scrape then asks anew.
+pub const COLLECT_CAP: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Marks its collector not running however its run ends: finished, panicked, given up, or
+/// dropped before it ran.
+struct Done(std::sync::Arc<Gathering>);
+
+impl Drop for Done {
+    fn drop(&mut self) {
+        self.0
+            .running
+            .store(false, std::sync::atomic::Ordering::Release);
+    }
+}
+
 /// Runs every collector not already running, each as its own task, and waits for them up to
-/// [`COLLECT_WAIT`].
+/// [`COLLECT_WAIT`] (outside a tokio runtime: in turn, to the end).
 async fn collect(cs: Vec<std::sync::Arc<Gathering>>) {
     use std::sync::atomic::Ordering;
-    let runs: Vec<_> = cs
+    let free: Vec<Done> = cs
         .into_iter()
         .filter(|g| !g.running.swap(true, Ordering::AcqRel))
-        .map(|g| {
-            tokio::spawn(async move {
-                // marked done however the run ends (a panicking collector too)
-                struct Done(std::sync::Arc<Gathering>);
-                impl Drop for Done {
-                    fn drop(&mut self) {
-                        self.0.running.store(false, Ordering::Release);
-                    }
-                }
-                let done = Done(g);
-                (done.0.collect)().await;
+        .map(Done)
+        .collect();
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        for done in free {
+            (done.0.collect)().await;
+        }
+        return;
+    };
+    let runs: Vec<_> = free
+        .into_iter()
+        .map(|done| {
+            rt.spawn(async move {
+                let _ = tokio::time::timeout(COLLECT_CAP, (done.0.collect)()).await;
+                drop(done);
             })
         })
         .collect();

@@ -207,8 +207,7 @@ impl Tokenizer {
             .get_vocab(true)
             .values()
             .max()
-            .map_or(0, |&m| m as u64 + 1)
-            .max(inner.get_vocab_size(true) as u64);
+            .map_or(0, |&m| m as u64 + 1);
         let n = (id_bound as usize).min(MAX_IDS);
         let dec = byte_decoder();
         // A vocabulary is byte-level (GPT-2's table: each char one byte) where its decoder
