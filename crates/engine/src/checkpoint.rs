@@ -424,6 +424,17 @@ impl Checkpoint {
                 }
             }
         }
+        // AutoFP8's checkpoints (`quant_method: "fp8"` with no block size, as neuralmagic's
+        // FP8 Mixtral ships): one `weight_scale` per tensor beside each FP8 weight, where
+        // DeepSeek's and Qwen's have `weight_scale_inv` per block. Told by the tensors.
+        if config.fp8_scales == Fp8Scales::BlockInv
+            && config.fp8_block.is_some()
+            && !index.keys().any(|n| n.ends_with(".weight_scale_inv"))
+            && index.keys().any(|n| n.ends_with(".weight_scale"))
+        {
+            config.fp8_scales = Fp8Scales::Tensor;
+            config.fp8_block = Some(crate::config::FP8_ROW_BLOCK);
+        }
         Ok(Checkpoint {
             dir: dir.into(),
             config,

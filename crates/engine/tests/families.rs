@@ -529,6 +529,37 @@ fn compressed_tensors_fp8_loads_as_the_model_it_stands_for() {
     assert!(e.contains("experts.0.gate_proj.weight_scale"), "{e}");
 }
 
+/// AutoFP8's checkpoints (neuralmagic's FP8 Mixtral): `quant_method: "fp8"` with no block
+/// size and one `weight_scale` per tensor; told by their tensors, they load as the same bytes
+/// under compressed-tensors' per-tensor scheme do, logit for logit.
+#[test]
+fn autofp8_per_tensor_checkpoints_load() {
+    use moelane_engine::checkpoint::Checkpoint;
+    use moelane_engine::config::Fp8Scales;
+    let root = common::scratch("autofp8");
+    let ct = write_random(Family::Mixtral, &root, "ct_tensor");
+    random_ckpt::to_fp8_compressed(&ct, Fp8Scales::Tensor, FP8_BLOCK).unwrap();
+    let auto = write_random(Family::Mixtral, &root, "autofp8");
+    random_ckpt::to_fp8_compressed(&auto, Fp8Scales::Tensor, FP8_BLOCK).unwrap();
+    let cp = auto.join("config.json");
+    let mut c: Value = serde_json::from_slice(&std::fs::read(&cp).unwrap()).unwrap();
+    c["quantization_config"] = serde_json::json!({"quant_method": "fp8",
+        "activation_scheme": "static", "ignored_layers": ["lm_head"]});
+    std::fs::write(&cp, c.to_string()).unwrap();
+    let ck = Checkpoint::open(&auto).unwrap();
+    assert_eq!(ck.config.fp8_scales, Fp8Scales::Tensor);
+    let l = ck.config.moe_layers()[0];
+    assert!(matches!(
+        ck.expert(l, 0).unwrap().gate_up.data,
+        moelane_engine::ops::Elems::F8(_)
+    ));
+    let p = &random_ckpt::prompts(Dims::for_family(Family::Mixtral).vocab, 1, SEED)[0];
+    assert_eq!(
+        logits(&auto, None, p, &[5, 6]),
+        logits(&ct, None, p, &[5, 6])
+    );
+}
+
 #[test]
 fn fp8_checkpoints_that_do_not_add_up_are_refused_naming_the_tensor() {
     use moelane_engine::checkpoint::Checkpoint;
