@@ -766,11 +766,11 @@ impl Checkpoint {
             let (gate, gs) = part(g, &[i, h])?;
             let (up, us) = part(u, &[i, h])?;
             let (down, ds) = part(d, &[h, i])?;
-            let b1 = c.fp8_block.map_or(1, |b| b[1].max(1));
+            let block = c.fp8_block.unwrap_or([128, 128]);
             let scales_held =
                 matches!(c.fp8_scales, Fp8Scales::Channel | Fp8Scales::Tensor).then(|| {
                     let n = |sc: &Option<RawScales<'_>>, r: usize, cols: usize| {
-                        sc.map_or(0, |_| r * cols.div_ceil(b1))
+                        sc.map_or(0, |_| crate::config::held_scale_count(block, r, cols))
                     };
                     n(&gs, i, h) + n(&us, i, h) + n(&ds, h, i)
                 });

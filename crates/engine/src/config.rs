@@ -427,12 +427,24 @@ pub enum Fp8Scales {
 }
 
 impl Fp8Scales {
+    /// What the name of an FP8 weight's scales adds to the weight's name.
+    fn suffix(self) -> &'static str {
+        match self {
+            Fp8Scales::BlockInv => "_scale_inv",
+            _ => "_scale",
+        }
+    }
+
     /// The name of the scales of FP8 weight `name`.
     pub fn tensor_of(self, name: &str) -> String {
-        match self {
-            Fp8Scales::BlockInv => format!("{name}_scale_inv"),
-            _ => format!("{name}_scale"),
-        }
+        format!("{name}{}", self.suffix())
+    }
+
+    /// The weight whose scales tensor `name` is, if it is one ([`Fp8Scales::tensor_of`]'s
+    /// inverse).
+    pub fn weight_of(self, name: &str) -> Option<&str> {
+        name.strip_suffix(self.suffix())
+            .filter(|w| w.ends_with(".weight"))
     }
 
     /// The shape the scales of a `rows x cols` FP8 weight are stored in (`block`: the
@@ -453,6 +465,11 @@ impl Fp8Scales {
 
 /// The block every compressed-tensors scale per row or per tensor is held as (1 x 128).
 pub const FP8_ROW_BLOCK: [usize; 2] = [1, 128];
+
+/// How many f32 scales a `rows x cols` FP8 matrix is held with, one per block of `block`.
+pub fn held_scale_count(block: [usize; 2], rows: usize, cols: usize) -> usize {
+    rows.div_ceil(block[0].max(1)) * cols.div_ceil(block[1].max(1))
+}
 
 /// The FP8 block size and scale scheme a `quantization_config` names (None without one);
 /// any other quantisation is refused, naming its method.

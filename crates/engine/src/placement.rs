@@ -18,7 +18,7 @@ use rayon::prelude::*;
 
 use crate::bank::ExpertBank;
 use crate::checkpoint::{Checkpoint, ExpertWeights};
-use crate::config::Fp8Scales;
+use crate::config::held_scale_count;
 use crate::cpu::CpuBackend;
 use crate::error::{Error, Result};
 use crate::kv::{KvCache, KvDtype, BLOCK};
@@ -210,22 +210,15 @@ pub fn footprint(
             && !name.contains("kv_b_proj")
             && !name.contains("embed_tokens")
             && !name.starts_with("lm_head");
-        let suffix = match c.fp8_scales {
-            Fp8Scales::BlockInv => "_scale_inv",
-            _ => "_scale",
-        };
-        let scales_of = name
-            .strip_suffix(suffix)
-            .filter(|w| w.ends_with(".weight") && c.fp8_block.is_some());
-        dense += if let Some(weight) = scales_of {
-            // FP8 scales are held as f32 whatever they are stored as (one per row or per
-            // tensor repeated per block of the config's); a GPU keeps those of the matrices
-            // it keeps FP8
-            let held = match (c.fp8_scales, ckpt.raw(weight).map(|w| w.shape.to_vec())) {
-                (Fp8Scales::Channel | Fp8Scales::Tensor, Ok(sh)) if sh.len() == 2 => {
-                    let b1 = c.fp8_block.map_or(1, |b| b[1].max(1));
-                    (sh[0] * sh[1].div_ceil(b1)) as u64
-                }
+        let scales_of = c
+            .fp8_block
+            .and_then(|block| Some((block, c.fp8_scales.weight_of(&name)?)));
+        dense += if let Some((block, weight)) = scales_of {
+            // FP8 scales are held as f32 whatever they are stored as, one per block of the
+            // config's (a row's or tensor's repeated); a GPU keeps those of the matrices it
+            // keeps FP8
+            let held = match ckpt.raw(weight).map(|w| w.shape.to_vec()) {
+                Ok(sh) if sh.len() == 2 => held_scale_count(block, sh[0], sh[1]) as u64,
                 _ => elems,
             };
             match resident {
