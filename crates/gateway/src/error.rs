@@ -52,6 +52,12 @@ pub enum ApiError {
     /// The client has as many generations in flight as it may (`--max-client-requests`).
     #[error("{0}")]
     RateLimited(String),
+    /// A body sent with a `Content-Encoding` the gateway does not read (it names it).
+    #[error(
+        "the request body is sent with Content-Encoding `{0}`, which this server does not \
+         read: send the JSON uncompressed (identity)"
+    )]
+    UnsupportedEncoding(String),
 }
 
 impl ApiError {
@@ -106,6 +112,7 @@ impl ApiError {
             ApiError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::HeadersTooLarge(_) => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            ApiError::UnsupportedEncoding(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::Overloaded(_) | ApiError::RateLimited(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -133,6 +140,11 @@ impl ApiError {
             ApiError::HeadersTooLarge(_) => {
                 ("invalid_request_error", Some("headers_too_large"), None)
             }
+            ApiError::UnsupportedEncoding(_) => (
+                "invalid_request_error",
+                Some("unsupported_content_encoding"),
+                None,
+            ),
             ApiError::Overloaded(_) => ("rate_limit_error", Some("overloaded"), None),
             ApiError::RateLimited(_) => ("rate_limit_error", Some("rate_limit_exceeded"), None),
             ApiError::Unavailable(_) => ("server_error", Some("unavailable"), None),

@@ -426,7 +426,8 @@ pub fn router_for(state: Arc<AppState>, listener: Listener) -> Router {
         .method_not_allowed_fallback(|req: Request| async move {
             ApiError::MethodNotAllowed(format!("{} {}", req.method(), req.uri().path()))
         })
-        .with_state(state);
+        .with_state(state)
+        .layer(axum::middleware::from_fn(refuse_encoded_bodies));
     // (Anthropic's routes are public: there its errors are in its shape)
     let router = if listener == Listener::Public {
         router.layer(axum::middleware::from_fn(
@@ -438,6 +439,25 @@ pub fn router_for(state: Arc<AppState>, listener: Listener) -> Router {
     router
         .layer(axum::middleware::from_fn(count_requests))
         .layer(axum::middleware::from_fn(limit_headers))
+}
+
+/// A request whose body is compressed (`Content-Encoding: gzip`, ...) gets a 415 naming the
+/// encoding, not a "malformed JSON" about bytes it never meant as JSON. `identity` (and no
+/// header) is read as before.
+async fn refuse_encoded_bodies(req: Request, next: axum::middleware::Next) -> Response {
+    let headers = req.headers().get_all(axum::http::header::CONTENT_ENCODING);
+    for value in headers.iter() {
+        let value = String::from_utf8_lossy(value.as_bytes());
+        let coded = value
+            .split(',')
+            .map(str::trim)
+            .find(|e| !e.is_empty() && !e.eq_ignore_ascii_case("identity"));
+        if let Some(e) = coded {
+            let e: String = e.chars().take(64).collect();
+            return ApiError::UnsupportedEncoding(e).into_response();
+        }
+    }
+    next.run(req).await
 }
 
 /// Most bytes of request headers (names and values) a request may carry: past it a 431 with

@@ -330,6 +330,38 @@ async fn bad_bodies_are_400_with_an_openai_error_naming_the_fault() {
     let (st, body) = http(&gw, "POST", "/v1/completions", b"{\"model\": \"tiny\", ").await;
     let v: Value = serde_json::from_str(&body).expect("error JSON");
     assert_error(st, &v, 400, "invalid_request_error", "malformed JSON");
+    // a compressed body is named as such (415), not read as broken JSON; identity is read
+    let gz = [
+        0x1f_u8, 0x8b, 8, 0, 0, 0, 0, 0, 0, 3, 0xab, 0xae, 5, 0, 0x43, 0xbf, 0xa6, 0xa3, 2,
+    ];
+    for path in ["/v1/chat/completions", "/v1/messages"] {
+        let (st, body) = http_with(&gw, "POST", path, "Content-Encoding: gzip\r\n", &gz).await;
+        assert_eq!(st, 415, "{path}: {body}");
+        let v: Value = serde_json::from_str(&body).expect("error JSON");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap_or("")
+                .contains("`gzip`"),
+            "{path}: {body}"
+        );
+    }
+    let (st, v) = {
+        let req = json!({"model": "gpt-9", "prompt": "hi"}).to_string();
+        let (st, body) = http_with(
+            &gw,
+            "POST",
+            "/v1/completions",
+            "Content-Encoding: identity\r\n",
+            req.as_bytes(),
+        )
+        .await;
+        (
+            st,
+            serde_json::from_str::<Value>(&body).expect("error JSON"),
+        )
+    };
+    assert_error(st, &v, 404, "invalid_request_error", "gpt-9");
 
     for (req, param) in [
         (
