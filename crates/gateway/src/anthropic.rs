@@ -153,6 +153,12 @@ fn text_blocks(c: &Value, what: &str) -> Result<String, ApiError> {
 
 /// A Messages request as the chat request the OpenAI route validates.
 fn to_chat(v: &Value) -> Result<Value, ApiError> {
+    to_chat_for(v, false)
+}
+
+/// [`to_chat`]; `counting`: for count_tokens, where `max_tokens` is not the answer's bound
+/// (a thinking budget is not checked against it).
+fn to_chat_for(v: &Value, counting: bool) -> Result<Value, ApiError> {
     let max_tokens = v
         .get("max_tokens")
         .filter(|m| !m.is_null())
@@ -412,13 +418,55 @@ fn to_chat(v: &Value) -> Result<Value, ApiError> {
     }
     match v.get("thinking").and_then(|t| t["type"].as_str()) {
         // the two names families' templates read (Qwen3's and GLM's; DeepSeek's)
-        Some("enabled") => {
+        Some(kind @ ("enabled" | "adaptive")) => {
+            // as Anthropic checks it: at least 1,024 and below max_tokens (the budget is a
+            // target there too; here the template's thinking switch is what it turns on)
+            if kind == "enabled" {
+                let budget = &v["thinking"]["budget_tokens"];
+                let Some(b) = budget.as_u64() else {
+                    return Err(ApiError::bad(
+                        format!("thinking.budget_tokens: a whole number is required, got {budget}"),
+                        Some("thinking"),
+                    ));
+                };
+                let bound = if counting {
+                    u64::MAX
+                } else {
+                    max_tokens.as_u64().unwrap_or(0)
+                };
+                if b < 1024 || b >= bound {
+                    return Err(ApiError::bad(
+                        format!(
+                            "thinking.budget_tokens: must be at least 1024 and less than \
+                             max_tokens ({max_tokens}), got {b}"
+                        ),
+                        Some("thinking"),
+                    ));
+                }
+            }
             out["chat_template_kwargs"] = json!({"enable_thinking": true, "thinking": true})
         }
         Some("disabled") => {
             out["chat_template_kwargs"] = json!({"enable_thinking": false, "thinking": false})
         }
-        _ => {}
+        Some(t) => {
+            return Err(ApiError::bad(
+                format!("thinking.type: {t:?} is not one of enabled, adaptive, disabled"),
+                Some("thinking"),
+            ))
+        }
+        None => {}
+    }
+    for (k, what) in [
+        ("mcp_servers", "MCP servers"),
+        ("container", "code execution containers"),
+    ] {
+        if v.get(k).is_some_and(|x| !x.is_null()) {
+            return Err(ApiError::bad(
+                format!("`{k}`: {what} are not supported by this server; leave it out"),
+                Some(k),
+            ));
+        }
     }
     Ok(out)
 }
@@ -469,7 +517,7 @@ pub(crate) async fn count_tokens(State(st): State<Arc<AppState>>, req: Request) 
                 o.insert("max_tokens".into(), json!(1));
                 o.remove("stream");
             }
-            let chat = off_runtime(move || to_chat(&v)).await?;
+            let chat = off_runtime(move || to_chat_for(&v, true)).await?;
             let vr = validate_off_runtime(&st, chat, true)
                 .await
                 .map_err(in_its_names)?;

@@ -6,6 +6,7 @@
 //! (as TGI's router does). It reaches lanes through the [`lane::Lane`] trait only.
 
 pub mod anthropic;
+pub mod browser;
 pub mod discovery;
 pub mod error;
 pub mod handoff;

@@ -23,7 +23,7 @@ use crate::error::ApiError;
 use crate::relay::{relay_parts, PartSink};
 use crate::server::{
     generate_request, now_secs, put, random_id, read_json_turn, shutting_down,
-    validate_off_runtime, whole_choice, AppState, ToolMode, Tries, ValidRequest,
+    validate_off_runtime, whole_choice, AppState, Tries, ValidRequest,
 };
 
 /// Kept responses: each one's conversation (the chat messages it ends with its answer, its
@@ -297,6 +297,121 @@ fn item_str<'a>(it: &'a Value, key: &str, at: &str) -> Result<&'a str, ApiError>
 }
 
 /// `metadata`: at most 16 string pairs, keys up to 64 characters, values up to 512.
+/// The request's fields that would change the answer and that this gateway does not do: a
+/// 400 naming the field rather than an answer that silently ignores it.
+fn refuse_unsupported(v: &Value) -> Result<(), ApiError> {
+    let set = |k: &str| v.get(k).is_some_and(|x| !x.is_null() && *x != json!(false));
+    if set("background") {
+        return Err(bad(
+            "`background` responses are not supported: send the request without it (the \
+             response is answered when it is done, or streamed with `stream`)",
+            "background",
+        ));
+    }
+    if set("conversation") {
+        return Err(bad(
+            "`conversation` objects are not supported: chain turns with \
+             `previous_response_id`, or send the whole conversation as `input`",
+            "conversation",
+        ));
+    }
+    if set("prompt") {
+        return Err(bad(
+            "stored prompt templates (`prompt`) are not supported: send the text as \
+             `instructions` and `input`",
+            "prompt",
+        ));
+    }
+    if set("max_tool_calls") {
+        return Err(bad(
+            "`max_tool_calls` is not supported: leave it out (the answer's calls are not capped)",
+            "max_tool_calls",
+        ));
+    }
+    if v.get("top_logprobs")
+        .is_some_and(|x| x.as_u64() != Some(0) && !x.is_null())
+    {
+        return Err(bad(
+            "log probabilities are not returned by /v1/responses (`top_logprobs`): use \
+             /v1/chat/completions with `logprobs`",
+            "top_logprobs",
+        ));
+    }
+    if let Some(inc) = v.get("include").filter(|x| !x.is_null()) {
+        let Some(list) = inc.as_array() else {
+            return Err(bad(
+                format!("`include` must be a list, got {inc}"),
+                "include",
+            ));
+        };
+        // what is asked that changes the answer's content; the others (encrypted reasoning,
+        // search results, image URLs) are things this gateway has none of
+        if let Some(x) = list
+            .iter()
+            .find(|x| x.as_str().is_some_and(|s| s.contains("logprobs")))
+        {
+            return Err(bad(
+                format!(
+                    "`include` {x} is not supported: /v1/responses returns no log \
+                     probabilities (use /v1/chat/completions with `logprobs`)"
+                ),
+                "include",
+            ));
+        }
+    }
+    match v.get("truncation") {
+        None | Some(Value::Null) => {}
+        Some(t) if t == "disabled" => {}
+        Some(t) => {
+            return Err(bad(
+                format!(
+                    "`truncation` {t} is not supported (only \"disabled\": an input past the \
+                     context is a 400, nothing is dropped from it)"
+                ),
+                "truncation",
+            ))
+        }
+    }
+    Ok(())
+}
+
+/// A 32-bit setting as a client wrote it: the shortest decimal that reads back as that f32
+/// (0.7, not 0.699999988079071).
+fn short_float(x: f32) -> Value {
+    format!("{x}")
+        .parse::<f64>()
+        .map_or(Value::Null, |f| json!(f))
+}
+
+/// What the response object repeats of the request's settings (tools, tool_choice,
+/// parallel_tool_calls, max_output_tokens, text, reasoning, truncation, user), as sent or
+/// their defaults.
+fn settings(v: &Value) -> serde_json::Map<String, Value> {
+    let or = |k: &str, d: Value| v.get(k).filter(|x| !x.is_null()).cloned().unwrap_or(d);
+    let mut m = serde_json::Map::new();
+    m.insert("tools".into(), or("tools", json!([])));
+    m.insert("tool_choice".into(), or("tool_choice", json!("auto")));
+    m.insert(
+        "parallel_tool_calls".into(),
+        or("parallel_tool_calls", json!(true)),
+    );
+    m.insert(
+        "max_output_tokens".into(),
+        or("max_output_tokens", Value::Null),
+    );
+    m.insert(
+        "text".into(),
+        or("text", json!({"format": {"type": "text"}})),
+    );
+    m.insert(
+        "reasoning".into(),
+        or("reasoning", json!({"effort": null, "summary": null})),
+    );
+    m.insert("truncation".into(), json!("disabled"));
+    m.insert("user".into(), or("user", Value::Null));
+    m
+}
+
 fn metadata(v: &Value) -> Result<Value, ApiError> {
     let m = match v.get("metadata") {
         None | Some(Value::Null) => return Ok(json!({})),
@@ -550,6 +665,8 @@ fn function_call(st: &AppState, name: &str, arguments: &str) -> Value {
 struct Echo {
     id: String,
     metadata: Value,
+    /// The request's settings as sent ([`settings`]).
+    settings: serde_json::Map<String, Value>,
     previous: Option<String>,
     instructions: Value,
     /// Kept with this conversation once it completes (None: `store: false`).
@@ -592,14 +709,17 @@ fn response(
             last["status"] = json!("incomplete");
         }
     }
-    json!({"id": e.id, "object": "response", "created_at": now_secs(), "status": status, "model": st.cfg.model_name,
+    let mut r = json!({"id": e.id, "object": "response", "created_at": now_secs(), "status": status, "model": st.cfg.model_name,
         "output": output, "incomplete_details": incomplete, "error": null, "instructions": e.instructions,
         "previous_response_id": e.previous, "store": e.keep.is_some(),
-        "parallel_tool_calls": true, "tool_choice": if vr.tool_mode == ToolMode::Off { "none" } else { "auto" },
-        "tools": [], "temperature": vr.temperature, "top_p": vr.top_p, "metadata": e.metadata,
+        "temperature": short_float(vr.temperature), "top_p": short_float(vr.top_p), "metadata": e.metadata,
         "usage": {"input_tokens": vr.prompt.len(), "input_tokens_details": {"cached_tokens": 0},
                   "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
-                  "total_tokens": vr.prompt.len() + completion}})
+                  "total_tokens": vr.prompt.len() + completion}});
+    if let Some(o) = r.as_object_mut() {
+        o.extend(e.settings.clone());
+    }
+    r
 }
 
 /// `POST /v1/responses`.
@@ -614,7 +734,9 @@ pub(crate) async fn responses(State(st): State<Arc<AppState>>, req: Request) -> 
                     message,
                     param: Some(p),
                 } => match p {
-                    "messages" => ApiError::bad(message, Some("input")),
+                    "messages" => {
+                        ApiError::bad(message.replace("`messages`", "`input`"), Some("input"))
+                    }
                     "max_tokens" | "max_completion_tokens" => ApiError::bad(
                         message.replace(p, "max_output_tokens"),
                         Some("max_output_tokens"),
@@ -670,10 +792,11 @@ async fn handle(st: Arc<AppState>, req: Request) -> Result<Response, ApiError> {
         },
     };
     // converted (and the request's tree dropped) off the runtime: a large body takes a while
-    let (chat, convo, instructions, metadata) = crate::server::off_runtime(move || {
+    let (chat, convo, instructions, metadata, settings) = crate::server::off_runtime(move || {
+        refuse_unsupported(&v)?;
         let (chat, convo) = to_chat(&v, &prior)?;
         let instructions = v.get("instructions").cloned().unwrap_or(Value::Null);
-        Ok((chat, convo, instructions, metadata(&v)?))
+        Ok((chat, convo, instructions, metadata(&v)?, settings(&v)))
     })
     .await?;
     let mut vr = validate_off_runtime(&st, chat, true).await?;
@@ -682,6 +805,7 @@ async fn handle(st: Arc<AppState>, req: Request) -> Result<Response, ApiError> {
     let mut echo = Echo {
         id: format!("resp_{}", hex(&st)),
         metadata,
+        settings,
         previous,
         instructions,
         keep: (store && st.responses.cap > 0).then_some(convo),
@@ -977,13 +1101,18 @@ impl Events<'_> {
 
     /// Closes the open message item.
     async fn close_text(&mut self) -> bool {
+        self.close_text_as("completed").await
+    }
+
+    /// Closes the open message item with `status` (`incomplete`: the answer's bound cut it).
+    async fn close_text_as(&mut self, status: &str) -> bool {
         let Some((i, text)) = self.text.take() else {
             return true;
         };
         let item_id = self.output[i]["id"].clone();
         let part = json!({"type": "output_text", "text": text, "annotations": []});
         self.output[i]["content"] = json!([part]);
-        self.output[i]["status"] = json!("completed");
+        self.output[i]["status"] = json!(status);
         let item = self.output[i].clone();
         self.emit("response.output_text.done", json!({"item_id": item_id, "output_index": i, "content_index": 0, "text": text})).await
             && self.emit("response.content_part.done", json!({"item_id": item_id, "output_index": i, "content_index": 0, "part": part})).await
@@ -1147,10 +1276,16 @@ async fn stream(
         .await;
         return;
     }
-    if !(w.close_text().await && w.close_reasoning().await && w.close_call().await) {
+    let fin = end.finish.unwrap_or_else(|| "stop".into());
+    // the item the bound cut is incomplete, in its own event as in the response
+    let last = if fin == "length" {
+        "incomplete"
+    } else {
+        "completed"
+    };
+    if !(w.close_text_as(last).await && w.close_reasoning().await && w.close_call().await) {
         return;
     }
-    let fin = end.finish.unwrap_or_else(|| "stop".into());
     let done = response(
         st,
         &echo,

@@ -241,6 +241,9 @@ pub struct Auth {
     pub api_keys: Option<Arc<moelane_proto::auth::Keys>>,
     /// The admin token (`--admin-token-file`); None: the admin listener is loopback-only.
     pub admin: Option<Arc<moelane_proto::auth::Keys>>,
+    /// Which browser pages may call the listeners, and the names they answer to
+    /// (`--allowed-origin`, `--allowed-host`).
+    pub browsers: crate::browser::Browsers,
 }
 
 pub struct AppState {
@@ -426,8 +429,12 @@ pub fn router_for(state: Arc<AppState>, listener: Listener) -> Router {
         .method_not_allowed_fallback(|req: Request| async move {
             ApiError::MethodNotAllowed(format!("{} {}", req.method(), req.uri().path()))
         })
-        .with_state(state)
-        .layer(axum::middleware::from_fn(refuse_encoded_bodies));
+        .with_state(state.clone())
+        .layer(axum::middleware::from_fn(refuse_encoded_bodies))
+        .layer(axum::middleware::from_fn_with_state(
+            state,
+            crate::browser::guard,
+        ));
     // (Anthropic's routes are public: there its errors are in its shape)
     let router = if listener == Listener::Public {
         router.layer(axum::middleware::from_fn(
@@ -818,10 +825,18 @@ async fn read_bytes(st: &AppState, body: Body) -> Result<Bytes, ApiError> {
     Ok(bytes)
 }
 
-/// A request body as a JSON object.
+/// A request body as a JSON object. A string's lone UTF-16 surrogate escape (`"\ud83d"`, what
+/// a client writes after cutting a string inside an emoji) is read as U+FFFD, as Python's and
+/// JavaScript's JSON readers take it, rather than refusing the body.
 fn parse_json(bytes: &[u8]) -> Result<Value, ApiError> {
-    let v: Value = serde_json::from_slice(bytes)
-        .map_err(|e| ApiError::bad(format!("malformed JSON body: {e}"), None))?;
+    let v: Value = match serde_json::from_slice(bytes) {
+        Ok(v) => v,
+        Err(e) => match without_lone_surrogates(bytes) {
+            Some(fixed) => serde_json::from_slice(&fixed),
+            None => Err(e),
+        }
+        .map_err(|e| ApiError::bad(format!("malformed JSON body: {e}"), None))?,
+    };
     if !v.is_object() {
         return Err(ApiError::bad(
             "the request body must be a JSON object",
@@ -829,6 +844,51 @@ fn parse_json(bytes: &[u8]) -> Result<Value, ApiError> {
         ));
     }
     Ok(v)
+}
+
+/// `bytes` with every `\uXXXX` escape of a lone surrogate (a high one not followed by a low
+/// one, or a low one alone) replaced by `\ufffd`; None when there is none.
+fn without_lone_surrogates(bytes: &[u8]) -> Option<Vec<u8>> {
+    let hex = |at: usize| -> Option<u16> {
+        let h = bytes.get(at..at + 4)?;
+        u16::from_str_radix(std::str::from_utf8(h).ok()?, 16).ok()
+    };
+    // the escape `\uXXXX` at i (i at the backslash): its code unit
+    let unit = |i: usize| -> Option<u16> {
+        (bytes.get(i) == Some(&b'\\') && bytes.get(i + 1) == Some(&b'u'))
+            .then(|| hex(i + 2))
+            .flatten()
+    };
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut changed = false;
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] != b'\\' {
+            out.push(bytes[i]);
+            i += 1;
+            continue;
+        }
+        match unit(i) {
+            Some(0xD800..=0xDBFF)
+                if unit(i + 6).is_some_and(|l| (0xDC00..=0xDFFF).contains(&l)) =>
+            {
+                out.extend_from_slice(&bytes[i..i + 12]);
+                i += 12;
+            }
+            Some(0xD800..=0xDFFF) => {
+                out.extend_from_slice(b"\\ufffd");
+                changed = true;
+                i += 6;
+            }
+            // any other escape (`\\` included) is copied whole, so its second byte is never
+            // read as the start of an escape
+            _ => {
+                out.extend_from_slice(&bytes[i..(i + 2).min(bytes.len())]);
+                i += 2;
+            }
+        }
+    }
+    changed.then_some(out)
 }
 
 /// A body of `/v1/chat/completions` (`chat`) or `/v1/completions` parsed and validated as
@@ -1302,6 +1362,18 @@ fn refuse_unbuilt(v: &Value) -> Result<(), ApiError> {
     if !neutral("function_call", &|x| x == "none") {
         return not_yet("function_call", "the legacy form of `tool_choice`");
     }
+    // answers in other forms than text
+    if !neutral("modalities", &|x| {
+        x.as_array().is_some_and(|a| a.iter().all(|m| m == "text"))
+    }) {
+        return not_yet("modalities", "answers are text only: [\"text\"]");
+    }
+    if !neutral("audio", &|_| false) {
+        return not_yet("audio", "answers are text only");
+    }
+    if !neutral("web_search_options", &|_| false) {
+        return not_yet("web_search_options", "the model has no web search");
+    }
     Ok(())
 }
 
@@ -1676,7 +1748,10 @@ pub(crate) fn validate(st: &AppState, v: &Value, chat: bool) -> Result<ValidRequ
         // 0 with `echo`: the prompt alone (and its log-probabilities), as evaluators ask
         Some(x) if (x < 1.0 && !(echo && x == 0.0)) || x.fract() != 0.0 => {
             return Err(ApiError::bad(
-                format!("max_tokens must be a positive integer (0 only with echo), got {x}"),
+                format!(
+                    "max_tokens must be a positive integer{}, got {x}",
+                    if chat { "" } else { " (0 only with echo)" }
+                ),
                 Some("max_tokens"),
             ))
         }
@@ -3211,6 +3286,24 @@ async fn canary(State(st): State<Arc<AppState>>, req: Request) -> Result<Json<Va
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lone_surrogate_escapes_read_as_the_replacement_character_and_pairs_as_they_are() {
+        let read = |s: &str| parse_json(s.as_bytes()).map(|v| v["a"].clone());
+        assert_eq!(read(r#"{"a": "x\ud83dy"}"#).ok(), Some(json!("x\u{fffd}y")));
+        assert_eq!(read(r#"{"a": "\udc00"}"#).ok(), Some(json!("\u{fffd}")));
+        // a high one at the very end, and one before a second high one
+        assert_eq!(
+            read(r#"{"a": "\ud800\ud83d\ude00"}"#).ok(),
+            Some(json!("\u{fffd}😀"))
+        );
+        // a pair, and an escaped backslash followed by text that looks like an escape
+        assert_eq!(read(r#"{"a": "\ud83d\ude00"}"#).ok(), Some(json!("😀")));
+        assert_eq!(read(r#"{"a": "\\ud800"}"#).ok(), Some(json!("\\ud800")));
+        // what is broken otherwise stays a 400
+        assert!(read(r#"{"a": "\ud800"#).is_err());
+        assert!(read(r#"{"a": "\uzz00"}"#).is_err());
+    }
 
     #[test]
     fn text_offsets_are_where_each_token_starts_in_the_decoded_text_when_tokens_split_characters() {

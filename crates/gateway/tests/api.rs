@@ -529,6 +529,7 @@ async fn every_route_has_a_policy_and_keeps_to_it() {
     let auth = Auth {
         api_keys: Some(Arc::new(Keys::parse(key, "keys").unwrap())),
         admin: Some(Arc::new(Keys::parse(token, "token").unwrap())),
+        ..Default::default()
     };
     let (public, admin) =
         gateway_serving(Arc::new(gateway_state(&[&url]).await.with_auth(auth))).await;
@@ -842,6 +843,9 @@ async fn parameters_not_built_are_refused_by_name_and_seeds_are_exact() {
             json!([{"name": "f", "parameters": {"type": "object"}}]),
         ),
         ("function_call", json!("auto")),
+        ("modalities", json!(["text", "audio"])),
+        ("audio", json!({"voice": "alloy", "format": "wav"})),
+        ("web_search_options", json!({})),
     ] {
         let (st, v) = post(&gw, "/v1/completions", &ask(json!({k: x}))).await;
         assert_error(st, &v, 400, "invalid_request_error", k);
@@ -881,7 +885,7 @@ async fn parameters_not_built_are_refused_by_name_and_seeds_are_exact() {
     let neutral = json!({"tools": [], "tool_choice": "none", "response_format": {"type": "text"},
         "logprobs": false, "echo": false, "best_of": 1, "suffix": null, "logit_bias": {},
         "frequency_penalty": 0, "presence_penalty": 0.0, "min_p": 0, "repetition_penalty": 1.0,
-        "functions": [], "stream_options": {"include_usage": true}});
+        "functions": [], "stream_options": {"include_usage": true}, "modalities": ["text"]});
     let (st, v) = post(&gw, "/v1/completions", &ask(neutral)).await;
     assert_eq!(st, 200, "{v}");
     // seeds: fractions refused; 2^63 and 2^64 - 1 are different seeds
@@ -2638,6 +2642,7 @@ async fn responses_are_kept_for_previous_response_id() {
     let auth = Auth {
         api_keys: Some(Arc::new(Keys::parse(&format!("{a}\n{b}"), "keys").unwrap())),
         admin: None,
+        ..Default::default()
     };
     let (gk, _) = gateway_serving(Arc::new(gateway_state(&[&url]).await.with_auth(auth))).await;
     let key = |k: &str| format!("Authorization: Bearer {k}\r\n");
@@ -2714,5 +2719,128 @@ async fn responses_are_kept_for_previous_response_id() {
         http_with(&gk, "GET", &first, &key(b), b"").await.0,
         404,
         "the busy key's oldest goes"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fields_that_would_change_the_answer_are_done_or_refused_by_name() {
+    let (_p, url) = primary().await;
+    let gw = gateway(&[&url]).await;
+    let gw = gw.as_str();
+    let tool = json!({"type": "function", "name": "get_t", "description": "temperature",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}});
+    // the response object repeats the request's settings as sent
+    let (st, r) = post(
+        gw,
+        "/v1/responses",
+        &json!({"model": "tiny", "input": "hi", "max_output_tokens": 7, "tools": [tool],
+            "tool_choice": "required", "parallel_tool_calls": false, "temperature": 0.7,
+            "user": "u-1"}),
+    )
+    .await;
+    assert_eq!(st, 200, "{r}");
+    assert_eq!(r["tools"], json!([tool]), "{r}");
+    assert_eq!(r["tool_choice"], "required", "{r}");
+    assert_eq!(r["parallel_tool_calls"], false, "{r}");
+    assert_eq!(r["max_output_tokens"], 7, "{r}");
+    assert_eq!(r["temperature"], json!(0.7), "{r}");
+    assert_eq!(r["user"], "u-1", "{r}");
+    // streamed: the message item the bound cut is incomplete in its own done event too
+    let (st, body) = http(
+        gw,
+        "POST",
+        "/v1/responses",
+        json!({"model": "tiny", "input": "hi", "max_output_tokens": 3, "stream": true})
+            .to_string()
+            .as_bytes(),
+    )
+    .await;
+    assert_eq!(st, 200, "{body}");
+    let events: Vec<Value> = sse_data(&body)
+        .iter()
+        .filter_map(|d| serde_json::from_str(d).ok())
+        .collect();
+    let end = events.last().expect("events");
+    if end["type"] == "response.incomplete" {
+        let done: Vec<&Value> = events
+            .iter()
+            .filter(|e| e["type"] == "response.output_item.done" && e["item"]["type"] == "message")
+            .collect();
+        let last = done.last().expect("a message item done");
+        assert_eq!(last["item"]["status"], "incomplete", "{body}");
+    }
+    // what this server does not do is a 400 naming the field, not an answer ignoring it
+    for (extra, param) in [
+        (json!({"background": true}), "background"),
+        (json!({"conversation": "conv_1"}), "conversation"),
+        (json!({"prompt": {"id": "pmpt_1"}}), "prompt"),
+        (json!({"max_tool_calls": 2}), "max_tool_calls"),
+        (json!({"top_logprobs": 2}), "top_logprobs"),
+        (
+            json!({"include": ["message.output_text.logprobs"]}),
+            "include",
+        ),
+        (json!({"truncation": "auto"}), "truncation"),
+    ] {
+        let mut req = json!({"model": "tiny", "input": "hi", "max_output_tokens": 3});
+        for (k, x) in extra.as_object().expect("object") {
+            req[k] = x.clone();
+        }
+        let (st, v) = post(gw, "/v1/responses", &req).await;
+        assert_error(st, &v, 400, "invalid_request_error", param);
+        assert_eq!(v["error"]["param"], param, "{req} -> {v}");
+    }
+    // their neutral values, and includes of things this server has none of, are accepted
+    let (st, v) = post(
+        gw,
+        "/v1/responses",
+        &json!({"model": "tiny", "input": "hi", "max_output_tokens": 3, "background": false,
+            "truncation": "disabled", "include": ["reasoning.encrypted_content"]}),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    // Anthropic's thinking budget is checked as Anthropic checks it
+    let msg = |thinking: Value, max: u64| {
+        json!({"model": "tiny", "max_tokens": max, "thinking": thinking,
+               "messages": [{"role": "user", "content": "hi"}]})
+    };
+    for (thinking, max) in [
+        (json!({"type": "enabled", "budget_tokens": 500}), 2000),
+        (json!({"type": "enabled", "budget_tokens": 1024}), 1000),
+        (json!({"type": "enabled"}), 2000),
+        (json!({"type": "sometimes"}), 2000),
+    ] {
+        let (st, v) = post(gw, "/v1/messages", &msg(thinking.clone(), max)).await;
+        assert_eq!(st, 400, "{thinking} -> {v}");
+        assert_eq!(v["type"], "error", "{v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap_or("")
+                .contains("thinking"),
+            "{v}"
+        );
+    }
+    let (st, v) = post(
+        gw,
+        "/v1/messages/count_tokens",
+        &msg(json!({"type": "enabled", "budget_tokens": 1024}), 2000),
+    )
+    .await;
+    assert_eq!(st, 200, "counting is not bound by max_tokens: {v}");
+    let (st, v) = post(
+        gw,
+        "/v1/messages",
+        &json!({"model": "tiny", "max_tokens": 4, "mcp_servers": [{"type": "url", "url": "x"}],
+                "messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await;
+    assert_eq!(st, 400, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("mcp_servers"),
+        "{v}"
     );
 }

@@ -427,6 +427,25 @@ enum Cmd {
         /// A file holding the admin token (MOELANE_ADMIN_TOKEN may hold it instead).
         #[arg(long, env = "MOELANE_ADMIN_TOKEN_FILE")]
         admin_token_file: Option<PathBuf>,
+        /// A web page origin allowed to call the API from a browser (https://app.example.com;
+        /// repeat or comma-separate; `*`: any page). Requests from other pages (a browser
+        /// sends their Origin) get a 403; clients that are not browsers send none and are not
+        /// affected. The allowed ones get CORS headers.
+        #[arg(
+            long = "allowed-origin",
+            env = "MOELANE_ALLOWED_ORIGINS",
+            value_delimiter = ','
+        )]
+        allowed_origins: Vec<String>,
+        /// A host name the API answers to besides localhost and IP addresses (a proxy in front
+        /// of it that forwards its own name; repeat or comma-separate). A loopback listener
+        /// refuses any other name (DNS rebinding); another listener, only when this is given.
+        #[arg(
+            long = "allowed-host",
+            env = "MOELANE_ALLOWED_HOSTS",
+            value_delimiter = ','
+        )]
+        allowed_hosts: Vec<String>,
         /// KV cache capacity in tokens.
         #[arg(long, default_value_t = 65536, env = "MOELANE_KV_TOKENS")]
         kv_tokens: usize,
@@ -834,6 +853,27 @@ struct LaneArgs {
     /// may hold it instead); without one they answer anyone who reaches the admin listener.
     #[arg(long, env = "MOELANE_ADMIN_TOKEN_FILE")]
     admin_token_file: Option<PathBuf>,
+    /// Gateway: a web page origin allowed to call the API from a browser
+    /// (https://app.example.com; repeat or comma-separate; `*`: any page). Requests from
+    /// other pages (a browser sends their Origin) get a 403; clients that are not browsers send
+    /// none and are not affected. The allowed ones get CORS headers.
+    #[arg(
+        long = "allowed-origin",
+        env = "MOELANE_ALLOWED_ORIGINS",
+        value_delimiter = ','
+    )]
+    #[serde(default)]
+    allowed_origin: Vec<String>,
+    /// Gateway: a host name the listeners answer to besides localhost and IP addresses (a
+    /// proxy in front that forwards its own name; repeat or comma-separate). A loopback
+    /// listener refuses any other name (DNS rebinding); another listener, only when given.
+    #[arg(
+        long = "allowed-host",
+        env = "MOELANE_ALLOWED_HOSTS",
+        value_delimiter = ','
+    )]
+    #[serde(default)]
+    allowed_host: Vec<String>,
     /// Gateway: most HTTP connections open at once (default 4096); past it new ones wait in
     /// the listen backlog.
     #[arg(long, env = "MOELANE_MAX_CONNECTIONS")]
@@ -986,6 +1026,12 @@ impl LaneArgs {
         if self.lane.is_empty() {
             self.lane = f.lane;
         }
+        if self.allowed_origin.is_empty() {
+            self.allowed_origin = f.allowed_origin;
+        }
+        if self.allowed_host.is_empty() {
+            self.allowed_host = f.allowed_host;
+        }
         Ok(self)
     }
 }
@@ -994,6 +1040,8 @@ impl LaneArgs {
 fn gateway_auth(
     api_key_file: Option<&std::path::Path>,
     admin_token_file: Option<&std::path::Path>,
+    allowed_origins: &[String],
+    allowed_hosts: &[String],
 ) -> Result<moelane_gateway::server::Auth> {
     use moelane_proto::auth::Keys;
     let load = |f, env| {
@@ -1004,6 +1052,8 @@ fn gateway_auth(
     Ok(moelane_gateway::server::Auth {
         api_keys: load(api_key_file, "MOELANE_API_KEY")?,
         admin: load(admin_token_file, "MOELANE_ADMIN_TOKEN")?,
+        browsers: moelane_gateway::browser::Browsers::new(allowed_origins, allowed_hosts)
+            .map_err(|e| anyhow::anyhow!(e))?,
     })
 }
 
@@ -1245,6 +1295,8 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
             api_key_file,
             admin_listen,
             admin_token_file,
+            allowed_origins,
+            allowed_hosts,
             kv_tokens,
             kv_dtype,
             max_running,
@@ -1297,7 +1349,12 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
             let mut go =
                 GatewayOptions::new(model.clone(), vec![format!("http://{paddr}")], listen);
             go.name = served_model_name.clone();
-            go.auth = gateway_auth(api_key_file.as_deref(), admin_token_file.as_deref())?;
+            go.auth = gateway_auth(
+                api_key_file.as_deref(),
+                admin_token_file.as_deref(),
+                &allowed_origins,
+                &allowed_hosts,
+            )?;
             go.http.tls = gateway_tls();
             http_bounds(
                 &mut go,
@@ -1479,8 +1536,12 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                         secs(a.health_interval, 1.0).max(std::time::Duration::from_millis(50));
                     go.health_timeout = go.health_interval;
                     go.breaker.eject_after = a.eject_after.unwrap_or(2).max(1);
-                    go.auth =
-                        gateway_auth(a.api_key_file.as_deref(), a.admin_token_file.as_deref())?;
+                    go.auth = gateway_auth(
+                        a.api_key_file.as_deref(),
+                        a.admin_token_file.as_deref(),
+                        &a.allowed_origin,
+                        &a.allowed_host,
+                    )?;
                     if let Some(l) = &a.admin_listen {
                         go.admin_listen = l.clone();
                     }

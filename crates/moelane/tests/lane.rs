@@ -557,3 +557,160 @@ fn checkpoints_of_every_family_are_served_through_the_openai_api() {
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+/// One HTTP/1.0 exchange with the whole head given (`head_lines`: every header line, each
+/// ending in CRLF, Host included or not): the status, the response head and its body.
+fn exchange(
+    addr: &str,
+    method: &str,
+    path: &str,
+    head_lines: &str,
+    body: &[u8],
+) -> (u16, String, String) {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(60))).ok();
+    let head = format!(
+        "{method} {path} HTTP/1.0\r\n{head_lines}Content-Length: {}\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).expect("write");
+    s.write_all(body).expect("write body");
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).expect("read");
+    let raw = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = raw.split_once("\r\n\r\n").expect("end of head");
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, head.to_ascii_lowercase(), body.to_string())
+}
+
+#[test]
+fn pages_of_other_sites_and_rebound_names_are_refused_unless_allowed() {
+    let chat = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                      "max_tokens": 2})
+    .to_string();
+    let chat = chat.as_bytes();
+    // the default: an open gateway on loopback
+    let (_p, addr) = serve_tiny(&[]);
+    let port = addr.rsplit(':').next().expect("port");
+    // a page of another site posting text/plain (no preflight in a browser): refused
+    let (st, _, body) = exchange(
+        &addr,
+        "POST",
+        "/v1/chat/completions",
+        &format!("Host: {addr}\r\nOrigin: http://evil.example\r\nContent-Type: text/plain\r\n"),
+        chat,
+    );
+    assert_eq!(st, 403, "{body}");
+    assert!(
+        body.contains("origin_not_allowed") && body.contains("evil.example"),
+        "{body}"
+    );
+    // a name rebound to 127.0.0.1 (the page's own origin): refused by its Host, reads too
+    for path in ["/v1/models", "/metrics", "/v1/stats"] {
+        let (st, _, body) = exchange(
+            &addr,
+            "GET",
+            path,
+            &format!("Host: evil.example:{port}\r\n"),
+            b"",
+        );
+        assert_eq!(st, 403, "{path}: {body}");
+        assert!(
+            body.contains("host_not_allowed") && body.contains("--allowed-host"),
+            "{body}"
+        );
+    }
+    let (st, _, body) = exchange(
+        &addr,
+        "POST",
+        "/v1/chat/completions",
+        &format!("Host: evil.example:{port}\r\nOrigin: http://evil.example:{port}\r\n"),
+        chat,
+    );
+    assert_eq!(st, 403, "{body}");
+    // clients that are not browsers, by localhost or the address: answered
+    for host in [format!("localhost:{port}"), addr.clone()] {
+        let (st, head, body) = exchange(
+            &addr,
+            "POST",
+            "/v1/chat/completions",
+            &format!("Host: {host}\r\nContent-Type: application/json\r\n"),
+            chat,
+        );
+        assert_eq!(st, 200, "{host}: {body}");
+        assert!(!head.contains("access-control-allow-origin"), "{head}");
+    }
+    // a request with no Host at all (HTTP/1.0) is answered
+    let (st, _, body) = exchange(&addr, "GET", "/v1/models", "", b"");
+    assert_eq!(st, 200, "{body}");
+
+    // a page and a proxy's name allowed
+    let (_p2, addr2) = serve_tiny(&[
+        "--allowed-origin",
+        "https://app.example.com/",
+        "--allowed-host",
+        "api.example.com",
+    ]);
+    let app = "Origin: https://app.example.com\r\n";
+    let (st, head, body) = exchange(
+        &addr2,
+        "OPTIONS",
+        "/v1/chat/completions",
+        &format!(
+            "Host: api.example.com\r\n{app}Access-Control-Request-Method: POST\r\n\
+             Access-Control-Request-Headers: authorization, content-type\r\n"
+        ),
+        b"",
+    );
+    assert_eq!(st, 204, "{head} {body}");
+    assert!(
+        head.contains("access-control-allow-origin: https://app.example.com"),
+        "{head}"
+    );
+    assert!(
+        head.contains("access-control-allow-headers: authorization, content-type"),
+        "{head}"
+    );
+    let (st, head, body) = exchange(
+        &addr2,
+        "POST",
+        "/v1/chat/completions",
+        &format!("Host: api.example.com\r\n{app}Content-Type: application/json\r\n"),
+        chat,
+    );
+    assert_eq!(st, 200, "{body}");
+    assert!(
+        head.contains("access-control-allow-origin: https://app.example.com"),
+        "{head}"
+    );
+    let (st, _, body) = exchange(
+        &addr2,
+        "POST",
+        "/v1/chat/completions",
+        &format!("Host: api.example.com\r\nOrigin: https://evil.example\r\n"),
+        chat,
+    );
+    assert_eq!(st, 403, "{body}");
+    // a flag that is not an origin stops the start, naming it
+    let out = std::process::Command::new(bin())
+        .args([
+            "serve",
+            "--model",
+            tiny().to_str().expect("path"),
+            "--listen",
+            "127.0.0.1:0",
+            "--allowed-origin",
+            "app.example.com",
+        ])
+        .output()
+        .expect("run");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("`app.example.com` is not an origin"),
+        "{err}"
+    );
+}
