@@ -691,7 +691,7 @@ fn pages_of_other_sites_and_rebound_names_are_refused_unless_allowed() {
         &addr2,
         "POST",
         "/v1/chat/completions",
-        &format!("Host: api.example.com\r\nOrigin: https://evil.example\r\n"),
+        "Host: api.example.com\r\nOrigin: https://evil.example\r\n",
         chat,
     );
     assert_eq!(st, 403, "{body}");
