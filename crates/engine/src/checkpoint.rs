@@ -46,6 +46,19 @@ pub struct RawTensor<'a> {
     pub bytes: &'a [u8],
 }
 
+/// A checkpoint's id: its family and the first 8 bytes of its config.json's SHA-256.
+fn id_of(config: &ModelConfig, cfg_text: &str) -> String {
+    let digest = Sha256::digest(cfg_text.as_bytes());
+    format!(
+        "{}-{}",
+        config.family.name(),
+        digest[..8]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>()
+    )
+}
+
 fn open_shard(path: &Path) -> Result<ShardFile> {
     let f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
     // SAFETY: the file is opened read-only; moelane never writes checkpoints it has mapped
@@ -281,6 +294,16 @@ impl ExpertWeights {
 
 impl Checkpoint {
     /// Opens `dir`: reads config.json, maps the safetensors files, indexes tensor names.
+    /// The id of the checkpoint in `dir` (as [`Checkpoint::open`] gives it) from its
+    /// config.json alone: what a gateway, which may hold no weights, checks its lanes by.
+    pub fn id_in(dir: &Path) -> Result<String> {
+        let cfg_path = dir.join("config.json");
+        let cfg_text =
+            read_bounded_text(&cfg_path, CONFIG_LIMIT).map_err(|e| Error::io(&cfg_path, e))?;
+        let config = ModelConfig::from_json_str(&cfg_text, &cfg_path)?;
+        Ok(id_of(&config, &cfg_text))
+    }
+
     pub fn open(dir: &Path) -> Result<Self> {
         let cfg_path = dir.join("config.json");
         let cfg_text =
@@ -304,15 +327,7 @@ impl Checkpoint {
                 config.eos_token_ids.push(*t);
             }
         }
-        let digest = Sha256::digest(cfg_text.as_bytes());
-        let id = format!(
-            "{}-{}",
-            config.family.name(),
-            digest[..8]
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect::<String>()
-        );
+        let id = id_of(&config, &cfg_text);
 
         let index_path = dir.join("model.safetensors.index.json");
         let mut shard_names: Vec<String> = Vec::new();

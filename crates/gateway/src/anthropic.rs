@@ -580,6 +580,7 @@ async fn handle(st: Arc<AppState>, req: Request) -> Result<Response, ApiError> {
         &greq,
         deadline,
         active,
+        |err| vec![event("error", error_event(err))],
         move |st, lane, events, tries, tx| async move {
             stream(&st, &vr, &id, &lane, events, &tx, tries).await
         },
@@ -699,6 +700,16 @@ impl PartSink for Blocks<'_> {
     }
 }
 
+/// The `error` event of a stream that cannot go on.
+fn error_event(err: &ApiError) -> Value {
+    let kind = if matches!(err, ApiError::Unavailable(_) | ApiError::Overloaded(_)) {
+        "overloaded_error"
+    } else {
+        "api_error"
+    };
+    json!({"type": "error", "error": {"type": kind, "message": err.message()}})
+}
+
 /// Relays a lane's events as Anthropic's stream: message_start, content blocks (start,
 /// deltas, stop), message_delta with the stop reason and usage, message_stop; an `error`
 /// event if the answer is cut.
@@ -729,16 +740,7 @@ async fn stream(
         return;
     }
     if let Some(err) = end.failed {
-        let kind = if matches!(err, ApiError::Unavailable(_) | ApiError::Overloaded(_)) {
-            "overloaded_error"
-        } else {
-            "api_error"
-        };
-        b.put(
-            "error",
-            json!({"type": "error", "error": {"type": kind, "message": err.message()}}),
-        )
-        .await;
+        b.put("error", error_event(&err)).await;
         return;
     }
     if !b.close().await {

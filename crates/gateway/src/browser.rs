@@ -1,20 +1,19 @@
 //! Requests from web browsers: which pages may call the API (their `Origin`), the CORS
-//! answers those pages need, and the names a listener answers to (its `Host`).
+//! answers those pages need, and the names the listeners answer to (their `Host`).
 //!
-//! A browser sends a page's cross-site `POST` of `text/plain` without asking first, and a
-//! page whose DNS name is rebound to 127.0.0.1 is "same origin" with a loopback gateway. So
-//! without this, any page a user of an open (key-less) gateway visits could run generations on
-//! it, and a rebound one could read the answers, `/metrics` and drain lanes on the admin
-//! listener. The rules:
-//! - a request carrying an `Origin` (a browser's) is refused with a 403 naming it unless
-//!   `--allowed-origin` lists that origin (or `*`), or the origin is the request's own host
-//!   (a page served through the same name, behind a proxy); clients that are not browsers
-//!   (SDKs, curl, servers) send no `Origin` and are not affected;
+//! A browser sends a page's cross-site `POST` of `text/plain` without asking the server first,
+//! so without this any page a user of an open (key-less) gateway visits could run generations
+//! on it or drain lanes on the admin listener. A browser puts `Origin` on every request but a
+//! `GET` or `HEAD`, a page whose DNS name is rebound to 127.0.0.1 included. The rules:
+//! - a request carrying an `Origin` (a browser's) is refused with a 403 naming it unless the
+//!   page is on this host (`localhost`, `*.localhost`, a loopback address: a local web UI) or
+//!   `--allowed-origin` lists that origin (or `*`); clients that are not browsers (SDKs, curl,
+//!   servers) send no `Origin` and are not affected;
 //! - the allowed ones get CORS headers, and their preflight (`OPTIONS` with
 //!   `Access-Control-Request-Method`) is answered;
-//! - a listener bound to a loopback address answers only to the names `localhost`
-//!   (`*.localhost`), IP addresses and `--allowed-host`: a rebound name gets a 403 naming it.
-//!   Any listener answers only to those when `--allowed-host` is given.
+//! - with `--allowed-host`, the listeners answer only to those names, `localhost` and IP
+//!   addresses as their `Host` (a rebound name's `GET`s of `/metrics` or `/v1/models` are then
+//!   refused too); without it any `Host` is answered (raw clients send all sorts).
 
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
@@ -31,7 +30,7 @@ pub struct Browsers {
     /// call the API (`--allowed-origin`).
     pub origins: Vec<String>,
     /// Host names the listeners answer to besides `localhost` and IP addresses
-    /// (`--allowed-host`); when empty, only loopback listeners check the name.
+    /// (`--allowed-host`); when empty, any name.
     pub hosts: Vec<String>,
 }
 
@@ -62,18 +61,18 @@ impl Browsers {
         Ok(b)
     }
 
-    fn origin_allowed(&self, origin: &str, host: Option<&str>) -> bool {
+    fn origin_allowed(&self, origin: &str) -> bool {
         let o = origin.trim_end_matches('/').to_ascii_lowercase();
         if self.origins.iter().any(|a| a == "*" || *a == o) {
             return true;
         }
-        // the page's own host (same origin): a page served through the gateway's name
-        let authority = o.split_once("://").map(|(_, a)| a);
-        matches!((authority, host), (Some(a), Some(h)) if a == h.to_ascii_lowercase())
+        // a page of this host (a local web UI): its name is a loopback one
+        o.split_once("://")
+            .is_some_and(|(_, authority)| loopback_name(&host_name(authority)))
     }
 
-    fn host_allowed(&self, host: &str, loopback: bool) -> bool {
-        if !loopback && self.hosts.is_empty() {
+    fn host_allowed(&self, host: &str) -> bool {
+        if self.hosts.is_empty() {
             return true;
         }
         let name = host_name(host);
@@ -82,6 +81,15 @@ impl Browsers {
             || name.parse::<std::net::IpAddr>().is_ok()
             || self.hosts.contains(&name)
     }
+}
+
+/// `localhost`, a name under it, or a loopback address.
+fn loopback_name(name: &str) -> bool {
+    name == "localhost"
+        || name.ends_with(".localhost")
+        || name
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|a| a.to_canonical().is_loopback())
 }
 
 /// A `Host` value's name: the port and a trailing dot dropped, brackets of an IPv6 literal
@@ -97,13 +105,6 @@ fn host_name(host: &str) -> String {
         }
     };
     name.trim_end_matches('.').to_ascii_lowercase()
-}
-
-/// What the accept loop knows of the listener a request came in on
-/// ([`crate::listen::serve`]): whether it is bound to a loopback address.
-#[derive(Clone, Copy, Debug)]
-pub struct Bound {
-    pub loopback: bool,
 }
 
 fn refused(code: &'static str, message: String) -> Response {
@@ -128,22 +129,14 @@ pub(crate) async fn guard(
     next: axum::middleware::Next,
 ) -> Response {
     let policy = &st.auth.browsers;
-    let loopback = req.extensions().get::<Bound>().is_some_and(|b| b.loopback);
-    let host = request_host(&req);
-    if let Some(h) = &host {
-        if !policy.host_allowed(h, loopback) {
-            let name: String = host_name(h).chars().take(256).collect();
+    if let Some(h) = request_host(&req) {
+        if !policy.host_allowed(&h) {
+            let name: String = host_name(&h).chars().take(256).collect();
             return refused(
                 "host_not_allowed",
                 format!(
-                    "this server does not answer to the name `{name}` (Host header){}: name \
-                     it with --allowed-host to allow it (a proxy in front of it that forwards \
-                     its own name)",
-                    if loopback {
-                        " on a loopback listener, which answers to localhost and IP addresses"
-                    } else {
-                        ""
-                    }
+                    "this server does not answer to the name `{name}` (Host header): it \
+                     answers to localhost, IP addresses and the names --allowed-host gives"
                 ),
             );
         }
@@ -152,13 +145,14 @@ pub(crate) async fn guard(
         return next.run(req).await;
     };
     let origin = String::from_utf8_lossy(origin.as_bytes()).into_owned();
-    if !policy.origin_allowed(&origin, host.as_deref()) {
+    if !policy.origin_allowed(&origin) {
         let shown: String = origin.chars().take(256).collect();
         return refused(
             "origin_not_allowed",
             format!(
                 "requests from web pages of origin `{shown}` are refused: the API answers \
-                 browser pages only of the origins --allowed-origin names"
+                 browser pages of this host (localhost) and of the origins --allowed-origin \
+                 names"
             ),
         );
     }
@@ -212,35 +206,42 @@ mod tests {
     }
 
     #[test]
-    fn a_loopback_listener_answers_to_loopback_names_and_ip_addresses_only() {
+    fn names_are_checked_only_where_names_are_given() {
         let open = Browsers::default();
+        assert!(open.host_allowed("x"));
+        assert!(open.host_allowed("evil.example:8000"));
+        let named = Browsers::new(&[], &["API.example.com".into()]).expect("policy");
         for ok in [
+            "api.example.com:443",
             "localhost:8000",
-            "127.0.0.1:8000",
+            "127.0.0.1",
             "[::1]:80",
-            "a.localhost",
             "10.0.0.7",
         ] {
-            assert!(open.host_allowed(ok, true), "{ok}");
+            assert!(named.host_allowed(ok), "{ok}");
         }
-        assert!(!open.host_allowed("evil.example:8000", true));
-        // any name on another listener, unless names are given
-        assert!(open.host_allowed("evil.example:8000", false));
-        let named = Browsers::new(&[], &["API.example.com".into()]).expect("policy");
-        assert!(named.host_allowed("api.example.com:443", true));
-        assert!(named.host_allowed("api.example.com", false));
-        assert!(!named.host_allowed("evil.example", false));
+        assert!(!named.host_allowed("evil.example"));
     }
 
     #[test]
-    fn origins_are_allowed_by_name_wildcard_or_as_the_requests_own_host() {
+    fn origins_are_allowed_by_name_wildcard_or_as_pages_of_this_host() {
         let b = Browsers::new(&["https://App.example.com/".into()], &[]).expect("policy");
-        assert!(b.origin_allowed("https://app.example.com", None));
-        assert!(!b.origin_allowed("http://app.example.com", None));
-        assert!(!b.origin_allowed("https://evil.example", Some("127.0.0.1:8000")));
-        assert!(b.origin_allowed("http://127.0.0.1:8000", Some("127.0.0.1:8000")));
+        assert!(b.origin_allowed("https://app.example.com"));
+        assert!(!b.origin_allowed("http://app.example.com"));
+        assert!(!b.origin_allowed("https://evil.example"));
+        assert!(!b.origin_allowed("null"));
+        for local in [
+            "http://localhost:3000",
+            "http://127.0.0.1:8000",
+            "http://[::1]:5173",
+            "http://ui.localhost",
+        ] {
+            assert!(b.origin_allowed(local), "{local}");
+        }
+        // a rebound name is not a loopback one, whatever it resolves to
+        assert!(!b.origin_allowed("http://evil.example:8000"));
         let any = Browsers::new(&["*".into()], &[]).expect("policy");
-        assert!(any.origin_allowed("https://evil.example", None));
+        assert!(any.origin_allowed("https://evil.example"));
         assert!(Browsers::new(&["app.example.com".into()], &[]).is_err());
         assert!(Browsers::new(&[], &["a/b".into()]).is_err());
     }

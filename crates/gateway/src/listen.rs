@@ -86,7 +86,6 @@ impl Peer {
 struct WithPeer {
     app: Router,
     peer: Peer,
-    bound: crate::browser::Bound,
 }
 
 impl tower::Service<hyper::Request<hyper::body::Incoming>> for WithPeer {
@@ -104,7 +103,6 @@ impl tower::Service<hyper::Request<hyper::body::Incoming>> for WithPeer {
 
     fn call(&mut self, mut r: hyper::Request<hyper::body::Incoming>) -> Self::Future {
         r.extensions_mut().insert(self.peer);
-        r.extensions_mut().insert(self.bound);
         tower::Service::call(&mut self.app, r)
     }
 }
@@ -132,11 +130,6 @@ pub async fn serve(
                 }
             },
         ))
-    };
-    let bound = crate::browser::Bound {
-        loopback: listener
-            .local_addr()
-            .is_ok_and(|a| a.ip().to_canonical().is_loopback()),
     };
     let (drain_tx, drain_rx) = watch::channel(false);
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
@@ -179,7 +172,6 @@ pub async fn serve(
         let svc = hyper_util::service::TowerToHyperService::new(WithPeer {
             app: app.clone(),
             peer,
-            bound,
         });
         let (builder, drain) = (builder.clone(), drain_rx.clone());
         let (tls, handshake) = (limits.tls.clone(), limits.header_timeout);

@@ -113,6 +113,9 @@ impl Entry {
 pub struct Registry {
     lanes: Vec<Entry>,
     breaker: Breaker,
+    /// The checkpoint id the gateway serves (its `--model`): a lane whose Health names
+    /// another is down, since its tokens mean another vocabulary's (None: not checked).
+    expect_model: Option<String>,
 }
 
 impl Registry {
@@ -120,7 +123,14 @@ impl Registry {
         Registry {
             lanes: Vec::new(),
             breaker,
+            expect_model: None,
         }
+    }
+
+    /// Lanes must serve checkpoint `id` ([`Registry::expect_model`]).
+    pub fn expecting(mut self, id: String) -> Self {
+        self.expect_model = Some(id);
+        self
     }
 }
 
@@ -321,9 +331,21 @@ impl Message<Checked> for Registry {
         }
         match m.result {
             Ok(h) => {
-                e.up = h.ok;
+                let other = self
+                    .expect_model
+                    .as_ref()
+                    .filter(|want| !h.model.is_empty() && h.model != **want);
+                e.up = h.ok && other.is_none();
                 e.remote_draining = h.draining;
-                e.down_reason = if h.ok { String::new() } else { h.reason };
+                e.down_reason = match other {
+                    Some(want) => format!(
+                        "the lane serves checkpoint {:?}, this gateway {want:?} (its --model): \
+                         its tokens would be read as another vocabulary's",
+                        h.model
+                    ),
+                    None if h.ok => String::new(),
+                    None => h.reason,
+                };
                 e.model = h.model;
                 e.map_epoch = h.map_epoch;
                 e.build = h.build;

@@ -16,8 +16,8 @@ use tracing::Instrument as _;
 use crate::error::ApiError;
 use crate::lane::EventStream;
 use crate::server::{
-    finish_of, lane_err, open, shutting_down, stream_ended, ActiveGuard, AppState, Timing, Tries,
-    ValidRequest,
+    finish_of, lane_err, open, put, shutting_down, stream_ended, ActiveGuard, AppState, Timing,
+    Tries, ValidRequest, HEAD_START, WAITING,
 };
 
 /// Where the parts of an answer go: a route's writer of its own events.
@@ -44,12 +44,16 @@ pub(crate) struct Ended {
 
 /// Opens `greq` on a lane (retrying before its first token as the chat route does), then
 /// answers with a stream whose events `write` produces from the lane's events; `write` runs
-/// on its own task until the answer ends or the client leaves.
+/// on its own task until the answer ends or the client leaves. A request whose first event
+/// is later than [`HEAD_START`] (queued on a full lane) gets its headers then and waits on in
+/// that task; if it then fails to open, `fail` gives the error's events (the API's own error
+/// event), since its status has been sent.
 pub(crate) async fn open_stream<F, Fut>(
     st: &Arc<AppState>,
     greq: &GenerateRequest,
     deadline: Instant,
     active: ActiveGuard,
+    fail: fn(&ApiError) -> Vec<SseEvent>,
     write: F,
 ) -> Result<Response, ApiError>
 where
@@ -64,15 +68,44 @@ where
         + 'static,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
-    let mut tries = Tries::default();
-    let (inflight, events) = tokio::select! {
-        r = open(st, greq, deadline, &mut tries) => r?,
-        _ = st.shutdown.aborted() => return Err(shutting_down()),
+    let opening = {
+        let (st, greq) = (st.clone(), greq.clone());
+        async move {
+            let mut tries = Tries::default();
+            let (inflight, events) = open(&st, &greq, deadline, &mut tries).await?;
+            Ok::<_, ApiError>((inflight, events, tries))
+        }
     };
+    let mut opening = Box::pin(opening);
+    let early = within_head_start(st, &mut opening).await?;
     let (tx, rx) = tokio::sync::mpsc::channel::<SseEvent>(64);
+    if early.is_none() {
+        let _ = tx.try_send(SseEvent::default().comment(WAITING));
+    }
     let st2 = st.clone();
     let relay = async move {
         let _active = active;
+        let opened = match early {
+            Some(o) => o,
+            None => {
+                let Some(r) = opened_late(&st2, opening, &tx).await else {
+                    return;
+                };
+                match r {
+                    Ok(o) => o,
+                    Err(err) => {
+                        crate::server::count_cut(&err);
+                        for ev in fail(&err) {
+                            if !put(&tx, ev, &st2.shutdown).await {
+                                return;
+                            }
+                        }
+                        return;
+                    }
+                }
+            }
+        };
+        let (inflight, events, tries) = opened;
         let lane = inflight.lane.name().to_string();
         let _inflight = inflight;
         write(st2, lane, events, tries, tx).await;
@@ -83,6 +116,36 @@ where
     Ok(Sse::new(stream)
         .keep_alive(KeepAlive::default())
         .into_response())
+}
+
+/// `opening` (a request's lanes being opened) if it is done within [`HEAD_START`]; None if it
+/// is not (it goes on: [`opened_late`]); a stopping gateway's error.
+pub(crate) async fn within_head_start<F, T>(
+    st: &AppState,
+    opening: &mut F,
+) -> Result<Option<T>, ApiError>
+where
+    F: std::future::Future<Output = Result<T, ApiError>> + Unpin,
+{
+    tokio::select! {
+        r = opening => r.map(Some),
+        _ = tokio::time::sleep(HEAD_START) => Ok(None),
+        _ = st.shutdown.aborted() => Err(shutting_down()),
+    }
+}
+
+/// The rest of an opening that outlasted [`HEAD_START`], its response's headers sent: its
+/// result, or None once the client left (the opening dropped, which cancels it).
+pub(crate) async fn opened_late<T>(
+    st: &AppState,
+    opening: impl std::future::Future<Output = Result<T, ApiError>>,
+    tx: &tokio::sync::mpsc::Sender<SseEvent>,
+) -> Option<Result<T, ApiError>> {
+    tokio::select! {
+        r = opening => Some(r),
+        _ = st.shutdown.aborted() => Some(Err(shutting_down())),
+        _ = tx.closed() => None,
+    }
 }
 
 /// Relays a lane's events as parts of the answer to `sink` (which returns false when the

@@ -831,6 +831,11 @@ async fn handle(st: Arc<AppState>, req: Request) -> Result<Response, ApiError> {
         &greq,
         deadline,
         active,
+        |err| {
+            let e = json!({"type": "error", "sequence_number": 0, "code": err.body()["error"]["code"],
+                           "message": err.message(), "param": null});
+            vec![SseEvent::default().event("error").data(e.to_string())]
+        },
         move |st, lane, events, tries, tx| async move {
             stream(&st, &vr, echo, &lane, events, &tx, tries).await
         },

@@ -2040,6 +2040,15 @@ impl Tries {
     }
 }
 
+/// How long a streamed request waits for its first event (its lane opened, the first token
+/// or the prompt's log-probabilities in) before its response's headers are sent anyway: past
+/// it the client sees a live stream (a [`WAITING`] comment now, keep-alive comments every 15 s)
+/// while the request waits on a full lane, and a failure is an error event, not a status.
+pub(crate) const HEAD_START: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The SSE comment a stream starts with when its first event is later than [`HEAD_START`].
+pub(crate) const WAITING: &str = "waiting for a place on a lane";
+
 /// A lane's error as the client sees it: naming the lane where the lane failed, not where
 /// the request was at fault or the lanes were full (the client needs no internal address to
 /// fix its request or to wait: a 429 says when to come back in its Retry-After).
@@ -3011,33 +3020,57 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
             _ = aborted => Err(shutting_down()),
         };
     }
-    // every choice's lane opened (first event in) before the stream starts: a failure here is
-    // still a plain HTTP error
-    let opened = {
+    // every choice's lane opened (first event in) before the stream starts, so that a failure
+    // is still a plain HTTP error; a request still waiting after HEAD_START (queued on a full
+    // lane) gets its headers then, and a comment, so that proxies and clients with read
+    // timeouts see it alive: a failure from there on is an error event
+    let opens = {
         let opens = (0..vr.n).map(|i| {
-            let (st, greq) = (&st, choice_request(&greq, i));
+            let (st, greq) = (st.clone(), choice_request(&greq, i));
             async move {
                 let mut tries = Tries::default();
-                let (inflight, events) = open(st, &greq, deadline, &mut tries).await?;
+                let (inflight, events) = open(&st, &greq, deadline, &mut tries).await?;
                 Ok::<_, ApiError>((inflight, events, tries))
             }
         });
-        tokio::select! {
-            r = futures::future::try_join_all(opens) => r?,
-            _ = st.shutdown.aborted() => return Err(shutting_down()),
-        }
+        futures::future::try_join_all(opens)
     };
-    if let Some((inflight, _, _)) = opened.first() {
-        span.record("moelane.lane", inflight.lane.name());
-    }
+    let mut opens = Box::pin(opens);
+    let early = crate::relay::within_head_start(&st, &mut opens).await?;
     let prompt_tokens = vr.prompt.len();
     // Streaming: a task relays lane events into SSE chunks; when the client leaves, the
     // channel closes, the task ends and drops the lane streams, which cancels the requests.
     let (tx, rx) = tokio::sync::mpsc::channel::<SseEvent>(64);
+    if early.is_none() {
+        let _ = tx.try_send(SseEvent::default().comment(WAITING));
+    }
     let st2 = st.clone();
     let relay = async move {
         let _active = active;
         let (st, vr, out, tx, timing) = (&st2, &vr, &out, &tx, &timing);
+        let send = |v: Value| SseEvent::default().data(v.to_string());
+        let opened = match early {
+            Some(o) => o,
+            None => {
+                let Some(r) = crate::relay::opened_late(st, opens, tx).await else {
+                    return;
+                };
+                match r {
+                    Ok(o) => o,
+                    Err(err) => {
+                        timing.done(prompt_tokens, 0, "error");
+                        count_cut(&err);
+                        let err = if chat { err } else { err.for_field("prompt") };
+                        put(tx, send(err.body()), &st.shutdown).await;
+                        put(tx, SseEvent::default().data("[DONE]"), &st.shutdown).await;
+                        return;
+                    }
+                }
+            }
+        };
+        if let Some((inflight, _, _)) = opened.first() {
+            tracing::Span::current().record("moelane.lane", inflight.lane.name());
+        }
         let ends = futures::future::join_all(opened.into_iter().enumerate().map(
             |(i, (inflight, events, tries))| async move {
                 let lane = inflight.lane.name().to_string();
@@ -3060,7 +3093,6 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
             ends.iter().map(|e| e.completion).sum(),
             finish,
         );
-        let send = |v: Value| SseEvent::default().data(v.to_string());
         if ends.iter().any(|e| e.left) {
             return;
         }

@@ -429,17 +429,18 @@ enum Cmd {
         admin_token_file: Option<PathBuf>,
         /// A web page origin allowed to call the API from a browser (https://app.example.com;
         /// repeat or comma-separate; `*`: any page). Requests from other pages (a browser
-        /// sends their Origin) get a 403; clients that are not browsers send none and are not
-        /// affected. The allowed ones get CORS headers.
+        /// sends their Origin) get a 403, but pages of this host (localhost) are allowed;
+        /// clients that are not browsers send none and are not affected. The allowed ones get
+        /// CORS headers.
         #[arg(
             long = "allowed-origin",
             env = "MOELANE_ALLOWED_ORIGINS",
             value_delimiter = ','
         )]
         allowed_origins: Vec<String>,
-        /// A host name the API answers to besides localhost and IP addresses (a proxy in front
-        /// of it that forwards its own name; repeat or comma-separate). A loopback listener
-        /// refuses any other name (DNS rebinding); another listener, only when this is given.
+        /// A host name the API answers to (repeat or comma-separate): when given, a request
+        /// whose Host is neither one of these, localhost nor an IP address gets a 403 (a DNS
+        /// name rebound to this host by a web page). Without it any Host is answered.
         #[arg(
             long = "allowed-host",
             env = "MOELANE_ALLOWED_HOSTS",
@@ -855,8 +856,9 @@ struct LaneArgs {
     admin_token_file: Option<PathBuf>,
     /// Gateway: a web page origin allowed to call the API from a browser
     /// (https://app.example.com; repeat or comma-separate; `*`: any page). Requests from
-    /// other pages (a browser sends their Origin) get a 403; clients that are not browsers send
-    /// none and are not affected. The allowed ones get CORS headers.
+    /// other pages (a browser sends their Origin) get a 403, but pages of this host
+    /// (localhost) are allowed; clients that are not browsers send none and are not affected.
+    /// The allowed ones get CORS headers.
     #[arg(
         long = "allowed-origin",
         env = "MOELANE_ALLOWED_ORIGINS",
@@ -864,9 +866,9 @@ struct LaneArgs {
     )]
     #[serde(default)]
     allowed_origin: Vec<String>,
-    /// Gateway: a host name the listeners answer to besides localhost and IP addresses (a
-    /// proxy in front that forwards its own name; repeat or comma-separate). A loopback
-    /// listener refuses any other name (DNS rebinding); another listener, only when given.
+    /// Gateway: a host name the listeners answer to (repeat or comma-separate): when given, a
+    /// request whose Host is neither one of these, localhost nor an IP address gets a 403 (a
+    /// DNS name rebound to this host by a web page). Without it any Host is answered.
     #[arg(
         long = "allowed-host",
         env = "MOELANE_ALLOWED_HOSTS",
@@ -1074,6 +1076,12 @@ async fn wait_for_signal() -> &'static str {
     }
     let _ = tokio::signal::ctrl_c().await;
     "SIGINT"
+}
+
+/// A stop (SIGTERM, SIGINT) that came before the role served anything: said, and exit 0.
+fn stopped_while_starting(sig: &str) -> Result<()> {
+    println!("moelane: {sig} while starting: nothing was served yet; stopped");
+    Ok(())
 }
 
 /// After the first signal started a drain: a second one ends the process at once (exit 130),
@@ -1423,9 +1431,10 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                         device: sidecar_device,
                         probe_bandwidth: a.probe_bandwidth,
                     };
-                    let sc =
-                        roles::start_sidecar(&o, a.listen.as_deref().unwrap_or("127.0.0.1:50061"))
-                            .await?;
+                    let sc = tokio::select! {
+                        sc = roles::start_sidecar(&o, a.listen.as_deref().unwrap_or("127.0.0.1:50061")) => sc?,
+                        sig = wait_for_signal() => return stopped_while_starting(sig),
+                    };
                     println!("moelane: sidecar control http://{}", sc.control);
                     metrics_on(a.metrics_listen.as_deref()).await?;
                     if let Some(d) = sc.data {
@@ -1496,7 +1505,12 @@ async fn run_cmd(cmd: Cmd, lane_matches: Option<&clap::ArgMatches>) -> Result<()
                             ..Default::default()
                         },
                     };
-                    let primary = roles::start_primary(&opts).await?;
+                    // a stop while it loads or waits for its sidecar ends it as a stop (exit
+                    // 0), not as the signal's default (143)
+                    let primary = tokio::select! {
+                        p = roles::start_primary(&opts) => p?,
+                        sig = wait_for_signal() => return stopped_while_starting(sig),
+                    };
                     let link = primary.link.clone();
                     let server = roles::serve_primary(
                         &primary,

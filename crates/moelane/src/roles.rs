@@ -810,8 +810,11 @@ fn supervise_link(
             }
         };
     let (mut client, inc) = probe;
+    // the link is being re-registered (the resync loop below): heartbeats answered meanwhile
+    // do not say the lane is whole again
+    let relinking = Arc::new(std::sync::atomic::AtomicBool::new(false));
     {
-        let (broken, readiness) = (broken.clone(), readiness.clone());
+        let (broken, readiness, relinking) = (broken.clone(), readiness.clone(), relinking.clone());
         tokio::spawn(async move {
             let mut t = tokio::time::interval(Duration::from_millis(500));
             t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -836,8 +839,22 @@ fn supervise_link(
                             h.draining
                                 .then(|| "the sidecar is draining (stopping)".to_string()),
                         );
+                        let relinking_now = relinking.load(std::sync::atomic::Ordering::SeqCst);
                         if h.incarnation != inc.load(std::sync::atomic::Ordering::SeqCst) {
-                            broken.notify_one();
+                            // (not while the link is being re-registered: a permit left then
+                            // would start a second registration right after it)
+                            if !relinking_now {
+                                broken.notify_one();
+                            }
+                        } else if degraded && !relinking_now && readiness.set_degraded(None) {
+                            // the same sidecar answers again (it was stopped, or slow): the
+                            // lane is whole even if no step has crossed the link since (an
+                            // idle lane would otherwise stay degraded, and unpicked); a step
+                            // that still finds the link broken says degraded again
+                            tracing::info!(
+                                "the sidecar answers heartbeats again: the lane is no longer \
+                                 degraded"
+                            );
                         }
                     }
                     _ if last_answer.elapsed() >= stall => {
@@ -859,6 +876,7 @@ fn supervise_link(
         tokio::spawn(async move {
             loop {
                 broken.notified().await;
+                relinking.store(true, std::sync::atomic::Ordering::SeqCst);
                 tracing::warn!("sidecar link lost; re-registering");
                 problem(
                     &readiness,
@@ -872,6 +890,7 @@ fn supervise_link(
                         Ok(epoch) => {
                             tracing::info!(epoch, "sidecar link restored");
                             problem(&readiness, "link", None);
+                            relinking.store(false, std::sync::atomic::Ordering::SeqCst);
                             break;
                         }
                         Err(kameo::error::SendError::HandlerError(e)) => {
@@ -1241,7 +1260,10 @@ pub async fn start_gateway(o: &GatewayOptions) -> Result<Gateway> {
         // a file that is wrong at start is refused; later a bad read keeps the lanes it gave
         moelane_gateway::discovery::read_file(f).map_err(|e| anyhow::anyhow!(e))?;
     }
-    let registry = Registry::spawn(Registry::new(o.breaker.clone()));
+    // lanes of another checkpoint are down (its id from config.json: the gateway may hold no
+    // weights)
+    let model_id = moelane_engine::checkpoint::Checkpoint::id_in(&o.model)?;
+    let registry = Registry::spawn(Registry::new(o.breaker.clone()).expecting(model_id));
     let discovery = Discovery {
         specs: specs.clone(),
         file: o.lanes_file.clone(),

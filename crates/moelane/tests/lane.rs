@@ -609,21 +609,7 @@ fn pages_of_other_sites_and_rebound_names_are_refused_unless_allowed() {
         body.contains("origin_not_allowed") && body.contains("evil.example"),
         "{body}"
     );
-    // a name rebound to 127.0.0.1 (the page's own origin): refused by its Host, reads too
-    for path in ["/v1/models", "/metrics", "/v1/stats"] {
-        let (st, _, body) = exchange(
-            &addr,
-            "GET",
-            path,
-            &format!("Host: evil.example:{port}\r\n"),
-            b"",
-        );
-        assert_eq!(st, 403, "{path}: {body}");
-        assert!(
-            body.contains("host_not_allowed") && body.contains("--allowed-host"),
-            "{body}"
-        );
-    }
+    // a page whose name was rebound to 127.0.0.1 posts as its own origin: refused too
     let (st, _, body) = exchange(
         &addr,
         "POST",
@@ -632,21 +618,38 @@ fn pages_of_other_sites_and_rebound_names_are_refused_unless_allowed() {
         chat,
     );
     assert_eq!(st, 403, "{body}");
-    // clients that are not browsers, by localhost or the address: answered
-    for host in [format!("localhost:{port}"), addr.clone()] {
+    // a local web UI's page is answered, with CORS headers
+    let (st, head, body) = exchange(
+        &addr,
+        "POST",
+        "/v1/chat/completions",
+        &format!(
+            "Host: {addr}\r\nOrigin: http://localhost:3000\r\nContent-Type: application/json\r\n"
+        ),
+        chat,
+    );
+    assert_eq!(st, 200, "{body}");
+    assert!(
+        head.contains("access-control-allow-origin: http://localhost:3000"),
+        "{head}"
+    );
+    // clients that are not browsers, whatever Host they send (none, too): answered
+    for host in [
+        format!("Host: localhost:{port}\r\n"),
+        format!("Host: {addr}\r\n"),
+        "Host: x\r\n".into(),
+        String::new(),
+    ] {
         let (st, head, body) = exchange(
             &addr,
             "POST",
             "/v1/chat/completions",
-            &format!("Host: {host}\r\nContent-Type: application/json\r\n"),
+            &format!("{host}Content-Type: application/json\r\n"),
             chat,
         );
         assert_eq!(st, 200, "{host}: {body}");
         assert!(!head.contains("access-control-allow-origin"), "{head}");
     }
-    // a request with no Host at all (HTTP/1.0) is answered
-    let (st, _, body) = exchange(&addr, "GET", "/v1/models", "", b"");
-    assert_eq!(st, 200, "{body}");
 
     // a page and a proxy's name allowed
     let (_p2, addr2) = serve_tiny(&[
@@ -695,6 +698,25 @@ fn pages_of_other_sites_and_rebound_names_are_refused_unless_allowed() {
         chat,
     );
     assert_eq!(st, 403, "{body}");
+    // names given: any other is refused, reads included (a rebound page's GETs)
+    for path in ["/v1/models", "/metrics", "/v1/stats"] {
+        let (st, _, body) = exchange(&addr2, "GET", path, "Host: evil.example\r\n", b"");
+        assert_eq!(st, 403, "{path}: {body}");
+        assert!(
+            body.contains("host_not_allowed") && body.contains("--allowed-host"),
+            "{body}"
+        );
+    }
+    for host in ["api.example.com:443", "localhost", "127.0.0.1"] {
+        let (st, _, body) = exchange(
+            &addr2,
+            "GET",
+            "/v1/models",
+            &format!("Host: {host}\r\n"),
+            b"",
+        );
+        assert_eq!(st, 200, "{host}: {body}");
+    }
     // a flag that is not an origin stops the start, naming it
     let out = std::process::Command::new(bin())
         .args([

@@ -877,6 +877,15 @@ fn a_primary_started_before_its_sidecar_waits_for_it() {
     });
 }
 
+/// Why the gateway's first lane serves degraded ("": it does not).
+fn degraded(gw: &str) -> String {
+    let (_, v) = get(gw, "/v1/stats");
+    v["lanes"][0]["degraded"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
 #[test]
 fn with_degraded_a_lost_sidecar_costs_no_request_and_changes_no_output() {
     let (sport, dport) = (free_port(), free_port());
@@ -902,13 +911,6 @@ fn with_degraded_a_lost_sidecar_costs_no_request_and_changes_no_output() {
     let (_g, gw) = gateway(&[&purl], &["--health-interval", "0.2"]);
     let (st, reference, fin) = whole(&gw, 24);
     assert_eq!(st, 200);
-    let degraded = |gw: &str| {
-        let (_, v) = get(gw, "/v1/stats");
-        v["lanes"][0]["degraded"]
-            .as_str()
-            .unwrap_or_default()
-            .to_string()
-    };
     assert_eq!(degraded(&gw), "");
     let stop = Arc::new(AtomicBool::new(false));
     let clients = steady_load(&gw, &reference, 24, &stop);
@@ -963,6 +965,119 @@ fn with_degraded_a_lost_sidecar_costs_no_request_and_changes_no_output() {
     );
     assert!(bad.is_empty(), "{bad:?}");
     assert_eq!(whole(&gw, 24), (200, reference, fin));
+}
+
+#[test]
+fn with_degraded_a_stalled_sidecar_of_an_idle_lane_clears_when_it_answers_again() {
+    // no request runs while the sidecar is stopped and after: only its heartbeats can say
+    // it is back (an idle lane left degraded would stay so, and get no traffic)
+    let (sport, dport) = (free_port(), free_port());
+    let side_args = sidecar_args(sport, &["--data", &format!("127.0.0.1:{dport}")]);
+    let side_args: Vec<&str> = side_args.iter().map(|s| s.as_str()).collect();
+    let (side, _) = start(&side_args, &["sidecar control "]);
+    let (_prim, purl) = primary(
+        &[
+            "--sidecar",
+            &format!("http://127.0.0.1:{sport}"),
+            "--link",
+            "tcp",
+            "--degraded",
+        ],
+        &[],
+    );
+    let (_g, gw) = gateway(&[&purl], &["--health-interval", "0.2"]);
+    until(Duration::from_secs(10), "the lane is up", || {
+        ready(&gw) == 200
+    });
+    signal(&side, "STOP");
+    until(Duration::from_secs(10), "the lane says degraded", || {
+        !degraded(&gw).is_empty()
+    });
+    signal(&side, "CONT");
+    let back = until(
+        Duration::from_secs(5),
+        "the lane is no longer degraded",
+        || degraded(&gw).is_empty(),
+    );
+    println!("degraded cleared {back:?} after the sidecar was continued");
+    assert_eq!(whole(&gw, 4).0, 200);
+}
+
+#[test]
+fn a_lane_of_another_checkpoint_is_down_naming_both() {
+    // a lane serving another checkpoint (seed 2: another config, another vocabulary) beside
+    // one serving the gateway's own: the first is down, saying why, and takes no request
+    let other = tempfile::tempdir().expect("tempdir");
+    let out = std::process::Command::new(bin())
+        .args(["gen", "--preset", "tiny", "--seed", "2", "--out"])
+        .arg(other.path())
+        .output()
+        .expect("gen");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (_o, other_url, other_gw) = serve_lane(other.path(), &[]);
+    let (_p, purl) = primary(&[], &[]);
+    let (_g, gw) = gateway(&[&other_url, &purl], &["--health-interval", "0.2"]);
+    let lane = |url: &str| {
+        let (_, v) = get(&gw, "/v1/stats");
+        v["lanes"]
+            .as_array()
+            .and_then(|l| l.iter().find(|x| x["lane"] == url).cloned())
+            .unwrap_or_default()
+    };
+    until(
+        Duration::from_secs(10),
+        "the gateway's own lane is up",
+        || lane(&purl)["state"] == "up",
+    );
+    let o = lane(&other_url);
+    assert_eq!(o["state"], "down", "{o}");
+    let why = o["down_reason"].as_str().unwrap_or_default();
+    assert!(
+        why.contains("serves checkpoint") && why.matches("qwen3_moe-").count() == 2,
+        "{why}"
+    );
+    for _ in 0..4 {
+        assert_eq!(whole(&gw, 4).0, 200);
+    }
+    // the other lane's own gateway (serve) sees none of them
+    let (_, v) = get(&other_gw, "/v1/stats");
+    let finished = &v["lanes"][0]["stats"]["requests_finished"];
+    assert_eq!(finished, 0, "{v}");
+}
+
+#[test]
+fn a_stop_while_the_primary_waits_for_its_sidecar_exits_0() {
+    // nothing listens at the sidecar's address: the primary waits (up to a minute)
+    let url = format!("http://127.0.0.1:{}", free_port());
+    let dir = tiny().to_str().unwrap().to_string();
+    let (mut p, _) = start(
+        &[
+            "lane",
+            "--role",
+            "primary",
+            "--model",
+            &dir,
+            "--listen",
+            "127.0.0.1:0",
+            "--sidecar",
+            &url,
+            "--link",
+            "tcp",
+            "--sidecar-wait",
+            "60",
+        ],
+        &["moelane: waiting for the sidecar"],
+    );
+    signal(&p, "TERM");
+    assert_eq!(
+        wait_exit(&mut p, Duration::from_secs(10)),
+        Some(0),
+        "a SIGTERM while starting is a stop"
+    );
 }
 
 #[test]
@@ -1260,6 +1375,98 @@ fn a_stream_cut_mid_answer_is_counted_as_cut_on_the_anthropic_route_too() {
         .find(|l| l.starts_with("moelane_streams_cut_total{reason=\"unavailable\"}"))
         .unwrap_or_else(|| panic!("no cut counted: {page}"));
     assert!(cut.ends_with(" 1"), "{cut}");
+}
+
+#[test]
+fn a_stream_queued_past_the_head_start_is_answered_alive_then_whole_or_with_an_error_event() {
+    // one place on the lane, a long answer in it (400 tokens at 20 ms a step: 8 s); a second
+    // stream waits for the place past the gateway's 5 s head start
+    let model = tiny().to_str().unwrap().to_string();
+    for stop in [false, true] {
+        let mut args = vec!["serve", "--model", &model, "--listen", "127.0.0.1:0"];
+        args.extend_from_slice(&["--max-running", "1", "--grace", "1"]);
+        let (p, v) = start_env(
+            &args,
+            &["gateway listening on "],
+            &[("MOELANE_STEP_PACE_MS", "20")],
+        );
+        let gw = hostport(&v[0]);
+        let mut first = Sse::open(&gw, "/v1/completions", &long_answer(400)).expect("open");
+        assert!(first.next_data().is_some());
+        let t = Instant::now();
+        let chat = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                          "max_tokens": 3, "stream": true});
+        let msgs = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                          "max_tokens": 3, "stream": true});
+        let resp = json!({"model": "tiny", "input": "hi", "max_output_tokens": 3, "stream": true});
+        let opened: Vec<(&str, std::thread::JoinHandle<(Duration, Sse)>)> = [
+            ("/v1/chat/completions", chat),
+            ("/v1/messages", msgs),
+            ("/v1/responses", resp),
+        ]
+        .into_iter()
+        .map(|(path, body)| {
+            let gw = gw.clone();
+            (
+                path,
+                std::thread::spawn(move || {
+                    let s = Sse::open(&gw, path, &body).expect("open");
+                    (t.elapsed(), s)
+                }),
+            )
+        })
+        .collect();
+        let mut streams = Vec::new();
+        for (path, h) in opened {
+            let (head_at, mut s) = h.join().expect("opened");
+            // the head comes at the head start, long before the place frees (8 s)
+            assert_eq!(s.status, 200, "{path}");
+            assert!(
+                head_at >= Duration::from_secs(4) && head_at < Duration::from_secs(7),
+                "{path}: the head came after {head_at:?}"
+            );
+            let comment = s.next_raw().expect("a first event");
+            assert!(
+                comment.starts_with(": waiting for a place"),
+                "{path}: {comment}"
+            );
+            streams.push((path, s));
+        }
+        if stop {
+            // the gateway stops (1 s of grace): the waiting ones end with their API's error
+            signal(&p, "TERM");
+            for (path, mut s) in streams {
+                let rest: Vec<String> = std::iter::from_fn(|| s.next_raw()).collect();
+                let rest = rest.join("\n\n");
+                assert!(rest.contains("error"), "{path}: {rest}");
+                assert!(
+                    !rest.contains("[DONE]") || path == "/v1/chat/completions",
+                    "{path}: {rest}"
+                );
+                assert!(
+                    !rest.contains("message_stop") && !rest.contains("response.completed"),
+                    "{path}: {rest}"
+                );
+            }
+        } else {
+            for (path, mut s) in streams {
+                let rest: Vec<String> = std::iter::from_fn(|| s.next_raw()).collect();
+                let rest = rest.join("\n\n");
+                let whole = match path {
+                    "/v1/chat/completions" => {
+                        rest.contains("\"finish_reason\":\"") && rest.ends_with("data: [DONE]")
+                    }
+                    "/v1/messages" => rest.contains("message_stop"),
+                    _ => {
+                        rest.contains("response.incomplete") || rest.contains("response.completed")
+                    }
+                };
+                assert!(whole, "{path}: {rest}");
+            }
+            while first.next_data().is_some() {}
+        }
+        drop(p);
+    }
 }
 
 #[test]

@@ -483,6 +483,20 @@ impl Sse {
         }
     }
 
+    /// The next event as sent, comments included (`: text`); None at the end of the body.
+    pub fn next_raw(&mut self) -> Option<String> {
+        loop {
+            if let Some(p) = self.buf.find("\n\n") {
+                let ev: String = self.buf[..p].to_string();
+                self.buf.drain(..p + 2);
+                return Some(ev);
+            }
+            if !self.fill() {
+                return None;
+            }
+        }
+    }
+
     /// The rest of the body as text (for an error answered without streaming).
     pub fn rest(&mut self) -> String {
         while self.fill() {}
