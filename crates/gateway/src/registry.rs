@@ -354,6 +354,8 @@ impl Message<Checked> for Registry {
             }
             Err(why) => {
                 e.up = false;
+                // a primary that drained and is gone is down, not still draining
+                e.remote_draining = false;
                 e.down_reason = why;
             }
         }

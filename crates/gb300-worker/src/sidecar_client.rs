@@ -40,6 +40,24 @@ pub struct RemoteSidecar {
     pub link_params: Option<LinkParams>,
 }
 
+/// This primary process's id, as it registers with its sidecar and heartbeats (random at its
+/// start): a sidecar serves one primary and tells them apart by it.
+pub fn process_id() -> &'static str {
+    static ID: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    ID.get_or_init(|| {
+        let mut b = [0u8; 16];
+        if getrandom::fill(&mut b).is_err() {
+            // (no random source: the process and the time still tell two primaries apart)
+            let t = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos());
+            b[..4].copy_from_slice(&std::process::id().to_le_bytes());
+            b[4..].copy_from_slice(&t.to_le_bytes()[..12]);
+        }
+        b.iter().map(|x| format!("{x:02x}")).collect()
+    })
+}
+
 impl RemoteSidecar {
     fn inc(&self) -> u64 {
         self.incarnation.load(Ordering::SeqCst)
@@ -50,7 +68,12 @@ impl RemoteSidecar {
     pub async fn register(&self, map: &Rowmap) -> Result<RegisterReply, Status> {
         // above our last token and above whatever the sidecar obeys now (a predecessor of
         // this process, or a clock that stepped back)
-        let theirs = match self.client.clone().health(SidecarHealthRequest {}).await {
+        let theirs = match self
+            .client
+            .clone()
+            .health(SidecarHealthRequest::default())
+            .await
+        {
             Ok(h) => h.into_inner().incarnation,
             Err(_) => 0,
         };
@@ -74,6 +97,7 @@ impl RemoteSidecar {
                 protocol: moelane_proto::PROTOCOL,
                 build: moelane_proto::BUILD.into(),
                 link_params,
+                primary: process_id().into(),
             })
             .await
             .map(|r| r.into_inner())
@@ -149,10 +173,24 @@ impl Participant for RemoteSidecar {
         map: &'a Rowmap,
     ) -> futures::future::BoxFuture<'a, Result<u64, SwapError>> {
         Box::pin(async move {
-            let rep = self
-                .register(map)
-                .await
-                .map_err(|s| swap_error(&s, "the sidecar refused registration"))?;
+            let rep = self.register(map).await.map_err(|s| {
+                // a sidecar that did not answer did not refuse anything
+                // (a sidecar's own errors carry their category; a transport's do not)
+                let unreached = s.metadata().get("moelane-error").is_none()
+                    && matches!(
+                        s.code(),
+                        tonic::Code::Unavailable
+                            | tonic::Code::DeadlineExceeded
+                            | tonic::Code::Cancelled
+                            | tonic::Code::Unknown
+                    );
+                let at = if unreached {
+                    "the sidecar could not be reached to register"
+                } else {
+                    "the sidecar refused registration"
+                };
+                swap_error(&s, at)
+            })?;
             if let Some(f) = &self.on_link {
                 f(&rep).map_err(|e| e.context("opening the data link"))?;
             }

@@ -823,7 +823,9 @@ fn supervise_link(
                 t.tick().await;
                 let answer = tokio::time::timeout(
                     Duration::from_secs(1),
-                    client.health(moelane_proto::control::SidecarHealthRequest {}),
+                    client.health(moelane_proto::control::SidecarHealthRequest {
+                        primary: moelane_gb300_worker::sidecar_client::process_id().into(),
+                    }),
                 )
                 .await;
                 match answer {

@@ -228,7 +228,11 @@ impl Lane {
             let mut p = PrimaryClient::connect(pu).await.ok()?;
             let pe = p.stats(StatsRequest {}).await.ok()?.into_inner().map_epoch;
             let mut s = SidecarClient::connect(su).await.ok()?;
-            let h = s.health(SidecarHealthRequest {}).await.ok()?.into_inner();
+            let h = s
+                .health(SidecarHealthRequest::default())
+                .await
+                .ok()?
+                .into_inner();
             Some((
                 pe,
                 h.map_epoch,

@@ -537,6 +537,49 @@ fn a_primary_started_while_its_sidecar_is_stopped_waits_and_registers_once_it_re
 }
 
 #[test]
+fn a_second_primary_on_one_sidecar_replaces_the_first_which_stays_out_while_it_lives() {
+    let (_side, url) = tcp_sidecar();
+    let link = ["--sidecar", url.as_str(), "--link", "tcp"];
+    let (_a, a_url) = primary(&link, &[]);
+    let (_ga, ga) = gateway(&[&a_url], &["--health-interval", "0.2"]);
+    until(Duration::from_secs(20), "the first lane serves", || {
+        whole(&ga, 4).0 == 200
+    });
+    let (mut b, b_url) = primary(&link, &[]);
+    let (_gb, gb) = gateway(&[&b_url], &["--health-interval", "0.2"]);
+    let lane = |gw: &str| {
+        let (_, v) = get(gw, "/v1/stats");
+        v["lanes"][0].clone()
+    };
+    // the first is out, saying why, once it noticed (a step or a heartbeat)
+    let _ = whole(&ga, 4);
+    until(
+        Duration::from_secs(15),
+        "the replaced lane is down, saying why",
+        || {
+            lane(&ga)["down_reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("replaced this one"))
+        },
+    );
+    // the second keeps the sidecar: no flapping between the two
+    for i in 0..12 {
+        assert_eq!(whole(&gb, 4).0, 200, "request {i} on the second lane");
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    assert_eq!(lane(&ga)["state"], "down", "{}", lane(&ga));
+    // the second goes away: the first may have the sidecar back
+    signal(&b, "KILL");
+    let _ = wait_exit(&mut b, Duration::from_secs(5));
+    let back = until(
+        Duration::from_secs(30),
+        "the first lane serves again",
+        || whole(&ga, 4).0 == 200,
+    );
+    println!("the replaced primary registered again {back:?} after the other was killed");
+}
+
+#[test]
 fn a_sidecar_refuses_a_primary_of_another_protocol_naming_both_builds() {
     let (_side, url) = tcp_sidecar();
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -557,6 +600,7 @@ fn a_sidecar_refuses_a_primary_of_another_protocol_naming_both_builds() {
                 protocol,
                 build: build.into(),
                 link_params: String::new(),
+                primary: String::new(),
             })
             .await
         })

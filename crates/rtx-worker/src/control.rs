@@ -22,6 +22,87 @@ pub struct SidecarActor {
     pub(crate) last_health: Option<SidecarHealthReply>,
     /// When the recent Register calls came (the last second's), for the rate limit.
     pub(crate) registers: std::collections::VecDeque<std::time::Instant>,
+    /// The primary this sidecar serves ([`Owner`]).
+    pub(crate) owner: Owner,
+}
+
+/// A sidecar serves one primary. A primary that registers while another is registered
+/// replaces it (a restarted or replacement primary must get the sidecar); the replaced one
+/// is refused for as long as the one that replaced it is heard from, so two primaries
+/// pointed at one sidecar do not take it from each other forever.
+#[derive(Default)]
+pub(crate) struct Owner {
+    /// The registered primary's id and when it was last heard from (its Register or heartbeat).
+    current: Option<(String, std::time::Instant)>,
+    /// Primaries replaced, each with the one that replaced it.
+    replaced: std::collections::HashMap<String, String>,
+}
+
+/// How long the primary that replaced another must have been silent before the replaced one
+/// may register again (its heartbeats come every 0.5 s).
+const OWNER_SILENT: std::time::Duration = std::time::Duration::from_secs(5);
+
+impl Owner {
+    /// A heartbeat of primary `id`.
+    fn heard(&mut self, id: &str) {
+        if let Some((cur, seen)) = &mut self.current {
+            if !id.is_empty() && cur == id {
+                *seen = std::time::Instant::now();
+            }
+        }
+    }
+
+    /// Whether primary `id` may register now: not while the primary that replaced it is
+    /// heard from (an error naming why).
+    fn check(&self, id: &str) -> Result<(), Status> {
+        let Some((cur, seen)) = &self.current else {
+            return Ok(());
+        };
+        let by_live = !id.is_empty()
+            && cur != id
+            && self.replaced.get(id).is_some_and(|by| by == cur)
+            && seen.elapsed() < OWNER_SILENT;
+        if by_live {
+            return Err(Category::BadRequest.status(format!(
+                "this sidecar serves another primary ({}), which replaced this one: a sidecar \
+                 serves one primary; stop one of them or give each its own sidecar",
+                short_id(cur)
+            )));
+        }
+        Ok(())
+    }
+
+    /// Primary `id` registered (the sidecar obeys it now): it is the owner, the one before
+    /// it (if another) replaced.
+    fn took(&mut self, id: &str) {
+        if id.is_empty() {
+            // a build from before primaries said who they are: nothing to tell apart
+            self.current = None;
+            return;
+        }
+        if let Some((cur, _)) = &self.current {
+            if cur != id {
+                tracing::warn!(
+                    primary = %short_id(id),
+                    replaced = %short_id(cur),
+                    "a primary registered while another was registered: it replaces it (the \
+                     replaced one is refused while this one is alive)"
+                );
+                // (bounded: the replaced of long ago are forgotten)
+                if self.replaced.len() >= 64 {
+                    self.replaced.clear();
+                }
+                self.replaced.insert(cur.clone(), id.to_string());
+            }
+        }
+        self.replaced.remove(id);
+        self.current = Some((id.to_string(), std::time::Instant::now()));
+    }
+}
+
+/// A primary's id as logs and errors show it.
+fn short_id(id: &str) -> String {
+    id.chars().take(16).collect()
 }
 
 /// Most Register calls a sidecar answers in one second (a primary registers at start and
@@ -33,7 +114,8 @@ pub const REGISTER_PER_SECOND: usize = 20;
 pub const MAX_SHM_SEGMENTS: usize = 8;
 
 pub struct RegisterMsg(pub RegisterRequest);
-pub struct HealthMsg;
+/// A Health call; the primary whose heartbeat it is (empty: another caller).
+pub struct HealthMsg(pub String);
 pub struct StatsMsg;
 pub struct LoadMapMsg(pub String);
 
@@ -84,6 +166,8 @@ impl Message<RegisterMsg> for SidecarActor {
                     .map_err(|e| Category::BadRequest.status(e.to_string()))?,
             )
         };
+        // one primary at a time
+        self.owner.check(&r.primary)?;
         if map.is_none() && r.map_epoch != self.core.epoch() {
             return Err(Category::EpochMismatch.status(format!(
                 "primary is on map epoch {}, this sidecar on {}",
@@ -97,6 +181,7 @@ impl Message<RegisterMsg> for SidecarActor {
             .await
             .map_err(|e| Category::Internal.status(e.to_string()))?
             .map_err(swap_status)?;
+        self.owner.took(&r.primary);
         let epoch = self.core.epoch();
         let cold = {
             let st = self
@@ -248,7 +333,12 @@ impl SidecarActor {
 
 impl Message<HealthMsg> for SidecarActor {
     type Reply = Result<SidecarHealthReply, Status>;
-    async fn handle(&mut self, _: HealthMsg, _: &mut Context<Self, Self::Reply>) -> Self::Reply {
+    async fn handle(
+        &mut self,
+        HealthMsg(primary): HealthMsg,
+        _: &mut Context<Self, Self::Reply>,
+    ) -> Self::Reply {
+        self.owner.heard(&primary);
         let draining = self.core.draining.load(std::sync::atomic::Ordering::SeqCst);
         let fresh = match self.core.state.try_read() {
             Ok(st) => Some(SidecarHealthReply {
@@ -397,9 +487,9 @@ impl Sidecar for SidecarService {
     }
     async fn health(
         &self,
-        _: Request<SidecarHealthRequest>,
+        r: Request<SidecarHealthRequest>,
     ) -> Result<Response<SidecarHealthReply>, Status> {
-        flat(self.actor.ask(HealthMsg).await)
+        flat(self.actor.ask(HealthMsg(r.into_inner().primary)).await)
     }
     async fn stats(
         &self,

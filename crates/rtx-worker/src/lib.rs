@@ -669,6 +669,7 @@ pub fn start(opts: &SidecarOptions) -> moelane_engine::Result<Sidecar0> {
         nccl_stop: None,
         last_health: None,
         registers: Default::default(),
+        owner: Default::default(),
     });
     Ok(Sidecar0 {
         core,
