@@ -293,7 +293,6 @@ impl ExpertWeights {
 }
 
 impl Checkpoint {
-    /// Opens `dir`: reads config.json, maps the safetensors files, indexes tensor names.
     /// The id of the checkpoint in `dir` (as [`Checkpoint::open`] gives it) from its
     /// config.json alone: what a gateway, which may hold no weights, checks its lanes by.
     pub fn id_in(dir: &Path) -> Result<String> {
@@ -304,6 +303,7 @@ impl Checkpoint {
         Ok(id_of(&config, &cfg_text))
     }
 
+    /// Opens `dir`: reads config.json, maps the safetensors files, indexes tensor names.
     pub fn open(dir: &Path) -> Result<Self> {
         let cfg_path = dir.join("config.json");
         let cfg_text =

@@ -702,10 +702,13 @@ impl PartSink for Blocks<'_> {
 
 /// The `error` event of a stream that cannot go on.
 fn error_event(err: &ApiError) -> Value {
-    let kind = if matches!(err, ApiError::Unavailable(_) | ApiError::Overloaded(_)) {
-        "overloaded_error"
-    } else {
-        "api_error"
+    let kind = match err {
+        ApiError::Unavailable(_) | ApiError::Overloaded(_) => "overloaded_error",
+        // the request's own fault (a grammar that cannot go on, a context a lane refused)
+        ApiError::BadRequest { .. } | ApiError::Invalid { .. } | ApiError::ContextLength(..) => {
+            "invalid_request_error"
+        }
+        _ => "api_error",
     };
     json!({"type": "error", "error": {"type": kind, "message": err.message()}})
 }

@@ -41,10 +41,13 @@ impl Browsers {
         let mut b = Browsers::default();
         for o in origins.iter().map(|o| o.trim()).filter(|o| !o.is_empty()) {
             let o = o.trim_end_matches('/');
-            if o != "*" && o != "null" && !o.contains("://") {
+            let path = o
+                .split_once("://")
+                .is_some_and(|(_, rest)| rest.contains('/'));
+            if o != "*" && o != "null" && (!o.contains("://") || path) {
                 return Err(format!(
-                    "--allowed-origin `{o}` is not an origin: give the scheme and the host, \
-                     e.g. https://app.example.com (or * for any page)"
+                    "--allowed-origin `{o}` is not an origin: give the scheme and the host \
+                     (and port), no path, e.g. https://app.example.com (or * for any page)"
                 ));
             }
             b.origins.push(o.to_ascii_lowercase());
@@ -243,6 +246,8 @@ mod tests {
         let any = Browsers::new(&["*".into()], &[]).expect("policy");
         assert!(any.origin_allowed("https://evil.example"));
         assert!(Browsers::new(&["app.example.com".into()], &[]).is_err());
+        assert!(Browsers::new(&["https://a.example/app".into()], &[]).is_err());
+        assert!(Browsers::new(&["chrome-extension://abcdef".into()], &[]).is_ok());
         assert!(Browsers::new(&[], &["a/b".into()]).is_err());
     }
 }

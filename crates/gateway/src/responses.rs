@@ -296,7 +296,6 @@ fn item_str<'a>(it: &'a Value, key: &str, at: &str) -> Result<&'a str, ApiError>
     }
 }
 
-/// `metadata`: at most 16 string pairs, keys up to 64 characters, values up to 512.
 /// The request's fields that would change the answer and that this gateway does not do: a
 /// 400 naming the field rather than an answer that silently ignores it.
 fn refuse_unsupported(v: &Value) -> Result<(), ApiError> {
@@ -412,6 +411,7 @@ fn settings(v: &Value) -> serde_json::Map<String, Value> {
     m
 }
 
+/// `metadata`: at most 16 string pairs, keys up to 64 characters, values up to 512.
 fn metadata(v: &Value) -> Result<Value, ApiError> {
     let m = match v.get("metadata") {
         None | Some(Value::Null) => return Ok(json!({})),

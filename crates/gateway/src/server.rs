@@ -3053,6 +3053,7 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
             Some(o) => o,
             None => {
                 let Some(r) = crate::relay::opened_late(st, opens, tx).await else {
+                    timing.done(prompt_tokens, 0, "cancelled");
                     return;
                 };
                 match r {

@@ -1059,8 +1059,25 @@ fn gateway_auth(
     })
 }
 
-/// Waits for SIGTERM or SIGINT (Ctrl-C); returns its name.
-async fn wait_for_signal() -> &'static str {
+/// The stop signals (SIGTERM, SIGINT) received so far and the last one's name, counted by the
+/// listener [`listen_for_signals`] starts.
+static SIGNALS: std::sync::OnceLock<tokio::sync::watch::Receiver<(u32, &'static str)>> =
+    std::sync::OnceLock::new();
+
+/// Listens for SIGTERM and SIGINT for the rest of the process (the roles that serve call it
+/// first): from then on no stop is lost, one that comes while a start still runs included,
+/// and none kills the process with the signal's default.
+fn listen_for_signals() {
+    let (tx, rx) = tokio::sync::watch::channel((0u32, ""));
+    if SIGNALS.set(rx).is_err() {
+        return;
+    }
+    let count = move |name: &'static str| {
+        tx.send_modify(|(n, s)| {
+            *n += 1;
+            *s = name;
+        })
+    };
     #[cfg(unix)]
     {
         use tokio::signal::unix::{signal, SignalKind};
@@ -1068,27 +1085,61 @@ async fn wait_for_signal() -> &'static str {
             signal(SignalKind::terminate()),
             signal(SignalKind::interrupt()),
         ) {
-            return tokio::select! {
-                _ = term.recv() => "SIGTERM",
-                _ = int.recv() => "SIGINT",
-            };
+            tokio::spawn(async move {
+                loop {
+                    count(tokio::select! {
+                        _ = term.recv() => "SIGTERM",
+                        _ = int.recv() => "SIGINT",
+                    });
+                }
+            });
+            return;
         }
     }
-    let _ = tokio::signal::ctrl_c().await;
-    "SIGINT"
+    tokio::spawn(async move {
+        while tokio::signal::ctrl_c().await.is_ok() {
+            count("SIGINT");
+        }
+    });
 }
 
-/// A stop (SIGTERM, SIGINT) that came before the role served anything: said, and exit 0.
+/// Waits for the `n`-th stop signal since [`listen_for_signals`]; returns its name.
+async fn nth_signal(n: u32) -> &'static str {
+    let Some(rx) = SIGNALS.get() else {
+        // (not listening: only this wait sees the signal)
+        let _ = tokio::signal::ctrl_c().await;
+        return "SIGINT";
+    };
+    let mut rx = rx.clone();
+    let name = match rx.wait_for(|(k, _)| *k >= n).await {
+        Ok(v) => Some(v.1),
+        Err(_) => None,
+    };
+    match name {
+        Some(name) => name,
+        // (the listener is gone: no signal will come)
+        None => std::future::pending().await,
+    }
+}
+
+/// Waits for SIGTERM or SIGINT (Ctrl-C); returns its name.
+async fn wait_for_signal() -> &'static str {
+    nth_signal(1).await
+}
+
+/// A stop (SIGTERM, SIGINT) that came before the role served anything: said, and exit 0 at
+/// once (the loads still running on blocking threads are not waited for).
 fn stopped_while_starting(sig: &str) -> Result<()> {
     println!("moelane: {sig} while starting: nothing was served yet; stopped");
-    Ok(())
+    moelane_telemetry::shutdown();
+    std::process::exit(0)
 }
 
 /// After the first signal started a drain: a second one ends the process at once (exit 130),
 /// for an operator who will not wait for the grace period.
 fn exit_on_second_signal() {
     tokio::spawn(async {
-        let sig = wait_for_signal().await;
+        let sig = nth_signal(2).await;
         eprintln!("moelane: {sig} again: exiting now, without waiting for the drain");
         moelane_telemetry::shutdown();
         std::process::exit(130);
@@ -1286,6 +1337,9 @@ async fn run_async(
         Cmd::Serve { .. } => moelane_telemetry::init("lane", log_format),
         Cmd::Lane(a) => moelane_telemetry::init(a.role.map_or("lane", Role::as_str), log_format),
         _ => {}
+    }
+    if matches!(cmd, Cmd::Serve { .. } | Cmd::Lane(_)) {
+        listen_for_signals();
     }
     moelane_residency_actor::failpoint::init();
     let r = run_cmd(cmd, lane_matches.as_ref()).await;

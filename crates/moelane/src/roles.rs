@@ -848,7 +848,11 @@ fn supervise_link(
                             if !relinking_now {
                                 broken.notify_one();
                             }
-                        } else if degraded && !relinking_now && readiness.set_degraded(None) {
+                        } else if degraded
+                            && !h.draining
+                            && !relinking_now
+                            && readiness.set_degraded(None)
+                        {
                             // the same sidecar answers again (it was stopped, or slow): the
                             // lane is whole even if no step has crossed the link since (an
                             // idle lane would otherwise stay degraded, and unpicked); a step
