@@ -85,27 +85,20 @@ where
     let st2 = st.clone();
     let relay = async move {
         let _active = active;
-        let opened = match early {
-            Some(o) => o,
-            None => {
-                let Some(r) = opened_late(&st2, opening, &tx).await else {
-                    return;
-                };
-                match r {
-                    Ok(o) => o,
-                    Err(err) => {
-                        crate::server::count_cut(&err);
-                        for ev in fail(&err) {
-                            if !put(&tx, ev, &st2.shutdown).await {
-                                return;
-                            }
-                        }
-                        return;
+        let (inflight, events, tries) = match opened(&st2, early, opening, &tx).await {
+            Some(Ok(o)) => o,
+            // the client left while its request waited
+            None => return,
+            Some(Err(err)) => {
+                crate::server::count_cut(&err);
+                for ev in fail(&err) {
+                    if !put(&tx, ev, &st2.shutdown).await {
+                        break;
                     }
                 }
+                return;
             }
         };
-        let (inflight, events, tries) = opened;
         let lane = inflight.lane.name().to_string();
         let _inflight = inflight;
         write(st2, lane, events, tries, tx).await;
@@ -119,7 +112,7 @@ where
 }
 
 /// `opening` (a request's lanes being opened) if it is done within [`HEAD_START`]; None if it
-/// is not (it goes on: [`opened_late`]); a stopping gateway's error.
+/// is not (it goes on: [`opened`]); a stopping gateway's error.
 pub(crate) async fn within_head_start<F, T>(
     st: &AppState,
     opening: &mut F,
@@ -134,13 +127,18 @@ where
     }
 }
 
-/// The rest of an opening that outlasted [`HEAD_START`], its response's headers sent: its
-/// result, or None once the client left (the opening dropped, which cancels it).
-pub(crate) async fn opened_late<T>(
+/// What an opening gave: `early`, what [`within_head_start`] took, or else the rest of the
+/// opening (its response's headers sent), or None once the client left (the opening dropped,
+/// which cancels it).
+pub(crate) async fn opened<T>(
     st: &AppState,
+    early: Option<T>,
     opening: impl std::future::Future<Output = Result<T, ApiError>>,
     tx: &tokio::sync::mpsc::Sender<SseEvent>,
 ) -> Option<Result<T, ApiError>> {
+    if let Some(o) = early {
+        return Some(Ok(o));
+    }
     tokio::select! {
         r = opening => Some(r),
         _ = st.shutdown.aborted() => Some(Err(shutting_down())),

@@ -300,32 +300,30 @@ fn item_str<'a>(it: &'a Value, key: &str, at: &str) -> Result<&'a str, ApiError>
 /// 400 naming the field rather than an answer that silently ignores it.
 fn refuse_unsupported(v: &Value) -> Result<(), ApiError> {
     let set = |k: &str| v.get(k).is_some_and(|x| !x.is_null() && *x != json!(false));
-    if set("background") {
-        return Err(bad(
+    for (k, why) in [
+        (
+            "background",
             "`background` responses are not supported: send the request without it (the \
              response is answered when it is done, or streamed with `stream`)",
-            "background",
-        ));
-    }
-    if set("conversation") {
-        return Err(bad(
+        ),
+        (
+            "conversation",
             "`conversation` objects are not supported: chain turns with \
              `previous_response_id`, or send the whole conversation as `input`",
-            "conversation",
-        ));
-    }
-    if set("prompt") {
-        return Err(bad(
+        ),
+        (
+            "prompt",
             "stored prompt templates (`prompt`) are not supported: send the text as \
              `instructions` and `input`",
-            "prompt",
-        ));
-    }
-    if set("max_tool_calls") {
-        return Err(bad(
-            "`max_tool_calls` is not supported: leave it out (the answer's calls are not capped)",
+        ),
+        (
             "max_tool_calls",
-        ));
+            "`max_tool_calls` is not supported: leave it out (the answer's calls are not capped)",
+        ),
+    ] {
+        if set(k) {
+            return Err(bad(why, k));
+        }
     }
     if v.get("top_logprobs")
         .is_some_and(|x| x.as_u64() != Some(0) && !x.is_null())

@@ -3049,24 +3049,20 @@ async fn handle(st: Arc<AppState>, req: Request, chat: bool) -> Result<Response,
         let _active = active;
         let (st, vr, out, tx, timing) = (&st2, &vr, &out, &tx, &timing);
         let send = |v: Value| SseEvent::default().data(v.to_string());
-        let opened = match early {
-            Some(o) => o,
+        let opened = match crate::relay::opened(st, early, opens, tx).await {
+            Some(Ok(o)) => o,
+            // the client left while its request waited
             None => {
-                let Some(r) = crate::relay::opened_late(st, opens, tx).await else {
-                    timing.done(prompt_tokens, 0, "cancelled");
-                    return;
-                };
-                match r {
-                    Ok(o) => o,
-                    Err(err) => {
-                        timing.done(prompt_tokens, 0, "error");
-                        count_cut(&err);
-                        let err = if chat { err } else { err.for_field("prompt") };
-                        put(tx, send(err.body()), &st.shutdown).await;
-                        put(tx, SseEvent::default().data("[DONE]"), &st.shutdown).await;
-                        return;
-                    }
-                }
+                timing.done(prompt_tokens, 0, "cancelled");
+                return;
+            }
+            Some(Err(err)) => {
+                timing.done(prompt_tokens, 0, "error");
+                count_cut(&err);
+                let err = if chat { err } else { err.for_field("prompt") };
+                put(tx, send(err.body()), &st.shutdown).await;
+                put(tx, SseEvent::default().data("[DONE]"), &st.shutdown).await;
+                return;
             }
         };
         if let Some((inflight, _, _)) = opened.first() {
